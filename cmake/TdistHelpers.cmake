@@ -1,0 +1,24 @@
+# tdist_add_module(NAME SOURCES... [DEPS targets...] [PRIVATE_DEPS targets...])
+# Defines the library tdist_<NAME> with alias tdist::<NAME>, installs its headers under
+# include/tdist/<NAME>/ and adds it to the umbrella target and the export set.
+set(TDIST_MODULE_TARGETS "" CACHE INTERNAL "")
+function(tdist_add_module name)
+  cmake_parse_arguments(M "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(tdist_${name} ${M_SOURCES})
+  add_library(tdist::${name} ALIAS tdist_${name})
+  set_target_properties(tdist_${name} PROPERTIES OUTPUT_NAME tdist_${name} EXPORT_NAME ${name})
+  target_include_directories(tdist_${name} PUBLIC
+    $<BUILD_INTERFACE:${TDIST_INCLUDE_ROOT}>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  target_compile_options(tdist_${name} PRIVATE -Wall -Wextra)
+  target_link_libraries(tdist_${name} PUBLIC ${M_DEPS} PRIVATE ${M_PRIVATE_DEPS})
+  set(TDIST_MODULE_TARGETS ${TDIST_MODULE_TARGETS} tdist_${name} CACHE INTERNAL "")
+  set_property(GLOBAL APPEND PROPERTY TDIST_EXPORTED tdist_${name})
+  install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tdist/${name}
+          FILES_MATCHING PATTERN "*.h")
+endfunction()
+
+# tdist_use_torch_pch(target): precompile the heavy libtorch headers for `target`.
+function(tdist_use_torch_pch target)
+  target_precompile_headers(${target} PRIVATE <torch/torch.h>)
+endfunction()

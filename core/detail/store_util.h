@@ -1,0 +1,29 @@
+#pragma once
+// Helpers shared by the Store implementations.
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "tdist/core/store.h"
+
+namespace tdist::detail {
+
+// "a, b, c" (for error messages).
+std::string join_keys(const std::vector<std::string>& keys);
+
+// Seconds with up to three decimals, e.g. "0.25", "30".
+std::string seconds_text(Millis timeout);
+
+// Parses the decimal text that add() stores; throws InvalidArgument naming the key otherwise.
+int64_t parse_counter(const std::string& key, const Bytes& value);
+
+// The TimeoutError every store throws when a wait runs out: names the store, the keys and
+// the seconds.
+[[noreturn]] void throw_wait_timeout(const std::string& store, const std::vector<std::string>& missing,
+                                     Millis timeout);
+
+// Deadline for a wait; `timeout` zero means none (time_point::max()).
+std::chrono::steady_clock::time_point deadline_after(Millis timeout);
+
+}  // namespace tdist::detail

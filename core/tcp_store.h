@@ -1,0 +1,87 @@
+#pragma once
+// TCPStore: a Store served over TCP. One process runs the server (TCPStoreServer, a Boost.Asio
+// event loop on its own thread); every process, the server's included, talks to it through a
+// client connection.
+//
+// Protocol (Note [TCPStore protocol] in tcp_store.cpp): each request and reply is a frame
+//   u32 magic 'TDST' | u16 version | u16 command-or-status | u64 body length | body
+// The server checks magic, version and a maximum body length (kMaxFrameBytes) before reading
+// or allocating the body; a bad frame closes that connection only (logged), the server keeps
+// serving the others. Blocking get/wait are served by the server with the timeout the client
+// sends, so a timed-out wait leaves the connection usable; the client also keeps its own
+// deadline (timeout + grace) so that a dead server gives a NetworkError/TimeoutError, not a hang.
+//
+// Thread safety: a TCPStore may be used from many threads; requests on one client are serialized
+// (one connection per TCPStore object). Blocking: get/wait block up to their timeout.
+
+#include <memory>
+#include <string>
+
+#include "tdist/core/store.h"
+
+namespace tdist {
+
+namespace detail {
+class TCPStoreServerImpl;
+class TCPStoreClient;
+}  // namespace detail
+
+// A running store server. Stops (and closes every connection) when destroyed.
+class TCPStoreServer {
+ public:
+  static constexpr uint64_t kMaxFrameBytes = uint64_t(1) << 30;  // 1 GiB
+
+  // Binds host:port (port 0 picks a free one) and starts serving on a background thread.
+  // Throws NetworkError when the address cannot be bound.
+  TCPStoreServer(const std::string& host, uint16_t port);
+  ~TCPStoreServer();
+  TCPStoreServer(const TCPStoreServer&) = delete;
+  TCPStoreServer& operator=(const TCPStoreServer&) = delete;
+
+  uint16_t port() const;
+  const std::string& host() const;
+  // Number of client connections open now.
+  int num_connections() const;
+
+ private:
+  std::unique_ptr<detail::TCPStoreServerImpl> impl_;
+};
+
+struct TCPStoreOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;          // with is_server, 0 picks a free port (see TCPStore::port())
+  bool is_server = false;     // start a TCPStoreServer in this process
+  int num_workers = -1;       // when > 0, the constructor waits until that many stores joined
+  Millis timeout = Store::kDefaultTimeout;  // for get/wait and for connecting
+};
+
+class TCPStore : public Store {
+ public:
+  explicit TCPStore(TCPStoreOptions options);
+  TCPStore(const std::string& host, uint16_t port, bool is_server = false,
+           Millis timeout = kDefaultTimeout);
+  ~TCPStore() override;
+
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  Bytes compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) override;
+  void wait(const std::vector<std::string>& keys, Millis timeout) override;
+  bool check(const std::vector<std::string>& keys) override;
+  bool delete_key(const std::string& key) override;
+  int64_t num_keys() override;
+  using Store::set;
+  using Store::wait;
+
+  const std::string& host() const { return options_.host; }
+  uint16_t port() const { return options_.port; }
+  // The server this store started (is_server), else nullptr.
+  TCPStoreServer* server() const { return server_.get(); }
+
+ private:
+  TCPStoreOptions options_;  // port filled in once the server is bound
+  std::unique_ptr<TCPStoreServer> server_;
+  std::unique_ptr<detail::TCPStoreClient> client_;
+};
+
+}  // namespace tdist

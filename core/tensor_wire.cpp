@@ -1,0 +1,117 @@
+#include "tdist/core/tensor_wire.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstring>
+
+#include "tdist/core/error.h"
+
+namespace tdist {
+namespace {
+
+bool known_dtype(int8_t dtype) {
+  if (dtype < 0 || dtype >= static_cast<int8_t>(c10::ScalarType::NumOptions)) return false;
+  switch (static_cast<c10::ScalarType>(dtype)) {
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Char:
+    case c10::ScalarType::Short:
+    case c10::ScalarType::Int:
+    case c10::ScalarType::Long:
+    case c10::ScalarType::Half:
+    case c10::ScalarType::Float:
+    case c10::ScalarType::Double:
+    case c10::ScalarType::ComplexHalf:
+    case c10::ScalarType::ComplexFloat:
+    case c10::ScalarType::ComplexDouble:
+    case c10::ScalarType::Bool:
+    case c10::ScalarType::BFloat16:
+    case c10::ScalarType::UInt16:
+    case c10::ScalarType::UInt32:
+    case c10::ScalarType::UInt64:
+    case c10::ScalarType::Float8_e5m2:
+    case c10::ScalarType::Float8_e4m3fn:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+TensorMeta describe_tensor(const at::Tensor& t) {
+  TDIST_CHECK_ARG(t.defined(), "cannot send an undefined tensor");
+  TDIST_CHECK_ARG(t.device().is_cpu(), "only CPU tensors can be encoded, got ", t.device());
+  TDIST_CHECK_ARG(known_dtype(static_cast<int8_t>(t.scalar_type())), "unsupported dtype ",
+                  t.scalar_type());
+  TDIST_CHECK_ARG(static_cast<size_t>(t.dim()) <= TensorMeta::kMaxDims, "tensor has ", t.dim(),
+                  " dimensions; at most ", TensorMeta::kMaxDims, " are supported");
+  TensorMeta m;
+  m.dtype = static_cast<int8_t>(t.scalar_type());
+  m.shape = t.sizes().vec();
+  m.nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+  return m;
+}
+
+void validate_tensor_meta(const TensorMeta& meta, uint64_t available) {
+  if (!known_dtype(meta.dtype)) {
+    throw ProtocolError(str("tensor has unknown dtype code ", int(meta.dtype)));
+  }
+  if (meta.shape.size() > TensorMeta::kMaxDims) {
+    throw ProtocolError(str("tensor has ", meta.shape.size(), " dimensions; at most ",
+                            TensorMeta::kMaxDims, " are allowed"));
+  }
+  const uint64_t elem = c10::elementSize(static_cast<c10::ScalarType>(meta.dtype));
+  uint64_t numel = 1;
+  for (int64_t d : meta.shape) {
+    if (d < 0) throw ProtocolError(str("tensor has a negative dimension ", d));
+    if (d != 0 && numel > UINT64_MAX / static_cast<uint64_t>(d)) {
+      throw ProtocolError("tensor shape overflows");
+    }
+    numel *= static_cast<uint64_t>(d);
+  }
+  if (numel != 0 && elem > UINT64_MAX / numel) throw ProtocolError("tensor size overflows");
+  if (numel * elem != meta.nbytes) {
+    throw ProtocolError(str("tensor byte count ", meta.nbytes, " does not match its shape (",
+                            numel, " elements of ", elem, " bytes)"));
+  }
+  if (meta.nbytes > available) {
+    throw ProtocolError(str("tensor needs ", meta.nbytes, " bytes but only ", available,
+                            " are available"));
+  }
+}
+
+at::Tensor tensor_from_bytes(const TensorMeta& meta, const uint8_t* data, uint64_t available) {
+  validate_tensor_meta(meta, available);
+  at::Tensor t = at::empty(meta.shape, at::TensorOptions().dtype(
+                                           static_cast<c10::ScalarType>(meta.dtype)));
+  if (meta.nbytes) std::memcpy(t.data_ptr(), data, meta.nbytes);
+  return t;
+}
+
+void write_tensor(wire::Writer& w, const at::Tensor& t) {
+  TensorMeta m = describe_tensor(t);
+  at::Tensor c = t.contiguous();
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u8(static_cast<uint8_t>(m.shape.size()));
+  for (int64_t d : m.shape) w.i64(d);
+  w.u64(m.nbytes);
+  if (m.nbytes) w.raw(c.data_ptr(), m.nbytes);
+}
+
+at::Tensor read_tensor(wire::Reader& r) {
+  TensorMeta m;
+  m.dtype = static_cast<int8_t>(r.u8("tensor dtype"));
+  uint8_t ndim = r.u8("tensor rank");
+  if (ndim > TensorMeta::kMaxDims) {
+    throw ProtocolError(str("tensor has ", int(ndim), " dimensions; at most ",
+                            TensorMeta::kMaxDims, " are allowed"));
+  }
+  m.shape.resize(ndim);
+  for (auto& d : m.shape) d = r.i64("tensor dimension");
+  m.nbytes = r.u64("tensor byte count");
+  validate_tensor_meta(m, r.remaining());
+  return tensor_from_bytes(m, r.raw(m.nbytes, "tensor data"), m.nbytes);
+}
+
+}  // namespace tdist

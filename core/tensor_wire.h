@@ -1,0 +1,49 @@
+#pragma once
+// Tensor wire format: a tensor travels as its metadata (dtype, shape, byte count) followed by its
+// bytes in row-major contiguous order. Only CPU tensors are encoded; a non-contiguous tensor is
+// made contiguous first (a copy). Decoding validates the dtype, the rank, every dimension and the
+// byte count against the bytes available *before* allocating the result.
+//
+// Two ways to use it:
+//   - write_tensor/read_tensor: metadata and bytes inline in one wire buffer;
+//   - TensorMeta (cereal-serializable) in a message header with the bytes carried beside the
+//     frame (RPC sends large tensors that way without copying them into the header), then
+//     tensor_from_bytes(meta, data, available) to rebuild the tensor.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "tdist/core/wire.h"
+
+namespace tdist {
+
+struct TensorMeta {
+  static constexpr size_t kMaxDims = 64;
+
+  int8_t dtype = 0;  // c10::ScalarType
+  std::vector<int64_t> shape;
+  uint64_t nbytes = 0;
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(dtype, shape, nbytes);
+  }
+};
+
+// Metadata of a CPU tensor (as it would be after .contiguous()).
+TensorMeta describe_tensor(const at::Tensor& t);
+
+// Checks that `meta` describes a valid tensor whose bytes fit in `available`: known dtype, at most
+// kMaxDims dimensions, no negative dimension, numel * element size == nbytes without overflow.
+// Throws ProtocolError naming what is wrong.
+void validate_tensor_meta(const TensorMeta& meta, uint64_t available);
+
+// A new CPU tensor holding a copy of `data`, after validate_tensor_meta(meta, available).
+at::Tensor tensor_from_bytes(const TensorMeta& meta, const uint8_t* data, uint64_t available);
+
+void write_tensor(wire::Writer& w, const at::Tensor& t);
+at::Tensor read_tensor(wire::Reader& r);
+
+}  // namespace tdist

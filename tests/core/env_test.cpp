@@ -1,0 +1,123 @@
+#include <gtest/gtest.h>
+
+#include "tdist/core/env.h"
+#include "tdist/core/error.h"
+#include "tests/harness/env_guard.h"
+
+namespace tdist {
+namespace {
+
+using test::EnvGuard;
+const std::nullopt_t unset = std::nullopt;
+
+// Runs fn, expects InvalidArgument whose message contains every fragment.
+template <typename Fn>
+void expect_invalid(Fn fn, std::initializer_list<const char*> fragments) {
+  try {
+    fn();
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    for (const char* f : fragments) {
+      EXPECT_NE(std::string(e.what()).find(f), std::string::npos)
+          << "'" << f << "' not in: " << e.what();
+    }
+  }
+}
+
+const std::map<std::string, std::optional<std::string>> kClean = {
+    {"RANK", unset},         {"WORLD_SIZE", unset},           {"LOCAL_RANK", unset},
+    {"LOCAL_WORLD_SIZE", unset}, {"GROUP_RANK", unset},       {"SLURM_PROCID", unset},
+    {"SLURM_NTASKS", unset}, {"SLURM_LOCALID", unset},        {"SLURM_NTASKS_PER_NODE", unset},
+    {"OMPI_COMM_WORLD_RANK", unset}, {"OMPI_COMM_WORLD_SIZE", unset},
+    {"OMPI_COMM_WORLD_LOCAL_RANK", unset}, {"OMPI_COMM_WORLD_LOCAL_SIZE", unset},
+    {"MASTER_ADDR", unset},  {"MASTER_PORT", unset}};
+
+TEST(Env, ReadsTorchrunVariables) {
+  EnvGuard clean(kClean);
+  EnvGuard g({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}});
+  auto e = env::read_dist_env();
+  EXPECT_EQ(e.rank, 3);
+  EXPECT_EQ(e.world_size, 4);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 2);
+  EXPECT_EQ(e.group_rank, 1);
+  EXPECT_EQ(e.source, "env");
+}
+
+TEST(Env, RankOutOfRangeIsRejected) {
+  EnvGuard clean(kClean);
+  EnvGuard g({{"RANK", "5"}, {"WORLD_SIZE", "2"}});
+  expect_invalid([] { env::read_dist_env(); }, {"RANK=5", "WORLD_SIZE=2"});
+}
+
+TEST(Env, NonNumericValuesAreRejected) {
+  EnvGuard clean(kClean);
+  {
+    EnvGuard g({{"RANK", "one"}, {"WORLD_SIZE", "2"}});
+    expect_invalid([] { env::read_dist_env(); }, {"RANK='one'", "not an integer"});
+  }
+  {
+    EnvGuard g({{"RANK", "0"}, {"WORLD_SIZE", "0"}});
+    expect_invalid([] { env::read_dist_env(); }, {"WORLD_SIZE='0'"});
+  }
+  {
+    EnvGuard g({{"MASTER_ADDR", "localhost"}, {"MASTER_PORT", "abc"}});
+    expect_invalid([] { env::read_master_address(); }, {"MASTER_PORT='abc'", "65535"});
+  }
+  {
+    EnvGuard g({{"MASTER_ADDR", "localhost"}, {"MASTER_PORT", "70000"}});
+    expect_invalid([] { env::read_master_address(); }, {"MASTER_PORT='70000'"});
+  }
+}
+
+TEST(Env, MissingVariablesAreNamed) {
+  EnvGuard clean(kClean);
+  expect_invalid([] { env::read_dist_env(); }, {"RANK is not set"});
+  {
+    EnvGuard g(test::EnvVars{{"RANK", "0"}});
+    expect_invalid([] { env::read_dist_env(); }, {"WORLD_SIZE is not set"});
+  }
+  {
+    EnvGuard g(test::EnvVars{{"MASTER_PORT", "29500"}});
+    expect_invalid([] { env::read_master_address(); }, {"MASTER_ADDR is not set"});
+  }
+}
+
+TEST(Env, FallsBackToSlurmThenOpenMpi) {
+  EnvGuard clean(kClean);
+  {
+    EnvGuard g({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                {"SLURM_NTASKS_PER_NODE", "4(x2)"}});
+    auto e = env::read_dist_env();
+    EXPECT_EQ(e.source, "slurm");
+    EXPECT_EQ(e.rank, 5);
+    EXPECT_EQ(e.world_size, 8);
+    EXPECT_EQ(e.local_rank, 1);
+    EXPECT_EQ(e.local_world_size, 4);
+    EXPECT_EQ(e.group_rank, 1);
+  }
+  {
+    EnvGuard g({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+    auto e = env::read_dist_env();
+    EXPECT_EQ(e.source, "openmpi");
+    EXPECT_EQ(e.rank, 1);
+    EXPECT_EQ(e.world_size, 2);
+  }
+  {
+    EnvGuard g({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+    expect_invalid([] { env::read_dist_env(); }, {"OMPI_COMM_WORLD_RANK=2"});
+  }
+}
+
+TEST(Env, Booleans) {
+  EnvGuard g(test::EnvVars{{"TDIST_TEST_FLAG", "Yes"}});
+  EXPECT_TRUE(env::get_bool("TDIST_TEST_FLAG", false));
+  EnvGuard g2(test::EnvVars{{"TDIST_TEST_FLAG", "maybe"}});
+  expect_invalid([] { env::get_bool("TDIST_TEST_FLAG", false); }, {"TDIST_TEST_FLAG='maybe'"});
+  EnvGuard g3(test::EnvVars{{"TDIST_TEST_FLAG", unset}});
+  EXPECT_FALSE(env::get_bool("TDIST_TEST_FLAG", false));
+}
+
+}  // namespace
+}  // namespace tdist

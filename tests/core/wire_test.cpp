@@ -1,0 +1,134 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tdist/core/serialize.h"
+#include "tdist/core/tensor_wire.h"
+#include "tdist/core/wire.h"
+
+namespace tdist {
+namespace {
+
+TEST(Wire, RoundTripsIntegersAndStrings) {
+  Bytes buf;
+  wire::Writer w(buf);
+  w.u8(7);
+  w.u32(0xdeadbeef);
+  w.i64(-5);
+  w.string("hello");
+  w.blob(to_bytes("xyz"));
+  wire::Reader r(buf);
+  EXPECT_EQ(r.u8(), 7);
+  EXPECT_EQ(r.u32(), 0xdeadbeefu);
+  EXPECT_EQ(r.i64(), -5);
+  EXPECT_EQ(r.string(), "hello");
+  EXPECT_EQ(to_string(r.blob()), "xyz");
+  EXPECT_NO_THROW(r.expect_end());
+}
+
+TEST(Wire, LengthsAreCheckedBeforeAllocating) {
+  Bytes buf;
+  wire::Writer w(buf);
+  w.u64(uint64_t(1) << 62);  // a forged length
+  w.raw("abc", 3);
+  wire::Reader r(buf);
+  EXPECT_THROW(r.blob("payload"), ProtocolError);
+  wire::Reader truncated(buf.data(), 4);
+  EXPECT_THROW(truncated.u64(), ProtocolError);
+}
+
+TEST(TensorWire, RoundTripsEveryDtypeAndShape) {
+  std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16,
+                                        at::kInt,   at::kLong,   at::kByte, at::kChar,
+                                        at::kShort, at::kBool,   at::kComplexFloat};
+  std::vector<std::vector<int64_t>> shapes = {{}, {0}, {1}, {3, 5}, {2, 0, 4}, {2, 3, 4, 5}};
+  for (auto dt : dtypes) {
+    for (const auto& shape : shapes) {
+      at::Tensor t = torch::randn(shape).mul(10).to(dt);
+      Bytes buf;
+      wire::Writer w(buf);
+      write_tensor(w, t);
+      wire::Reader r(buf);
+      at::Tensor back = read_tensor(r);
+      r.expect_end();
+      EXPECT_EQ(back.scalar_type(), dt);
+      EXPECT_EQ(back.sizes(), t.sizes());
+      EXPECT_TRUE(back.equal(t)) << dt;
+    }
+  }
+}
+
+TEST(TensorWire, NonContiguousIsSentAsContiguous) {
+  at::Tensor t = torch::arange(12, torch::kFloat).reshape({3, 4}).t();
+  Bytes buf;
+  wire::Writer w(buf);
+  write_tensor(w, t);
+  wire::Reader r(buf);
+  EXPECT_TRUE(read_tensor(r).equal(t));
+}
+
+TEST(TensorWire, RejectsForgedMetadata) {
+  TensorMeta m;
+  m.dtype = static_cast<int8_t>(at::kFloat);
+  m.shape = {4};
+  m.nbytes = 16;
+  EXPECT_NO_THROW(validate_tensor_meta(m, 16));
+  EXPECT_THROW(validate_tensor_meta(m, 15), ProtocolError);  // not enough bytes
+  m.nbytes = 12;
+  EXPECT_THROW(validate_tensor_meta(m, 100), ProtocolError);  // does not match shape
+  m.shape = {int64_t(1) << 40, int64_t(1) << 40};
+  m.nbytes = 0;
+  EXPECT_THROW(validate_tensor_meta(m, 100), ProtocolError);  // overflow
+  m.shape = {-1};
+  EXPECT_THROW(validate_tensor_meta(m, 100), ProtocolError);
+  m.shape = {1};
+  m.dtype = 99;
+  m.nbytes = 4;
+  EXPECT_THROW(validate_tensor_meta(m, 100), ProtocolError);  // unknown dtype
+  m.dtype = static_cast<int8_t>(at::kFloat);
+  m.shape.assign(65, 1);
+  EXPECT_THROW(validate_tensor_meta(m, 100), ProtocolError);  // too many dims
+}
+
+struct Sample {
+  std::string name;
+  std::vector<int64_t> ids;
+  std::map<std::string, double> weights;
+  std::optional<at::Tensor> tensor;
+  template <class A>
+  void serialize(A& ar) {
+    ar(name, ids, weights, tensor);
+  }
+};
+
+TEST(Serialize, CerealRoundTripWithTensor) {
+  Sample s{"abc", {1, 2, 3}, {{"w", 0.5}}, torch::ones({2, 2})};
+  Bytes b = encode(s);
+  Sample back = decode<Sample>(b);
+  EXPECT_EQ(back.name, "abc");
+  EXPECT_EQ(back.ids, s.ids);
+  EXPECT_EQ(back.weights, s.weights);
+  ASSERT_TRUE(back.tensor.has_value());
+  EXPECT_TRUE(back.tensor->equal(*s.tensor));
+}
+
+TEST(Serialize, ForgedCountIsRefusedBeforeResize) {
+  // A std::vector<int64_t> whose count claims 2^62 elements.
+  Bytes b;
+  wire::Writer w(b);
+  w.u64(uint64_t(1) << 62);
+  w.i64(1);
+  EXPECT_THROW(decode<std::vector<int64_t>>(b), ProtocolError);
+  // A string whose length runs past the end.
+  Bytes s;
+  wire::Writer ws(s);
+  ws.u64(100);
+  ws.raw("ab", 2);
+  EXPECT_THROW(decode<std::string>(s), ProtocolError);
+  // Trailing garbage.
+  Bytes ok = encode(std::string("x"));
+  ok.push_back(0);
+  EXPECT_THROW(decode<std::string>(ok), ProtocolError);
+}
+
+}  // namespace
+}  // namespace tdist
