@@ -1,0 +1,113 @@
+#pragma once
+// ProcessGroup: collectives and point-to-point operations among `size()` ranks (c10d's
+// ProcessGroup). Every operation returns a Work at once and runs asynchronously; operations of one
+// group run in the order they were issued, which must be the same on every rank (as in c10d).
+//
+// Tensors are CPU tensors (a backend for CUDA tensors is selected per device type; see
+// create_process_group). In-place operations (allreduce, broadcast, reduce, send/recv buffers)
+// write into the tensors passed; the caller keeps them alive and untouched until the Work
+// completes. Inputs may be non-contiguous (they are copied) unless documented otherwise.
+//
+// Failure: every operation has a deadline (its options' timeout, else the group's). A dead peer,
+// a broken connection or a deadline fails the Work on every rank that can see it, with an Error
+// naming this rank, the operation, the peer and the sequence number; the group is then aborted:
+// later operations fail at once, and destroying the group never hangs. Bad arguments (root out of
+// range, wrong output sizes, mismatched dtypes) throw InvalidArgument from the call itself.
+//
+// Thread safety: operations may be issued from several threads, but the order in which they are
+// issued defines their order on the wire and must match across ranks.
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tdist/comm/types.h"
+#include "tdist/comm/work.h"
+#include "tdist/core/store.h"
+
+namespace tdist::comm {
+
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
+ public:
+  struct Options {
+    // Default deadline of every operation (c10d's default is 30 minutes).
+    Millis timeout = Millis(30 * 60 * 1000);
+    // "ring" (CPU over TCP) for every device, or per device type: "cpu:ring,cuda:nccl".
+    std::string backend = "ring";
+  };
+
+  virtual ~ProcessGroup() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string backend_name() const = 0;
+  virtual const Options& options() const = 0;
+
+  virtual std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts = {}) = 0;
+  virtual std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts = {}) = 0;
+  virtual std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> tensors,
+                                                    const AllreduceCoalescedOptions& opts = {}) = 0;
+  virtual std::shared_ptr<Work> reduce(at::Tensor tensor, const ReduceOptions& opts = {}) = 0;
+  // outputs: size() tensors shaped like input.
+  virtual std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                          const AllgatherOptions& opts = {}) = 0;
+  // output: size() * input.numel() elements (c10d's _allgather_base / all_gather_into_tensor).
+  virtual std::shared_ptr<Work> allgather_into_tensor(at::Tensor output, at::Tensor input,
+                                                      const AllgatherOptions& opts = {}) = 0;
+  // outputs: size() tensors on the root, empty elsewhere.
+  virtual std::shared_ptr<Work> gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                       const GatherOptions& opts = {}) = 0;
+  // inputs: size() tensors on the root, empty elsewhere.
+  virtual std::shared_ptr<Work> scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                        const ScatterOptions& opts = {}) = 0;
+  // inputs: size() tensors shaped like output.
+  virtual std::shared_ptr<Work> reduce_scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                               const ReduceScatterOptions& opts = {}) = 0;
+  // input: size() * output.numel() elements (c10d's _reduce_scatter_base).
+  virtual std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                                      const ReduceScatterOptions& opts = {}) = 0;
+  // Equal splits along dim 0 when the split lists are empty; otherwise row counts per rank.
+  virtual std::shared_ptr<Work> alltoall_base(at::Tensor output, at::Tensor input,
+                                              std::vector<int64_t> output_splits,
+                                              std::vector<int64_t> input_splits,
+                                              const AllToAllOptions& opts = {}) = 0;
+  virtual std::shared_ptr<Work> alltoall(std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> inputs,
+                                         const AllToAllOptions& opts = {}) = 0;
+  virtual std::shared_ptr<Work> barrier(const BarrierOptions& opts = {}) = 0;
+  virtual std::shared_ptr<Work> send(at::Tensor tensor, int dst, int tag = 0,
+                                     const SendRecvOptions& opts = {}) = 0;
+  virtual std::shared_ptr<Work> recv(at::Tensor tensor, int src, int tag = 0,
+                                     const SendRecvOptions& opts = {}) = 0;
+  virtual std::shared_ptr<Work> recv_any_source(at::Tensor tensor, int tag = 0,
+                                                const SendRecvOptions& opts = {}) = 0;
+
+  // A subgroup of `ranks` (global ranks of this group, any order; the subgroup's rank i is
+  // ranks[i] after sorting). Every rank of this group must call it, in the same order relative
+  // to other new_group calls; ranks not in the subgroup get nullptr. The subgroup has its own
+  // connections, store prefix and sequence numbers.
+  virtual std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks,
+                                                  const Options& opts) = 0;
+  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) {
+    return new_group(std::move(ranks), options());
+  }
+
+  // Fails every pending and later operation; never blocks long.
+  virtual void abort() = 0;
+};
+
+// Creates the group: ranks exchange their addresses through `store` (under a prefix of its own)
+// and connect. Blocks until every rank joined or opts.timeout passed (TimeoutError naming the
+// ranks that did not arrive). Unknown backend names throw InvalidArgument listing the known ones.
+std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store, int rank,
+                                                   int size,
+                                                   ProcessGroup::Options opts = {});
+
+// Same, from an init_method URL (env://, tcp://host:port, file:///path; see rendezvous.h).
+std::shared_ptr<ProcessGroup> create_process_group(const std::string& init_method,
+                                                   int rank = -1, int size = -1,
+                                                   ProcessGroup::Options opts = {});
+
+}  // namespace tdist::comm

@@ -1,0 +1,95 @@
+#pragma once
+// Future and Work: the asynchronous results of process-group operations (c10d's model).
+//
+// Future: a value (a list of tensors) or an error, set once. then(fn) chains a continuation that
+// runs when the future completes (at once, on the caller's thread, if it already has), and returns
+// the continuation's own future; an exception thrown by fn fails that future. wait(timeout)
+// blocks and rethrows the stored error. Thread safe.
+//
+// Work: one operation in flight. wait(timeout) blocks until the operation finished, rethrows its
+// error (an Error naming the rank, the operation, the peer and the sequence number), and returns
+// true; with a timeout that passes first it throws TimeoutError (the operation itself keeps its
+// own deadline). result() gives the output tensors; future() completes with them (DDP's reducer
+// and comm hooks chain on it). Thread safe.
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tdist/comm/types.h"
+
+namespace tdist::comm {
+
+class Future : public std::enable_shared_from_this<Future> {
+ public:
+  using Value = std::vector<at::Tensor>;
+
+  Future() = default;
+  static std::shared_ptr<Future> completed(Value value);
+  static std::shared_ptr<Future> failed(std::exception_ptr error);
+
+  void set_value(Value value);
+  void set_error(std::exception_ptr error);
+
+  bool completed() const;
+  bool has_error() const;
+  std::exception_ptr error() const;
+
+  // Blocks until complete; kUseGroupTimeout (or any negative value) waits forever.
+  // Throws TimeoutError when `timeout` passes first; rethrows the stored error.
+  const Value& wait(Millis timeout = Millis(-1));
+  // The value; the future must be complete. Rethrows the stored error.
+  const Value& value() const;
+
+  // Runs fn(*this) when complete. Its result completes the returned future; if it throws, or
+  // this future failed, the returned future fails with that error (fn is not called on error).
+  std::shared_ptr<Future> then(std::function<Value(Future&)> fn);
+  // Runs fn(*this) when complete, success or failure; no new future.
+  void add_callback(std::function<void(Future&)> fn);
+
+ private:
+  void finish(std::unique_lock<std::mutex>& lock);
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;                                   // guarded by mu_
+  Value value_;                                         // guarded by mu_; constant once done_
+  std::exception_ptr error_;                            // guarded by mu_; constant once done_
+  std::vector<std::function<void(Future&)>> callbacks_; // guarded by mu_
+};
+
+class Work {
+ public:
+  Work(std::string op, uint64_t seq, std::shared_ptr<Future> future)
+      : op_(std::move(op)), seq_(seq), future_(std::move(future)) {}
+  virtual ~Work() = default;
+
+  bool is_completed() const { return future_->completed(); }
+  bool is_success() const { return future_->completed() && !future_->has_error(); }
+  std::exception_ptr exception() const { return future_->error(); }
+  // See the class comment. Millis(-1): wait as long as the operation's own timeout allows.
+  bool wait(Millis timeout = Millis(-1)) {
+    future_->wait(timeout);
+    return true;
+  }
+  const std::vector<at::Tensor>& result() const { return future_->value(); }
+  std::shared_ptr<Future> future() const { return future_; }
+  // recv_any_source: the rank the message came from (valid once complete); -1 otherwise.
+  virtual int source_rank() const { return -1; }
+
+  const std::string& op() const { return op_; }
+  uint64_t sequence_number() const { return seq_; }
+
+ private:
+  const std::string op_;
+  const uint64_t seq_;
+  const std::shared_ptr<Future> future_;
+};
+
+}  // namespace tdist::comm
