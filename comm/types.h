@@ -14,7 +14,7 @@ using Millis = std::chrono::milliseconds;
 inline constexpr Millis kUseGroupTimeout{-1};
 
 // BAND/BOR/BXOR are for integer and bool tensors only. AVG divides the sum by the world size
-// (integer tensors: rounds toward zero, as c10d's gloo does... not supported: see comm docs).
+// (floating-point and complex tensors; on integer tensors it is refused with InvalidArgument).
 enum class ReduceOp : uint8_t { SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR };
 
 const char* to_string(ReduceOp op);
