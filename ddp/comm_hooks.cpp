@@ -44,19 +44,24 @@ CommHook bf16_compress_hook() { return compress_hook(at::kBFloat16); }
 
 namespace {
 
-// Orthonormalizes the columns of `m` (n x r) in place (modified Gram-Schmidt). A column that
-// is (numerically) zero becomes zero instead of NaN.
+// Orthonormalizes the columns of `m` (n x r) in place: Gram-Schmidt with a second projection
+// pass ("twice is enough") so that the columns stay orthogonal in float even when some are
+// nearly dependent. A column with (almost) nothing left after the projections becomes zero, so
+// P P^T never adds a direction that is not in the data.
 void orthonormalize_columns(at::Tensor& m) {
   const int64_t r = m.size(1);
   for (int64_t i = 0; i < r; ++i) {
     at::Tensor col = m.select(1, i);
-    for (int64_t j = 0; j < i; ++j) {
-      at::Tensor prev = m.select(1, j);
-      col.sub_(prev * at::dot(prev, col));
+    const double before = col.norm().item<double>();
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int64_t j = 0; j < i; ++j) {
+        at::Tensor prev = m.select(1, j);
+        col.sub_(prev * at::dot(prev, col));
+      }
     }
-    double norm = col.norm().item<double>();
-    if (norm > 1e-12) {
-      col.div_(norm);
+    const double after = col.norm().item<double>();
+    if (before > 0 && after > 1e-5 * before) {
+      col.div_(after);
     } else {
       col.zero_();
     }

@@ -173,15 +173,15 @@ void Reducer::rebuild_buckets() {
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool outputs_known) {
   std::unique_lock<std::mutex> lock(mu_);
   reset_iteration();
-  expect_hooks_ = true;
   const bool search = opts_.find_unused_parameters || (opts_.static_graph && !static_known_);
+  TDIST_CHECK(!search || outputs_known,
+              "DDP: find_unused_parameters (and static_graph) walk the autograd graph from "
+              "forward's outputs, but forward returned a type whose tensors DDP cannot see; "
+              "return tensors, vectors, tuples, pairs or maps of them");
+  expect_hooks_ = true;
   track_used_ = search;
   std::vector<size_t> unused;
   if (search) {
-    TDIST_CHECK(outputs_known, "DDP: find_unused_parameters (and static_graph) walk the autograd "
-                               "graph from forward's outputs, but forward returned a type whose "
-                               "tensors DDP cannot see; return tensors, vectors, tuples or maps "
-                               "of them");
     unused = find_unreached(outputs);
     if (opts_.static_graph) static_unused_ = unused;
   } else if (opts_.static_graph) {
