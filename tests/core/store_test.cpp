@@ -7,12 +7,15 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <fstream>
 #include <thread>
 
 #include "tdist/core/error.h"
+#include "tdist/core/file_store.h"
 #include "tdist/core/hash_store.h"
 #include "tdist/core/prefix_store.h"
 #include "tdist/core/tcp_store.h"
+#include "tdist/core/wire.h"
 #include "tests/harness/process.h"
 
 namespace tdist {
@@ -39,6 +42,28 @@ class HashBacking : public StoreBacking {
 
  private:
   std::shared_ptr<HashStore> store_;
+};
+
+class FileBacking : public StoreBacking {
+ public:
+  explicit FileBacking(Millis timeout)
+      : dir_(test::temp_dir("tdist-filestore")),
+        timeout_(timeout),
+        store_(std::make_shared<FileStore>(dir_ + "/store", -1, timeout)) {}
+  ~FileBacking() override {
+    store_.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  std::shared_ptr<Store> store() override { return store_; }
+  std::shared_ptr<Store> peer() override {
+    return std::make_shared<FileStore>(dir_ + "/store", -1, timeout_);
+  }
+
+ private:
+  std::string dir_;
+  Millis timeout_;
+  std::shared_ptr<FileStore> store_;
 };
 
 class TCPBacking : public StoreBacking {
@@ -78,6 +103,7 @@ std::ostream& operator<<(std::ostream& os, const Backend& b) { return os << b.na
 
 const Backend kBackends[] = {
     {"HashStore", [](Millis t) { return std::make_unique<HashBacking>(t); }},
+    {"FileStore", [](Millis t) { return std::make_unique<FileBacking>(t); }},
     {"TCPStore", [](Millis t) { return std::make_unique<TCPBacking>(t); }},
     {"PrefixStoreOverTCPStore", [](Millis t) { return std::make_unique<PrefixTCPBacking>(t); }},
 };
@@ -285,6 +311,111 @@ TEST_P(StoreSuite, ConcurrentAddsFromSeveralClientsAllCount) {
 
 INSTANTIATE_TEST_SUITE_P(AllStores, StoreSuite, ::testing::ValuesIn(kBackends),
                          [](const auto& info) { return info.param.name; });
+
+// ---- FileStore specifics --------------------------------------------------------------------
+
+class FileStoreTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  std::string dir_ = test::temp_dir("tdist-filestore");
+  std::string path_ = dir_ + "/store";
+};
+
+TEST_F(FileStoreTest, TheLastOfNumWorkersRemovesTheFile) {
+  auto a = std::make_unique<FileStore>(path_, 2, kTimeout);
+  auto b = std::make_unique<FileStore>(path_, 2, kTimeout);
+  a->set("k", "v");
+  a.reset();
+  EXPECT_TRUE(std::filesystem::exists(path_));
+  EXPECT_EQ(b->get_string("k"), "v");
+  b.reset();
+  EXPECT_FALSE(std::filesystem::exists(path_));
+}
+
+TEST_F(FileStoreTest, WithoutNumWorkersTheLastAliveRemovesTheFile) {
+  auto a = std::make_unique<FileStore>(path_, -1, kTimeout);
+  { FileStore brief(path_, -1, kTimeout); brief.set("k", "v"); }
+  EXPECT_TRUE(std::filesystem::exists(path_));
+  EXPECT_EQ(a->get_string("k"), "v");
+  a.reset();
+  EXPECT_FALSE(std::filesystem::exists(path_));
+  // A new store on the same path starts empty.
+  FileStore fresh(path_, -1, kTimeout);
+  EXPECT_EQ(fresh.num_keys(), 0);
+}
+
+TEST_F(FileStoreTest, ATornRecordFromADeadWriterIsSkippedAndReplaced) {
+  FileStore store(path_, -1, kTimeout);
+  store.set("a", "1");
+  {
+    // What a writer killed in the middle of a record leaves: a length with too few bytes.
+    Bytes torn;
+    wire::Writer(torn).u64(100);
+    torn.push_back(1);
+    std::ofstream out(path_, std::ios::binary | std::ios::app);
+    out.write(reinterpret_cast<const char*>(torn.data()), static_cast<std::streamsize>(torn.size()));
+  }
+  FileStore other(path_, -1, kTimeout);
+  EXPECT_EQ(other.get_string("a"), "1");
+  other.set("b", "2");
+  EXPECT_EQ(store.get_string("b"), "2");
+  FileStore third(path_, -1, kTimeout);
+  EXPECT_EQ(third.num_keys(), 2);
+  EXPECT_EQ(third.get_string("a"), "1");
+}
+
+TEST_F(FileStoreTest, ACorruptRecordIsAProtocolErrorNamingTheFile) {
+  FileStore store(path_, -1, kTimeout);
+  {
+    Bytes payload = {9, 0, 0, 0, 0, 0, 0, 0, 0};  // op 9, empty key
+    Bytes record;
+    wire::Writer(record).blob(payload);
+    std::ofstream out(path_, std::ios::binary | std::ios::app);
+    out.write(reinterpret_cast<const char*>(record.data()),
+              static_cast<std::streamsize>(record.size()));
+  }
+  std::string msg = expect_throw<ProtocolError>([&] { FileStore reader(path_, -1, kTimeout); });
+  expect_contains(msg, path_);
+  expect_contains(msg, "unknown record op 9");
+}
+
+TEST_F(FileStoreTest, AnUnopenablePathIsAnErrorNamingIt) {
+  const std::string bad = dir_ + "/no-such-dir/store";
+  std::string msg = expect_throw<Error>([&] { FileStore store(bad, -1, kTimeout); });
+  expect_contains(msg, bad);
+}
+
+TDIST_TEST_CHILD(file_store_worker) {
+  FileStore store(std::getenv("TDIST_TEST_FILE_STORE"), -1, 30s);
+  for (int i = 0; i < 50; ++i) store.add("counter", 1);
+  store.set("rank/" + std::to_string(rank), std::to_string(rank * 10));
+  Bytes leader = store.compare_set("leader", {}, to_bytes(std::to_string(rank)));
+  store.set("leader_seen/" + std::to_string(rank), leader);
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back("rank/" + std::to_string(r));
+  store.wait(keys);
+  for (int r = 0; r < world_size; ++r) {
+    if (store.get_string("rank/" + std::to_string(r)) != std::to_string(r * 10)) return 2;
+  }
+  return 0;
+}
+
+TEST_F(FileStoreTest, FourProcessesShareOneFile) {
+  FileStore store(path_, -1, kTimeout);
+  test::Processes procs("file_store_worker", 4, {{"TDIST_TEST_FILE_STORE", path_}});
+  auto results = procs.wait_all(60s);
+  ASSERT_EQ(test::Processes::failures(results), "");
+  EXPECT_EQ(store.get_string("counter"), "200");
+  const std::string leader = store.get_string("leader");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(store.get_string("leader_seen/" + std::to_string(r)), leader);
+  }
+  // 4 rank keys, 4 leader_seen keys, counter, leader.
+  EXPECT_EQ(store.num_keys(), 10);
+}
 
 }  // namespace
 }  // namespace tdist
