@@ -161,7 +161,6 @@ void RingProcessGroup::worker_loop() {
     std::unique_ptr<Op> op;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      running_ = false;
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stop_
       op = std::move(queue_.front());
@@ -174,6 +173,10 @@ void RingProcessGroup::worker_loop() {
 
 void RingProcessGroup::execute(Op& op) {
   if (aborted_.load()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;
+    }
     op.future->set_error(aborted_error(op.name, op.seq));
     return;
   }
@@ -190,6 +193,12 @@ void RingProcessGroup::execute(Op& op) {
     error = std::current_exception();
     // The byte streams are no longer in step (or a peer is gone): nothing later can succeed.
     abort_with(error);
+  }
+  {
+    // Before completing: a caller that waited for this op may destroy the group at once, and
+    // must not find it busy.
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
   }
   try {
     if (error) {
