@@ -191,8 +191,8 @@ void Exchange::fail_closed(int peer, const char* direction, int err) {
                                      " exited, crashed or aborted)"
                                : tcp::errno_text(err);
   TDIST_THROW(NetworkError, where(), ": lost rank ", peer, " while ", direction, " it: ", cause,
-              "; received ", r.moved, " of ", r.posted, " bytes from it, sent ", s.moved, " of ",
-              s.posted, " bytes to it");
+              "; received ", r.moved, " of the ", r.posted, " bytes posted so far from it, sent ",
+              s.moved, " of ", s.posted, " to it");
 }
 
 void Exchange::fail_timeout() {
@@ -203,8 +203,9 @@ void Exchange::fail_timeout() {
     const auto& s = sends_[p];
     const auto& r = recvs_[p];
     if (!s.pending() && !r.pending()) continue;
-    waiting += str(waiting.empty() ? "" : "; ", "rank ", p, " (received ", r.moved, " of ",
-                   r.posted, " bytes from it, sent ", s.moved, " of ", s.posted, " bytes to it)");
+    waiting += str(waiting.empty() ? "" : "; ", "rank ", p, " (received ", r.moved, " of the ",
+                   r.posted, " bytes posted so far from it, sent ", s.moved, " of ", s.posted,
+                   " to it)");
   }
   TDIST_THROW(TimeoutError, where(), ": timed out after ", ms, " ms waiting for ", waiting);
 }
