@@ -85,6 +85,23 @@ std::string local_address() {
   if (auto host = env::get("TDIST_SOCKET_HOST")) return *host;
   auto master = env::get("MASTER_ADDR");
   if (!master || is_loopback(*master)) return "127.0.0.1";
+  // The address of the interface that routes to the master: connect() a UDP socket (no packet
+  // is sent) and read its local address. The host name may resolve to a loopback address
+  // (Debian's 127.0.1.1), which peers on other hosts cannot reach.
+  sockaddr_in master_addr = make_address(*master, 9);
+  int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof(local);
+    bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&master_addr), sizeof(master_addr)) == 0 &&
+              ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
+    ::close(fd);
+    if (ok) {
+      char text[INET_ADDRSTRLEN] = {0};
+      ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text));
+      return text;
+    }
+  }
   char name[256] = {0};
   if (::gethostname(name, sizeof(name) - 1) != 0) return "127.0.0.1";
   sockaddr_in addr = make_address(name, 0);

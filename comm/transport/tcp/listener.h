@@ -31,8 +31,8 @@ class Listener {
 };
 
 // The IPv4 address this process publishes for its peers: TDIST_SOCKET_HOST when set; otherwise
-// 127.0.0.1 when MASTER_ADDR is unset or a loopback address, else the first address that this
-// machine's host name resolves to.
+// 127.0.0.1 when MASTER_ADDR is unset or a loopback address, else the address of the interface
+// that routes to MASTER_ADDR (falling back to what the host name resolves to).
 std::string local_address();
 
 // Connects to host:port before the deadline, retrying refused connections (the peer may still
