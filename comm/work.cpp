@@ -1,9 +1,7 @@
-// Definitions of comm's Future and to_string(ReduceOp) (declared in comm/work.h and comm/types.h)
-// for the ddp tests while tdist::comm is not built on this branch. Removed once comm lands.
+#include "tdist/comm/work.h"
+
 #include <chrono>
 
-#include "tdist/comm/types.h"
-#include "tdist/comm/work.h"
 #include "tdist/core/error.h"
 
 namespace tdist::comm {
@@ -44,6 +42,7 @@ void Future::set_value(Value value) {
 void Future::set_error(std::exception_ptr error) {
   std::unique_lock<std::mutex> lock(mu_);
   TDIST_CHECK(!done_, "Future completed twice");
+  TDIST_CHECK(error != nullptr, "Future::set_error needs an error");
   error_ = std::move(error);
   finish(lock);
 }
@@ -54,6 +53,7 @@ void Future::finish(std::unique_lock<std::mutex>& lock) {
   callbacks_.clear();
   lock.unlock();
   cv_.notify_all();
+  // Callbacks run without the lock: they may call value(), then() or wait() on this future.
   for (auto& cb : callbacks) cb(*this);
 }
 
@@ -77,7 +77,9 @@ const Future::Value& Future::wait(Millis timeout) {
   if (timeout.count() < 0) {
     cv_.wait(lock, [&] { return done_; });
   } else if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
-    TDIST_THROW(TimeoutError, "future not complete after ", timeout.count(), " ms");
+    TDIST_THROW(TimeoutError, "timed out after ", timeout.count(),
+                " ms waiting for the operation to complete (it keeps running until its own "
+                "deadline)");
   }
   if (error_) std::rethrow_exception(error_);
   return value_;
@@ -85,7 +87,7 @@ const Future::Value& Future::wait(Millis timeout) {
 
 const Future::Value& Future::value() const {
   std::lock_guard<std::mutex> lock(mu_);
-  TDIST_CHECK(done_, "Future::value() before completion");
+  TDIST_CHECK(done_, "Future::value() called before the future completed");
   if (error_) std::rethrow_exception(error_);
   return value_;
 }
@@ -93,15 +95,18 @@ const Future::Value& Future::value() const {
 std::shared_ptr<Future> Future::then(std::function<Value(Future&)> fn) {
   auto next = std::make_shared<Future>();
   add_callback([next, fn = std::move(fn)](Future& self) {
-    if (self.has_error()) {
-      next->set_error(self.error());
+    if (auto err = self.error()) {
+      next->set_error(err);
       return;
     }
+    Value result;
     try {
-      next->set_value(fn(self));
+      result = fn(self);
     } catch (...) {
       next->set_error(std::current_exception());
+      return;
     }
+    next->set_value(std::move(result));
   });
   return next;
 }
