@@ -138,10 +138,11 @@ int main(int argc, char** argv) {
     tdist::train::run_training(o);
     return 0;
   } catch (const tdist::InvalidArgument& e) {
-    std::cerr << "tdist-train: " << e.what() << std::endl;
+    // One write: a launcher may stop this process at any moment after a peer failed.
+    std::cerr << "tdist-train: " + std::string(e.what()) + "\n" << std::flush;
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "tdist-train: " << e.what() << std::endl;
+    std::cerr << "tdist-train: " + std::string(e.what()) + "\n" << std::flush;
     return 1;
   }
 }

@@ -247,7 +247,9 @@ void run_training(const TrainOptions& o) {
   validate(o);
   if (o.threads > 0) at::set_num_threads(o.threads);
   // Data first: a bad directory or file fails at once on every rank, before any rendezvous.
-  DataSplits data = load_data(o.data);
+  DataConfig data_config = o.data;
+  data_config.seed = o.seed;
+  DataSplits data = load_data(data_config);
   auto pg = make_group(o);
   const int rank = pg->rank();
   const int world = pg->size();
