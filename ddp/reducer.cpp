@@ -36,8 +36,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       names_(std::move(names)),
       pg_(std::move(pg)),
       opts_(opts),
-      trace_(std::move(trace)),
-      hook_(allreduce_hook()) {
+      trace_(std::move(trace)) {
   TDIST_CHECK_ARG(pg_ != nullptr, "DDP needs a process group");
   TDIST_CHECK_ARG(params_.size() == names_.size(), "DDP: ", params_.size(), " parameters but ",
                   names_.size(), " names");
@@ -70,6 +69,7 @@ void Reducer::register_comm_hook(CommHook hook) {
   std::lock_guard<std::mutex> lock(mu_);
   TDIST_CHECK(!reduction_started_, "DDP: register_comm_hook during an iteration");
   hook_ = std::move(hook);
+  default_hook_ = false;
 }
 
 std::chrono::milliseconds Reducer::wait_timeout() const {
@@ -240,7 +240,9 @@ void Reducer::mark_ready(size_t index, bool used, std::unique_lock<std::mutex>& 
   Bucket& bucket = buckets_[b];
   at::Tensor& view = bucket.views[s];
   at::Tensor& grad = params_[index].mutable_grad();
-  if (grad.defined()) {
+  if (passthrough()) {
+    // World size 1, built-in hook: .grad already is the average.
+  } else if (grad.defined()) {
     if (!opts_.gradient_as_bucket_view) {
       view.copy_(grad);
     } else if (grad.data_ptr() != view.data_ptr()) {
@@ -266,7 +268,14 @@ void Reducer::launch_ready_buckets(std::unique_lock<std::mutex>& /*lock*/) {
     GradBucket view(b, buckets_.size(), bucket.buffer, bucket.views, std::move(params),
                     bucket.offsets, pg_);
     bucket.launch_us = Trace::now_us();
-    bucket.future = hook_(view);
+    if (passthrough()) {
+      bucket.future = comm::Future::completed({bucket.buffer});
+    } else if (default_hook_) {
+      comm::AllreduceOptions aopts;  // SUM; divided in finalize (Note [DDP bucketing] 4)
+      bucket.future = pg_->allreduce(bucket.buffer, aopts)->future();
+    } else {
+      bucket.future = hook_(view);
+    }
     TDIST_CHECK(bucket.future != nullptr, "DDP: the comm hook returned no future for bucket ", b);
     if (trace_) {
       auto trace = trace_;
@@ -340,19 +349,7 @@ void Reducer::finalize() {
   } else if (opts_.static_graph && static_known_) {
     global_unused = static_global_unused_;
   }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (global_unused[i]) continue;
-    auto [b, s] = locate_[i];
-    const at::Tensor& view = buckets_[b].views[s];
-    at::Tensor& grad = params_[i].mutable_grad();
-    if (opts_.gradient_as_bucket_view) {
-      if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
-    } else if (grad.defined()) {
-      grad.copy_(view);
-    } else {
-      grad = view.clone();
-    }
-  }
+  if (!passthrough()) write_back(global_unused);
   if (record_order_) {
     record_order_ = false;  // Note [DDP bucketing] 6: rebuild at the next forward
     if (ready_order_.size() != params_.size()) rebuilt_ = true;  // nothing usable to rebuild by
@@ -361,6 +358,32 @@ void Reducer::finalize() {
     trace_->add("backward", Trace::Track::kCompute, backward_begin_us_, wait_begin,
                 tdist::str("\"buckets\": ", buckets_.size()));
     trace_->add("final wait", Trace::Track::kCompute, wait_begin, reduced_us);
+  }
+}
+
+bool Reducer::passthrough() const { return default_hook_ && pg_->size() == 1; }
+
+void Reducer::write_back(const std::vector<bool>& global_unused) {
+  // The built-in hook leaves sums in the buckets: divide while writing back.
+  const bool divide = default_hook_;
+  const double world = pg_->size();
+  if (divide && opts_.gradient_as_bucket_view) {
+    for (Bucket& bucket : buckets_) bucket.buffer.div_(world);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (global_unused[i]) continue;
+    auto [b, s] = locate_[i];
+    const at::Tensor& view = buckets_[b].views[s];
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (opts_.gradient_as_bucket_view) {
+      if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
+    } else if (!grad.defined()) {
+      grad = divide ? at::div(view, world) : view.clone();
+    } else if (divide) {
+      at::div_out(grad, view, at::scalar_tensor(world, view.options()));
+    } else {
+      grad.copy_(view);
+    }
   }
 }
 

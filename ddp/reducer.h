@@ -31,6 +31,8 @@
 //  6. Rebuild: during the first synchronized backward the ready order is recorded. At the next
 //     forward that syncs, rank 0's order is broadcast and every rank rebuilds its buckets in it
 //     (once). With gradient_as_bucket_view the .grad tensors are moved to the new views.
+//     With the built-in hook the buckets carry sums and the division by the world size happens
+//     in this write-back; with world size 1 and the built-in hook nothing is copied at all.
 //  7. Outside a synchronized iteration (no_sync, forward under NoGradGuard) hooks do nothing:
 //     gradients simply accumulate in .grad, and the next synchronized backward reduces the sum.
 //  8. A forward that starts while a synchronized backward was begun but not finished fails
@@ -98,6 +100,8 @@ class Reducer {
   void mark_ready(size_t index, bool used, std::unique_lock<std::mutex>& lock);
   void launch_ready_buckets(std::unique_lock<std::mutex>& lock);
   void finalize();
+  void write_back(const std::vector<bool>& global_unused);
+  bool passthrough() const;
   void build_buckets(const std::vector<size_t>& order);
   void rebuild_buckets();
   void reset_iteration();
@@ -117,7 +121,11 @@ class Reducer {
 
   mutable std::mutex mu_;
   // guarded by mu_:
-  CommHook hook_;
+  CommHook hook_;                  // null: the built-in allreduce (see default_hook_)
+  // No hook registered: allreduce(SUM) and divide by the world size while writing .grad back
+  // (one pass over the gradients fewer than dividing before the allreduce). With world size 1
+  // there is nothing to average: gradients stay where autograd put them (no copies).
+  bool default_hook_ = true;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> locate_;  // param -> (bucket, slot)
   bool expect_hooks_ = false;      // a synchronized backward is armed
