@@ -84,6 +84,13 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
 
   // Note [Checkpoint protocol] 2: temporary file, fsync, rename, fsync the directory.
   const std::string final_path = checkpoint_path(dir);
+  // Temporary files of writes that were interrupted (the process was killed) are garbage.
+  const std::string tmp_prefix = std::string(kCheckpointFile) + ".tmp.";
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().filename().string().rfind(tmp_prefix, 0) == 0) {
+      std::filesystem::remove(entry.path(), ec);
+    }
+  }
   const std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) TDIST_THROW(Error, "cannot create '", tmp_path, "': ", std::strerror(errno));

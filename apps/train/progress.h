@@ -30,7 +30,7 @@ struct StepReport {
   double data_ms = 0;          // per step: producing the batch
   double forward_ms = 0;
   double backward_ms = 0;     // loss.backward(), including the final wait for communication
-  double comm_wait_ms = 0;    // from the last bucket's launch to the end of backward
+  double comm_wait_ms = 0;    // from the last gradient computed to the end of backward
   double optimizer_ms = 0;
   double elapsed_s = 0;       // since training started in this process
   double eta_s = -1;          // negative: unknown

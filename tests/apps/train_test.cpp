@@ -173,6 +173,9 @@ TEST(TdistTrain, AKilledWorkerRestartsFromTheCheckpointAndEndsLikeAnUninterrupte
 
   // Rank 1 kills itself (SIGKILL) when 25 steps are done, on the first attempt only.
   const std::string faulty = test::temp_dir();
+  // What a write killed half-way leaves behind; the next checkpoint removes it.
+  ::mkdir((faulty + "/ckpt").c_str(), 0755);
+  std::ofstream(faulty + "/ckpt/checkpoint.pt.tmp.99999") << "torn";
   auto b = train_under_run(2, {"--max-restarts", "1", "--stop-grace", "2"}, resume_args(faulty),
                            with_timeout(90, {{"TDIST_TRAIN_FAIL_AT_STEP", "25"}}));
   ASSERT_EQ(b.exit_code, 0) << b.describe();
@@ -194,7 +197,7 @@ TEST(TdistTrain, AKilledWorkerRestartsFromTheCheckpointAndEndsLikeAnUninterrupte
   EXPECT_EQ(sa["final_loss"], sb["final_loss"]);
   EXPECT_EQ(final_hashes(a.out)[1], final_hashes(b.out)[1]);
 
-  // Only the final checkpoint is left: no temporary files.
+  // Only the final checkpoint is left: no temporary files, the stale one removed.
   std::string listing = run_command({"ls", "-a", faulty + "/ckpt"}).out;
   EXPECT_EQ(listing, ".\n..\ncheckpoint.pt\n");
 
