@@ -134,6 +134,27 @@ TEST(TdistTrain, ConvNetWithAdamTrainsAloneWithoutALauncher) {
   EXPECT_LT(lines[1]["loss"].get<double>(), lines[0]["loss"].get<double>()) << r.out;
 }
 
+TEST(TdistTrain, DdpOptionsReachTheModel) {
+  auto run = [](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--steps", "15", "--hidden", "48", "--layers", "2",
+                                     "--test-samples", "200", "--progress", "none"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = train_under_run(2, {}, args);
+    EXPECT_EQ(r.exit_code, 0) << r.describe();
+    auto hashes = final_hashes(r.out);
+    EXPECT_EQ(hashes.size(), 2u) << r.out;
+    EXPECT_EQ(hashes[0], hashes[1]) << "replicas differ with " << testing::PrintToString(extra);
+    return hashes[0];
+  };
+  const std::string plain = run({});
+  // Two ranks: (a + b) / 2 is exact whatever the buckets, so these must not change the result.
+  EXPECT_EQ(run({"--bucket-cap-mb", "0.05", "--first-bucket-cap-mb", "0.01",
+                 "--gradient-as-bucket-view", "--static-graph"}),
+            plain);
+  // fp16 compression rounds the gradients: the hook is in use.
+  EXPECT_NE(run({"--comm-hook", "fp16"}), plain);
+}
+
 TEST(TdistTrain, MlpShapeFollowsHiddenAndLayers) {
   auto r = train({"--hidden", "1024", "--layers", "3", "--steps", "1", "--test-samples", "10",
                   "--progress", "none"});
