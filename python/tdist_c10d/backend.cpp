@@ -6,6 +6,7 @@
 #include <exception>
 #include <utility>
 
+#include "tdist/core/error.h"
 #include "tdist/python/tdist_c10d/store_adapter.h"
 #include "tdist/python/tdist_c10d/work.h"
 
@@ -71,16 +72,29 @@ T& single_list(std::vector<T>& lists, const char* op) {
   return lists[0];
 }
 
-// Issues a tdist operation; an error from the call itself (bad arguments, an aborted group)
-// becomes a c10 error (a RuntimeError in Python) that names the operation.
+void check_count(const std::vector<at::Tensor>& ts, int size, const char* op, const char* what) {
+  TORCH_CHECK(static_cast<int64_t>(ts.size()) == size, "tdist: ", op, " needs one ", what,
+              " tensor per rank of the group (", size, "), got ", ts.size());
+}
+
+void check_rank(int64_t r, int size, const char* op, const char* what) {
+  TORCH_CHECK(r >= 0 && r < size, "tdist: ", op, ": ", what, " ", r,
+              " is not a rank of this group of size ", size);
+}
+
+// Issues a tdist operation. An error from the call itself becomes a c10 error that names the
+// operation: bad arguments a c10::Error (RuntimeError in Python), anything else (an aborted or
+// broken group) a c10::DistBackendError, as errors from the operation's Work are.
 template <typename Fn>
 std::shared_ptr<comm::Work> issue(const char* op, Fn&& fn) {
   try {
     return fn();
   } catch (const c10::Error&) {
     throw;
-  } catch (const std::exception& e) {
+  } catch (const InvalidArgument& e) {
     C10_THROW_ERROR(Error, c10::str("tdist: ", op, ": ", e.what()));
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, c10::str("tdist: ", op, ": ", e.what()));
   }
 }
 
@@ -151,6 +165,26 @@ void TdistBackend::shutdown() {
   pg.reset();
 }
 
+void TdistBackend::startCoalescing() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!coalescing_, "tdist: startCoalescing called again before endCoalescing");
+  coalescing_ = true;
+}
+
+c10::intrusive_ptr<::c10d::Work> TdistBackend::endCoalescing() {
+  std::vector<std::shared_ptr<comm::Work>> works;
+  std::vector<at::Tensor> outputs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(coalescing_, "tdist: endCoalescing called without startCoalescing");
+    coalescing_ = false;
+    works.swap(coalesced_works_);
+    outputs.swap(coalesced_outputs_);
+  }
+  return c10::make_intrusive<WorkAdapter>(rank_, OpType::COALESCED, std::move(works),
+                                          std::move(outputs));
+}
+
 std::shared_ptr<comm::ProcessGroup> TdistBackend::group(const char* op) const {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(pg_, "tdist: ", op, " on a process group that was shut down");
@@ -165,6 +199,13 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::make_work(
     OpType type, std::vector<std::shared_ptr<comm::Work>> works, std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> keep_alive, int source_rank) {
   issued_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (coalescing_) {
+      coalesced_works_.insert(coalesced_works_.end(), works.begin(), works.end());
+      coalesced_outputs_.insert(coalesced_outputs_.end(), outputs.begin(), outputs.end());
+    }
+  }
   return c10::make_intrusive<WorkAdapter>(rank_, type, std::move(works), std::move(outputs),
                                           std::move(keep_alive), source_rank);
 }
@@ -174,6 +215,7 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::broadcast(std::vector<at::Tensor>
   auto& t = single(tensors, "broadcast");
   TORCH_CHECK(opts.rootTensor == 0, "tdist: broadcast has one tensor per rank; rootTensor must "
               "be 0, got ", opts.rootTensor);
+  check_rank(opts.rootRank, size_, "broadcast", "root");
   comm::BroadcastOptions o;
   o.root = static_cast<int>(opts.rootRank);
   o.timeout = timeout(opts.timeout);
@@ -209,6 +251,7 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::reduce(std::vector<at::Tensor>& t
   auto& t = single(tensors, "reduce");
   TORCH_CHECK(opts.rootTensor == 0, "tdist: reduce has one tensor per rank; rootTensor must be "
               "0, got ", opts.rootTensor);
+  check_rank(opts.rootRank, size_, "reduce", "root");
   comm::ReduceOptions o;
   o.op = to_tdist(opts.reduceOp, "reduce");
   o.root = static_cast<int>(opts.rootRank);
@@ -222,6 +265,7 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::allgather(
     const ::c10d::AllgatherOptions& opts) {
   auto& in = single(inputs, "allgather");
   auto& outs = single_list(outputs, "allgather");
+  check_count(outs, size_, "allgather", "output");
   check_tensors(outs, "allgather");
   comm::AllgatherOptions o;
   o.timeout = timeout(opts.timeout);
@@ -246,7 +290,10 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::allgather_coalesced(
   TORCH_CHECK(outputs.size() == inputs.size(), "tdist: allgather_coalesced needs one output list "
               "per input, got ", outputs.size(), " lists for ", inputs.size(), " inputs");
   check_tensors(inputs, "allgather_coalesced");
-  for (const auto& list : outputs) check_tensors(list, "allgather_coalesced");
+  for (const auto& list : outputs) {
+    check_count(list, size_, "allgather_coalesced", "output");
+    check_tensors(list, "allgather_coalesced");
+  }
   comm::AllgatherOptions o;
   o.timeout = timeout(opts.timeout);
   auto pg = group("allgather_coalesced");
@@ -289,7 +336,9 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::gather(
               root ? "one output list on the root" : "no output list off the root", ", got ",
               outputs.size());
   std::vector<at::Tensor> outs = root ? outputs[0] : std::vector<at::Tensor>{};
+  if (root) check_count(outs, size_, "gather", "output");
   check_tensors(outs, "gather");
+  check_rank(opts.rootRank, size_, "gather", "root");
   comm::GatherOptions o;
   o.root = static_cast<int>(opts.rootRank);
   o.timeout = timeout(opts.timeout);
@@ -306,7 +355,9 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::scatter(
               root ? "one input list on the root" : "no input list off the root", ", got ",
               inputs.size());
   std::vector<at::Tensor> ins = root ? inputs[0] : std::vector<at::Tensor>{};
+  if (root) check_count(ins, size_, "scatter", "input");
   check_tensors(ins, "scatter");
+  check_rank(opts.rootRank, size_, "scatter", "root");
   comm::ScatterOptions o;
   o.root = static_cast<int>(opts.rootRank);
   o.timeout = timeout(opts.timeout);
@@ -319,6 +370,7 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::reduce_scatter(
     const ::c10d::ReduceScatterOptions& opts) {
   auto& out = single(outputs, "reduce_scatter");
   auto& ins = single_list(inputs, "reduce_scatter");
+  check_count(ins, size_, "reduce_scatter", "input");
   check_tensors(ins, "reduce_scatter");
   comm::ReduceScatterOptions o;
   o.op = to_tdist(opts.reduceOp, "reduce_scatter");
@@ -377,6 +429,8 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::alltoall_base(
 c10::intrusive_ptr<::c10d::Work> TdistBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                         std::vector<at::Tensor>& inputs,
                                                         const ::c10d::AllToAllOptions& opts) {
+  check_count(outputs, size_, "alltoall", "output");
+  check_count(inputs, size_, "alltoall", "input");
   check_tensors(outputs, "alltoall");
   check_tensors(inputs, "alltoall");
   comm::AllToAllOptions o;
@@ -395,6 +449,7 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::barrier(const ::c10d::BarrierOpti
 c10::intrusive_ptr<::c10d::Work> TdistBackend::send(std::vector<at::Tensor>& tensors, int dst,
                                                     int tag) {
   auto& t = single(tensors, "send");
+  check_rank(dst, size_, "send", "destination");
   comm::SendRecvOptions o;
   o.timeout = timeout(::c10d::kUnsetTimeout);
   auto w = issue("send", [&] { return group("send")->send(t, dst, tag, o); });
@@ -404,6 +459,7 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::send(std::vector<at::Tensor>& ten
 c10::intrusive_ptr<::c10d::Work> TdistBackend::recv(std::vector<at::Tensor>& tensors, int src,
                                                     int tag) {
   auto& t = single(tensors, "recv");
+  check_rank(src, size_, "recv", "source");
   comm::SendRecvOptions o;
   o.timeout = timeout(::c10d::kUnsetTimeout);
   auto w = issue("recv", [&] { return group("recv")->recv(t, src, tag, o); });

@@ -10,9 +10,11 @@
 // Operations and their c10d names: broadcast, allreduce, allreduce_coalesced, reduce, allgather,
 // _allgather_base, allgather_coalesced, allgather_into_tensor_coalesced, gather, scatter,
 // reduce_scatter, _reduce_scatter_base, reduce_scatter_tensor_coalesced, alltoall_base (equal or
-// split sizes), alltoall, barrier, send, recv, recvAnysource. Not supported (a RuntimeError that
-// names the operation): allreduce_sparse, monitoredBarrier, splitting, coalescing managers,
-// ReduceOp.PREMUL_SUM, tensors that are not on the CPU, several tensors per rank in one call.
+// split sizes), alltoall, barrier, send, recv, recvAnysource; startCoalescing/endCoalescing
+// (operations between them are issued at once, in order, and endCoalescing's Work completes when
+// all of them have). Not supported (a RuntimeError that names the operation): allreduce_sparse,
+// monitoredBarrier, splitting, ReduceOp.PREMUL_SUM, tensors that are not on the CPU, several
+// tensors per rank in one call.
 //
 // Timeouts: an operation's timeout is its options' when set, else the backend's (the group's
 // timeout from init_process_group, changeable with setTimeout).
@@ -51,6 +53,9 @@ class TdistBackend final : public ::c10d::Backend {
   uint64_t getSequenceNumberForGroup() override { return issued_.load(); }
   void abort() override;
   void shutdown() override;
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<::c10d::Work> endCoalescing() override;
 
   c10::intrusive_ptr<::c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                              const ::c10d::BroadcastOptions& opts) override;
@@ -117,6 +122,10 @@ class TdistBackend final : public ::c10d::Backend {
   mutable std::mutex mu_;
   // Released by shutdown(); guarded by mu_ (operations copy it, then issue without the lock).
   std::shared_ptr<comm::ProcessGroup> pg_;
+  // Between startCoalescing and endCoalescing: the operations issued so far. Guarded by mu_.
+  bool coalescing_ = false;
+  std::vector<std::shared_ptr<comm::Work>> coalesced_works_;
+  std::vector<at::Tensor> coalesced_outputs_;
   // Changed by setTimeout; read by every operation.
   std::atomic<int64_t> timeout_ms_;
   // Operations issued through this backend (c10d's sequence number for the group).

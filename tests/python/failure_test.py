@@ -1,0 +1,126 @@
+"""Failures through the tdist backend raise in Python instead of hanging.
+
+  failure_test.py --scenario killed   3 ranks; rank 2 is SIGKILLed in the middle of an
+                                      all_reduce; ranks 0 and 1 must get a RuntimeError from
+                                      wait() within the group timeout, later operations must fail
+                                      too, and destroy_process_group must return.
+  failure_test.py --scenario absent   2 ranks; rank 1 never joins new_group(backend="tdist"); rank
+                                      0's new_group must raise within its timeout, naming the
+                                      group's creation.
+"""
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from harness import check  # noqa: E402
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=15)
+# How much later than the group timeout an error may arrive on a loaded machine: the bound is a
+# deadline the backend must honour, not a speed.
+GRACE = datetime.timedelta(seconds=15)
+VICTIM = 2
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--scenario", choices=["killed", "absent"], required=True)
+    return p.parse_args()
+
+
+def killed(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    import tdist_c10d  # noqa: F401
+    torch.set_num_threads(1)
+    dist.init_process_group("tdist", init_method="env://", timeout=GROUP_TIMEOUT)
+    t = torch.ones(1 << 20)  # 4 MiB: the ring takes many messages per all_reduce
+    for _ in range(3):
+        dist.all_reduce(t)
+    if rank == VICTIM:
+        dist.all_reduce(t, async_op=True)  # in flight on every rank...
+        os.kill(os.getpid(), signal.SIGKILL)  # ...when this rank dies
+
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            dist.all_reduce(t)
+        raise AssertionError("all_reduce kept succeeding with rank %d dead" % VICTIM)
+    except RuntimeError as e:
+        elapsed = time.monotonic() - start
+        print("rank %d: all_reduce raised %s after %.1f s: %s" % (
+            rank, type(e).__name__, elapsed, str(e).splitlines()[0]))
+        check("tdist" in str(e), "the error does not come from tdist:", e)
+        check(isinstance(e, dist.DistBackendError), "expected DistBackendError, got", type(e))
+        check(elapsed <= (GROUP_TIMEOUT + GRACE).total_seconds(),
+              "the error came after %.1f s, past the %s timeout" % (elapsed, GROUP_TIMEOUT))
+
+    # The group is broken for good: the next operation fails too (no hang).
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3))
+        raise AssertionError("all_reduce succeeded on a broken group")
+    except RuntimeError as e:
+        print("rank %d: next all_reduce raised after %.1f s: %s" % (
+            rank, time.monotonic() - start, str(e).splitlines()[0]))
+    dist.destroy_process_group()
+    print("rank %d: survived the death of rank %d" % (rank, VICTIM))
+
+
+def absent(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    import tdist_c10d  # noqa: F401
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    store = dist.distributed_c10d._get_default_store()
+    short = datetime.timedelta(seconds=5)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.new_group(ranks=[0, 1], backend="tdist", timeout=short)
+            raise AssertionError("new_group returned although rank 1 never joined")
+        except RuntimeError as e:
+            elapsed = time.monotonic() - start
+            print("rank 0: new_group raised after %.1f s: %s" % (elapsed, str(e).splitlines()[0]))
+            check("creating process group" in str(e), "unexpected error:", e)
+            check(elapsed <= (short + GRACE).total_seconds(),
+                  "the error came after %.1f s, past the %s timeout" % (elapsed, short))
+        finally:
+            store.set("test_done", "1")
+    else:
+        store.wait(["test_done"], datetime.timedelta(seconds=60))
+        print("rank 1: stayed away from new_group")
+
+
+def child(rank, world_size):
+    args = parse()
+    (killed if args.scenario == "killed" else absent)(rank, world_size)
+
+
+def main():
+    args = parse()
+    if args.child:
+        harness.child_main(child)
+    script = os.path.abspath(__file__)
+    if args.scenario == "killed":
+        with harness.Ranks(script, 3, ["--scenario", "killed"]) as ranks:
+            results = ranks.wait_all(timeout=90)
+        victim = results[VICTIM]
+        if victim.returncode != -signal.SIGKILL:
+            raise SystemExit("FAILED: rank %d should have died of SIGKILL\n%s" % (
+                VICTIM, victim.describe()))
+        harness.check_all_succeeded(results[:VICTIM], "survivors of a rank killed mid-collective")
+    else:
+        harness.run_ranks(script, 2, ["--scenario", "absent"], timeout=60,
+                          what="new_group with a rank that never joins")
+
+
+if __name__ == "__main__":
+    main()
