@@ -4,6 +4,9 @@
                                       all_reduce; ranks 0 and 1 must get a RuntimeError from
                                       wait() within the group timeout, later operations must fail
                                       too, and destroy_process_group must return.
+  failure_test.py --scenario stopped  3 ranks; rank 2 stops (SIGSTOP) in the middle of an
+                                      all_reduce and never answers again; ranks 0 and 1 must get a
+                                      RuntimeError within the group timeout (5 s here).
   failure_test.py --scenario absent   2 ranks; rank 1 never joins new_group(backend="tdist"); rank
                                       0's new_group must raise within its timeout, naming the
                                       group's creation.
@@ -24,42 +27,45 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=15)
 # How much later than the group timeout an error may arrive on a loaded machine: the bound is a
 # deadline the backend must honour, not a speed.
 GRACE = datetime.timedelta(seconds=15)
+STOPPED_TIMEOUT = datetime.timedelta(seconds=5)
 VICTIM = 2
 
 
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--child", action="store_true")
-    p.add_argument("--scenario", choices=["killed", "absent"], required=True)
+    p.add_argument("--scenario", choices=["killed", "stopped", "absent"], required=True)
     return p.parse_args()
 
 
-def killed(rank, world_size):
+def dead_peer(rank, world_size, scenario):
     import torch
     import torch.distributed as dist
     import tdist_c10d  # noqa: F401
     torch.set_num_threads(1)
-    dist.init_process_group("tdist", init_method="env://", timeout=GROUP_TIMEOUT)
+    timeout = GROUP_TIMEOUT if scenario == "killed" else STOPPED_TIMEOUT
+    dist.init_process_group("tdist", init_method="env://", timeout=timeout)
     t = torch.ones(1 << 20)  # 4 MiB: the ring takes many messages per all_reduce
     for _ in range(3):
         dist.all_reduce(t)
     if rank == VICTIM:
         dist.all_reduce(t, async_op=True)  # in flight on every rank...
-        os.kill(os.getpid(), signal.SIGKILL)  # ...when this rank dies
+        # ...when this rank dies, or hangs for good (the test kills it at the end).
+        os.kill(os.getpid(), signal.SIGKILL if scenario == "killed" else signal.SIGSTOP)
 
     start = time.monotonic()
     try:
         for _ in range(1000):
             dist.all_reduce(t)
-        raise AssertionError("all_reduce kept succeeding with rank %d dead" % VICTIM)
+        raise AssertionError("all_reduce kept succeeding with rank %d gone" % VICTIM)
     except RuntimeError as e:
         elapsed = time.monotonic() - start
         print("rank %d: all_reduce raised %s after %.1f s: %s" % (
             rank, type(e).__name__, elapsed, str(e).splitlines()[0]))
         check("tdist" in str(e), "the error does not come from tdist:", e)
         check(isinstance(e, dist.DistBackendError), "expected DistBackendError, got", type(e))
-        check(elapsed <= (GROUP_TIMEOUT + GRACE).total_seconds(),
-              "the error came after %.1f s, past the %s timeout" % (elapsed, GROUP_TIMEOUT))
+        check(elapsed <= (timeout + GRACE).total_seconds(),
+              "the error came after %.1f s, past the %s timeout" % (elapsed, timeout))
 
     # The group is broken for good: the next operation fails too (no hang).
     start = time.monotonic()
@@ -70,7 +76,8 @@ def killed(rank, world_size):
         print("rank %d: next all_reduce raised after %.1f s: %s" % (
             rank, time.monotonic() - start, str(e).splitlines()[0]))
     dist.destroy_process_group()
-    print("rank %d: survived the death of rank %d" % (rank, VICTIM))
+    print("rank %d: survived rank %d's %s" % (
+        rank, VICTIM, "death" if scenario == "killed" else "hang"))
 
 
 def absent(rank, world_size):
@@ -101,7 +108,10 @@ def absent(rank, world_size):
 
 def child(rank, world_size):
     args = parse()
-    (killed if args.scenario == "killed" else absent)(rank, world_size)
+    if args.scenario == "absent":
+        absent(rank, world_size)
+    else:
+        dead_peer(rank, world_size, args.scenario)
 
 
 def main():
@@ -109,17 +119,22 @@ def main():
     if args.child:
         harness.child_main(child)
     script = os.path.abspath(__file__)
-    if args.scenario == "killed":
-        with harness.Ranks(script, 3, ["--scenario", "killed"]) as ranks:
-            results = ranks.wait_all(timeout=90)
-        victim = results[VICTIM]
-        if victim.returncode != -signal.SIGKILL:
-            raise SystemExit("FAILED: rank %d should have died of SIGKILL\n%s" % (
-                VICTIM, victim.describe()))
-        harness.check_all_succeeded(results[:VICTIM], "survivors of a rank killed mid-collective")
-    else:
+    if args.scenario == "absent":
         harness.run_ranks(script, 2, ["--scenario", "absent"], timeout=60,
                           what="new_group with a rank that never joins")
+        return
+    survivors = [r for r in range(3) if r != VICTIM]
+    with harness.Ranks(script, 3, ["--scenario", args.scenario]) as ranks:
+        if args.scenario == "stopped":
+            results = ranks.wait_all(timeout=90, ranks=survivors)  # then kills the victim
+        else:
+            results = ranks.wait_all(timeout=90)
+            victim = results.pop(VICTIM)
+            if victim.returncode != -signal.SIGKILL:
+                raise SystemExit("FAILED: rank %d should have died of SIGKILL\n%s" % (
+                    VICTIM, victim.describe()))
+    harness.check_all_succeeded(results, "survivors of rank %d %s mid-collective" % (
+        VICTIM, "killed" if args.scenario == "killed" else "hung"))
 
 
 if __name__ == "__main__":

@@ -91,27 +91,29 @@ class Ranks:
         with open(self.logs[rank].name) as f:
             return f.read()
 
-    def wait_all(self, timeout):
-        """Waits up to `timeout` seconds for every rank; kills the rest; returns RankResults."""
+    def wait_all(self, timeout, ranks=None):
+        """Waits up to `timeout` seconds for `ranks` (default: all), then kills every rank still
+        running; returns a RankResult per waited-for rank (returncode None: it did not finish)."""
+        ranks = list(range(len(self.procs))) if ranks is None else list(ranks)
         deadline = time.monotonic() + timeout
-        codes = []
-        for p in self.procs:
+        codes = {}
+        for r in ranks:
             try:
-                codes.append(p.wait(timeout=max(0.0, deadline - time.monotonic())))
+                codes[r] = self.procs[r].wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                codes.append(None)
+                codes[r] = None
         self.kill_all()
-        return [RankResult(r, codes[r], self.output(r)) for r in range(len(self.procs))]
+        return [RankResult(r, codes[r], self.output(r)) for r in ranks]
 
 
 def check_all_succeeded(results, what):
     failed = [r for r in results if r.returncode != 0]
     if failed:
         raise SystemExit("FAILED: %s\n%s" % (what, "\n".join(r.describe() for r in failed)))
-    for r in results:  # what each rank reported last (the test's summary line)
-        lines = [l for l in r.output.splitlines() if l.startswith("rank ")]
-        if lines:
-            print(lines[-1])
+    for r in results:  # what each rank reported (lines starting with "rank ")
+        for line in r.output.splitlines():
+            if line.startswith("rank "):
+                print(line)
     print("PASSED: %s" % what)
 
 
