@@ -104,7 +104,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly(
           "group_timeout",
           [](TdistBackend& self) { return self.getBackendOptions()->timeout; },
-          "Timeout of the group's operations (a datetime.timedelta).");
+          "Timeout of the group's operations (a datetime.timedelta).")
+      .def(
+          "set_timeout",
+          [](TdistBackend& self, std::chrono::milliseconds timeout) { self.setTimeout(timeout); },
+          py::arg("timeout"),
+          "Sets the timeout of the group's later operations (a positive datetime.timedelta).");
 
   m.def("_create_backend", &create_backend, py::arg("dist_backend_opts"),
         py::arg("backend_options"),

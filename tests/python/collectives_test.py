@@ -37,7 +37,8 @@ def values(rank, numel, dtype):
 def check_allreduce(dist, torch, g, rank, n, ranks):
     """all_reduce with every ReduceOp and several dtypes; `ranks` are the group's global ranks."""
     for numel in (1, 7, 1000):
-        for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16):
+        for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16,
+                      torch.bfloat16):
             inputs = [values(r, numel, dtype) for r in ranks]
             ops = [(dist.ReduceOp.SUM, lambda ts: sum(t.double() for t in ts)),
                    (dist.ReduceOp.PRODUCT, lambda ts: torch.stack([t.double() for t in ts]).prod(0)),
@@ -49,7 +50,7 @@ def check_allreduce(dist, torch, g, rank, n, ranks):
                 t = values(rank, numel, dtype)
                 dist.all_reduce(t, op=op, group=g)
                 check(t.dtype == dtype, "all_reduce changed the dtype")
-                tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+                tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
                 check_close(t, reference(inputs), "all_reduce %s %s numel %d" % (op, dtype, numel),
                             rtol=tol, atol=tol)
     for op, fn in ((dist.ReduceOp.BAND, lambda a, b: a & b), (dist.ReduceOp.BOR, lambda a, b: a | b),
@@ -61,6 +62,14 @@ def check_allreduce(dist, torch, g, rank, n, ranks):
         t = inputs[ranks.index(rank)].clone()
         dist.all_reduce(t, op=op, group=g)
         check_equal(t, expected, "all_reduce %s" % op)
+    flags = [torch.tensor([r == 0, True, False, r % 2 == 1]) for r in ranks]
+    for op, fn in ((dist.ReduceOp.BAND, torch.logical_and), (dist.ReduceOp.BOR, torch.logical_or)):
+        expected = flags[0]
+        for f in flags[1:]:
+            expected = fn(expected, f)
+        t = flags[ranks.index(rank)].clone()
+        dist.all_reduce(t, op=op, group=g)
+        check_equal(t, expected, "all_reduce %s on bool" % op)
     # A non-contiguous tensor is reduced in place like any other.
     base = values(rank, 12, torch.float32).reshape(3, 4)
     t = base.t()
@@ -118,6 +127,18 @@ def check_gathers_and_scatters(dist, torch, g, rank, n, ranks):
     objs = [None] * n
     dist.all_gather_object(objs, {"rank": rank, "payload": "x" * (rank * 37)}, group=g)
     check(objs == [{"rank": r, "payload": "x" * (r * 37)} for r in ranks], "all_gather_object", objs)
+    root = ranks[-1]
+    objs = [("from", rank)] if rank == root else [None]
+    dist.broadcast_object_list(objs, src=root, group=g)
+    check(objs == [("from", root)], "broadcast_object_list", objs)
+    got = [None] * n if rank == root else None
+    dist.gather_object({"r": rank}, got, dst=root, group=g)
+    if rank == root:
+        check(got == [{"r": r} for r in ranks], "gather_object", got)
+    got = [None]
+    dist.scatter_object_list(got, [[i] * i for i in range(n)] if rank == root else None, src=root,
+                             group=g)
+    check(got == [[me] * me], "scatter_object_list", got)
 
     # reduce_scatter (list): rank r contributes chunk i = values(r) + i; member i gets the sum.
     inputs = [values(rank, 5, torch.float32) + i for i in range(n)]
@@ -232,6 +253,12 @@ def check_async(dist, torch, g, rank, n, ranks):
     check_equal(doubled.wait(), sum(values(r, 8, torch.float64) for r in ranks) * 2,
                 "get_future().then()")
 
+    t = torch.full((2,), float(rank))
+    w = dist.all_reduce(t, group=g, async_op=True)
+    w.wait()
+    check(len(w.result()) == 1 and w.result()[0] is not None, "result()", w.result())
+    check_equal(w.result()[0], torch.full((2,), float(sum(ranks))), "result() value")
+
     # wait(timeout) on an operation that completes well within it.
     w = dist.all_reduce(torch.ones(3), group=g, async_op=True)
     check(w.wait(timeout=datetime.timedelta(seconds=30)), "wait(timeout)")
@@ -314,6 +341,12 @@ def child(rank, world_size):
     check(isinstance(backend, tdist_c10d.TdistBackend), "the CPU backend is", type(backend))
     check(backend.group_timeout == TIMEOUT, "group timeout", backend.group_timeout)
     check(dist.get_rank() == rank and dist.get_world_size() == world_size, "rank/size")
+    longer = TIMEOUT + datetime.timedelta(seconds=1)
+    backend.set_timeout(longer)
+    check(backend.group_timeout == longer, "group timeout after set_timeout",
+          backend.group_timeout)
+    expect_raises(lambda: backend.set_timeout(datetime.timedelta(0)), RuntimeError,
+                  "positive timeout")
 
     everyone = list(range(world_size))
     run_all(dist, torch, None, rank, world_size, everyone)
