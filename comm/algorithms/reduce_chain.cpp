@@ -1,0 +1,50 @@
+// Pipelined reduce along the chain root+1, root+2, ..., root: the first rank sends its input;
+// every later rank receives the partial result chunk by chunk, reduces its own input into it
+// and forwards it at once; the root reduces the last partial into its output. Non-root inputs
+// are never written (partials live in scratch).
+
+#include <algorithm>
+#include <cstring>
+
+#include "tdist/comm/algorithms/algorithms.h"
+
+namespace tdist::comm::algorithms {
+
+void reduce_chain(Context& c, const char* input, char* output, size_t count, const ReduceSpec& rs,
+                  int root) {
+  const int n = c.size;
+  const size_t es = rs.elem_size;
+  const size_t bytes = count * es;
+  if (c.rank == root && output != input && bytes > 0) std::memcpy(output, input, bytes);
+  if (n > 1 && count > 0) {
+    const int pos = (c.rank - root - 1 + 2 * n) % n;
+    const int prev = (c.rank + n - 1) % n;
+    const int next = (c.rank + 1) % n;
+    if (pos == 0) {
+      c.ex.send(next, input, bytes);
+      c.ex.run();
+    } else {
+      char* partial = c.scratch.get(bytes);
+      const size_t chunk = chunk_elems(c, es);
+      for (size_t off = 0; off < count; off += chunk) {
+        c.ex.recv(prev, partial + off * es, std::min(chunk, count - off) * es, off);
+      }
+      const bool is_root = c.rank == root;
+      c.ex.run([&](int, uint64_t off) {
+        size_t len = std::min(chunk, count - off);
+        char* part = partial + off * es;
+        if (is_root) {
+          rs.fn(output + off * es, output + off * es, part, len);
+        } else {
+          rs.fn(part, part, input + off * es, len);
+          c.ex.send(next, part, len * es);
+        }
+      });
+    }
+  }
+  if (c.rank == root && rs.op == ReduceOp::AVG && count > 0) {
+    detail::divide_in_place(output, rs.dtype, count, n);
+  }
+}
+
+}  // namespace tdist::comm::algorithms

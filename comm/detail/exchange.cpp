@@ -1,0 +1,212 @@
+#include "tdist/comm/detail/exchange.h"
+
+#include <poll.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "tdist/core/error.h"
+
+namespace tdist::comm::detail {
+namespace {
+constexpr int kMaxIov = 64;
+}
+
+Exchange::Exchange(std::vector<tcp::Connection*> peers, int rank, const std::atomic<bool>* aborted)
+    : peers_(std::move(peers)), rank_(rank), aborted_(aborted) {
+  sends_.resize(peers_.size());
+  recvs_.resize(peers_.size());
+  iov_.resize(kMaxIov);
+  pollfds_.reserve(peers_.size());
+}
+
+std::string Exchange::where() const { return str("rank ", rank_, ": ", op_, " (seq ", seq_, ")"); }
+
+void Exchange::begin(const char* op, uint64_t seq, Clock::time_point deadline) {
+  op_ = op;
+  seq_ = seq;
+  deadline_ = deadline;
+  started_ = Clock::now();
+  for (auto* qs : {&sends_, &recvs_}) {
+    for (auto& q : *qs) {
+      q.items.clear();
+      q.head = 0;
+      q.posted = q.moved = 0;
+    }
+  }
+}
+
+void Exchange::send(int peer, const void* data, size_t n) {
+  if (n == 0) return;
+  auto& q = sends_[peer];
+  q.items.push_back(Item{static_cast<char*>(const_cast<void*>(data)), n, 0, 0});
+  q.posted += n;
+}
+
+void Exchange::recv(int peer, void* data, size_t n, uint64_t cookie) {
+  auto& q = recvs_[peer];
+  // A zero-byte receive still completes (in stream order) so that its callback runs.
+  q.items.push_back(Item{static_cast<char*>(data), n, 0, cookie});
+  q.posted += n;
+}
+
+void Exchange::check_aborted() const {
+  if (aborted_ != nullptr && aborted_->load(std::memory_order_relaxed)) {
+    TDIST_THROW(Error, where(), ": the process group was aborted");
+  }
+}
+
+bool Exchange::progress_send(int peer) {
+  auto& q = sends_[peer];
+  int count = 0;
+  for (size_t i = q.head; i < q.items.size() && count < kMaxIov; ++i, ++count) {
+    iov_[count].iov_base = q.items[i].data + q.items[i].done;
+    iov_[count].iov_len = q.items[i].size - q.items[i].done;
+  }
+  long n = peers_[peer]->writev(iov_.data(), count);
+  if (n == tcp::Connection::kError) fail_closed(peer, "sending to", errno);
+  if (n <= 0) return false;
+  q.moved += static_cast<uint64_t>(n);
+  size_t left = static_cast<size_t>(n);
+  while (left > 0) {
+    Item& it = q.items[q.head];
+    size_t take = std::min(left, it.size - it.done);
+    it.done += take;
+    left -= take;
+    if (it.done == it.size) ++q.head;
+  }
+  return true;
+}
+
+bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
+  auto& q = recvs_[peer];
+  int count = 0;
+  for (size_t i = q.head; i < q.items.size() && count < kMaxIov; ++i) {
+    size_t left = q.items[i].size - q.items[i].done;
+    if (left == 0) {
+      if (count == 0) break;  // a zero-byte item at the head completes below
+      continue;
+    }
+    iov_[count].iov_base = q.items[i].data + q.items[i].done;
+    iov_[count].iov_len = left;
+    ++count;
+  }
+  long n = 0;
+  if (count > 0) {
+    n = peers_[peer]->readv(iov_.data(), count);
+    if (n == tcp::Connection::kClosed) fail_closed(peer, "receiving from", 0);
+    if (n == tcp::Connection::kError) fail_closed(peer, "receiving from", errno);
+  }
+  q.moved += static_cast<uint64_t>(std::max(n, 0L));
+  size_t left = static_cast<size_t>(std::max(n, 0L));
+  bool progressed = n > 0;
+  // Complete items in order; the callback may append to q.items (so index, never hold refs).
+  while (q.head < q.items.size()) {
+    Item& it = q.items[q.head];
+    size_t take = std::min(left, it.size - it.done);
+    it.done += take;
+    left -= take;
+    if (it.done < it.size) break;
+    uint64_t cookie = it.cookie;
+    ++q.head;
+    progressed = true;
+    if (cb != nullptr) cb(ctx, peer, cookie);
+  }
+  return progressed;
+}
+
+void Exchange::run_impl(Callback cb, void* ctx) {
+  check_aborted();
+  const int n = size();
+  Clock::time_point spin_until{};
+  bool spinning = false;
+  for (;;) {
+    bool pending = false;
+    bool progressed = false;
+    for (int p = 0; p < n; ++p) {
+      if (p == rank_) continue;
+      if (sends_[p].pending()) {
+        progressed |= progress_send(p);
+        pending |= sends_[p].pending();
+      }
+      if (recvs_[p].pending()) {
+        progressed |= progress_recv(p, cb, ctx);
+        // The callback may have posted sends to any peer.
+        pending |= recvs_[p].pending();
+      }
+    }
+    if (!pending) {
+      // Callbacks can post to peers that were already visited in this pass.
+      bool any = false;
+      for (int p = 0; p < n && !any; ++p) any = sends_[p].pending() || recvs_[p].pending();
+      if (!any) return;
+      continue;
+    }
+    if (progressed) {
+      spinning = false;
+      continue;
+    }
+    if (spin_us_ > 0) {
+      auto now = Clock::now();
+      if (!spinning) {
+        spinning = true;
+        spin_until = now + std::chrono::microseconds(spin_us_);
+      }
+      if (now < spin_until && now < deadline_) {
+        ::sched_yield();
+        continue;
+      }
+    }
+    spinning = false;
+    wait_for_io();
+  }
+}
+
+void Exchange::wait_for_io() {
+  check_aborted();
+  pollfds_.clear();
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_) continue;
+    short events = 0;
+    if (sends_[p].pending()) events |= POLLOUT;
+    if (recvs_[p].pending()) events |= POLLIN;
+    if (events != 0) pollfds_.push_back(pollfd{peers_[p]->fd(), events, 0});
+  }
+  for (;;) {
+    int rc = ::poll(pollfds_.data(), pollfds_.size(), tcp::poll_timeout_ms(deadline_));
+    if (rc > 0) return;
+    if (rc < 0 && errno != EINTR) {
+      TDIST_THROW(NetworkError, where(), ": poll failed: ", tcp::errno_text(errno));
+    }
+    if (rc == 0 && Clock::now() >= deadline_) fail_timeout();
+  }
+}
+
+void Exchange::fail_closed(int peer, const char* direction, int err) {
+  check_aborted();
+  const auto& s = sends_[peer];
+  const auto& r = recvs_[peer];
+  std::string cause = err == 0 ? std::string("the connection was closed (rank ") + std::to_string(peer) +
+                                     " exited, crashed or aborted)"
+                               : tcp::errno_text(err);
+  TDIST_THROW(NetworkError, where(), ": lost rank ", peer, " while ", direction, " it: ", cause,
+              "; received ", r.moved, " of ", r.posted, " bytes from it, sent ", s.moved, " of ",
+              s.posted, " bytes to it");
+}
+
+void Exchange::fail_timeout() {
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started_).count();
+  std::string waiting;
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_) continue;
+    const auto& s = sends_[p];
+    const auto& r = recvs_[p];
+    if (!s.pending() && !r.pending()) continue;
+    waiting += str(waiting.empty() ? "" : "; ", "rank ", p, " (received ", r.moved, " of ",
+                   r.posted, " bytes from it, sent ", s.moved, " of ", s.posted, " bytes to it)");
+  }
+  TDIST_THROW(TimeoutError, where(), ": timed out after ", ms, " ms waiting for ", waiting);
+}
+
+}  // namespace tdist::comm::detail
