@@ -101,8 +101,11 @@ def absent(rank, world_size):
                   "the error came after %.1f s, past the %s timeout" % (elapsed, short))
         finally:
             store.set("test_done", "1")
+            # Rank 0 serves the store: stay until rank 1 has seen the key.
+            store.wait(["test_acked"], datetime.timedelta(seconds=60))
     else:
         store.wait(["test_done"], datetime.timedelta(seconds=60))
+        store.set("test_acked", "1")
         print("rank 1: stayed away from new_group")
 
 
