@@ -110,6 +110,13 @@ std::vector<at::Tensor> WorkAdapter::result() { return outputs_; }
 bool WorkAdapter::wait(std::chrono::milliseconds timeout) {
   try {
     done_->wait(timeout == kC10dNoTimeout ? comm::Millis(-1) : timeout);
+  } catch (const TimeoutError&) {
+    if (done_->completed()) std::rethrow_exception(to_c10_error(std::current_exception()));
+    // The wait gave up, not the operation: say which operation it was.
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("tdist: rank ", rank_, ": wait(", timeout.count(), " ms) on ",
+                             describe(),
+                             " gave up; the operation keeps running until its own deadline"));
   } catch (...) {
     std::rethrow_exception(to_c10_error(std::current_exception()));
   }
@@ -121,6 +128,18 @@ bool WorkAdapter::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkAdapter::getFuture() { return future_; }
+
+std::string WorkAdapter::describe() const {
+  std::string out = ::c10d::opTypeToString(opType_);
+  if (works_.size() == 1) {
+    out += " (" + works_[0]->op() + ", seq " + std::to_string(works_[0]->sequence_number()) + ")";
+  } else if (!works_.empty()) {
+    out += " (" + std::to_string(works_.size()) + " operations, seq " +
+           std::to_string(works_.front()->sequence_number()) + ".." +
+           std::to_string(works_.back()->sequence_number()) + ")";
+  }
+  return out;
+}
 
 uint64_t WorkAdapter::getSequencenumber() const {
   return works_.empty() ? 0 : works_.back()->sequence_number();

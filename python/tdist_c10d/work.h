@@ -26,6 +26,7 @@
 
 #include <exception>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "tdist/comm/work.h"
@@ -57,6 +58,9 @@ class WorkAdapter : public ::c10d::Work {
   uint64_t getSequencenumber() const override;
 
  private:
+  // "ALLREDUCE (allreduce, seq 7)": the c10d op and the tdist operation(s) behind it.
+  std::string describe() const;
+
   // Constant after construction.
   const std::vector<std::shared_ptr<comm::Work>> works_;
   const std::vector<at::Tensor> outputs_;

@@ -12,6 +12,7 @@ import argparse
 import datetime
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -361,6 +362,17 @@ def child(rank, world_size):
     if rank in odd:
         check(dist.get_rank(odd_group) == odd.index(rank), "rank in the odd group")
         run_all(dist, torch, odd_group, rank, len(odd), odd)
+    # wait(timeout) gives up on an operation that cannot finish in time, and says so; the
+    # receive stays posted until destroy_process_group aborts it.
+    if world_size > 1 and rank == 0:
+        pending = dist.irecv(torch.zeros(1), src=1, tag=999)
+        start = time.monotonic()
+        e = expect_raises(lambda: pending.wait(timeout=datetime.timedelta(milliseconds=500)),
+                          RuntimeError, "tdist")
+        print("rank 0: wait(500 ms) on a receive nobody sends raised after %.2f s: %s" % (
+            time.monotonic() - start, str(e).splitlines()[0]))
+        check(not pending.is_completed(), "the receive completed without a sender")
+
     # The backend takes no options object: a clear error, on every rank alike.
     expect_raises(lambda: dist.new_group(backend="tdist", pg_options=object()), ValueError,
                   "takes no backend options")

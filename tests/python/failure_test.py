@@ -6,7 +6,8 @@
                                       too, and destroy_process_group must return.
   failure_test.py --scenario stopped  3 ranks; rank 2 stops (SIGSTOP) in the middle of an
                                       all_reduce and never answers again; ranks 0 and 1 must get a
-                                      RuntimeError within the group timeout (5 s here).
+                                      RuntimeError from get_future().wait() within the group
+                                      timeout (5 s here).
   failure_test.py --scenario absent   2 ranks; rank 1 never joins new_group(backend="tdist"); rank
                                       0's new_group must raise within its timeout, naming the
                                       group's creation.
@@ -56,7 +57,10 @@ def dead_peer(rank, world_size, scenario):
     start = time.monotonic()
     try:
         for _ in range(1000):
-            dist.all_reduce(t)
+            if scenario == "killed":
+                dist.all_reduce(t)  # Work.wait() raises
+            else:
+                dist.all_reduce(t, async_op=True).get_future().wait()  # the future raises
         raise AssertionError("all_reduce kept succeeding with rank %d gone" % VICTIM)
     except RuntimeError as e:
         elapsed = time.monotonic() - start
