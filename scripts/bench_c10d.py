@@ -2,15 +2,16 @@
 """dist.all_reduce through the tdist backend against Gloo, in the same run, from Python.
 
   python3 scripts/bench_c10d.py [--world-sizes 2 4] [--min-bytes 4K] [--max-bytes 64M]
-                                [--seconds 0.5] [--build-dir build]
+                                [--seconds 1.0] [--rounds 3] [--build-dir build]
 
 For each world size it starts that many processes on this machine (127.0.0.1). Each initialises
 the default group with backend "tdist" and a second group over the same ranks with "gloo", then
-for every size (float32, powers of 4) times dist.all_reduce through each: warm-up, then as many
-iterations as fit in --seconds (at least 5). The time of a size is the median iteration, the
-slowest rank's. busbw follows nccl-tests: algbw * 2(n-1)/n. The two backends run alternately per
-size, so machine noise hits both alike; compare the ratio, not the absolute figures. The result of
-every timed all_reduce's last iteration is checked ("wrong" counts bad elements).
+for every size (float32, powers of 4) times dist.all_reduce through each: warm-up, then
+--rounds rounds that alternate the backends, each running as many iterations as fit in its share
+of --seconds (at least 5). The time of a size is the median iteration, the slowest rank's. busbw
+follows nccl-tests: algbw * 2(n-1)/n. Alternating spreads a shared machine's load changes over
+both backends; compare the ratio, not the absolute figures. One more all_reduce of known values
+per size and backend is checked ("wrong" counts bad elements).
 """
 
 import argparse
@@ -44,8 +45,10 @@ def parse():
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--min-bytes", default="4K")
     p.add_argument("--max-bytes", default="64M")
-    p.add_argument("--seconds", type=float, default=0.5,
-                   help="time budget per size and backend (default 0.5)")
+    p.add_argument("--seconds", type=float, default=1.0,
+                   help="time budget per size and backend (default 1.0)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternations between the backends per size (default 3)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--build-dir", default=os.path.join(REPO, "build"),
                    help="where tdist_c10d was built (its python/ folder goes on PYTHONPATH)")
@@ -62,9 +65,8 @@ def sizes(args):
     return out
 
 
-def time_allreduce(dist, torch, t, group, seconds, warmup):
-    for _ in range(warmup):
-        dist.all_reduce(t, group=group)
+def time_allreduce(dist, torch, t, group, seconds):
+    """Times all_reduce(t) for about `seconds` (at least 5 iterations); returns the times."""
     times = []
     deadline = time.perf_counter() + seconds
     while True:
@@ -76,8 +78,7 @@ def time_allreduce(dist, torch, t, group, seconds, warmup):
             go_on = torch.tensor([int(time.perf_counter() < deadline and len(times) < 1000)])
             dist.all_reduce(go_on, op=dist.ReduceOp.MIN, group=group)
             if go_on.item() == 0:
-                break
-    return statistics.median(times), len(times)
+                return times
 
 
 def child(args):
@@ -92,15 +93,24 @@ def child(args):
     rows = []
     for nbytes in sizes(args):
         numel = nbytes // 4
+        tensors = {name: torch.full((numel,), float(rank + 1)) for name in groups}
+        times = {name: [] for name in groups}
+        for name, group in groups.items():
+            for _ in range(args.warmup):
+                dist.all_reduce(tensors[name], group=group)
+        # Alternate the backends in rounds, so that load changes on a shared machine hit both.
+        for _ in range(args.rounds):
+            for name, group in groups.items():
+                times[name] += time_allreduce(dist, torch, tensors[name], group,
+                                              args.seconds / args.rounds)
         row = {"bytes": nbytes}
         for name, group in groups.items():
-            t = torch.full((numel,), float(rank + 1))
-            median, iters = time_allreduce(dist, torch, t, group, args.seconds, args.warmup)
-            # Check one more all_reduce of known values.
-            t.fill_(float(rank + 1))
+            t = tensors[name]
+            t.fill_(float(rank + 1))  # check one more all_reduce of known values
             dist.all_reduce(t, group=group)
             wrong = int((t != float(n * (n + 1) // 2)).sum().item())
-            stats = torch.tensor([median, float(wrong), float(iters)], dtype=torch.float64)
+            stats = torch.tensor([statistics.median(times[name]), float(wrong),
+                                  float(len(times[name]))], dtype=torch.float64)
             dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=gloo)
             row[name] = (stats[0].item(), int(stats[1].item()), int(stats[2].item()))
         rows.append(row)
@@ -126,7 +136,7 @@ def run_world(args, n):
                 "WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1"})
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--min-bytes", args.min_bytes,
             "--max-bytes", args.max_bytes, "--seconds", str(args.seconds),
-            "--warmup", str(args.warmup)]
+            "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
     procs = []
     for r in range(n):
         procs.append(subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
