@@ -13,7 +13,7 @@ namespace {
 constexpr int kMaxIov = 64;
 }
 
-Exchange::Exchange(std::vector<tcp::Connection*> peers, int rank, const std::atomic<bool>* aborted)
+Exchange::Exchange(std::vector<Channel*> peers, int rank, const std::atomic<bool>* aborted)
     : peers_(std::move(peers)), rank_(rank), aborted_(aborted) {
   sends_.resize(peers_.size());
   recvs_.resize(peers_.size());
@@ -65,7 +65,7 @@ bool Exchange::progress_send(int peer) {
     iov_[count].iov_len = q.items[i].size - q.items[i].done;
   }
   long n = peers_[peer]->writev(iov_.data(), count);
-  if (n == tcp::Connection::kError) fail_closed(peer, "sending to", errno);
+  if (n == Channel::kError) fail_closed(peer, "sending to", errno);
   if (n <= 0) return false;
   q.moved += static_cast<uint64_t>(n);
   size_t left = static_cast<size_t>(n);
@@ -95,8 +95,8 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   long n = 0;
   if (count > 0) {
     n = peers_[peer]->readv(iov_.data(), count);
-    if (n == tcp::Connection::kClosed) fail_closed(peer, "receiving from", 0);
-    if (n == tcp::Connection::kError) fail_closed(peer, "receiving from", errno);
+    if (n == Channel::kClosed) fail_closed(peer, "receiving from", 0);
+    if (n == Channel::kError) fail_closed(peer, "receiving from", errno);
   }
   q.moved += static_cast<uint64_t>(std::max(n, 0L));
   size_t left = static_cast<size_t>(std::max(n, 0L));
@@ -166,20 +166,34 @@ void Exchange::run_impl(Callback cb, void* ctx) {
 void Exchange::wait_for_io() {
   check_aborted();
   pollfds_.clear();
+  poll_peers_.clear();
   for (int p = 0; p < size(); ++p) {
     if (p == rank_) continue;
-    short events = 0;
-    if (sends_[p].pending()) events |= POLLOUT;
-    if (recvs_[p].pending()) events |= POLLIN;
-    if (events != 0) pollfds_.push_back(pollfd{peers_[p]->fd(), events, 0});
+    bool want_write = sends_[p].pending();
+    bool want_read = recvs_[p].pending();
+    if (!want_write && !want_read) continue;
+    ::pollfd pfd{};
+    if (!peers_[p]->prepare_wait(want_read, want_write, pfd)) {
+      // Progress became possible meanwhile; undo the other channels' registrations.
+      for (int q : poll_peers_) peers_[q]->after_wait(0);
+      return;
+    }
+    pollfds_.push_back(pfd);
+    poll_peers_.push_back(p);
   }
   for (;;) {
     int rc = ::poll(pollfds_.data(), pollfds_.size(), tcp::poll_timeout_ms(deadline_));
-    if (rc > 0) return;
+    if (rc > 0) break;
     if (rc < 0 && errno != EINTR) {
       TDIST_THROW(NetworkError, where(), ": poll failed: ", tcp::errno_text(errno));
     }
-    if (rc == 0 && Clock::now() >= deadline_) fail_timeout();
+    if (rc == 0 && Clock::now() >= deadline_) {
+      for (size_t i = 0; i < poll_peers_.size(); ++i) peers_[poll_peers_[i]]->after_wait(0);
+      fail_timeout();
+    }
+  }
+  for (size_t i = 0; i < poll_peers_.size(); ++i) {
+    peers_[poll_peers_[i]]->after_wait(pollfds_[i].revents);
   }
 }
 
@@ -191,8 +205,8 @@ void Exchange::fail_closed(int peer, const char* direction, int err) {
                                      " exited, crashed or aborted)"
                                : tcp::errno_text(err);
   TDIST_THROW(NetworkError, where(), ": lost rank ", peer, " while ", direction, " it: ", cause,
-              "; received ", r.moved, " of ", r.posted, " bytes from it, sent ", s.moved, " of ",
-              s.posted, " bytes to it");
+              "; received ", r.moved, " of the ", r.posted, " bytes posted so far from it, sent ",
+              s.moved, " of ", s.posted, " to it");
 }
 
 void Exchange::fail_timeout() {
@@ -203,8 +217,9 @@ void Exchange::fail_timeout() {
     const auto& s = sends_[p];
     const auto& r = recvs_[p];
     if (!s.pending() && !r.pending()) continue;
-    waiting += str(waiting.empty() ? "" : "; ", "rank ", p, " (received ", r.moved, " of ",
-                   r.posted, " bytes from it, sent ", s.moved, " of ", s.posted, " bytes to it)");
+    waiting += str(waiting.empty() ? "" : "; ", "rank ", p, " (received ", r.moved, " of the ",
+                   r.posted, " bytes posted so far from it, sent ", s.moved, " of ", s.posted,
+                   " to it)");
   }
   TDIST_THROW(TimeoutError, where(), ": timed out after ", ms, " ms waiting for ", waiting);
 }

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/comm/transport/channel.h"
 #include "tdist/comm/transport/tcp/connection.h"
 
 namespace tdist::comm::detail {
@@ -33,7 +34,7 @@ using Clock = std::chrono::steady_clock;
 class Exchange {
  public:
   // `peers` indexed by rank (nullptr at `rank`); `aborted` is the group's abort flag.
-  Exchange(std::vector<tcp::Connection*> peers, int rank, const std::atomic<bool>* aborted);
+  Exchange(std::vector<Channel*> peers, int rank, const std::atomic<bool>* aborted);
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(peers_.size()); }
@@ -91,7 +92,7 @@ class Exchange {
   void check_aborted() const;
 
   // Constant after construction.
-  const std::vector<tcp::Connection*> peers_;
+  const std::vector<Channel*> peers_;
   const int rank_;
   const std::atomic<bool>* const aborted_;
 
@@ -105,6 +106,7 @@ class Exchange {
   std::vector<Queue> recvs_;
   std::vector<iovec> iov_;
   std::vector<::pollfd> pollfds_;
+  std::vector<int> poll_peers_;  // the peer of each pollfds_ entry
 };
 
 }  // namespace tdist::comm::detail

@@ -55,9 +55,19 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   const int spin_us = static_cast<int>(env::get_int("TDIST_SPIN_US", 0, 0, 1000000));
 
   auto store = std::make_shared<PrefixStore>(prefix_, root_store_);
-  mesh_ = std::make_unique<tcp::Mesh>(*store, rank_, size_, 2, tcp::fnv1a(prefix_),
-                                      deadline_after(opts_.timeout));
-  exchange_ = std::make_unique<Exchange>(mesh_->channel(0), rank_, &aborted_);
+  const auto setup_deadline = deadline_after(opts_.timeout);
+  mesh_ = std::make_unique<tcp::Mesh>(*store, rank_, size_, 2, tcp::fnv1a(prefix_), setup_deadline);
+  ChannelOptions copts;
+  auto transport = env::get("TDIST_TRANSPORT").value_or("auto");
+  TDIST_CHECK_ARG(transport == "auto" || transport == "tcp", "TDIST_TRANSPORT='", transport,
+                  "' is not one of auto, tcp");
+  copts.allow_shm = transport == "auto";
+  copts.shm_capacity = static_cast<size_t>(
+      env::get_int("TDIST_SHM_BYTES", static_cast<int64_t>(copts.shm_capacity), 4096, int64_t(1) << 32));
+  channels_ = make_channels(*mesh_, 0, copts, setup_deadline);
+  std::vector<Channel*> peers;
+  for (auto& c : channels_) peers.push_back(c.get());
+  exchange_ = std::make_unique<Exchange>(peers, rank_, &aborted_);
   exchange_->set_spin_us(spin_us);
   p2p_ = std::make_unique<P2PEngine>(mesh_->channel(1), rank_,
                                      [this](std::exception_ptr e) { abort_with(e); });

@@ -18,6 +18,8 @@
 //   TDIST_ALLREDUCE_ALGO     auto | ring | recursive_doubling (default auto)
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
 //   TDIST_SPIN_US            microseconds to poll sockets before sleeping (default 0)
+//   TDIST_TRANSPORT          auto (shared memory with same-host peers, else TCP) | tcp
+//   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 4 MiB)
 //   TDIST_DEBUG=DETAIL       fingerprint check before every collective
 //
 // Thread safety: every public method may be called from any thread.
@@ -36,6 +38,7 @@
 #include "tdist/comm/detail/fingerprint.h"
 #include "tdist/comm/detail/p2p_engine.h"
 #include "tdist/comm/process_group.h"
+#include "tdist/comm/transport/channels.h"
 #include "tdist/comm/transport/tcp/mesh.h"
 
 namespace tdist::comm::detail {
@@ -122,6 +125,7 @@ class RingProcessGroup final : public ProcessGroup {
   size_t small_allreduce_bytes_ = 64 * 1024;
   bool debug_detail_ = false;
   std::unique_ptr<tcp::Mesh> mesh_;
+  std::vector<std::unique_ptr<Channel>> channels_;  // collective channel per peer
   std::unique_ptr<Exchange> exchange_;  // used by the worker thread only
   algorithms::Scratch scratch_;         // used by the worker thread only
   std::unique_ptr<P2PEngine> p2p_;
