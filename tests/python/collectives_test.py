@@ -27,6 +27,8 @@ def parse():
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--init", choices=["tcp", "env"], default="tcp")
     p.add_argument("--backend", default="tdist")
+    p.add_argument("--functional", action="store_true",
+                   help="also check the functional collectives (importing them takes seconds)")
     return p.parse_args()
 
 
@@ -286,6 +288,17 @@ def check_async(dist, torch, g, rank, n, ranks):
     check_equal(ts[1], torch.full((5,), 2.0 * n), "all_reduce_coalesced 1")
 
 
+def check_functional(dist, torch, g, rank, n, ranks):
+    """torch.distributed._functional_collectives (what torch.compile traces) over tdist."""
+    import torch.distributed._functional_collectives as fc
+    group = g if g is not None else dist.group.WORLD
+    y = fc.all_reduce(values(rank, 6, torch.float32), "sum", group)
+    check_equal(y, sum(values(r, 6, torch.float32) for r in ranks), "functional all_reduce")
+    z = fc.all_gather_tensor(torch.full((2,), float(rank)), 0, group)
+    check_equal(z, torch.cat([torch.full((2,), float(r)) for r in ranks]),
+                "functional all_gather_tensor")
+
+
 def check_errors(dist, torch, g, rank, n, ranks):
     """Refused calls raise RuntimeError naming the operation, change nothing, and leave the group
     usable. Every member makes the same calls, so the members stay in step."""
@@ -310,7 +323,7 @@ def check_errors(dist, torch, g, rank, n, ranks):
     check_equal(x, sum(values(r, 4, torch.float32) for r in ranks), "all_reduce after errors")
 
 
-def run_all(dist, torch, g, rank, n, ranks):
+def run_all(dist, torch, g, rank, n, ranks, functional=False):
     check_allreduce(dist, torch, g, rank, n, ranks)
     check_rooted(dist, torch, g, rank, n, ranks)
     check_gathers_and_scatters(dist, torch, g, rank, n, ranks)
@@ -318,6 +331,8 @@ def run_all(dist, torch, g, rank, n, ranks):
     if n > 1:  # c10d refuses to send to oneself
         check_point_to_point(dist, torch, g, rank, n, ranks)
     check_async(dist, torch, g, rank, n, ranks)
+    if functional:
+        check_functional(dist, torch, g, rank, n, ranks)
     check_errors(dist, torch, g, rank, n, ranks)
     dist.barrier(group=g)
 
@@ -350,13 +365,13 @@ def child(rank, world_size):
                   "positive timeout")
 
     everyone = list(range(world_size))
-    run_all(dist, torch, None, rank, world_size, everyone)
+    run_all(dist, torch, None, rank, world_size, everyone, args.functional)
 
     # Subgroups over tdist: all ranks in reverse order, and the odd ranks alone.
     sub = dist.new_group(ranks=everyone[::-1], backend="tdist")
     check(isinstance(sub._get_backend(torch.device("cpu")), tdist_c10d.TdistBackend),
           "subgroup backend")
-    run_all(dist, torch, sub, rank, world_size, everyone)
+    run_all(dist, torch, sub, rank, world_size, everyone, args.functional)
     odd = [r for r in everyone if r % 2 == 1]
     odd_group = dist.new_group(ranks=odd, backend="tdist", timeout=TIMEOUT) if odd else None
     if rank in odd:
@@ -387,7 +402,7 @@ def main():
         harness.child_main(child)
     harness.run_ranks(os.path.abspath(__file__), args.world_size,
                       ["--world-size", args.world_size, "--init", args.init,
-                       "--backend", args.backend],
+                       "--backend", args.backend] + (["--functional"] if args.functional else []),
                       timeout=150)
 
 
