@@ -2,7 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <atomic>
 #include <mutex>
 #include <string>
 
@@ -13,7 +12,7 @@ namespace {
 
 constexpr std::chrono::milliseconds kC10dNoTimeout{0};
 
-// Completes when every future in `futures` has; fails with the first error seen.
+// Completes when every one of `works` has; fails with the first error seen.
 std::shared_ptr<comm::Future> join(const std::vector<std::shared_ptr<comm::Work>>& works) {
   if (works.size() == 1) return works[0]->future();
   if (works.empty()) return comm::Future::completed({});
