@@ -5,14 +5,15 @@
 //   sends segment (r-s) to its right neighbour and receives segment (r-s-1) from its left one;
 //   after n-1 steps it holds the full reduction of segment (r+1). At allgather step s it sends
 //   segment (r+1-s) and receives segment (r-s). Both directions are one byte stream per
-//   neighbour, so instead of stepping in lock-step we post receives chunk by chunk: when chunk k
-//   of a reduce-scatter segment arrives (into one of kSlots scratch slots), it is reduced into
-//   the tensor at once and that same tensor chunk is posted to the right neighbour (it is what
-//   the next step sends); an allgather chunk lands directly in the tensor and is forwarded
-//   unless it is the last step. Reduction of chunk k thus overlaps the transfer of chunk k+1,
-//   and the receive side touches only kSlots * chunk bytes of scratch (cache resident).
+//   neighbour, so instead of stepping in lock-step every chunk of the whole sequence is posted
+//   at once: a reduce-scatter chunk is reduced into the tensor as it arrives (recv_reduce: on
+//   shared memory straight out of the ring, on TCP through a small bounce buffer) and, once
+//   complete, posted to the right neighbour (it is what the next step sends); an allgather chunk
+//   lands directly in the tensor and is forwarded unless it is the last step. Reduction of chunk
+//   k thus overlaps the transfer of chunk k+1.
 //   A send never reads memory that a later receive overwrites before the send completed: a
-//   segment comes back to this rank only after the whole ring consumed what it sent.
+//   segment comes back to this rank only after the whole ring consumed what it sent, and the
+//   reduce-scatter never writes segment r, the one sent first.
 
 #include <algorithm>
 
@@ -20,8 +21,6 @@
 
 namespace tdist::comm::algorithms {
 namespace {
-
-constexpr size_t kSlots = 4;
 
 struct Cursor {
   int n, r;
@@ -61,53 +60,31 @@ void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs) 
   const int left = (r + n - 1) % n;
   const size_t es = rs.elem_size;
   const size_t chunk = chunk_elems(c, es);
-  char* slots = c.scratch.get(kSlots * chunk * es);
-
-  Cursor post{n, r, count, chunk};
-  Cursor done{n, r, count, chunk};
-  post.settle();
-  done.settle();
-  size_t rs_posted = 0;       // reduce-scatter chunks posted so far
-  size_t rs_outstanding = 0;  // posted and not yet reduced
-
-  auto post_more = [&] {
-    while (!post.done()) {
-      if (post.phase == 0) {
-        if (rs_outstanding == kSlots) return;
-        char* slot = slots + (rs_posted % kSlots) * chunk * es;
-        c.ex.recv(left, slot, post.len() * es);
-        ++rs_posted;
-        ++rs_outstanding;
-      } else {
-        c.ex.recv(left, data + (post.seg_begin(post.seg()) + post.off) * es, post.len() * es);
-      }
-      post.advance();
-    }
-  };
 
   // Reduce-scatter step 0 sends this rank's own segment r.
   {
     Cursor own{n, r, count, chunk};
-    size_t b = own.seg_begin(r);
-    c.ex.send(right, data + b * es, own.seg_len(r) * es);
+    c.ex.send(right, data + own.seg_begin(r) * es, own.seg_len(r) * es);
   }
-  post_more();
-  size_t rs_done = 0;
-  c.ex.run([&](int, uint64_t) {
-    const int g = done.seg();
-    char* dst = data + (done.seg_begin(g) + done.off) * es;
-    const size_t len = done.len();
-    if (done.phase == 0) {
-      const char* slot = slots + (rs_done % kSlots) * chunk * es;
-      rs.fn(dst, dst, slot, len);
-      ++rs_done;
-      --rs_outstanding;
-      c.ex.send(right, dst, len * es);  // the next step's (or the allgather's first) send
-    } else if (done.step < n - 2) {
-      c.ex.send(right, dst, len * es);
+  // Every incoming chunk, in stream order; the cookie is the index in that order.
+  Cursor post{n, r, count, chunk};
+  post.settle();
+  for (uint64_t i = 0; !post.done(); ++i) {
+    char* dst = data + (post.seg_begin(post.seg()) + post.off) * es;
+    if (post.phase == 0) {
+      c.ex.recv_reduce(left, dst, dst, post.len() * es, rs.fn, es, i);
+    } else {
+      c.ex.recv(left, dst, post.len() * es, i);
     }
+    post.advance();
+  }
+  Cursor done{n, r, count, chunk};
+  done.settle();
+  c.ex.run([&](int, uint64_t) {
+    // Completions arrive in posting order, so `done` walks the same sequence.
+    char* dst = data + (done.seg_begin(done.seg()) + done.off) * es;
+    if (done.phase == 0 || done.step < n - 2) c.ex.send(right, dst, done.len() * es);
     done.advance();
-    post_more();
   });
   if (rs.op == ReduceOp::AVG) detail::divide_in_place(data, rs.dtype, count, n);
 }

@@ -1,7 +1,7 @@
 // Pipelined reduce along the chain root+1, root+2, ..., root: the first rank sends its input;
-// every later rank receives the partial result chunk by chunk, reduces its own input into it
-// and forwards it at once; the root reduces the last partial into its output. Non-root inputs
-// are never written (partials live in scratch).
+// every later rank reduces the incoming partial result with its own input as it arrives
+// (recv_reduce) and forwards each chunk at once; the root reduces the last partial into its
+// output. Non-root inputs are never written (partials live in scratch).
 
 #include <algorithm>
 #include <cstring>
@@ -24,21 +24,17 @@ void reduce_chain(Context& c, const char* input, char* output, size_t count, con
       c.ex.send(next, input, bytes);
       c.ex.run();
     } else {
-      char* partial = c.scratch.get(bytes);
+      const bool is_root = c.rank == root;
+      // Partials live in scratch on intermediate ranks (their input stays untouched).
+      char* dst = is_root ? output : c.scratch.get(bytes);
+      const char* other = is_root ? output : input;
       const size_t chunk = chunk_elems(c, es);
       for (size_t off = 0; off < count; off += chunk) {
-        c.ex.recv(prev, partial + off * es, std::min(chunk, count - off) * es, off);
+        c.ex.recv_reduce(prev, dst + off * es, other + off * es, std::min(chunk, count - off) * es,
+                         rs.fn, es, off);
       }
-      const bool is_root = c.rank == root;
       c.ex.run([&](int, uint64_t off) {
-        size_t len = std::min(chunk, count - off);
-        char* part = partial + off * es;
-        if (is_root) {
-          rs.fn(output + off * es, output + off * es, part, len);
-        } else {
-          rs.fn(part, part, input + off * es, len);
-          c.ex.send(next, part, len * es);
-        }
+        if (!is_root) c.ex.send(next, dst + off * es, std::min(chunk, count - off) * es);
       });
     }
   }

@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "tdist/core/error.h"
 
 namespace tdist::comm::detail {
 namespace {
 constexpr int kMaxIov = 64;
+constexpr size_t kBounceBytes = 256 * 1024;
 }
 
 Exchange::Exchange(std::vector<Channel*> peers, int rank, const std::atomic<bool>* aborted)
@@ -18,6 +20,7 @@ Exchange::Exchange(std::vector<Channel*> peers, int rank, const std::atomic<bool
   sends_.resize(peers_.size());
   recvs_.resize(peers_.size());
   iov_.resize(kMaxIov);
+  bounce_.resize(kBounceBytes);
   pollfds_.reserve(peers_.size());
 }
 
@@ -28,6 +31,7 @@ void Exchange::begin(const char* op, uint64_t seq, Clock::time_point deadline) {
   seq_ = seq;
   deadline_ = deadline;
   started_ = Clock::now();
+  bounce_left_ = 0;
   for (auto* qs : {&sends_, &recvs_}) {
     for (auto& q : *qs) {
       q.items.clear();
@@ -48,6 +52,17 @@ void Exchange::recv(int peer, void* data, size_t n, uint64_t cookie) {
   auto& q = recvs_[peer];
   // A zero-byte receive still completes (in stream order) so that its callback runs.
   q.items.push_back(Item{static_cast<char*>(data), n, 0, cookie});
+  q.posted += n;
+}
+
+void Exchange::recv_reduce(int peer, void* out, const void* other, size_t n, ReduceFn fn,
+                           size_t elem, uint64_t cookie) {
+  auto& q = recvs_[peer];
+  Item it{static_cast<char*>(out), n, 0, cookie};
+  it.other = static_cast<const char*>(other);
+  it.fn = fn;
+  it.elem = elem;
+  q.items.push_back(it);
   q.posted += n;
 }
 
@@ -81,8 +96,10 @@ bool Exchange::progress_send(int peer) {
 
 bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   auto& q = recvs_[peer];
+  if (q.items[q.head].fn != nullptr) return progress_reduce(peer, cb, ctx);
   int count = 0;
   for (size_t i = q.head; i < q.items.size() && count < kMaxIov; ++i) {
+    if (q.items[i].fn != nullptr) break;  // a reduce item is read on its own
     size_t left = q.items[i].size - q.items[i].done;
     if (left == 0) {
       if (count == 0) break;  // a zero-byte item at the head completes below
@@ -104,6 +121,7 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   // Complete items in order; the callback may append to q.items (so index, never hold refs).
   while (q.head < q.items.size()) {
     Item& it = q.items[q.head];
+    if (it.fn != nullptr) break;
     size_t take = std::min(left, it.size - it.done);
     it.done += take;
     left -= take;
@@ -111,6 +129,105 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
     uint64_t cookie = it.cookie;
     ++q.head;
     progressed = true;
+    if (cb != nullptr) cb(ctx, peer, cookie);
+  }
+  return progressed;
+}
+
+// it.fn over `count` elements whose incoming operand is at `src`. The kernels may use aligned
+// vector loads, so an operand that is not element-aligned in the ring (the stream carried an odd
+// number of bytes before) is first copied to the aligned bounce buffer.
+void Exchange::apply(Item& it, char* out, const char* other, const char* src, size_t count) {
+  const size_t e = it.elem;
+  if (reinterpret_cast<uintptr_t>(src) % e == 0) {
+    it.fn(out, other, src, count);
+    return;
+  }
+  const size_t per = bounce_.size() / e;
+  for (size_t done = 0; done < count; done += per) {
+    size_t m = std::min(per, count - done);
+    std::memcpy(bounce_.data(), src + done * e, m * e);
+    it.fn(out + done * e, other + done * e, bounce_.data(), m);
+  }
+}
+
+// Reduces straight out of the channel's readable spans (whole elements only; an element split
+// by the ring's wrap goes through a small copy).
+size_t Exchange::reduce_spans(Item& it, const iovec spans[2], size_t budget) {
+  const size_t e = it.elem;
+  char* out = it.data + it.done;
+  const char* other = it.other + it.done;
+  const char* s0 = static_cast<const char*>(spans[0].iov_base);
+  const char* s1 = static_cast<const char*>(spans[1].iov_base);
+  const size_t len0 = spans[0].iov_len;
+  const size_t len1 = spans[1].iov_len;
+  size_t k0 = std::min(len0, budget) / e * e;
+  if (k0 > 0) apply(it, out, other, s0, k0 / e);
+  size_t used = k0;
+  size_t off1 = 0;
+  if (k0 == len0) {
+    off1 = 0;
+  } else if (len0 - k0 < e && budget - used >= e && len1 >= e - (len0 - k0)) {
+    size_t a = len0 - k0;
+    alignas(16) char tmp[32];
+    std::memcpy(tmp, s0 + k0, a);
+    std::memcpy(tmp + a, s1, e - a);
+    it.fn(out + used, other + used, tmp, 1);
+    used += e;
+    off1 = e - a;
+  } else {
+    return used;  // budget-limited, or waiting for the rest of an element
+  }
+  size_t k1 = std::min(len1 - off1, budget - used) / e * e;
+  if (k1 > 0) apply(it, out + used, other + used, s1 + off1, k1 / e);
+  return used + k1;
+}
+
+// TCP: reads into the bounce buffer, reduces the whole elements, keeps a partial one. Returns
+// the bytes reduced; `read` tells whether any byte arrived.
+size_t Exchange::reduce_bounce(int peer, Item& it, bool& read) {
+  const size_t e = it.elem;
+  size_t want = std::min(it.size - it.done, bounce_.size()) - bounce_left_;
+  iovec iov{bounce_.data() + bounce_left_, want};
+  long n = peers_[peer]->readv(&iov, 1);
+  if (n == Channel::kClosed) fail_closed(peer, "receiving from", 0);
+  if (n == Channel::kError) fail_closed(peer, "receiving from", errno);
+  read = n > 0;
+  if (n <= 0) return 0;
+  recvs_[peer].moved += static_cast<uint64_t>(n);
+  size_t total = bounce_left_ + static_cast<size_t>(n);
+  size_t k = total / e * e;
+  if (k > 0) it.fn(it.data + it.done, it.other + it.done, bounce_.data(), k / e);
+  bounce_left_ = total - k;
+  if (bounce_left_ > 0) std::memmove(bounce_.data(), bounce_.data() + k, bounce_left_);
+  return k;
+}
+
+bool Exchange::progress_reduce(int peer, Callback cb, void* ctx) {
+  auto& q = recvs_[peer];
+  Channel* ch = peers_[peer];
+  bool progressed = false;
+  while (q.head < q.items.size() && q.items[q.head].fn != nullptr) {
+    Item& it = q.items[q.head];
+    if (ch->supports_peek()) {
+      iovec spans[2];
+      long avail = ch->peek(spans);
+      if (avail == Channel::kClosed) fail_closed(peer, "receiving from", 0);
+      if (avail <= 0) break;
+      size_t used = reduce_spans(it, spans, std::min(static_cast<size_t>(avail), it.size - it.done));
+      if (used == 0) break;
+      ch->consume(used);
+      q.moved += used;
+      it.done += used;
+    } else {
+      bool read = false;
+      it.done += reduce_bounce(peer, it, read);
+      if (!read) break;
+    }
+    progressed = true;
+    if (it.done < it.size) continue;
+    uint64_t cookie = it.cookie;
+    ++q.head;
     if (cb != nullptr) cb(ctx, peer, cookie);
   }
   return progressed;

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/comm/detail/reduce_kernels.h"
 #include "tdist/comm/transport/channel.h"
 #include "tdist/comm/transport/tcp/connection.h"
 
@@ -48,6 +49,11 @@ class Exchange {
   // Zero-byte posts are ignored. The memory must stay valid until run() returns.
   void send(int peer, const void* data, size_t n);
   void recv(int peer, void* data, size_t n, uint64_t cookie = 0);
+  // Receives `n` bytes (whole elements of `elem` bytes) and reduces them as they arrive:
+  // out = other op incoming (`out` may alias `other`). On shared memory the kernel reads the
+  // ring directly (no copy); on TCP through a bounce buffer. `out` must not be sent meanwhile.
+  void recv_reduce(int peer, void* out, const void* other, size_t n, ReduceFn fn, size_t elem,
+                   uint64_t cookie = 0);
 
   // Progresses every posted transfer until all are complete. fn(peer, cookie) runs for every
   // completed receive in stream order (it may post more). Throws as described above.
@@ -69,6 +75,9 @@ class Exchange {
     size_t size;
     size_t done;
     uint64_t cookie;
+    const char* other = nullptr;  // recv_reduce: the second operand
+    ReduceFn fn = nullptr;        // recv_reduce: the kernel
+    size_t elem = 0;              // recv_reduce: element bytes
   };
   struct Queue {
     std::vector<Item> items;
@@ -86,6 +95,10 @@ class Exchange {
   void run_impl(Callback cb, void* ctx);
   bool progress_send(int peer);
   bool progress_recv(int peer, Callback cb, void* ctx);
+  bool progress_reduce(int peer, Callback cb, void* ctx);
+  size_t reduce_spans(Item& it, const iovec spans[2], size_t budget);
+  void apply(Item& it, char* out, const char* other, const char* src, size_t count);
+  size_t reduce_bounce(int peer, Item& it, bool& read);
   void wait_for_io();
   [[noreturn]] void fail_closed(int peer, const char* direction, int err);
   [[noreturn]] void fail_timeout();
@@ -105,6 +118,8 @@ class Exchange {
   std::vector<Queue> sends_;
   std::vector<Queue> recvs_;
   std::vector<iovec> iov_;
+  std::vector<char> bounce_;  // TCP recv_reduce staging
+  size_t bounce_left_ = 0;    // bytes of a partial element at the start of bounce_
   std::vector<::pollfd> pollfds_;
   std::vector<int> poll_peers_;  // the peer of each pollfds_ entry
 };

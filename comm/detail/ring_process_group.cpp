@@ -245,7 +245,7 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
   at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
   auto deadline = deadline_after(effective(timeout));
   std::weak_ptr<RecvWork> weak = work;
-  auto done = [tensor, buffer, future, weak](int source, std::exception_ptr error) {
+  auto done = [tensor, buffer, future, weak, is_send](int source, std::exception_ptr error) {
     if (!error && !buffer.is_same(tensor)) {
       try {
         tensor.copy_(buffer);
@@ -253,7 +253,9 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
         error = std::current_exception();
       }
     }
-    if (auto w = weak.lock()) w->source_.store(source);
+    if (!is_send) {
+      if (auto w = weak.lock()) w->source_.store(source);
+    }
     if (error) {
       future->set_error(error);
     } else {

@@ -31,6 +31,16 @@ class Channel {
   virtual void after_wait(short revents) = 0;
 
   virtual void shutdown() = 0;
+
+  // Zero-copy receive (shared memory): the readable bytes as up to two spans, without copying
+  // them; returns their total (0: nothing yet; kClosed: closed and drained). consume(n) releases
+  // the first n. Channels without it return false from supports_peek().
+  virtual bool supports_peek() const { return false; }
+  virtual long peek(iovec spans[2]) {
+    (void)spans;
+    return 0;
+  }
+  virtual void consume(size_t n) { (void)n; }
 };
 
 }  // namespace tdist::comm

@@ -9,7 +9,17 @@
 namespace tdist::comm {
 namespace {
 
-class AllreduceTest : public ::testing::TestWithParam<int> {};
+// Parameters: world size and transport ("auto": shared memory between the thread ranks,
+// "tcp": loopback TCP).
+class AllreduceTest : public ::testing::TestWithParam<std::tuple<int, const char*>> {
+ protected:
+  void SetUp() override {
+    transport_ = std::make_unique<tdist::test::EnvGuard>(
+        tdist::test::EnvVars{{"TDIST_TRANSPORT", std::string(std::get<1>(GetParam()))}});
+  }
+  int world() const { return std::get<0>(GetParam()); }
+  std::unique_ptr<tdist::test::EnvGuard> transport_;
+};
 
 void check_every_op_and_dtype(int world, const std::string& algo) {
   tdist::test::EnvGuard env(
@@ -35,16 +45,16 @@ void check_every_op_and_dtype(int world, const std::string& algo) {
   });
 }
 
-TEST_P(AllreduceTest, RingEveryOpAndDtype) { check_every_op_and_dtype(GetParam(), "ring"); }
+TEST_P(AllreduceTest, RingEveryOpAndDtype) { check_every_op_and_dtype(world(), "ring"); }
 
 TEST_P(AllreduceTest, RecursiveDoublingEveryOpAndDtype) {
-  check_every_op_and_dtype(GetParam(), "recursive_doubling");
+  check_every_op_and_dtype(world(), "recursive_doubling");
 }
 
 // Default chunking: a float buffer of several 256 KiB chunks through the ring, and the results
 // bit-identical on every rank.
 TEST_P(AllreduceTest, LargeBufferDefaultChunks) {
-  const int world = GetParam();
+  const int world = this->world();
   const int64_t n = 300007;
   std::vector<at::Tensor> results(world);
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
@@ -65,7 +75,7 @@ TEST_P(AllreduceTest, LargeBufferDefaultChunks) {
 
 // Many operations in flight before any wait, on tensors of different sizes and dtypes.
 TEST_P(AllreduceTest, ManyOutstandingAsyncOps) {
-  const int world = GetParam();
+  const int world = this->world();
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, world, test::test_options());
     std::vector<at::Tensor> xs;
@@ -89,7 +99,7 @@ TEST_P(AllreduceTest, ManyOutstandingAsyncOps) {
 }
 
 TEST_P(AllreduceTest, CoalescedAndNonContiguous) {
-  const int world = GetParam();
+  const int world = this->world();
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, world, test::test_options());
     auto a = torch::full({3, 4}, rank + 1.0);
@@ -109,7 +119,49 @@ TEST_P(AllreduceTest, CoalescedAndNonContiguous) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, AllreduceTest, ::testing::Values(1, 2, 3, 4, 7));
+// A tiny shared-memory ring of odd capacity: every transfer wraps, elements straddle the wrap,
+// writers fill the ring and wait for space, and incoming operands are misaligned in the ring.
+TEST(AllreduceShm, TinyOddRingWrapsAndSplitsElements) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_SHM_BYTES", std::string("4099")},
+                                                 {"TDIST_TRANSPORT", std::string("auto")},
+                                                 {"TDIST_CHUNK_BYTES", std::string("1000")}});
+  const int world = 3;
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, world, test::test_options());
+    for (auto algo : {"ring", "recursive_doubling"}) {
+      (void)algo;
+      for (int64_t n : {1, 3, 257, 5001}) {
+        for (auto t : {torch::kComplexDouble, torch::kFloat, torch::kHalf, torch::kUInt8}) {
+          auto x = test::make_input(t, ReduceOp::SUM, n, rank);
+          pg->allreduce(x)->wait();
+          // A 3-byte broadcast between allreduces leaves the stream at odd offsets.
+          auto odd = torch::full({3}, rank == 0 ? 7 : 0, torch::kUInt8);
+          pg->broadcast(odd)->wait();
+          std::vector<at::Tensor> all;
+          for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, ReduceOp::SUM, n, r));
+          ASSERT_TRUE(test::same(x, test::reference(all, ReduceOp::SUM))) << n << " " << t;
+          ASSERT_TRUE(torch::equal(odd, torch::full({3}, 7, torch::kUInt8)));
+        }
+      }
+    }
+    // reduce_scatter and reduce over the same tiny rings.
+    auto in = torch::arange(world * 2001, torch::kDouble) + rank;
+    auto out = torch::empty({2001}, torch::kDouble);
+    pg->reduce_scatter_tensor(out, in)->wait();
+    auto want = (torch::arange(world * 2001, torch::kDouble) * world + world * (world - 1) / 2)
+                    .narrow(0, rank * 2001, 2001);
+    ASSERT_TRUE(torch::equal(out, want));
+    auto y = torch::full({3001}, double(rank + 1));
+    pg->reduce(y)->wait();
+    if (rank == 0) {
+      ASSERT_TRUE(torch::equal(y, torch::full({3001}, 6.0)));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, AllreduceTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 7),
+                                            ::testing::Values("auto", "tcp")));
 
 }  // namespace
 }  // namespace tdist::comm

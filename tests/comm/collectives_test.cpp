@@ -9,19 +9,22 @@
 namespace tdist::comm {
 namespace {
 
-class CollectivesTest : public ::testing::TestWithParam<int> {
+// Parameters: world size and transport ("auto": shared memory, "tcp": loopback TCP).
+class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, const char*>> {
  protected:
   // Runs fn(rank, pg) on every rank with a small chunk size.
   template <typename F>
   void run(F fn, const char* chunk = "40") {
-    const int world = GetParam();
-    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_CHUNK_BYTES", std::string(chunk)}});
+    const int world = this->world();
+    tdist::test::EnvGuard env(tdist::test::EnvVars{
+        {"TDIST_CHUNK_BYTES", std::string(chunk)},
+        {"TDIST_TRANSPORT", std::string(std::get<1>(GetParam()))}});
     tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
       auto pg = create_process_group(store, rank, world, test::test_options());
       fn(rank, *pg);
     });
   }
-  int world() const { return GetParam(); }
+  int world() const { return std::get<0>(GetParam()); }
 };
 
 const std::vector<c10::ScalarType> kSomeDtypes = {torch::kFloat, torch::kLong, torch::kHalf,
@@ -258,7 +261,9 @@ TEST_P(CollectivesTest, NewGroupHasItsOwnSequenceAndConnections) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesTest, ::testing::Values(1, 2, 3, 4, 7));
+INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 7),
+                                            ::testing::Values("auto", "tcp")));
 
 }  // namespace
 }  // namespace tdist::comm

@@ -140,12 +140,17 @@ TEST(ProcessTest, EnvInitMethod) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ProcessTest, ::testing::Values(2, 4));
 
-TEST(ProcessFailure, KilledProcessMidAllreduceFailsTheOthers) {
+// Both transports: over TCP the survivors see the socket break; over shared memory they see
+// the doorbell socket's end-of-file once the ring runs dry.
+class ProcessFailure : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ProcessFailure, KilledProcessMidAllreduceFailsTheOthers) {
   const int world = 3;
   TCPStoreServer server("127.0.0.1", 0);
   TCPStore store("127.0.0.1", server.port(), false, Millis(60000));
   tdist::test::Processes procs("comm_killed_peer_child", world,
-                               {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())}});
+                               {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
+                                {"TDIST_TRANSPORT", GetParam()}});
   // Let every rank finish a few allreduces, then kill rank 1 while they keep going.
   for (int r = 0; r < world; ++r) store.wait({str("progress/", r)}, Millis(60000));
   procs.kill(1, SIGKILL);
@@ -158,6 +163,8 @@ TEST(ProcessFailure, KilledProcessMidAllreduceFailsTheOthers) {
     std::cout << results[r].output;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, ProcessFailure, ::testing::Values("auto", "tcp"));
 
 }  // namespace
 }  // namespace tdist::comm

@@ -134,6 +134,25 @@ long ShmChannel::readv(const iovec* iov, int count) {
   return static_cast<long>(moved);
 }
 
+long ShmChannel::peek(iovec spans[2]) {
+  const uint64_t tail = rx_->tail.load(std::memory_order_relaxed);
+  const uint64_t head = rx_->head.load(std::memory_order_acquire);
+  size_t avail = static_cast<size_t>(head - tail);
+  if (avail == 0) return closed_ ? kClosed : 0;
+  size_t pos = static_cast<size_t>(tail % capacity_);
+  size_t first = std::min(avail, capacity_ - pos);
+  spans[0] = iovec{rx_data_ + pos, first};
+  spans[1] = iovec{rx_data_, avail - first};
+  return static_cast<long>(avail);
+}
+
+void ShmChannel::consume(size_t n) {
+  if (n == 0) return;
+  rx_->tail.store(rx_->tail.load(std::memory_order_relaxed) + n, std::memory_order_release);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (rx_->writer_waiting.load(std::memory_order_relaxed) != 0) ring_doorbell();
+}
+
 bool ShmChannel::prepare_wait(bool want_read, bool want_write, pollfd& pfd) {
   if (want_read) rx_->reader_waiting.store(1, std::memory_order_relaxed);
   if (want_write) tx_->writer_waiting.store(1, std::memory_order_relaxed);

@@ -76,6 +76,9 @@ class ShmChannel final : public Channel {
   bool prepare_wait(bool want_read, bool want_write, pollfd& pfd) override;
   void after_wait(short revents) override;
   void shutdown() override { conn_->shutdown(); }
+  bool supports_peek() const override { return true; }
+  long peek(iovec spans[2]) override;
+  void consume(size_t n) override;
 
  private:
   void ring_doorbell();
