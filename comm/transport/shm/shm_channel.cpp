@@ -20,7 +20,10 @@ size_t segment_bytes(size_t capacity) { return kHeaderBytes + 2 * capacity; }
 std::unique_ptr<Segment> Segment::create(const std::string& name, size_t bytes) {
   int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) return nullptr;
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+  // posix_fallocate reserves the pages now: a full /dev/shm (small in many containers) then
+  // means "no shared memory, use TCP" instead of SIGBUS on first touch.
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
+      ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) != 0) {
     ::close(fd);
     ::shm_unlink(name.c_str());
     return nullptr;
