@@ -11,8 +11,10 @@
 // sends, so a timed-out wait leaves the connection usable; the client also keeps its own
 // deadline (timeout + grace) so that a dead server gives a NetworkError/TimeoutError, not a hang.
 //
-// Thread safety: a TCPStore may be used from many threads; requests on one client are serialized
-// (one connection per TCPStore object). Blocking: get/wait block up to their timeout.
+// Thread safety: a TCPStore may be used from many threads at once. Each request takes an idle
+// connection of the store's small pool (or opens one), so a thread blocked in get/wait never
+// holds up another thread's set. Blocking: get/wait block up to their timeout; every other call
+// up to the store's timeout when the server does not answer.
 
 #include <memory>
 #include <string>
@@ -42,6 +44,9 @@ class TCPStoreServer {
   const std::string& host() const;
   // Number of client connections open now.
   int num_connections() const;
+  // Number of connections closed because their bytes broke the protocol (bad magic, version,
+  // length, command or body).
+  int64_t num_rejected_frames() const;
 
  private:
   std::unique_ptr<detail::TCPStoreServerImpl> impl_;
@@ -79,6 +84,9 @@ class TCPStore : public Store {
   TCPStoreServer* server() const { return server_.get(); }
 
  private:
+  // Joins the num_workers count and waits until all have joined (Note [TCPStore protocol]).
+  void join();
+
   TCPStoreOptions options_;  // port filled in once the server is bound
   std::unique_ptr<TCPStoreServer> server_;
   std::unique_ptr<detail::TCPStoreClient> client_;

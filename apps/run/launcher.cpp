@@ -1,0 +1,409 @@
+#include "apps/run/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+
+#include "tdist/core/error.h"
+
+namespace tdist::run {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  const int saved = errno;
+  unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+// Installs the forwarding handlers for the lifetime of one run().
+class SignalForwarding {
+ public:
+  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+  SignalForwarding() {
+    TDIST_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "pipe2: ", std::strerror(errno));
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < std::size(kSignals); ++i) sigaction(kSignals[i], &sa, &old_[i]);
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &ign, &old_pipe_);
+  }
+  ~SignalForwarding() {
+    for (size_t i = 0; i < std::size(kSignals); ++i) sigaction(kSignals[i], &old_[i], nullptr);
+    sigaction(SIGPIPE, &old_pipe_, nullptr);
+    ::close(g_signal_pipe[0]);
+    ::close(g_signal_pipe[1]);
+    g_signal_pipe[0] = g_signal_pipe[1] = -1;
+  }
+  int fd() const { return g_signal_pipe[0]; }
+
+ private:
+  struct sigaction old_[std::size(kSignals)] {};
+  struct sigaction old_pipe_ {};
+};
+
+// The last signal written to the self-pipe `fd`, or 0.
+int take_signal(int fd) {
+  unsigned char b = 0;
+  int sig = 0;
+  while (::read(fd, &b, 1) == 1) sig = b;
+  return sig;
+}
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = ::write(fd, s.data() + off, s.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // the reader went away; output is best effort
+    off += static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+struct Launcher::Worker {
+  int local_rank = 0;
+  int rank = 0;
+  pid_t pid = -1;
+  bool exited = false;
+  WorkerExit exit;
+  // Index 0: stdout, 1: stderr.
+  int fd[2] = {-1, -1};
+  std::string partial[2];
+  int log_fd[2] = {-1, -1};
+
+  bool streams_open() const { return fd[0] >= 0 || fd[1] >= 0; }
+
+  ~Worker() {
+    for (int i = 0; i < 2; ++i) {
+      if (fd[i] >= 0) ::close(fd[i]);
+      if (log_fd[i] >= 0) ::close(log_fd[i]);
+    }
+  }
+};
+
+std::string WorkerExit::describe() const {
+  std::string s = str("rank ", rank, " (local rank ", local_rank, ", pid ", pid, ")");
+  if (signaled) return s + " was killed by " + signal_name(code);
+  return s + " exited with code " + std::to_string(code);
+}
+
+Launcher::~Launcher() = default;
+
+Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
+  TDIST_CHECK_ARG(!config_.command.empty(), "no program to launch");
+  TDIST_CHECK_ARG(config_.nproc_per_node >= 1, "--nproc-per-node must be at least 1, got ",
+                  config_.nproc_per_node);
+  TDIST_CHECK_ARG(config_.nnodes >= 1, "--nnodes must be at least 1, got ", config_.nnodes);
+  TDIST_CHECK_ARG(config_.node_rank >= 0 && config_.node_rank < config_.nnodes, "--node-rank ",
+                  config_.node_rank, " is out of range for --nnodes ", config_.nnodes);
+  TDIST_CHECK_ARG(config_.master_port >= 0 && config_.master_port <= 65535, "--master-port ",
+                  config_.master_port, " is not in [0, 65535]");
+  TDIST_CHECK_ARG(config_.max_restarts >= 0, "--max-restarts must be >= 0");
+}
+
+int Launcher::run() {
+  if (config_.master_port == 0) config_.master_port = pick_free_port(config_.master_addr);
+  SignalForwarding signals;
+  signal_fd_ = signals.fd();
+  for (;;) {
+    Outcome outcome = run_attempt();
+    if (outcome == Outcome::kSuccess) return 0;
+    if (outcome == Outcome::kSignal) {
+      std::fprintf(stderr, "tdist-run: stopped by %s; workers stopped\n",
+                   signal_name(received_signal_).c_str());
+      return 128 + received_signal_;
+    }
+    if (restart_count_ < config_.max_restarts) {
+      ++restart_count_;
+      std::fprintf(stderr, "tdist-run: %s; restarting all workers (restart %d of %d)\n",
+                   failure_->describe().c_str(), restart_count_, config_.max_restarts);
+      continue;
+    }
+    report_failure(*failure_);
+    return 1;
+  }
+}
+
+Launcher::Outcome Launcher::run_attempt() {
+  failure_.reset();
+  workers_.clear();
+  for (int lr = 0; lr < config_.nproc_per_node; ++lr) {
+    auto w = std::make_unique<Worker>();
+    w->local_rank = lr;
+    w->rank = config_.node_rank * config_.nproc_per_node + lr;
+    w->exit.local_rank = lr;
+    w->exit.rank = w->rank;
+    workers_.push_back(std::move(w));
+  }
+  for (auto& w : workers_) spawn(*w);
+
+  auto all_exited = [&] {
+    for (auto& w : workers_)
+      if (!w->exited) return false;
+    return true;
+  };
+  while (!all_exited()) {
+    if (!pump(config_.monitor_interval)) {
+      stop_all(received_signal_);
+      return Outcome::kSignal;
+    }
+    for (auto& w : workers_) {
+      if (w->exited && !w->exit.ok() && !failure_) {
+        failure_ = w->exit;
+        stop_all(SIGTERM);
+        // Fold in the failed worker's last output, drained by stop_all.
+        failure_->stderr_tail = w->exit.stderr_tail;
+        return Outcome::kFailure;
+      }
+    }
+  }
+  // Everyone exited cleanly: drain what is left in the pipes (bounded, in case a grandchild
+  // keeps one open).
+  const auto drain_until = Clock::now() + std::chrono::seconds(2);
+  auto open = [&] {
+    for (auto& w : workers_)
+      if (w->streams_open()) return true;
+    return false;
+  };
+  while (open() && Clock::now() < drain_until) {
+    if (!pump(std::chrono::milliseconds(50))) return Outcome::kSignal;
+  }
+  return Outcome::kSuccess;
+}
+
+void Launcher::spawn(Worker& w) {
+  int pipes[2][2];
+  for (auto& p : pipes) {
+    TDIST_CHECK(::pipe2(p, O_CLOEXEC) == 0, "pipe2: ", std::strerror(errno));
+  }
+  if (!config_.log_dir.empty()) {
+    std::string dir = config_.log_dir + "/attempt_" + std::to_string(restart_count_);
+    ::mkdir(config_.log_dir.c_str(), 0755);
+    ::mkdir(dir.c_str(), 0755);
+    const char* names[2] = {"stdout", "stderr"};
+    for (int i = 0; i < 2; ++i) {
+      std::string path = dir + "/rank_" + std::to_string(w.rank) + "." + names[i];
+      w.log_fd[i] = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      TDIST_CHECK(w.log_fd[i] >= 0, "cannot open log file ", path, ": ", std::strerror(errno));
+    }
+  }
+  const int world = config_.nnodes * config_.nproc_per_node;
+  std::vector<std::pair<std::string, std::string>> env = {
+      {"RANK", std::to_string(w.rank)},
+      {"LOCAL_RANK", std::to_string(w.local_rank)},
+      {"WORLD_SIZE", std::to_string(world)},
+      {"LOCAL_WORLD_SIZE", std::to_string(config_.nproc_per_node)},
+      {"GROUP_RANK", std::to_string(config_.node_rank)},
+      {"MASTER_ADDR", config_.master_addr},
+      {"MASTER_PORT", std::to_string(config_.master_port)},
+      {"TDIST_RESTART_COUNT", std::to_string(restart_count_)},
+      {"TDIST_MAX_RESTARTS", std::to_string(config_.max_restarts)},
+  };
+  pid_t pid = ::fork();
+  TDIST_CHECK(pid >= 0, "fork: ", std::strerror(errno));
+  if (pid == 0) {
+    ::dup2(pipes[0][1], STDOUT_FILENO);
+    ::dup2(pipes[1][1], STDERR_FILENO);
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    // Several workers on one node share its cores: one intra-op thread each unless told.
+    if (config_.nproc_per_node > 1) ::setenv("OMP_NUM_THREADS", "1", 0);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    signal(SIGPIPE, SIG_DFL);
+    std::vector<char*> argv;
+    for (auto& a : config_.command) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "tdist-run: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  w.pid = pid;
+  w.exit.pid = pid;
+  for (int i = 0; i < 2; ++i) {
+    ::close(pipes[i][1]);
+    w.fd[i] = pipes[i][0];
+    ::fcntl(w.fd[i], F_SETFL, ::fcntl(w.fd[i], F_GETFL) | O_NONBLOCK);
+  }
+}
+
+bool Launcher::pump(std::chrono::milliseconds wait) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Worker*, int>> owners;
+  fds.push_back({signal_fd_, POLLIN, 0});
+  owners.push_back({nullptr, -1});
+  for (auto& w : workers_) {
+    for (int i = 0; i < 2; ++i) {
+      if (w->fd[i] >= 0) {
+        fds.push_back({w->fd[i], POLLIN, 0});
+        owners.push_back({w.get(), i});
+      }
+    }
+  }
+  int n = ::poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
+  if (n > 0) {
+    if (fds[0].revents & POLLIN) {
+      int sig = take_signal(signal_fd_);
+      if (sig != 0) {
+        received_signal_ = sig;
+        return false;
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) read_stream(*owners[i].first, owners[i].second);
+    }
+  }
+  for (auto& w : workers_) {
+    if (w->exited) continue;
+    int status = 0;
+    if (::waitpid(w->pid, &status, WNOHANG) == w->pid) reap(*w, status);
+  }
+  return true;
+}
+
+void Launcher::read_stream(Worker& w, int stream) {
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::read(w.fd[stream], buf, sizeof(buf));
+    if (n > 0) {
+      std::string& part = w.partial[stream];
+      part.append(buf, static_cast<size_t>(n));
+      size_t start = 0;
+      for (size_t nl; (nl = part.find('\n', start)) != std::string::npos; start = nl + 1) {
+        emit_line(w, stream, part.substr(start, nl - start));
+      }
+      part.erase(0, start);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    // EOF or error: flush the unterminated last line and close.
+    if (!w.partial[stream].empty()) {
+      emit_line(w, stream, w.partial[stream]);
+      w.partial[stream].clear();
+    }
+    ::close(w.fd[stream]);
+    w.fd[stream] = -1;
+    return;
+  }
+}
+
+void Launcher::emit_line(Worker& w, int stream, const std::string& line) {
+  if (w.log_fd[stream] >= 0) write_all(w.log_fd[stream], line + "\n");
+  if (stream == 1) {
+    w.exit.stderr_tail.push_back(line);
+    if (w.exit.stderr_tail.size() > kStderrTailLines) w.exit.stderr_tail.pop_front();
+  }
+  if (config_.tee) {
+    write_all(stream == 0 ? STDOUT_FILENO : STDERR_FILENO,
+              "[rank " + std::to_string(w.rank) + "] " + line + "\n");
+  }
+}
+
+void Launcher::reap(Worker& w, int status) {
+  w.exited = true;
+  if (WIFSIGNALED(status)) {
+    w.exit.signaled = true;
+    w.exit.code = WTERMSIG(status);
+  } else {
+    w.exit.code = WEXITSTATUS(status);
+  }
+}
+
+void Launcher::stop_all(int sig) {
+  for (auto& w : workers_) {
+    if (!w->exited) ::kill(w->pid, sig);
+  }
+  const auto deadline = Clock::now() + config_.stop_grace;
+  auto live = [&] {
+    for (auto& w : workers_)
+      if (!w->exited) return true;
+    return false;
+  };
+  while (live() && Clock::now() < deadline) {
+    if (!pump(std::chrono::milliseconds(20))) {
+      // A second signal while stopping: stop waiting politely.
+      break;
+    }
+  }
+  for (auto& w : workers_) {
+    if (w->exited) continue;
+    ::kill(w->pid, SIGKILL);
+    int status = 0;
+    ::waitpid(w->pid, &status, 0);
+    reap(*w, status);
+  }
+  // Drain what the workers wrote before they died (bounded: a grandchild may hold a pipe).
+  const auto drain_until = Clock::now() + std::chrono::milliseconds(500);
+  auto open = [&] {
+    for (auto& w : workers_)
+      if (w->streams_open()) return true;
+    return false;
+  };
+  while (open() && Clock::now() < drain_until) pump(std::chrono::milliseconds(20));
+}
+
+void Launcher::report_failure(const WorkerExit& e) const {
+  std::string msg = "tdist-run: worker failed: " + e.describe();
+  if (config_.max_restarts > 0) {
+    msg += str(" (after ", restart_count_, " of ", config_.max_restarts, " restarts)");
+  }
+  msg += "\n";
+  if (!e.stderr_tail.empty()) {
+    msg += str("tdist-run: last ", e.stderr_tail.size(), " lines of rank ", e.rank, "'s stderr:\n");
+    for (const auto& line : e.stderr_tail) msg += "  " + line + "\n";
+  }
+  write_all(STDERR_FILENO, msg);
+}
+
+int pick_free_port(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), "0", &hints, &res);
+  if (rc != 0) TDIST_THROW(InvalidArgument, "cannot resolve '", host, "': ", gai_strerror(rc));
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  TDIST_CHECK(fd >= 0, "socket: ", std::strerror(errno));
+  if (::bind(fd, res->ai_addr, res->ai_addrlen) != 0) {
+    int err = errno;
+    ::close(fd);
+    TDIST_THROW(NetworkError, "cannot bind a port on '", host, "': ", std::strerror(err));
+  }
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+}
+
+}  // namespace tdist::run

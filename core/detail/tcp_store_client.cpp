@@ -1,0 +1,249 @@
+#include "tdist/core/detail/tcp_store_client.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "tdist/core/detail/store_util.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/tcp_store.h"
+
+namespace tdist::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using tcp_store::Command;
+
+constexpr size_t kMaxIdleSockets = 8;
+
+// Milliseconds left until `deadline` for poll(): -1 for none, 0 when passed.
+int poll_ms(Clock::time_point deadline) {
+  if (deadline == Clock::time_point::max()) return -1;
+  auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now()).count();
+  if (left <= 0) return 0;
+  return static_cast<int>(std::min<int64_t>(left + 1, 60000));
+}
+
+// Waits until `fd` is ready for `events`; false when the deadline passed first.
+bool wait_ready(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int ms = poll_ms(deadline);
+    int rc = ::poll(&p, 1, ms);
+    if (rc > 0) return true;
+    if (rc < 0 && errno != EINTR) {
+      throw NetworkError(str("poll() failed: ", std::strerror(errno)));
+    }
+    if (rc == 0 && Clock::now() >= deadline) return false;
+  }
+}
+
+void set_nonblocking(int fd) {
+  int flags = ::fcntl(fd, F_GETFL, 0);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+// Thrown by the I/O helpers; request() turns it into TimeoutError with the request's name.
+struct DeadlinePassed {};
+
+void send_all(int fd, const uint8_t* data, size_t size, Clock::time_point deadline) {
+  while (size > 0) {
+    ssize_t n = ::send(fd, data, size, MSG_NOSIGNAL);
+    if (n > 0) {
+      data += n;
+      size -= static_cast<size_t>(n);
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!wait_ready(fd, POLLOUT, deadline)) throw DeadlinePassed{};
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      throw NetworkError(str("send failed: ", std::strerror(errno)));
+    }
+  }
+}
+
+void recv_all(int fd, uint8_t* data, size_t size, Clock::time_point deadline) {
+  while (size > 0) {
+    ssize_t n = ::recv(fd, data, size, 0);
+    if (n > 0) {
+      data += n;
+      size -= static_cast<size_t>(n);
+    } else if (n == 0) {
+      throw NetworkError("the server closed the connection");
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (!wait_ready(fd, POLLIN, deadline)) throw DeadlinePassed{};
+    } else if (errno != EINTR) {
+      throw NetworkError(str("receive failed: ", std::strerror(errno)));
+    }
+  }
+}
+
+// An idle socket is usable when it has nothing to read: readable means EOF or junk.
+bool idle_socket_usable(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  int rc = ::poll(&p, 1, 0);
+  return rc == 0;
+}
+
+// One connect attempt to one address; the connected socket, or -1 with `error` set.
+int connect_once(const addrinfo* ai, Clock::time_point deadline, std::string& error) {
+  int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+  if (fd < 0) {
+    error = str("socket(): ", std::strerror(errno));
+    return -1;
+  }
+  set_nonblocking(fd);
+  int rc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
+  if (rc < 0 && errno == EINPROGRESS) {
+    // Bound one attempt so that a dropped SYN is retried rather than waited on for minutes.
+    auto attempt_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(2));
+    if (!wait_ready(fd, POLLOUT, attempt_deadline)) {
+      error = "connect attempt timed out";
+      ::close(fd);
+      return -1;
+    }
+    int err = 0;
+    socklen_t len = sizeof(err);
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    rc = err == 0 ? 0 : -1;
+    errno = err;
+  }
+  if (rc < 0) {
+    error = std::strerror(errno);
+    ::close(fd);
+    return -1;
+  }
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+}  // namespace
+
+TCPStoreClient::TCPStoreClient(std::string host, uint16_t port, Millis connect_timeout)
+    : host_(std::move(host)),
+      port_(port),
+      address_(host_ + ":" + std::to_string(port_)),
+      connect_timeout_(connect_timeout) {
+  idle_.push_back(connect(deadline_after(connect_timeout_), connect_timeout_));
+}
+
+TCPStoreClient::~TCPStoreClient() {
+  for (int fd : idle_) ::close(fd);
+}
+
+int TCPStoreClient::connect(Clock::time_point deadline, Millis limit) {
+  std::string last_error = "no attempt made";
+  auto backoff = Millis(10);
+  for (;;) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* list = nullptr;
+    int gai = ::getaddrinfo(host_.c_str(), std::to_string(port_).c_str(), &hints, &list);
+    if (gai == EAI_NONAME) {
+      TDIST_THROW(NetworkError, "TCPStore: cannot connect to ", address_, ": unknown host '",
+                  host_, "'");
+    }
+    if (gai != 0) {
+      last_error = str("cannot resolve '", host_, "': ", ::gai_strerror(gai));
+    } else {
+      for (addrinfo* ai = list; ai != nullptr; ai = ai->ai_next) {
+        int fd = connect_once(ai, deadline, last_error);
+        if (fd >= 0) {
+          ::freeaddrinfo(list);
+          return fd;
+        }
+      }
+      ::freeaddrinfo(list);
+    }
+    auto now = Clock::now();
+    if (now >= deadline) break;
+    // The server may not be up yet: retry with a growing pause.
+    std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+    backoff = std::min(backoff * 2, Millis(500));
+  }
+  TDIST_THROW(NetworkError, "TCPStore: could not connect to ", address_, " within ",
+              seconds_text(limit), " s (last error: ", last_error, ")");
+}
+
+int TCPStoreClient::take_socket(Clock::time_point deadline, Millis limit) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!idle_.empty()) {
+      int fd = idle_.back();
+      idle_.pop_back();
+      if (idle_socket_usable(fd)) return fd;
+      ::close(fd);  // closed by the server (or junk on it): not reusable
+    }
+  }
+  // Connecting is bounded by both the request's limit and the store's connect timeout.
+  Clock::time_point connect_deadline = std::min(deadline, deadline_after(connect_timeout_));
+  Millis connect_limit = limit == Store::kNoTimeout
+                             ? connect_timeout_
+                             : (connect_timeout_ == Store::kNoTimeout ? limit
+                                                                      : std::min(limit, connect_timeout_));
+  return connect(connect_deadline, connect_limit);
+}
+
+void TCPStoreClient::give_back(int fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (idle_.size() < kMaxIdleSockets) {
+    idle_.push_back(fd);
+  } else {
+    ::close(fd);
+  }
+}
+
+TCPStoreClient::Reply TCPStoreClient::request(Command cmd, const Bytes& body, Millis limit,
+                                              const std::string& what) {
+  TDIST_CHECK_ARG(body.size() <= TCPStoreServer::kMaxFrameBytes, "TCPStore ", what, ": request of ",
+                  body.size(), " bytes exceeds the frame limit of ", TCPStoreServer::kMaxFrameBytes);
+  const Clock::time_point deadline = deadline_after(limit);
+  int fd = take_socket(deadline, limit);
+  try {
+    Bytes frame = tcp_store::make_frame(static_cast<uint16_t>(cmd), body);
+    send_all(fd, frame.data(), frame.size(), deadline);
+
+    uint8_t header_bytes[tcp_store::kHeaderBytes];
+    recv_all(fd, header_bytes, sizeof(header_bytes), deadline);
+    tcp_store::Header h = tcp_store::decode_header(header_bytes);
+    std::string problem = tcp_store::header_problem(h, TCPStoreServer::kMaxFrameBytes);
+    if (problem.empty() && h.code > static_cast<uint16_t>(tcp_store::Status::kInvalid)) {
+      problem = str("unknown reply status ", h.code);
+    }
+    if (!problem.empty()) throw ProtocolError(problem);
+    Reply reply;
+    reply.status = static_cast<tcp_store::Status>(h.code);
+    reply.body.resize(h.body_bytes);
+    recv_all(fd, reply.body.data(), reply.body.size(), deadline);
+    give_back(fd);
+    return reply;
+  } catch (const DeadlinePassed&) {
+    ::close(fd);
+    TDIST_THROW(TimeoutError, "TCPStore at ", address_, ": no reply to ", what, " within ",
+                seconds_text(limit), " s (the server is unresponsive)");
+  } catch (const NetworkError& e) {
+    ::close(fd);
+    TDIST_THROW(NetworkError, "TCPStore at ", address_, ": ", what, " failed: ", e.what());
+  } catch (const ProtocolError& e) {
+    ::close(fd);
+    TDIST_THROW(ProtocolError, "TCPStore at ", address_, ": bad reply to ", what, ": ", e.what());
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+}
+
+}  // namespace tdist::detail

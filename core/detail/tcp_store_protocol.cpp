@@ -1,0 +1,82 @@
+#include "tdist/core/detail/tcp_store_protocol.h"
+
+#include <cstring>
+
+#include "tdist/core/error.h"
+
+namespace tdist::detail::tcp_store {
+
+const char* command_name(uint16_t code) {
+  switch (static_cast<Command>(code)) {
+    case Command::kSet: return "set";
+    case Command::kGet: return "get";
+    case Command::kAdd: return "add";
+    case Command::kCompareSet: return "compare_set";
+    case Command::kWait: return "wait";
+    case Command::kCheck: return "check";
+    case Command::kDelete: return "delete_key";
+    case Command::kNumKeys: return "num_keys";
+  }
+  return "unknown";
+}
+
+bool is_known_command(uint16_t code) {
+  return code >= static_cast<uint16_t>(Command::kSet) &&
+         code <= static_cast<uint16_t>(Command::kNumKeys);
+}
+
+void encode_header(const Header& h, uint8_t* out) {
+  std::memcpy(out, &h.magic, 4);
+  std::memcpy(out + 4, &h.version, 2);
+  std::memcpy(out + 6, &h.code, 2);
+  std::memcpy(out + 8, &h.body_bytes, 8);
+}
+
+Header decode_header(const uint8_t* in) {
+  Header h;
+  std::memcpy(&h.magic, in, 4);
+  std::memcpy(&h.version, in + 4, 2);
+  std::memcpy(&h.code, in + 6, 2);
+  std::memcpy(&h.body_bytes, in + 8, 8);
+  return h;
+}
+
+std::string header_problem(const Header& h, uint64_t max_body) {
+  if (h.magic != kMagic) return str("bad magic 0x", std::hex, h.magic, " (expected 0x", kMagic, ")");
+  if (h.version != kVersion) {
+    return str("unsupported protocol version ", h.version, " (expected ", kVersion, ")");
+  }
+  if (h.body_bytes > max_body) {
+    return str("frame body of ", h.body_bytes, " bytes exceeds the limit of ", max_body);
+  }
+  return {};
+}
+
+Bytes make_frame(uint16_t code, const Bytes& body) {
+  Bytes frame(kHeaderBytes);
+  Header h;
+  h.code = code;
+  h.body_bytes = body.size();
+  encode_header(h, frame.data());
+  frame.insert(frame.end(), body.begin(), body.end());
+  return frame;
+}
+
+void write_keys(wire::Writer& w, const std::vector<std::string>& keys) {
+  w.u64(keys.size());
+  for (const auto& k : keys) w.string(k);
+}
+
+std::vector<std::string> read_keys(wire::Reader& r) {
+  const uint64_t n = r.u64("key count");
+  if (n > r.remaining() / 8) {
+    throw ProtocolError(str("key count ", n, " is larger than the ", r.remaining(),
+                            " remaining bytes allow"));
+  }
+  std::vector<std::string> keys;
+  keys.reserve(n);
+  for (uint64_t i = 0; i < n; ++i) keys.push_back(r.string("key"));
+  return keys;
+}
+
+}  // namespace tdist::detail::tcp_store

@@ -1,0 +1,613 @@
+// The TCPStore server: one Boost.Asio io_context on one thread. Every connection's state, the
+// key-value map and the waiters are touched only from that thread, so none of them needs a lock.
+// See Note [TCPStore protocol] in core/tcp_store.cpp.
+
+#include <boost/asio.hpp>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <deque>
+#include <optional>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "tdist/core/detail/store_util.h"
+#include "tdist/core/detail/tcp_store_protocol.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/tcp_store.h"
+
+namespace tdist {
+namespace detail {
+namespace {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+using boost::system::error_code;
+using tcp_store::Command;
+using tcp_store::Status;
+
+constexpr size_t kBodyChunkBytes = 64 * 1024;
+
+// Keys the TCPStore uses for itself (the num_workers join); num_keys() does not count them.
+bool is_internal_key(const std::string& key) {
+  return key.rfind(tcp_store::kInternalKeyPrefix, 0) == 0;
+}
+
+}  // namespace
+
+class TCPStoreConnection;
+
+class TCPStoreServerImpl {
+ public:
+  TCPStoreServerImpl(const std::string& host, uint16_t port);
+  ~TCPStoreServerImpl();
+
+  uint16_t port() const { return port_; }
+  const std::string& host() const { return host_; }
+  int num_connections() const { return num_connections_.load(); }
+  int64_t num_rejected_frames() const { return num_rejected_frames_.load(); }
+  std::string address() const { return host_ + ":" + std::to_string(port_); }
+
+  // Called by connections, on the io thread.
+  void handle_request(const std::shared_ptr<TCPStoreConnection>& conn, uint16_t code,
+                      wire::Reader& body);
+  void on_connection_closed(TCPStoreConnection* conn, bool rejected);
+  void on_wait_timeout(const std::shared_ptr<TCPStoreConnection>& conn, uint64_t waiter_id,
+                       const error_code& ec);
+
+ private:
+  void run();
+  void start_accept();
+  void on_accept(const error_code& ec, tcp::socket socket);
+  void on_accept_retry(const error_code& ec);
+  void shutdown();
+
+  void on_set(TCPStoreConnection& conn, wire::Reader& body);
+  void on_get(const std::shared_ptr<TCPStoreConnection>& conn, wire::Reader& body);
+  void on_add(TCPStoreConnection& conn, wire::Reader& body);
+  void on_compare_set(TCPStoreConnection& conn, wire::Reader& body);
+  void on_wait(const std::shared_ptr<TCPStoreConnection>& conn, wire::Reader& body);
+  void on_check(TCPStoreConnection& conn, wire::Reader& body);
+  void on_delete(TCPStoreConnection& conn, wire::Reader& body);
+  void on_num_keys(TCPStoreConnection& conn, wire::Reader& body);
+
+  std::vector<std::string> missing_keys(const std::vector<std::string>& keys) const;
+  // Parks a get/wait until its keys exist (or its timeout passes).
+  void park(const std::shared_ptr<TCPStoreConnection>& conn, Command cmd,
+            std::vector<std::string> keys, Millis timeout);
+  // Answers the parked waiters that `key` completes.
+  void on_key_changed(const std::string& key);
+  // Removes the connection's waiter from waiting_ and cancels its timer.
+  void unpark(TCPStoreConnection& conn);
+
+  // Constant after construction.
+  std::string host_;
+  uint16_t port_ = 0;
+
+  asio::io_context io_;
+  tcp::acceptor acceptor_;
+  asio::steady_timer accept_retry_timer_;  // paces accept after an error (e.g. out of fds)
+  std::thread thread_;
+  std::atomic<int> num_connections_{0};
+  std::atomic<int64_t> num_rejected_frames_{0};
+
+  // Touched only from the io thread.
+  bool stopping_ = false;
+  std::unordered_map<std::string, Bytes> data_;
+  std::set<std::shared_ptr<TCPStoreConnection>> connections_;
+  std::unordered_map<std::string, std::unordered_set<TCPStoreConnection*>> waiting_;
+  uint64_t next_waiter_id_ = 1;
+};
+
+// One accepted socket: reads frames, hands requests to the server, writes replies. Lives while
+// the server's connection set or a pending handler holds it.
+class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnection> {
+ public:
+  // A get or wait parked until its keys exist.
+  struct Waiter {
+    uint64_t id = 0;
+    Command cmd = Command::kWait;
+    std::vector<std::string> keys;
+    Millis timeout{0};
+    std::unique_ptr<asio::steady_timer> timer;
+  };
+
+  TCPStoreConnection(TCPStoreServerImpl& server, tcp::socket socket)
+      : server_(server), socket_(std::move(socket)) {
+    error_code ec;
+    auto ep = socket_.remote_endpoint(ec);
+    peer_ = ec ? std::string("unknown peer") : ep.address().to_string() + ":" + std::to_string(ep.port());
+  }
+
+  void start() { read_header(); }
+  void reply(Status status, const Bytes& body);
+  // Logs why the peer's bytes cannot be accepted and closes this connection only.
+  void reject(const std::string& why);
+  void close(bool rejected = false);
+
+  const std::string& peer() const { return peer_; }
+  std::optional<Waiter>& waiter() { return waiter_; }
+
+ private:
+  void read_header();
+  void on_header(const error_code& ec, size_t n);
+  void read_body_chunk();
+  void on_body_chunk(const error_code& ec, size_t n);
+  void dispatch();
+  void write_next();
+  void on_write(const error_code& ec, size_t n);
+
+  TCPStoreServerImpl& server_;
+  tcp::socket socket_;
+  std::string peer_;
+  bool closed_ = false;
+  std::array<uint8_t, tcp_store::kHeaderBytes> header_bytes_{};
+  tcp_store::Header header_;
+  Bytes body_;
+  size_t body_received_ = 0;
+  std::deque<Bytes> out_;
+  std::optional<Waiter> waiter_;
+};
+
+// ---- TCPStoreConnection -------------------------------------------------------------------------
+
+void TCPStoreConnection::read_header() {
+  asio::async_read(socket_, asio::buffer(header_bytes_),
+                   [self = shared_from_this()](const error_code& ec, size_t n) {
+                     self->on_header(ec, n);
+                   });
+}
+
+void TCPStoreConnection::on_header(const error_code& ec, size_t n) {
+  if (closed_) return;
+  if (ec) {
+    if (n > 0) {
+      reject(str("connection ended inside a frame header (", n, " of ", header_bytes_.size(),
+                 " bytes)"));
+    } else {
+      TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": ", peer_, " disconnected (",
+                      ec.message(), ")");
+      close();
+    }
+    return;
+  }
+  header_ = tcp_store::decode_header(header_bytes_.data());
+  // Validated before a single byte of the body is read or allocated.
+  std::string problem = tcp_store::header_problem(header_, TCPStoreServer::kMaxFrameBytes);
+  if (problem.empty() && !tcp_store::is_known_command(header_.code)) {
+    problem = str("unknown command ", header_.code);
+  }
+  if (problem.empty() && waiter_) {
+    // A client sends one request at a time; this one arrived before the parked one was answered.
+    problem = str("request '", tcp_store::command_name(header_.code), "' arrived while '",
+                  tcp_store::command_name(static_cast<uint16_t>(waiter_->cmd)),
+                  "' is still pending");
+  }
+  if (!problem.empty()) {
+    reject(problem);
+    return;
+  }
+  body_.clear();
+  body_received_ = 0;
+  if (header_.body_bytes == 0) {
+    dispatch();
+  } else {
+    read_body_chunk();
+  }
+}
+
+void TCPStoreConnection::read_body_chunk() {
+  // The body grows as bytes arrive, so a peer that announces a large body but sends little
+  // cannot make the server allocate what it announced.
+  const size_t chunk = static_cast<size_t>(
+      std::min<uint64_t>(header_.body_bytes - body_received_, kBodyChunkBytes));
+  body_.resize(body_received_ + chunk);
+  asio::async_read(socket_, asio::buffer(body_.data() + body_received_, chunk),
+                   [self = shared_from_this()](const error_code& ec, size_t n) {
+                     self->on_body_chunk(ec, n);
+                   });
+}
+
+void TCPStoreConnection::on_body_chunk(const error_code& ec, size_t n) {
+  if (closed_) return;
+  if (ec) {
+    reject(str("connection ended inside the body of '", tcp_store::command_name(header_.code),
+               "' (", body_received_ + n, " of ", header_.body_bytes, " bytes)"));
+    return;
+  }
+  body_received_ += n;
+  if (body_received_ < header_.body_bytes) {
+    read_body_chunk();
+  } else {
+    dispatch();
+  }
+}
+
+void TCPStoreConnection::dispatch() {
+  auto self = shared_from_this();
+  try {
+    wire::Reader reader(body_);
+    server_.handle_request(self, header_.code, reader);
+  } catch (const ProtocolError& e) {
+    reject(str("malformed '", tcp_store::command_name(header_.code), "' request: ", e.what()));
+    return;
+  }
+  body_ = Bytes();
+  // Read on even while a get/wait is parked: that is how a peer's disconnect is noticed.
+  if (!closed_) read_header();
+}
+
+void TCPStoreConnection::reply(Status status, const Bytes& body) {
+  if (closed_) return;
+  out_.push_back(tcp_store::make_frame(static_cast<uint16_t>(status), body));
+  if (out_.size() == 1) write_next();
+}
+
+void TCPStoreConnection::write_next() {
+  asio::async_write(socket_, asio::buffer(out_.front()),
+                    [self = shared_from_this()](const error_code& ec, size_t n) {
+                      self->on_write(ec, n);
+                    });
+}
+
+void TCPStoreConnection::on_write(const error_code& ec, size_t /*n*/) {
+  if (closed_) return;
+  if (ec) {
+    TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": write to ", peer_, " failed (",
+                    ec.message(), ")");
+    close();
+    return;
+  }
+  out_.pop_front();
+  if (!out_.empty()) write_next();
+}
+
+void TCPStoreConnection::reject(const std::string& why) {
+  TDIST_LOG_ERROR("TCPStore server ", server_.address(), ": closing the connection from ",
+                  peer_, ": ", why);
+  close(/*rejected=*/true);
+}
+
+void TCPStoreConnection::close(bool rejected) {
+  if (closed_) return;
+  closed_ = true;
+  error_code ignored;
+  socket_.shutdown(tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  out_.clear();
+  server_.on_connection_closed(this, rejected);
+}
+
+// ---- TCPStoreServerImpl -------------------------------------------------------------------------
+
+TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port)
+    : host_(host), acceptor_(io_), accept_retry_timer_(io_) {
+  try {
+    tcp::resolver resolver(io_);
+    auto results = resolver.resolve(host, std::to_string(port),
+                                    tcp::resolver::passive | tcp::resolver::numeric_service);
+    tcp::endpoint endpoint = results.begin()->endpoint();
+    acceptor_.open(endpoint.protocol());
+    acceptor_.set_option(tcp::acceptor::reuse_address(true));
+    acceptor_.bind(endpoint);
+    acceptor_.listen(asio::socket_base::max_listen_connections);
+    port_ = acceptor_.local_endpoint().port();
+  } catch (const boost::system::system_error& e) {
+    TDIST_THROW(NetworkError, "TCPStore server cannot listen on ", host, ":", port, ": ",
+                e.code().message());
+  }
+  start_accept();
+  thread_ = std::thread([this] { run(); });
+  TDIST_LOG_DEBUG("TCPStore server listening on ", address());
+}
+
+TCPStoreServerImpl::~TCPStoreServerImpl() {
+  // shutdown() runs on the io thread (connection state lives there) and stops the loop; the loop
+  // never blocks, so the join cannot hang even with clients connected or parked in get/wait.
+  asio::post(io_, [this] { shutdown(); });
+  if (thread_.joinable()) thread_.join();
+}
+
+void TCPStoreServerImpl::run() {
+  for (;;) {
+    try {
+      io_.run();
+      return;
+    } catch (const std::exception& e) {
+      // Handlers catch what a peer can cause; anything else is a bug, but keep serving.
+      TDIST_LOG_ERROR("TCPStore server ", address(), ": unexpected error: ", e.what());
+    }
+  }
+}
+
+void TCPStoreServerImpl::shutdown() {
+  stopping_ = true;
+  error_code ignored;
+  acceptor_.close(ignored);
+  accept_retry_timer_.cancel();
+  auto conns = connections_;  // close() erases from connections_
+  for (const auto& c : conns) c->close();
+  io_.stop();
+}
+
+void TCPStoreServerImpl::start_accept() {
+  acceptor_.async_accept([this](const error_code& ec, tcp::socket socket) {
+    on_accept(ec, std::move(socket));
+  });
+}
+
+void TCPStoreServerImpl::on_accept(const error_code& ec, tcp::socket socket) {
+  if (stopping_ || ec == asio::error::operation_aborted) return;
+  if (ec) {
+    TDIST_LOG_WARN("TCPStore server ", address(), ": accept failed: ", ec.message());
+    accept_retry_timer_.expires_after(std::chrono::milliseconds(100));
+    accept_retry_timer_.async_wait([this](const error_code& e) { on_accept_retry(e); });
+    return;
+  }
+  {
+    error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    auto conn = std::make_shared<TCPStoreConnection>(*this, std::move(socket));
+    connections_.insert(conn);
+    num_connections_.fetch_add(1);
+    TDIST_LOG_DEBUG("TCPStore server ", address(), ": accepted ", conn->peer());
+    conn->start();
+  }
+  start_accept();
+}
+
+void TCPStoreServerImpl::on_accept_retry(const error_code& ec) {
+  if (stopping_ || ec == asio::error::operation_aborted) return;
+  start_accept();
+}
+
+void TCPStoreServerImpl::on_connection_closed(TCPStoreConnection* conn, bool rejected) {
+  unpark(*conn);
+  if (rejected) num_rejected_frames_.fetch_add(1);
+  auto it = std::find_if(connections_.begin(), connections_.end(),
+                         [conn](const auto& c) { return c.get() == conn; });
+  if (it != connections_.end()) {
+    connections_.erase(it);
+    num_connections_.fetch_sub(1);
+  }
+}
+
+void TCPStoreServerImpl::handle_request(const std::shared_ptr<TCPStoreConnection>& conn,
+                                        uint16_t code, wire::Reader& body) {
+  switch (static_cast<Command>(code)) {
+    case Command::kSet: return on_set(*conn, body);
+    case Command::kGet: return on_get(conn, body);
+    case Command::kAdd: return on_add(*conn, body);
+    case Command::kCompareSet: return on_compare_set(*conn, body);
+    case Command::kWait: return on_wait(conn, body);
+    case Command::kCheck: return on_check(*conn, body);
+    case Command::kDelete: return on_delete(*conn, body);
+    case Command::kNumKeys: return on_num_keys(*conn, body);
+  }
+  throw ProtocolError(str("unknown command ", code));
+}
+
+namespace {
+
+Millis read_timeout(wire::Reader& r) {
+  int64_t ms = r.i64("timeout");
+  if (ms < 0) throw ProtocolError(str("negative timeout ", ms, " ms"));
+  return Millis(ms);
+}
+
+Bytes encode_keys(const std::vector<std::string>& keys) {
+  Bytes out;
+  wire::Writer w(out);
+  tcp_store::write_keys(w, keys);
+  return out;
+}
+
+}  // namespace
+
+void TCPStoreServerImpl::on_set(TCPStoreConnection& conn, wire::Reader& body) {
+  std::string key = body.string("key");
+  Bytes value = body.blob("value");
+  body.expect_end("set request");
+  data_[key] = std::move(value);
+  conn.reply(Status::kOk, {});
+  on_key_changed(key);
+}
+
+void TCPStoreServerImpl::on_get(const std::shared_ptr<TCPStoreConnection>& conn,
+                                wire::Reader& body) {
+  std::string key = body.string("key");
+  Millis timeout = read_timeout(body);
+  body.expect_end("get request");
+  auto it = data_.find(key);
+  if (it != data_.end()) {
+    Bytes out;
+    wire::Writer(out).blob(it->second);
+    conn->reply(Status::kOk, out);
+    return;
+  }
+  park(conn, Command::kGet, {key}, timeout);
+}
+
+void TCPStoreServerImpl::on_add(TCPStoreConnection& conn, wire::Reader& body) {
+  std::string key = body.string("key");
+  int64_t delta = body.i64("delta");
+  body.expect_end("add request");
+  int64_t value = 0;
+  auto it = data_.find(key);
+  try {
+    if (it != data_.end()) value = parse_counter(key, it->second);
+  } catch (const InvalidArgument& e) {
+    Bytes out;
+    wire::Writer(out).string(e.what());
+    conn.reply(Status::kInvalid, out);
+    return;
+  }
+  if (__builtin_add_overflow(value, delta, &value)) {
+    Bytes out;
+    wire::Writer(out).string(str("add(", delta, ") overflows the counter in store key '", key, "'"));
+    conn.reply(Status::kInvalid, out);
+    return;
+  }
+  data_[key] = to_bytes(std::to_string(value));
+  Bytes out;
+  wire::Writer(out).i64(value);
+  conn.reply(Status::kOk, out);
+  on_key_changed(key);
+}
+
+void TCPStoreServerImpl::on_compare_set(TCPStoreConnection& conn, wire::Reader& body) {
+  std::string key = body.string("key");
+  Bytes expected = body.blob("expected");
+  Bytes desired = body.blob("desired");
+  body.expect_end("compare_set request");
+  Bytes result;
+  bool changed = false;
+  auto it = data_.find(key);
+  if (it == data_.end()) {
+    if (expected.empty()) {
+      data_[key] = desired;
+      result = desired;
+      changed = true;
+    } else {
+      result = expected;
+    }
+  } else if (it->second == expected) {
+    it->second = desired;
+    result = desired;
+    changed = true;
+  } else {
+    result = it->second;
+  }
+  Bytes out;
+  wire::Writer(out).blob(result);
+  conn.reply(Status::kOk, out);
+  if (changed) on_key_changed(key);
+}
+
+void TCPStoreServerImpl::on_wait(const std::shared_ptr<TCPStoreConnection>& conn,
+                                 wire::Reader& body) {
+  std::vector<std::string> keys = tcp_store::read_keys(body);
+  Millis timeout = read_timeout(body);
+  body.expect_end("wait request");
+  if (missing_keys(keys).empty()) {
+    conn->reply(Status::kOk, {});
+    return;
+  }
+  park(conn, Command::kWait, std::move(keys), timeout);
+}
+
+void TCPStoreServerImpl::on_check(TCPStoreConnection& conn, wire::Reader& body) {
+  std::vector<std::string> keys = tcp_store::read_keys(body);
+  body.expect_end("check request");
+  Bytes out;
+  wire::Writer(out).u8(missing_keys(keys).empty() ? 1 : 0);
+  conn.reply(Status::kOk, out);
+}
+
+void TCPStoreServerImpl::on_delete(TCPStoreConnection& conn, wire::Reader& body) {
+  std::string key = body.string("key");
+  body.expect_end("delete_key request");
+  Bytes out;
+  wire::Writer(out).u8(data_.erase(key) > 0 ? 1 : 0);
+  conn.reply(Status::kOk, out);
+}
+
+void TCPStoreServerImpl::on_num_keys(TCPStoreConnection& conn, wire::Reader& body) {
+  body.expect_end("num_keys request");
+  int64_t n = 0;
+  for (const auto& kv : data_)
+    if (!is_internal_key(kv.first)) ++n;
+  Bytes out;
+  wire::Writer(out).i64(n);
+  conn.reply(Status::kOk, out);
+}
+
+std::vector<std::string> TCPStoreServerImpl::missing_keys(
+    const std::vector<std::string>& keys) const {
+  std::vector<std::string> missing;
+  for (const auto& k : keys)
+    if (!data_.count(k)) missing.push_back(k);
+  return missing;
+}
+
+void TCPStoreServerImpl::park(const std::shared_ptr<TCPStoreConnection>& conn, Command cmd,
+                              std::vector<std::string> keys, Millis timeout) {
+  TCPStoreConnection::Waiter w;
+  w.id = next_waiter_id_++;
+  w.cmd = cmd;
+  w.keys = std::move(keys);
+  w.timeout = timeout;
+  for (const auto& k : missing_keys(w.keys)) waiting_[k].insert(conn.get());
+  if (timeout != Store::kNoTimeout) {
+    w.timer = std::make_unique<asio::steady_timer>(io_, timeout);
+    w.timer->async_wait([this, conn, id = w.id](const error_code& ec) {
+      on_wait_timeout(conn, id, ec);
+    });
+  }
+  conn->waiter() = std::move(w);
+}
+
+void TCPStoreServerImpl::unpark(TCPStoreConnection& conn) {
+  auto& waiter = conn.waiter();
+  if (!waiter) return;
+  for (const auto& k : waiter->keys) {
+    auto it = waiting_.find(k);
+    if (it == waiting_.end()) continue;
+    it->second.erase(&conn);
+    if (it->second.empty()) waiting_.erase(it);
+  }
+  if (waiter->timer) waiter->timer->cancel();
+  waiter.reset();
+}
+
+void TCPStoreServerImpl::on_key_changed(const std::string& key) {
+  auto it = waiting_.find(key);
+  if (it == waiting_.end()) return;
+  std::vector<TCPStoreConnection*> parked(it->second.begin(), it->second.end());
+  for (TCPStoreConnection* raw : parked) {
+    auto& waiter = raw->waiter();
+    if (!waiter || !missing_keys(waiter->keys).empty()) continue;
+    const Command cmd = waiter->cmd;
+    const std::string first = waiter->keys.front();
+    unpark(*raw);
+    Bytes out;
+    if (cmd == Command::kGet) wire::Writer(out).blob(data_.at(first));
+    raw->reply(Status::kOk, out);
+  }
+}
+
+void TCPStoreServerImpl::on_wait_timeout(const std::shared_ptr<TCPStoreConnection>& conn,
+                                         uint64_t waiter_id, const error_code& ec) {
+  auto& waiter = conn->waiter();
+  if (ec == asio::error::operation_aborted || !waiter || waiter->id != waiter_id) return;
+  std::vector<std::string> missing = missing_keys(waiter->keys);
+  TDIST_LOG_DEBUG("TCPStore server ", address(), ": ",
+                  tcp_store::command_name(static_cast<uint16_t>(waiter->cmd)), " from ",
+                  conn->peer(), " timed out after ", seconds_text(waiter->timeout),
+                  " s; missing ", join_keys(missing));
+  unpark(*conn);
+  conn->reply(Status::kTimeout, encode_keys(missing));
+}
+
+}  // namespace detail
+
+// ---- TCPStoreServer -----------------------------------------------------------------------------
+
+TCPStoreServer::TCPStoreServer(const std::string& host, uint16_t port)
+    : impl_(std::make_unique<detail::TCPStoreServerImpl>(host, port)) {}
+
+TCPStoreServer::~TCPStoreServer() = default;
+
+uint16_t TCPStoreServer::port() const { return impl_->port(); }
+
+const std::string& TCPStoreServer::host() const { return impl_->host(); }
+
+int TCPStoreServer::num_connections() const { return impl_->num_connections(); }
+
+int64_t TCPStoreServer::num_rejected_frames() const { return impl_->num_rejected_frames(); }
+
+}  // namespace tdist

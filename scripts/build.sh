@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), configure and build tdist into build/ (override with BUILD_DIR).
+#   scripts/build.sh [extra cmake args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR="${BUILD_DIR:-build}"
+JOBS="${JOBS:-$(nproc)}"
+scripts/setup.sh
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@"
+fi
+cmake --build "$BUILD_DIR" -j "$JOBS"

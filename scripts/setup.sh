@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Installs what tdist's build needs when it is missing: Debian packages and the pinned PyTorch
+# (whose wheel carries libtorch and its CMake config). Idempotent: prints what it installs and
+# installs nothing when everything is there. Works as root, or with sudo otherwise.
+#
+#   scripts/setup.sh            # check and install
+#   TDIST_PYTHON=python3.11 scripts/setup.sh
+set -euo pipefail
+
+TORCH_VERSION="${TDIST_TORCH_VERSION:-2.11.0}"
+PYTHON="${TDIST_PYTHON:-python3}"
+
+DEB_PACKAGES=(
+  build-essential cmake ninja-build ccache git pkg-config
+  python3 python3-dev python3-pip python3-venv
+  libboost-dev libcereal-dev libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
+  libssl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  iproute2 openmpi-bin libopenmpi-dev
+)
+
+say() { printf 'setup: %s\n' "$*"; }
+
+if [ "$(id -u)" -eq 0 ]; then
+  SUDO=()
+elif command -v sudo >/dev/null 2>&1; then
+  SUDO=(sudo)
+else
+  SUDO=()
+fi
+
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ] && [ "${#SUDO[@]}" -eq 0 ]; then
+    say "missing Debian packages: ${missing[*]}; run as root or install sudo" >&2
+    exit 1
+  fi
+  say "installing Debian packages: ${missing[*]}"
+  "${SUDO[@]}" apt-get update -q
+  DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  say "Debian packages present"
+fi
+
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+  say "no $PYTHON found" >&2
+  exit 1
+fi
+
+have_torch=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [ "$have_torch" != "$TORCH_VERSION" ]; then
+  say "installing torch==$TORCH_VERSION for $("$PYTHON" -c 'import sys; print(sys.executable)') (found: ${have_torch:-none})"
+  pip_args=(-m pip install -q "torch==$TORCH_VERSION" numpy)
+  # Debian's own python3 refuses system-wide pip installs (PEP 668) unless told.
+  if "$PYTHON" -m pip install --help 2>/dev/null | grep -q -- --break-system-packages; then
+    if [ -f "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/EXTERNALLY-MANAGED" ]; then
+      pip_args+=(--break-system-packages)
+    fi
+  fi
+  if [ "$(id -u)" -ne 0 ] && ! "$PYTHON" -c 'import site, os, sys; sys.exit(0 if os.access(site.getsitepackages()[0], os.W_OK) else 1)'; then
+    pip_args+=(--user)
+  fi
+  "$PYTHON" "${pip_args[@]}"
+else
+  say "torch $TORCH_VERSION present"
+fi
+if ! "$PYTHON" -c 'import numpy' >/dev/null 2>&1; then
+  say "installing numpy"
+  "$PYTHON" -m pip install -q numpy
+fi
+say "ready: $("$PYTHON" -c 'import torch, torch.utils; print("torch", torch.__version__, "at", torch.utils.cmake_prefix_path)')"

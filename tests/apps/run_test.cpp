@@ -1,0 +1,199 @@
+// tdist-run as a user runs it: real worker processes (small shell scripts), real signals.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <regex>
+#include <thread>
+
+#include "tests/harness/command.h"
+#include "tests/harness/process.h"
+
+namespace tdist {
+namespace {
+
+using test::CommandOptions;
+using test::run_command;
+
+const std::string kRun = TDIST_RUN_BIN;
+
+test::CommandResult launch(std::vector<std::string> args, CommandOptions opts = {}) {
+  args.insert(args.begin(), kRun);
+  return run_command(args, opts);
+}
+
+CommandOptions with_timeout(int seconds) {
+  CommandOptions o;
+  o.timeout = std::chrono::seconds(seconds);
+  return o;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+TEST(TdistRun, WorkersSeeTheirVariables) {
+  auto r = launch({"--nproc-per-node", "3", "--master-port", "0", "sh", "-c",
+                   "echo vars $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK "
+                   "$MASTER_ADDR $MASTER_PORT $TDIST_RESTART_COUNT $OMP_NUM_THREADS"});
+  ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
+  std::regex line(R"(\[rank (\d)\] vars (\d) (\d) 3 3 0 127\.0\.0\.1 (\d+) 0 1)");
+  std::map<int, int> seen;
+  std::string port;
+  std::istringstream in(r.out);
+  for (std::string l; std::getline(in, l);) {
+    std::smatch m;
+    if (std::regex_match(l, m, line)) {
+      EXPECT_EQ(m[1], m[2]) << l;  // the prefix is the worker's own RANK
+      EXPECT_EQ(m[2], m[3]) << l;  // single node: LOCAL_RANK == RANK
+      if (port.empty()) port = m[4];
+      EXPECT_EQ(port, m[4]) << "every worker gets the same MASTER_PORT";
+      seen[std::stoi(m[1])]++;
+    }
+  }
+  EXPECT_EQ(seen, (std::map<int, int>{{0, 1}, {1, 1}, {2, 1}})) << r.describe();
+  EXPECT_NE(port, "0") << "port 0 means: pick a free one";
+}
+
+TEST(TdistRun, MultiNodeRanksFollowTheNodeRank) {
+  auto r = launch({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr",
+                   "127.0.0.1", "--master-port", "29999", "sh", "-c",
+                   "echo vars $RANK $LOCAL_RANK $WORLD_SIZE $GROUP_RANK $MASTER_PORT"});
+  ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
+  EXPECT_TRUE(contains(r.out, "[rank 2] vars 2 0 4 1 29999")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 3] vars 3 1 4 1 29999")) << r.out;
+}
+
+TEST(TdistRun, AFailingWorkerStopsTheOthers) {
+  std::string dir = test::temp_dir();
+  auto r = launch({"--nproc-per-node", "3", "--master-port", "0", "--stop-grace", "2", "sh", "-c",
+                   "if [ $RANK = 1 ]; then echo boom >&2; exit 3; fi; sleep 60; touch " + dir +
+                       "/survived_$RANK"},
+                  with_timeout(40));
+  ASSERT_FALSE(r.timed_out) << r.describe();
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_TRUE(contains(r.err, "rank 1")) << r.err;
+  EXPECT_TRUE(contains(r.err, "exited with code 3")) << r.err;
+  EXPECT_TRUE(contains(r.err, "boom")) << "the last stderr lines are reported: " << r.err;
+  EXPECT_NE(access((dir + "/survived_0").c_str(), F_OK), 0) << "rank 0 was not stopped";
+  EXPECT_NE(access((dir + "/survived_2").c_str(), F_OK), 0) << "rank 2 was not stopped";
+}
+
+TEST(TdistRun, AWorkerKilledBySignalIsNamed) {
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "sh", "-c",
+                   "if [ $RANK = 0 ]; then kill -9 $$; fi; sleep 60"},
+                  with_timeout(40));
+  ASSERT_FALSE(r.timed_out) << r.describe();
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_TRUE(contains(r.err, "rank 0")) << r.err;
+  EXPECT_TRUE(contains(r.err, "SIGKILL")) << r.err;
+}
+
+TEST(TdistRun, WorkersThatIgnoreSigtermAreKilledAfterTheGrace) {
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--stop-grace", "0.5", "sh",
+                   "-c", "if [ $RANK = 1 ]; then exit 5; fi; trap '' TERM; sleep 60"},
+                  with_timeout(40));
+  ASSERT_FALSE(r.timed_out) << r.describe();
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(contains(r.err, "exited with code 5")) << r.err;
+}
+
+TEST(TdistRun, ForwardsSigtermToWorkers) {
+  std::string dir = test::temp_dir();
+  pid_t launcher = -1;
+  std::thread killer;
+  CommandOptions opts;
+  opts.timeout = std::chrono::seconds(40);
+  opts.on_start = [&](pid_t pid) {
+    launcher = pid;
+    killer = std::thread([dir, pid] {
+      // Wait until both workers are up (they create their ready files), then signal.
+      for (int i = 0; i < 2000; ++i) {
+        if (access((dir + "/ready_0").c_str(), F_OK) == 0 &&
+            access((dir + "/ready_1").c_str(), F_OK) == 0)
+          break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      ::kill(pid, SIGTERM);
+    });
+  };
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "sh", "-c",
+                   "trap 'touch " + dir + "/got_term_$RANK; exit 0' TERM; touch " + dir +
+                       "/ready_$RANK; while true; do sleep 0.05; done"},
+                  opts);
+  killer.join();
+  ASSERT_FALSE(r.timed_out) << r.describe();
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.describe();
+  EXPECT_EQ(access((dir + "/got_term_0").c_str(), F_OK), 0) << r.describe();
+  EXPECT_EQ(access((dir + "/got_term_1").c_str(), F_OK), 0) << r.describe();
+}
+
+TEST(TdistRun, RestartsTheGroupWhileRestartsRemain) {
+  // Fails on the first attempt, succeeds on the second.
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "2", "sh",
+                   "-c", "echo attempt $TDIST_RESTART_COUNT of $TDIST_MAX_RESTARTS; "
+                         "[ $TDIST_RESTART_COUNT -ge 1 ] || exit 4"});
+  EXPECT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_TRUE(contains(r.out, "[rank 0] attempt 1 of 2")) << r.out;
+  EXPECT_TRUE(contains(r.err, "restarting all workers (restart 1 of 2)")) << r.err;
+  EXPECT_FALSE(contains(r.out, "attempt 2 of 2")) << r.out;
+}
+
+TEST(TdistRun, ExhaustedRestartsAreReported) {
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "2", "sh",
+                   "-c", "echo attempt $TDIST_RESTART_COUNT; exit 7"});
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_TRUE(contains(r.out, "attempt 2")) << r.out;
+  EXPECT_TRUE(contains(r.err, "exited with code 7 (after 2 of 2 restarts)")) << r.err;
+}
+
+TEST(TdistRun, LogDirHoldsOneFilePerRankAndStream) {
+  std::string dir = test::temp_dir();
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--log-dir", dir, "--no-tee",
+                   "sh", "-c", "echo out $RANK; echo err $RANK >&2"});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_FALSE(contains(r.out, "out 0")) << "--no-tee keeps worker output off the console";
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream out(dir + "/attempt_0/rank_" + std::to_string(rank) + ".stdout");
+    std::ifstream err(dir + "/attempt_0/rank_" + std::to_string(rank) + ".stderr");
+    std::string o, e;
+    std::getline(out, o);
+    std::getline(err, e);
+    EXPECT_EQ(o, "out " + std::to_string(rank));
+    EXPECT_EQ(e, "err " + std::to_string(rank));
+  }
+}
+
+TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  std::vector<Case> cases = {
+      {{"--nproc-per-node", "0", "true"}, "--nproc-per-node"},
+      {{"--nproc-per-node", "abc", "true"}, "--nproc-per-node"},
+      {{"--master-port", "70000", "true"}, "--master-port"},
+      {{"--nnodes", "2", "--node-rank", "2", "true"}, "--node-rank"},
+      {{"--rdzv-endpoint", "nohostport", "true"}, "HOST:PORT"},
+      {{"--rdzv-endpoint", "host:abc", "true"}, "port 'abc'"},
+      {{"--no-such-flag", "true"}, "--no-such-flag"},
+      {{"--nproc-per-node", "2"}, "no program"},
+  };
+  for (const auto& c : cases) {
+    auto r = launch(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args[0] << ": " << r.describe();
+    EXPECT_TRUE(contains(r.err, c.message)) << "'" << c.message << "' not in: " << r.err;
+  }
+}
+
+TEST(TdistRun, AMissingProgramIsAWorkerFailure) {
+  auto r = launch({"--nproc-per-node", "1", "--master-port", "0", "/no/such/program"});
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_TRUE(contains(r.err, "cannot execute '/no/such/program'")) << r.err;
+  EXPECT_TRUE(contains(r.err, "exited with code 127")) << r.err;
+}
+
+}  // namespace
+}  // namespace tdist

@@ -1,0 +1,510 @@
+// TCPStore against a really started server on 127.0.0.1: concurrency, disconnects, a server
+// that goes away or stops answering, malformed frames from raw sockets, num_workers, and real
+// child processes.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "tdist/core/detail/tcp_store_protocol.h"
+#include "tdist/core/env.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/tcp_store.h"
+#include "tdist/core/wire.h"
+#include "tests/harness/process.h"
+
+namespace tdist {
+namespace {
+
+using namespace std::chrono_literals;
+namespace proto = detail::tcp_store;
+
+constexpr Millis kTimeout = 20s;  // only failures wait for it
+
+// Polls `pred` until it holds or `limit` passes; the final value of pred.
+bool eventually(const std::function<bool()>& pred, Millis limit = 10s) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(5ms);
+  }
+  return pred();
+}
+
+template <typename E, typename Fn>
+std::string expect_throw(Fn fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "unexpected exception type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "no exception thrown";
+  return {};
+}
+
+void expect_contains(const std::string& text, const std::string& fragment) {
+  EXPECT_NE(text.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << text;
+}
+
+// ---- raw sockets ----------------------------------------------------------------------------
+
+sockaddr_in loopback(uint16_t port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return addr;
+}
+
+class RawSocket {
+ public:
+  explicit RawSocket(uint16_t port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    TDIST_CHECK(fd_ >= 0, std::strerror(errno));
+    sockaddr_in addr = loopback(port);
+    TDIST_CHECK(::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0,
+                std::strerror(errno));
+  }
+  ~RawSocket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void send(const Bytes& bytes) {
+    TDIST_CHECK_EQ(::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL),
+                   static_cast<ssize_t>(bytes.size()));
+  }
+  void shutdown_write() { ::shutdown(fd_, SHUT_WR); }
+  // Closes with a TCP reset (no orderly FIN), as a crashed peer might.
+  void reset() {
+    linger l{1, 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
+    ::close(fd_);
+    fd_ = -1;
+  }
+  // True when the server closed the connection (EOF or reset) within `limit`.
+  bool sees_eof(Millis limit = 10s) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      auto left = std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+      uint8_t buf[256];
+      ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+      if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+    }
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// A port that nothing listens on right now.
+uint16_t free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = loopback(0);
+  TDIST_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+Bytes header(uint32_t magic, uint16_t version, uint16_t code, uint64_t body_bytes) {
+  Bytes out(proto::kHeaderBytes);
+  proto::encode_header({magic, version, code, body_bytes}, out.data());
+  return out;
+}
+
+Bytes wait_frame(const std::string& key, Millis timeout) {
+  Bytes body;
+  wire::Writer w(body);
+  proto::write_keys(w, {key});
+  w.i64(timeout.count());
+  return proto::make_frame(static_cast<uint16_t>(proto::Command::kWait), body);
+}
+
+// ---- tests ----------------------------------------------------------------------------------
+
+TEST(TCPStore, ServerOnPortZeroReportsTheBoundPort) {
+  TCPStore server("127.0.0.1", 0, /*is_server=*/true, kTimeout);
+  ASSERT_NE(server.port(), 0);
+  ASSERT_NE(server.server(), nullptr);
+  EXPECT_EQ(server.server()->port(), server.port());
+  TCPStore client("127.0.0.1", server.port(), false, kTimeout);
+  client.set("k", "v");
+  EXPECT_EQ(server.get_string("k"), "v");
+  EXPECT_EQ(client.server(), nullptr);
+}
+
+TEST(TCPStore, ClientWithoutAPortIsInvalid) {
+  expect_throw<InvalidArgument>([] { TCPStore("127.0.0.1", 0, false, kTimeout); });
+}
+
+TEST(TCPStore, BindingAPortInUseNamesThePort) {
+  TCPStoreServer first("127.0.0.1", 0);
+  std::string msg =
+      expect_throw<NetworkError>([&] { TCPStoreServer second("127.0.0.1", first.port()); });
+  expect_contains(msg, std::to_string(first.port()));
+}
+
+TEST(TCPStore, SixteenThreadsMixedOpsAllLand) {
+  TCPStore server("127.0.0.1", 0, true, kTimeout);
+  // Half the threads share one TCPStore (its connection pool), half open their own.
+  auto shared = std::make_shared<TCPStore>("127.0.0.1", server.port(), false, kTimeout);
+  constexpr int kThreads = 16;
+  constexpr int kOps = 1000;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        std::shared_ptr<TCPStore> store =
+            t % 2 == 0 ? shared
+                       : std::make_shared<TCPStore>("127.0.0.1", server.port(), false, kTimeout);
+        const std::string me = "t" + std::to_string(t);
+        std::string last_cs;
+        for (int i = 0; i < kOps; ++i) {
+          switch (i % 5) {
+            case 0: store->add("counter", 1); break;
+            case 1: store->set(me + "/k" + std::to_string(i), std::to_string(i)); break;
+            case 2:
+              if (store->get_string(me + "/k" + std::to_string(i - 1)) != std::to_string(i - 1))
+                failures++;
+              break;
+            case 3: {
+              std::string next = std::to_string(i);
+              Bytes got = store->compare_set(me + "/cs", to_bytes(last_cs), to_bytes(next));
+              if (to_string(got) != next) failures++;
+              last_cs = next;
+              break;
+            }
+            case 4:
+              if (!store->check({me + "/cs", "counter"})) failures++;
+              break;
+          }
+        }
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "thread " << t << ": " << e.what();
+        failures++;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(server.get_string("counter"), std::to_string(kThreads * kOps / 5));
+  // counter + per thread: kOps/5 "k" keys and one "cs" key.
+  EXPECT_EQ(server.num_keys(), 1 + kThreads * (kOps / 5 + 1));
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(server.get_string("t" + std::to_string(t) + "/cs"), std::to_string(kOps - 2));
+  }
+}
+
+TEST(TCPStore, TimedOutGetLeavesTheStoreUsable) {
+  TCPStoreServer server("127.0.0.1", 0);
+  TCPStore client("127.0.0.1", server.port(), false, 300ms);
+  expect_throw<TimeoutError>([&] { client.get("absent"); });
+  client.set("absent", "now");
+  EXPECT_EQ(client.get_string("absent"), "now");
+  expect_throw<TimeoutError>([&] { client.wait({"other"}, 300ms); });
+  EXPECT_EQ(client.add("n", 2), 2);
+}
+
+TEST(TCPStore, ABlockedGetDoesNotHoldUpOtherThreadsOfTheSameStore) {
+  TCPStore server("127.0.0.1", 0, true, kTimeout);
+  TCPStore client("127.0.0.1", server.port(), false, kTimeout);
+  std::thread setter([&] {
+    std::this_thread::sleep_for(50ms);
+    client.set("late", "v");  // same object as the blocked get below
+  });
+  EXPECT_EQ(client.get_string("late"), "v");
+  setter.join();
+}
+
+TEST(TCPStore, ClientsThatDisconnectDoNotStopTheServer) {
+  TCPStoreServer server("127.0.0.1", 0);
+  TCPStore keeper("127.0.0.1", server.port(), false, kTimeout);
+  keeper.set("a", "1");
+  { TCPStore brief("127.0.0.1", server.port(), false, kTimeout); brief.set("b", "2"); }
+  {
+    RawSocket parked(server.port());  // parked in a wait, then reset mid-wait
+    parked.send(wait_frame("never", Millis(0)));
+    RawSocket parked_fin(server.port());  // parked in a wait, then closed politely
+    parked_fin.send(wait_frame("never", Millis(0)));
+    ASSERT_TRUE(eventually([&] { return server.num_connections() == 3; }));
+    parked.reset();
+  }
+  ASSERT_TRUE(eventually([&] { return server.num_connections() == 1; }))
+      << server.num_connections();
+  // The dropped waiters are gone: completing their key touches nothing stale.
+  keeper.set("never", "x");
+  EXPECT_EQ(keeper.get_string("b"), "2");
+  EXPECT_EQ(keeper.num_keys(), 3);
+  EXPECT_EQ(server.num_rejected_frames(), 0);
+}
+
+TEST(TCPStore, ServerThatGoesAwayGivesBlockedClientsAnError) {
+  auto server = std::make_unique<TCPStoreServer>("127.0.0.1", 0);
+  const uint16_t port = server->port();
+  TCPStore client("127.0.0.1", port, false, 2s);
+  std::string error;
+  std::thread blocked([&] {
+    error = expect_throw<NetworkError>([&] { client.get("never"); });
+  });
+  std::this_thread::sleep_for(100ms);  // let the get reach the server (either way it must fail)
+  server.reset();                      // must not hang with a parked client
+  blocked.join();
+  expect_contains(error, "127.0.0.1:" + std::to_string(port));
+  // Later requests fail too, within the store's timeout.
+  std::string later = expect_throw<NetworkError>([&] { client.set("k", "v"); });
+  expect_contains(later, "127.0.0.1:" + std::to_string(port));
+}
+
+TEST(TCPStore, UnresponsiveServerGivesTimeoutError) {
+  // A socket that listens but never accepts or answers: connect completes from the backlog.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = loopback(0);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 16), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const uint16_t port = ntohs(addr.sin_port);
+  {
+    TCPStore client("127.0.0.1", port, false, 500ms);
+    std::string msg = expect_throw<TimeoutError>([&] { client.set("k", "v"); });
+    expect_contains(msg, "127.0.0.1:" + std::to_string(port));
+    expect_contains(msg, "set('k')");
+  }
+  ::close(fd);
+}
+
+TEST(TCPStore, ConnectRetriesUntilTheServerStarts) {
+  const uint16_t port = free_port();
+  std::unique_ptr<TCPStoreServer> server;
+  std::thread starter([&] {
+    std::this_thread::sleep_for(300ms);
+    server = std::make_unique<TCPStoreServer>("127.0.0.1", port);
+  });
+  TCPStore client("127.0.0.1", port, false, kTimeout);
+  starter.join();
+  client.set("k", "v");
+  EXPECT_EQ(client.get_string("k"), "v");
+}
+
+TEST(TCPStore, ConnectTimeoutNamesTheAddress) {
+  const uint16_t port = free_port();
+  std::string msg = expect_throw<NetworkError>([&] { TCPStore("127.0.0.1", port, false, 500ms); });
+  expect_contains(msg, "127.0.0.1:" + std::to_string(port));
+  expect_contains(msg, "0.5 s");
+}
+
+TEST(TCPStore, NumWorkersWaitsForEveryStore) {
+  TCPStoreServer server("127.0.0.1", 0);
+  constexpr int kWorkers = 3;
+  std::atomic<int> joined{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWorkers; ++i) {
+    threads.emplace_back([&] {
+      try {
+        TCPStoreOptions opts;
+        opts.port = server.port();
+        opts.num_workers = kWorkers;
+        opts.timeout = kTimeout;
+        TCPStore store(opts);
+        joined++;
+        store.add("after-join", 1);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(joined.load(), kWorkers);
+  TCPStore observer("127.0.0.1", server.port(), false, kTimeout);
+  EXPECT_EQ(observer.get_string("after-join"), std::to_string(kWorkers));
+  // The join bookkeeping is not counted as user keys.
+  EXPECT_EQ(observer.num_keys(), 1);
+}
+
+TEST(TCPStore, NumWorkersTimeoutSaysHowManyJoined) {
+  TCPStoreOptions opts;
+  opts.is_server = true;
+  opts.num_workers = 3;
+  opts.timeout = 500ms;
+  std::string msg = expect_throw<TimeoutError>([&] { TCPStore store(opts); });
+  expect_contains(msg, "1 of 3 joined");
+  expect_contains(msg, "0.5 s");
+}
+
+// ---- malformed frames from a raw socket -----------------------------------------------------
+
+struct BadFrame {
+  std::string name;
+  std::function<void(RawSocket&)> send;
+  std::string logged;  // a fragment of the logged reason
+};
+
+std::ostream& operator<<(std::ostream& os, const BadFrame& b) { return os << b.name; }
+
+Bytes set_with_lying_key_length() {
+  Bytes body;
+  wire::Writer w(body);
+  w.u64(1000);  // the key claims 1000 bytes; 2 follow
+  w.raw("ab", 2);
+  return proto::make_frame(static_cast<uint16_t>(proto::Command::kSet), body);
+}
+
+const BadFrame kBadFrames[] = {
+    {"Garbage", [](RawSocket& s) { s.send(to_bytes("GET / HTTP/1.1\r\nHost: x\r\n\r\n")); },
+     "bad magic"},
+    {"WrongMagic",
+     [](RawSocket& s) { s.send(header(0xdeadbeef, proto::kVersion, 1, 0)); }, "bad magic"},
+    {"WrongVersion", [](RawSocket& s) { s.send(header(proto::kMagic, 99, 1, 0)); },
+     "unsupported protocol version 99"},
+    {"BodyLength2Pow62",
+     [](RawSocket& s) { s.send(header(proto::kMagic, proto::kVersion, 1, uint64_t(1) << 62)); },
+     "exceeds the limit"},
+    {"BodyLengthJustOverLimit",
+     [](RawSocket& s) {
+       s.send(header(proto::kMagic, proto::kVersion, 1, TCPStoreServer::kMaxFrameBytes + 1));
+     },
+     "exceeds the limit"},
+    {"UnknownCommand", [](RawSocket& s) { s.send(header(proto::kMagic, proto::kVersion, 999, 0)); },
+     "unknown command 999"},
+    {"LyingLengthInsideTheBody", [](RawSocket& s) { s.send(set_with_lying_key_length()); },
+     "malformed 'set' request"},
+    {"TrailingBytes",
+     [](RawSocket& s) {
+       s.send(proto::make_frame(static_cast<uint16_t>(proto::Command::kNumKeys), {1, 2, 3}));
+     },
+     "trailing bytes"},
+    {"TruncatedHeader",
+     [](RawSocket& s) {
+       s.send({0x54, 0x44, 0x53});
+       s.shutdown_write();
+     },
+     "inside a frame header"},
+    {"TruncatedBody",
+     [](RawSocket& s) {
+       Bytes frame = header(proto::kMagic, proto::kVersion, 1, 100);
+       frame.resize(frame.size() + 10);
+       s.send(frame);
+       s.shutdown_write();
+     },
+     "inside the body"},
+    {"SecondRequestWhileOneIsParked",
+     [](RawSocket& s) {
+       s.send(wait_frame("never", Millis(0)));
+       s.send(wait_frame("never", Millis(0)));
+     },
+     "still pending"},
+};
+
+class TCPStoreBadFrame : public ::testing::TestWithParam<BadFrame> {};
+
+TEST_P(TCPStoreBadFrame, ClosesOnlyThatConnectionAndIsLogged) {
+  const LogLevel saved = log_level();
+  if (!log_enabled(LogLevel::kError)) set_log_level(LogLevel::kError);
+  TCPStoreServer server("127.0.0.1", 0);
+  TCPStore client("127.0.0.1", server.port(), false, kTimeout);
+  client.set("before", "1");
+  EXPECT_EQ(client.get_string("before"), "1");
+
+  ::testing::internal::CaptureStderr();
+  {
+    RawSocket raw(server.port());
+    GetParam().send(raw);
+    EXPECT_TRUE(raw.sees_eof()) << "the server did not close the offending connection";
+  }
+  bool rejected = eventually([&] { return server.num_rejected_frames() == 1; });
+  std::string log = ::testing::internal::GetCapturedStderr();
+  set_log_level(saved);
+  EXPECT_TRUE(rejected) << server.num_rejected_frames();
+  expect_contains(log, "closing the connection");
+  expect_contains(log, GetParam().logged);
+
+  // The normal client keeps working, on its existing connection and on new ones.
+  client.set("after", "2");
+  EXPECT_EQ(client.get_string("before"), "1");
+  EXPECT_EQ(client.get_string("after"), "2");
+  TCPStore fresh("127.0.0.1", server.port(), false, kTimeout);
+  EXPECT_EQ(fresh.num_keys(), 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Frames, TCPStoreBadFrame, ::testing::ValuesIn(kBadFrames),
+                         [](const auto& info) { return info.param.name; });
+
+// ---- real processes -------------------------------------------------------------------------
+
+uint16_t master_port() { return static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535)); }
+
+TDIST_TEST_CHILD(tcp_store_worker) {
+  TCPStore store("127.0.0.1", master_port(), false, 30s);
+  for (int i = 0; i < 100; ++i) store.add("counter", 1);
+  store.set("rank/" + std::to_string(rank), std::to_string(rank * 10));
+  // The first compare_set wins; every rank must see the same leader.
+  Bytes leader = store.compare_set("leader", {}, to_bytes(std::to_string(rank)));
+  store.set("leader_seen/" + std::to_string(rank), leader);
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back("rank/" + std::to_string(r));
+  store.wait(keys);
+  for (int r = 0; r < world_size; ++r) {
+    if (store.get_string("rank/" + std::to_string(r)) != std::to_string(r * 10)) return 2;
+  }
+  store.add("done", 1);
+  return 0;
+}
+
+TEST(TCPStoreProcesses, FourProcessesAddSetAndWait) {
+  TCPStore server("127.0.0.1", 0, true, kTimeout);
+  test::Processes procs("tcp_store_worker", 4, {{"MASTER_PORT", std::to_string(server.port())}});
+  auto results = procs.wait_all(60s);
+  ASSERT_EQ(test::Processes::failures(results), "");
+  EXPECT_EQ(server.get_string("counter"), "400");
+  EXPECT_EQ(server.get_string("done"), "4");
+  const std::string leader = server.get_string("leader");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(server.get_string("leader_seen/" + std::to_string(r)), leader);
+  }
+}
+
+TDIST_TEST_CHILD(tcp_store_blocked_waiter) {
+  TCPStore store("127.0.0.1", master_port(), false, 60s);
+  store.set("ready/" + std::to_string(rank), "1");
+  store.wait({"never"});  // killed while parked here
+  return 3;
+}
+
+TEST(TCPStoreProcesses, KilledChildrenMidWaitDoNotStopTheServer) {
+  TCPStore server("127.0.0.1", 0, true, kTimeout);
+  test::Processes procs("tcp_store_blocked_waiter", 2,
+                        {{"MASTER_PORT", std::to_string(server.port())}});
+  server.wait({"ready/0", "ready/1"});
+  procs.kill(0, SIGKILL);
+  procs.kill(1, SIGKILL);
+  auto results = procs.wait_all(30s);
+  for (const auto& r : results) EXPECT_FALSE(r.ok()) << r.describe();
+  // Only the server's own client connection remains.
+  EXPECT_TRUE(eventually([&] { return server.server()->num_connections() == 1; }))
+      << server.server()->num_connections();
+  server.set("never", "now");
+  EXPECT_EQ(server.get_string("never"), "now");
+  EXPECT_EQ(server.server()->num_rejected_frames(), 0);
+}
+
+}  // namespace
+}  // namespace tdist
