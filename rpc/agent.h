@@ -69,6 +69,9 @@ namespace detail {
 // Called with the response (error == nullptr) or the failure of a request.
 using ResponseFn = std::function<void(Message* response, std::exception_ptr error)>;
 
+// The thread-local agent of rpc/api.h's free functions (set on the agent's worker threads).
+void set_thread_agent(std::weak_ptr<RpcAgent> agent);
+
 template <class... Fields>
 void write_fields(Bytes& body, const Fields&... fields) {
   BytesOutputArchive ar(body);
@@ -235,29 +238,29 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   std::string peer_name(int rank) const;
   void fail_pending(std::vector<Pending>&& failed, std::exception_ptr error);
   void fail_pending_to(int rank, const std::string& reason);
-  void complete(Pending& p, Message* msg, std::exception_ptr error);
+  void complete(Pending& p, detail::Message* msg, std::exception_ptr error);
   void graceful_barrier();
   bool wait_idle(Clock::time_point deadline);
   void stop_everything(const std::string& reason);
 
   // ConnectionHandler (reader threads).
-  void on_message(const std::shared_ptr<detail::Connection>& conn, Message&& msg) override;
+  void on_message(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) override;
   void on_closed(const std::shared_ptr<detail::Connection>& conn,
                  const std::string& reason) override;
 
   // Request handlers (worker threads; request_handlers.cpp).
-  void handle_request(const std::shared_ptr<detail::Connection>& conn, Message& msg);
-  void handle_call(const std::shared_ptr<detail::Connection>& conn, Message& msg);
-  void handle_remote_call(const std::shared_ptr<detail::Connection>& conn, Message& msg);
-  void handle_fetch(const std::shared_ptr<detail::Connection>& conn, Message& msg);
+  void handle_request(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void handle_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void handle_remote_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void handle_fetch(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
   void handle_method(const std::shared_ptr<detail::Connection>& conn,
-                     std::shared_ptr<Message> msg, bool remote);
-  void handle_control(const std::shared_ptr<detail::Connection>& conn, Message& msg);
-  void reply_value(const std::shared_ptr<detail::Connection>& conn, const Message& request,
+                     std::shared_ptr<detail::Message> msg, bool remote);
+  void handle_control(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void reply_value(const std::shared_ptr<detail::Connection>& conn, uint64_t id, int to,
                    const detail::AnyValue& value);
-  void reply_empty(const std::shared_ptr<detail::Connection>& conn, const Message& request,
-                   const Bytes& body = {});
-  void reply_error(const std::shared_ptr<detail::Connection>& conn, const Message& request,
+  void reply_empty(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
+                   Bytes body = {});
+  void reply_error(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
                    const std::string& message);
   void send_reply(const std::shared_ptr<detail::Connection>& conn, detail::OutMessage&& m);
 

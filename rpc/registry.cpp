@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "tdist/core/tensor_wire.h"
+#include "tdist/rpc/types.h"
 
 namespace tdist::rpc {
 

@@ -105,6 +105,8 @@ class RRefBase {
   std::shared_ptr<RRefContext> context() const { return ctx_.lock(); }
   // The value's type as the creator declared it (nullptr for an owner placeholder).
   const TypeInfo* declared_type() const { return type_; }
+  // The best known type: the value's once an owner has it, else the declared one.
+  virtual const TypeInfo* type() const { return type_; }
 
  protected:
   const std::weak_ptr<RRefContext> ctx_;
@@ -119,6 +121,7 @@ class OwnerRRef : public RRefBase {
   using RRefBase::RRefBase;
   bool is_owner() const override { return true; }
   bool confirmed() const override { return true; }
+  const TypeInfo* type() const override;
 
   // The first of set_value / set_error wins; waiters run on the calling thread.
   void set_value(AnyValue v);
@@ -180,12 +183,14 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   std::shared_ptr<UserRRef> create_user_for_remote(int owner, const TypeInfo* type);
   // The owner answered the REMOTE_CALL / FORK_REQUEST (error: the remote call failed, or the
   // message may not have arrived). Either way the user stops being pending.
-  void finish_pending_user(const ForkId& fork, std::exception_ptr error);
+  // `confirmed`: the owner registered the fork (even if the call then failed).
+  void finish_pending_user(const ForkId& fork, bool confirmed, std::exception_ptr error);
 
   // Sender side of a fork (Note [RRef protocol]).
   ForkData prepare_child_fork(const std::shared_ptr<RRefBase>& rref, int dest);
-  // Receiver side: the RRef that fork data from `from` stands for here.
-  std::shared_ptr<RRefBase> rref_from_fork(const ForkData& fd, int from);
+  // Receiver side: the RRef that fork data from `from` stands for here, of type `type` (checked
+  // against the fork data by the caller).
+  std::shared_ptr<RRefBase> rref_from_fork(const ForkData& fd, int from, const TypeInfo* type);
 
   // Owner side (idempotent).
   void add_fork(const RRefId& id, const ForkId& fork);
