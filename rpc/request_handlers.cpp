@@ -157,16 +157,18 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
                              std::shared_ptr<Message> msg, bool remote) {
   CallHeader h;
   RRefId target;
+  ForkId phantom;
   RRefId result_id;
   ForkId result_fork;
-  size_t offset = remote ? read_fields(*msg, h, target, result_id, result_fork)
-                         : read_fields(*msg, h, target);
+  size_t offset = remote ? read_fields(*msg, h, target, phantom, result_id, result_fork)
+                         : read_fields(*msg, h, target, phantom);
   std::shared_ptr<detail::OwnerRRef> result;
   if (remote) {
     result = rrefs_->get_or_create_owner(result_id, nullptr);
     if (result_fork.created_on >= 0) rrefs_->add_fork(result_id, result_fork);
   }
   auto owner = rrefs_->get_or_create_owner(target, nullptr);
+  if (phantom.created_on >= 0) rrefs_->delete_fork(target, phantom);  // see RRef::phantom_fork
   std::weak_ptr<RpcAgent> weak = weak_from_this();
   // Runs once the target's value exists (at once when it does; otherwise on the thread that
   // sets it, see Note [RRef protocol] invariant 5).

@@ -81,6 +81,12 @@ class RRef {
     TDIST_CHECK_ARG(impl_ != nullptr, "use of an empty RRef");
     return *impl_;
   }
+  // A call from the owner to itself registers a fork that the handler removes once it holds
+  // the OwnerRRef, so that the owner's registry knows the RRef while the call is on its way.
+  ForkId phantom_fork(RpcAgent& agent) const {
+    if (!impl_->is_owner()) return ForkId{};
+    return agent.rref_context().prepare_child_fork(impl_, agent.rank()).fork_id;
+  }
   Millis effective(Millis timeout) const {
     return timeout.count() >= 0 ? timeout : base().agent()->options().rpc_timeout;
   }
@@ -160,10 +166,10 @@ Future<R> RRef<T>::rpc_async(const std::string& method, Timeout timeout, A&&... 
   auto agent = base().agent();
   const Signature& sig = signature_of<R, wire_t<A>...>();
   Future<R> fut;
-  auto m = detail::encode_message(detail::MessageType::kRRefMethodCall, &agent->rref_context(),
-                                  owner(),
-                                  std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id()),
-                                  wire_arg(std::forward<A>(args))...);
+  auto m = detail::encode_message(
+      detail::MessageType::kRRefMethodCall, &agent->rref_context(), owner(),
+      std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id(), phantom_fork(*agent)),
+      wire_arg(std::forward<A>(args))...);
   std::string what = str("method '", method, "' as ", sig.text, " of RRef ", impl_->id().str(),
                          " on worker '", agent->worker_info(owner()).name, "'");
   fut.set_description(what);
@@ -227,7 +233,8 @@ RRef<R> RRef<T>::remote(const std::string& method, A&&... args) const {
     auto result = ctx.create_owner(&detail::type_info_of<R>(), true);
     auto m = detail::encode_message(
         detail::MessageType::kRRefMethodRemote, &ctx, dest,
-        std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id(), result->id(), ForkId{}),
+        std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id(), phantom_fork(*agent),
+                        result->id(), ForkId{}),
         wire_arg(std::forward<A>(args))...);
     agent->send_request(dest, std::move(m), agent->options().rpc_timeout,
                         detail::remote_owner_handler(result, impl_), std::move(what), true);
@@ -236,7 +243,7 @@ RRef<R> RRef<T>::remote(const std::string& method, A&&... args) const {
   auto user = ctx.create_user_for_remote(dest, &detail::type_info_of<R>());
   auto m = detail::encode_message(
       detail::MessageType::kRRefMethodRemote, &ctx, dest,
-      std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id(), user->id(),
+      std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id(), ForkId{}, user->id(),
                       user->fork_id()),
       wire_arg(std::forward<A>(args))...);
   auto handler = detail::remote_user_handler(agent->rref_context_ptr(), user->fork_id(),

@@ -40,6 +40,8 @@
 //      accepting an unknown child change nothing, so a repeated message is harmless.
 //   4. Every call through a UserRRef (to_here, rpc_sync/rpc_async/remote on it) keeps the handle
 //      alive until its answer arrives, so a delete cannot overtake a call on the same RRef.
+//      A call the owner makes on its own RRef carries a *phantom* fork, added before sending and
+//      removed by the handler once it holds the OwnerRRef, for the same reason.
 //   5. A fork request or fetch may reach the owner before the REMOTE_CALL that creates the value
 //      (different connections, a thread pool): the owner then creates the OwnerRRef empty, and
 //      waiters are answered when the value is set. An OwnerRRef without a value never leaves

@@ -107,6 +107,14 @@ void register_once() {
       held_rrefs().erase(it);
     }
   });
+  register_function("held_id", [](std::string key) {
+    RRef<Tracked> r;
+    {
+      std::lock_guard<std::mutex> lock(held_mu());
+      r = held_rrefs().at(holder_key(key));
+    }
+    return r.to_here().id();
+  });
   // Forwards an RRef it received to `next`, which holds it (a fork of a fork).
   register_function("forward_hold", [](RRef<Tracked> r, std::string next, std::string key) {
     rpc_sync<void>(next, "hold", r, key);

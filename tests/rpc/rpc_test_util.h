@@ -31,15 +31,25 @@ struct Point {
   bool operator==(const Point& o) const { return x == o.x && y == o.y && label == o.label; }
 };
 
-// A class that lives behind RRefs; counts live instances (per process).
+// A class that lives behind RRefs. Counts the instances that a constructor call created (moves
+// pass that on; copies and default-constructed decode targets do not count), per process.
 class Tracked {
  public:
   static std::atomic<int64_t> live;
   static std::atomic<int64_t> destroyed;
-  explicit Tracked(int64_t id) : id_(id) { ++live; }
+  explicit Tracked(int64_t id) : id_(id), counted_(true) { ++live; }
+  Tracked() = default;
+  Tracked(const Tracked& o) : id_(o.id_) {}
+  Tracked(Tracked&& o) noexcept : id_(o.id_), counted_(o.counted_) { o.counted_ = false; }
+  Tracked& operator=(const Tracked& o) {
+    id_ = o.id_;
+    return *this;
+  }
   ~Tracked() {
-    --live;
-    ++destroyed;
+    if (counted_) {
+      --live;
+      ++destroyed;
+    }
   }
   int64_t id() const { return id_; }
   int64_t add(int64_t d) { return id_ += d; }
@@ -47,11 +57,10 @@ class Tracked {
   void serialize(Archive& ar) {
     ar(id_);
   }
-  Tracked() : Tracked(0) {}
-  Tracked(const Tracked& o) : Tracked(o.id_) {}
 
  private:
-  int64_t id_;
+  int64_t id_ = 0;
+  bool counted_ = false;
 };
 
 // A class without serialization: usable through RRefs only.
