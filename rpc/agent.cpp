@@ -513,13 +513,8 @@ void RpcAgent::graceful_barrier() {
                              e.what()));
     }
     std::vector<std::pair<int64_t, int64_t>> counts;
-    int64_t sent = 0, received = 0;
-    for (const auto& k : keys) {
-      counts.push_back(decode<std::pair<int64_t, int64_t>>(store_->get(k)));
-      sent += counts.back().first;
-      received += counts.back().second;
-    }
-    if (round > 0 && counts == prev && sent == received) break;
+    for (const auto& k : keys) counts.push_back(decode<std::pair<int64_t, int64_t>>(store_->get(k)));
+    if (round > 0 && counts == prev) break;
     prev = std::move(counts);
   }
   // The store may live in one of the workers (TCPStore server): leave only when every worker

@@ -26,9 +26,12 @@
 // received. In rounds r = 0, 1, ... through the store, each worker first waits until it is
 // locally idle (no call of its own pending, no incoming call running), then publishes
 // (sent, received) for round r and reads everybody's round r. It stops when in two consecutive
-// rounds every worker published the same counts and the sums of sent and received are equal:
-// since each worker publishes round r only after reading all of round r-1, there is an instant
-// inside every worker's quiet interval at which all were idle and no message was in flight.
+// rounds every worker published the same counts. Why that suffices: a worker that was idle when
+// it published round r-1 and has neither sent nor received a request by the time it publishes
+// round r stayed idle in between (only a request sent or received makes it busy). Each worker
+// publishes round r only after reading all of round r-1, so these quiet intervals share an
+// instant at which every worker was idle; and an idle worker has no request of its own in
+// flight and no answer of its own to give, so at that instant nothing was in flight anywhere.
 // Otherwise (work was still moving) it goes on with the next round. Every wait is bounded by
 // RpcOptions::shutdown_timeout; on timeout the agent still stops and shutdown() throws.
 // RRefs still registered after the last round are leaks: they are logged and kept in
