@@ -16,6 +16,7 @@
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/serialize.h"
+#include "tdist/rpc/detail/tensor_pool.h"
 
 namespace tdist::rpc::detail {
 namespace {
@@ -223,11 +224,15 @@ void Connection::read_frame_tensors(const FrameHeader& h, Message& m, TensorSect
   m.tensors.reserve(section.metas.size());
   for (size_t i = 0; i < section.metas.size(); ++i) {
     const TensorMeta& meta = section.metas[i];
-    at::Tensor t = at::empty(meta.shape, at::TensorOptions().dtype(
-                                             static_cast<c10::ScalarType>(meta.dtype)));
+    at::Tensor t = empty_for_receive(meta);
     if (meta.nbytes) {
       if (any_remote && section.addresses[i] != 0) {
-        read_process_memory(hs_.peer_pid, section.addresses[i], t.data_ptr(), meta.nbytes);
+        auto* dst = static_cast<uint8_t*>(t.data_ptr());
+        const uint64_t src = section.addresses[i];
+        const pid_t pid = hs_.peer_pid;
+        parallel_copy(meta.nbytes, [&](uint64_t off, uint64_t n) {
+          read_process_memory(pid, src + off, dst + off, n);
+        });
       } else {
         read(t.data_ptr(), meta.nbytes);
       }
