@@ -45,6 +45,7 @@ struct Options {
   int echo_mib = 16;
   int echo_iters = 30;
   int threads = 4;
+  int rounds = 3;
   bool fast_path = true;
   bool torch = true;
   std::string torch_script;
@@ -212,6 +213,9 @@ int run_rpc_bench(int argc, char** argv) {
   app.add_option("--echo-mib", o.echo_mib, "tensor echo size in MiB");
   app.add_option("--echo-iters", o.echo_iters, "tensor echoes timed");
   app.add_option("--threads", o.threads, "worker threads per worker (both sides)");
+  app.add_option("--rounds", o.rounds,
+                 "alternate tdist and torch this many times; report each figure's median "
+                 "(the machine's load changes over a run)");
   app.add_flag("!--no-fast-path", o.fast_path, "send every byte through the socket");
   app.add_flag("!--no-torch", o.torch, "skip the torch.distributed.rpc side");
   app.add_option("--torch-script", o.torch_script, "path of scripts/bench_rpc_torch.py");
@@ -223,29 +227,43 @@ int run_rpc_bench(int argc, char** argv) {
   try {
     if (o.server) return run_server(o);
     register_bench_functions();
-    TCPStoreServer store("127.0.0.1", 0);
-    o.store_port = store.port();
-    pid_t server = spawn_server(o);
-    json ours;
-    try {
-      ours = measure(o);
-    } catch (...) {
-      ::kill(server, SIGKILL);
-      ::waitpid(server, nullptr, 0);
-      throw;
+    if (o.torch && o.torch_script.empty()) o.torch_script = default_script();
+    std::vector<json> our_runs, torch_runs;
+    for (int round = 0; round < std::max(o.rounds, 1); ++round) {
+      TCPStoreServer store("127.0.0.1", 0);
+      o.store_port = store.port();
+      pid_t server = spawn_server(o);
+      try {
+        our_runs.push_back(measure(o));
+      } catch (...) {
+        ::kill(server, SIGKILL);
+        ::waitpid(server, nullptr, 0);
+        throw;
+      }
+      int status = 0;
+      ::waitpid(server, &status, 0);
+      if (o.torch) torch_runs.push_back(run_torch(o));
     }
-    int status = 0;
-    ::waitpid(server, &status, 0);
+    auto med = [](const std::vector<json>& runs) {
+      json m = runs.front();
+      for (const char* key : {"rtt_us", "async_calls_s", "echo_gbps"}) {
+        std::vector<double> v;
+        for (const auto& r : runs) v.push_back(r[key].get<double>());
+        m[key] = median(v);
+      }
+      m["runs"] = runs;
+      return m;
+    };
+    json ours = med(our_runs);
     json result{{"tdist", ours}};
-
-    std::printf("%-28s %14s", "", "tdist");
     json theirs;
     if (o.torch) {
-      if (o.torch_script.empty()) o.torch_script = default_script();
-      theirs = run_torch(o);
+      theirs = med(torch_runs);
       result["torch"] = theirs;
-      std::printf(" %14s %10s %10s %s", "torch (TP)", "ratio", "target", "");
     }
+
+    std::printf("%-28s %14s", "", "tdist");
+    if (o.torch) std::printf(" %14s %10s %10s", "torch (TP)", "ratio", "target");
     std::printf("\n");
     struct Row {
       const char* label;
@@ -272,10 +290,12 @@ int run_rpc_bench(int argc, char** argv) {
       }
       std::printf("\n");
     }
-    std::printf("(%d MiB echo, %d outstanding async calls, %d worker threads, fast path %s)\n",
-                o.echo_mib, o.outstanding, o.threads, o.fast_path ? "on" : "off");
+    std::printf("(medians of %d alternating rounds; %d MiB echo, %d outstanding async calls, %d "
+                "worker threads, fast path %s)\n",
+                std::max(o.rounds, 1), o.echo_mib, o.outstanding, o.threads,
+                o.fast_path ? "on" : "off");
     if (!o.json_file.empty()) std::ofstream(o.json_file) << result.dump(2) << "\n";
-    (void)all_met;
+    if (o.torch) std::printf("targets: %s\n", all_met ? "all met" : "not all met");
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tdist-bench-rpc: %s\n", e.what());
