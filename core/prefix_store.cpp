@@ -13,7 +13,12 @@ PrefixStore::PrefixStore(std::string prefix, std::shared_ptr<Store> store)
 
 void PrefixStore::set(const std::string& k, const Bytes& value) { store_->set(key(k), value); }
 
-Bytes PrefixStore::get(const std::string& k) { return store_->get(key(k)); }
+Bytes PrefixStore::get(const std::string& k) {
+  // Wait with this store's own timeout (set_timeout on a PrefixStore must govern its get), then
+  // read: the key cannot disappear in between unless someone deletes it, which get() reports.
+  store_->wait({key(k)}, timeout());
+  return store_->get(key(k));
+}
 
 int64_t PrefixStore::add(const std::string& k, int64_t delta) { return store_->add(key(k), delta); }
 

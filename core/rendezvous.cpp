@@ -89,7 +89,12 @@ RankAndSize resolve_rank(const std::string& init_method, const Url& url, int ran
     out.rank = parse_param(init_method, "rank", url.query.at("rank"), 0, kMaxRanks);
   }
   if ((out.rank < 0 || out.world_size < 0) && from_env) {
-    env::DistEnv e = env::read_dist_env();
+    env::DistEnv e;
+    try {
+      e = env::read_dist_env();
+    } catch (const InvalidArgument& err) {
+      bad(init_method, err.what());
+    }
     if (out.rank < 0) out.rank = e.rank;
     if (out.world_size < 0) out.world_size = e.world_size;
   }

@@ -1,0 +1,365 @@
+// tdist-bench collective: times one collective over a range of buffer sizes and prints a table
+// in the style of nccl-tests, checking every result.
+//
+//   tdist-run --nproc-per-node 4 tdist-bench collective --op allreduce --min-bytes 4K
+//       [--max-bytes 64M] [--iters 20] [--warmup 5] [--dtype float32] [--redop sum] [--json FILE]
+//
+// Sizes follow nccl-tests: "bytes" is the buffer of allreduce/broadcast/reduce, the whole
+// gathered buffer of allgather/gather, the whole input of reduce_scatter/scatter and each
+// rank's buffer of alltoall. Time per iteration is the slowest rank's (max over ranks of the
+// iteration's time), the row shows the median over iterations. busbw = algbw times
+// 2(n-1)/n (allreduce), (n-1)/n (allgather, reduce_scatter, alltoall, gather, scatter), 1
+// (broadcast, reduce). --backend gloo is not available from C++ here (libtorch's Gloo headers
+// are not installed with the wheel): scripts/bench_gloo.py runs torch.distributed's Gloo in the
+// same run and prints both tables and their ratios.
+
+#include "apps/bench/bench_collective.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tdist/comm/process_group.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+
+namespace tdist::bench {
+namespace {
+
+using comm::ProcessGroup;
+using comm::ReduceOp;
+
+struct Config {
+  std::string op = "allreduce";
+  std::string min_bytes = "4K";
+  std::string max_bytes = "64M";
+  double step_factor = 2;
+  int iters = 20;
+  int warmup = 5;
+  std::string dtype = "float32";
+  std::string redop = "sum";
+  std::string backend = "tdist";
+  std::string json;
+  std::string init_method = "env://";
+  int root = 0;
+};
+
+struct Row {
+  size_t bytes;
+  int64_t count;
+  double time_us;
+  double algbw;
+  double busbw;
+  int64_t wrong;
+};
+
+size_t parse_bytes(const std::string& text) {
+  TDIST_CHECK_ARG(!text.empty(), "empty size");
+  size_t mult = 1;
+  std::string num = text;
+  char last = static_cast<char>(std::toupper(text.back()));
+  if (last == 'K' || last == 'M' || last == 'G') {
+    mult = last == 'K' ? 1024 : last == 'M' ? 1024 * 1024 : 1024ull * 1024 * 1024;
+    num = text.substr(0, text.size() - 1);
+  }
+  size_t pos = 0;
+  unsigned long long v = 0;
+  try {
+    v = std::stoull(num, &pos);
+  } catch (...) {
+    pos = 0;
+  }
+  TDIST_CHECK_ARG(pos == num.size() && pos > 0, "size '", text, "' is not a number with an optional K/M/G suffix");
+  return static_cast<size_t>(v) * mult;
+}
+
+at::ScalarType parse_dtype(const std::string& s) {
+  static const std::map<std::string, at::ScalarType> m = {
+      {"float32", at::kFloat}, {"float", at::kFloat},   {"float64", at::kDouble},
+      {"float16", at::kHalf},  {"bfloat16", at::kBFloat16}, {"int32", at::kInt},
+      {"int64", at::kLong},    {"int8", at::kChar},      {"uint8", at::kByte}};
+  auto it = m.find(s);
+  TDIST_CHECK_ARG(it != m.end(), "unknown dtype '", s, "' (float32, float64, float16, bfloat16, int32, int64, int8, uint8)");
+  return it->second;
+}
+
+ReduceOp parse_redop(const std::string& s) {
+  static const std::map<std::string, ReduceOp> m = {
+      {"sum", ReduceOp::SUM}, {"avg", ReduceOp::AVG}, {"prod", ReduceOp::PRODUCT},
+      {"min", ReduceOp::MIN}, {"max", ReduceOp::MAX}};
+  auto it = m.find(s);
+  TDIST_CHECK_ARG(it != m.end(), "unknown redop '", s, "' (sum, avg, prod, min, max)");
+  return it->second;
+}
+
+double bus_factor(const std::string& op, int n) {
+  if (op == "allreduce") return 2.0 * (n - 1) / n;
+  if (op == "broadcast" || op == "reduce") return 1.0;
+  return static_cast<double>(n - 1) / n;
+}
+
+// One size of one collective: buffers, the operation, and the check of its result.
+class Case {
+ public:
+  Case(ProcessGroup& pg, const Config& cfg, at::ScalarType dtype, ReduceOp redop, int64_t count)
+      : pg_(pg), cfg_(cfg), dtype_(dtype), redop_(redop), n_(pg.size()), r_(pg.rank()), count_(count) {
+    const auto& op = cfg.op;
+    auto opts = at::TensorOptions().dtype(dtype);
+    int64_t block = count / n_;
+    if (op == "allreduce" || op == "broadcast" || op == "reduce") {
+      a_ = at::empty({count}, opts);
+    } else if (op == "allgather" || op == "gather") {
+      a_ = at::empty({block}, opts);
+      b_ = at::empty({block * n_}, opts);
+    } else if (op == "reduce_scatter" || op == "scatter") {
+      a_ = at::empty({block * n_}, opts);
+      b_ = at::empty({block}, opts);
+    } else if (op == "alltoall") {
+      a_ = at::empty({block * n_}, opts);
+      b_ = at::empty({block * n_}, opts);
+    } else if (op != "barrier") {
+      TDIST_THROW(InvalidArgument, "unknown --op '", op,
+                  "' (allreduce, broadcast, reduce, allgather, gather, scatter, reduce_scatter, "
+                  "alltoall, barrier)");
+    }
+    fill();
+  }
+
+  // Rank r's element i of its input: small integers, so every reduction is exact.
+  void fill() {
+    if (!a_.defined()) return;
+    auto idx = at::arange(a_.numel(), at::kLong);
+    a_.copy_(((idx + r_ * 3) % 5 + 1).to(dtype_));
+    if (b_.defined()) b_.zero_();
+  }
+
+  void run() {
+    const auto& op = cfg_.op;
+    std::shared_ptr<comm::Work> w;
+    if (op == "allreduce") {
+      comm::AllreduceOptions o;
+      o.op = redop_;
+      w = pg_.allreduce(a_, o);
+    } else if (op == "broadcast") {
+      comm::BroadcastOptions o;
+      o.root = cfg_.root;
+      w = pg_.broadcast(a_, o);
+    } else if (op == "reduce") {
+      comm::ReduceOptions o;
+      o.root = cfg_.root;
+      o.op = redop_;
+      w = pg_.reduce(a_, o);
+    } else if (op == "allgather") {
+      w = pg_.allgather_into_tensor(b_, a_);
+    } else if (op == "gather") {
+      comm::GatherOptions o;
+      o.root = cfg_.root;
+      std::vector<at::Tensor> outs;
+      if (r_ == cfg_.root) outs = b_.chunk(n_);
+      w = pg_.gather(outs, a_, o);
+    } else if (op == "scatter") {
+      comm::ScatterOptions o;
+      o.root = cfg_.root;
+      std::vector<at::Tensor> ins;
+      if (r_ == cfg_.root) ins = a_.chunk(n_);
+      w = pg_.scatter(b_, ins, o);
+    } else if (op == "reduce_scatter") {
+      comm::ReduceScatterOptions o;
+      o.op = redop_;
+      w = pg_.reduce_scatter_tensor(b_, a_, o);
+    } else if (op == "alltoall") {
+      w = pg_.alltoall_base(b_, a_, {}, {});
+    } else {
+      w = pg_.barrier();
+    }
+    w->wait();
+  }
+
+  // Elements that differ from the expected result on this rank.
+  int64_t wrong() {
+    const auto& op = cfg_.op;
+    if (op == "barrier") return 0;
+    auto input_of = [&](int rank, int64_t numel) {
+      auto idx = at::arange(numel, at::kLong);
+      return ((idx + rank * 3) % 5 + 1).to(at::kDouble);
+    };
+    auto reduced = [&](int64_t numel) {
+      at::Tensor acc = input_of(0, numel);
+      for (int r = 1; r < n_; ++r) {
+        auto x = input_of(r, numel);
+        switch (redop_) {
+          case ReduceOp::PRODUCT: acc = acc * x; break;
+          case ReduceOp::MIN: acc = at::minimum(acc, x); break;
+          case ReduceOp::MAX: acc = at::maximum(acc, x); break;
+          default: acc = acc + x;
+        }
+      }
+      if (redop_ == ReduceOp::AVG) acc = acc / n_;
+      return acc.to(dtype_).to(at::kDouble);
+    };
+    at::Tensor got, want;
+    int64_t block = count_ / n_;
+    if (op == "allreduce" || (op == "reduce" && r_ == cfg_.root)) {
+      got = a_;
+      want = reduced(a_.numel());
+    } else if (op == "reduce" || op == "broadcast") {
+      got = a_;
+      want = input_of(op == "broadcast" ? cfg_.root : r_, a_.numel());
+    } else if (op == "allgather" || (op == "gather" && r_ == cfg_.root)) {
+      got = b_;
+      std::vector<at::Tensor> parts;
+      for (int r = 0; r < n_; ++r) parts.push_back(input_of(r, block));
+      want = at::cat(parts);
+    } else if (op == "gather") {
+      return 0;
+    } else if (op == "scatter") {
+      got = b_;
+      want = input_of(cfg_.root, block * n_).narrow(0, r_ * block, block);
+    } else if (op == "reduce_scatter") {
+      got = b_;
+      want = reduced(block * n_).narrow(0, r_ * block, block);
+    } else {  // alltoall: block r of rank s's input
+      got = b_;
+      std::vector<at::Tensor> parts;
+      for (int s = 0; s < n_; ++s) parts.push_back(input_of(s, block * n_).narrow(0, r_ * block, block));
+      want = at::cat(parts);
+    }
+    auto diff = at::abs(got.to(at::kDouble) - want) > 1e-3 * (at::abs(want) + 1);
+    return diff.sum().item<int64_t>();
+  }
+
+ private:
+  ProcessGroup& pg_;
+  const Config& cfg_;
+  at::ScalarType dtype_;
+  ReduceOp redop_;
+  int n_, r_;
+  int64_t count_;
+  at::Tensor a_, b_;
+};
+
+int run_collective(const Config& cfg) {
+  TDIST_CHECK_ARG(cfg.backend == "tdist",
+                  "--backend gloo: libtorch's ProcessGroupGloo cannot be driven from C++ with the "
+                  "pip wheel (it ships no gloo headers); run scripts/bench_gloo.py, which runs "
+                  "torch.distributed's Gloo and tdist-bench in the same run and prints the ratios");
+  TDIST_CHECK_ARG(cfg.iters >= 1 && cfg.warmup >= 0, "--iters must be >= 1 and --warmup >= 0");
+  TDIST_CHECK_ARG(cfg.step_factor > 1, "--step-factor must be > 1");
+  const size_t min_b = parse_bytes(cfg.min_bytes);
+  const size_t max_b = parse_bytes(cfg.max_bytes);
+  TDIST_CHECK_ARG(min_b <= max_b, "--min-bytes is larger than --max-bytes");
+  const auto dtype = parse_dtype(cfg.dtype);
+  const auto redop = parse_redop(cfg.redop);
+  at::set_num_threads(1);
+
+  ProcessGroup::Options opts;
+  opts.timeout = Millis(300000);
+  auto pg = comm::create_process_group(cfg.init_method, -1, -1, opts);
+  set_log_rank(pg->rank());
+  const int n = pg->size();
+  const bool print = pg->rank() == 0;
+  const size_t esize = at::elementSize(dtype);
+  const bool per_rank_blocks = cfg.op != "allreduce" && cfg.op != "broadcast" && cfg.op != "reduce";
+  if (print) {
+    std::printf("# tdist-bench collective: op %s, backend %s (ring), world size %d, dtype %s, "
+                "redop %s, iters %d, warmup %d\n",
+                cfg.op.c_str(), cfg.backend.c_str(), n, cfg.dtype.c_str(), cfg.redop.c_str(),
+                cfg.iters, cfg.warmup);
+    std::printf("#%12s %12s %9s %7s %12s %11s %11s %8s\n", "size(B)", "count", "type", "redop",
+                "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+  }
+  std::vector<Row> rows;
+  std::vector<size_t> sizes;
+  for (double b = static_cast<double>(min_b); b <= static_cast<double>(max_b) * 1.0000001; b *= cfg.step_factor) {
+    sizes.push_back(static_cast<size_t>(b));
+    if (cfg.op == "barrier") break;
+  }
+  for (size_t bytes : sizes) {
+    int64_t count = static_cast<int64_t>(bytes / esize);
+    if (per_rank_blocks) count = count / n * n;
+    const size_t real_bytes = static_cast<size_t>(count) * esize;
+    Case c(*pg, cfg, dtype, redop, count);
+    for (int i = 0; i < cfg.warmup; ++i) c.run();
+    auto times = at::empty({cfg.iters}, at::kDouble);
+    auto* t = times.data_ptr<double>();
+    for (int i = 0; i < cfg.iters; ++i) {
+      auto start = std::chrono::steady_clock::now();
+      c.run();
+      t[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+    }
+    comm::AllreduceOptions max;
+    max.op = ReduceOp::MAX;
+    pg->allreduce(times, max)->wait();  // each iteration's slowest rank
+    double median = std::get<0>(at::median(times, 0)).item<double>();
+    c.fill();
+    c.run();
+    auto wrong = at::full({1}, c.wrong(), at::kLong);
+    pg->allreduce(wrong)->wait();
+    Row row{real_bytes, count, median, 0, 0, wrong.item<int64_t>()};
+    row.algbw = median > 0 ? real_bytes / median / 1e3 : 0;
+    row.busbw = row.algbw * bus_factor(cfg.op, n);
+    rows.push_back(row);
+    if (print) {
+      std::printf(" %12zu %12lld %9s %7s %12.2f %11.3f %11.3f %8lld\n", row.bytes,
+                  static_cast<long long>(row.count), cfg.dtype.c_str(),
+                  per_rank_blocks && cfg.op != "reduce_scatter" ? "none" : cfg.redop.c_str(),
+                  row.time_us, row.algbw, row.busbw, static_cast<long long>(row.wrong));
+      std::fflush(stdout);
+    }
+  }
+  int64_t total_wrong = 0;
+  for (const auto& r : rows) total_wrong += r.wrong;
+  if (print && !cfg.json.empty()) {
+    std::ofstream out(cfg.json);
+    TDIST_CHECK(out.good(), "cannot write ", cfg.json);
+    out << "{\"op\":\"" << cfg.op << "\",\"backend\":\"" << cfg.backend << "\",\"world_size\":" << n
+        << ",\"dtype\":\"" << cfg.dtype << "\",\"rows\":[";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& r = rows[i];
+      out << (i ? "," : "") << "{\"bytes\":" << r.bytes << ",\"time_us\":" << r.time_us
+          << ",\"algbw_gbs\":" << r.algbw << ",\"busbw_gbs\":" << r.busbw << ",\"wrong\":" << r.wrong
+          << "}";
+    }
+    out << "]}\n";
+  }
+  pg->barrier()->wait();
+  if (print && total_wrong > 0) std::fprintf(stderr, "tdist-bench: %lld wrong elements\n", static_cast<long long>(total_wrong));
+  return total_wrong > 0 ? 3 : 0;
+}
+
+}  // namespace
+
+void add_collective_command(CLI::App& app) {
+  auto cfg = std::make_shared<Config>();
+  auto* sub = app.add_subcommand("collective", "time one collective over a range of sizes (nccl-tests style)");
+  sub->add_option("--op", cfg->op,
+                  "allreduce, broadcast, reduce, allgather, gather, scatter, reduce_scatter, "
+                  "alltoall, barrier")
+      ->capture_default_str();
+  sub->add_option("--min-bytes,-b", cfg->min_bytes, "smallest size (K/M/G suffixes)")->capture_default_str();
+  sub->add_option("--max-bytes,-e", cfg->max_bytes, "largest size")->capture_default_str();
+  sub->add_option("--step-factor,-f", cfg->step_factor, "size multiplier between rows")->capture_default_str();
+  sub->add_option("--iters,-n", cfg->iters, "timed iterations per size")->capture_default_str();
+  sub->add_option("--warmup,-w", cfg->warmup, "untimed iterations per size")->capture_default_str();
+  sub->add_option("--dtype,-d", cfg->dtype, "element type")->capture_default_str();
+  sub->add_option("--redop,-o", cfg->redop, "sum, avg, prod, min, max")->capture_default_str();
+  sub->add_option("--root,-r", cfg->root, "root of broadcast/reduce/gather/scatter")->capture_default_str();
+  sub->add_option("--backend", cfg->backend, "tdist (gloo: see scripts/bench_gloo.py)")->capture_default_str();
+  sub->add_option("--json", cfg->json, "also write the rows as JSON to this file (rank 0)");
+  sub->add_option("--init-method", cfg->init_method, "rendezvous URL")->capture_default_str();
+  sub->callback([cfg] {
+    int rc = run_collective(*cfg);
+    if (rc != 0) std::exit(rc);
+  });
+}
+
+}  // namespace tdist::bench

@@ -1,0 +1,318 @@
+#include "apps/bench_ddp/bench_ddp.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tdist/comm/process_group.h"
+#include "tdist/core/error.h"
+#include "tdist/core/hash_store.h"
+#include "tdist/core/rendezvous.h"
+#include "tdist/ddp/distributed_data_parallel.h"
+
+extern char** environ;
+
+namespace tdist::bench {
+namespace {
+
+struct Config {
+  int world_size = 2;
+  int iters = 200;
+  int warmup = 20;
+  int batch = 16;
+  int hidden = 1024;
+  int layers = 3;
+  double lr = 0.01;
+  double bucket_cap_mb = 25.0;
+  int threads = 1;
+  int rounds = 3;
+  bool compare_torch = true;
+  bool skip_world1 = false;
+  std::string python = "python3";
+  std::string torch_script = TDIST_BENCH_DDP_TORCH_SCRIPT;
+  bool worker = false;  // internal: this process is one rank of the tdist run
+};
+
+struct Result {
+  double samples_per_s = 0;
+  double iter_ms = 0;
+};
+
+torch::nn::Sequential make_model(const Config& c) {
+  torch::nn::Sequential m;
+  m->push_back(torch::nn::Linear(784, c.hidden));
+  m->push_back(torch::nn::ReLU());
+  for (int i = 1; i < c.layers; ++i) {
+    m->push_back(torch::nn::Linear(c.hidden, c.hidden));
+    m->push_back(torch::nn::ReLU());
+  }
+  m->push_back(torch::nn::Linear(c.hidden, 10));
+  return m;
+}
+
+// Trains warmup + iters SGD steps with `forward`; `sync` runs before and after the timed part.
+template <typename Forward>
+Result train(const Config& c, int rank, int world, std::vector<torch::Tensor> params,
+             Forward&& forward, const std::function<void()>& sync) {
+  torch::optim::SGD opt(params, c.lr);
+  auto gen = at::detail::createCPUGenerator(100 + rank);
+  std::vector<torch::Tensor> xs, ys;
+  for (int i = 0; i < 4; ++i) {
+    xs.push_back(at::randn({c.batch, 784}, gen, at::TensorOptions()));
+    ys.push_back(at::randint(0, 10, {c.batch}, gen, at::TensorOptions().dtype(at::kLong)));
+  }
+  auto step = [&](int i) {
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(forward(xs[i % 4]), ys[i % 4]).backward();
+    opt.step();
+  };
+  for (int i = 0; i < c.warmup; ++i) step(i);
+  sync();
+  std::vector<double> times;
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < c.iters; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    step(i);
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                        .count());
+  }
+  sync();
+  double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::sort(times.begin(), times.end());
+  return Result{static_cast<double>(world) * c.batch * c.iters / total, times[times.size() / 2]};
+}
+
+Result run_plain(const Config& c) {
+  torch::manual_seed(0);
+  auto model = make_model(c);
+  return train(c, 0, 1, model->parameters(), [&](const torch::Tensor& x) { return model->forward(x); },
+               [] {});
+}
+
+Result run_ddp(const Config& c, std::shared_ptr<comm::ProcessGroup> pg) {
+  torch::manual_seed(0);
+  auto model = make_model(c);
+  ddp::DDPOptions opts;
+  opts.bucket_cap_mb = c.bucket_cap_mb;
+  ddp::DistributedDataParallel<torch::nn::Sequential> ddp_model(model, pg, opts);
+  auto sync = [&] { pg->barrier()->wait(); };
+  return train(c, pg->rank(), pg->size(), ddp_model.parameters(),
+               [&](const torch::Tensor& x) { return ddp_model(x); }, sync);
+}
+
+// One rank of the world-size-N tdist run (a child of the launcher).
+int worker_main(const Config& c) {
+  torch::set_num_threads(c.threads);
+  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(120));
+  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size);
+  Result r = run_ddp(c, pg);
+  if (rdzv.rank == 0) {
+    const char* path = std::getenv("TDIST_BENCH_DDP_RESULT");
+    TDIST_CHECK(path != nullptr, "TDIST_BENCH_DDP_RESULT is not set");
+    std::ofstream f(path);
+    f << r.samples_per_s << " " << r.iter_ms << "\n";
+  }
+  pg->barrier()->wait();  // rank 0 hosts the store: leave together
+  return 0;
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TDIST_CHECK(fd >= 0, "socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  TDIST_CHECK(ok, "cannot find a free port");
+  return ntohs(addr.sin_port);
+}
+
+pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& extra_env) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) env.emplace_back(*e);
+  env.insert(env.end(), extra_env.begin(), extra_env.end());
+  std::vector<char*> argv, envp;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  pid_t pid;
+  int rc = posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data());
+  TDIST_CHECK(rc == 0, "cannot start ", args[0], ": ", std::strerror(rc));
+  return pid;
+}
+
+Result run_tdist_world(const Config& c, const std::vector<std::string>& worker_args) {
+  const int port = free_port();
+  char tmpl[] = "/tmp/tdist-bench-ddp-XXXXXX";
+  int fd = ::mkstemp(tmpl);
+  TDIST_CHECK(fd >= 0, "mkstemp failed");
+  ::close(fd);
+  const std::string result_path = tmpl;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < c.world_size; ++r) {
+    pids.push_back(spawn(worker_args,
+                         {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(c.world_size),
+                          "LOCAL_RANK=" + std::to_string(r), "MASTER_ADDR=127.0.0.1",
+                          "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=" +
+                          std::to_string(c.threads), "TDIST_BENCH_DDP_RESULT=" + result_path}));
+  }
+  std::string failed;
+  for (int r = 0; r < c.world_size; ++r) {
+    int status = 0;
+    ::waitpid(pids[r], &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      failed += " rank " + std::to_string(r);
+      for (int k = 0; k < c.world_size; ++k) {
+        if (k != r) ::kill(pids[k], SIGTERM);
+      }
+    }
+  }
+  std::ifstream f(result_path);
+  Result res;
+  f >> res.samples_per_s >> res.iter_ms;
+  std::remove(result_path.c_str());
+  TDIST_CHECK(failed.empty() && res.samples_per_s > 0, "tdist DDP workers failed:", failed);
+  return res;
+}
+
+Result run_torch_world(const Config& c) {
+  std::ostringstream cmd;
+  cmd << c.python << " " << c.torch_script << " --world-size " << c.world_size << " --iters "
+      << c.iters << " --warmup " << c.warmup << " --batch " << c.batch << " --hidden " << c.hidden
+      << " --layers " << c.layers << " --lr " << c.lr << " --bucket-cap-mb " << c.bucket_cap_mb
+      << " --threads " << c.threads << " 2>&1";
+  FILE* p = ::popen(cmd.str().c_str(), "r");
+  TDIST_CHECK(p != nullptr, "cannot run ", cmd.str());
+  std::string out, line;
+  char buf[4096];
+  while (std::fgets(buf, sizeof(buf), p)) out += buf;
+  int rc = ::pclose(p);
+  Result res;
+  std::istringstream is(out);
+  while (std::getline(is, line)) {
+    if (line.rfind("samples_per_s=", 0) == 0) {
+      std::sscanf(line.c_str(), "samples_per_s=%lf iter_ms=%lf", &res.samples_per_s, &res.iter_ms);
+    }
+  }
+  TDIST_CHECK(rc == 0 && res.samples_per_s > 0, "PyTorch DDP run failed (", cmd.str(), "):\n", out);
+  return res;
+}
+
+Result median(std::vector<Result> rs) {
+  auto by = [](auto key, std::vector<Result> v) {
+    std::sort(v.begin(), v.end(), [&](const Result& a, const Result& b) { return key(a) < key(b); });
+    return key(v[v.size() / 2]);
+  };
+  return Result{by([](const Result& r) { return r.samples_per_s; }, rs),
+                by([](const Result& r) { return r.iter_ms; }, rs)};
+}
+
+void print_row(const std::string& world, const std::string& what, const Result& r,
+               const std::string& ratio) {
+  std::cout << std::left << std::setw(7) << world << std::setw(34) << what << std::right
+            << std::setw(12) << std::fixed << std::setprecision(1) << r.samples_per_s
+            << std::setw(11) << std::setprecision(2) << r.iter_ms << "   " << ratio << "\n";
+}
+
+}  // namespace
+
+int run_ddp_bench(int argc, char** argv) {
+  Config c;
+  CLI::App app{"tdist-bench-ddp: DDP training throughput (samples/s) of tdist vs plain libtorch "
+               "(world size 1) and vs PyTorch's Python DDP over gloo (world size N), side by "
+               "side in one run. Model: MLP 784-H-...-H-10, cross-entropy, SGD."};
+  app.add_option("--world-size", c.world_size, "ranks of the distributed comparison")
+      ->check(CLI::Range(2, 64));
+  app.add_option("--iters", c.iters, "timed iterations per run")->check(CLI::Range(1, 1000000));
+  app.add_option("--warmup", c.warmup, "untimed iterations first")->check(CLI::Range(0, 1000000));
+  app.add_option("--batch", c.batch, "samples per rank")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--hidden", c.hidden, "hidden width")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--layers", c.layers, "hidden layers")->check(CLI::Range(1, 64));
+  app.add_option("--lr", c.lr, "SGD learning rate");
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "DDP bucket_cap_mb")->check(CLI::PositiveNumber);
+  app.add_option("--threads", c.threads, "intra-op threads per rank")->check(CLI::Range(1, 256));
+  app.add_option("--rounds", c.rounds, "alternating rounds; medians are reported")
+      ->check(CLI::Range(1, 100));
+  app.add_flag("!--no-torch", c.compare_torch, "skip PyTorch's Python DDP");
+  app.add_flag("--skip-world1", c.skip_world1, "skip the world-size-1 comparison");
+  app.add_option("--python", c.python, "Python with torch, for the anchor");
+  app.add_option("--torch-script", c.torch_script, "path of bench_ddp_torch.py");
+  app.add_flag("--worker", c.worker, "internal: run as one rank (RANK, WORLD_SIZE, MASTER_*)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (c.worker) return worker_main(c);
+    torch::set_num_threads(c.threads);
+    std::cout << "model MLP 784-" << c.hidden << "x" << c.layers << "-10, batch " << c.batch
+              << " per rank, SGD, " << c.iters << " timed iterations (+" << c.warmup
+              << " warm-up), " << c.threads << " thread(s) per rank, median of " << c.rounds
+              << " alternating rounds\n\n";
+    std::cout << std::left << std::setw(7) << "world" << std::setw(34) << "implementation"
+              << std::right << std::setw(12) << "samples/s" << std::setw(11) << "iter ms"
+              << "   ratio\n";
+    if (!c.skip_world1) {
+      std::vector<Result> plain, ddp1;
+      auto pg = comm::create_process_group(std::make_shared<HashStore>(), 0, 1);
+      for (int r = 0; r < c.rounds; ++r) {
+        plain.push_back(run_plain(c));
+        ddp1.push_back(run_ddp(c, pg));
+      }
+      Result p = median(plain), d = median(ddp1);
+      print_row("1", "libtorch, no DDP", p, "");
+      std::ostringstream ratio;
+      ratio << std::setprecision(3) << std::fixed << d.samples_per_s / p.samples_per_s
+            << "x of libtorch (target >= 0.97)";
+      print_row("1", "tdist DDP", d, ratio.str());
+    }
+    std::vector<std::string> worker_args{"/proc/self/exe", "--worker"};
+    for (int i = 1; i < argc; ++i) worker_args.push_back(argv[i]);
+    std::vector<Result> ours, theirs;
+    for (int r = 0; r < c.rounds; ++r) {
+      ours.push_back(run_tdist_world(c, worker_args));
+      if (c.compare_torch) theirs.push_back(run_torch_world(c));
+    }
+    const std::string w = std::to_string(c.world_size);
+    Result o = median(ours);
+    if (c.compare_torch) {
+      Result t = median(theirs);
+      print_row(w, "PyTorch DDP (Python, gloo)", t, "");
+      std::ostringstream ratio;
+      ratio << std::setprecision(3) << std::fixed << o.samples_per_s / t.samples_per_s
+            << "x of PyTorch (target >= 1.3)";
+      print_row(w, "tdist DDP (ring)", o, ratio.str());
+    } else {
+      print_row(w, "tdist DDP (ring)", o, "");
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "tdist-bench-ddp: " << e.what() << std::endl;
+    return 1;
+  }
+}
+
+}  // namespace tdist::bench

@@ -1,0 +1,95 @@
+#pragma once
+// Collective algorithms of the ring backend, one per file (Gloo's layout). Each runs on the
+// group's worker thread over an Exchange (detail/exchange.h) on contiguous raw buffers; the
+// process group validates arguments, makes buffers contiguous and picks the algorithm.
+//
+// Every algorithm moves the same bytes in the same order on every rank for the same call, so
+// the collective channel of a pair is a plain byte stream with no per-message header (except
+// alltoall, whose sizes are per pair; see alltoall_pairwise.cpp).
+
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tdist/comm/detail/exchange.h"
+#include "tdist/comm/detail/reduce_kernels.h"
+#include "tdist/comm/types.h"
+
+namespace tdist::comm::algorithms {
+
+// Reusable scratch memory of one group (grows, never shrinks; 64-byte aligned).
+class Scratch {
+ public:
+  char* get(size_t bytes);
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::unique_ptr<char, Free> data_;
+  size_t capacity_ = 0;
+};
+
+struct Context {
+  detail::Exchange& ex;
+  int rank;
+  int size;
+  size_t chunk_bytes;  // pipelining granularity (TDIST_CHUNK_BYTES)
+  Scratch& scratch;
+};
+
+struct ReduceSpec {
+  c10::ScalarType dtype;
+  size_t elem_size;
+  ReduceOp op;
+  detail::ReduceFn fn;
+};
+
+// Elements per pipelining chunk (at least 1).
+inline size_t chunk_elems(const Context& c, size_t elem_size) {
+  size_t n = c.chunk_bytes / elem_size;
+  return n == 0 ? 1 : n;
+}
+
+// In place on `data` (count elements). Bandwidth-optimal: reduce-scatter then allgather around
+// the ring, chunked so that chunk k is reduced and forwarded while chunk k+1 is in flight.
+void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs);
+// In place. Latency-optimal for small buffers: log2(n) exchanges of the whole buffer;
+// non-powers of two fold the extra ranks in first and send them the result last.
+void allreduce_recursive_doubling(Context& c, char* data, size_t count, const ReduceSpec& rs);
+
+// `bytes` of `data` from root to every rank, along a chain, chunked and pipelined.
+void broadcast_pipelined(Context& c, char* data, size_t bytes, int root);
+
+// Reduces every rank's `input` into `output` on root along a chain ending at root, chunked and
+// pipelined. `output` is used on root only (it may alias `input`); non-root inputs are unchanged.
+void reduce_chain(Context& c, const char* input, char* output, size_t count, const ReduceSpec& rs,
+                  int root);
+
+// blocks[i] (block_bytes each) receives rank i's block; blocks[rank] already holds this rank's.
+void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_bytes);
+
+// Root: blocks[i] receives rank i's `input` (blocks[root] is filled by the caller).
+void gather_direct(Context& c, const char* input, const std::vector<char*>& blocks,
+                   size_t block_bytes, int root);
+// Root sends blocks[i] to rank i; every non-root receives into `output`.
+void scatter_direct(Context& c, const std::vector<const char*>& blocks, char* output,
+                    size_t block_bytes, int root);
+
+// output = reduction over ranks of inputs[rank] (count elements per block), around the ring.
+void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, char* output,
+                         size_t count, const ReduceSpec& rs);
+
+// Sends send[i] (send_bytes[i]) to rank i and receives recv[i] (recv_bytes[i]) from it; the
+// entries for this rank are copied locally.
+void alltoall_pairwise(Context& c, const std::vector<const char*>& send,
+                       const std::vector<size_t>& send_bytes, const std::vector<char*>& recv,
+                       const std::vector<size_t>& recv_bytes);
+
+// ceil(log2(n)) rounds of one byte each.
+void barrier_dissemination(Context& c);
+
+}  // namespace tdist::comm::algorithms

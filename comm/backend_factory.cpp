@@ -1,0 +1,86 @@
+// create_process_group: backend selection ("ring", "cpu:ring,cuda:nccl") and the group's store
+// prefix. The name-to-factory map is explicit (no static registration).
+
+#include <map>
+#include <sstream>
+
+#include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/comm/process_group.h"
+#include "tdist/core/error.h"
+
+namespace tdist::comm {
+namespace {
+
+using Factory = std::shared_ptr<ProcessGroup> (*)(std::shared_ptr<Store>, std::string, int, int,
+                                                  const ProcessGroup::Options&);
+
+std::shared_ptr<ProcessGroup> make_ring(std::shared_ptr<Store> store, std::string prefix, int rank,
+                                        int size, const ProcessGroup::Options& opts) {
+  return std::make_shared<detail::RingProcessGroup>(std::move(store), std::move(prefix), rank, size,
+                                                    opts);
+}
+
+// Backends per device type. "nccl" exists only in CUDA builds of tdist.
+const std::map<std::string, std::map<std::string, Factory>>& backends() {
+  static const std::map<std::string, std::map<std::string, Factory>> table = {
+      {"cpu", {{"ring", &make_ring}}},
+      {"cuda", {}},
+  };
+  return table;
+}
+
+std::string known_names() {
+  return "'ring' (all devices) or 'cpu:ring' (per device type; this build has no CUDA backend, "
+         "so 'cuda:nccl' is unavailable)";
+}
+
+// Parses the backend string into device type -> backend name and checks every entry.
+std::map<std::string, std::string> parse_backend(const std::string& spec) {
+  std::map<std::string, std::string> out;
+  TDIST_CHECK_ARG(!spec.empty(), "empty backend name; expected ", known_names());
+  if (spec.find(':') == std::string::npos) {
+    TDIST_CHECK_ARG(backends().at("cpu").count(spec) != 0, "unknown backend '", spec,
+                    "'; expected ", known_names());
+    out["cpu"] = spec;
+    return out;
+  }
+  std::stringstream ss(spec);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto colon = item.find(':');
+    TDIST_CHECK_ARG(colon != std::string::npos, "backend entry '", item, "' in '", spec,
+                    "' is not of the form device:backend");
+    std::string device = item.substr(0, colon);
+    std::string name = item.substr(colon + 1);
+    auto dev = backends().find(device);
+    TDIST_CHECK_ARG(dev != backends().end(), "unknown device type '", device, "' in backend '",
+                    spec, "'; expected cpu or cuda");
+    TDIST_CHECK_ARG(dev->second.count(name) != 0, "backend '", name, "' is not available for ",
+                    device, " in this build (backend string '", spec, "'); expected ",
+                    known_names());
+    TDIST_CHECK_ARG(out.count(device) == 0, "device type '", device, "' appears twice in '", spec,
+                    "'");
+    out[device] = name;
+  }
+  TDIST_CHECK_ARG(out.count("cpu") != 0, "backend '", spec, "' names no CPU backend");
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store, int rank, int size,
+                                                   ProcessGroup::Options opts) {
+  TDIST_CHECK_ARG(store != nullptr, "create_process_group: the store is null");
+  TDIST_CHECK_ARG(size >= 1, "create_process_group: world size must be >= 1, got ", size);
+  TDIST_CHECK_ARG(rank >= 0 && rank < size, "create_process_group: rank ", rank,
+                  " is not in [0, ", size, ")");
+  auto chosen = parse_backend(opts.backend);
+  // Every rank counts the groups it created on this store; creation order matches across
+  // ranks (as in c10d), so the n-th group of every rank gets the same prefix.
+  int64_t generation = store->add(str("tdist/pg_generation/rank", rank), 1);
+  std::string prefix = str("tdist/pg", generation);
+  return backends().at("cpu").at(chosen.at("cpu"))(std::move(store), std::move(prefix), rank, size,
+                                                  opts);
+}
+
+}  // namespace tdist::comm

@@ -1,0 +1,127 @@
+#pragma once
+// Exchange: the progress engine of one collective at a time on one group's collective channel.
+//
+// An algorithm posts sends and receives per peer (each peer's queue is a byte stream in posting
+// order), then calls run(), which moves bytes with non-blocking writev/readv on the caller's own
+// thread (no I/O thread, no hop per message) and waits in poll() only when no socket can make
+// progress, after an optional short spin. Every completed receive calls the algorithm's callback
+// with the item's cookie; the callback may post more sends and receives (this is how the ring
+// algorithms reduce chunk k while chunk k+1 is still arriving, and forward it at once).
+//
+// Queues are vectors that keep their capacity across operations: no allocation per message
+// once a group has warmed up.
+//
+// Errors (thrown from run): TimeoutError when the deadline passes, NetworkError when a peer
+// closes the connection or a socket fails, Error("... aborted") when the group was aborted.
+// Every message names this rank, the operation, its sequence number, the peer and how many bytes
+// had moved.
+//
+// Thread safety: one thread (the group's worker) uses an Exchange; none of it is shared.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tdist/comm/detail/reduce_kernels.h"
+#include "tdist/comm/transport/channel.h"
+#include "tdist/comm/transport/tcp/connection.h"
+
+namespace tdist::comm::detail {
+
+using Clock = std::chrono::steady_clock;
+
+class Exchange {
+ public:
+  // `peers` indexed by rank (nullptr at `rank`); `aborted` is the group's abort flag.
+  Exchange(std::vector<Channel*> peers, int rank, const std::atomic<bool>* aborted);
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(peers_.size()); }
+
+  // Starts an operation: clears the queues and sets what errors will name.
+  void begin(const char* op, uint64_t seq, Clock::time_point deadline);
+  const char* op() const { return op_; }
+  uint64_t seq() const { return seq_; }
+
+  // Posts `n` bytes to send to / receive from `peer` (appended to that peer's stream).
+  // Zero-byte posts are ignored. The memory must stay valid until run() returns.
+  void send(int peer, const void* data, size_t n);
+  void recv(int peer, void* data, size_t n, uint64_t cookie = 0);
+  // Receives `n` bytes (whole elements of `elem` bytes) and reduces them as they arrive:
+  // out = other op incoming (`out` may alias `other`). On shared memory the kernel reads the
+  // ring directly (no copy); on TCP through a bounce buffer. `out` must not be sent meanwhile.
+  void recv_reduce(int peer, void* out, const void* other, size_t n, ReduceFn fn, size_t elem,
+                   uint64_t cookie = 0);
+
+  // Progresses every posted transfer until all are complete. fn(peer, cookie) runs for every
+  // completed receive in stream order (it may post more). Throws as described above.
+  template <typename F>
+  void run(F&& fn) {
+    run_impl(&invoke<F>, &fn);
+  }
+  void run() { run_impl(nullptr, nullptr); }
+
+  // Microseconds to keep retrying non-blocking I/O before sleeping in poll (TDIST_SPIN_US).
+  void set_spin_us(int us) { spin_us_ = us; }
+
+  // "rank 0: allreduce (seq 7)" for error messages.
+  std::string where() const;
+
+ private:
+  struct Item {
+    char* data;
+    size_t size;
+    size_t done;
+    uint64_t cookie;
+    const char* other = nullptr;  // recv_reduce: the second operand
+    ReduceFn fn = nullptr;        // recv_reduce: the kernel
+    size_t elem = 0;              // recv_reduce: element bytes
+  };
+  struct Queue {
+    std::vector<Item> items;
+    size_t head = 0;
+    uint64_t posted = 0;  // bytes posted this operation
+    uint64_t moved = 0;   // bytes completed this operation
+    bool pending() const { return head < items.size(); }
+  };
+  using Callback = void (*)(void* ctx, int peer, uint64_t cookie);
+  template <typename F>
+  static void invoke(void* ctx, int peer, uint64_t cookie) {
+    (*static_cast<F*>(ctx))(peer, cookie);
+  }
+
+  void run_impl(Callback cb, void* ctx);
+  bool progress_send(int peer);
+  bool progress_recv(int peer, Callback cb, void* ctx);
+  bool progress_reduce(int peer, Callback cb, void* ctx);
+  size_t reduce_spans(Item& it, const iovec spans[2], size_t budget);
+  void apply(Item& it, char* out, const char* other, const char* src, size_t count);
+  size_t reduce_bounce(int peer, Item& it, bool& read);
+  void wait_for_io();
+  [[noreturn]] void fail_closed(int peer, const char* direction, int err);
+  [[noreturn]] void fail_timeout();
+  void check_aborted() const;
+
+  // Constant after construction.
+  const std::vector<Channel*> peers_;
+  const int rank_;
+  const std::atomic<bool>* const aborted_;
+
+  // State of the current operation.
+  const char* op_ = "";
+  uint64_t seq_ = 0;
+  Clock::time_point deadline_;
+  Clock::time_point started_;
+  int spin_us_ = 0;
+  std::vector<Queue> sends_;
+  std::vector<Queue> recvs_;
+  std::vector<iovec> iov_;
+  std::vector<char> bounce_;  // TCP recv_reduce staging
+  size_t bounce_left_ = 0;    // bytes of a partial element at the start of bounce_
+  std::vector<::pollfd> pollfds_;
+  std::vector<int> poll_peers_;  // the peer of each pollfds_ entry
+};
+
+}  // namespace tdist::comm::detail

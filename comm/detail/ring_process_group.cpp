@@ -1,0 +1,311 @@
+#include "tdist/comm/detail/ring_process_group.h"
+
+#include <algorithm>
+#include <set>
+
+#include "tdist/core/env.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/prefix_store.h"
+
+namespace tdist::comm::detail {
+namespace {
+
+// Work of recv_any_source: remembers where the message came from.
+class RecvWork : public Work {
+ public:
+  using Work::Work;
+  int source_rank() const override { return source_.load(); }
+  std::atomic<int> source_{-1};
+};
+
+Clock::time_point deadline_after(Millis timeout) {
+  auto now = Clock::now();
+  if (timeout > std::chrono::duration_cast<Millis>(Clock::time_point::max() - now)) {
+    return Clock::time_point::max();
+  }
+  return now + timeout;
+}
+
+}  // namespace
+
+RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::string prefix, int rank,
+                                   int size, Options opts)
+    : root_store_(std::move(root_store)),
+      prefix_(std::move(prefix)),
+      rank_(rank),
+      size_(size),
+      opts_(std::move(opts)) {
+  TDIST_CHECK_ARG(size >= 1, "world size must be >= 1, got ", size);
+  TDIST_CHECK_ARG(rank >= 0 && rank < size, "rank must be in [0, ", size, "), got ", rank);
+  TDIST_CHECK_ARG(opts_.timeout.count() > 0, "timeout must be positive, got ",
+                  opts_.timeout.count(), " ms");
+  chunk_bytes_ = static_cast<size_t>(
+      env::get_int("TDIST_CHUNK_BYTES", static_cast<int64_t>(chunk_bytes_), 1, int64_t(1) << 30));
+  small_allreduce_bytes_ = static_cast<size_t>(env::get_int(
+      "TDIST_SMALL_ALLREDUCE_BYTES", static_cast<int64_t>(small_allreduce_bytes_), 0,
+      int64_t(1) << 40));
+  allreduce_algo_ = env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
+  TDIST_CHECK_ARG(allreduce_algo_ == "auto" || allreduce_algo_ == "ring" ||
+                      allreduce_algo_ == "recursive_doubling",
+                  "TDIST_ALLREDUCE_ALGO='", allreduce_algo_,
+                  "' is not one of auto, ring, recursive_doubling");
+  auto debug = env::get("TDIST_DEBUG").value_or("OFF");
+  debug_detail_ = debug == "DETAIL" || debug == "detail";
+  const int spin_us = static_cast<int>(env::get_int("TDIST_SPIN_US", 0, 0, 1000000));
+
+  auto store = std::make_shared<PrefixStore>(prefix_, root_store_);
+  const auto setup_deadline = deadline_after(opts_.timeout);
+  mesh_ = std::make_unique<tcp::Mesh>(*store, rank_, size_, 2, tcp::fnv1a(prefix_), setup_deadline);
+  ChannelOptions copts;
+  auto transport = env::get("TDIST_TRANSPORT").value_or("auto");
+  TDIST_CHECK_ARG(transport == "auto" || transport == "tcp", "TDIST_TRANSPORT='", transport,
+                  "' is not one of auto, tcp");
+  copts.allow_shm = transport == "auto";
+  copts.shm_capacity = static_cast<size_t>(
+      env::get_int("TDIST_SHM_BYTES", static_cast<int64_t>(copts.shm_capacity), 4096, int64_t(1) << 32));
+  channels_ = make_channels(*mesh_, 0, copts, setup_deadline);
+  std::vector<Channel*> peers;
+  for (auto& c : channels_) peers.push_back(c.get());
+  exchange_ = std::make_unique<Exchange>(peers, rank_, &aborted_);
+  exchange_->set_spin_us(spin_us);
+  p2p_ = std::make_unique<P2PEngine>(mesh_->channel(1), rank_,
+                                     [this](std::exception_ptr e) { abort_with(e); });
+  worker_ = std::thread([this] { worker_loop(); });
+  TDIST_LOG_DEBUG("rank ", rank_, ": process group '", prefix_, "' of ", size_, " ranks is up");
+}
+
+RingProcessGroup::~RingProcessGroup() {
+  bool busy;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    busy = running_ || !queue_.empty();
+  }
+  if (busy) {
+    abort_with(std::make_exception_ptr(
+        Error(str("rank ", rank_, ": the process group was destroyed with operations pending"))));
+  }
+  cv_.notify_all();
+  worker_.join();
+  p2p_->stop();
+}
+
+std::exception_ptr RingProcessGroup::aborted_error(const char* name, uint64_t seq) const {
+  std::string cause;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (abort_cause_) {
+      try {
+        std::rethrow_exception(abort_cause_);
+      } catch (const std::exception& e) {
+        cause = e.what();
+      }
+    }
+  }
+  return std::make_exception_ptr(Error(str("rank ", rank_, ": ", name, " (seq ", seq,
+                                           ") failed: the process group was aborted",
+                                           cause.empty() ? "" : " after: ", cause)));
+}
+
+void RingProcessGroup::abort() {
+  abort_with(std::make_exception_ptr(Error(str("rank ", rank_, ": abort() was called"))));
+}
+
+void RingProcessGroup::abort_with(std::exception_ptr cause) {
+  std::deque<std::unique_ptr<Op>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.load()) return;
+    abort_cause_ = cause;
+    aborted_.store(true);
+    pending.swap(queue_);
+  }
+  try {
+    std::rethrow_exception(cause);
+  } catch (const std::exception& e) {
+    TDIST_LOG_WARN("rank ", rank_, ": aborting the process group: ", e.what());
+  }
+  // Wakes the worker (blocked in poll on these sockets) and tells every peer at once.
+  mesh_->shutdown_all();
+  p2p_->abort(cause);
+  for (auto& op : pending) op->future->set_error(aborted_error(op->name, op->seq));
+  cv_.notify_all();
+}
+
+std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout, Fingerprint fp,
+                                                Run run) {
+  auto future = std::make_shared<Future>();
+  auto op = std::make_unique<Op>();
+  op->name = name;
+  op->timeout = effective(timeout);
+  op->future = future;
+  op->run = std::move(run);
+  uint64_t seq;
+  bool aborted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TDIST_CHECK(!stop_, "the process group is being destroyed");
+    seq = next_seq_++;
+    op->seq = seq;
+    aborted = aborted_.load();
+    if (!aborted) {
+      if (debug_detail_) {
+        fp.op = name;
+        fp.seq = seq;
+        op->fingerprint = std::move(fp);
+      }
+      queue_.push_back(std::move(op));
+    }
+  }
+  if (aborted) {
+    future->set_error(aborted_error(name, seq));
+  } else {
+    cv_.notify_one();
+  }
+  return std::make_shared<Work>(name, seq, future);
+}
+
+void RingProcessGroup::worker_loop() {
+  for (;;) {
+    std::unique_ptr<Op> op;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_
+      op = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;
+    }
+    execute(*op);
+  }
+}
+
+void RingProcessGroup::execute(Op& op) {
+  if (aborted_.load()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;
+    }
+    op.future->set_error(aborted_error(op.name, op.seq));
+    return;
+  }
+  Future::Value value;
+  std::exception_ptr error;
+  try {
+    exchange_->begin(op.name, op.seq, deadline_after(op.timeout));
+    if (debug_detail_) check_fingerprints(*exchange_, op.fingerprint);
+    algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_};
+    value = op.run(ctx);
+  } catch (const MismatchError&) {
+    error = std::current_exception();
+  } catch (...) {
+    error = std::current_exception();
+    // The byte streams are no longer in step (or a peer is gone): nothing later can succeed.
+    abort_with(error);
+  }
+  {
+    // Before completing: a caller that waited for this op may destroy the group at once, and
+    // must not find it busy.
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+  try {
+    if (error) {
+      op.future->set_error(error);
+    } else {
+      op.future->set_value(std::move(value));
+    }
+  } catch (const std::exception& e) {
+    TDIST_LOG_ERROR("rank ", rank_, ": a continuation of ", op.name, " (seq ", op.seq,
+                    ") threw: ", e.what());
+  }
+}
+
+std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor, int peer,
+                                                 int tag, Millis timeout) {
+  const char* name = is_send ? "send" : (peer < 0 ? "recv_any_source" : "recv");
+  TDIST_CHECK_ARG(tensor.defined(), name, ": the tensor is undefined");
+  TDIST_CHECK_ARG(tensor.device().is_cpu(), name, ": the ring backend serves CPU tensors, got a ",
+                  tensor.device().str(), " tensor");
+  TDIST_CHECK_ARG(tensor.layout() == c10::kStrided, name, ": sparse tensors are not supported");
+  if (peer >= 0 || is_send) {
+    TDIST_CHECK_ARG(peer >= 0 && peer < size_, name, ": peer rank ", peer, " is not in [0, ",
+                    size_, ")");
+    TDIST_CHECK_ARG(peer != rank_, name, ": rank ", rank_, " cannot send to or receive from itself");
+  }
+  TDIST_CHECK_ARG(tag >= 0, name, ": tag must be >= 0, got ", tag);
+  const uint64_t seq = next_p2p_seq_++;
+  auto future = std::make_shared<Future>();
+  auto work = std::make_shared<RecvWork>(name, seq, future);
+  if (aborted_.load()) {
+    future->set_error(aborted_error(name, seq));
+    return work;
+  }
+  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  auto deadline = deadline_after(effective(timeout));
+  std::weak_ptr<RecvWork> weak = work;
+  auto done = [tensor, buffer, future, weak, is_send](int source, std::exception_ptr error) {
+    if (!error && !buffer.is_same(tensor)) {
+      try {
+        tensor.copy_(buffer);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (!is_send) {
+      if (auto w = weak.lock()) w->source_.store(source);
+    }
+    if (error) {
+      future->set_error(error);
+    } else {
+      future->set_value({tensor});
+    }
+  };
+  const size_t bytes = buffer.numel() * buffer.element_size();
+  if (is_send) {
+    p2p_->send(buffer.data_ptr(), bytes, peer, static_cast<uint32_t>(tag), deadline, seq,
+               std::move(done));
+  } else {
+    p2p_->recv(buffer.data_ptr(), bytes, peer, static_cast<uint32_t>(tag), deadline, seq,
+               std::move(done));
+  }
+  return work;
+}
+
+std::shared_ptr<Work> RingProcessGroup::send(at::Tensor tensor, int dst, int tag,
+                                             const SendRecvOptions& opts) {
+  return post_p2p(true, std::move(tensor), dst, tag, opts.timeout);
+}
+
+std::shared_ptr<Work> RingProcessGroup::recv(at::Tensor tensor, int src, int tag,
+                                             const SendRecvOptions& opts) {
+  TDIST_CHECK_ARG(src >= 0 && src < size_, "recv: source rank ", src, " is not in [0, ", size_,
+                  ")");
+  return post_p2p(false, std::move(tensor), src, tag, opts.timeout);
+}
+
+std::shared_ptr<Work> RingProcessGroup::recv_any_source(at::Tensor tensor, int tag,
+                                                        const SendRecvOptions& opts) {
+  return post_p2p(false, std::move(tensor), -1, tag, opts.timeout);
+}
+
+std::shared_ptr<ProcessGroup> RingProcessGroup::new_group(std::vector<int> ranks,
+                                                          const Options& opts) {
+  TDIST_CHECK_ARG(!ranks.empty(), "new_group: the rank list is empty");
+  std::set<int> unique(ranks.begin(), ranks.end());
+  TDIST_CHECK_ARG(unique.size() == ranks.size(), "new_group: the rank list has duplicates");
+  for (int r : ranks) {
+    TDIST_CHECK_ARG(r >= 0 && r < size_, "new_group: rank ", r, " is not in [0, ", size_, ")");
+  }
+  // Every rank of this group counts every new_group call, member or not, so the prefix agrees.
+  const int index = next_subgroup_++;
+  std::sort(ranks.begin(), ranks.end());
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  if (it == ranks.end()) return nullptr;
+  return std::make_shared<RingProcessGroup>(root_store_, str(prefix_, "/sub", index),
+                                            static_cast<int>(it - ranks.begin()),
+                                            static_cast<int>(ranks.size()), opts);
+}
+
+}  // namespace tdist::comm::detail

@@ -1,0 +1,147 @@
+#pragma once
+// RingProcessGroup: the "ring" backend: every collective on CPU tensors over a full TCP mesh.
+//
+// Execution: each call validates its arguments on the caller's thread (InvalidArgument), takes a
+// sequence number and queues the operation; one worker thread per group runs the queue in order,
+// doing the socket I/O itself through an Exchange (no I/O thread in between), and completes the
+// Work's future (continuations run on the worker). send/recv go to the P2PEngine on their own
+// channel and thread.
+//
+// Failure: a timeout or a broken connection in any operation aborts the group: the sockets are
+// shut down (so every peer blocked on this rank fails at once instead of at its deadline),
+// queued and later operations fail at once with an error that names the cause. A fingerprint
+// mismatch (TDIST_DEBUG=DETAIL) fails that operation only. Destroying the group fails whatever
+// is still queued and joins its threads; it never waits on a peer.
+//
+// Knobs read when the group is created (tests and benchmarks use them):
+//   TDIST_CHUNK_BYTES        pipelining chunk of the ring algorithms (default 256 KiB)
+//   TDIST_ALLREDUCE_ALGO     auto | ring | recursive_doubling (default auto)
+//   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
+//   TDIST_SPIN_US            microseconds to poll sockets before sleeping (default 0)
+//   TDIST_TRANSPORT          auto (shared memory with same-host peers, else TCP) | tcp
+//   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 4 MiB)
+//   TDIST_DEBUG=DETAIL       fingerprint check before every collective
+//
+// Thread safety: every public method may be called from any thread.
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/detail/exchange.h"
+#include "tdist/comm/detail/fingerprint.h"
+#include "tdist/comm/detail/p2p_engine.h"
+#include "tdist/comm/process_group.h"
+#include "tdist/comm/transport/channels.h"
+#include "tdist/comm/transport/tcp/mesh.h"
+
+namespace tdist::comm::detail {
+
+class RingProcessGroup final : public ProcessGroup {
+ public:
+  // `root_store` is the store every group of this job shares; the group's own keys live under
+  // `prefix`. Blocks until the mesh is connected (TimeoutError after opts.timeout).
+  RingProcessGroup(std::shared_ptr<Store> root_store, std::string prefix, int rank, int size,
+                   Options opts);
+  ~RingProcessGroup() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend_name() const override { return "ring"; }
+  const Options& options() const override { return opts_; }
+
+  std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
+  std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;
+  std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> tensors,
+                                            const AllreduceCoalescedOptions& opts) override;
+  std::shared_ptr<Work> reduce(at::Tensor tensor, const ReduceOptions& opts) override;
+  std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                  const AllgatherOptions& opts) override;
+  std::shared_ptr<Work> allgather_into_tensor(at::Tensor output, at::Tensor input,
+                                              const AllgatherOptions& opts) override;
+  std::shared_ptr<Work> gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                               const GatherOptions& opts) override;
+  std::shared_ptr<Work> scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                const ScatterOptions& opts) override;
+  std::shared_ptr<Work> reduce_scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                       const ReduceScatterOptions& opts) override;
+  std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                              const ReduceScatterOptions& opts) override;
+  std::shared_ptr<Work> alltoall_base(at::Tensor output, at::Tensor input,
+                                      std::vector<int64_t> output_splits,
+                                      std::vector<int64_t> input_splits,
+                                      const AllToAllOptions& opts) override;
+  std::shared_ptr<Work> alltoall(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                                 const AllToAllOptions& opts) override;
+  std::shared_ptr<Work> barrier(const BarrierOptions& opts) override;
+  std::shared_ptr<Work> send(at::Tensor tensor, int dst, int tag,
+                             const SendRecvOptions& opts) override;
+  std::shared_ptr<Work> recv(at::Tensor tensor, int src, int tag,
+                             const SendRecvOptions& opts) override;
+  std::shared_ptr<Work> recv_any_source(at::Tensor tensor, int tag,
+                                        const SendRecvOptions& opts) override;
+
+  using ProcessGroup::new_group;
+  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
+  void abort() override;
+
+ private:
+  using Run = std::function<Future::Value(algorithms::Context&)>;
+  struct Op {
+    const char* name;
+    uint64_t seq;
+    Millis timeout;
+    std::shared_ptr<Future> future;
+    Fingerprint fingerprint;
+    Run run;
+  };
+
+  // Queues a collective; returns its Work at once (already failed when the group is aborted).
+  std::shared_ptr<Work> enqueue(const char* name, Millis timeout, Fingerprint fp, Run run);
+  std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag, Millis timeout);
+  void worker_loop();
+  void execute(Op& op);
+  void abort_with(std::exception_ptr cause);
+  std::exception_ptr aborted_error(const char* name, uint64_t seq) const;
+  Millis effective(Millis timeout) const { return timeout.count() < 0 ? opts_.timeout : timeout; }
+  algorithms::ReduceSpec reduce_spec(const at::Tensor& t, ReduceOp op) const;
+  void allreduce_flat(algorithms::Context& c, char* data, size_t count,
+                      const algorithms::ReduceSpec& rs) const;
+
+  // Constant after construction.
+  const std::shared_ptr<Store> root_store_;
+  const std::string prefix_;
+  const int rank_;
+  const int size_;
+  const Options opts_;
+  size_t chunk_bytes_ = 256 * 1024;
+  std::string allreduce_algo_ = "auto";
+  size_t small_allreduce_bytes_ = 64 * 1024;
+  bool debug_detail_ = false;
+  std::unique_ptr<tcp::Mesh> mesh_;
+  std::vector<std::unique_ptr<Channel>> channels_;  // collective channel per peer
+  std::unique_ptr<Exchange> exchange_;  // used by the worker thread only
+  algorithms::Scratch scratch_;         // used by the worker thread only
+  std::unique_ptr<P2PEngine> p2p_;
+
+  std::atomic<bool> aborted_{false};
+  std::atomic<uint64_t> next_p2p_seq_{0};
+  std::atomic<int> next_subgroup_{0};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Op>> queue_;  // guarded by mu_
+  uint64_t next_seq_ = 0;                  // guarded by mu_
+  bool running_ = false;                   // guarded by mu_: the worker is executing an op
+  bool stop_ = false;                      // guarded by mu_
+  std::exception_ptr abort_cause_;         // guarded by mu_
+  std::thread worker_;
+};
+
+}  // namespace tdist::comm::detail

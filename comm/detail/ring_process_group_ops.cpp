@@ -1,0 +1,403 @@
+// The operations of RingProcessGroup: argument checks (on the caller's thread, InvalidArgument),
+// contiguous working buffers, and the algorithm each operation runs on the worker.
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/core/error.h"
+
+namespace tdist::comm::detail {
+namespace {
+
+namespace algo = tdist::comm::algorithms;
+using Value = Future::Value;
+
+void check_tensor(const at::Tensor& t, const char* op, const char* what) {
+  TDIST_CHECK_ARG(t.defined(), op, ": ", what, " is undefined");
+  TDIST_CHECK_ARG(t.device().is_cpu(), op, ": ", what, " is a ", t.device().str(),
+                  " tensor; the ring backend serves CPU tensors (a CUDA backend is chosen with "
+                  "'cpu:ring,cuda:nccl' in a CUDA build)");
+  TDIST_CHECK_ARG(t.layout() == c10::kStrided, op, ": ", what, " is sparse; only dense tensors "
+                  "are supported");
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* what,
+                size_t index) {
+  check_tensor(t, op, what);
+  TDIST_CHECK_ARG(t.scalar_type() == ref.scalar_type(), op, ": ", what, "[", index, "] has dtype ",
+                  t.scalar_type(), " but ", ref.scalar_type(), " is expected");
+  TDIST_CHECK_ARG(t.sizes() == ref.sizes(), op, ": ", what, "[", index, "] has shape ", t.sizes(),
+                  " but ", ref.sizes(), " is expected");
+}
+
+void check_count(size_t got, int expected, const char* op, const char* what) {
+  TDIST_CHECK_ARG(got == static_cast<size_t>(expected), op, ": expected ", expected, " ", what,
+                  " (one per rank), got ", got);
+}
+
+void check_root(int root, int size, const char* op) {
+  TDIST_CHECK_ARG(root >= 0 && root < size, op, ": root ", root, " is not in [0, ", size, ")");
+}
+
+// A contiguous working view of a tensor: the tensor itself, or a contiguous copy made now
+// (snapshotting a non-contiguous input) that write_back() copies into the original.
+struct Contig {
+  at::Tensor orig;
+  at::Tensor work;
+  explicit Contig(const at::Tensor& t) : orig(t), work(t.is_contiguous() ? t : t.contiguous()) {}
+  char* data() const { return static_cast<char*>(work.data_ptr()); }
+  size_t bytes() const { return static_cast<size_t>(work.numel()) * work.element_size(); }
+  void write_back() const {
+    if (!work.is_same(orig)) orig.copy_(work);
+  }
+};
+
+std::vector<Contig> contig_all(const std::vector<at::Tensor>& ts) {
+  std::vector<Contig> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.emplace_back(t);
+  return out;
+}
+
+Fingerprint fingerprint(const at::Tensor* t, int redop = -1, int root = -1,
+                        std::vector<std::vector<int64_t>> shapes = {}) {
+  Fingerprint f;
+  if (t != nullptr) {
+    f.dtype = static_cast<int32_t>(t->scalar_type());
+    if (shapes.empty()) shapes.push_back(t->sizes().vec());
+  }
+  f.redop = redop;
+  f.root = root;
+  f.shapes = std::move(shapes);
+  return f;
+}
+
+// Row size in elements for alltoall splits along dim 0.
+int64_t row_elems(const at::Tensor& t) {
+  int64_t n = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) n *= t.size(d);
+  return n;
+}
+
+std::vector<int64_t> resolve_splits(std::vector<int64_t> splits, const at::Tensor& t, int size,
+                                    const char* what) {
+  TDIST_CHECK_ARG(t.dim() >= 1, "alltoall_base: the ", what, " tensor must have at least one "
+                  "dimension");
+  if (splits.empty()) {
+    TDIST_CHECK_ARG(t.size(0) % size == 0, "alltoall_base: the ", what, " tensor's first dimension (",
+                    t.size(0), ") is not divisible by the group size ", size);
+    return std::vector<int64_t>(static_cast<size_t>(size), t.size(0) / size);
+  }
+  check_count(splits.size(), size, "alltoall_base", what);
+  int64_t sum = 0;
+  for (int64_t s : splits) {
+    TDIST_CHECK_ARG(s >= 0, "alltoall_base: negative ", what, " split ", s);
+    sum += s;
+  }
+  TDIST_CHECK_ARG(sum == t.size(0), "alltoall_base: the ", what, " splits add up to ", sum,
+                  " rows but the tensor has ", t.size(0));
+  return splits;
+}
+
+}  // namespace
+
+algo::ReduceSpec RingProcessGroup::reduce_spec(const at::Tensor& t, ReduceOp op) const {
+  return algo::ReduceSpec{t.scalar_type(), static_cast<size_t>(t.element_size()), op,
+                          reduce_kernel(t.scalar_type(), op)};
+}
+
+void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count,
+                                      const algo::ReduceSpec& rs) const {
+  bool small = count * rs.elem_size <= small_allreduce_bytes_ || count < static_cast<size_t>(size_);
+  if (allreduce_algo_ == "ring" || (allreduce_algo_ == "auto" && !small)) {
+    algo::allreduce_ring(c, data, count, rs);
+  } else {
+    algo::allreduce_recursive_doubling(c, data, count, rs);
+  }
+}
+
+std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const AllreduceOptions& opts) {
+  check_tensor(tensor, "allreduce", "the tensor");
+  auto rs = reduce_spec(tensor, opts.op);
+  Contig buf(tensor);
+  return enqueue("allreduce", opts.timeout, fingerprint(&tensor, int(opts.op)),
+                 [this, buf, rs](algo::Context& c) {
+                   allreduce_flat(c, buf.data(), buf.work.numel(), rs);
+                   buf.write_back();
+                   return Value{buf.orig};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tensor> tensors,
+                                                            const AllreduceCoalescedOptions& opts) {
+  TDIST_CHECK_ARG(!tensors.empty(), "allreduce_coalesced: no tensors given");
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<at::Tensor> flat_parts;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    check_tensor(tensors[i], "allreduce_coalesced", "a tensor");
+    TDIST_CHECK_ARG(tensors[i].scalar_type() == tensors[0].scalar_type(),
+                    "allreduce_coalesced: tensor ", i, " has dtype ", tensors[i].scalar_type(),
+                    " but tensor 0 has ", tensors[0].scalar_type());
+    shapes.push_back(tensors[i].sizes().vec());
+    flat_parts.push_back(tensors[i].reshape({-1}));
+  }
+  auto rs = reduce_spec(tensors[0], opts.op);
+  at::Tensor flat = at::cat(flat_parts);
+  return enqueue("allreduce_coalesced", opts.timeout,
+                 fingerprint(&tensors[0], int(opts.op), -1, shapes),
+                 [this, tensors, flat, rs](algo::Context& c) {
+                   allreduce_flat(c, static_cast<char*>(flat.data_ptr()), flat.numel(), rs);
+                   int64_t off = 0;
+                   for (const auto& t : tensors) {
+                     t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+                     off += t.numel();
+                   }
+                   return tensors;
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
+  check_tensor(tensor, "broadcast", "the tensor");
+  check_root(opts.root, size_, "broadcast");
+  Contig buf(tensor);
+  const int root = opts.root;
+  return enqueue("broadcast", opts.timeout, fingerprint(&tensor, -1, root),
+                 [this, buf, root](algo::Context& c) {
+                   algo::broadcast_pipelined(c, buf.data(), buf.bytes(), root);
+                   if (rank_ != root) buf.write_back();
+                   return Value{buf.orig};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOptions& opts) {
+  check_tensor(tensor, "reduce", "the tensor");
+  check_root(opts.root, size_, "reduce");
+  auto rs = reduce_spec(tensor, opts.op);
+  Contig buf(tensor);
+  const int root = opts.root;
+  return enqueue("reduce", opts.timeout, fingerprint(&tensor, int(opts.op), root),
+                 [this, buf, rs, root](algo::Context& c) {
+                   algo::reduce_chain(c, buf.data(), buf.data(), buf.work.numel(), rs, root);
+                   if (rank_ == root) buf.write_back();
+                   return Value{buf.orig};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                                  const AllgatherOptions& opts) {
+  check_tensor(input, "allgather", "the input");
+  check_count(outputs.size(), size_, "allgather", "output tensors");
+  for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
+  Contig in(input);
+  auto outs = contig_all(outputs);
+  return enqueue("allgather", opts.timeout, fingerprint(&input),
+                 [this, in, outs, outputs](algo::Context& c) {
+                   std::vector<char*> blocks;
+                   for (const auto& o : outs) blocks.push_back(o.data());
+                   if (in.bytes() > 0) std::memmove(blocks[rank_], in.data(), in.bytes());
+                   algo::allgather_ring(c, blocks, in.bytes());
+                   for (const auto& o : outs) o.write_back();
+                   return outputs;
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output, at::Tensor input,
+                                                              const AllgatherOptions& opts) {
+  check_tensor(input, "allgather_into_tensor", "the input");
+  check_tensor(output, "allgather_into_tensor", "the output");
+  TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "allgather_into_tensor: output dtype ",
+                  output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
+                  output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
+  Contig in(input);
+  Contig out(output);
+  return enqueue("allgather_into_tensor", opts.timeout, fingerprint(&input),
+                 [this, in, out](algo::Context& c) {
+                   const size_t b = in.bytes();
+                   std::vector<char*> blocks;
+                   for (int i = 0; i < size_; ++i) blocks.push_back(out.data() + i * b);
+                   if (b > 0) std::memmove(blocks[rank_], in.data(), b);
+                   algo::allgather_ring(c, blocks, b);
+                   out.write_back();
+                   return Value{out.orig};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                               const GatherOptions& opts) {
+  check_tensor(input, "gather", "the input");
+  check_root(opts.root, size_, "gather");
+  const int root = opts.root;
+  if (rank_ == root) {
+    check_count(outputs.size(), size_, "gather", "output tensors on the root");
+    for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "gather", "outputs", i);
+  } else {
+    TDIST_CHECK_ARG(outputs.empty(), "gather: only the root (rank ", root,
+                    ") passes output tensors; rank ", rank_, " passed ", outputs.size());
+  }
+  Contig in(input);
+  auto outs = contig_all(outputs);
+  return enqueue("gather", opts.timeout, fingerprint(&input, -1, root),
+                 [this, in, outs, outputs, root](algo::Context& c) {
+                   std::vector<char*> blocks;
+                   for (const auto& o : outs) blocks.push_back(o.data());
+                   if (rank_ == root && in.bytes() > 0) std::memmove(blocks[root], in.data(), in.bytes());
+                   algo::gather_direct(c, in.data(), blocks, in.bytes(), root);
+                   for (const auto& o : outs) o.write_back();
+                   return outputs;
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                                const ScatterOptions& opts) {
+  check_tensor(output, "scatter", "the output");
+  check_root(opts.root, size_, "scatter");
+  const int root = opts.root;
+  if (rank_ == root) {
+    check_count(inputs.size(), size_, "scatter", "input tensors on the root");
+    for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "scatter", "inputs", i);
+  } else {
+    TDIST_CHECK_ARG(inputs.empty(), "scatter: only the root (rank ", root,
+                    ") passes input tensors; rank ", rank_, " passed ", inputs.size());
+  }
+  Contig out(output);
+  auto ins = contig_all(inputs);
+  return enqueue("scatter", opts.timeout, fingerprint(&output, -1, root),
+                 [this, out, ins, root](algo::Context& c) {
+                   std::vector<const char*> blocks;
+                   for (const auto& i : ins) blocks.push_back(i.data());
+                   if (rank_ == root && out.bytes() > 0) std::memmove(out.data(), blocks[root], out.bytes());
+                   algo::scatter_direct(c, blocks, out.data(), out.bytes(), root);
+                   out.write_back();
+                   return Value{out.orig};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
+                                                       std::vector<at::Tensor> inputs,
+                                                       const ReduceScatterOptions& opts) {
+  check_tensor(output, "reduce_scatter", "the output");
+  check_count(inputs.size(), size_, "reduce_scatter", "input tensors");
+  for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "reduce_scatter", "inputs", i);
+  auto rs = reduce_spec(output, opts.op);
+  Contig out(output);
+  auto ins = contig_all(inputs);
+  return enqueue("reduce_scatter", opts.timeout, fingerprint(&output, int(opts.op)),
+                 [out, ins, rs](algo::Context& c) {
+                   std::vector<const char*> blocks;
+                   for (const auto& i : ins) blocks.push_back(i.data());
+                   algo::reduce_scatter_ring(c, blocks, out.data(), out.work.numel(), rs);
+                   out.write_back();
+                   return Value{out.orig};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                                              const ReduceScatterOptions& opts) {
+  check_tensor(output, "reduce_scatter_tensor", "the output");
+  check_tensor(input, "reduce_scatter_tensor", "the input");
+  TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "reduce_scatter_tensor: output dtype ",
+                  output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  TDIST_CHECK_ARG(input.numel() == output.numel() * size_, "reduce_scatter_tensor: the input has ",
+                  input.numel(), " elements but ", size_, " x ", output.numel(), " are needed");
+  auto rs = reduce_spec(output, opts.op);
+  Contig out(output);
+  Contig in(input);
+  return enqueue("reduce_scatter_tensor", opts.timeout, fingerprint(&output, int(opts.op)),
+                 [this, out, in, rs](algo::Context& c) {
+                   std::vector<const char*> blocks;
+                   for (int i = 0; i < size_; ++i) blocks.push_back(in.data() + i * out.bytes());
+                   algo::reduce_scatter_ring(c, blocks, out.data(), out.work.numel(), rs);
+                   out.write_back();
+                   return Value{out.orig};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Tensor input,
+                                                      std::vector<int64_t> output_splits,
+                                                      std::vector<int64_t> input_splits,
+                                                      const AllToAllOptions& opts) {
+  check_tensor(output, "alltoall_base", "the output");
+  check_tensor(input, "alltoall_base", "the input");
+  TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "alltoall_base: output dtype ",
+                  output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  const bool equal = output_splits.empty() && input_splits.empty();
+  auto in_splits = resolve_splits(std::move(input_splits), input, size_, "input");
+  auto out_splits = resolve_splits(std::move(output_splits), output, size_, "output");
+  const size_t es = input.element_size();
+  std::vector<size_t> send_bytes, recv_bytes, send_off, recv_off;
+  size_t so = 0, ro = 0;
+  for (int i = 0; i < size_; ++i) {
+    send_off.push_back(so);
+    recv_off.push_back(ro);
+    send_bytes.push_back(static_cast<size_t>(in_splits[i] * row_elems(input)) * es);
+    recv_bytes.push_back(static_cast<size_t>(out_splits[i] * row_elems(output)) * es);
+    so += send_bytes.back();
+    ro += recv_bytes.back();
+  }
+  TDIST_CHECK_ARG(send_bytes[rank_] == recv_bytes[rank_], "alltoall_base: this rank sends ",
+                  send_bytes[rank_], " bytes to itself but expects ", recv_bytes[rank_]);
+  Contig in(input);
+  Contig out(output);
+  // With explicit splits the shapes legitimately differ between ranks: compare the dtype only.
+  auto fp = equal ? fingerprint(&input) : fingerprint(&input, -1, -1, {{}});
+  return enqueue("alltoall_base", opts.timeout, fp,
+                 [in, out, send_bytes, recv_bytes, send_off, recv_off](algo::Context& c) {
+                   std::vector<const char*> send;
+                   std::vector<char*> recv;
+                   for (size_t i = 0; i < send_bytes.size(); ++i) {
+                     send.push_back(in.data() + send_off[i]);
+                     recv.push_back(out.data() + recv_off[i]);
+                   }
+                   algo::alltoall_pairwise(c, send, send_bytes, recv, recv_bytes);
+                   out.write_back();
+                   return Value{out.orig};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs,
+                                                 std::vector<at::Tensor> inputs,
+                                                 const AllToAllOptions& opts) {
+  check_count(outputs.size(), size_, "alltoall", "output tensors");
+  check_count(inputs.size(), size_, "alltoall", "input tensors");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], "alltoall", "an input");
+    check_tensor(outputs[i], "alltoall", "an output");
+    TDIST_CHECK_ARG(inputs[i].scalar_type() == inputs[0].scalar_type() &&
+                        outputs[i].scalar_type() == inputs[0].scalar_type(),
+                    "alltoall: every input and output must have dtype ", inputs[0].scalar_type());
+  }
+  TDIST_CHECK_ARG(inputs[rank_].numel() == outputs[rank_].numel(), "alltoall: inputs[", rank_,
+                  "] has ", inputs[rank_].numel(), " elements but outputs[", rank_, "] has ",
+                  outputs[rank_].numel());
+  auto ins = contig_all(inputs);
+  auto outs = contig_all(outputs);
+  Fingerprint fp = fingerprint(&inputs[0], -1, -1, {{}});
+  return enqueue("alltoall", opts.timeout, fp, [ins, outs, outputs](algo::Context& c) {
+    std::vector<const char*> send;
+    std::vector<char*> recv;
+    std::vector<size_t> send_bytes, recv_bytes;
+    for (size_t i = 0; i < ins.size(); ++i) {
+      send.push_back(ins[i].data());
+      send_bytes.push_back(ins[i].bytes());
+      recv.push_back(outs[i].data());
+      recv_bytes.push_back(outs[i].bytes());
+    }
+    algo::alltoall_pairwise(c, send, send_bytes, recv, recv_bytes);
+    for (const auto& o : outs) o.write_back();
+    return outputs;
+  });
+}
+
+std::shared_ptr<Work> RingProcessGroup::barrier(const BarrierOptions& opts) {
+  return enqueue("barrier", opts.timeout, fingerprint(nullptr, -1, -1, {}),
+                 [](algo::Context& c) {
+                   algo::barrier_dissemination(c);
+                   return Value{};
+                 });
+}
+
+}  // namespace tdist::comm::detail

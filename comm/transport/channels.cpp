@@ -1,0 +1,109 @@
+#include "tdist/comm/transport/channels.h"
+
+#include <unistd.h>
+
+#include <random>
+
+#include "tdist/comm/transport/shm/shm_channel.h"
+#include "tdist/comm/transport/tcp/tcp_channel.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/wire.h"
+
+namespace tdist::comm {
+namespace {
+
+constexpr uint32_t kMagic = 0x48534454;  // "TDSH"
+constexpr uint32_t kMaxName = 255;
+
+std::string fresh_name(int lower, int higher) {
+  std::random_device rd;
+  uint64_t r = (uint64_t(rd()) << 32) ^ rd();
+  return str("/tdist-", ::getpid(), "-", lower, "-", higher, "-", std::hex, r);
+}
+
+}  // namespace
+
+std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel,
+                                                    const ChannelOptions& opts,
+                                                    std::chrono::steady_clock::time_point deadline) {
+  const int n = mesh.size();
+  const int me = mesh.rank();
+  std::vector<std::unique_ptr<Channel>> out(static_cast<size_t>(n));
+  std::vector<std::unique_ptr<shm::Segment>> segments(static_cast<size_t>(n));
+  std::vector<std::string> names(static_cast<size_t>(n));
+  const size_t bytes = shm::segment_bytes(opts.shm_capacity);
+  // Whatever happens, no segment name outlives the negotiation.
+  struct Unlinker {
+    std::vector<std::string>& names;
+    ~Unlinker() {
+      for (auto& name : names) {
+        if (!name.empty()) shm::Segment::unlink(name);
+      }
+    }
+  } unlinker{names};
+
+  // 1. Offers to the higher ranks.
+  for (int p = me + 1; p < n; ++p) {
+    if (opts.allow_shm) {
+      names[p] = fresh_name(me, p);
+      segments[p] = shm::Segment::create(names[p], bytes);
+      if (!segments[p]) names[p].clear();
+    }
+    Bytes msg;
+    wire::Writer w(msg);
+    w.u32(kMagic);
+    w.u64(opts.shm_capacity);
+    w.u32(static_cast<uint32_t>(names[p].size()));
+    w.raw(names[p].data(), names[p].size());
+    mesh.get(channel, p)->write_all(msg.data(), msg.size(), deadline, "the shared-memory offer");
+  }
+  // 2. Answers to the lower ranks.
+  for (int p = 0; p < me; ++p) {
+    auto* conn = mesh.get(channel, p);
+    uint8_t head[16];
+    conn->read_all(head, sizeof(head), deadline, "the shared-memory offer");
+    wire::Reader r(head, sizeof(head));
+    uint32_t magic = r.u32();
+    uint64_t capacity = r.u64();
+    uint32_t len = r.u32();
+    if (magic != kMagic || len > kMaxName || capacity == 0 || capacity > (uint64_t(1) << 32)) {
+      TDIST_THROW(ProtocolError, "rank ", me, ": bad shared-memory offer from rank ", p);
+    }
+    std::string name(len, '\0');
+    if (len > 0) conn->read_all(name.data(), len, deadline, "the shared-memory offer");
+    std::unique_ptr<shm::Segment> seg;
+    if (len > 0 && opts.allow_shm) seg = shm::Segment::open(name, shm::segment_bytes(capacity));
+    uint8_t answer = seg ? 1 : 0;
+    conn->write_all(&answer, 1, deadline, "the shared-memory answer");
+    if (seg) {
+      out[p] = std::make_unique<shm::ShmChannel>(std::move(seg), capacity, false, conn);
+    }
+  }
+  // 3. The higher ranks' answers.
+  for (int p = me + 1; p < n; ++p) {
+    auto* conn = mesh.get(channel, p);
+    uint8_t answer = 0;
+    conn->read_all(&answer, 1, deadline, "the shared-memory answer");
+    if (!names[p].empty()) shm::Segment::unlink(names[p]);
+    names[p].clear();
+    if (answer == 1 && segments[p]) {
+      out[p] = std::make_unique<shm::ShmChannel>(std::move(segments[p]), opts.shm_capacity, true,
+                                                 conn);
+    }
+  }
+  int shm_peers = 0;
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    if (out[p]) {
+      ++shm_peers;
+    } else {
+      out[p] = std::make_unique<tcp::TcpChannel>(mesh.get(channel, p));
+    }
+  }
+  TDIST_LOG_DEBUG("rank ", me, ": collective channels: ", shm_peers, " shared memory, ",
+                  n - 1 - shm_peers, " tcp");
+  return out;
+}
+
+}  // namespace tdist::comm

@@ -1,0 +1,37 @@
+#pragma once
+// The collective channels of a group: to every peer, a shared-memory channel when the two
+// ranks can map one segment (same host, shared memory available, allowed on both sides),
+// otherwise the TCP connection itself.
+//
+// Note [Shared-memory negotiation]
+//   Runs once on each pair's collective TCP connection, right after the mesh is built and
+//   before any collective byte. The lower rank creates a segment under a fresh random name and
+//   sends  u32 magic 'TDSH' | u64 ring capacity | u32 name length | name  (length 0: no offer,
+//   because it is disallowed or creation failed). The higher rank opens and maps it and answers
+//   one byte: 1 accepted, 0 refused. The lower rank unlinks the name after the answer (so no
+//   name outlives the setup, even if a rank dies later). Both then use shared memory if and only
+//   if the answer was 1. Writes are tiny and never block, and every rank first writes all its
+//   offers, then answers the lower ranks, then reads its answers, so no rank waits in a cycle.
+//
+// Thread safety: called once by the thread that creates the group.
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "tdist/comm/transport/channel.h"
+#include "tdist/comm/transport/tcp/mesh.h"
+
+namespace tdist::comm {
+
+struct ChannelOptions {
+  bool allow_shm = true;       // TDIST_TRANSPORT != "tcp"
+  size_t shm_capacity = 4 << 20;  // bytes per direction (TDIST_SHM_BYTES)
+};
+
+// Channels indexed by rank (nullptr at this rank). Blocks until negotiated or the deadline.
+std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel,
+                                                    const ChannelOptions& opts,
+                                                    std::chrono::steady_clock::time_point deadline);
+
+}  // namespace tdist::comm

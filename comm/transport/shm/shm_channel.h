@@ -1,0 +1,97 @@
+#pragma once
+// ShmChannel: a Channel between two processes (or threads) of one host through a shared-memory
+// segment holding one ring per direction. Copying into and out of a ring costs two memcpy per
+// byte and no kernel work, where loopback TCP costs two copies plus the TCP stack; on a small
+// machine that is the difference between ~1.5 GB/s and memory speed.
+//
+// Note [Shared-memory rings]
+//   Each direction is a ring of `capacity` bytes with two monotonically increasing counters:
+//   head (bytes produced, written only by the sender) and tail (bytes consumed, written only by
+//   the receiver). The sender copies into [head, head+space) and publishes with a release store
+//   of head; the receiver copies out of [tail, head) and publishes with a release store of tail.
+//   Sleeping uses the pair's TCP connection as a doorbell: before sleeping, a side sets its
+//   waiting flag in the ring it waits on (reader_waiting when it needs data, writer_waiting when
+//   it needs space), issues a seq_cst fence and re-checks the counters; only then does it poll
+//   the TCP socket. A side that moves a counter issues a seq_cst fence and, if the other side's
+//   flag is set, writes one byte to the socket. The two fences make it impossible for both to
+//   miss each other (Dekker). Every byte on the socket only means "look again" and is drained
+//   after waking. The socket also carries liveness: end-of-file (the peer exited, crashed or
+//   aborted) makes reads fail once the ring is empty and writes fail at once.
+//
+// Thread safety: one thread does I/O on a channel; shutdown() may come from any thread.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "tdist/comm/transport/channel.h"
+#include "tdist/comm/transport/tcp/connection.h"
+
+namespace tdist::comm::shm {
+
+// A POSIX shared-memory object mapped into this process. Unmapped on destruction.
+class Segment {
+ public:
+  // Creates (exclusively) and maps `bytes`; nullptr when shared memory is unavailable.
+  static std::unique_ptr<Segment> create(const std::string& name, size_t bytes);
+  // Opens and maps an existing object; nullptr when it cannot be opened or is too small.
+  static std::unique_ptr<Segment> open(const std::string& name, size_t bytes);
+  static void unlink(const std::string& name);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  Segment(char* data, size_t size) : data_(data), size_(size) {}
+  char* data_;
+  size_t size_;
+};
+
+struct RingHeader {
+  alignas(64) std::atomic<uint64_t> head;
+  alignas(64) std::atomic<uint64_t> tail;
+  alignas(64) std::atomic<uint32_t> reader_waiting;
+  alignas(64) std::atomic<uint32_t> writer_waiting;
+};
+
+// Bytes of a segment holding two rings of `capacity` bytes each.
+size_t segment_bytes(size_t capacity);
+
+class ShmChannel final : public Channel {
+ public:
+  // `is_lower`: this rank is the lower of the pair (it owns the first ring for sending).
+  // `conn` (not owned) is the pair's TCP connection, used as doorbell and liveness signal.
+  ShmChannel(std::unique_ptr<Segment> segment, size_t capacity, bool is_lower,
+             tcp::Connection* conn);
+
+  int peer() const override { return conn_->peer(); }
+  const char* kind() const override { return "shm"; }
+  long writev(const iovec* iov, int count) override;
+  long readv(const iovec* iov, int count) override;
+  bool prepare_wait(bool want_read, bool want_write, pollfd& pfd) override;
+  void after_wait(short revents) override;
+  void shutdown() override { conn_->shutdown(); }
+  bool supports_peek() const override { return true; }
+  long peek(iovec spans[2]) override;
+  void consume(size_t n) override;
+
+ private:
+  void ring_doorbell();
+
+  const std::unique_ptr<Segment> segment_;
+  const size_t capacity_;
+  tcp::Connection* const conn_;
+  RingHeader* tx_;
+  RingHeader* rx_;
+  char* tx_data_;
+  char* rx_data_;
+  bool closed_ = false;
+  int close_errno_ = 0;
+};
+
+}  // namespace tdist::comm::shm

@@ -1,0 +1,149 @@
+#include "tdist/comm/transport/tcp/mesh.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "tdist/comm/transport/tcp/listener.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/wire.h"
+
+namespace tdist::comm::tcp {
+namespace {
+
+constexpr uint32_t kMagic = 0x4d434454;  // "TDCM"
+constexpr uint16_t kVersion = 1;
+constexpr size_t kHelloBytes = 24;
+
+std::string addr_key(int rank) { return str("addr/", rank); }
+
+void parse_host_port(const std::string& text, int peer, std::string& host, uint16_t& port) {
+  auto colon = text.rfind(':');
+  TDIST_CHECK(colon != std::string::npos && colon > 0, "rank ", peer,
+              " published a malformed address '", text, "'");
+  host = text.substr(0, colon);
+  port = static_cast<uint16_t>(std::stoul(text.substr(colon + 1)));
+}
+
+}  // namespace
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t token,
+           Clock::time_point deadline)
+    : rank_(rank), size_(size), channels_(channels) {
+  conns_.resize(static_cast<size_t>(channels));
+  for (auto& c : conns_) c.resize(static_cast<size_t>(size));
+  if (size == 1) return;
+  Listener listener(local_address(), 0, 2 * size * channels + 16);
+  store.set(addr_key(rank), str(listener.host(), ":", listener.port()));
+  connect_lower(store, token, deadline);
+  accept_higher(token, deadline, listener);
+}
+
+void Mesh::connect_lower(Store& store, uint64_t token, Clock::time_point deadline) {
+  for (int peer = 0; peer < rank_; ++peer) {
+    auto remaining = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    if (remaining.count() <= 0 || !store.check({addr_key(peer)})) {
+      try {
+        store.wait({addr_key(peer)}, std::max(remaining, Millis(1)));
+      } catch (const TimeoutError&) {
+        std::string missing;
+        for (int p = peer; p < size_; ++p) {
+          if (p != rank_ && !store.check({addr_key(p)})) missing += str(missing.empty() ? "" : ", ", p);
+        }
+        TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
+                    "rank(s) ", missing, " did not publish their address");
+      }
+    }
+    std::string host;
+    uint16_t port = 0;
+    parse_host_port(store.get_string(addr_key(peer)), peer, host, port);
+    for (int ch = 0; ch < channels_; ++ch) {
+      int fd = connect_to(host, port, deadline, str("rank ", peer));
+      auto conn = std::make_unique<Connection>(fd, peer);
+      Bytes hello;
+      wire::Writer w(hello);
+      w.u32(kMagic);
+      w.u16(kVersion);
+      w.u8(static_cast<uint8_t>(ch));
+      w.u8(0);
+      w.u32(static_cast<uint32_t>(rank_));
+      w.u32(0);
+      w.u64(token);
+      conn->write_all(hello.data(), hello.size(), deadline, "the mesh hello");
+      conns_[ch][peer] = std::move(conn);
+    }
+  }
+}
+
+void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& listener) {
+  int expected = (size_ - 1 - rank_) * channels_;
+  while (expected > 0) {
+    int fd = listener.accept(deadline);
+    if (fd < 0) {
+      std::string missing;
+      for (int p = rank_ + 1; p < size_; ++p) {
+        for (int ch = 0; ch < channels_; ++ch) {
+          if (!conns_[ch][p]) {
+            missing += str(missing.empty() ? "" : ", ", p);
+            break;
+          }
+        }
+      }
+      TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
+                  "rank(s) ", missing, " did not connect");
+    }
+    auto conn = std::make_unique<Connection>(fd, -1);
+    uint8_t hello[kHelloBytes];
+    try {
+      // A stray connection that sends nothing must not hold up the mesh for long.
+      auto hello_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(10));
+      conn->read_all(hello, sizeof(hello), hello_deadline, "the mesh hello");
+      wire::Reader r(hello, sizeof(hello));
+      uint32_t magic = r.u32();
+      uint16_t version = r.u16();
+      uint8_t ch = r.u8();
+      r.u8();
+      uint32_t peer = r.u32();
+      r.u32();
+      uint64_t their_token = r.u64();
+      if (magic != kMagic || version != kVersion || their_token != token) {
+        TDIST_THROW(ProtocolError, "bad hello (magic ", magic, ", version ", version,
+                    ", token match ", their_token == token, ")");
+      }
+      if (ch >= channels_ || peer <= static_cast<uint32_t>(rank_) ||
+          peer >= static_cast<uint32_t>(size_) || conns_[ch][peer]) {
+        TDIST_THROW(ProtocolError, "unexpected hello from rank ", peer, " channel ", int(ch));
+      }
+      conn->set_peer(static_cast<int>(peer));
+      conns_[ch][peer] = std::move(conn);
+      --expected;
+    } catch (const Error& e) {
+      TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ", e.what());
+    }
+  }
+}
+
+std::vector<Connection*> Mesh::channel(int ch) const {
+  std::vector<Connection*> out(static_cast<size_t>(size_));
+  for (int p = 0; p < size_; ++p) out[p] = conns_[ch][p].get();
+  return out;
+}
+
+void Mesh::shutdown_all() {
+  for (auto& ch : conns_) {
+    for (auto& c : ch) {
+      if (c) c->shutdown();
+    }
+  }
+}
+
+}  // namespace tdist::comm::tcp

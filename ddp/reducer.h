@@ -1,0 +1,148 @@
+#pragma once
+// Reducer: averages the gradients of a set of parameters across the ranks of a process group,
+// bucket by bucket, while backward runs (PyTorch's Reducer). DistributedDataParallel drives it.
+//
+// Note [DDP bucketing]
+// ~~~~~~~~~~~~~~~~~~~~
+// Parameters are grouped into buckets (assign_buckets): at construction in reverse parameter
+// order (backward usually produces the last layer's gradients first), the first bucket capped at
+// first_bucket_cap_mb and the rest at bucket_cap_mb. Invariants:
+//  1. Every rank has the same buckets in the same order. At construction this holds because the
+//     parameters were checked to match on every rank; at the single rebuild it holds because
+//     rank 0 broadcasts its order and every rank buckets by it.
+//  2. A post-hook on each parameter's gradient accumulator (run by the autograd engine right after
+//     the gradient was accumulated into .grad) marks it ready: the gradient is copied into its
+//     bucket view (with gradient_as_bucket_view, .grad is that view and nothing is copied). A
+//     parameter is marked at most once per backward; twice is an error.
+//  3. A bucket is launched (its comm hook called) when all its gradients are ready AND every
+//     bucket before it was launched: buckets are launched in index order on every rank, which
+//     keeps the collectives in the same order everywhere (the process group requires it). The
+//     allreduce of bucket i then runs while backward computes the gradients of later buckets.
+//  4. The first hook of a backward queues the end-of-backward callback (finalize) on the engine.
+//     finalize requires every bucket launched (else: the parameters that got no gradient are
+//     named, as PyTorch does), waits for every bucket's future (with the timeout), writes the
+//     averaged gradients back into .grad, and only then issues collectives of its own (the used
+//     map under find_unused_parameters), so that hook collectives never interleave with it.
+//  5. Unused parameters (find_unused_parameters, or static_graph's first iteration): after forward,
+//     the autograd graph is walked from the outputs; every parameter whose accumulator is not
+//     reached is marked ready at once (its bucket view is zero, or its accumulated .grad). After
+//     the reduction a used map (1 where a rank used the parameter) is allreduced; a parameter no
+//     rank used keeps its .grad untouched (undefined stays undefined).
+//  6. Rebuild: during the first synchronized backward the ready order is recorded. At the next
+//     forward that syncs, rank 0's order is broadcast and every rank rebuilds its buckets in it
+//     (once). With gradient_as_bucket_view the .grad tensors are moved to the new views.
+//     With the built-in hook the buckets carry sums and the division by the world size happens
+//     in this write-back; with world size 1 and the built-in hook nothing is copied at all.
+//  7. Outside a synchronized iteration (no_sync, forward under NoGradGuard) hooks do nothing:
+//     gradients simply accumulate in .grad, and the next synchronized backward reduces the sum.
+//  8. A forward that starts while a synchronized backward was begun but not finished fails
+//     (PyTorch's "Expected to have finished reduction in the prior iteration").
+//
+// Thread safety: the engine calls hooks on the thread running backward; all state is guarded by
+// mu_. prepare_* and the destructor must not run concurrently with a backward of this model.
+// Blocking: finalize blocks until every bucket's communication finished or `timeout` passed.
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tdist/ddp/bucket.h"
+#include "tdist/ddp/comm_hooks.h"
+#include "tdist/ddp/options.h"
+#include "tdist/ddp/trace.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace tdist::comm {
+class ProcessGroup;
+}
+
+namespace tdist::ddp {
+
+class Reducer {
+ public:
+  // `params` must require grad and match across ranks (DistributedDataParallel checks it).
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          std::shared_ptr<comm::ProcessGroup> pg, DDPOptions opts,
+          std::shared_ptr<Trace> trace = nullptr);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Replaces the comm hook (default: allreduce_hook()). Only between iterations.
+  void register_comm_hook(CommHook hook);
+
+  // Before a forward whose backward will sync: checks the previous iteration finished and
+  // rebuilds the buckets once (a collective: every rank calls it at the same point).
+  void prepare_for_forward();
+  // After that forward: arms the hooks for the coming backward and, with find_unused_parameters
+  // (or static_graph), marks the parameters that `outputs` do not reach. `outputs_known` is false
+  // when forward's result type holds tensors DDP cannot see (then unused parameters cannot be
+  // found, which is an error under find_unused_parameters).
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs, bool outputs_known = true);
+
+  // Introspection (tests, logging).
+  std::vector<std::vector<size_t>> bucket_indices() const;
+  size_t num_buckets() const;
+  bool buckets_rebuilt() const;
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  struct Hook;
+  void autograd_hook(size_t index);
+  void mark_ready(size_t index, bool used, std::unique_lock<std::mutex>& lock);
+  void launch_ready_buckets(std::unique_lock<std::mutex>& lock);
+  void finalize();
+  void write_back(const std::vector<bool>& global_unused);
+  bool passthrough() const;
+  void build_buckets(const std::vector<size_t>& order);
+  void rebuild_buckets();
+  void reset_iteration();
+  std::vector<size_t> find_unreached(const std::vector<at::Tensor>& outputs) const;
+  std::string describe(const std::vector<size_t>& indices) const;
+  std::chrono::milliseconds wait_timeout() const;
+
+  // Constant after construction:
+  const std::vector<at::Tensor> params_;
+  const std::vector<std::string> names_;
+  const std::shared_ptr<comm::ProcessGroup> pg_;
+  const DDPOptions opts_;
+  const std::shared_ptr<Trace> trace_;
+  // The gradient accumulators (the parameters hold them weakly; the hooks live on them).
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  mutable std::mutex mu_;
+  // guarded by mu_:
+  CommHook hook_;                  // null: the built-in allreduce (see default_hook_)
+  // No hook registered: allreduce(SUM) and divide by the world size while writing .grad back
+  // (one pass over the gradients fewer than dividing before the allreduce). With world size 1
+  // there is nothing to average: gradients stay where autograd put them (no copies).
+  bool default_hook_ = true;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> locate_;  // param -> (bucket, slot)
+  bool expect_hooks_ = false;      // a synchronized backward is armed
+  bool backward_started_ = false;  // a hook ran (finalize queued) in this iteration
+  bool reduction_started_ = false; // something was marked in this iteration
+  std::vector<bool> marked_;       // per param, this iteration
+  std::vector<int32_t> used_;      // per param, 1 if it got a gradient this iteration
+  size_t next_launch_ = 0;
+  bool track_used_ = false;        // this iteration allreduces the used map
+  std::vector<size_t> static_unused_;   // static_graph: unused locally (from iteration 1)
+  std::vector<bool> static_global_unused_;  // static_graph: unused on every rank
+  bool static_known_ = false;
+  // Rebuild (Note [DDP bucketing] 6):
+  bool rebuilt_ = false;
+  bool record_order_ = true;
+  std::vector<size_t> ready_order_;
+  int64_t backward_begin_us_ = 0;
+};
+
+}  // namespace tdist::ddp

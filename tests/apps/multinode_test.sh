@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Two "hosts" made of network namespaces joined by a veth pair, one tdist-run per host meeting at
+# host A's address: 2 nodes x 2 workers run PROGRAM (which must print "sum of every rank's tensor
+# = 10" on every rank for a world of 4). The namespaces are created and removed by this test.
+# Exits 77 (ctest: skipped) with the reason when namespaces cannot be made here.
+#   multinode_test.sh <tdist-run> <program>
+set -uo pipefail
+run="$1"; prog="$2"
+id="tdist$$"
+a="${id}a"; b="${id}b"
+addr_a=10.213.$(( $$ % 200 )).1; addr_b=10.213.$(( $$ % 200 )).2
+cleanup() { ip netns del "$a" 2>/dev/null; ip netns del "$b" 2>/dev/null; }
+trap cleanup EXIT
+
+if ! ip netns add "$a" 2>/tmp/"$id".err; then
+  echo "SKIP: cannot create network namespaces here: $(cat /tmp/"$id".err)"; rm -f /tmp/"$id".err
+  exit 77
+fi
+rm -f /tmp/"$id".err
+ip netns add "$b" || exit 1
+ip link add "${id}x" netns "$a" type veth peer name "${id}y" netns "$b" || { echo "SKIP: no veth"; exit 77; }
+ip -n "$a" addr add "$addr_a/24" dev "${id}x"
+ip -n "$b" addr add "$addr_b/24" dev "${id}y"
+for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
+ip -n "$a" link set "${id}x" up
+ip -n "$b" link set "${id}y" up
+
+out=$(mktemp -d)
+common=(--nnodes 2 --nproc-per-node 2 --master-addr "$addr_a" --master-port 29533)
+timeout 120 ip netns exec "$a" "$run" "${common[@]}" --node-rank 0 "$prog" >"$out/a.out" 2>"$out/a.err" &
+pa=$!
+timeout 120 ip netns exec "$b" "$run" "${common[@]}" --node-rank 1 "$prog" >"$out/b.out" 2>"$out/b.err" &
+pb=$!
+wait $pa; ra=$?
+wait $pb; rb=$?
+cat "$out"/a.out "$out"/b.out
+if [ $ra -ne 0 ] || [ $rb -ne 0 ]; then
+  echo "FAIL: node 0 exit $ra, node 1 exit $rb"; cat "$out"/a.err "$out"/b.err; exit 1
+fi
+for r in 0 1 2 3; do
+  if ! grep -q "^\[rank $r\] rank $r of 4: sum of every rank's tensor = 10" "$out"/a.out "$out"/b.out; then
+    echo "FAIL: rank $r did not report the sum over 4 ranks"; exit 1
+  fi
+done
+# Ranks 0-1 ran on host A, 2-3 on host B.
+grep -q "^\[rank 2\]" "$out/b.out" && grep -q "^\[rank 0\]" "$out/a.out" || { echo "FAIL: ranks on the wrong host"; exit 1; }
+echo "PASS: 2 hosts x 2 workers"

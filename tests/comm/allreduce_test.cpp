@@ -1,0 +1,167 @@
+// allreduce (both algorithms) against the single-process reference, for every reduce op and
+// dtype, on world sizes 1, 2, 3, 4 and 7 (ranks as threads), sizes 0, 1, odd and multi-chunk.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tests/comm/comm_test_util.h"
+
+namespace tdist::comm {
+namespace {
+
+// Parameters: world size and transport ("auto": shared memory between the thread ranks,
+// "tcp": loopback TCP).
+class AllreduceTest : public ::testing::TestWithParam<std::tuple<int, const char*>> {
+ protected:
+  void SetUp() override {
+    transport_ = std::make_unique<tdist::test::EnvGuard>(
+        tdist::test::EnvVars{{"TDIST_TRANSPORT", std::string(std::get<1>(GetParam()))}});
+  }
+  int world() const { return std::get<0>(GetParam()); }
+  std::unique_ptr<tdist::test::EnvGuard> transport_;
+};
+
+void check_every_op_and_dtype(int world, const std::string& algo) {
+  tdist::test::EnvGuard env(
+      tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", algo}, {"TDIST_CHUNK_BYTES", std::string("24")}});
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, world, test::test_options());
+    for (int64_t n : {0, 1, 13, 301}) {
+      for (auto t : test::all_dtypes()) {
+        for (auto op : test::all_ops()) {
+          if (!test::op_supported(t, op)) continue;
+          SCOPED_TRACE(str(algo, " n=", n, " ", c10::toString(t), " ", to_string(op)));
+          auto x = test::make_input(t, op, n, rank);
+          AllreduceOptions o;
+          o.op = op;
+          pg->allreduce(x, o)->wait();
+          std::vector<at::Tensor> all;
+          for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, op, n, r));
+          auto want = test::reference(all, op);
+          ASSERT_TRUE(test::same(x, want)) << test::describe(x) << " vs " << test::describe(want);
+        }
+      }
+    }
+  });
+}
+
+TEST_P(AllreduceTest, RingEveryOpAndDtype) { check_every_op_and_dtype(world(), "ring"); }
+
+TEST_P(AllreduceTest, RecursiveDoublingEveryOpAndDtype) {
+  check_every_op_and_dtype(world(), "recursive_doubling");
+}
+
+// Default chunking: a float buffer of several 256 KiB chunks through the ring, and the results
+// bit-identical on every rank.
+TEST_P(AllreduceTest, LargeBufferDefaultChunks) {
+  const int world = this->world();
+  const int64_t n = 300007;
+  std::vector<at::Tensor> results(world);
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, world, test::test_options());
+    auto x = torch::randn({n}, torch::TensorOptions().dtype(torch::kFloat)) + rank;
+    auto copy = x.clone();
+    pg->allreduce(x)->wait();
+    results[rank] = x;
+    // the reference needs every rank's input: gather them
+    std::vector<at::Tensor> inputs;
+    for (int r = 0; r < world; ++r) inputs.push_back(torch::empty_like(copy));
+    pg->allgather(inputs, copy)->wait();
+    auto want = torch::stack(inputs).to(torch::kDouble).sum(0).to(torch::kFloat);
+    EXPECT_TRUE(torch::allclose(x, want, 1e-4, 1e-4));
+  });
+  for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(results[0], results[r]));
+}
+
+// Many operations in flight before any wait, on tensors of different sizes and dtypes.
+TEST_P(AllreduceTest, ManyOutstandingAsyncOps) {
+  const int world = this->world();
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, world, test::test_options());
+    std::vector<at::Tensor> xs;
+    std::vector<std::shared_ptr<Work>> works;
+    for (int i = 0; i < 64; ++i) {
+      auto t = i % 2 ? torch::kFloat : torch::kLong;
+      xs.push_back(test::make_input(t, ReduceOp::SUM, 1 + i * 97, rank, i));
+      works.push_back(pg->allreduce(xs.back()));
+    }
+    for (int i = 63; i >= 0; --i) {
+      works[i]->wait();
+      EXPECT_EQ(works[i]->sequence_number(), static_cast<uint64_t>(i));
+      std::vector<at::Tensor> all;
+      auto t = i % 2 ? torch::kFloat : torch::kLong;
+      for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, ReduceOp::SUM, 1 + i * 97, r, i));
+      EXPECT_TRUE(test::same(xs[i], test::reference(all, ReduceOp::SUM)));
+      EXPECT_TRUE(works[i]->is_success());
+      EXPECT_TRUE(xs[i].is_same(works[i]->result()[0]));
+    }
+  });
+}
+
+TEST_P(AllreduceTest, CoalescedAndNonContiguous) {
+  const int world = this->world();
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, world, test::test_options());
+    auto a = torch::full({3, 4}, rank + 1.0);
+    auto b = torch::full({5}, 2.0 * rank);
+    AllreduceCoalescedOptions o;
+    o.op = ReduceOp::MAX;
+    pg->allreduce_coalesced({a, b}, o)->wait();
+    EXPECT_TRUE(torch::equal(a, torch::full({3, 4}, double(world))));
+    EXPECT_TRUE(torch::equal(b, torch::full({5}, 2.0 * (world - 1))));
+    // A transposed view: reduced through a contiguous copy and written back.
+    auto base = torch::arange(12, torch::kFloat).reshape({3, 4}) * (rank + 1);
+    auto view = base.t();
+    ASSERT_FALSE(view.is_contiguous());
+    pg->allreduce(view)->wait();
+    auto want = torch::arange(12, torch::kFloat).reshape({3, 4}) * (world * (world + 1) / 2);
+    EXPECT_TRUE(torch::equal(base, want));
+  });
+}
+
+// A tiny shared-memory ring of odd capacity: every transfer wraps, elements straddle the wrap,
+// writers fill the ring and wait for space, and incoming operands are misaligned in the ring.
+TEST(AllreduceShm, TinyOddRingWrapsAndSplitsElements) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_SHM_BYTES", std::string("4099")},
+                                                 {"TDIST_TRANSPORT", std::string("auto")},
+                                                 {"TDIST_CHUNK_BYTES", std::string("1000")}});
+  const int world = 3;
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, world, test::test_options());
+    for (auto algo : {"ring", "recursive_doubling"}) {
+      (void)algo;
+      for (int64_t n : {1, 3, 257, 5001}) {
+        for (auto t : {torch::kComplexDouble, torch::kFloat, torch::kHalf, torch::kUInt8}) {
+          auto x = test::make_input(t, ReduceOp::SUM, n, rank);
+          pg->allreduce(x)->wait();
+          // A 3-byte broadcast between allreduces leaves the stream at odd offsets.
+          auto odd = torch::full({3}, rank == 0 ? 7 : 0, torch::kUInt8);
+          pg->broadcast(odd)->wait();
+          std::vector<at::Tensor> all;
+          for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, ReduceOp::SUM, n, r));
+          ASSERT_TRUE(test::same(x, test::reference(all, ReduceOp::SUM))) << n << " " << t;
+          ASSERT_TRUE(torch::equal(odd, torch::full({3}, 7, torch::kUInt8)));
+        }
+      }
+    }
+    // reduce_scatter and reduce over the same tiny rings.
+    auto in = torch::arange(world * 2001, torch::kDouble) + rank;
+    auto out = torch::empty({2001}, torch::kDouble);
+    pg->reduce_scatter_tensor(out, in)->wait();
+    auto want = (torch::arange(world * 2001, torch::kDouble) * world + world * (world - 1) / 2)
+                    .narrow(0, rank * 2001, 2001);
+    ASSERT_TRUE(torch::equal(out, want));
+    auto y = torch::full({3001}, double(rank + 1));
+    pg->reduce(y)->wait();
+    if (rank == 0) {
+      ASSERT_TRUE(torch::equal(y, torch::full({3001}, 6.0)));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, AllreduceTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 7),
+                                            ::testing::Values("auto", "tcp")));
+
+}  // namespace
+}  // namespace tdist::comm

@@ -1,0 +1,178 @@
+// Timeouts, aborts, destruction with pending work, the fingerprint check and bad arguments.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <thread>
+
+#include "tests/comm/comm_test_util.h"
+
+namespace tdist::comm {
+namespace {
+
+std::string message_of(const std::shared_ptr<Work>& w) {
+  try {
+    w->wait(Millis(30000));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+TEST(Failure, TimeoutNamesRankOpPeerAndSequenceThenAborts) {
+  tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options());
+    pg->barrier()->wait();
+    if (rank == 0) {
+      AllreduceOptions o;
+      o.timeout = Millis(300);
+      auto w = pg->allreduce(torch::ones({1000}), o);  // rank 1 never joins
+      std::string msg = message_of(w);
+      EXPECT_TRUE(w->is_completed());
+      EXPECT_FALSE(w->is_success());
+      EXPECT_TRUE(contains(msg, "rank 0: allreduce (seq 1): timed out")) << msg;
+      EXPECT_TRUE(contains(msg, "waiting for rank 1")) << msg;
+      EXPECT_THROW(std::rethrow_exception(w->exception()), TimeoutError);
+      // Aborted: later operations fail at once, naming the cause.
+      auto later = pg->barrier();
+      EXPECT_TRUE(later->is_completed());
+      EXPECT_TRUE(contains(message_of(later), "rank 0: barrier (seq 2) failed: the process group "
+                                              "was aborted after: rank 0: allreduce (seq 1)"))
+          << message_of(later);
+    } else {
+      // Rank 1 waits on rank 0 over the point-to-point channel instead; rank 0's abort closes
+      // its connections, so this fails long before its own 60 s deadline.
+      auto start = std::chrono::steady_clock::now();
+      std::string msg = message_of(pg->recv(torch::empty({1}), 0));
+      EXPECT_TRUE(contains(msg, "rank 1: recv from rank 0")) << msg;
+      EXPECT_TRUE(contains(msg, "closed")) << msg;
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+    }
+  });
+}
+
+TEST(Failure, AbortFailsPendingWorkOnEveryRankAndDestroyDoesNotHang) {
+  tdist::test::spawn(3, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 3, test::test_options());
+    pg->barrier()->wait();
+    if (rank == 2) {
+      std::this_thread::sleep_for(Millis(100));
+      pg->abort();
+      EXPECT_TRUE(contains(message_of(pg->barrier()), "aborted"));
+    } else {
+      // Ranks 0 and 1 wait for rank 2, which aborts instead of joining.
+      auto w = pg->allreduce(torch::ones({100}));
+      auto queued = pg->broadcast(torch::ones({3}));
+      std::string msg = message_of(w);
+      EXPECT_TRUE(contains(msg, str("rank ", rank, ": allreduce (seq 1)"))) << msg;
+      EXPECT_FALSE(message_of(queued).empty());
+    }
+    pg.reset();  // must not hang
+  });
+}
+
+TEST(Failure, DestroyingWithPendingWorkFailsItWithoutHanging) {
+  tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options());
+    pg->barrier()->wait();
+    std::shared_ptr<Work> w;
+    if (rank == 0) w = pg->allreduce(torch::ones({10}));  // rank 1 never joins
+    auto start = std::chrono::steady_clock::now();
+    pg.reset();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+    if (w) {
+      EXPECT_TRUE(contains(message_of(w), "rank 0")) << message_of(w);
+    }
+  });
+}
+
+TEST(Failure, FingerprintMismatchNamesRanksAndFields) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_DEBUG", std::string("DETAIL")}});
+  tdist::test::spawn(3, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 3, test::test_options());
+    pg->allreduce(torch::ones({4}))->wait();  // matching calls pass
+    // Rank 2 passes a different shape.
+    auto w = pg->allreduce(torch::ones({rank == 2 ? 5 : 4}));
+    std::string msg = message_of(w);
+    EXPECT_TRUE(contains(msg, "rank 2 differs from rank 0: shapes [[4]] vs [[5]]")) << msg;
+    EXPECT_FALSE(contains(msg, "rank 1 differs")) << msg;
+    EXPECT_THROW(std::rethrow_exception(w->exception()), InvalidArgument);
+    // Rank 1 calls broadcast where the others call allreduce.
+    auto x = torch::ones({4});
+    auto w2 = rank == 1 ? pg->broadcast(x) : pg->allreduce(x);
+    msg = message_of(w2);
+    EXPECT_TRUE(contains(msg, "rank 1 differs from rank 0: op allreduce vs broadcast")) << msg;
+    // The group is still usable.
+    auto y = torch::ones({4});
+    pg->allreduce(y)->wait();
+    EXPECT_TRUE(torch::equal(y, torch::full({4}, 3.0)));
+  });
+}
+
+TEST(Failure, BadArgumentsThrowInvalidArgumentAndChangeNothing) {
+  tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options());
+    auto x = torch::ones({4});
+    BroadcastOptions b;
+    b.root = 2;
+    EXPECT_THROW(pg->broadcast(x, b), InvalidArgument);
+    ReduceOptions r;
+    r.root = -1;
+    EXPECT_THROW(pg->reduce(x, r), InvalidArgument);
+    EXPECT_THROW(pg->allgather({torch::empty({4})}, x), InvalidArgument);  // one output, 2 ranks
+    EXPECT_THROW(pg->allgather({torch::empty({4}), torch::empty({3})}, x), InvalidArgument);
+    EXPECT_THROW(pg->allgather_into_tensor(torch::empty({7}), x), InvalidArgument);
+    EXPECT_THROW(pg->reduce_scatter_tensor(torch::empty({2}), x.repeat(3)), InvalidArgument);
+    EXPECT_THROW(pg->alltoall_base(torch::empty({3}), torch::empty({3}), {}, {}), InvalidArgument);
+    EXPECT_THROW(pg->alltoall_base(torch::empty({4}), torch::empty({4}), {1, 1}, {3, 2}),
+                 InvalidArgument);
+    EXPECT_THROW(pg->gather({torch::empty({4})}, x), InvalidArgument);  // wrong count on root/non-root
+    AllreduceOptions avg;
+    avg.op = ReduceOp::AVG;
+    EXPECT_THROW(pg->allreduce(torch::ones({4}, torch::kInt), avg), InvalidArgument);
+    AllreduceOptions band;
+    band.op = ReduceOp::BAND;
+    EXPECT_THROW(pg->allreduce(torch::ones({4}), band), InvalidArgument);
+    EXPECT_THROW(pg->allreduce(at::Tensor()), InvalidArgument);
+    EXPECT_THROW(pg->allreduce_coalesced({torch::ones({1}), torch::ones({1}, torch::kInt)}),
+                 InvalidArgument);
+    EXPECT_TRUE(torch::equal(x, torch::ones({4})));
+    // No sequence number was consumed and the group works.
+    auto w = pg->allreduce(x);
+    w->wait();
+    EXPECT_EQ(w->sequence_number(), 0u);
+    EXPECT_TRUE(torch::equal(x, torch::full({4}, 2.0)));
+  });
+}
+
+TEST(Failure, BackendNamesAndCreationArguments) {
+  auto store = std::make_shared<HashStore>();
+  ProcessGroup::Options o;
+  o.backend = "gloo";
+  EXPECT_THROW(create_process_group(store, 0, 1, o), InvalidArgument);
+  o.backend = "cpu:ring,cuda:nccl";  // this build has no CUDA backend
+  EXPECT_THROW(create_process_group(store, 0, 1, o), InvalidArgument);
+  o.backend = "cpu:ring";
+  auto pg = create_process_group(store, 0, 1, o);
+  EXPECT_EQ(pg->backend_name(), "ring");
+  EXPECT_THROW(create_process_group(store, 1, 1, {}), InvalidArgument);
+  EXPECT_THROW(create_process_group(std::shared_ptr<Store>(), 0, 1, {}), InvalidArgument);
+}
+
+TEST(Failure, CreationTimesOutNamingMissingRanks) {
+  auto store = std::make_shared<HashStore>();
+  auto opts = test::test_options(Millis(300));
+  try {
+    create_process_group(store, 2, 3, opts);  // ranks 0 and 1 never come
+    ADD_FAILURE() << "no timeout";
+  } catch (const TimeoutError& e) {
+    EXPECT_TRUE(contains(e.what(), "rank(s) 0, 1 did not publish their address")) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tdist::comm

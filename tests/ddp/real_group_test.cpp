@@ -1,0 +1,134 @@
+// DDP over the real process group (comm's ring backend over TCP on 127.0.0.1): parity with ranks
+// as threads, and a peer killed during backward with ranks as processes.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tdist/comm/process_group.h"
+#include "tdist/core/hash_store.h"
+#include "tdist/core/rendezvous.h"
+#include "tests/ddp/ddp_test_util.h"
+#include "tests/harness/process.h"
+#include "tests/harness/spawn.h"
+
+namespace tdist::test {
+namespace {
+
+using ddp::DDPOptions;
+using ddp::DistributedDataParallel;
+
+uint16_t free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Parity of an MLP and a conv net over the ring group, ranks as threads sharing a HashStore.
+template <typename Net>
+void expect_real_parity(std::function<Net()> make, std::vector<int64_t> x_shape, int world,
+                        DDPOptions opts = {}) {
+  torch::set_num_threads(1);
+  ParityCase<Net> c;
+  c.make = make;
+  c.world = world;
+  c.opts = opts;
+  auto batches = make_batches(c.steps, 4 * world, x_shape, 3, 99);
+  Net init_net = make();
+  auto init = state_of(*init_net);
+  auto want = train_reference(c, init, batches);
+  std::vector<std::vector<torch::Tensor>> got(world);
+  spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    comm::ProcessGroup::Options po;
+    po.timeout = std::chrono::seconds(30);
+    auto pg = comm::create_process_group(store, rank, world, po);
+    Net net = make();
+    if (rank == 0) load_state(*net, init);
+    DistributedDataParallel<Net> model(net, pg, c.opts);
+    torch::optim::SGD opt(model.parameters(), c.lr);
+    for (int s = 0; s < c.steps; ++s) {
+      opt.zero_grad();
+      torch::mse_loss(model(shard(batches[s].x, rank, world)), shard(batches[s].y, rank, world))
+          .backward();
+      opt.step();
+    }
+    got[rank] = state_of(*net);
+  });
+  for (int r = 0; r < world; ++r) EXPECT_LE(max_abs_diff(want, got[r]), 1e-5) << "rank " << r;
+}
+
+TEST(DDPRealGroup, MLPParityWorld2) { expect_real_parity<MLP>([] { return MLP(); }, {6}, 2); }
+
+TEST(DDPRealGroup, MLPParityWorld3ManyBuckets) {
+  DDPOptions o;
+  o.bucket_cap_mb = 1e-6;
+  expect_real_parity<MLP>([] { return MLP(); }, {6}, 3, o);
+}
+
+TEST(DDPRealGroup, ConvNetParityWorld2) {
+  expect_real_parity<ConvNet>([] { return ConvNet(); }, {1, 8, 8}, 2);
+}
+
+// Rank 1 kills itself (SIGKILL) in the middle of its 3rd backward; rank 0 must get an error from
+// its backward (not hang) and exits with code 3 after printing it.
+TDIST_TEST_CHILD(ddp_peer_killed_child) {
+  torch::set_num_threads(1);
+  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
+  comm::ProcessGroup::Options po;
+  po.timeout = std::chrono::seconds(10);
+  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
+  MLP net;
+  DDPOptions opts;
+  opts.bucket_cap_mb = 1e-6;  // several buckets: some go out before the kill
+  DistributedDataParallel<MLP> model(net, pg, opts);
+  int iteration = 0;
+  if (rank == 1) {
+    // fc1.weight's gradient comes last: by then earlier buckets were launched.
+    net->fc1->weight.register_hook([&](torch::Tensor g) {
+      if (iteration == 2) ::raise(SIGKILL);
+      return g;
+    });
+  }
+  torch::optim::SGD opt(model.parameters(), 0.1);
+  try {
+    for (iteration = 0; iteration < 5; ++iteration) {
+      opt.zero_grad();
+      torch::mse_loss(model(torch::randn({4, 6})), torch::zeros({4, 3})).backward();
+      opt.step();
+    }
+  } catch (const std::exception& e) {
+    std::cout << "DDP ERROR at iteration " << iteration << ": " << e.what() << std::endl;
+    return 3;
+  }
+  return 0;
+}
+
+TEST(DDPRealGroup, PeerKilledDuringBackwardIsAnErrorNotAHang) {
+  Processes procs("ddp_peer_killed_child", 2,
+                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
+                   {"OMP_NUM_THREADS", "1"}});
+  auto results = procs.wait_all(std::chrono::seconds(90));
+  ASSERT_EQ(results.size(), 2u);
+  std::cout << "rank 0's output:\n" << results[0].output;
+  EXPECT_FALSE(results[1].exited) << results[1].describe() << "\n" << results[1].output;
+  EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
+  EXPECT_FALSE(results[0].timed_out) << "rank 0 hung:\n" << results[0].output;
+  EXPECT_TRUE(results[0].exited && results[0].exit_code == 3)
+      << results[0].describe() << "\n" << results[0].output;
+  EXPECT_NE(results[0].output.find("DDP ERROR at iteration 2"), std::string::npos)
+      << results[0].output;
+  EXPECT_NE(results[0].output.find("bucket"), std::string::npos) << results[0].output;
+}
+
+}  // namespace
+}  // namespace tdist::test
