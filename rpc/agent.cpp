@@ -167,10 +167,14 @@ void RpcAgent::join_group(int world_size) {
   } else {
     store_ = rendezvous(options_.init_method, self_.rank, world_size, timeout).store;
   }
-  store_->set(kPrefix + "worker/" + std::to_string(self_.rank),
+  // The n-th init_rpc of each rank on one store uses keys of incarnation n, so a store that
+  // served an earlier RPC group (same ranks) does not mix the two.
+  const int64_t incarnation = store_->add(kPrefix + "incarnation/" + std::to_string(self_.rank), 1);
+  store_prefix_ = kPrefix + std::to_string(incarnation) + "/";
+  store_->set(store_prefix_ + "worker/" + std::to_string(self_.rank),
               encode(self_.name, options_.listen_host, port_));
   std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back(kPrefix + "worker/" + std::to_string(r));
+  for (int r = 0; r < world_size; ++r) keys.push_back(store_prefix_ + "worker/" + std::to_string(r));
   try {
     store_->wait(keys, timeout);
   } catch (const TimeoutError& e) {
@@ -500,7 +504,7 @@ void RpcAgent::graceful_barrier() {
       throw TimeoutError(str("shutdown of worker '", self_.name, "' waited ", limit.count(),
                              " ms for its own work to finish: ", what));
     }
-    const std::string round_prefix = kPrefix + "shutdown/" + std::to_string(round) + "/";
+    const std::string round_prefix = store_prefix_ + "shutdown/" + std::to_string(round) + "/";
     store_->set(round_prefix + std::to_string(self_.rank),
                 encode(sent_.load(), received_.load()));
     std::vector<std::string> keys;
@@ -519,9 +523,9 @@ void RpcAgent::graceful_barrier() {
   }
   // The store may live in one of the workers (TCPStore server): leave only when every worker
   // has read the last round.
-  store_->set(kPrefix + "shutdown/exit/" + std::to_string(self_.rank), "1");
+  store_->set(store_prefix_ + "shutdown/exit/" + std::to_string(self_.rank), "1");
   std::vector<std::string> keys;
-  for (int r = 0; r < n; ++r) keys.push_back(kPrefix + "shutdown/exit/" + std::to_string(r));
+  for (int r = 0; r < n; ++r) keys.push_back(store_prefix_ + "shutdown/exit/" + std::to_string(r));
   store_->wait(keys, remaining(deadline));
 }
 

@@ -286,6 +286,29 @@ TEST(RpcStart, BadArgumentsAndMissingWorkers) {
   EXPECT_NE(errors[1].find("'same'"), std::string::npos) << errors[1];
 }
 
+TEST(RpcStart, ASecondGroupOnTheSameStore) {
+  register_test_functions();
+  auto store = std::make_shared<HashStore>(30000ms);
+  for (int group = 0; group < 2; ++group) {
+    std::vector<std::shared_ptr<RpcAgent>> agents(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        RpcOptions o;
+        o.store = store;
+        agents[r] = RpcAgent::start("g" + std::to_string(group) + "w" + std::to_string(r), r, 2, o);
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_TRUE(agents[0] && agents[1]);
+    EXPECT_EQ(agents[0]->worker_info(1).name, "g" + std::to_string(group) + "w1");
+    EXPECT_EQ(agents[0]->rpc_sync<std::string>(1, "whoami"), agents[1]->info().name);
+    threads.clear();
+    for (auto& a : agents) threads.emplace_back([a] { a->shutdown(true); });
+    for (auto& t : threads) t.join();
+  }
+}
+
 TEST(RpcLimits, MessagesOverTheMaximumFrameFailTheirFuture) {
   RpcOptions o;
   o.max_frame_bytes = 1 << 20;
