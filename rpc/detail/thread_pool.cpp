@@ -16,9 +16,12 @@ ThreadPool::ThreadPool(int threads, std::function<void()> on_start)
 
 ThreadPool::~ThreadPool() { stop(); }
 
-void ThreadPool::post(std::function<void()> task) { try_post(std::move(task)); }
+void ThreadPool::post(std::function<void()> task) {
+  // After stop() nothing would run it: run it here rather than lose a future's callback.
+  if (!try_post(std::move(task))) task();  // try_post leaves `task` alone when it refuses
+}
 
-bool ThreadPool::try_post(std::function<void()> task) {
+bool ThreadPool::try_post(std::function<void()>&& task) {
   bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);

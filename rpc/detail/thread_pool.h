@@ -2,7 +2,8 @@
 // A fixed pool of worker threads that run posted tasks in FIFO order. Each thread runs
 // `on_start` first (the agent sets its thread-local current agent there). post() never blocks
 // (the queue is unbounded) and wakes a thread only when one is idle. stop() finishes the queued
-// tasks and joins the threads; post() after stop() runs nothing and returns false.
+// tasks and joins the threads; after stop(), post() runs the task on the calling thread and
+// try_post() runs nothing and returns false.
 // Thread safety: post() from any thread, including the pool's own threads.
 
 #include <condition_variable>
@@ -22,7 +23,7 @@ class ThreadPool : public Executor {
   ~ThreadPool() override;
 
   void post(std::function<void()> task) override;
-  bool try_post(std::function<void()> task);
+  bool try_post(std::function<void()>&& task);
   void stop();
   bool in_pool_thread() const;
 
