@@ -271,16 +271,17 @@ int run_ddp_bench(int argc, char** argv) {
     std::cout << "model MLP 784-" << c.hidden << "x" << c.layers << "-10, batch " << c.batch
               << " per rank, SGD, " << c.iters << " timed iterations (+" << c.warmup
               << " warm-up), " << c.threads << " thread(s) per rank, median of " << c.rounds
-              << " alternating rounds\n\n";
+              << " rounds (alternating which side runs first)\n\n";
     std::cout << std::left << std::setw(7) << "world" << std::setw(34) << "implementation"
               << std::right << std::setw(12) << "samples/s" << std::setw(11) << "iter ms"
               << "   ratio\n";
     if (!c.skip_world1) {
       std::vector<Result> plain, ddp1;
       auto pg = comm::create_process_group(std::make_shared<HashStore>(), 0, 1);
-      for (int r = 0; r < c.rounds; ++r) {
-        plain.push_back(run_plain(c));
+      for (int r = 0; r < c.rounds; ++r) {  // alternate which goes first
+        if (r % 2 == 0) plain.push_back(run_plain(c));
         ddp1.push_back(run_ddp(c, pg));
+        if (r % 2 == 1) plain.push_back(run_plain(c));
       }
       Result p = median(plain), d = median(ddp1);
       print_row("1", "libtorch, no DDP", p, "");
@@ -292,9 +293,10 @@ int run_ddp_bench(int argc, char** argv) {
     std::vector<std::string> worker_args{"/proc/self/exe", "--worker"};
     for (int i = 1; i < argc; ++i) worker_args.push_back(argv[i]);
     std::vector<Result> ours, theirs;
-    for (int r = 0; r < c.rounds; ++r) {
+    for (int r = 0; r < c.rounds; ++r) {  // alternate which goes first
+      if (c.compare_torch && r % 2 == 1) theirs.push_back(run_torch_world(c));
       ours.push_back(run_tdist_world(c, worker_args));
-      if (c.compare_torch) theirs.push_back(run_torch_world(c));
+      if (c.compare_torch && r % 2 == 0) theirs.push_back(run_torch_world(c));
     }
     const std::string w = std::to_string(c.world_size);
     Result o = median(ours);

@@ -320,7 +320,7 @@ void Launcher::emit_line(Worker& w, int stream, const std::string& line) {
     w.exit.stderr_tail.push_back(line);
     if (w.exit.stderr_tail.size() > kStderrTailLines) w.exit.stderr_tail.pop_front();
   }
-  if (config_.tee) {
+  if (config_.tee & (stream == 0 ? kTeeStdout : kTeeStderr)) {
     write_all(stream == 0 ? STDOUT_FILENO : STDERR_FILENO,
               "[rank " + std::to_string(w.rank) + "] " + line + "\n");
   }

@@ -18,6 +18,9 @@
 
 namespace tdist::run {
 
+inline constexpr int kTeeStdout = 1;
+inline constexpr int kTeeStderr = 2;
+
 struct LaunchConfig {
   int nproc_per_node = 1;
   int nnodes = 1;
@@ -28,7 +31,9 @@ struct LaunchConfig {
   std::chrono::milliseconds monitor_interval{100};
   std::chrono::milliseconds stop_grace{5000};  // between SIGTERM and SIGKILL
   std::string log_dir;  // when set: <log_dir>/attempt_<n>/rank_<r>.{stdout,stderr}
-  bool tee = true;      // relay worker output to our stdout/stderr (prefixed)
+  // Which worker streams are relayed to our stdout/stderr (prefixed): torchrun's --tee values,
+  // kTeeStdout | kTeeStderr by default. Without log_dir anything not relayed is dropped.
+  int tee = 3;
   std::vector<std::string> command;  // program and its arguments
 };
 

@@ -1,7 +1,7 @@
 // tdist-run: a torchrun-like launcher.
 //
 //   tdist-run --nproc-per-node 4 [--nnodes N --node-rank R] [--master-addr A] [--master-port P]
-//             [--standalone] [--max-restarts K] [--log-dir DIR] PROGRAM ARGS...
+//             [--standalone] [--max-restarts K] [--log-dir DIR [--tee 0-3]] PROGRAM ARGS...
 //
 // Exit codes: 0 all workers succeeded; 1 a worker failed (rank and exit code or signal are
 // reported); 2 bad flags; 128+N stopped by signal N (forwarded to the workers).
@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   double monitor_interval_s = 0.1;
   double stop_grace_s = 5.0;
   bool no_tee = false;
+  int tee = -1;
   app.add_option("--nproc-per-node,--nproc_per_node", cfg.nproc_per_node,
                  "worker processes on this node")
       ->check(CLI::Range(1, 4096));
@@ -46,7 +47,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 3600.0));
   app.add_option("--log-dir,--log_dir", cfg.log_dir,
                  "write each rank's stdout and stderr to DIR/attempt_<n>/rank_<r>.{stdout,stderr}");
-  app.add_flag("--no-tee", no_tee, "with --log-dir: do not also print worker output");
+  app.add_option("--tee", tee,
+                 "with --log-dir, also print these worker streams: 0 none, 1 stdout, 2 stderr, "
+                 "3 both (default)")
+      ->check(CLI::Range(0, 3));
+  app.add_flag("--no-tee", no_tee, "with --log-dir: do not also print worker output (--tee 0)");
   try {
     app.parse(argc, argv);
     cfg.command = app.remaining();
@@ -80,7 +85,9 @@ int main(int argc, char** argv) {
                                                     std::to_string(cfg.nnodes));
     }
     if (no_tee && cfg.log_dir.empty()) throw CLI::ValidationError("--no-tee", "needs --log-dir");
-    cfg.tee = !no_tee;
+    if (tee >= 0 && cfg.log_dir.empty()) throw CLI::ValidationError("--tee", "needs --log-dir");
+    if (no_tee && tee > 0) throw CLI::ValidationError("--no-tee", "contradicts --tee " + std::to_string(tee));
+    cfg.tee = no_tee ? 0 : tee >= 0 ? tee : tdist::run::kTeeStdout | tdist::run::kTeeStderr;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {

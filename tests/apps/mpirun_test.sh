@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Open MPI's mpirun starts PROGRAM on 2 processes without tdist-run: the workers find their rank
 # and size from OMPI_COMM_WORLD_* and meet at MASTER_ADDR/MASTER_PORT.
-# Exits 77 (ctest: skipped) when mpirun is not installed.
+# Both must print a line matching the expected regex; when they print "parameters fnv1a64 H"
+# (tdist-train), both H must be the same. Exits 77 (ctest: skipped) when mpirun is not installed.
 #   mpirun_test.sh <program> <expected line regex> [program args...]
 set -uo pipefail
 prog="$1"; expect="$2"; shift 2
@@ -14,4 +15,6 @@ echo "$out"
 [ $rc -eq 0 ] || { echo "FAIL: mpirun exit $rc"; exit 1; }
 n=$(grep -cE "$expect" <<<"$out")
 [ "$n" -eq 2 ] || { echo "FAIL: expected 2 lines matching '$expect', got $n"; exit 1; }
+hashes=$(grep -oE "parameters fnv1a64 [0-9a-f]+" <<<"$out" | sort -u | wc -l)
+[ "$hashes" -le 1 ] || { echo "FAIL: the ranks ended with different parameters"; exit 1; }
 echo PASS

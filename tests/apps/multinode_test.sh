@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Two "hosts" made of network namespaces joined by a veth pair, one tdist-run per host meeting at
-# host A's address: 2 nodes x 2 workers run PROGRAM (which must print "sum of every rank's tensor
-# = 10" on every rank for a world of 4). The namespaces are created and removed by this test.
-# Exits 77 (ctest: skipped) with the reason when namespaces cannot be made here.
-#   multinode_test.sh <tdist-run> <program>
+# host A's address: 2 nodes x 2 workers run PROGRAM ARGS, and every rank r must print a line
+# matching EXPECT with {r} replaced by r (a world of 4). When the ranks print "parameters
+# fnv1a64 H" (tdist-train), every rank's H must be the same. The namespaces are created and
+# removed by this test. Exits 77 (ctest: skipped) with the reason when namespaces cannot be made.
+#   multinode_test.sh <tdist-run> <expect> <program> [args...]
 set -uo pipefail
-run="$1"; prog="$2"
+run="$1"; expect="$2"; prog="$3"; shift 3
 id="tdist$$"
 a="${id}a"; b="${id}b"
 addr_a=10.213.$(( $$ % 200 )).1; addr_b=10.213.$(( $$ % 200 )).2
@@ -27,9 +28,9 @@ ip -n "$b" link set "${id}y" up
 
 out=$(mktemp -d)
 common=(--nnodes 2 --nproc-per-node 2 --master-addr "$addr_a" --master-port 29533)
-timeout 120 ip netns exec "$a" "$run" "${common[@]}" --node-rank 0 "$prog" >"$out/a.out" 2>"$out/a.err" &
+timeout 120 ip netns exec "$a" "$run" "${common[@]}" --node-rank 0 "$prog" "$@" >"$out/a.out" 2>"$out/a.err" &
 pa=$!
-timeout 120 ip netns exec "$b" "$run" "${common[@]}" --node-rank 1 "$prog" >"$out/b.out" 2>"$out/b.err" &
+timeout 120 ip netns exec "$b" "$run" "${common[@]}" --node-rank 1 "$prog" "$@" >"$out/b.out" 2>"$out/b.err" &
 pb=$!
 wait $pa; ra=$?
 wait $pb; rb=$?
@@ -38,10 +39,12 @@ if [ $ra -ne 0 ] || [ $rb -ne 0 ]; then
   echo "FAIL: node 0 exit $ra, node 1 exit $rb"; cat "$out"/a.err "$out"/b.err; exit 1
 fi
 for r in 0 1 2 3; do
-  if ! grep -q "^\[rank $r\] rank $r of 4: sum of every rank's tensor = 10" "$out"/a.out "$out"/b.out; then
-    echo "FAIL: rank $r did not report the sum over 4 ranks"; exit 1
+  if ! grep -qE "^\[rank $r\] ${expect//\{r\}/$r}" "$out"/a.out "$out"/b.out; then
+    echo "FAIL: rank $r printed no line matching '${expect//\{r\}/$r}'"; exit 1
   fi
 done
+hashes=$(cat "$out"/a.out "$out"/b.out | grep -oE "parameters fnv1a64 [0-9a-f]+" | sort -u | wc -l)
+[ "$hashes" -le 1 ] || { echo "FAIL: the ranks ended with different parameters"; exit 1; }
 # Ranks 0-1 ran on host A, 2-3 on host B.
 grep -q "^\[rank 2\]" "$out/b.out" && grep -q "^\[rank 0\]" "$out/a.out" || { echo "FAIL: ranks on the wrong host"; exit 1; }
 echo "PASS: 2 hosts x 2 workers"

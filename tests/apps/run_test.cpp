@@ -166,6 +166,22 @@ TEST(TdistRun, LogDirHoldsOneFilePerRankAndStream) {
   }
 }
 
+TEST(TdistRun, TeeChoosesWhichStreamsAlsoReachTheConsole) {
+  std::string dir = test::temp_dir();
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--log-dir", dir, "--tee", "2",
+                   "sh", "-c", "echo out $RANK; echo err $RANK >&2"});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_FALSE(contains(r.out, "out 0")) << "--tee 2 relays stderr only: " << r.out;
+  EXPECT_TRUE(contains(r.err, "[rank 0] err 0")) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 1] err 1")) << r.err;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream out(dir + "/attempt_0/rank_" + std::to_string(rank) + ".stdout");
+    std::string o;
+    std::getline(out, o);
+    EXPECT_EQ(o, "out " + std::to_string(rank)) << "the log file holds what was not relayed";
+  }
+}
+
 TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
   struct Case {
     std::vector<std::string> args;
@@ -180,6 +196,8 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--rdzv-endpoint", "host:abc", "true"}, "port 'abc'"},
       {{"--no-such-flag", "true"}, "--no-such-flag"},
       {{"--nproc-per-node", "2"}, "no program"},
+      {{"--log-dir", "/tmp", "--tee", "4", "true"}, "--tee"},
+      {{"--tee", "1", "true"}, "--tee: needs --log-dir"},
   };
   for (const auto& c : cases) {
     auto r = launch(c.args);

@@ -1,0 +1,81 @@
+#pragma once
+// Checkpoints of a tdist-train run: model, optimizer, step, sampler position and RNG state.
+//
+// Note [Checkpoint protocol]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+//  1. After a DDP step every rank holds the same parameters and optimizer state (the gradients
+//     were averaged, the optimizers are deterministic), so rank 0's copy is everyone's: rank 0
+//     alone writes <dir>/checkpoint.pt, after the optimizer step of every --checkpoint-every'th
+//     step and at the end of training.
+//  2. The write is atomic: a temporary file in the same directory is written, flushed and
+//     fsync'ed, then renamed over checkpoint.pt, and the directory is fsync'ed. A crash at any
+//     moment leaves either the previous checkpoint or the new one, never a torn file.
+//  3. --resume: rank 0 reads the file and broadcasts its bytes over the process group (a size,
+//     then the bytes; size -1 means "no checkpoint", -2 "rank 0 could not read it"), and every
+//     rank loads the same bytes. Only rank 0 needs the directory (no shared file system).
+//  4. The checkpoint records the run's fingerprint (model, optimizer, batch size, world size,
+//     seed, data): everything that must stay the same for the resumed run to continue exactly
+//     where the interrupted one left off. A different fingerprint is refused with both shown.
+//  5. The sampler position (epoch, batch within the epoch) and the step determine the next
+//     batch on every rank; with the RNG state restored, the resumed run computes exactly the
+//     steps the interrupted one would have.
+//
+// Plain functions, blocking (file I/O; share_checkpoint is a collective).
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+namespace tdist::comm {
+class ProcessGroup;
+}
+
+namespace tdist::train {
+
+struct TrainState {
+  int64_t step = 0;            // optimizer steps done
+  int64_t epoch = 0;           // sampler position of the next batch: its epoch,
+  int64_t batch_in_epoch = 0;  // and its index within that epoch
+  at::Tensor rng_state;        // libtorch's default CPU generator (undefined: leave it)
+  double last_loss = -1;       // the last reported training loss (negative: none yet)
+  double last_train_accuracy = -1;
+};
+
+inline constexpr const char* kCheckpointFile = "checkpoint.pt";
+
+std::string checkpoint_path(const std::string& dir);
+
+// Rank 0: writes the checkpoint atomically (Note [Checkpoint protocol] 2). Creates `dir` if
+// needed. Throws Error naming the file on any I/O failure (the previous checkpoint stays).
+void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
+                     const torch::optim::Optimizer& optimizer, const TrainState& state,
+                     const std::string& fingerprint);
+
+// Rank 0: the bytes of <dir>/checkpoint.pt, or nullopt when there is none.
+std::optional<std::vector<char>> read_checkpoint_file(const std::string& dir);
+
+// Collective: rank 0 passes what read_checkpoint_file returned (or an error message), every rank
+// gets the same bytes (Note [Checkpoint protocol] 3); nullopt when there is no checkpoint.
+std::optional<std::vector<char>> share_checkpoint(comm::ProcessGroup& pg,
+                                                  const std::optional<std::vector<char>>& bytes,
+                                                  const std::string& read_error,
+                                                  std::chrono::milliseconds timeout);
+
+// Loads the checkpoint into `model` and `optimizer` and returns the state (the caller restores
+// rng_state). Throws InvalidArgument when the fingerprint differs (nothing is changed then) and
+// Error when the bytes are not a checkpoint.
+TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& model,
+                           torch::optim::Optimizer& optimizer, const std::string& fingerprint);
+
+}  // namespace tdist::train

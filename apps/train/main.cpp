@@ -1,0 +1,148 @@
+// tdist-train: trains a classifier of 28x28 images with DistributedDataParallel.
+//
+//   tdist-run --nproc-per-node 2 tdist-train --dataset synthetic --model mlp --steps 500
+//   tdist-train --data-dir ~/mnist --model conv --epochs 2 --optimizer adam   (one process)
+//
+// Exit codes: 0 done; 1 training failed (a peer died, a timeout, an I/O error); 2 bad flags or
+// bad input (missing data directory, malformed IDX file, a checkpoint of another run).
+// See docs/train.md.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+#include "apps/train/idx.h"
+#include "apps/train/trainer.h"
+#include "tdist/core/error.h"
+
+int main(int argc, char** argv) {
+  using tdist::train::TrainOptions;
+  TrainOptions o;
+  CLI::App app{"tdist-train: data-parallel training of a 28x28 image classifier with tdist DDP",
+               "tdist-train"};
+  app.option_defaults()->always_capture_default();
+
+  auto* model = app.add_option_group("Model");
+  model->add_option("--model", o.model.kind, "mlp or conv")->check(CLI::IsMember({"mlp", "conv"}));
+  model->add_option("--hidden", o.model.hidden, "hidden width (mlp layers, conv's dense layer)")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}));
+  auto* layers = model->add_option("--layers", o.model.layers, "mlp: number of hidden layers")
+                     ->check(CLI::Range(int64_t{0}, int64_t{64}));
+
+  auto* data = app.add_option_group("Data");
+  data->add_option("--dataset", o.data.dataset, "synthetic or mnist (implied by --data-dir)")
+      ->check(CLI::IsMember({"synthetic", "mnist"}));
+  auto* data_dir = data->add_option("--data-dir", o.data.data_dir,
+                                    "directory with the MNIST IDX files (train-images-idx3-ubyte, "
+                                    "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
+                                    "t10k-labels-idx1-ubyte)");
+  data->add_option("--train-samples", o.data.train_samples,
+                   "synthetic: training set size; mnist: use at most this many (0: all)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  data->add_option("--test-samples", o.data.test_samples,
+                   "synthetic: test set size; mnist: use at most this many (0: all)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+
+  data->add_option("--signal", o.data.signal,
+                   "synthetic: strength of the class patterns against unit noise (lower: harder)")
+      ->check(CLI::Range(0.0, 100.0));
+
+  auto* train = app.add_option_group("Training");
+  train->add_option("--optimizer", o.optimizer, "sgd or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  train->add_option("--lr", o.lr, "learning rate")
+      ->check(CLI::PositiveNumber)
+      ->default_str("sgd 0.05, adam 0.001");
+  train->add_option("--momentum", o.momentum, "sgd momentum")->check(CLI::Range(0.0, 1.0));
+  train->add_option("--weight-decay", o.weight_decay, "L2 penalty")->check(CLI::NonNegativeNumber);
+  auto* epochs = train->add_option("--epochs", o.epochs, "passes over the training set")
+                     ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+                     ->default_str("1 unless --steps");
+  auto* steps = train->add_option("--steps", o.steps, "optimizer steps (instead of --epochs)")
+                    ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+                    ->default_str("");
+  epochs->excludes(steps);
+  train->add_option("--batch-size", o.batch_size, "samples per step on each rank")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  train->add_option("--seed", o.seed, "seed of the model, the data and the sampler");
+  train->add_option("--threads", o.threads, "intra-op threads (0: libtorch's default)")
+      ->check(CLI::Range(0, 1024));
+  train->add_option("--timeout", o.timeout_s, "seconds any collective may take")
+      ->check(CLI::Range(0.1, 86400.0));
+
+  auto* ddp = app.add_option_group("DDP");
+  ddp->add_option("--bucket-cap-mb", o.ddp.bucket_cap_mb, "gradient bucket size (MiB)")
+      ->check(CLI::Range(0.0, 65536.0));
+  ddp->add_option("--first-bucket-cap-mb", o.ddp.first_bucket_cap_mb, "first bucket's size (MiB)")
+      ->check(CLI::Range(0.0, 65536.0));
+  bool no_broadcast_buffers = false;
+  ddp->add_flag("--no-broadcast-buffers", no_broadcast_buffers,
+                "do not broadcast buffers from rank 0 before each forward");
+  ddp->add_flag("--find-unused-parameters", o.ddp.find_unused_parameters,
+                "look for parameters that get no gradient");
+  ddp->add_flag("--gradient-as-bucket-view", o.ddp.gradient_as_bucket_view,
+                "gradients are views into the buckets");
+  ddp->add_flag("--static-graph", o.ddp.static_graph, "the set of used parameters never changes");
+  ddp->add_option("--comm-hook", o.comm_hook, "allreduce, fp16, bf16 or powersgd")
+      ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd"}));
+  ddp->add_option("--powersgd-rank", o.powersgd_rank, "PowerSGD's matrix approximation rank")
+      ->check(CLI::Range(1, 1024));
+
+  auto* out = app.add_option_group("Output");
+  out->add_option("--progress", o.progress, "auto (a bar on a terminal, else log lines), bar, log, none")
+      ->check(CLI::IsMember({"auto", "bar", "log", "none"}));
+  out->add_option("--log-every", o.log_every, "steps between progress reports")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  out->add_option("--eval-every", o.eval_every, "steps between test evaluations (0: at the end)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  out->add_option("--eval-batch-size", o.eval_batch_size, "samples per evaluation batch")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  out->add_option("--metrics", o.metrics_path, "append JSON lines (per report and evaluation)");
+  out->add_option("--summary", o.summary_path, "write a JSON summary of the run");
+  out->add_option("--warmup-steps", o.warmup_steps, "steps left out of the summary's samples/s")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+
+  auto* ckpt = app.add_option_group("Checkpoints");
+  ckpt->add_option("--checkpoint-dir", o.checkpoint_dir, "where rank 0 writes checkpoint.pt");
+  ckpt->add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints (0: at the end)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  ckpt->add_flag("--resume", o.resume, "continue from the checkpoint in --checkpoint-dir, if any");
+
+  try {
+    app.parse(argc, argv);
+    o.ddp.broadcast_buffers = !no_broadcast_buffers;
+    if (data_dir->count() > 0) {
+      if (o.data.dataset == "synthetic" && app.get_option("--dataset")->count() > 0) {
+        throw CLI::ValidationError("--data-dir", "is for --dataset mnist, not synthetic");
+      }
+      o.data.dataset = "mnist";
+    }
+    if (o.data.dataset == "mnist") {
+      // Defaults of the synthetic set sizes mean "everything" for MNIST.
+      if (app.get_option("--train-samples")->count() == 0) o.data.train_samples = 0;
+      if (app.get_option("--test-samples")->count() == 0) o.data.test_samples = 0;
+    }
+    if (layers->count() > 0 && o.model.kind != "mlp") {
+      throw CLI::ValidationError("--layers", "applies to --model mlp only");
+    }
+    if (epochs->count() == 0 && steps->count() == 0) o.epochs = 1;
+    tdist::train::validate(o);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "tdist-train: " << e.what() << "\nRun with --help for usage.\n";
+    return 2;
+  } catch (const tdist::InvalidArgument& e) {
+    std::cerr << "tdist-train: " << e.what() << "\nRun with --help for usage.\n";
+    return 2;
+  }
+  try {
+    tdist::train::run_training(o);
+    return 0;
+  } catch (const tdist::InvalidArgument& e) {
+    // One write: a launcher may stop this process at any moment after a peer failed.
+    std::cerr << "tdist-train: " + std::string(e.what()) + "\n" << std::flush;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "tdist-train: " + std::string(e.what()) + "\n" << std::flush;
+    return 1;
+  }
+}

@@ -1,0 +1,58 @@
+#pragma once
+// The training loop of tdist-train: builds the process group, the data, the model wrapped in
+// DistributedDataParallel and the optimizer, then trains, evaluates, checkpoints and reports.
+//
+// Every rank runs run_training() with the same options. Collectives happen at the same steps on
+// every rank: DDP's backward each step, a small allreduce of the loss and accuracy at each log
+// point, the evaluation's allreduce at each evaluation, and the checkpoint broadcast on resume.
+// Blocking; returns when training is done.
+
+#include <cstdint>
+#include <string>
+
+#include "apps/train/data.h"
+#include "apps/train/models.h"
+#include "tdist/ddp/options.h"
+
+namespace tdist::train {
+
+struct TrainOptions {
+  ModelConfig model;
+  DataConfig data;
+  std::string optimizer = "sgd";  // "sgd" or "adam"
+  double lr = 0.0;                // 0: the optimizer's default (sgd 0.05, adam 0.001)
+  double momentum = 0.9;          // sgd
+  double weight_decay = 0.0;
+  int64_t epochs = 0;             // exactly one of epochs and steps is > 0
+  int64_t steps = 0;
+  int64_t batch_size = 64;        // per rank
+  uint64_t seed = 0;
+  ddp::DDPOptions ddp;
+  std::string comm_hook = "allreduce";  // allreduce, fp16, bf16, powersgd
+  int powersgd_rank = 1;
+  double timeout_s = 300;         // of every collective (process group and DDP)
+  int threads = 0;                // intra-op threads (0: libtorch's default / OMP_NUM_THREADS)
+  int64_t log_every = 10;
+  int64_t eval_every = 0;         // 0: evaluate at the end only
+  int64_t eval_batch_size = 1000;
+  int64_t warmup_steps = 5;       // excluded from the summary's samples_per_sec
+  std::string progress = "auto";  // auto, bar, log, none
+  std::string metrics_path;
+  std::string summary_path;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;   // 0: only at the end (when checkpoint_dir is set)
+  bool resume = false;
+};
+
+// The default learning rate of an optimizer.
+double default_lr(const std::string& optimizer);
+
+// Checks what can be checked before any data or peer is touched; InvalidArgument (exit 2).
+void validate(const TrainOptions& opts);
+
+// Runs training on this rank. Rank and world come from the environment (tdist-run, torchrun,
+// SLURM, Open MPI; see core/env.h); without any, a single process trains alone.
+// Throws InvalidArgument for bad input (data, checkpoint of another run) and Error otherwise.
+void run_training(const TrainOptions& opts);
+
+}  // namespace tdist::train

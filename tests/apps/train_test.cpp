@@ -1,0 +1,422 @@
+// tdist-train as a user runs it: real processes, alone or under tdist-run, on synthetic data or
+// on small IDX files the tests write.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "tests/harness/command.h"
+#include "tests/harness/process.h"
+
+namespace tdist {
+namespace {
+
+using test::CommandOptions;
+using test::CommandResult;
+using test::run_command;
+
+const std::string kRun = TDIST_RUN_BIN;
+const std::string kTrain = TDIST_TRAIN_BIN;
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+CommandOptions with_timeout(int seconds, std::map<std::string, std::string> env = {}) {
+  CommandOptions o;
+  o.timeout = std::chrono::seconds(seconds);
+  o.env = std::move(env);
+  return o;
+}
+
+// tdist-train alone (one process, one intra-op thread).
+CommandResult train(std::vector<std::string> args, CommandOptions opts = with_timeout(60)) {
+  args.insert(args.begin(), {kTrain, "--threads", "1"});
+  return run_command(args, opts);
+}
+
+// `nproc` workers of tdist-train under tdist-run; `launcher_args` go to tdist-run.
+CommandResult train_under_run(int nproc, std::vector<std::string> launcher_args,
+                              std::vector<std::string> args, CommandOptions opts = with_timeout(90)) {
+  std::vector<std::string> argv = {kRun, "--nproc-per-node", std::to_string(nproc),
+                                   "--master-port", "0"};
+  argv.insert(argv.end(), launcher_args.begin(), launcher_args.end());
+  argv.push_back(kTrain);
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_command(argv, opts);
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << "cannot read " << path;
+  if (!in) return {};
+  return nlohmann::json::parse(in);
+}
+
+std::vector<nlohmann::json> read_json_lines(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// The parameter hashes every rank printed at the end ("rank R of W: trained ...").
+std::map<int, std::string> final_hashes(const std::string& out) {
+  std::map<int, std::string> hashes;
+  std::regex re(R"(rank (\d+) of \d+: trained \d+ steps, .*parameters fnv1a64 ([0-9a-f]{16}))");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
+    hashes[std::stoi((*it)[1])] = (*it)[2];
+  }
+  return hashes;
+}
+
+TEST(TdistTrain, SyntheticTrainingOnTwoRanksReachesEightyPercent) {
+  const std::string dir = test::temp_dir();
+  auto r = train_under_run(2, {},
+                           {"--dataset", "synthetic", "--model", "mlp", "--hidden", "128",
+                            "--layers", "1", "--steps", "200", "--log-every", "20", "--seed", "1",
+                            "--test-samples", "4000", "--summary", dir + "/summary.json",
+                            "--metrics", dir + "/metrics.jsonl"});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto s = read_json(dir + "/summary.json");
+  EXPECT_EQ(s["world_size"], 2);
+  EXPECT_EQ(s["steps"], 200);
+  EXPECT_EQ(s["params"], 784 * 128 + 128 + 128 * 10 + 10);
+  EXPECT_EQ(s["eval_samples"], 4000);
+  EXPECT_GE(s["accuracy"].get<double>(), 0.80) << s.dump(2);
+  EXPECT_GT(s["samples_per_sec"].get<double>(), 0.0);
+  // DDP kept the replicas identical.
+  auto hashes = final_hashes(r.out);
+  ASSERT_EQ(hashes.size(), 2u) << r.out;
+  EXPECT_EQ(hashes[0], hashes[1]);
+  EXPECT_EQ(hashes[0], s["params_fnv1a64"]);
+
+  // One metrics line per report (every 20 steps) plus the final evaluation; the loss fell.
+  auto lines = read_json_lines(dir + "/metrics.jsonl");
+  std::vector<nlohmann::json> train_lines;
+  for (const auto& l : lines) {
+    if (l["event"] == "train") train_lines.push_back(l);
+  }
+  ASSERT_EQ(train_lines.size(), 10u) << r.out;
+  for (const char* key : {"step", "loss", "samples_per_sec", "backward_ms", "comm_wait_ms"}) {
+    EXPECT_TRUE(train_lines.front().contains(key)) << key << " missing: " << train_lines.front();
+  }
+  EXPECT_EQ(train_lines.back()["step"], 200);
+  EXPECT_LT(train_lines.back()["loss"].get<double>(), 0.5 * train_lines.front()["loss"].get<double>());
+  EXPECT_EQ(lines.back()["event"], "eval");
+  EXPECT_EQ(lines.back()["accuracy"], s["accuracy"]);
+  // Log lines go to stdout on rank 0 only.
+  EXPECT_TRUE(contains(r.out, "[rank 0] step 200/200")) << r.out;
+  EXPECT_FALSE(contains(r.out, "[rank 1] step")) << r.out;
+}
+
+TEST(TdistTrain, ConvNetWithAdamTrainsAloneWithoutALauncher) {
+  const std::string dir = test::temp_dir();
+  auto r = train({"--model", "conv", "--hidden", "32", "--optimizer", "adam", "--steps", "40",
+                  "--batch-size", "32", "--log-every", "20", "--test-samples", "500",
+                  "--metrics", dir + "/m.jsonl", "--summary", dir + "/s.json"});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto s = read_json(dir + "/s.json");
+  EXPECT_EQ(s["world_size"], 1);
+  EXPECT_EQ(s["optimizer"], "adam");
+  const int conv = (1 * 9 * 16 + 16) + (16 * 9 * 32 + 32) + (32 * 7 * 7 * 32 + 32) + (32 * 10 + 10);
+  EXPECT_EQ(s["params"], conv);
+  auto lines = read_json_lines(dir + "/m.jsonl");
+  ASSERT_GE(lines.size(), 2u);
+  EXPECT_LT(lines[1]["loss"].get<double>(), lines[0]["loss"].get<double>()) << r.out;
+}
+
+TEST(TdistTrain, DdpOptionsReachTheModel) {
+  auto run = [](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--steps", "15", "--hidden", "48", "--layers", "2",
+                                     "--test-samples", "200", "--progress", "none"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = train_under_run(2, {}, args);
+    EXPECT_EQ(r.exit_code, 0) << r.describe();
+    auto hashes = final_hashes(r.out);
+    EXPECT_EQ(hashes.size(), 2u) << r.out;
+    EXPECT_EQ(hashes[0], hashes[1]) << "replicas differ with " << testing::PrintToString(extra);
+    return hashes[0];
+  };
+  const std::string plain = run({});
+  // Two ranks: (a + b) / 2 is exact whatever the buckets, so these must not change the result.
+  EXPECT_EQ(run({"--bucket-cap-mb", "0.05", "--first-bucket-cap-mb", "0.01",
+                 "--gradient-as-bucket-view", "--static-graph"}),
+            plain);
+  // fp16 compression rounds the gradients: the hook is in use.
+  EXPECT_NE(run({"--comm-hook", "fp16"}), plain);
+}
+
+TEST(TdistTrain, MlpShapeFollowsHiddenAndLayers) {
+  auto r = train({"--hidden", "1024", "--layers", "3", "--steps", "1", "--test-samples", "10",
+                  "--progress", "none"});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_TRUE(contains(r.out, "mlp 784-1024-1024-1024-10 (2913290 parameters)")) << r.out;
+}
+
+TEST(TdistTrain, ProgressBarOrLogLines) {
+  auto bar = train({"--steps", "20", "--log-every", "5", "--hidden", "16", "--layers", "1",
+                    "--test-samples", "100", "--progress", "bar"});
+  ASSERT_EQ(bar.exit_code, 0) << bar.describe();
+  EXPECT_TRUE(contains(bar.out, "\rstep 20/20 [")) << bar.out;
+  EXPECT_TRUE(contains(bar.out, "ETA")) << bar.out;
+  EXPECT_TRUE(contains(bar.out, "samples/s")) << bar.out;
+  // Not a terminal and no --progress: plain lines.
+  auto log = train({"--steps", "20", "--log-every", "5", "--hidden", "16", "--layers", "1",
+                    "--test-samples", "100"});
+  ASSERT_EQ(log.exit_code, 0) << log.describe();
+  EXPECT_FALSE(contains(log.out, "\r")) << log.out;
+  EXPECT_TRUE(contains(log.out, "\nstep 5/20 epoch 0: loss ")) << log.out;
+}
+
+// --- fault and resume -----------------------------------------------------------------------
+
+std::vector<std::string> resume_args(const std::string& dir) {
+  return {"--hidden", "64", "--layers", "1", "--optimizer", "adam", "--steps", "40",
+          "--batch-size", "32", "--log-every", "10", "--test-samples", "1000",
+          "--checkpoint-dir", dir + "/ckpt", "--checkpoint-every", "10", "--resume",
+          "--summary", dir + "/summary.json", "--seed", "7"};
+}
+
+TEST(TdistTrain, AKilledWorkerRestartsFromTheCheckpointAndEndsLikeAnUninterruptedRun) {
+  const std::string clean = test::temp_dir();
+  auto a = train_under_run(2, {}, resume_args(clean));
+  ASSERT_EQ(a.exit_code, 0) << a.describe();
+  EXPECT_TRUE(contains(a.out, "no checkpoint in")) << a.out;
+
+  // Rank 1 kills itself (SIGKILL) when 25 steps are done, on the first attempt only.
+  const std::string faulty = test::temp_dir();
+  // What a write killed half-way leaves behind; the next checkpoint removes it.
+  ::mkdir((faulty + "/ckpt").c_str(), 0755);
+  std::ofstream(faulty + "/ckpt/checkpoint.pt.tmp.99999") << "torn";
+  auto b = train_under_run(2, {"--max-restarts", "1", "--stop-grace", "2"}, resume_args(faulty),
+                           with_timeout(90, {{"TDIST_TRAIN_FAIL_AT_STEP", "25"}}));
+  ASSERT_EQ(b.exit_code, 0) << b.describe();
+  EXPECT_TRUE(contains(b.err, "[rank 1] tdist-train: TDIST_TRAIN_FAIL_AT_STEP=25: killing this worker"))
+      << b.err;
+  // (The launcher names whichever failure it saw first: rank 1's SIGKILL, or rank 0's error.)
+  EXPECT_TRUE(contains(b.err, "restarting all workers (restart 1 of 1)")) << b.err;
+  EXPECT_TRUE(contains(b.out, "resumed from " + faulty + "/ckpt/checkpoint.pt at step 20")) << b.out;
+
+  auto sa = read_json(clean + "/summary.json");
+  auto sb = read_json(faulty + "/summary.json");
+  EXPECT_EQ(sb["resumed_from_step"], 20);
+  EXPECT_EQ(sb["steps_run"], 20);
+  EXPECT_EQ(sa["steps"], 40);
+  EXPECT_EQ(sb["steps"], 40);
+  // Bit-equal parameters: the resumed run continued exactly where the killed one left off.
+  EXPECT_EQ(sa["params_fnv1a64"], sb["params_fnv1a64"]);
+  EXPECT_EQ(sa["accuracy"], sb["accuracy"]);
+  EXPECT_EQ(sa["final_loss"], sb["final_loss"]);
+  EXPECT_EQ(final_hashes(a.out)[1], final_hashes(b.out)[1]);
+
+  // Only the final checkpoint is left: no temporary files, the stale one removed.
+  std::string listing = run_command({"ls", "-a", faulty + "/ckpt"}).out;
+  EXPECT_EQ(listing, ".\n..\ncheckpoint.pt\n");
+
+  // Resuming a finished run trains no further and reports the same state.
+  auto c = train_under_run(2, {}, resume_args(faulty));
+  ASSERT_EQ(c.exit_code, 0) << c.describe();
+  auto sc = read_json(faulty + "/summary.json");
+  EXPECT_EQ(sc["steps_run"], 0);
+  EXPECT_EQ(sc["params_fnv1a64"], sa["params_fnv1a64"]);
+}
+
+TEST(TdistTrain, ResumeRefusesACheckpointOfAnotherRun) {
+  const std::string dir = test::temp_dir();
+  auto first = train({"--hidden", "32", "--layers", "1", "--steps", "5", "--test-samples", "10",
+                      "--checkpoint-dir", dir});
+  ASSERT_EQ(first.exit_code, 0) << first.describe();
+  auto other = train({"--hidden", "16", "--layers", "1", "--steps", "5", "--test-samples", "10",
+                      "--checkpoint-dir", dir, "--resume"});
+  EXPECT_EQ(other.exit_code, 2) << other.describe();
+  EXPECT_TRUE(contains(other.err, "the checkpoint belongs to a different run")) << other.err;
+  EXPECT_TRUE(contains(other.err, "mlp 784-32-10")) << other.err;
+
+  // A damaged checkpoint is an error (exit 1), not a fresh start.
+  std::ofstream(dir + "/checkpoint.pt", std::ios::trunc) << "not a checkpoint";
+  auto damaged = train({"--hidden", "32", "--layers", "1", "--steps", "5", "--test-samples", "10",
+                        "--checkpoint-dir", dir, "--resume"});
+  EXPECT_EQ(damaged.exit_code, 1) << damaged.describe();
+  EXPECT_TRUE(contains(damaged.err, "the checkpoint is not readable")) << damaged.err;
+}
+
+// --- IDX files ------------------------------------------------------------------------------
+
+void put_u32(std::string& s, uint32_t v) {
+  for (int shift = 24; shift >= 0; shift -= 8) s.push_back(static_cast<char>((v >> shift) & 0xff));
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Tiny MNIST-format files: label k is drawn as a bright 7x7 square at one of 10 places plus
+// seeded noise, so that a model that reads images and labels correctly learns it fast.
+void write_idx_split(const std::string& dir, const std::string& prefix, uint32_t n, uint32_t seed) {
+  std::string images, labels;
+  put_u32(images, 0x00000803);
+  put_u32(images, n);
+  put_u32(images, 28);
+  put_u32(images, 28);
+  put_u32(labels, 0x00000801);
+  put_u32(labels, n);
+  uint32_t state = seed * 2654435761u + 1;
+  auto next = [&] {
+    state = state * 1664525u + 1013904223u;
+    return state >> 24;
+  };
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t label = (i * 7 + seed) % 10;
+    labels.push_back(static_cast<char>(label));
+    const uint32_t top = (label / 5) * 14 + 3, left = (label % 5) * 5 + 1;
+    for (uint32_t y = 0; y < 28; ++y) {
+      for (uint32_t x = 0; x < 28; ++x) {
+        const bool in = y >= top && y < top + 7 && x >= left && x < left + 4;
+        images.push_back(static_cast<char>(in ? 200 + next() % 56 : next() % 60));
+      }
+    }
+  }
+  write_file(dir + "/" + prefix + "-images-idx3-ubyte", images);
+  write_file(dir + "/" + prefix + "-labels-idx1-ubyte", labels);
+}
+
+TEST(TdistTrain, ReadsMnistIdxFiles) {
+  const std::string dir = test::temp_dir();
+  write_idx_split(dir, "train", 256, 1);
+  write_idx_split(dir, "t10k", 60, 2);
+  const std::string summary = dir + "/summary.json";
+  auto r = train({"--data-dir", dir, "--hidden", "32", "--layers", "1", "--steps", "40",
+                  "--batch-size", "32", "--summary", summary});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto s = read_json(summary);
+  EXPECT_TRUE(contains(s["dataset"].get<std::string>(), "mnist " + dir + " (256 train, 60 test)"))
+      << s.dump(2);
+  EXPECT_EQ(s["steps_per_epoch"], 256 / 32);
+  EXPECT_EQ(s["eval_samples"], 60);
+  // Labels that did not match their images would leave the model near chance (10%).
+  EXPECT_GE(s["accuracy"].get<double>(), 0.9) << r.out;
+
+  // --train-samples limits what is used.
+  auto limited = train({"--data-dir", dir, "--train-samples", "64", "--steps", "2",
+                        "--batch-size", "32", "--hidden", "8", "--layers", "1"});
+  ASSERT_EQ(limited.exit_code, 0) << limited.describe();
+  EXPECT_TRUE(contains(limited.out, "(64 train, 60 test)")) << limited.out;
+}
+
+TEST(TdistTrain, BadIdxFilesGiveClearErrors) {
+  struct Case {
+    std::string name;
+    std::function<void(const std::string&)> damage;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"truncated images",
+       [](const std::string& d) {
+         std::string bytes;
+         put_u32(bytes, 0x00000803);
+         put_u32(bytes, 100);
+         put_u32(bytes, 28);
+         put_u32(bytes, 28);
+         bytes.append(28 * 28 * 3, '\0');
+         write_file(d + "/train-images-idx3-ubyte", bytes);
+       },
+       "truncated"},
+      {"bad magic",
+       [](const std::string& d) { write_file(d + "/train-labels-idx1-ubyte", "\x12\x34\x08\x01xxxx"); },
+       "not an IDX file"},
+      {"count mismatch",
+       [](const std::string& d) {
+         write_idx_split(d, "train", 10, 3);
+         write_idx_split(d, "other", 11, 3);
+         std::rename((d + "/other-labels-idx1-ubyte").c_str(), (d + "/train-labels-idx1-ubyte").c_str());
+       },
+       "holds 10 images but"},
+      {"label out of range",
+       [](const std::string& d) {
+         std::string bytes;
+         put_u32(bytes, 0x00000801);
+         put_u32(bytes, 20);
+         bytes.append(19, '\1');
+         bytes.push_back('\x0c');
+         write_file(d + "/train-labels-idx1-ubyte", bytes);
+       },
+       "holds label 12"},
+      {"wrong image size",
+       [](const std::string& d) {
+         std::string bytes;
+         put_u32(bytes, 0x00000803);
+         put_u32(bytes, 20);
+         put_u32(bytes, 14);
+         put_u32(bytes, 14);
+         bytes.append(20 * 14 * 14, '\0');
+         write_file(d + "/train-images-idx3-ubyte", bytes);
+       },
+       "14x14 images; expected 28x28"},
+      {"missing file",
+       [](const std::string& d) { std::remove((d + "/t10k-images-idx3-ubyte").c_str()); },
+       "t10k-images-idx3-ubyte': No such file or directory"},
+  };
+  for (const auto& c : cases) {
+    const std::string dir = test::temp_dir();
+    write_idx_split(dir, "train", 20, 1);
+    write_idx_split(dir, "t10k", 10, 2);
+    c.damage(dir);
+    auto r = train({"--data-dir", dir, "--steps", "1", "--batch-size", "4"});
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.describe();
+    EXPECT_TRUE(contains(r.err, c.message)) << c.name << ": '" << c.message << "' not in " << r.err;
+  }
+}
+
+TEST(TdistTrain, AMissingDataDirectoryIsAClearErrorOnEveryRank) {
+  auto alone = train({"--data-dir", "/no/such/mnist", "--steps", "1"});
+  EXPECT_EQ(alone.exit_code, 2) << alone.describe();
+  EXPECT_TRUE(contains(alone.err, "--data-dir '/no/such/mnist': No such file or directory"))
+      << alone.err;
+  // Under tdist-run the failure is reported with the rank and the worker's message.
+  auto launched = train_under_run(2, {}, {"--data-dir", "/no/such/mnist", "--steps", "1"});
+  EXPECT_EQ(launched.exit_code, 1) << launched.describe();
+  EXPECT_TRUE(contains(launched.err, "exited with code 2")) << launched.err;
+  EXPECT_TRUE(contains(launched.err, "/no/such/mnist")) << launched.err;
+}
+
+TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--model", "resnet"}, "--model"},
+      {{"--optimizer", "rmsprop"}, "--optimizer"},
+      {{"--epochs", "1", "--steps", "5"}, "--steps"},
+      {{"--batch-size", "0"}, "--batch-size"},
+      {{"--batch-size", "many"}, "--batch-size"},
+      {{"--lr", "-1"}, "--lr"},
+      {{"--model", "conv", "--layers", "2"}, "--layers: applies to --model mlp only"},
+      {{"--resume"}, "--resume needs --checkpoint-dir"},
+      {{"--checkpoint-every", "5"}, "--checkpoint-every needs --checkpoint-dir"},
+      {{"--dataset", "mnist"}, "--dataset mnist needs --data-dir"},
+      {{"--dataset", "synthetic", "--data-dir", "/tmp"}, "--data-dir"},
+      {{"--progress", "fancy"}, "--progress"},
+      {{"--comm-hook", "zip"}, "--comm-hook"},
+      {{"--no-such-flag"}, "--no-such-flag"},
+      {{"--train-samples", "10", "--batch-size", "64", "--steps", "1"}, "fewer than one step needs"},
+  };
+  for (const auto& c : cases) {
+    auto r = train(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args[0] << ": " << r.describe();
+    EXPECT_TRUE(contains(r.err, c.message)) << "'" << c.message << "' not in: " << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace tdist

@@ -1,0 +1,148 @@
+"""Failures through the tdist backend raise in Python instead of hanging.
+
+  failure_test.py --scenario killed   3 ranks; rank 2 is SIGKILLed in the middle of an
+                                      all_reduce; ranks 0 and 1 must get a RuntimeError from
+                                      wait() within the group timeout, later operations must fail
+                                      too, and destroy_process_group must return.
+  failure_test.py --scenario stopped  3 ranks; rank 2 stops (SIGSTOP) in the middle of an
+                                      all_reduce and never answers again; ranks 0 and 1 must get a
+                                      RuntimeError from get_future().wait() within the group
+                                      timeout (5 s here).
+  failure_test.py --scenario absent   2 ranks; rank 1 never joins new_group(backend="tdist"); rank
+                                      0's new_group must raise within its timeout, naming the
+                                      group's creation.
+"""
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from harness import check  # noqa: E402
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=15)
+# How much later than the group timeout an error may arrive on a loaded machine: the bound is a
+# deadline the backend must honour, not a speed.
+GRACE = datetime.timedelta(seconds=15)
+STOPPED_TIMEOUT = datetime.timedelta(seconds=5)
+VICTIM = 2
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--scenario", choices=["killed", "stopped", "absent"], required=True)
+    return p.parse_args()
+
+
+def dead_peer(rank, world_size, scenario):
+    import torch
+    import torch.distributed as dist
+    import tdist_c10d  # noqa: F401
+    torch.set_num_threads(1)
+    timeout = GROUP_TIMEOUT if scenario == "killed" else STOPPED_TIMEOUT
+    dist.init_process_group("tdist", init_method="env://", timeout=timeout)
+    t = torch.ones(1 << 20)  # 4 MiB: the ring takes many messages per all_reduce
+    for _ in range(3):
+        dist.all_reduce(t)
+    if rank == VICTIM:
+        dist.all_reduce(t, async_op=True)  # in flight on every rank...
+        # ...when this rank dies, or hangs for good (the test kills it at the end).
+        os.kill(os.getpid(), signal.SIGKILL if scenario == "killed" else signal.SIGSTOP)
+
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            if scenario == "killed":
+                dist.all_reduce(t)  # Work.wait() raises
+            else:
+                dist.all_reduce(t, async_op=True).get_future().wait()  # the future raises
+        raise AssertionError("all_reduce kept succeeding with rank %d gone" % VICTIM)
+    except RuntimeError as e:
+        elapsed = time.monotonic() - start
+        print("rank %d: all_reduce raised %s after %.1f s: %s" % (
+            rank, type(e).__name__, elapsed, str(e).splitlines()[0]))
+        check("tdist" in str(e), "the error does not come from tdist:", e)
+        check(isinstance(e, dist.DistBackendError), "expected DistBackendError, got", type(e))
+        check(elapsed <= (timeout + GRACE).total_seconds(),
+              "the error came after %.1f s, past the %s timeout" % (elapsed, timeout))
+
+    # The group is broken for good: the next operation fails too (no hang).
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3))
+        raise AssertionError("all_reduce succeeded on a broken group")
+    except RuntimeError as e:
+        print("rank %d: next all_reduce raised after %.1f s: %s" % (
+            rank, time.monotonic() - start, str(e).splitlines()[0]))
+    dist.destroy_process_group()
+    print("rank %d: survived rank %d's %s" % (
+        rank, VICTIM, "death" if scenario == "killed" else "hang"))
+
+
+def absent(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    import tdist_c10d  # noqa: F401
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    store = dist.distributed_c10d._get_default_store()
+    short = datetime.timedelta(seconds=5)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.new_group(ranks=[0, 1], backend="tdist", timeout=short)
+            raise AssertionError("new_group returned although rank 1 never joined")
+        except RuntimeError as e:
+            elapsed = time.monotonic() - start
+            print("rank 0: new_group raised after %.1f s: %s" % (elapsed, str(e).splitlines()[0]))
+            check("creating process group" in str(e), "unexpected error:", e)
+            check(elapsed <= (short + GRACE).total_seconds(),
+                  "the error came after %.1f s, past the %s timeout" % (elapsed, short))
+        finally:
+            store.set("test_done", "1")
+            # Rank 0 serves the store: stay until rank 1 has seen the key.
+            store.wait(["test_acked"], datetime.timedelta(seconds=60))
+    else:
+        store.wait(["test_done"], datetime.timedelta(seconds=60))
+        store.set("test_acked", "1")
+        print("rank 1: stayed away from new_group")
+
+
+def child(rank, world_size):
+    args = parse()
+    if args.scenario == "absent":
+        absent(rank, world_size)
+    else:
+        dead_peer(rank, world_size, args.scenario)
+
+
+def main():
+    args = parse()
+    if args.child:
+        harness.child_main(child)
+    script = os.path.abspath(__file__)
+    if args.scenario == "absent":
+        harness.run_ranks(script, 2, ["--scenario", "absent"], timeout=60,
+                          what="new_group with a rank that never joins")
+        return
+    survivors = [r for r in range(3) if r != VICTIM]
+    with harness.Ranks(script, 3, ["--scenario", args.scenario]) as ranks:
+        if args.scenario == "stopped":
+            results = ranks.wait_all(timeout=90, ranks=survivors)  # then kills the victim
+        else:
+            results = ranks.wait_all(timeout=90)
+            victim = results.pop(VICTIM)
+            if victim.returncode != -signal.SIGKILL:
+                raise SystemExit("FAILED: rank %d should have died of SIGKILL\n%s" % (
+                    VICTIM, victim.describe()))
+    harness.check_all_succeeded(results, "survivors of rank %d %s mid-collective" % (
+        VICTIM, "killed" if args.scenario == "killed" else "hung"))
+
+
+if __name__ == "__main__":
+    main()
