@@ -1,0 +1,306 @@
+// tdist-bench-rpc: two workers (this process and a copy of it started as the server), measured
+// from rank 0:
+//   round trip    median time of a small rpc_sync (two int64 in, one out), in microseconds
+//   async rate    small rpc_async calls per second with --outstanding calls in flight (batches
+//                 of --outstanding, each waited for: the same method as the Python side)
+//   tensor echo   a --echo-mib MiB float32 tensor sent and returned, GB/s counting both ways
+// Then, unless --no-torch, the same three through torch.distributed.rpc (TensorPipe) by running
+// scripts/bench_rpc_torch.py, and the ratios against the targets of the RPC issue.
+#include "apps/bench_rpc/bench_rpc.h"
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tdist/core/tcp_store.h"
+#include "tdist/rpc/api.h"
+
+extern char** environ;
+
+namespace tdist::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+struct Options {
+  int rtt_iters = 5000;
+  int warmup = 500;
+  int async_calls = 50000;
+  int outstanding = 256;
+  int repeats = 3;
+  int echo_mib = 16;
+  int echo_iters = 30;
+  int threads = 4;
+  int rounds = 3;
+  bool fast_path = true;
+  bool torch = true;
+  std::string torch_script;
+  std::string json_file;
+  // Internal: the server role.
+  bool server = false;
+  int store_port = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void register_bench_functions() {
+  rpc::register_function("bench_add", [](int64_t a, int64_t b) { return a + b; });
+  rpc::register_function("bench_echo", [](at::Tensor t) { return t; });
+}
+
+rpc::RpcOptions agent_options(const Options& o) {
+  rpc::RpcOptions r;
+  r.store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(o.store_port), false,
+                                       std::chrono::seconds(60));
+  r.num_worker_threads = o.threads;
+  r.rpc_timeout = std::chrono::seconds(120);
+  r.same_host_fast_path = o.fast_path;
+  return r;
+}
+
+int run_server(const Options& o) {
+  register_bench_functions();
+  auto agent = rpc::RpcAgent::start("worker1", 1, 2, agent_options(o));
+  agent->shutdown(true);  // serves until the client is done too
+  return 0;
+}
+
+json measure(const Options& o) {
+  auto agent = rpc::RpcAgent::start("worker0", 0, 2, agent_options(o));
+  const rpc::To peer("worker1");
+  json r;
+  r["backend"] = "tdist";
+  r["fast_path"] = o.fast_path;
+
+  for (int i = 0; i < o.warmup; ++i) agent->rpc_sync<int64_t>(peer, "bench_add", int64_t{1}, int64_t{2});
+  std::vector<double> samples;
+  samples.reserve(o.rtt_iters);
+  for (int i = 0; i < o.rtt_iters; ++i) {
+    auto t0 = Clock::now();
+    agent->rpc_sync<int64_t>(peer, "bench_add", int64_t{1}, int64_t{2});
+    samples.push_back(seconds_since(t0));
+  }
+  r["rtt_us"] = median(samples) * 1e6;
+
+  auto async_round = [&](int n) {
+    auto t0 = Clock::now();
+    std::vector<rpc::Future<int64_t>> fs;
+    fs.reserve(o.outstanding);
+    for (int done = 0; done < n;) {
+      const int batch = std::min(o.outstanding, n - done);
+      fs.clear();
+      for (int i = 0; i < batch; ++i) {
+        fs.push_back(agent->rpc_async<int64_t>(peer, "bench_add", int64_t{i}, int64_t{1}));
+      }
+      for (auto& f : fs) f.wait();
+      done += batch;
+    }
+    return n / seconds_since(t0);
+  };
+  async_round(std::min(o.async_calls, 2000));
+  std::vector<double> rates;
+  for (int i = 0; i < o.repeats; ++i) rates.push_back(async_round(o.async_calls));
+  r["async_calls_s"] = median(rates);
+  r["outstanding"] = o.outstanding;
+
+  const int64_t bytes = int64_t{o.echo_mib} << 20;
+  at::Tensor t = at::rand({bytes / 4});
+  at::Tensor back;
+  for (int i = 0; i < 3; ++i) back = agent->rpc_sync<at::Tensor>(peer, "bench_echo", t);
+  samples.clear();
+  for (int i = 0; i < o.echo_iters; ++i) {
+    auto t0 = Clock::now();
+    back = agent->rpc_sync<at::Tensor>(peer, "bench_echo", t);
+    samples.push_back(seconds_since(t0));
+  }
+  if (!back.equal(t)) throw std::runtime_error("the echoed tensor differs from the one sent");
+  r["echo_bytes"] = bytes;
+  r["echo_gbps"] = 2.0 * static_cast<double>(bytes) / median(samples) / 1e9;
+  agent->shutdown(true);
+  return r;
+}
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) throw std::runtime_error("cannot find this executable");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+pid_t spawn_server(const Options& o) {
+  std::vector<std::string> args{self_exe(),
+                                "--role-server",
+                                "--store-port",
+                                std::to_string(o.store_port),
+                                "--threads",
+                                std::to_string(o.threads)};
+  if (!o.fast_path) args.push_back("--no-fast-path");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  int rc = ::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ);
+  if (rc != 0) throw std::runtime_error("cannot start the server process");
+  return pid;
+}
+
+json run_torch(const Options& o) {
+  std::ostringstream cmd;
+  cmd << "python3 " << o.torch_script << " --rtt-iters " << o.rtt_iters << " --warmup "
+      << o.warmup << " --async-calls " << o.async_calls << " --outstanding " << o.outstanding
+      << " --repeats " << o.repeats << " --echo-bytes " << (int64_t{o.echo_mib} << 20)
+      << " --echo-iters " << o.echo_iters << " --threads " << o.threads << " 2>/dev/null";
+  FILE* p = ::popen(cmd.str().c_str(), "r");
+  if (!p) throw std::runtime_error("cannot run " + cmd.str());
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  int rc = ::pclose(p);
+  if (rc != 0) throw std::runtime_error("'" + cmd.str() + "' failed (exit status " + std::to_string(rc) + ")");
+  auto nl = out.find_last_of('{');
+  if (nl == std::string::npos) throw std::runtime_error("no JSON from " + o.torch_script);
+  return json::parse(out.substr(nl));
+}
+
+std::string default_script() {
+  // <build>/apps/bench_rpc/tdist-bench-rpc -> <source>/scripts/bench_rpc_torch.py
+  std::string exe = self_exe();
+  for (std::string dir = exe; !dir.empty();) {
+    auto slash = dir.find_last_of('/');
+    if (slash == std::string::npos) break;
+    dir = dir.substr(0, slash);
+    std::string candidate = dir + "/scripts/bench_rpc_torch.py";
+    if (std::ifstream(candidate).good()) return candidate;
+    if (std::ifstream(dir + "/../scripts/bench_rpc_torch.py").good()) {
+      return dir + "/../scripts/bench_rpc_torch.py";
+    }
+  }
+  return "scripts/bench_rpc_torch.py";
+}
+
+}  // namespace
+
+int run_rpc_bench(int argc, char** argv) {
+  Options o;
+  CLI::App app{"tdist-bench-rpc: RPC round trip, async call rate and tensor echo, tdist vs "
+               "torch.distributed.rpc (TensorPipe), two workers on this machine"};
+  app.add_option("--rtt-iters", o.rtt_iters, "round trips timed");
+  app.add_option("--warmup", o.warmup, "round trips before timing");
+  app.add_option("--async-calls", o.async_calls, "calls per async measurement");
+  app.add_option("--outstanding", o.outstanding, "async calls in flight");
+  app.add_option("--repeats", o.repeats, "async measurements (median)");
+  app.add_option("--echo-mib", o.echo_mib, "tensor echo size in MiB");
+  app.add_option("--echo-iters", o.echo_iters, "tensor echoes timed");
+  app.add_option("--threads", o.threads, "worker threads per worker (both sides)");
+  app.add_option("--rounds", o.rounds,
+                 "alternate tdist and torch this many times; report each figure's median "
+                 "(the machine's load changes over a run)");
+  app.add_flag("!--no-fast-path", o.fast_path, "send every byte through the socket");
+  app.add_flag("!--no-torch", o.torch, "skip the torch.distributed.rpc side");
+  app.add_option("--torch-script", o.torch_script, "path of scripts/bench_rpc_torch.py");
+  app.add_option("--json", o.json_file, "also write the results as JSON to this file");
+  app.add_flag("--role-server", o.server)->group("");
+  app.add_option("--store-port", o.store_port)->group("");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (o.server) return run_server(o);
+    register_bench_functions();
+    if (o.torch && o.torch_script.empty()) o.torch_script = default_script();
+    std::vector<json> our_runs, torch_runs;
+    for (int round = 0; round < std::max(o.rounds, 1); ++round) {
+      TCPStoreServer store("127.0.0.1", 0);
+      o.store_port = store.port();
+      pid_t server = spawn_server(o);
+      try {
+        our_runs.push_back(measure(o));
+      } catch (...) {
+        ::kill(server, SIGKILL);
+        ::waitpid(server, nullptr, 0);
+        throw;
+      }
+      int status = 0;
+      ::waitpid(server, &status, 0);
+      if (o.torch) torch_runs.push_back(run_torch(o));
+    }
+    auto med = [](const std::vector<json>& runs) {
+      json m = runs.front();
+      for (const char* key : {"rtt_us", "async_calls_s", "echo_gbps"}) {
+        std::vector<double> v;
+        for (const auto& r : runs) v.push_back(r[key].get<double>());
+        m[key] = median(v);
+      }
+      m["runs"] = runs;
+      return m;
+    };
+    json ours = med(our_runs);
+    json result{{"tdist", ours}};
+    json theirs;
+    if (o.torch) {
+      theirs = med(torch_runs);
+      result["torch"] = theirs;
+    }
+
+    std::printf("%-28s %14s", "", "tdist");
+    if (o.torch) std::printf(" %14s %10s %10s", "torch (TP)", "ratio", "target");
+    std::printf("\n");
+    struct Row {
+      const char* label;
+      const char* key;
+      bool lower_is_better;
+      double target;
+    };
+    const Row rows[] = {{"rpc_sync round trip (us)", "rtt_us", true, 1.0 / 3},
+                        {"rpc_async calls/s", "async_calls_s", false, 3.0},
+                        {"tensor echo (GB/s)", "echo_gbps", false, 1.5}};
+    bool all_met = true;
+    for (const auto& row : rows) {
+      const double a = ours[row.key].get<double>();
+      std::printf("%-28s %14.2f", row.label, a);
+      if (o.torch) {
+        const double b = theirs[row.key].get<double>();
+        const double ratio = a / b;
+        const bool met = row.lower_is_better ? ratio <= row.target : ratio >= row.target;
+        all_met = all_met && met;
+        std::printf(" %14.2f %10.3f %9s%.2f %s", b, ratio, row.lower_is_better ? "<=" : ">=",
+                    row.target, met ? "met" : "NOT MET");
+        result["ratios"][row.key] = ratio;
+        result["met"][row.key] = met;
+      }
+      std::printf("\n");
+    }
+    std::printf("(medians of %d alternating rounds; %d MiB echo, %d outstanding async calls, %d "
+                "worker threads, fast path %s)\n",
+                std::max(o.rounds, 1), o.echo_mib, o.outstanding, o.threads,
+                o.fast_path ? "on" : "off");
+    if (!o.json_file.empty()) std::ofstream(o.json_file) << result.dump(2) << "\n";
+    if (o.torch) std::printf("targets: %s\n", all_met ? "all met" : "not all met");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tdist-bench-rpc: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace tdist::bench

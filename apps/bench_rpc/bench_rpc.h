@@ -1,0 +1,10 @@
+#pragma once
+// tdist-bench-rpc: RPC latency and throughput, tdist against torch.distributed.rpc (TensorPipe)
+// measured side by side in one run. See docs/perf.md ("RPC").
+
+namespace tdist::bench {
+
+// Parses the command line (CLI11) and runs the benchmark; returns the process exit code.
+int run_rpc_bench(int argc, char** argv);
+
+}  // namespace tdist::bench

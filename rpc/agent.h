@@ -1,0 +1,324 @@
+#pragma once
+// RpcAgent: one worker of an RPC group. Listens on a TCP port, connects to the other workers on
+// first use, runs incoming calls on a pool of worker threads, and matches responses to the
+// futures of outgoing calls.
+//
+//   auto agent = RpcAgent::start("trainer", 0, 2, options);   // blocks until all have joined
+//   int64_t s = agent->rpc_sync<int64_t>("ps", "add", int64_t{1}, int64_t{2});
+//   Future<at::Tensor> f = agent->rpc_async<at::Tensor>(1, "scale", t, 2.0);
+//   RRef<Counter> c = agent->remote<Counter>("ps", "Counter", int64_t{0});
+//   agent->shutdown();
+//
+// Most programs use the free functions in rpc/api.h (init_rpc, rpc_sync, ...), which call the
+// process's current agent; tests run several agents in one process (one per thread).
+//
+// Calls: the caller encodes the arguments with their static types (signature.h); the callee
+// refuses a name it has not registered, or a signature that differs, with an error that reaches
+// the caller's future as a RemoteError naming the worker. Every call has a timeout (the
+// per-call Timeout, else RpcOptions::rpc_timeout; 0 means none) after which its future fails
+// with TimeoutError; a connection that breaks (a worker died) fails every call pending on it at
+// once with NetworkError.
+//
+// Note [RPC graceful shutdown]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// shutdown(true) returns once no call and no RRef message is in flight anywhere, so that every
+// worker can stop without failing another. Each worker counts the requests it has sent and
+// received. In rounds r = 0, 1, ... through the store, each worker first waits until it is
+// locally idle (no call of its own pending, no incoming call running), then publishes
+// (sent, received) for round r and reads everybody's round r. It stops when in two consecutive
+// rounds every worker published the same counts. Why that suffices: a worker that was idle when
+// it published round r-1 and has neither sent nor received a request by the time it publishes
+// round r stayed idle in between (only a request sent or received makes it busy). Each worker
+// publishes round r only after reading all of round r-1, so these quiet intervals share an
+// instant at which every worker was idle; and an idle worker has no request of its own in
+// flight and no answer of its own to give, so at that instant nothing was in flight anywhere.
+// Otherwise (work was still moving) it goes on with the next round. Every wait is bounded by
+// RpcOptions::shutdown_timeout; on timeout the agent still stops and shutdown() throws.
+// RRefs still registered after the last round are leaks: they are logged and kept in
+// leaked_rrefs().
+//
+// Thread safety: every method may be called from any thread. Ownership: start() returns the
+// only owning reference handed out; the agent's threads stop in shutdown() (or the destructor,
+// which shuts down without waiting for the others).
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "tdist/core/serialize.h"
+#include "tdist/rpc/connection.h"
+#include "tdist/rpc/detail/thread_pool.h"
+#include "tdist/rpc/errors.h"
+#include "tdist/rpc/future.h"
+#include "tdist/rpc/message.h"
+#include "tdist/rpc/registry.h"
+#include "tdist/rpc/rref_context.h"
+#include "tdist/rpc/types.h"
+
+namespace tdist::rpc {
+
+template <class T>
+class RRef;
+
+namespace detail {
+
+// Called with the response (error == nullptr) or the failure of a request.
+using ResponseFn = std::function<void(Message* response, std::exception_ptr error)>;
+
+// The thread-local agent of rpc/api.h's free functions (set on the agent's worker threads).
+void set_thread_agent(std::weak_ptr<RpcAgent> agent);
+
+template <class... Fields>
+void write_fields(Bytes& body, const Fields&... fields) {
+  BytesOutputArchive ar(body);
+  ar(fields...);
+}
+
+// Encodes a message: core-archive fields, then arguments with the RPC archive.
+template <class FieldsTuple, class... A>
+OutMessage encode_message(MessageType type, RRefContext* rrefs, int dest,
+                          const FieldsTuple& fields, const A&... args) {
+  OutMessage m;
+  m.type = type;
+  std::apply([&](const auto&... f) { write_fields(m.body, f...); }, fields);
+  SendContext sc;
+  sc.tensors = &m.tensors;
+  sc.rrefs = rrefs;
+  sc.dest_rank = dest;
+  if constexpr (sizeof...(A) > 0) {
+    ArgOutputArchive ar(m.body, sc);
+    ar(args...);
+  }
+  if (sc.has_rrefs) m.flags |= kFlagHasRRefs;
+  return m;
+}
+
+// Decodes a result of type R from a response body.
+template <class R>
+R decode_result(Message& msg, RRefContext* rrefs) {
+  RecvContext rc;
+  rc.tensors = &msg.tensors;
+  rc.rrefs = rrefs;
+  rc.from_rank = msg.from;
+  ArgInputArchive ar(msg.body.data(), msg.body.size(), rc);
+  if constexpr (std::is_void_v<R>) {
+    check_all_read(ar, "result");
+  } else {
+    R value{};
+    ar(value);
+    check_all_read(ar, "result");
+    return value;
+  }
+}
+
+template <class R>
+ResponseFn result_handler(Future<R> fut, std::weak_ptr<RRefContext> rrefs, Executor* executor,
+                          std::shared_ptr<RRefBase> keep_alive = nullptr) {
+  return [fut, rrefs, executor, keep_alive](Message* msg, std::exception_ptr error) {
+    if (error) {
+      fut.set_error(error, executor);
+      return;
+    }
+    try {
+      auto ctx = rrefs.lock();
+      if constexpr (std::is_void_v<R>) {
+        decode_result<void>(*msg, ctx.get());
+        fut.set_value(executor);
+      } else {
+        fut.set_value(decode_result<R>(*msg, ctx.get()), executor);
+      }
+    } catch (...) {
+      fut.set_error(std::current_exception(), executor);
+    }
+  };
+}
+
+}  // namespace detail
+
+class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
+                 private detail::ConnectionHandler {
+ public:
+  // Starts a worker: listens, publishes its address and name in the store, and waits (up to
+  // rpc_timeout, or the store's timeout when that is 0) until all world_size workers have.
+  // InvalidArgument for a bad rank, an empty or duplicate name.
+  static std::shared_ptr<RpcAgent> start(const std::string& name, int rank, int world_size,
+                                         RpcOptions options);
+  ~RpcAgent() override;
+  RpcAgent(const RpcAgent&) = delete;
+  RpcAgent& operator=(const RpcAgent&) = delete;
+
+  const WorkerInfo& info() const { return self_; }
+  int rank() const { return self_.rank; }
+  int world_size() const { return static_cast<int>(workers_.size()); }
+  const RpcOptions& options() const { return options_; }
+  // InvalidArgument for an unknown name or a rank out of range.
+  const WorkerInfo& worker_info(const To& to) const;
+  const std::vector<WorkerInfo>& workers() const { return workers_; }
+  uint16_t port() const { return port_; }
+
+  // Calls (see rpc/api.h for the free-function forms).
+  template <class R, class... A>
+  Future<R> rpc_async(const To& to, const std::string& fn, Timeout timeout, A&&... args);
+  template <class R, class... A>
+  Future<R> rpc_async(const To& to, const std::string& fn, A&&... args) {
+    return rpc_async<R>(to, fn, Timeout{}, std::forward<A>(args)...);
+  }
+  template <class R, class... A>
+  R rpc_sync(const To& to, const std::string& fn, Timeout timeout, A&&... args) {
+    auto f = rpc_async<R>(to, fn, timeout, std::forward<A>(args)...);
+    if constexpr (std::is_void_v<R>) {
+      f.wait();
+    } else {
+      return f.value();
+    }
+  }
+  template <class R, class... A>
+  R rpc_sync(const To& to, const std::string& fn, A&&... args) {
+    return rpc_sync<R>(to, fn, Timeout{}, std::forward<A>(args)...);
+  }
+  // Defined in rref.h.
+  template <class T, class... A>
+  RRef<T> remote(const To& to, const std::string& fn, Timeout timeout, A&&... args);
+  template <class T, class... A>
+  RRef<T> remote(const To& to, const std::string& fn, A&&... args) {
+    return remote<T>(to, fn, Timeout{}, std::forward<A>(args)...);
+  }
+
+  // See Note [RPC graceful shutdown]. graceful=false closes every connection now and fails
+  // whatever is pending. Idempotent.
+  void shutdown(bool graceful = true);
+  bool is_shut_down() const { return stopped_.load(); }
+  // RRefs still registered when shutdown finished (Note [RRef protocol]).
+  std::vector<std::string> leaked_rrefs() const;
+
+  // Internals used by RRef<T> and the templates above.
+  detail::RRefContext& rref_context() { return *rrefs_; }
+  std::shared_ptr<detail::RRefContext> rref_context_ptr() { return rrefs_; }
+  detail::Executor* executor() { return pool_.get(); }
+  int resolve(const To& to) const { return worker_info(to).rank; }
+  Millis call_timeout(Timeout t) const {
+    return t.value.count() >= 0 ? t.value : options_.rpc_timeout;
+  }
+  // Sends a request; `on_done` runs exactly once, with the response or the failure (never
+  // throws). `on_pool`: run it on a worker thread even when it could run on the reader thread
+  // (it may send, or destroy RRefs). `what` describes the call for error messages.
+  void send_request(int to, detail::OutMessage&& m, Millis timeout, detail::ResponseFn on_done,
+                    std::string what, bool on_pool = false);
+  // Requests sent and received so far, and whether the agent is idle (for tests and shutdown).
+  int64_t requests_sent() const { return sent_.load(); }
+  int64_t requests_received() const { return received_.load(); }
+  size_t num_pending() const;
+
+ private:
+  struct Pending {
+    detail::ResponseFn on_done;
+    std::string what;
+    int to = -1;
+    Clock::time_point deadline;
+    bool has_deadline = false;
+    bool on_pool = false;
+  };
+  struct Peer {
+    std::mutex mu;
+    std::shared_ptr<detail::Connection> conn;  // guarded by mu
+    std::string failed;                        // guarded by mu: why the peer is unreachable
+  };
+
+  RpcAgent(const std::string& name, int rank, int world_size, RpcOptions options);
+  void listen();
+  void join_group(int world_size);
+  void accept_loop();
+  void timeout_loop();
+  std::shared_ptr<detail::Connection> connection_to(int rank);
+  std::shared_ptr<detail::Connection> connect(int rank);
+  std::string peer_name(int rank) const;
+  void fail_pending(std::vector<Pending>&& failed, std::exception_ptr error);
+  void fail_pending_to(int rank, const std::string& reason);
+  void complete(Pending& p, detail::Message* msg, std::exception_ptr error);
+  void graceful_barrier();
+  bool wait_idle(Clock::time_point deadline);
+  void stop_everything(const std::string& reason);
+
+  // ConnectionHandler (reader threads).
+  void on_message(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) override;
+  void on_closed(const std::shared_ptr<detail::Connection>& conn,
+                 const std::string& reason) override;
+
+  // Request handlers (worker threads; request_handlers.cpp).
+  void handle_request(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void handle_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void handle_remote_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void handle_fetch(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void handle_method(const std::shared_ptr<detail::Connection>& conn,
+                     std::shared_ptr<detail::Message> msg, bool remote);
+  void handle_control(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void reply_value(const std::shared_ptr<detail::Connection>& conn, uint64_t id, int to,
+                   const detail::AnyValue& value);
+  void reply_empty(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
+                   Bytes body = {});
+  void reply_error(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
+                   const std::string& message);
+  void send_reply(const std::shared_ptr<detail::Connection>& conn, detail::OutMessage&& m);
+
+  // Constant after start().
+  WorkerInfo self_;
+  RpcOptions options_;
+  std::shared_ptr<Store> store_;
+  std::string store_prefix_;
+  std::vector<WorkerInfo> workers_;
+  std::vector<std::pair<std::string, uint16_t>> addresses_;
+  std::map<std::string, int> rank_by_name_;
+  int listen_fd_ = -1;
+  uint16_t port_ = 0;
+  detail::ConnectionOptions conn_options_;
+
+  std::shared_ptr<detail::RRefContext> rrefs_;
+  std::unique_ptr<detail::ThreadPool> pool_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::thread accept_thread_;
+  std::thread timeout_thread_;
+
+  std::mutex conns_mu_;
+  std::vector<std::shared_ptr<detail::Connection>> incoming_;  // guarded by conns_mu_
+
+  mutable std::mutex pending_mu_;
+  std::condition_variable idle_cv_;     // pending_ emptied or processing_ reached 0
+  std::condition_variable timeout_cv_;  // a new earliest deadline, or stopping
+  std::unordered_map<uint64_t, Pending> pending_;                 // guarded by pending_mu_
+  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;    // guarded by pending_mu_
+  int64_t processing_ = 0;                                        // guarded by pending_mu_
+  bool stopping_ = false;                                         // guarded by pending_mu_
+
+  std::atomic<uint64_t> next_request_id_{1};
+  std::atomic<int64_t> sent_{0};
+  std::atomic<int64_t> received_{0};
+  std::atomic<bool> stopped_{false};
+  std::mutex shutdown_mu_;  // serializes shutdown()
+  mutable std::mutex leaks_mu_;
+  std::vector<std::string> leaked_;  // guarded by leaks_mu_
+};
+
+template <class R, class... A>
+Future<R> RpcAgent::rpc_async(const To& to, const std::string& fn, Timeout timeout,
+                              A&&... args) {
+  const int dest = resolve(to);
+  const Signature& sig = signature_of<R, wire_t<A>...>();
+  Future<R> fut;
+  detail::OutMessage m = detail::encode_message(
+      detail::MessageType::kCall, rrefs_.get(), dest,
+      std::make_tuple(detail::CallHeader{fn, sig.hash}), wire_arg(std::forward<A>(args))...);
+  std::string what = str("rpc '", fn, "' as ", sig.text, " to worker '", workers_[dest].name, "'");
+  fut.set_description(what);
+  send_request(dest, std::move(m), call_timeout(timeout),
+               detail::result_handler<R>(fut, rrefs_, pool_.get()), std::move(what));
+  return fut;
+}
+
+}  // namespace tdist::rpc

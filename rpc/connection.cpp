@@ -1,0 +1,382 @@
+#include "tdist/rpc/connection.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/serialize.h"
+#include "tdist/rpc/detail/tensor_pool.h"
+
+namespace tdist::rpc::detail {
+namespace {
+
+constexpr size_t kReadBuffer = 256 << 10;
+constexpr size_t kBodyChunk = 1 << 20;
+
+}  // namespace
+
+Connection::Connection(int fd, bool outgoing, const ConnectionOptions& options,
+                       ConnectionHandler* handler, Executor* executor)
+    : fd_(fd), outgoing_(outgoing), options_(options), handler_(handler), executor_(executor) {
+  int one = 1;
+  ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  in_.resize(kReadBuffer);
+}
+
+std::shared_ptr<Connection> Connection::outgoing(int fd, const HandshakeResult& hs,
+                                                 const ConnectionOptions& options,
+                                                 ConnectionHandler* handler, Executor* executor) {
+  std::shared_ptr<Connection> c(new Connection(fd, true, options, handler, executor));
+  c->hs_ = hs;
+  c->peer_rank_ = hs.peer_rank;
+  return c;
+}
+
+std::shared_ptr<Connection> Connection::incoming(int fd, const ConnectionOptions& options,
+                                                 ConnectionHandler* handler, Executor* executor) {
+  return std::shared_ptr<Connection>(new Connection(fd, false, options, handler, executor));
+}
+
+Connection::~Connection() {
+  if (reader_.joinable()) {
+    if (reader_.get_id() == std::this_thread::get_id()) {
+      reader_.detach();
+    } else {
+      ::shutdown(fd_, SHUT_RDWR);
+      reader_.join();
+    }
+  }
+  ::close(fd_);
+}
+
+void Connection::start() {
+  reader_ = std::thread([self = shared_from_this()] { self->run(); });
+}
+
+void Connection::join() {
+  if (reader_.joinable() && reader_.get_id() != std::this_thread::get_id()) reader_.join();
+}
+
+bool Connection::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
+}
+
+std::string Connection::close_reason() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return close_reason_;
+}
+
+void Connection::close(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    close_reason_ = reason;
+  }
+  // shutdown() (not close()) wakes the reader blocked in recv and a writer blocked in sendmsg;
+  // the descriptor is closed by the destructor once nobody uses it.
+  ::shutdown(fd_, SHUT_RDWR);
+}
+
+void Connection::run() {
+  auto self = shared_from_this();
+  std::string reason;
+  try {
+    if (!outgoing_) {
+      hs_ = server_handshake(fd_, options_.handshake);
+      peer_rank_ = hs_.peer_rank;
+    }
+    if (options_.send_timeout.count() > 0) {
+      struct timeval tv {};
+      tv.tv_sec = static_cast<time_t>(options_.send_timeout.count() / 1000);
+      tv.tv_usec = static_cast<suseconds_t>((options_.send_timeout.count() % 1000) * 1000);
+      ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    }
+    read_frames();
+  } catch (const std::exception& e) {
+    reason = e.what();
+  }
+  close(reason);
+  handler_->on_closed(self, reason);
+  finished_ = true;
+}
+
+size_t Connection::fill(size_t want) {
+  for (;;) {
+    ssize_t n = ::recv(fd_, in_.data() + in_end_, std::min(want, in_.size() - in_end_), 0);
+    if (n > 0) return static_cast<size_t>(n);
+    if (n == 0) throw NetworkError(str("connection closed by worker rank ", peer_rank()));
+    if (errno == EINTR) continue;
+    throw NetworkError(str("reading from worker rank ", peer_rank(), ": ", std::strerror(errno)));
+  }
+}
+
+void Connection::read(void* dst, size_t size) {
+  auto* d = static_cast<uint8_t*>(dst);
+  size_t k = std::min(in_end_ - in_pos_, size);
+  if (k) std::memcpy(d, in_.data() + in_pos_, k);
+  in_pos_ += k;
+  d += k;
+  size -= k;
+  if (size == 0) return;
+  in_pos_ = in_end_ = 0;
+  if (size >= in_.size() / 2) {
+    // Large: straight into the destination, no staging copy.
+    while (size > 0) {
+      ssize_t n = ::recv(fd_, d, size, 0);
+      if (n > 0) {
+        d += n;
+        size -= static_cast<size_t>(n);
+      } else if (n == 0) {
+        throw NetworkError(str("connection closed by worker rank ", peer_rank()));
+      } else if (errno != EINTR) {
+        throw NetworkError(
+            str("reading from worker rank ", peer_rank(), ": ", std::strerror(errno)));
+      }
+    }
+    return;
+  }
+  while (size > 0) {
+    in_end_ += fill(in_.size() - in_end_);
+    k = std::min(in_end_ - in_pos_, size);
+    std::memcpy(d, in_.data() + in_pos_, k);
+    in_pos_ += k;
+    d += k;
+    size -= k;
+  }
+}
+
+void Connection::read_frames() {
+  auto self = shared_from_this();
+  uint8_t hdr[kHeaderSize];
+  for (;;) {
+    read(hdr, sizeof(hdr));
+    FrameHeader h = decode_header(hdr, options_.max_frame_bytes);
+    if (h.type == MessageType::kTensorRelease) {
+      if (h.length != 0) throw ProtocolError("TENSOR_RELEASE frame with a body");
+      release(h.id);
+      continue;
+    }
+    Message m;
+    m.type = h.type;
+    m.flags = h.flags;
+    m.id = h.id;
+    m.from = peer_rank();
+    // The body grows as its bytes arrive: a peer that announces a large frame and sends less
+    // makes us allocate at most about twice what it sent.
+    size_t got = 0;
+    while (got < h.body_len) {
+      size_t chunk = std::min<size_t>(h.body_len - got, std::max(got, kBodyChunk));
+      m.body.resize(got + chunk);
+      read(m.body.data() + got, chunk);
+      got += chunk;
+    }
+    TensorSection section;
+    if (h.meta_len > 0) {
+      section = decode<TensorSection>(m.body.data() + (h.body_len - h.meta_len), h.meta_len);
+      m.body.resize(h.body_len - h.meta_len);
+    }
+    read_frame_tensors(h, m, section);
+    handler_->on_message(self, std::move(m));
+  }
+}
+
+void Connection::read_frame_tensors(const FrameHeader& h, Message& m, TensorSection& section) {
+  const uint64_t inline_total = h.length - h.body_len;
+  const bool any_remote = !section.addresses.empty();
+  if (any_remote) {
+    if (section.addresses.size() != section.metas.size()) {
+      throw ProtocolError(str("tensor section has ", section.metas.size(), " tensors but ",
+                              section.addresses.size(), " addresses"));
+    }
+    if (!hs_.read_remote_tensors || !(h.flags & kFlagRemoteTensors)) {
+      throw ProtocolError("peer sent tensor addresses but the same-host fast path is off");
+    }
+  }
+  uint64_t inline_sum = 0;
+  uint64_t remote_sum = 0;
+  for (size_t i = 0; i < section.metas.size(); ++i) {
+    const bool remote = any_remote && section.addresses[i] != 0;
+    if (remote) {
+      validate_tensor_meta(section.metas[i], options_.max_frame_bytes - remote_sum);
+      remote_sum += section.metas[i].nbytes;
+    } else {
+      validate_tensor_meta(section.metas[i], inline_total - inline_sum);
+      inline_sum += section.metas[i].nbytes;
+    }
+  }
+  if (inline_sum != inline_total) {
+    throw ProtocolError(str("frame carries ", inline_total, " tensor bytes but its tensors need ",
+                            inline_sum));
+  }
+  m.tensors.reserve(section.metas.size());
+  for (size_t i = 0; i < section.metas.size(); ++i) {
+    const TensorMeta& meta = section.metas[i];
+    at::Tensor t = empty_for_receive(meta);
+    if (meta.nbytes) {
+      if (any_remote && section.addresses[i] != 0) {
+        auto* dst = static_cast<uint8_t*>(t.data_ptr());
+        const uint64_t src = section.addresses[i];
+        const pid_t pid = hs_.peer_pid;
+        parallel_copy(meta.nbytes, [&](uint64_t off, uint64_t n) {
+          read_process_memory(pid, src + off, dst + off, n);
+        });
+      } else {
+        read(t.data_ptr(), meta.nbytes);
+      }
+    }
+    m.tensors.push_back(std::move(t));
+  }
+  if (any_remote) {
+    // The sender holds those tensors until it hears that we are done with its memory.
+    std::weak_ptr<Connection> weak = weak_from_this();
+    uint64_t id = h.id;
+    executor_->post([weak, id] {
+      if (auto c = weak.lock()) {
+        OutMessage rel;
+        rel.type = MessageType::kTensorRelease;
+        rel.id = id;
+        try {
+          c->send(std::move(rel));
+        } catch (const std::exception&) {
+          // Closed: the sender dropped its references with the connection.
+        }
+      }
+    });
+  }
+}
+
+void Connection::release(uint64_t id) {
+  std::vector<at::Tensor> dropped;
+  std::lock_guard<std::mutex> lock(retained_mu_);
+  auto it = retained_.find(id);
+  if (it == retained_.end()) return;  // idempotent
+  dropped.swap(it->second);
+  retained_.erase(it);
+}
+
+void Connection::frame(OutMessage& m) {
+  TensorSection section;
+  std::vector<at::Tensor> wire;
+  std::vector<at::Tensor> remote;
+  uint64_t inline_bytes = 0;
+  section.metas.reserve(m.tensors.size());
+  for (auto& t : m.tensors) {
+    at::Tensor c = t.contiguous();
+    TensorMeta meta = describe_tensor(c);
+    const bool is_remote = hs_.send_remote_tensors && meta.nbytes >= options_.remote_tensor_threshold;
+    section.addresses.push_back(is_remote ? reinterpret_cast<uint64_t>(c.data_ptr()) : 0);
+    if (is_remote) {
+      remote.push_back(std::move(c));
+    } else {
+      inline_bytes += meta.nbytes;
+      if (meta.nbytes) wire.push_back(std::move(c));
+    }
+    section.metas.push_back(std::move(meta));
+  }
+  if (remote.empty()) section.addresses.clear();
+  const size_t payload = m.body.size();
+  if (!section.metas.empty()) {
+    BytesOutputArchive ar(m.body);
+    ar(section);
+  }
+  const uint64_t body_len = m.body.size();
+  TDIST_CHECK_ARG(body_len <= UINT32_MAX, "message body of ", body_len,
+                  " bytes (without tensors) exceeds 4 GiB");
+  FrameHeader h;
+  h.type = m.type;
+  h.flags = m.flags | (remote.empty() ? 0 : kFlagRemoteTensors);
+  h.body_len = static_cast<uint32_t>(body_len);
+  h.meta_len = static_cast<uint32_t>(body_len - payload);
+  h.id = m.id;
+  h.length = body_len + inline_bytes;
+  TDIST_CHECK_ARG(h.length <= options_.max_frame_bytes, "message of ", h.length,
+                  " bytes exceeds the maximum frame size of ", options_.max_frame_bytes,
+                  " bytes (RpcOptions::max_frame_bytes)");
+  encode_header(h, m.header.data());
+  m.tensor_bytes = inline_bytes;
+  m.remote_tensors = !remote.empty();
+  m.tensors = std::move(wire);
+  if (!remote.empty()) {
+    std::lock_guard<std::mutex> lock(retained_mu_);
+    retained_[m.id] = std::move(remote);
+  }
+}
+
+void Connection::send(OutMessage&& m) {
+  frame(m);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) {
+    throw NetworkError(str("connection to worker rank ", peer_rank(), " is closed: ",
+                           close_reason_));
+  }
+  queue_.push_back(std::move(m));
+  if (writing_) return;  // the writing thread picks it up
+  writing_ = true;
+  std::deque<OutMessage> batch;
+  while (!queue_.empty()) {
+    batch.swap(queue_);
+    lock.unlock();
+    try {
+      write_batch(batch);
+    } catch (const std::exception& e) {
+      lock.lock();
+      writing_ = false;
+      queue_.clear();
+      lock.unlock();
+      close(e.what());
+      throw;
+    }
+    batch.clear();
+    lock.lock();
+  }
+  writing_ = false;
+}
+
+void Connection::write_batch(std::deque<OutMessage>& batch) {
+  std::vector<struct iovec> iov;
+  iov.reserve(batch.size() * 3);
+  for (auto& m : batch) {
+    iov.push_back({m.header.data(), kHeaderSize});
+    if (!m.body.empty()) iov.push_back({m.body.data(), m.body.size()});
+    for (auto& t : m.tensors) iov.push_back({t.data_ptr(), t.nbytes()});
+  }
+  size_t idx = 0;
+  while (idx < iov.size()) {
+    struct msghdr mh {};
+    mh.msg_iov = &iov[idx];
+    mh.msg_iovlen = std::min<size_t>(IOV_MAX, iov.size() - idx);
+    ssize_t n = ::sendmsg(fd_, &mh, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        throw TimeoutError(str("sending to worker rank ", peer_rank(), " timed out after ",
+                               options_.send_timeout.count(), " ms (the worker stopped reading)"));
+      }
+      throw NetworkError(str("sending to worker rank ", peer_rank(), ": ", std::strerror(errno)));
+    }
+    auto left = static_cast<size_t>(n);
+    while (idx < iov.size() && left >= iov[idx].iov_len) {
+      left -= iov[idx].iov_len;
+      ++idx;
+    }
+    if (left) {
+      iov[idx].iov_base = static_cast<uint8_t*>(iov[idx].iov_base) + left;
+      iov[idx].iov_len -= left;
+    }
+  }
+}
+
+}  // namespace tdist::rpc::detail

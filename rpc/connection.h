@@ -1,0 +1,125 @@
+#pragma once
+// One TCP connection between two agents, after the handshake (rpc/auth.h).
+//
+// Reading: one thread per connection reads frames (Note [RPC wire format]) through a small
+// buffer; a large body or tensor is read straight into its destination (a tensor's own storage),
+// so large tensors are never copied on the way in. With the same-host fast path the bytes of a
+// large tensor are read from the sender's memory instead (process_vm_readv, one copy), and a
+// TENSOR_RELEASE frame then lets the sender drop its reference. Each complete frame goes to the
+// handler; the reader never runs user code and never writes (it posts what must be sent).
+//
+// Writing: send() frames the message (header, payload + tensor section, tensor bytes) and writes
+// it with scatter-gather sendmsg() straight from the payload and the tensors' memory. Concurrent
+// senders combine: the thread that finds the connection idle writes everything queued meanwhile
+// in one batch (many small messages cost one system call), the others return at once.
+//
+// A read or write error, EOF, a malformed frame or close() closes the connection; the handler
+// then hears on_closed() once, from the reader thread. send() on a closed connection throws
+// NetworkError with the reason.
+// Thread safety: send() and close() from any thread. Ownership: the agent owns connections and
+// joins their reader threads (join()) before dropping them.
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "tdist/rpc/auth.h"
+#include "tdist/rpc/future.h"
+#include "tdist/rpc/message.h"
+
+namespace tdist::rpc::detail {
+
+class Connection;
+
+class ConnectionHandler {
+ public:
+  virtual ~ConnectionHandler() = default;
+  // A complete frame (reader thread).
+  virtual void on_message(const std::shared_ptr<Connection>& conn, Message&& msg) = 0;
+  // The connection closed (reader thread; once).
+  virtual void on_closed(const std::shared_ptr<Connection>& conn, const std::string& reason) = 0;
+};
+
+struct ConnectionOptions {
+  uint64_t max_frame_bytes = uint64_t{4} << 30;
+  Millis send_timeout{0};                    // SO_SNDTIMEO once established; 0: none
+  uint64_t remote_tensor_threshold = 256 << 10;  // fast path only for tensors at least this large
+  HandshakeOptions handshake;                // incoming connections handshake on their thread
+};
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  // An outgoing connection whose handshake is done.
+  static std::shared_ptr<Connection> outgoing(int fd, const HandshakeResult& hs,
+                                              const ConnectionOptions& options,
+                                              ConnectionHandler* handler, Executor* executor);
+  // An accepted socket; its thread runs the server handshake first and closes the socket
+  // without reading a frame when it fails.
+  static std::shared_ptr<Connection> incoming(int fd, const ConnectionOptions& options,
+                                              ConnectionHandler* handler, Executor* executor);
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  void start();
+  void send(OutMessage&& m);
+  void close(const std::string& reason);
+  void join();
+
+  bool is_outgoing() const { return outgoing_; }
+  int peer_rank() const { return peer_rank_.load(); }
+  bool closed() const;
+  bool finished() const { return finished_.load(); }  // the reader thread has returned
+  std::string close_reason() const;
+
+ private:
+  Connection(int fd, bool outgoing, const ConnectionOptions& options, ConnectionHandler* handler,
+             Executor* executor);
+  void run();
+  void read_frames();
+  void read_frame_tensors(const FrameHeader& h, Message& m, TensorSection& section);
+  void frame(OutMessage& m);
+  void write_batch(std::deque<OutMessage>& batch);
+  void release(uint64_t id);
+
+  // Buffered reads.
+  void read(void* dst, size_t size);
+  size_t fill(size_t want);
+
+  // Constant after construction.
+  const int fd_;
+  const bool outgoing_;
+  const ConnectionOptions options_;
+  ConnectionHandler* const handler_;
+  Executor* const executor_;
+
+  // Set by the handshake (before any frame).
+  std::atomic<int> peer_rank_{-1};
+  HandshakeResult hs_;
+
+  // Reader thread only.
+  std::vector<uint8_t> in_;
+  size_t in_pos_ = 0;
+  size_t in_end_ = 0;
+  std::thread reader_;
+  std::atomic<bool> finished_{false};
+
+  mutable std::mutex mu_;
+  std::deque<OutMessage> queue_;  // guarded by mu_
+  bool writing_ = false;          // guarded by mu_: a thread is writing the queue
+  bool closed_ = false;           // guarded by mu_
+  std::string close_reason_;      // guarded by mu_
+
+  std::mutex retained_mu_;
+  // Tensors whose bytes the peer reads from our memory, by frame id, until TENSOR_RELEASE.
+  std::unordered_map<uint64_t, std::vector<at::Tensor>> retained_;  // guarded by retained_mu_
+};
+
+}  // namespace tdist::rpc::detail

@@ -1,0 +1,32 @@
+#pragma once
+// Where received tensors live, and how large ones are copied in.
+//
+// empty_for_receive(): a new CPU tensor for incoming bytes. Tensors of at least kMinCached bytes
+// get storage from a small process-wide cache of freed blocks (exact sizes, at most
+// kMaxCachedBytes in all): a block comes back when its tensor dies, so receiving tensors of
+// the same sizes again and again (parameters, activations, benchmarks) reuses memory whose pages
+// are already mapped instead of paying a page fault per 4 KiB on every receive. The storage is
+// ordinary resizable CPU storage.
+//
+// parallel_copy(): runs copy(offset, size) over [0, total) in chunks, on the calling thread and
+// on a few process-wide helper threads that do nothing else (so a copy never waits behind user
+// code). Blocks until all chunks are done; rethrows the first chunk's error.
+// Thread safety: both may be called from any thread.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+
+#include "tdist/core/tensor_wire.h"
+
+namespace tdist::rpc::detail {
+
+constexpr uint64_t kMinCached = uint64_t{1} << 20;
+constexpr uint64_t kMaxCachedBytes = uint64_t{256} << 20;
+
+at::Tensor empty_for_receive(const TensorMeta& meta);
+
+void parallel_copy(uint64_t total, const std::function<void(uint64_t offset, uint64_t size)>& copy);
+
+}  // namespace tdist::rpc::detail

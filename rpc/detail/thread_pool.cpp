@@ -1,0 +1,81 @@
+#include "tdist/rpc/detail/thread_pool.h"
+
+#include "tdist/core/logging.h"
+
+namespace tdist::rpc::detail {
+namespace {
+thread_local const ThreadPool* tl_pool = nullptr;
+}
+
+ThreadPool::ThreadPool(int threads, std::function<void()> on_start)
+    : on_start_(std::move(on_start)) {
+  TDIST_CHECK_ARG(threads > 0, "a thread pool needs at least one thread, got ", threads);
+  threads_.reserve(threads);
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+}
+
+ThreadPool::~ThreadPool() { stop(); }
+
+void ThreadPool::post(std::function<void()> task) {
+  // After stop() nothing would run it: run it here rather than lose a future's callback.
+  if (!try_post(std::move(task))) task();  // try_post leaves `task` alone when it refuses
+}
+
+bool ThreadPool::try_post(std::function<void()>&& task) {
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return false;
+    tasks_.push_back(std::move(task));
+    wake = idle_ > 0;
+  }
+  if (wake) cv_.notify_one();
+  return true;
+}
+
+void ThreadPool::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && threads_.empty()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // stop() from a pool task: that thread exits after the task returns
+    } else if (t.joinable()) {
+      t.join();
+    }
+  }
+  threads_.clear();
+}
+
+bool ThreadPool::in_pool_thread() const { return tl_pool == this; }
+
+void ThreadPool::run() {
+  tl_pool = this;
+  if (on_start_) on_start_();
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    while (tasks_.empty() && !stopping_) {
+      ++idle_;
+      cv_.wait(lock);
+      --idle_;
+    }
+    if (tasks_.empty()) return;  // stopping and drained
+    auto task = std::move(tasks_.front());
+    tasks_.pop_front();
+    lock.unlock();
+    try {
+      task();
+    } catch (const std::exception& e) {
+      TDIST_LOG_ERROR("rpc worker thread: task threw: ", e.what());
+    } catch (...) {
+      TDIST_LOG_ERROR("rpc worker thread: task threw a non-standard exception");
+    }
+    task = nullptr;
+    lock.lock();
+  }
+}
+
+}  // namespace tdist::rpc::detail

@@ -1,0 +1,42 @@
+#pragma once
+// A fixed pool of worker threads that run posted tasks in FIFO order. Each thread runs
+// `on_start` first (the agent sets its thread-local current agent there). post() never blocks
+// (the queue is unbounded) and wakes a thread only when one is idle. stop() finishes the queued
+// tasks and joins the threads; after stop(), post() runs the task on the calling thread and
+// try_post() runs nothing and returns false.
+// Thread safety: post() from any thread, including the pool's own threads.
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "tdist/rpc/future.h"
+
+namespace tdist::rpc::detail {
+
+class ThreadPool : public Executor {
+ public:
+  ThreadPool(int threads, std::function<void()> on_start);
+  ~ThreadPool() override;
+
+  void post(std::function<void()> task) override;
+  bool try_post(std::function<void()>&& task);
+  void stop();
+  bool in_pool_thread() const;
+
+ private:
+  void run();
+
+  std::function<void()> on_start_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  int idle_ = 0;                             // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace tdist::rpc::detail

@@ -1,0 +1,92 @@
+#include "tdist/rpc/message.h"
+
+#include <cstring>
+
+#include "tdist/core/error.h"
+
+namespace tdist::rpc::detail {
+namespace {
+
+template <class T>
+void put(uint8_t*& p, T v) {
+  std::memcpy(p, &v, sizeof(T));
+  p += sizeof(T);
+}
+
+template <class T>
+T get(const uint8_t*& p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  p += sizeof(T);
+  return v;
+}
+
+}  // namespace
+
+const char* message_type_name(MessageType type) {
+  switch (type) {
+    case MessageType::kCall: return "CALL";
+    case MessageType::kResponse: return "RESPONSE";
+    case MessageType::kError: return "ERROR";
+    case MessageType::kRemoteCall: return "REMOTE_CALL";
+    case MessageType::kRRefFetch: return "RREF_FETCH";
+    case MessageType::kRRefMethodCall: return "RREF_METHOD_CALL";
+    case MessageType::kRRefMethodRemote: return "RREF_METHOD_REMOTE";
+    case MessageType::kRRefForkRequest: return "RREF_FORK_REQUEST";
+    case MessageType::kRRefUserDelete: return "RREF_USER_DELETE";
+    case MessageType::kRRefChildAccept: return "RREF_CHILD_ACCEPT";
+    case MessageType::kTensorRelease: return "TENSOR_RELEASE";
+  }
+  return "UNKNOWN";
+}
+
+void encode_header(const FrameHeader& h, uint8_t* out) {
+  uint8_t* p = out;
+  put<uint32_t>(p, kMagic);
+  put<uint16_t>(p, kVersion);
+  put<uint16_t>(p, static_cast<uint16_t>(h.type));
+  put<uint32_t>(p, h.flags);
+  put<uint32_t>(p, h.body_len);
+  put<uint32_t>(p, h.meta_len);
+  put<uint32_t>(p, 0);
+  put<uint64_t>(p, h.id);
+  put<uint64_t>(p, h.length);
+}
+
+FrameHeader decode_header(const uint8_t* in, uint64_t max_frame_bytes) {
+  const uint8_t* p = in;
+  auto magic = get<uint32_t>(p);
+  if (magic != kMagic) {
+    throw ProtocolError(str("bad frame magic 0x", std::hex, magic, " (expected 0x", kMagic, ")"));
+  }
+  auto version = get<uint16_t>(p);
+  if (version != kVersion) {
+    throw ProtocolError(str("unsupported RPC wire version ", version, " (this build speaks ",
+                            kVersion, ")"));
+  }
+  FrameHeader h;
+  auto type = get<uint16_t>(p);
+  if (type == 0 || type > static_cast<uint16_t>(MessageType::kMaxType)) {
+    throw ProtocolError(str("unknown message type ", type));
+  }
+  h.type = static_cast<MessageType>(type);
+  h.flags = get<uint32_t>(p);
+  if (h.flags & ~kKnownFlags) throw ProtocolError(str("unknown frame flags 0x", std::hex, h.flags));
+  h.body_len = get<uint32_t>(p);
+  h.meta_len = get<uint32_t>(p);
+  auto reserved = get<uint32_t>(p);
+  if (reserved != 0) throw ProtocolError("reserved frame header field is not zero");
+  h.id = get<uint64_t>(p);
+  h.length = get<uint64_t>(p);
+  if (h.length > max_frame_bytes) {
+    throw ProtocolError(str("frame of ", h.length, " bytes exceeds the maximum frame size of ",
+                            max_frame_bytes, " bytes"));
+  }
+  if (h.body_len > h.length || h.meta_len > h.body_len) {
+    throw ProtocolError(str("inconsistent frame lengths: length ", h.length, ", body ",
+                            h.body_len, ", tensor section ", h.meta_len));
+  }
+  return h;
+}
+
+}  // namespace tdist::rpc::detail

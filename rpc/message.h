@@ -1,0 +1,138 @@
+#pragma once
+// RPC messages and their framing.
+//
+// Note [RPC wire format]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A connection carries frames. Each frame is a fixed 40-byte header, a body and the tensor bytes:
+//
+//   header  u32 magic "TRPC" | u16 version | u16 type | u32 flags | u32 body_len | u32 meta_len |
+//           u32 reserved (0) | u64 id | u64 length            (little-endian)
+//   body    body_len bytes = payload (body_len - meta_len bytes) + tensor section (meta_len bytes)
+//   tensors length - body_len bytes: every tensor's bytes, in order, contiguous row-major
+//
+// `length` counts everything after the header. The payload is the message's fields written with
+// core/serialize.h's archive followed by the call's arguments or result written with
+// rpc/detail/archive.h (tensors there are indices into the tensor section). The tensor section
+// is a cereal TensorSection: one TensorMeta per tensor and, with kFlagRemoteTensors, the address
+// of each tensor's bytes in the sender's memory instead of bytes in the frame (same-host fast
+// path, see connection.h).
+//
+// A receiver checks, before it allocates or reads anything that depends on them: the magic, the
+// version, a known type, length <= the maximum frame size, meta_len <= body_len <= length,
+// reserved == 0; then that the tensor section decodes within meta_len bytes, that every TensorMeta
+// is valid (core/tensor_wire.h) and that the tensor byte counts add up to exactly
+// length - body_len. Any violation closes the connection (ProtocolError); nothing a peer sends
+// can make a receiver allocate more than the frame it announced within the maximum frame size.
+//
+// `id` pairs a response (kResponse / kError) with its request. Every other type but
+// kTensorRelease is a request and gets exactly one response.
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tdist/core/store.h"
+#include "tdist/core/tensor_wire.h"
+
+namespace tdist::rpc::detail {
+
+enum class MessageType : uint16_t {
+  kCall = 1,             // run a registered function, reply with its result
+  kResponse = 2,         // a request's result
+  kError = 3,            // a request's failure: message and worker name
+  kRemoteCall = 4,       // run a function or constructor into a new OwnerRRef
+  kRRefFetch = 5,        // to_here(): the owner replies with the value
+  kRRefMethodCall = 6,   // run a registered method on an RRef's value, reply with its result
+  kRRefMethodRemote = 7, // run a method into a new OwnerRRef on the same owner
+  kRRefForkRequest = 8,  // a user tells the owner about a new fork
+  kRRefUserDelete = 9,   // a user tells the owner that a fork is gone
+  kRRefChildAccept = 10, // a child tells its parent that the owner knows it
+  kTensorRelease = 11,   // the receiver has read the sender's remote tensors of frame `id`
+  kMaxType = 11,
+};
+
+const char* message_type_name(MessageType type);
+inline bool is_request(MessageType t) {
+  return t != MessageType::kResponse && t != MessageType::kError &&
+         t != MessageType::kTensorRelease;
+}
+
+constexpr uint32_t kMagic = 0x43505254;  // "TRPC"
+constexpr uint16_t kVersion = 1;
+constexpr size_t kHeaderSize = 40;
+
+constexpr uint32_t kFlagHasRRefs = 1u << 0;       // decode on a worker thread (runs the protocol)
+constexpr uint32_t kFlagRemoteTensors = 1u << 1;  // tensor bytes stay in the sender's memory
+constexpr uint32_t kKnownFlags = kFlagHasRRefs | kFlagRemoteTensors;
+
+struct FrameHeader {
+  MessageType type = MessageType::kCall;
+  uint32_t flags = 0;
+  uint32_t body_len = 0;
+  uint32_t meta_len = 0;
+  uint64_t id = 0;
+  uint64_t length = 0;
+};
+
+void encode_header(const FrameHeader& h, uint8_t* out /* kHeaderSize bytes */);
+// Validates everything the header alone can tell (see the Note); ProtocolError otherwise.
+FrameHeader decode_header(const uint8_t* in /* kHeaderSize bytes */, uint64_t max_frame_bytes);
+
+struct TensorSection {
+  std::vector<TensorMeta> metas;
+  std::vector<uint64_t> addresses;  // kFlagRemoteTensors only
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(metas, addresses);
+  }
+};
+
+// A received message.
+struct Message {
+  MessageType type = MessageType::kCall;
+  uint32_t flags = 0;
+  uint64_t id = 0;
+  Bytes body;  // the payload, without the tensor section
+  std::vector<at::Tensor> tensors;
+  int from = -1;  // the sender's rank
+};
+
+// A message to send. The connection adds the tensor section and the header.
+struct OutMessage {
+  MessageType type = MessageType::kCall;
+  uint32_t flags = 0;
+  uint64_t id = 0;
+  Bytes body;  // the payload
+  std::vector<at::Tensor> tensors;
+
+  // Filled by the connection when it frames the message.
+  std::array<uint8_t, kHeaderSize> header{};
+  uint64_t tensor_bytes = 0;
+  bool remote_tensors = false;
+};
+
+// Fields of the various messages (written with core/serialize.h's archive at the start of the
+// payload).
+struct CallHeader {  // kCall, kRemoteCall (+ rref/fork), kRRefMethodCall/Remote (+ target)
+  std::string name;
+  uint64_t signature = 0;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(name, signature);
+  }
+};
+
+struct ErrorBody {  // kError
+  std::string message;
+  std::string worker;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(message, worker);
+  }
+};
+
+}  // namespace tdist::rpc::detail

@@ -1,0 +1,291 @@
+// RpcAgent's handlers of incoming requests (worker threads). Each request gets exactly one
+// answer: its result (RESPONSE) or an error (ERROR) naming this worker.
+#include <exception>
+
+#include "tdist/core/logging.h"
+#include "tdist/rpc/agent.h"
+
+namespace tdist::rpc {
+
+using detail::AnyValue;
+using detail::CallHeader;
+using detail::Connection;
+using detail::Message;
+using detail::MessageType;
+using detail::OutMessage;
+
+namespace {
+
+std::string describe_exception(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const RemoteError& r) {
+    return r.what();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "a non-standard exception";
+  }
+}
+
+// Reads the leading core-archive fields of a request; returns the offset of the arguments.
+template <class... Fields>
+size_t read_fields(const Message& msg, Fields&... fields) {
+  BoundedInputArchive ar(msg.body.data(), msg.body.size());
+  try {
+    ar(fields...);
+  } catch (const cereal::Exception& e) {
+    throw ProtocolError(str("malformed ", detail::message_type_name(msg.type), ": ", e.what()));
+  }
+  return msg.body.size() - ar.remaining();
+}
+
+detail::RecvContext recv_context(Message& msg, detail::RRefContext* rrefs) {
+  detail::RecvContext rc;
+  rc.tensors = &msg.tensors;
+  rc.rrefs = rrefs;
+  rc.from_rank = msg.from;
+  return rc;
+}
+
+void check_signature(const std::string& what, const std::string& name, const Signature& have,
+                     uint64_t called) {
+  if (have.hash != called) {
+    throw InvalidArgument(str(what, " '", name, "' is registered here as ", have.text,
+                              "; the caller's result or argument types differ"));
+  }
+}
+
+}  // namespace
+
+void RpcAgent::handle_request(const std::shared_ptr<Connection>& conn, Message& msg) {
+  const uint64_t id = msg.id;
+  try {
+    switch (msg.type) {
+      case MessageType::kCall:
+        handle_call(conn, msg);
+        return;
+      case MessageType::kRemoteCall:
+        handle_remote_call(conn, msg);
+        return;
+      case MessageType::kRRefFetch:
+        handle_fetch(conn, msg);
+        return;
+      case MessageType::kRRefMethodCall:
+      case MessageType::kRRefMethodRemote: {
+        const bool remote = msg.type == MessageType::kRRefMethodRemote;
+        handle_method(conn, std::make_shared<Message>(std::move(msg)), remote);
+        return;
+      }
+      case MessageType::kRRefForkRequest:
+      case MessageType::kRRefUserDelete:
+      case MessageType::kRRefChildAccept:
+        handle_control(conn, msg);
+        return;
+      default:
+        throw ProtocolError(str("unexpected request type ", detail::message_type_name(msg.type)));
+    }
+  } catch (...) {
+    reply_error(conn, id, describe_exception(std::current_exception()));
+  }
+}
+
+void RpcAgent::handle_call(const std::shared_ptr<Connection>& conn, Message& msg) {
+  CallHeader h;
+  size_t offset = read_fields(msg, h);
+  auto fn = registry().find_function(h.name);
+  if (!fn) throw InvalidArgument(str("unknown function '", h.name, "' (not registered)"));
+  check_signature("function", h.name, fn->signature, h.signature);
+  auto rc = recv_context(msg, rrefs_.get());
+  detail::ArgInputArchive ar(msg.body.data() + offset, msg.body.size() - offset, rc);
+  AnyValue v = fn->invoke(ar);
+  reply_value(conn, msg.id, msg.from, v);
+}
+
+void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Message& msg) {
+  CallHeader h;
+  RRefId rref_id;
+  ForkId fork_id;
+  size_t offset = read_fields(msg, h, rref_id, fork_id);
+  auto owner = rrefs_->get_or_create_owner(rref_id, nullptr);
+  if (fork_id.created_on >= 0) rrefs_->add_fork(rref_id, fork_id);
+  std::string error;
+  try {
+    auto fn = registry().find_function(h.name);
+    if (!fn) throw InvalidArgument(str("unknown function '", h.name, "' (not registered)"));
+    check_signature("function", h.name, fn->signature, h.signature);
+    auto rc = recv_context(msg, rrefs_.get());
+    detail::ArgInputArchive ar(msg.body.data() + offset, msg.body.size() - offset, rc);
+    owner->set_value(fn->invoke(ar));
+  } catch (...) {
+    error = describe_exception(std::current_exception());
+    owner->set_error(std::make_exception_ptr(
+        RemoteError(str("remote '", h.name, "' failed on worker '", self_.name, "': ", error),
+                    self_.name, error)));
+  }
+  rrefs_->owner_ready(rref_id);
+  reply_empty(conn, msg.id, encode(error));
+}
+
+void RpcAgent::handle_fetch(const std::shared_ptr<Connection>& conn, Message& msg) {
+  RRefId rref_id;
+  uint64_t type_hash = 0;
+  std::string type;
+  read_fields(msg, rref_id, type_hash, type);
+  auto owner = rrefs_->get_or_create_owner(rref_id, nullptr);
+  std::weak_ptr<RpcAgent> weak = weak_from_this();
+  const uint64_t id = msg.id;
+  const int from = msg.from;
+  owner->when_ready([weak, conn, owner, id, from, type_hash, type] {
+    auto self = weak.lock();
+    if (!self) return;
+    try {
+      AnyValue v = owner->value();
+      if (!v.type || v.type->hash != type_hash) {
+        throw InvalidArgument(str("RRef ", owner->id().str(), " holds ",
+                                  v.type ? v.type->name : std::string("nothing"),
+                                  " but to_here() asked for ", type));
+      }
+      self->reply_value(conn, id, from, v);
+    } catch (...) {
+      self->reply_error(conn, id, describe_exception(std::current_exception()));
+    }
+  });
+}
+
+void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
+                             std::shared_ptr<Message> msg, bool remote) {
+  CallHeader h;
+  RRefId target;
+  ForkId phantom;
+  RRefId result_id;
+  ForkId result_fork;
+  size_t offset = remote ? read_fields(*msg, h, target, phantom, result_id, result_fork)
+                         : read_fields(*msg, h, target, phantom);
+  std::shared_ptr<detail::OwnerRRef> result;
+  if (remote) {
+    result = rrefs_->get_or_create_owner(result_id, nullptr);
+    if (result_fork.created_on >= 0) rrefs_->add_fork(result_id, result_fork);
+  }
+  auto owner = rrefs_->get_or_create_owner(target, nullptr);
+  if (phantom.created_on >= 0) rrefs_->delete_fork(target, phantom);  // see RRef::phantom_fork
+  std::weak_ptr<RpcAgent> weak = weak_from_this();
+  // Runs once the target's value exists (at once when it does; otherwise on the thread that
+  // sets it, see Note [RRef protocol] invariant 5).
+  owner->when_ready([weak, conn, msg, h, offset, owner, result, result_id, remote] {
+    auto self = weak.lock();
+    if (!self) return;
+    std::string error;
+    AnyValue value;
+    try {
+      AnyValue obj = owner->value();
+      if (!obj.ptr || !obj.type) throw InvalidArgument("the RRef holds no object");
+      auto m = registry().find_method(obj.type->hash, h.name);
+      if (!m) {
+        throw InvalidArgument(
+            str("unknown method '", h.name, "' of ", obj.type->name, " (not registered)"));
+      }
+      check_signature("method", h.name, m->signature, h.signature);
+      auto rc = recv_context(*msg, self->rrefs_.get());
+      detail::ArgInputArchive ar(msg->body.data() + offset, msg->body.size() - offset, rc);
+      value = m->invoke(obj.ptr.get(), ar);
+    } catch (...) {
+      error = describe_exception(std::current_exception());
+    }
+    if (!remote) {
+      if (error.empty()) {
+        try {
+          self->reply_value(conn, msg->id, msg->from, value);
+          return;
+        } catch (...) {
+          error = describe_exception(std::current_exception());
+        }
+      }
+      self->reply_error(conn, msg->id, error);
+      return;
+    }
+    if (error.empty()) {
+      result->set_value(std::move(value));
+    } else {
+      result->set_error(std::make_exception_ptr(RemoteError(
+          str("remote method '", h.name, "' failed on worker '", self->self_.name, "': ", error),
+          self->self_.name, error)));
+    }
+    self->rrefs_->owner_ready(result_id);
+    self->reply_empty(conn, msg->id, encode(error));
+  });
+}
+
+void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& msg) {
+  switch (msg.type) {
+    case MessageType::kRRefForkRequest: {
+      auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
+      rrefs_->get_or_create_owner(id, nullptr);
+      rrefs_->add_fork(id, fork);
+      break;
+    }
+    case MessageType::kRRefUserDelete: {
+      auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
+      rrefs_->delete_fork(id, fork);
+      break;
+    }
+    case MessageType::kRRefChildAccept: {
+      auto fork = decode<ForkId>(msg.body);
+      rrefs_->child_accepted(fork);
+      break;
+    }
+    default:
+      throw ProtocolError("not a control message");
+  }
+  reply_empty(conn, msg.id);
+}
+
+void RpcAgent::reply_value(const std::shared_ptr<Connection>& conn, uint64_t id, int to,
+                           const AnyValue& value) {
+  OutMessage r;
+  r.type = MessageType::kResponse;
+  r.id = id;
+  if (value.ptr) {
+    if (!value.type || !value.type->encode) {
+      throw InvalidArgument(str("a value of type ", value.type ? value.type->name : "?",
+                                " cannot be sent: it has no cereal serialize()"));
+    }
+    detail::SendContext sc;
+    sc.tensors = &r.tensors;
+    sc.rrefs = rrefs_.get();
+    sc.dest_rank = to;
+    detail::ArgOutputArchive ar(r.body, sc);
+    value.type->encode(value.ptr.get(), ar);
+    if (sc.has_rrefs) r.flags |= detail::kFlagHasRRefs;
+  }
+  send_reply(conn, std::move(r));
+}
+
+void RpcAgent::reply_empty(const std::shared_ptr<Connection>& conn, uint64_t id, Bytes body) {
+  OutMessage r;
+  r.type = MessageType::kResponse;
+  r.id = id;
+  r.body = std::move(body);
+  send_reply(conn, std::move(r));
+}
+
+void RpcAgent::reply_error(const std::shared_ptr<Connection>& conn, uint64_t id,
+                           const std::string& message) {
+  OutMessage r;
+  r.type = MessageType::kError;
+  r.id = id;
+  r.body = encode(detail::ErrorBody{message, self_.name});
+  send_reply(conn, std::move(r));
+}
+
+void RpcAgent::send_reply(const std::shared_ptr<Connection>& conn, OutMessage&& m) {
+  try {
+    conn->send(std::move(m));
+  } catch (const InvalidArgument&) {
+    throw;  // e.g. a result larger than the maximum frame: the caller gets an error instead
+  } catch (const std::exception& e) {
+    TDIST_LOG_DEBUG("rpc: cannot answer worker rank ", conn->peer_rank(), ": ", e.what());
+  }
+}
+
+}  // namespace tdist::rpc

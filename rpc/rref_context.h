@@ -1,0 +1,234 @@
+#pragma once
+// RRef bookkeeping on one worker: the RRefs it owns, the forks of them that users hold, and the
+// user RRefs it holds.
+//
+// Note [RRef protocol]
+// ~~~~~~~~~~~~~~~~~~~~
+// (PyTorch's protocol, docs/rpc.md has the diagrams.) An RRef has one owner, the worker that
+// holds the value in an OwnerRRef, and any number of users, each holding a UserRRef. Every
+// UserRRef is one *fork*, named by a ForkId that is unique across the job; an RRefId names the
+// RRef. The owner keeps the set of forks it knows for each of its RRefs (`forks_`) and keeps the
+// OwnerRRef in `owners_` while that set is not empty. The value is freed when the OwnerRRef is
+// gone: no fork left and no RRef<T> handle left on the owner.
+//
+// Creating: remote(B, f) on A makes a UserRRef (new RRefId, new ForkId) at once and sends
+// REMOTE_CALL carrying both; B gets or creates the OwnerRRef, adds the fork, runs f, stores the
+// value (or the error) and answers. A's UserRRef is *pending* (held by `pending_users_`, so it
+// cannot be deleted) until that answer confirms it.
+//
+// Sharing (a fork): when worker P (the parent) sends an RRef to worker C (the child) as an
+// argument or a result, P writes fork data {owner, RRefId, new ForkId, parent P}.
+//   - P is the owner: P adds the ForkId to `forks_` before sending (early registration), so the
+//     owner knows the child before the child exists. C's UserRRef is confirmed at once.
+//   - P is a user: P keeps its own UserRRef alive in `pending_children_` until C accepts. C
+//     holds its new UserRRef pending, sends RREF_FORK_REQUEST to the owner, and once the owner
+//     has added the fork and answered, confirms it and sends RREF_CHILD_ACCEPT to P, which drops
+//     the pending child.
+//   - C is the owner itself: it uses its OwnerRRef; if P was a user it sends RREF_CHILD_ACCEPT
+//     to P; if P is C (the owner sent it to itself) it removes the fork it added while sending.
+// Deleting: when the last RRef<T> handle of a UserRRef goes, the user sends RREF_USER_DELETE
+// {RRefId, ForkId} to the owner, which removes the fork; an OwnerRRef whose fork set becomes
+// empty leaves `owners_` once its value is set.
+//
+// Invariants this gives:
+//   1. The owner learns of every fork before it can learn of that fork's deletion: a pending
+//      UserRRef cannot be deleted, and a user is confirmed only after the owner added its fork.
+//   2. A parent's fork outlives the registration of its child: the parent stays in
+//      `pending_children_` until the child's fork is confirmed, so the owner's fork set never
+//      drops to empty while a child is on its way.
+//   3. Control messages are idempotent: adding a fork twice, deleting an unknown fork and
+//      accepting an unknown child change nothing, so a repeated message is harmless.
+//   4. Every call through a UserRRef (to_here, rpc_sync/rpc_async/remote on it) keeps the handle
+//      alive until its answer arrives, so a delete cannot overtake a call on the same RRef.
+//      A call the owner makes on its own RRef carries a *phantom* fork, added before sending and
+//      removed by the handler once it holds the OwnerRRef, for the same reason.
+//   5. A fork request or fetch may reach the owner before the REMOTE_CALL that creates the value
+//      (different connections, a thread pool): the owner then creates the OwnerRRef empty, and
+//      waiters are answered when the value is set. An OwnerRRef without a value never leaves
+//      `owners_`.
+// Graceful shutdown (agent.h) waits until no control message is in flight anywhere; what is
+// still registered then is leaked (a handle kept past shutdown) and is reported.
+//
+// Thread safety: RRefContext is internally synchronized; it never holds its mutex while sending
+// or while an RRef is destroyed.
+
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "tdist/rpc/registry.h"
+#include "tdist/rpc/types.h"
+
+namespace tdist::rpc {
+
+class RpcAgent;
+
+namespace detail {
+
+class RRefContext;
+
+// What travels when an RRef is sent (Note [RRef protocol]).
+struct ForkData {
+  int32_t owner = -1;
+  RRefId rref_id;
+  ForkId fork_id;
+  int32_t parent = -1;
+  uint64_t type_hash = 0;
+  std::string type_name;
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(owner, rref_id, fork_id, parent, type_hash, type_name);
+  }
+};
+
+// This worker's view of one RRef, shared by all RRef<T> handles of it here.
+class RRefBase {
+ public:
+  RRefBase(std::weak_ptr<RRefContext> ctx, RRefId id, int owner, const TypeInfo* type)
+      : ctx_(std::move(ctx)), id_(id), owner_(owner), type_(type) {}
+  virtual ~RRefBase() = default;
+  RRefBase(const RRefBase&) = delete;
+  RRefBase& operator=(const RRefBase&) = delete;
+
+  virtual bool is_owner() const = 0;
+  virtual bool confirmed() const = 0;
+  const RRefId& id() const { return id_; }
+  int owner() const { return owner_; }
+  // The agent this RRef belongs to; throws Error when it has shut down.
+  std::shared_ptr<RpcAgent> agent() const;
+  std::shared_ptr<RRefContext> context() const { return ctx_.lock(); }
+  // The value's type as the creator declared it (nullptr for an owner placeholder).
+  const TypeInfo* declared_type() const { return type_; }
+  // The best known type: the value's once an owner has it, else the declared one.
+  virtual const TypeInfo* type() const { return type_; }
+
+ protected:
+  const std::weak_ptr<RRefContext> ctx_;
+  const RRefId id_;
+  const int owner_;
+  const TypeInfo* const type_;
+};
+
+// The owner's RRef: holds the value, which may arrive later (a running remote call).
+class OwnerRRef : public RRefBase {
+ public:
+  using RRefBase::RRefBase;
+  bool is_owner() const override { return true; }
+  bool confirmed() const override { return true; }
+  const TypeInfo* type() const override;
+
+  // The first of set_value / set_error wins; waiters run on the calling thread.
+  void set_value(AnyValue v);
+  void set_error(std::exception_ptr e);
+  bool ready() const;
+  // Runs fn once the value or error is set (at once, here, when it already is).
+  void when_ready(std::function<void()> fn);
+  // Waits up to `timeout` (0: no limit) for the value; rethrows a stored error; TimeoutError
+  // naming the RRef otherwise.
+  AnyValue wait(Millis timeout) const;
+  // The value or error, once ready.
+  AnyValue value() const;
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool ready_ = false;                             // guarded by mu_
+  AnyValue value_;                                 // guarded by mu_
+  std::exception_ptr error_;                       // guarded by mu_
+  std::vector<std::function<void()>> waiters_;     // guarded by mu_
+};
+
+// A user's RRef: one fork. Its destruction tells the owner.
+class UserRRef : public RRefBase {
+ public:
+  UserRRef(std::shared_ptr<RRefContext> ctx, RRefId id, ForkId fork, int owner,
+           const TypeInfo* type);
+  ~UserRRef() override;
+  bool is_owner() const override { return false; }
+  bool confirmed() const override { return confirmed_.load(); }
+  const ForkId& fork_id() const { return fork_; }
+  // The error of the remote() call that created this RRef, if any.
+  std::exception_ptr creation_error() const;
+
+ private:
+  friend class RRefContext;
+  // Keeps the context (and so the means to send the deletion) alive as long as any user is.
+  const std::shared_ptr<RRefContext> strong_ctx_;
+  const ForkId fork_;
+  std::atomic<bool> confirmed_{false};
+  mutable std::mutex mu_;
+  std::exception_ptr creation_error_;  // guarded by mu_
+};
+
+class RRefContext : public std::enable_shared_from_this<RRefContext> {
+ public:
+  RRefContext(std::weak_ptr<RpcAgent> agent, int rank);
+
+  int rank() const { return rank_; }
+  std::shared_ptr<RpcAgent> agent() const { return agent_.lock(); }
+  GloballyUniqueId new_id();
+
+  // An OwnerRRef for a value created here (an RRef to a local value, or remote() to self).
+  // `registered`: enter it in owners_ now (remote() to self, whose call looks it up by id).
+  std::shared_ptr<OwnerRRef> create_owner(const TypeInfo* type, bool registered);
+  // The OwnerRRef with this id, created empty when unknown (invariant 5).
+  std::shared_ptr<OwnerRRef> get_or_create_owner(const RRefId& id, const TypeInfo* type);
+  // A pending UserRRef for remote(owner, ...) from here.
+  std::shared_ptr<UserRRef> create_user_for_remote(int owner, const TypeInfo* type);
+  // The owner answered the REMOTE_CALL / FORK_REQUEST (error: the remote call failed, or the
+  // message may not have arrived). Either way the user stops being pending.
+  // `confirmed`: the owner registered the fork (even if the call then failed).
+  void finish_pending_user(const ForkId& fork, bool confirmed, std::exception_ptr error);
+
+  // Sender side of a fork (Note [RRef protocol]).
+  ForkData prepare_child_fork(const std::shared_ptr<RRefBase>& rref, int dest);
+  // Receiver side: the RRef that fork data from `from` stands for here, of type `type` (checked
+  // against the fork data by the caller).
+  std::shared_ptr<RRefBase> rref_from_fork(const ForkData& fd, int from, const TypeInfo* type);
+
+  // Owner side (idempotent).
+  void add_fork(const RRefId& id, const ForkId& fork);
+  void delete_fork(const RRefId& id, const ForkId& fork);
+  // The owner's value was just set: leave owners_ when no fork is left.
+  void owner_ready(const RRefId& id);
+  // Parent side (idempotent).
+  void child_accepted(const ForkId& fork);
+
+  // From ~UserRRef.
+  void user_deleted(const UserRRef& user);
+
+  // Descriptions of what is still registered: owned RRefs with forks, live user RRefs, pending
+  // users and children. Empty when nothing leaked.
+  std::vector<std::string> registered() const;
+  // Counts for tests and shutdown.
+  size_t num_owned() const;
+  size_t num_forks(const RRefId& id) const;
+  size_t num_pending() const;
+
+ private:
+  void send_fork_request(const std::shared_ptr<UserRRef>& user, int parent);
+  void send_child_accept(int parent, const ForkId& fork);
+
+  const std::weak_ptr<RpcAgent> agent_;
+  const int rank_;
+  std::atomic<int64_t> next_id_{0};
+
+  mutable std::mutex mu_;
+  std::unordered_map<RRefId, std::shared_ptr<OwnerRRef>, GloballyUniqueIdHash> owners_;
+  std::unordered_map<RRefId, std::set<ForkId>, GloballyUniqueIdHash> forks_;
+  std::unordered_map<ForkId, std::shared_ptr<UserRRef>, GloballyUniqueIdHash> pending_users_;
+  std::unordered_map<ForkId, std::shared_ptr<RRefBase>, GloballyUniqueIdHash> pending_children_;
+  // Live user RRefs here (for the leak report): fork -> "RRef id of type T owned by rank".
+  std::unordered_map<ForkId, std::string, GloballyUniqueIdHash> users_;
+};
+
+}  // namespace detail
+}  // namespace tdist::rpc

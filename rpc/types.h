@@ -1,0 +1,108 @@
+#pragma once
+// Plain types of the RPC API: worker identity, options, call targets and per-call timeouts.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "tdist/core/store.h"
+
+namespace tdist::rpc {
+
+using Clock = std::chrono::steady_clock;
+
+// A worker of the RPC group: its unique name and its rank in [0, world_size).
+struct WorkerInfo {
+  std::string name;
+  int rank = -1;
+
+  bool operator==(const WorkerInfo& o) const { return rank == o.rank && name == o.name; }
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(name, rank);
+  }
+};
+
+// Options of init_rpc (torch.distributed.rpc.TensorPipeRpcBackendOptions' names where they
+// exist).
+struct RpcOptions {
+  static constexpr Millis kDefaultTimeout{60000};
+
+  // How workers find each other: "env://", "tcp://host:port", "file:///path" (core/rendezvous.h).
+  // Ignored when `store` is set.
+  std::string init_method = "env://";
+  // A store shared by all workers (e.g. a HashStore when workers are threads of one process).
+  std::shared_ptr<Store> store;
+  // Default timeout of every call, of to_here() and of shutdown's waits; 0 = none.
+  Millis rpc_timeout = kDefaultTimeout;
+  // Bounds each wait of a graceful shutdown (for the others to arrive, for local work to end).
+  Millis shutdown_timeout{300000};
+  // Threads that run incoming calls. Calls that block on nested RPCs hold a thread each.
+  int num_worker_threads = 8;
+  // When non-empty, every connection must pass an HMAC-SHA256 challenge keyed with this token
+  // (rpc/auth.h) before any message is read. All workers must use the same token.
+  std::string token;
+  // Address this worker listens on and that it publishes to the others (port 0: any free port).
+  std::string listen_host = "127.0.0.1";
+  uint16_t listen_port = 0;
+  // Largest frame (header, arguments and tensors of one message) accepted from a peer.
+  uint64_t max_frame_bytes = uint64_t{4} << 30;
+  // Same-host peers read large tensors straight from the sender's memory (Linux
+  // process_vm_readv) when the kernel allows it; off sends every byte through the socket.
+  bool same_host_fast_path = true;
+};
+
+// Where a call goes: a worker name, a rank or a WorkerInfo.
+class To {
+ public:
+  To(const std::string& name) : name_(name) {}  // NOLINT(runtime/explicit)
+  To(const char* name) : name_(name) {}         // NOLINT(runtime/explicit)
+  To(int rank) : rank_(rank) {}                 // NOLINT(runtime/explicit)
+  To(const WorkerInfo& info) : rank_(info.rank) {}  // NOLINT(runtime/explicit)
+
+  bool by_rank() const { return rank_ >= 0; }
+  int rank() const { return rank_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+  int rank_ = -1;
+};
+
+// A per-call timeout, passed right after the function name:
+//   rpc_sync<int>("w1", "add", Timeout{Millis(500)}, 1, 2);
+// Millis(0) waits without limit; a negative value (the default) uses RpcOptions::rpc_timeout.
+struct Timeout {
+  Millis value{-1};
+};
+
+// Identifies an RRef (created_on, local_id) or one user's fork of it.
+struct GloballyUniqueId {
+  int32_t created_on = -1;
+  int64_t local_id = -1;
+
+  bool operator==(const GloballyUniqueId& o) const {
+    return created_on == o.created_on && local_id == o.local_id;
+  }
+  bool operator!=(const GloballyUniqueId& o) const { return !(*this == o); }
+  bool operator<(const GloballyUniqueId& o) const {
+    return created_on != o.created_on ? created_on < o.created_on : local_id < o.local_id;
+  }
+  std::string str() const;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(created_on, local_id);
+  }
+};
+using RRefId = GloballyUniqueId;
+using ForkId = GloballyUniqueId;
+
+struct GloballyUniqueIdHash {
+  size_t operator()(const GloballyUniqueId& id) const {
+    return std::hash<int64_t>()(id.local_id) * 31 + std::hash<int32_t>()(id.created_on);
+  }
+};
+
+}  // namespace tdist::rpc

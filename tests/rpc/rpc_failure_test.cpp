@@ -1,0 +1,436 @@
+// Failure paths: tokens, bytes that break the protocol, a killed worker (real processes),
+// shutdown with work in flight, bad start-up arguments, oversized messages.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "tdist/core/env.h"
+#include "tdist/core/tcp_store.h"
+#include "tdist/rpc/auth.h"
+#include "tests/harness/process.h"
+#include "tests/rpc/rpc_test_util.h"
+
+namespace tdist::rpc::test {
+namespace {
+
+using detail::FrameHeader;
+using detail::MessageType;
+
+// ---- raw sockets ---------------------------------------------------------------------------
+
+int connect_raw(uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TDIST_CHECK(fd >= 0, "socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  TDIST_CHECK(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0, "connect");
+  detail::set_socket_timeouts(fd, 10s);  // a test never hangs on this socket
+  return fd;
+}
+
+// True when the peer closes the connection (EOF or reset) before the socket's timeout.
+bool closed_by_peer(int fd) {
+  char buf[4096];
+  for (;;) {
+    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) return true;
+    if (n < 0) return errno == ECONNRESET || errno == EPIPE;
+    // Bytes before the close (e.g. the handshake challenge): keep reading.
+  }
+}
+
+void send_bytes(int fd, const void* data, size_t n) {
+  ::send(fd, data, n, MSG_NOSIGNAL);  // may fail once the agent has closed: that is the point
+}
+
+std::vector<uint8_t> header_bytes(FrameHeader h, uint32_t magic = detail::kMagic) {
+  std::vector<uint8_t> b(detail::kHeaderSize);
+  detail::encode_header(h, b.data());
+  std::memcpy(b.data(), &magic, 4);
+  return b;
+}
+
+detail::HandshakeOptions raw_options(const std::string& token) {
+  detail::HandshakeOptions o;
+  o.token = token;
+  o.my_rank = 0;
+  o.world_size = 2;
+  o.fast_path = false;
+  o.timeout = 10s;
+  return o;
+}
+
+class RpcBadPeer : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RpcOptions o;
+    o.token = "s3cret";
+    o.rpc_timeout = 20s;
+    a_ = start_agents(2, o);
+  }
+  void TearDown() override { shutdown_all(a_); }
+  void expect_still_serving() {
+    EXPECT_EQ(a_[0]->rpc_sync<int64_t>("w1", "add", int64_t{2}, int64_t{3}), 5);
+    EXPECT_EQ(a_[1]->rpc_sync<int64_t>("w0", "add", int64_t{2}, int64_t{3}), 5);
+  }
+  // A connection to w1 that passed the handshake.
+  int authenticated(const std::string& token = "s3cret") {
+    int fd = connect_raw(a_[1]->port());
+    detail::client_handshake(fd, raw_options(token), 1);
+    detail::set_socket_timeouts(fd, 10s);  // the handshake cleared them
+    return fd;
+  }
+  Agents a_;
+};
+
+TEST_F(RpcBadPeer, GarbageBeforeTheHandshakeClosesTheConnection) {
+  int fd = connect_raw(a_[1]->port());
+  std::vector<uint8_t> junk(1000);
+  for (size_t i = 0; i < junk.size(); ++i) junk[i] = static_cast<uint8_t>(i * 131 + 7);
+  send_bytes(fd, junk.data(), junk.size());
+  EXPECT_TRUE(closed_by_peer(fd));
+  ::close(fd);
+  expect_still_serving();
+}
+
+TEST_F(RpcBadPeer, WrongAndMissingTokenAreRejected) {
+  for (std::string token : {"wrong", ""}) {
+    int fd = connect_raw(a_[1]->port());
+    EXPECT_THROW(detail::client_handshake(fd, raw_options(token), 1), Error) << token;
+    EXPECT_TRUE(closed_by_peer(fd));
+    ::close(fd);
+  }
+  // A client that sends nothing at all is dropped after the handshake timeout; meanwhile the
+  // agent serves everybody else.
+  int silent = connect_raw(a_[1]->port());
+  expect_still_serving();
+  ::close(silent);
+}
+
+TEST_F(RpcBadPeer, WrongMagicClosesTheConnection) {
+  int fd = authenticated();
+  FrameHeader h;
+  h.type = MessageType::kCall;
+  auto b = header_bytes(h, 0xdeadbeef);
+  send_bytes(fd, b.data(), b.size());
+  EXPECT_TRUE(closed_by_peer(fd));
+  ::close(fd);
+  expect_still_serving();
+}
+
+TEST_F(RpcBadPeer, HugeLengthClosesTheConnection) {
+  int fd = authenticated();
+  FrameHeader h;
+  h.type = MessageType::kCall;
+  h.length = uint64_t{1} << 62;
+  h.body_len = 16;
+  auto b = header_bytes(h);
+  send_bytes(fd, b.data(), b.size());
+  EXPECT_TRUE(closed_by_peer(fd));
+  ::close(fd);
+  expect_still_serving();
+}
+
+TEST_F(RpcBadPeer, InconsistentFramesCloseTheConnection) {
+  struct Case {
+    const char* name;
+    FrameHeader h;
+    std::vector<uint8_t> body;
+  };
+  std::vector<Case> cases;
+  {
+    FrameHeader h;
+    h.type = static_cast<MessageType>(77);
+    cases.push_back({"unknown type", h, {}});
+  }
+  {
+    FrameHeader h;
+    h.length = 8;
+    h.body_len = 16;
+    cases.push_back({"body longer than frame", h, {}});
+  }
+  {
+    FrameHeader h;
+    h.flags = 0x80;
+    cases.push_back({"unknown flag", h, {}});
+  }
+  {
+    // A tensor section announcing 2^40 elements with 8 bytes of data.
+    detail::TensorSection section;
+    section.metas.push_back(TensorMeta{static_cast<int8_t>(c10::ScalarType::Float), {1LL << 40},
+                                       uint64_t{4} << 40});
+    Bytes body = encode(section);
+    FrameHeader h;
+    h.body_len = static_cast<uint32_t>(body.size());
+    h.meta_len = h.body_len;
+    h.length = body.size() + 8;
+    body.resize(body.size() + 8);
+    cases.push_back({"tensor larger than frame", h, body});
+  }
+  {
+    // A collection count of 2^62 inside a well-framed section.
+    Bytes body(8, 0xff);
+    FrameHeader h;
+    h.body_len = 8;
+    h.meta_len = 8;
+    h.length = 8;
+    cases.push_back({"forged collection count", h, body});
+  }
+  for (auto& c : cases) {
+    int fd = authenticated();
+    auto b = header_bytes(c.h);
+    b.insert(b.end(), c.body.begin(), c.body.end());
+    send_bytes(fd, b.data(), b.size());
+    EXPECT_TRUE(closed_by_peer(fd)) << c.name;
+    ::close(fd);
+  }
+  expect_still_serving();
+}
+
+TEST_F(RpcBadPeer, AWellFormedRawCallIsAnswered) {
+  // The same raw path with a correct frame gets a RESPONSE: the rejections above are about the
+  // bytes, not about raw sockets.
+  int fd = authenticated();
+  Bytes body = encode(detail::CallHeader{"add", signature_of<int64_t, int64_t, int64_t>().hash},
+                      int64_t{20}, int64_t{22});
+  FrameHeader h;
+  h.type = MessageType::kCall;
+  h.id = 77;
+  h.body_len = static_cast<uint32_t>(body.size());
+  h.length = body.size();
+  auto b = header_bytes(h);
+  b.insert(b.end(), body.begin(), body.end());
+  detail::write_all(fd, b.data(), b.size(), "test");
+  uint8_t hdr[detail::kHeaderSize];
+  detail::read_exact(fd, hdr, sizeof(hdr), "test");
+  FrameHeader r = detail::decode_header(hdr, 1 << 20);
+  EXPECT_EQ(r.type, MessageType::kResponse);
+  EXPECT_EQ(r.id, 77u);
+  std::vector<uint8_t> rb(r.length);
+  detail::read_exact(fd, rb.data(), rb.size(), "test");
+  EXPECT_EQ(decode<int64_t>(rb), 42);
+  ::close(fd);
+}
+
+TEST(RpcToken, MismatchedTokensFailCallsNotStartUp) {
+  register_test_functions();
+  for (std::string other : {"other", ""}) {
+    auto store = std::make_shared<HashStore>(30000ms);
+    std::vector<std::shared_ptr<RpcAgent>> agents(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        RpcOptions o;
+        o.store = store;
+        o.token = r == 0 ? "s3cret" : other;
+        agents[r] = RpcAgent::start("w" + std::to_string(r), r, 2, o);
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_THROW(agents[0]->rpc_sync<int64_t>("w1", "add", int64_t{1}, int64_t{2}), NetworkError);
+    EXPECT_THROW(agents[1]->rpc_sync<int64_t>("w0", "add", int64_t{1}, int64_t{2}), NetworkError);
+    // Each still serves itself.
+    EXPECT_EQ(agents[0]->rpc_sync<int64_t>("w0", "add", int64_t{1}, int64_t{2}), 3);
+    for (auto& a : agents) a->shutdown(false);
+  }
+}
+
+TEST(RpcToken, MatchingTokensWork) {
+  RpcOptions o;
+  o.token = "same";
+  auto a = start_agents(2, o);
+  EXPECT_EQ(a[0]->rpc_sync<int64_t>("w1", "add", int64_t{1}, int64_t{2}), 3);
+  EXPECT_EQ(a[1]->rpc_sync<int64_t>("w0", "add", int64_t{1}, int64_t{2}), 3);
+  shutdown_all(a);
+}
+
+// ---- start-up and limits ---------------------------------------------------------------------
+
+TEST(RpcStart, BadArgumentsAndMissingWorkers) {
+  register_test_functions();
+  RpcOptions o;
+  o.store = std::make_shared<HashStore>(30000ms);
+  EXPECT_THROW(RpcAgent::start("w", 2, 2, o), InvalidArgument);
+  EXPECT_THROW(RpcAgent::start("", 0, 1, o), InvalidArgument);
+  o.num_worker_threads = 0;
+  EXPECT_THROW(RpcAgent::start("w", 0, 1, o), InvalidArgument);
+  o.num_worker_threads = 2;
+  o.rpc_timeout = 200ms;
+  try {
+    RpcAgent::start("alone", 0, 2, o);  // rank 1 never comes
+    FAIL();
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("to join"), std::string::npos) << e.what();
+  }
+  // Duplicate names.
+  auto store = std::make_shared<HashStore>(30000ms);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      RpcOptions d;
+      d.store = store;
+      try {
+        RpcAgent::start("same", r, 2, d);
+      } catch (const InvalidArgument& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_NE(errors[0].find("'same'"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("'same'"), std::string::npos) << errors[1];
+}
+
+TEST(RpcStart, ASecondGroupOnTheSameStore) {
+  register_test_functions();
+  auto store = std::make_shared<HashStore>(30000ms);
+  for (int group = 0; group < 2; ++group) {
+    std::vector<std::shared_ptr<RpcAgent>> agents(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        RpcOptions o;
+        o.store = store;
+        agents[r] = RpcAgent::start("g" + std::to_string(group) + "w" + std::to_string(r), r, 2, o);
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_TRUE(agents[0] && agents[1]);
+    EXPECT_EQ(agents[0]->worker_info(1).name, "g" + std::to_string(group) + "w1");
+    EXPECT_EQ(agents[0]->rpc_sync<std::string>(1, "whoami"), agents[1]->info().name);
+    threads.clear();
+    for (auto& a : agents) threads.emplace_back([a] { a->shutdown(true); });
+    for (auto& t : threads) t.join();
+  }
+}
+
+TEST(RpcLimits, MessagesOverTheMaximumFrameFailTheirFuture) {
+  RpcOptions o;
+  o.max_frame_bytes = 1 << 20;
+  o.same_host_fast_path = false;
+  auto a = start_agents(2, o);
+  auto f = a[0]->rpc_async<at::Tensor>("w1", "echo", torch::zeros({1 << 19}));  // 2 MiB
+  EXPECT_THROW(f.wait(), InvalidArgument);
+  EXPECT_TRUE(torch::equal(a[0]->rpc_sync<at::Tensor>("w1", "echo", torch::ones({1000})),
+                           torch::ones({1000})));
+  shutdown_all(a);
+}
+
+// ---- shutdown ---------------------------------------------------------------------------------
+
+TEST(RpcShutdown, GracefulWaitsForWorkInFlight) {
+  auto a = start_agents(3);
+  const int64_t live_before = Tracked::live.load();
+  std::vector<Future<int64_t>> fs;
+  for (int i = 0; i < 300; ++i) {
+    const int to = (i + 1) % 3;
+    fs.push_back(i % 10 == 0 ? a[i % 3]->rpc_async<int64_t>(to, "sleep_ms", int64_t{5})
+                             : a[i % 3]->rpc_async<int64_t>(to, "add", int64_t{i}, int64_t{1}));
+  }
+  for (int i = 0; i < 30; ++i) {
+    a[0]->remote<Tracked>("w2", "Tracked", int64_t{i});  // dropped at once: deletions in flight
+  }
+  shutdown_all(a);  // everybody at once, with all of that still moving
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_TRUE(fs[i].done()) << i;
+    EXPECT_EQ(fs[i].value(), i % 10 == 0 ? 5 : i + 1) << i;
+  }
+  for (auto& agent : a.agents) EXPECT_TRUE(agent->leaked_rrefs().empty());
+  EXPECT_EQ(Tracked::live.load(), live_before);
+}
+
+TEST(RpcShutdown, NotGracefulFailsPendingCallsAtOnce) {
+  auto a = start_agents(2);
+  std::vector<Future<int64_t>> fs;
+  for (int i = 0; i < 4; ++i) fs.push_back(a[0]->rpc_async<int64_t>("w1", "sleep_ms", int64_t{800}));
+  a[0]->shutdown(false);
+  for (auto& f : fs) {
+    ASSERT_TRUE(f.done());
+    EXPECT_THROW(f.wait(), Error);
+  }
+  EXPECT_THROW(a[0]->rpc_async<int64_t>("w1", "add", int64_t{1}, int64_t{1}).wait(), Error);
+  a[1]->shutdown(false);
+}
+
+// ---- a worker killed with calls pending (real processes) ---------------------------------------
+
+uint16_t master_port() {
+  return static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535));
+}
+
+TDIST_TEST_CHILD(rpc_killed_peer) {
+  torch::set_num_threads(1);
+  register_test_functions();
+  auto store = std::make_shared<TCPStore>("127.0.0.1", master_port(), false, 60s);
+  RpcOptions o;
+  o.store = store;
+  o.rpc_timeout = 60s;  // the failures below must come from the broken connection, not this
+  auto agent = RpcAgent::start("p" + std::to_string(rank), rank, world_size, o);
+  if (rank == 1) {
+    store->set("victim_ready", "1");
+    store->wait({"never"}, 120s);  // SIGKILLed while here
+    return 3;
+  }
+  std::vector<Future<int64_t>> pending;
+  for (int i = 0; i < 4; ++i) pending.push_back(agent->rpc_async<int64_t>(1, "sleep_ms", int64_t{100000}));
+  // An RRef whose value never comes: its to_here() is pending too.
+  auto rref = agent->remote<int64_t>(1, "sleep_ms", int64_t{100000});
+  auto fetch = rref.to_here_async();
+  store->set("pending/" + std::to_string(rank), "1");
+  int bad = 0;
+  for (auto& f : pending) {
+    try {
+      f.wait();
+      ++bad;
+    } catch (const NetworkError& e) {
+      if (std::string(e.what()).find("'p1'") == std::string::npos) {
+        std::fprintf(stderr, "rank %d: error does not name p1: %s\n", rank, e.what());
+        ++bad;
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %d: unexpected error: %s\n", rank, e.what());
+      ++bad;
+    }
+  }
+  try {
+    fetch.wait();
+    ++bad;
+  } catch (const NetworkError&) {
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: unexpected to_here error: %s\n", rank, e.what());
+    ++bad;
+  }
+  if (bad) return 4;
+  // New calls to the dead worker fail at once; the living still talk.
+  try {
+    agent->rpc_sync<int64_t>(1, "add", int64_t{1}, int64_t{1});
+    return 5;
+  } catch (const NetworkError&) {
+  }
+  const int other = rank == 0 ? 2 : 0;
+  if (agent->rpc_sync<int64_t>(other, "add", int64_t{rank}, int64_t{1}) != rank + 1) return 6;
+  store->set("done/" + std::to_string(rank), "1");
+  store->wait({"done/0", "done/2"}, 60s);
+  agent->shutdown(false);
+  return 0;
+}
+
+TEST(RpcKilledWorker, PendingCallsFailOnTheOthers) {
+  TCPStore server("127.0.0.1", 0, true, 60s);
+  tdist::test::Processes procs("rpc_killed_peer", 3,
+                               {{"MASTER_PORT", std::to_string(server.port())}});
+  server.wait({"victim_ready", "pending/0", "pending/2"}, 60s);
+  procs.kill(1, SIGKILL);
+  auto results = procs.wait_all(90s);
+  EXPECT_TRUE(results[0].ok()) << results[0].describe() << "\n" << results[0].output;
+  EXPECT_TRUE(results[2].ok()) << results[2].describe() << "\n" << results[2].output;
+  EXPECT_FALSE(results[1].exited) << results[1].describe();
+}
+
+}  // namespace
+}  // namespace tdist::rpc::test
