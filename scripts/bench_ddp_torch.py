@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""PyTorch's Python DDP over gloo on the model tdist-bench-ddp trains: the anchor it compares to.
+"""PyTorch's Python DDP over gloo on the model tdist-bench ddp trains: the anchor it compares to.
 
 MLP 784-1024-1024-1024-10 (ReLU), cross-entropy on synthetic data, SGD, `--batch` samples per
-rank, one thread per rank by default. Prints one line that tdist-bench-ddp parses:
+rank, one thread per rank by default. Prints one line that tdist-bench ddp parses:
 
     samples_per_s=<float> iter_ms=<median ms per iteration> world_size=<n>
 

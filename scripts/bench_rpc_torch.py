@@ -6,7 +6,7 @@ Two worker processes on this machine; worker 0 measures, worker 1 serves:
   async_calls_s  small rpc_async calls per second with --outstanding calls in flight
   echo_gbps      16 MiB float32 tensor echoed through rpc_sync, GB/s counting both directions
 
-Prints one JSON object on stdout (and writes it to --json FILE when given). tdist-bench-rpc runs
+Prints one JSON object on stdout (and writes it to --json FILE when given). tdist-bench rpc runs
 this script beside its own measurement and prints the ratios (see docs/perf.md).
 """
 import argparse

@@ -1,15 +1,45 @@
-// tdist-bench: benchmarks a user runs under tdist-run. One subcommand per file:
-//   collective  (bench_collective.cpp)  an nccl-tests-style table for one collective
+// tdist-bench: benchmarks a user runs. One subcommand per file:
+//   collective  (bench_collective.cpp)  an nccl-tests-style table for one collective (under tdist-run)
+//   ddp         (apps/bench_ddp/)       DDP samples/s vs plain libtorch and PyTorch's Python DDP
+//   rpc         (apps/bench_rpc/)       RPC round trip, async rate, tensor echo vs torch.distributed.rpc
+// `ddp` and `rpc` start their own processes and take their own flags (tdist-bench ddp --help).
 #include <CLI/CLI.hpp>
 
+#include <cstring>
 #include <iostream>
 
 #include "apps/bench/bench_collective.h"
+#include "apps/bench_ddp/bench_ddp.h"
+#include "apps/bench_rpc/bench_rpc.h"
+
+namespace {
+
+struct SelfContained {
+  const char* name;
+  const char* help;
+  int (*run)(int argc, char** argv);
+};
+
+const SelfContained kSelfContained[] = {
+    {"ddp", "DDP training throughput: tdist vs plain libtorch and PyTorch's DDP over gloo",
+     tdist::bench::run_ddp_bench},
+    {"rpc", "RPC latency, call rate and tensor echo: tdist vs torch.distributed.rpc",
+     tdist::bench::run_rpc_bench},
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"tdist-bench: benchmarks of tdist's collectives", "tdist-bench"};
+  // Self-contained benchmarks parse their own flags (argv[0] becomes the subcommand's name).
+  if (argc >= 2) {
+    for (const auto& b : kSelfContained) {
+      if (std::strcmp(argv[1], b.name) == 0) return b.run(argc - 1, argv + 1);
+    }
+  }
+  CLI::App app{"tdist-bench: benchmarks of tdist", "tdist-bench"};
   app.require_subcommand(1);
   tdist::bench::add_collective_command(app);
+  for (const auto& b : kSelfContained) app.add_subcommand(b.name, b.help)->allow_extras();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -240,7 +240,7 @@ void print_row(const std::string& world, const std::string& what, const Result& 
 
 int run_ddp_bench(int argc, char** argv) {
   Config c;
-  CLI::App app{"tdist-bench-ddp: DDP training throughput (samples/s) of tdist vs plain libtorch "
+  CLI::App app{"tdist-bench ddp: DDP training throughput (samples/s) of tdist vs plain libtorch "
                "(world size 1) and vs PyTorch's Python DDP over gloo (world size N), side by "
                "side in one run. Model: MLP 784-H-...-H-10, cross-entropy, SGD."};
   app.add_option("--world-size", c.world_size, "ranks of the distributed comparison")
@@ -290,7 +290,7 @@ int run_ddp_bench(int argc, char** argv) {
             << "x of libtorch (target >= 0.97)";
       print_row("1", "tdist DDP", d, ratio.str());
     }
-    std::vector<std::string> worker_args{"/proc/self/exe", "--worker"};
+    std::vector<std::string> worker_args{"/proc/self/exe", "ddp", "--worker"};
     for (int i = 1; i < argc; ++i) worker_args.push_back(argv[i]);
     std::vector<Result> ours, theirs;
     for (int r = 0; r < c.rounds; ++r) {  // alternate which goes first
@@ -312,7 +312,7 @@ int run_ddp_bench(int argc, char** argv) {
     }
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "tdist-bench-ddp: " << e.what() << std::endl;
+    std::cerr << "tdist-bench ddp: " << e.what() << std::endl;
     return 1;
   }
 }

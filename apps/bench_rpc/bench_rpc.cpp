@@ -1,4 +1,4 @@
-// tdist-bench-rpc: two workers (this process and a copy of it started as the server), measured
+// tdist-bench rpc: two workers (this process and a copy of it started as the server), measured
 // from rank 0:
 //   round trip    median time of a small rpc_sync (two int64 in, one out), in microseconds
 //   async rate    small rpc_async calls per second with --outstanding calls in flight (batches
@@ -150,6 +150,7 @@ std::string self_exe() {
 
 pid_t spawn_server(const Options& o) {
   std::vector<std::string> args{self_exe(),
+                                "rpc",
                                 "--role-server",
                                 "--store-port",
                                 std::to_string(o.store_port),
@@ -184,7 +185,7 @@ json run_torch(const Options& o) {
 }
 
 std::string default_script() {
-  // <build>/apps/bench_rpc/tdist-bench-rpc -> <source>/scripts/bench_rpc_torch.py
+  // <build>/apps/bench/tdist-bench -> <source>/scripts/bench_rpc_torch.py
   std::string exe = self_exe();
   for (std::string dir = exe; !dir.empty();) {
     auto slash = dir.find_last_of('/');
@@ -203,7 +204,7 @@ std::string default_script() {
 
 int run_rpc_bench(int argc, char** argv) {
   Options o;
-  CLI::App app{"tdist-bench-rpc: RPC round trip, async call rate and tensor echo, tdist vs "
+  CLI::App app{"tdist-bench rpc: RPC round trip, async call rate and tensor echo, tdist vs "
                "torch.distributed.rpc (TensorPipe), two workers on this machine"};
   app.add_option("--rtt-iters", o.rtt_iters, "round trips timed");
   app.add_option("--warmup", o.warmup, "round trips before timing");
@@ -298,7 +299,7 @@ int run_rpc_bench(int argc, char** argv) {
     if (o.torch) std::printf("targets: %s\n", all_met ? "all met" : "not all met");
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tdist-bench-rpc: %s\n", e.what());
+    std::fprintf(stderr, "tdist-bench rpc: %s\n", e.what());
     return 1;
   }
 }
