@@ -9,6 +9,8 @@
 // Thread safety: all methods may be called from any thread; copies share one state.
 
 #include <chrono>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -41,6 +43,8 @@ struct FutureState {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
+  // Mirrors `done` for wait()'s lock-free spin (set under mu, after value/error).
+  std::atomic<bool> ready{false};
   std::optional<Stored> value;
   std::exception_ptr error;
   std::vector<std::function<void()>> callbacks;
@@ -55,6 +59,7 @@ struct FutureState {
       value = std::move(v);
       error = std::move(e);
       done = true;
+      ready.store(true, std::memory_order_release);
       cbs.swap(callbacks);
     }
     cv.notify_all();
@@ -75,6 +80,7 @@ template <class T>
 class Future {
  public:
   using value_type = T;
+  static constexpr std::chrono::microseconds kSpin{50};
 
   Future() : state_(std::make_shared<detail::FutureState<T>>()) {}
 
@@ -86,6 +92,13 @@ class Future {
   // Blocks until done (timeout 0: no limit), then rethrows the stored error. TimeoutError when
   // the timeout passes first (the future stays pending).
   void wait(Millis timeout = Store::kNoTimeout) const {
+    // A reply to a small call usually lands within tens of microseconds: spin briefly before
+    // sleeping on the condition variable, whose wake-up costs about as much as the call.
+    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    while (!state_->ready.load(std::memory_order_acquire) &&
+           std::chrono::steady_clock::now() < spin_until) {
+      __builtin_ia32_pause();
+    }
     std::unique_lock<std::mutex> lock(state_->mu);
     if (timeout.count() > 0) {
       if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) {
