@@ -1,5 +1,7 @@
 #include "tdist/rpc/registry.h"
 
+#include "tdist/core/hash.h"
+
 #include <cxxabi.h>
 
 #include <cstdlib>
@@ -25,14 +27,7 @@ std::string demangle(const char* mangled) {
   return s;
 }
 
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
+uint64_t fnv1a(const std::string& s) { return fnv1a64(s); }
 
 void check_all_read(ArgInputArchive& ar, const std::string& what) {
   if (ar.remaining() != 0) {

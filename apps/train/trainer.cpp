@@ -14,6 +14,7 @@
 
 #include "apps/train/checkpoint.h"
 #include "apps/train/progress.h"
+#include "tdist/core/hash.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/hash_store.h"
@@ -103,15 +104,10 @@ std::string fingerprint(const TrainOptions& o, int world, int64_t train_size) {
 // FNV-1a over the bytes of every parameter, in order: equal iff the parameters are bit-equal
 // (up to hash collisions).
 uint64_t params_hash(const std::vector<at::Tensor>& params) {
-  uint64_t h = 14695981039346656037ULL;
+  uint64_t h = kFnv1aOffset;
   for (const auto& p : params) {
     at::Tensor c = p.detach().contiguous();
-    const auto* b = static_cast<const uint8_t*>(c.data_ptr());
-    const size_t n = c.nbytes();
-    for (size_t i = 0; i < n; ++i) {
-      h ^= b[i];
-      h *= 1099511628211ULL;
-    }
+    h = fnv1a64(c.data_ptr(), c.nbytes(), h);
   }
   return h;
 }

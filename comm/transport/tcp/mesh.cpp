@@ -5,6 +5,7 @@
 
 #include "tdist/comm/transport/tcp/listener.h"
 #include "tdist/core/error.h"
+#include "tdist/core/hash.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/wire.h"
 
@@ -27,14 +28,7 @@ void parse_host_port(const std::string& text, int peer, std::string& host, uint1
 
 }  // namespace
 
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
+uint64_t fnv1a(const std::string& s) { return fnv1a64(s); }
 
 Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t token,
            Clock::time_point deadline)
