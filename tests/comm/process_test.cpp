@@ -17,9 +17,12 @@
 #include "tdist/core/tcp_store.h"
 #include "tests/comm/comm_test_util.h"
 #include "tests/harness/process.h"
+#include "tests/harness/net.h"
 
 namespace tdist::comm {
 namespace {
+
+using ::tdist::test::free_port;
 
 std::shared_ptr<Store> child_store() {
   auto port = static_cast<uint16_t>(env::require_int("TDIST_TEST_STORE_PORT", 1, 65535));
@@ -117,17 +120,6 @@ TEST_P(ProcessTest, CollectivesOverTCPStore) {
   EXPECT_EQ(tdist::test::Processes::failures(results), "");
 }
 
-uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  TDIST_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // env://: rank 0's process hosts the TCPStore on MASTER_PORT.
 TEST(ProcessTest, EnvInitMethod) {

@@ -15,9 +15,12 @@
 #include "tdist/core/rendezvous.h"
 #include "tests/harness/env_guard.h"
 #include "tests/harness/process.h"
+#include "tests/harness/net.h"
 
 namespace tdist {
 namespace {
+
+using test::free_port;
 
 using namespace std::chrono_literals;
 using test::EnvGuard;
@@ -31,17 +34,6 @@ const test::EnvVars kCleanEnv = {
     {"SLURM_NTASKS", std::nullopt}, {"OMPI_COMM_WORLD_RANK", std::nullopt},
     {"MASTER_ADDR", std::nullopt},  {"MASTER_PORT", std::nullopt}};
 
-uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  TDIST_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 struct BadInput {
   std::string name;

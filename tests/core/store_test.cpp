@@ -17,9 +17,13 @@
 #include "tdist/core/tcp_store.h"
 #include "tdist/core/wire.h"
 #include "tests/harness/process.h"
+#include "tests/harness/expect.h"
 
 namespace tdist {
 namespace {
+
+using test::expect_throw;
+using test::expect_contains;
 
 using namespace std::chrono_literals;
 
@@ -123,23 +127,7 @@ class StoreSuite : public ::testing::TestWithParam<Backend> {
   std::shared_ptr<Store> store_;
 };
 
-template <typename E, typename Fn>
-std::string expect_throw(Fn fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "unexpected exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "no exception thrown";
-  return {};
-}
 
-void expect_contains(const std::string& text, const std::string& fragment) {
-  EXPECT_NE(text.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << text;
-}
 
 TEST_P(StoreSuite, SetThenGetReturnsTheLatestValue) {
   store_->set("k", "first");

@@ -24,9 +24,15 @@
 #include "tdist/core/tcp_store.h"
 #include "tdist/core/wire.h"
 #include "tests/harness/process.h"
+#include "tests/harness/net.h"
+#include "tests/harness/expect.h"
 
 namespace tdist {
 namespace {
+
+using test::free_port;
+using test::expect_throw;
+using test::expect_contains;
 
 using namespace std::chrono_literals;
 namespace proto = detail::tcp_store;
@@ -43,23 +49,7 @@ bool eventually(const std::function<bool()>& pred, Millis limit = 10s) {
   return pred();
 }
 
-template <typename E, typename Fn>
-std::string expect_throw(Fn fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "unexpected exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "no exception thrown";
-  return {};
-}
 
-void expect_contains(const std::string& text, const std::string& fragment) {
-  EXPECT_NE(text.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << text;
-}
 
 // ---- raw sockets ----------------------------------------------------------------------------
 
@@ -114,15 +104,6 @@ class RawSocket {
 };
 
 // A port that nothing listens on right now.
-uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = loopback(0);
-  TDIST_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 Bytes header(uint32_t magic, uint16_t version, uint16_t code, uint64_t body_bytes) {
   Bytes out(proto::kHeaderBytes);

@@ -15,6 +15,7 @@
 #include "tests/ddp/ddp_test_util.h"
 #include "tests/harness/process.h"
 #include "tests/harness/spawn.h"
+#include "tests/harness/net.h"
 
 namespace tdist::test {
 namespace {
@@ -22,17 +23,6 @@ namespace {
 using ddp::DDPOptions;
 using ddp::DistributedDataParallel;
 
-uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // Parity of an MLP and a conv net over the ring group, ranks as threads sharing a HashStore.
 template <typename Net>
