@@ -7,5 +7,7 @@ int main(int argc, char** argv) {
   int child = tdist::test::run_child_if_requested();
   if (child >= 0) return child;
   ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  int rc = RUN_ALL_TESTS();
+  tdist::test::remove_temp_dirs();
+  return rc;
 }

@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <mutex>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -157,12 +159,37 @@ std::string Processes::failures(const std::vector<ProcessResult>& results) {
   return out;
 }
 
+namespace {
+
+std::mutex& temp_dirs_mu() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::vector<std::string>& temp_dirs() {
+  static std::vector<std::string> dirs;
+  return dirs;
+}
+
+}  // namespace
+
+void remove_temp_dirs() {
+  std::lock_guard<std::mutex> lock(temp_dirs_mu());
+  for (const auto& d : temp_dirs()) {
+    std::error_code ec;  // best effort: a test may have removed it already
+    std::filesystem::remove_all(d, ec);
+  }
+  temp_dirs().clear();
+}
+
 std::string temp_dir(const std::string& prefix) {
   std::string tmpl = (std::getenv("TMPDIR") ? std::string(std::getenv("TMPDIR")) : "/tmp") + "/" +
                      prefix + "-XXXXXX";
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   TDIST_CHECK(mkdtemp(buf.data()) != nullptr, "mkdtemp failed: ", std::strerror(errno));
+  std::lock_guard<std::mutex> lock(temp_dirs_mu());
+  temp_dirs().push_back(buf.data());
   return buf.data();
 }
 

@@ -80,7 +80,9 @@ class Processes {
   std::vector<ProcessResult> results_;
 };
 
-// A fresh temporary directory (removed by the caller if it wants).
+// A fresh temporary directory. The test binary's main() removes every directory made this way
+// when the tests are done (remove_temp_dirs).
 std::string temp_dir(const std::string& prefix = "tdist-test");
+void remove_temp_dirs();
 
 }  // namespace tdist::test
