@@ -242,7 +242,8 @@ def main():
 
     md = []
     misses = []
-    tmp = tempfile.mkdtemp(prefix="tdist-bench-")
+    tmp_dir = tempfile.TemporaryDirectory(prefix="tdist-bench-")  # removed when main returns
+    tmp = tmp_dir.name
     for nproc in args.nproc:
         for op in args.ops:
             g_runs, t_runs = [], []
