@@ -12,6 +12,35 @@
 
 namespace tdist::comm::shm {
 namespace {
+
+enum class Direction { kIntoRing, kOutOfRing };
+
+// Copies up to `limit` bytes between the iovecs and a ring of `capacity` bytes whose logical
+// offset `start` maps to ring[start % capacity], wrapping at the end. Stops at the first iovec
+// that does not fit whole. Returns the bytes moved.
+size_t ring_copy(Direction dir, char* ring, size_t capacity, uint64_t start, const iovec* iov,
+                 int count, size_t limit) {
+  size_t moved = 0;
+  for (int i = 0; i < count && limit > 0; ++i) {
+    char* user = static_cast<char*>(iov[i].iov_base);
+    size_t len = std::min(iov[i].iov_len, limit);
+    size_t done = 0;
+    while (done < len) {
+      size_t pos = static_cast<size_t>((start + moved) % capacity);
+      size_t n = std::min(len - done, capacity - pos);
+      if (dir == Direction::kIntoRing) {
+        std::memcpy(ring + pos, user + done, n);
+      } else {
+        std::memcpy(user + done, ring + pos, n);
+      }
+      done += n;
+      moved += n;
+    }
+    limit -= len;
+    if (len < iov[i].iov_len) break;
+  }
+  return moved;
+}
 constexpr size_t kHeaderBytes = 2 * sizeof(RingHeader);
 }
 
@@ -88,22 +117,9 @@ long ShmChannel::writev(const iovec* iov, int count) {
   }
   const uint64_t head = tx_->head.load(std::memory_order_relaxed);
   const uint64_t tail = tx_->tail.load(std::memory_order_acquire);
-  size_t space = capacity_ - static_cast<size_t>(head - tail);
-  size_t moved = 0;
-  for (int i = 0; i < count && space > 0; ++i) {
-    const char* src = static_cast<const char*>(iov[i].iov_base);
-    size_t len = std::min(iov[i].iov_len, space);
-    size_t done = 0;
-    while (done < len) {
-      size_t pos = static_cast<size_t>((head + moved) % capacity_);
-      size_t n = std::min(len - done, capacity_ - pos);
-      std::memcpy(tx_data_ + pos, src + done, n);
-      done += n;
-      moved += n;
-    }
-    space -= len;
-    if (len < iov[i].iov_len) break;
-  }
+  const size_t space = capacity_ - static_cast<size_t>(head - tail);
+  const size_t moved =
+      ring_copy(Direction::kIntoRing, tx_data_, capacity_, head, iov, count, space);
   if (moved == 0) return 0;
   tx_->head.store(head + moved, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -116,21 +132,8 @@ long ShmChannel::readv(const iovec* iov, int count) {
   const uint64_t head = rx_->head.load(std::memory_order_acquire);
   size_t avail = static_cast<size_t>(head - tail);
   if (avail == 0) return closed_ ? kClosed : 0;
-  size_t moved = 0;
-  for (int i = 0; i < count && avail > 0; ++i) {
-    char* dst = static_cast<char*>(iov[i].iov_base);
-    size_t len = std::min(iov[i].iov_len, avail);
-    size_t done = 0;
-    while (done < len) {
-      size_t pos = static_cast<size_t>((tail + moved) % capacity_);
-      size_t n = std::min(len - done, capacity_ - pos);
-      std::memcpy(dst + done, rx_data_ + pos, n);
-      done += n;
-      moved += n;
-    }
-    avail -= len;
-    if (len < iov[i].iov_len) break;
-  }
+  const size_t moved =
+      ring_copy(Direction::kOutOfRing, rx_data_, capacity_, tail, iov, count, avail);
   rx_->tail.store(tail + moved, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (rx_->writer_waiting.load(std::memory_order_relaxed) != 0) ring_doorbell();
