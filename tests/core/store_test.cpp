@@ -18,6 +18,7 @@
 #include "tdist/core/wire.h"
 #include "tests/harness/process.h"
 #include "tests/harness/expect.h"
+#include "tests/core/store_worker.h"
 
 namespace tdist {
 namespace {
@@ -378,17 +379,7 @@ TEST_F(FileStoreTest, AnUnopenablePathIsAnErrorNamingIt) {
 
 TDIST_TEST_CHILD(file_store_worker) {
   FileStore store(std::getenv("TDIST_TEST_FILE_STORE"), -1, 30s);
-  for (int i = 0; i < 50; ++i) store.add("counter", 1);
-  store.set("rank/" + std::to_string(rank), std::to_string(rank * 10));
-  Bytes leader = store.compare_set("leader", {}, to_bytes(std::to_string(rank)));
-  store.set("leader_seen/" + std::to_string(rank), leader);
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back("rank/" + std::to_string(r));
-  store.wait(keys);
-  for (int r = 0; r < world_size; ++r) {
-    if (store.get_string("rank/" + std::to_string(r)) != std::to_string(r * 10)) return 2;
-  }
-  return 0;
+  return test::exercise_store(store, rank, world_size, 50);
 }
 
 TEST_F(FileStoreTest, FourProcessesShareOneFile) {

@@ -26,6 +26,7 @@
 #include "tests/harness/process.h"
 #include "tests/harness/net.h"
 #include "tests/harness/expect.h"
+#include "tests/core/store_worker.h"
 
 namespace tdist {
 namespace {
@@ -435,17 +436,7 @@ uint16_t master_port() { return static_cast<uint16_t>(env::require_int("MASTER_P
 
 TDIST_TEST_CHILD(tcp_store_worker) {
   TCPStore store("127.0.0.1", master_port(), false, 30s);
-  for (int i = 0; i < 100; ++i) store.add("counter", 1);
-  store.set("rank/" + std::to_string(rank), std::to_string(rank * 10));
-  // The first compare_set wins; every rank must see the same leader.
-  Bytes leader = store.compare_set("leader", {}, to_bytes(std::to_string(rank)));
-  store.set("leader_seen/" + std::to_string(rank), leader);
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back("rank/" + std::to_string(r));
-  store.wait(keys);
-  for (int r = 0; r < world_size; ++r) {
-    if (store.get_string("rank/" + std::to_string(r)) != std::to_string(r * 10)) return 2;
-  }
+  if (int rc = test::exercise_store(store, rank, world_size, 100); rc != 0) return rc;
   store.add("done", 1);
   return 0;
 }
