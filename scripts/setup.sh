@@ -51,25 +51,31 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
   exit 1
 fi
 
+# Debian's own python3 refuses system-wide pip installs (PEP 668) unless told; a non-root user
+# without a writable site-packages installs with --user.
+pip_extra=()
+if "$PYTHON" -m pip install --help 2>/dev/null | grep -q -- --break-system-packages &&
+   [ -f "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/EXTERNALLY-MANAGED" ]; then
+  pip_extra+=(--break-system-packages)
+fi
+if [ "$(id -u)" -ne 0 ] && ! "$PYTHON" -c 'import site, os, sys; sys.exit(0 if os.access(site.getsitepackages()[0], os.W_OK) else 1)'; then
+  pip_extra+=(--user)
+fi
+
 have_torch=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
 if [ "$have_torch" != "$TORCH_VERSION" ]; then
   say "installing torch==$TORCH_VERSION for $("$PYTHON" -c 'import sys; print(sys.executable)') (found: ${have_torch:-none})"
-  pip_args=(-m pip install -q "torch==$TORCH_VERSION" numpy)
-  # Debian's own python3 refuses system-wide pip installs (PEP 668) unless told.
-  if "$PYTHON" -m pip install --help 2>/dev/null | grep -q -- --break-system-packages; then
-    if [ -f "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/EXTERNALLY-MANAGED" ]; then
-      pip_args+=(--break-system-packages)
-    fi
-  fi
-  if [ "$(id -u)" -ne 0 ] && ! "$PYTHON" -c 'import site, os, sys; sys.exit(0 if os.access(site.getsitepackages()[0], os.W_OK) else 1)'; then
-    pip_args+=(--user)
-  fi
+  pip_args=(-m pip install -q "torch==$TORCH_VERSION" numpy "${pip_extra[@]}")
   "$PYTHON" "${pip_args[@]}"
 else
   say "torch $TORCH_VERSION present"
 fi
-if ! "$PYTHON" -c 'import numpy' >/dev/null 2>&1; then
-  say "installing numpy"
-  "$PYTHON" -m pip install -q numpy
-fi
+# numpy for torch's Python side; expecttest for torch's own test modules, which
+# tests/python/pytorch_suite.py runs against the tdist backend.
+for mod in numpy expecttest; do
+  if ! "$PYTHON" -c "import $mod" >/dev/null 2>&1; then
+    say "installing $mod"
+    "$PYTHON" -m pip install -q "$mod" "${pip_extra[@]}"
+  fi
+done
 say "ready: $("$PYTHON" -c 'import torch, torch.utils; print("torch", torch.__version__, "at", torch.utils.cmake_prefix_path)')"

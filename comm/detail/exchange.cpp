@@ -338,7 +338,7 @@ void Exchange::fail_timeout() {
                    r.posted, " bytes posted so far from it, sent ", s.moved, " of ", s.posted,
                    " to it)");
   }
-  TDIST_THROW(TimeoutError, where(), ": timed out after ", ms, " ms waiting for ", waiting);
+  TDIST_THROW(TimeoutError, where(), ": Timed out after ", ms, " ms waiting for ", waiting);
 }
 
 }  // namespace tdist::comm::detail

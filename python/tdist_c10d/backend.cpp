@@ -86,7 +86,7 @@ void check_rank(int64_t r, int size, const char* op, const char* what) {
 // operation: bad arguments a c10::Error (RuntimeError in Python), anything else (an aborted or
 // broken group) a c10::DistBackendError, as errors from the operation's Work are.
 template <typename Fn>
-std::shared_ptr<comm::Work> issue(const char* op, Fn&& fn) {
+auto issue(const char* op, Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
   } catch (const c10::Error&) {
@@ -96,6 +96,54 @@ std::shared_ptr<comm::Work> issue(const char* op, Fn&& fn) {
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, c10::str("tdist: ", op, ": ", e.what()));
   }
+}
+
+// Sparse COO allreduce (SUM), as Gloo does it: every rank's coalesced indices and values are
+// gathered (padded to the largest nnz, since tdist's allgather takes equal sizes) and summed into
+// one coalesced tensor that replaces the input's contents. The sizes decide what the second
+// round sends, so it runs on the calling thread and returns the (completed) works.
+std::vector<std::shared_ptr<comm::Work>> allreduce_sparse_coo(comm::ProcessGroup& pg,
+                                                              at::Tensor& t, comm::Millis timeout) {
+  const int n = pg.size();
+  comm::AllgatherOptions o;
+  o.timeout = timeout;
+  at::Tensor in = t.coalesce();
+  at::Tensor indices = in._indices().t().contiguous();  // [nnz, sparse_dim]
+  at::Tensor values = in._values().contiguous();         // [nnz, dense sizes...]
+  at::Tensor counts = at::empty({n}, at::kLong);
+  auto gather = [&](const at::Tensor& mine, std::vector<at::Tensor> outs) {
+    auto w = pg.allgather(outs, mine, o);
+    w->wait();
+    return w;
+  };
+  std::vector<std::shared_ptr<comm::Work>> works;
+  works.push_back(gather(at::full({1}, in._nnz(), at::kLong), counts.chunk(n)));
+  const int64_t max_nnz = counts.max().item<int64_t>();
+  auto padded = [&](const at::Tensor& x) {
+    auto sizes = x.sizes().vec();
+    sizes[0] = max_nnz;
+    at::Tensor p = at::zeros(sizes, x.options());
+    p.narrow(0, 0, x.size(0)).copy_(x);
+    return p;
+  };
+  at::Tensor my_indices = padded(indices), my_values = padded(values);
+  at::Tensor all_indices = at::empty({n * max_nnz, indices.size(1)}, indices.options());
+  auto value_sizes = values.sizes().vec();
+  value_sizes[0] = n * max_nnz;
+  at::Tensor all_values = at::empty(value_sizes, values.options());
+  works.push_back(gather(my_indices, all_indices.chunk(n)));
+  works.push_back(gather(my_values, all_values.chunk(n)));
+  std::vector<at::Tensor> kept_indices, kept_values;
+  for (int r = 0; r < n; ++r) {
+    const int64_t c = counts[r].item<int64_t>();
+    kept_indices.push_back(all_indices.narrow(0, r * max_nnz, c));
+    kept_values.push_back(all_values.narrow(0, r * max_nnz, c));
+  }
+  at::Tensor sum = at::sparse_coo_tensor(at::cat(kept_indices).t(), at::cat(kept_values),
+                                         t.sizes(), t.options())
+                       .coalesce();
+  t.copy_(sum);
+  return works;
 }
 
 }  // namespace
@@ -225,9 +273,19 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::broadcast(std::vector<at::Tensor>
 
 c10::intrusive_ptr<::c10d::Work> TdistBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                          const ::c10d::AllreduceOptions& opts) {
-  auto& t = single(tensors, "allreduce");
   TORCH_CHECK(!opts.sparseIndices.has_value(),
               "tdist: allreduce of sparse tensors (allreduce_sparse) is not supported");
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse() &&
+      tensors[0].device().is_cpu()) {
+    TORCH_CHECK(opts.reduceOp == ::c10d::ReduceOp::SUM,
+                "tdist: allreduce of a sparse tensor supports ReduceOp.SUM only");
+    auto pg = group("allreduce");
+    auto works = issue("allreduce (sparse)", [&] {
+      return allreduce_sparse_coo(*pg, tensors[0], timeout(opts.timeout));
+    });
+    return make_work(OpType::ALLREDUCE, std::move(works), tensors);
+  }
+  auto& t = single(tensors, "allreduce");
   comm::AllreduceOptions o;
   o.op = to_tdist(opts.reduceOp, "allreduce");
   o.timeout = timeout(opts.timeout);
@@ -287,11 +345,15 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::_allgather_base(
 c10::intrusive_ptr<::c10d::Work> TdistBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const ::c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "tdist: allgather_coalesced needs one output list "
-              "per input, got ", outputs.size(), " lists for ", inputs.size(), " inputs");
+  // c10d's contract (Gloo's): one output list per rank, outputs[r][i] receives rank r's
+  // inputs[i].
+  TORCH_CHECK(!inputs.empty(), "tdist: allgather_coalesced needs at least one input tensor");
+  TORCH_CHECK(static_cast<int64_t>(outputs.size()) == size_, "tdist: allgather_coalesced needs "
+              "one output list per rank of the group (", size_, "), got ", outputs.size());
   check_tensors(inputs, "allgather_coalesced");
   for (const auto& list : outputs) {
-    check_count(list, size_, "allgather_coalesced", "output");
+    TORCH_CHECK(list.size() == inputs.size(), "tdist: allgather_coalesced needs one output "
+                "tensor per input (", inputs.size(), ") in each rank's list, got ", list.size());
     check_tensors(list, "allgather_coalesced");
   }
   comm::AllgatherOptions o;
@@ -300,10 +362,12 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::allgather_coalesced(
   std::vector<std::shared_ptr<comm::Work>> works;
   std::vector<at::Tensor> flat;
   for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<at::Tensor> per_rank;
+    for (auto& list : outputs) per_rank.push_back(list[i]);
     works.push_back(
-        issue("allgather_coalesced", [&] { return pg->allgather(outputs[i], inputs[i], o); }));
-    flat.insert(flat.end(), outputs[i].begin(), outputs[i].end());
+        issue("allgather_coalesced", [&] { return pg->allgather(per_rank, inputs[i], o); }));
   }
+  for (auto& list : outputs) flat.insert(flat.end(), list.begin(), list.end());
   return make_work(OpType::ALLGATHER_COALESCED, std::move(works), std::move(flat), inputs);
 }
 
@@ -444,6 +508,71 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::barrier(const ::c10d::BarrierOpti
   o.timeout = timeout(opts.timeout);
   auto w = issue("barrier", [&] { return group("barrier")->barrier(o); });
   return make_work(OpType::BARRIER, {w}, {});
+}
+
+void TdistBackend::monitoredBarrier(const ::c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  const auto limit = timeout(opts.timeout);
+  const auto start = std::chrono::steady_clock::now();
+  auto pg = group("monitoredBarrier");
+  comm::SendRecvOptions o;
+  at::Tensor token = at::zeros({1}, at::kInt);
+  auto left = [&] {
+    auto spent = std::chrono::duration_cast<comm::Millis>(std::chrono::steady_clock::now() - start);
+    return limit - spent;
+  };
+  if (rank_ != 0) {
+    try {
+      o.timeout = limit;
+      pg->send(token, 0, kMonitoredBarrierTag, o)->wait();
+      o.timeout = left();
+      pg->recv(token, 0, kMonitoredBarrierTag, o)->wait();
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(DistBackendError,
+                      c10::str("Rank ", rank_, " successfully reached monitoredBarrier, but "
+                               "received errors while waiting for send/recv from rank 0. Please "
+                               "check rank 0 logs for faulty rank. (", e.what(), ")"));
+    }
+    return;
+  }
+  if (left().count() <= 0) {
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("Rank 0 timed out in monitoredBarrier after ", limit.count(), " ms."));
+  }
+  // All receives share one deadline: a rank that arrived in time is never reported because an
+  // earlier one did not.
+  o.timeout = left();
+  std::vector<std::shared_ptr<comm::Work>> arrivals;
+  std::vector<at::Tensor> tokens;
+  for (int r = 1; r < size_; ++r) {
+    tokens.push_back(at::zeros({1}, at::kInt));
+    arrivals.push_back(issue("monitoredBarrier", [&] {
+      return pg->recv(tokens.back(), r, kMonitoredBarrierTag, o);
+    }));
+  }
+  std::vector<int> missing;
+  for (int r = 1; r < size_; ++r) {
+    try {
+      arrivals[r - 1]->wait();
+    } catch (const std::exception& e) {
+      if (!wait_all_ranks) {
+        C10_THROW_ERROR(DistBackendError,
+                        c10::str("Rank ", r, " failed to pass monitoredBarrier in ", limit.count(),
+                                 " ms (", e.what(), ")"));
+      }
+      missing.push_back(r);
+    }
+  }
+  if (!missing.empty()) {
+    std::string ranks;
+    for (int r : missing) ranks += c10::str(ranks.empty() ? "" : ", ", r);
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str(missing.size() == 1 ? "Rank " : "Ranks ", ranks,
+                             " failed to pass monitoredBarrier in ", limit.count(), " ms"));
+  }
+  for (int r = 1; r < size_; ++r) {
+    o.timeout = limit;
+    issue("monitoredBarrier", [&] { return pg->send(token, r, kMonitoredBarrierTag, o); })->wait();
+  }
 }
 
 c10::intrusive_ptr<::c10d::Work> TdistBackend::send(std::vector<at::Tensor>& tensors, int dst,

@@ -12,8 +12,8 @@
 // reduce_scatter, _reduce_scatter_base, reduce_scatter_tensor_coalesced, alltoall_base (equal or
 // split sizes), alltoall, barrier, send, recv, recvAnysource; startCoalescing/endCoalescing
 // (operations between them are issued at once, in order, and endCoalescing's Work completes when
-// all of them have). Not supported (a RuntimeError that names the operation): allreduce_sparse,
-// monitoredBarrier, splitting, ReduceOp.PREMUL_SUM, tensors that are not on the CPU, several
+// all of them have); monitoredBarrier; allreduce of sparse COO tensors (SUM). Not supported (a
+// RuntimeError that names the operation): allreduce_sparse (the sparseIndices form), splitting, ReduceOp.PREMUL_SUM, tensors that are not on the CPU, several
 // tensors per rank in one call.
 //
 // Timeouts: an operation's timeout is its options' when set, else the backend's (the group's
@@ -36,6 +36,8 @@
 namespace tdist::c10d_backend {
 
 inline constexpr const char* kBackendName = "tdist";
+// The send/recv tag monitoredBarrier uses (user tags below it are free).
+inline constexpr int kMonitoredBarrierTag = 0x7fffff00;
 
 class TdistBackend final : public ::c10d::Backend {
  public:
@@ -98,6 +100,10 @@ class TdistBackend final : public ::c10d::Backend {
                                             std::vector<at::Tensor>& inputs,
                                             const ::c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<::c10d::Work> barrier(const ::c10d::BarrierOptions& opts) override;
+  // Gloo's monitored barrier: every rank reports to rank 0 over send/recv (tag
+  // kMonitoredBarrierTag), rank 0 names the first rank (or, with wait_all_ranks, every rank) that
+  // did not arrive within the timeout, then releases the others. Blocks the caller.
+  void monitoredBarrier(const ::c10d::BarrierOptions& opts, bool wait_all_ranks) override;
   c10::intrusive_ptr<::c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
                                         int tag) override;
   c10::intrusive_ptr<::c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,

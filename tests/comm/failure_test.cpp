@@ -34,7 +34,7 @@ TEST(Failure, TimeoutNamesRankOpPeerAndSequenceThenAborts) {
       std::string msg = message_of(w);
       EXPECT_TRUE(w->is_completed());
       EXPECT_FALSE(w->is_success());
-      EXPECT_TRUE(contains(msg, "rank 0: allreduce (seq 1): timed out")) << msg;
+      EXPECT_TRUE(contains(msg, "rank 0: allreduce (seq 1): Timed out")) << msg;
       EXPECT_TRUE(contains(msg, "waiting for rank 1")) << msg;
       EXPECT_THROW(std::rethrow_exception(w->exception()), TimeoutError);
       // Aborted: later operations fail at once, naming the cause.
