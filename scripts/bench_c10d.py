@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""dist.all_reduce through the tdist backend against Gloo, in the same run, from Python.
+"""Collectives through the tdist backend against Gloo, in the same run, from Python.
 
-  python3 scripts/bench_c10d.py [--world-sizes 2 4] [--min-bytes 4K] [--max-bytes 64M]
+  python3 scripts/bench_c10d.py [--world-sizes 2 4] [--ops allreduce allgather broadcast
+                                reduce_scatter] [--sizes 4K 1M 64M | --min-bytes 4K --max-bytes 64M]
                                 [--seconds 1.0] [--rounds 3] [--build-dir build]
 
 For each world size it starts that many processes on this machine (127.0.0.1). Each initialises
 the default group with backend "tdist" and a second group over the same ranks with "gloo", then
-for every size (float32, powers of 4) times dist.all_reduce through each: warm-up, then
---rounds rounds that alternate the backends, each running as many iterations as fit in its share
-of --seconds (at least 5). The time of a size is the median iteration, the slowest rank's. busbw
-follows nccl-tests: algbw * 2(n-1)/n. Alternating spreads a shared machine's load changes over
-both backends; compare the ratio, not the absolute figures. One more all_reduce of known values
-per size and backend is checked ("wrong" counts bad elements).
+for every op and size (float32; --sizes, or powers of 4 from --min-bytes to --max-bytes) times
+it through each: dist.all_reduce, dist.all_gather_into_tensor, dist.broadcast (root 0) and
+dist.reduce_scatter_tensor; the size is the larger buffer (allgather's output, reduce_scatter's
+input), as in nccl-tests. Warm-up, then --rounds rounds that alternate the backends, each running
+as many iterations as fit in its share of --seconds (at least 5). The time of a size is the median
+iteration, the slowest rank's. busbw follows nccl-tests: algbw * 2(n-1)/n for allreduce,
+algbw * (n-1)/n for allgather and reduce_scatter, algbw for broadcast. Alternating spreads a shared
+machine's load changes over both backends; compare the ratio, not the absolute figures. One more
+call on known values per op, size and backend is checked ("wrong" counts bad elements).
 """
 
 import argparse
@@ -43,8 +47,13 @@ def human(n):
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--min-bytes", default="4K")
-    p.add_argument("--max-bytes", default="64M")
+    p.add_argument("--ops", nargs="+", default=list(OPS),
+                   choices=list(OPS))
+    p.add_argument("--sizes", nargs="+", default=["4K", "1M", "64M"],
+                   help="sizes to run (default 4K 1M 64M); --min-bytes/--max-bytes instead give "
+                        "powers of 4")
+    p.add_argument("--min-bytes")
+    p.add_argument("--max-bytes")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="time budget per size and backend (default 1.0)")
     p.add_argument("--rounds", type=int, default=3,
@@ -57,7 +66,9 @@ def parse():
 
 
 def sizes(args):
-    lo, hi = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
+    if not args.min_bytes and not args.max_bytes:
+        return [parse_bytes(x) for x in args.sizes]
+    lo, hi = parse_bytes(args.min_bytes or "4K"), parse_bytes(args.max_bytes or "64M")
     out, s = [], lo
     while s <= hi:
         out.append(s)
@@ -65,13 +76,50 @@ def sizes(args):
     return out
 
 
-def time_allreduce(dist, torch, t, group, seconds):
-    """Times all_reduce(t) for about `seconds` (at least 5 iterations); returns the times."""
+class Op:
+    """One collective: its buffers for a size, the call, the check and the busbw factor."""
+
+    def __init__(self, name, busbw, make, call, expected):
+        self.name, self.busbw, self.make, self.call, self.expected = (
+            name, busbw, make, call, expected)
+
+
+def _make_pair(torch, numel, rank, out_numel):
+    return (torch.full((numel,), float(rank + 1)), torch.empty(out_numel))
+
+
+OPS = {
+    # make(torch, numel, n, rank) -> buffers; call(dist, buffers, group);
+    # expected(torch, buffers, n) -> tensor the result must equal.
+    "allreduce": Op("allreduce", lambda n: 2.0 * (n - 1) / n,
+                    lambda torch, numel, n, rank: (torch.full((numel,), float(rank + 1)),),
+                    lambda dist, b, g: dist.all_reduce(b[0], group=g),
+                    lambda torch, b, n: (b[0], torch.full_like(b[0], n * (n + 1) // 2))),
+    "allgather": Op("allgather", lambda n: (n - 1) / n,
+                    lambda torch, numel, n, rank: _make_pair(torch, numel // n, rank,
+                                                             numel // n * n),
+                    lambda dist, b, g: dist.all_gather_into_tensor(b[1], b[0], group=g),
+                    lambda torch, b, n: (b[1], torch.arange(1, n + 1, dtype=torch.float32)
+                                         .repeat_interleave(b[0].numel()))),
+    "broadcast": Op("broadcast", lambda n: 1.0,
+                    lambda torch, numel, n, rank: (torch.full((numel,), float(rank + 1)),),
+                    lambda dist, b, g: dist.broadcast(b[0], src=0, group=g),
+                    lambda torch, b, n: (b[0], torch.ones_like(b[0]))),
+    "reduce_scatter": Op("reduce_scatter", lambda n: (n - 1) / n,
+                         lambda torch, numel, n, rank: _make_pair(torch, numel // n * n, rank,
+                                                                  numel // n),
+                         lambda dist, b, g: dist.reduce_scatter_tensor(b[1], b[0], group=g),
+                         lambda torch, b, n: (b[1], torch.full_like(b[1], n * (n + 1) // 2))),
+}
+
+
+def time_op(dist, torch, op, buffers, group, seconds):
+    """Times `op` for about `seconds` (at least 5 iterations); returns the times."""
     times = []
     deadline = time.perf_counter() + seconds
     while True:
         start = time.perf_counter()
-        dist.all_reduce(t, group=group)
+        op.call(dist, buffers, group)
         times.append(time.perf_counter() - start)
         if len(times) >= 5:
             # Untimed: the ranks stop together, when the first of them runs out of time.
@@ -91,33 +139,34 @@ def child(args):
     gloo = dist.new_group(backend="gloo")
     groups = {"tdist": None, "gloo": gloo}
     rows = []
-    for nbytes in sizes(args):
-        numel = nbytes // 4
-        tensors = {name: torch.full((numel,), float(rank + 1)) for name in groups}
-        times = {name: [] for name in groups}
-        for name, group in groups.items():
-            for _ in range(args.warmup):
-                dist.all_reduce(tensors[name], group=group)
-        # Alternate the backends in rounds, so that load changes on a shared machine hit both.
-        for _ in range(args.rounds):
+    for op in (OPS[name] for name in args.ops):
+        for nbytes in sizes(args):
+            numel = nbytes // 4
+            buffers = {name: op.make(torch, numel, n, rank) for name in groups}
+            times = {name: [] for name in groups}
             for name, group in groups.items():
-                times[name] += time_allreduce(dist, torch, tensors[name], group,
-                                              args.seconds / args.rounds)
-        row = {"bytes": nbytes}
-        for name, group in groups.items():
-            t = tensors[name]
-            t.fill_(float(rank + 1))  # check one more all_reduce of known values
-            dist.all_reduce(t, group=group)
-            wrong = int((t != float(n * (n + 1) // 2)).sum().item())
-            stats = torch.tensor([statistics.median(times[name]), float(wrong),
-                                  float(len(times[name]))], dtype=torch.float64)
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=gloo)
-            row[name] = (stats[0].item(), int(stats[1].item()), int(stats[2].item()))
-        rows.append(row)
+                for _ in range(args.warmup):
+                    op.call(dist, buffers[name], group)
+            # Alternate the backends in rounds, so that load changes on a shared machine hit both.
+            for _ in range(args.rounds):
+                for name, group in groups.items():
+                    times[name] += time_op(dist, torch, op, buffers[name], group,
+                                           args.seconds / args.rounds)
+            row = {"op": op.name, "bytes": nbytes}
+            for name, group in groups.items():
+                b = op.make(torch, numel, n, rank)  # one more call on known values, checked
+                op.call(dist, b, group)
+                got, want = op.expected(torch, b, n)
+                wrong = int((got != want).sum().item())
+                stats = torch.tensor([statistics.median(times[name]), float(wrong),
+                                      float(len(times[name]))], dtype=torch.float64)
+                dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=gloo)
+                row[name] = (stats[0].item(), int(stats[1].item()), int(stats[2].item()))
+            rows.append(row)
     if rank == 0:
         for row in rows:
-            print("ROW %d %s %s" % (row["bytes"], " ".join(map(repr, row["tdist"])),
-                                    " ".join(map(repr, row["gloo"]))))
+            print("ROW %s %d %s %s" % (row["op"], row["bytes"], " ".join(map(repr, row["tdist"])),
+                                       " ".join(map(repr, row["gloo"]))))
     dist.destroy_process_group()
 
 
@@ -134,9 +183,9 @@ def run_world(args, n):
     env["PYTHONPATH"] = pypath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 "WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1"})
-    argv = [sys.executable, os.path.abspath(__file__), "--child", "--min-bytes", args.min_bytes,
-            "--max-bytes", args.max_bytes, "--seconds", str(args.seconds),
-            "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+    argv = [sys.executable, os.path.abspath(__file__), "--child", "--seconds", str(args.seconds),
+            "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--ops"] + args.ops
+    argv += ["--sizes"] + [str(b) for b in sizes(args)]
     procs = []
     for r in range(n):
         procs.append(subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
@@ -159,8 +208,8 @@ def run_world(args, n):
     for line in outputs[0].splitlines():
         if line.startswith("ROW "):
             f = line.split()
-            rows.append((int(f[1]), float(f[2]), int(f[3]), int(f[4]),
-                         float(f[5]), int(f[6]), int(f[7])))
+            rows.append((f[1], int(f[2]), float(f[3]), int(f[4]), int(f[5]),
+                         float(f[6]), int(f[7]), int(f[8])))
     return rows
 
 
@@ -170,21 +219,21 @@ def main():
         child(args)
         return
     import torch
-    print("# dist.all_reduce, float32 SUM, tdist vs gloo in the same run; torch %s, %d CPUs" % (
+    print("# tdist vs gloo in the same run, float32 (SUM); torch %s, %d CPUs" % (
         torch.__version__, os.cpu_count()))
-    print("# time: median iteration of the slowest rank; busbw = algbw * 2(n-1)/n (nccl-tests)")
-    header = ("| ranks | size | tdist time (us) | tdist busbw (GB/s) | gloo time (us) "
+    print("# time: median iteration of the slowest rank; busbw as nccl-tests")
+    header = ("| ranks | op | size | tdist time (us) | tdist busbw (GB/s) | gloo time (us) "
               "| gloo busbw (GB/s) | tdist / gloo busbw | wrong |")
     print(header)
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 9)
     for n in args.world_sizes:
-        for (nbytes, t_time, t_wrong, _, g_time, g_wrong, _) in run_world(args, n):
-            factor = 2.0 * (n - 1) / n
+        for (op, nbytes, t_time, t_wrong, _, g_time, g_wrong, _) in run_world(args, n):
+            factor = OPS[op].busbw(n)
             t_bw = nbytes / t_time * factor / 1e9
             g_bw = nbytes / g_time * factor / 1e9
             ratio = "%.2fx" % (t_bw / g_bw) if g_bw > 0 else "-"
-            print("| %d | %s | %.1f | %.3f | %.1f | %.3f | %s | %d/%d |" % (
-                n, human(nbytes), t_time * 1e6, t_bw, g_time * 1e6, g_bw, ratio,
+            print("| %d | %s | %s | %.1f | %.3f | %.1f | %.3f | %s | %d/%d |" % (
+                n, op, human(nbytes), t_time * 1e6, t_bw, g_time * 1e6, g_bw, ratio,
                 t_wrong, g_wrong), flush=True)
 
 
