@@ -1,6 +1,6 @@
 """What a gloo user does, unchanged with "tdist".
 
-  usage_test.py --scenario init|debug|checkpoint|torchrun [--world-size N]
+  usage_test.py --scenario init|debug|monitored|checkpoint|torchrun [--world-size N]
 
 init        init_process_group with file:// and with an explicit TCPStore; new_group,
             new_subgroups, batch_isend_irecv, every object collective
@@ -8,6 +8,8 @@ init        init_process_group with file:// and with an explicit TCPStore; new_g
             destroy_process_group and a second init_process_group in the same process.
 debug       TORCH_DISTRIBUTED_DEBUG=DETAIL: PyTorch's wrapper checks each collective across
             ranks; matching calls work, a shape mismatch is reported as such.
+monitored   the group's monitored_barrier: everybody passes, with and without wait_all_ranks;
+            when only rank 0 comes, wait_all_ranks names every other rank.
 checkpoint  torch.distributed.checkpoint saves a model whose parameters are DTensors sharded over
             the ranks, and loads it into a fresh model with the same values.
 torchrun    torchrun (torch.distributed.run, torch.distributed.elastic) starts the workers, which
@@ -34,7 +36,7 @@ def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--child", action="store_true")
     p.add_argument("--scenario", required=True,
-                   choices=["init", "debug", "checkpoint", "torchrun"])
+                   choices=sorted(SCENARIOS))
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--dir", help="(internal) a directory every rank shares")
     return p.parse_args()
@@ -109,6 +111,20 @@ def scenario_debug(torch, dist, rank, world_size, shared):
     dist.destroy_process_group()
 
 
+def scenario_monitored(torch, dist, rank, world_size, shared):
+    dist.init_process_group("tdist", init_method="env://", timeout=TIMEOUT)
+    pg = dist.group.WORLD
+    pg.monitored_barrier(datetime.timedelta(seconds=20))                      # all arrive
+    pg.monitored_barrier(datetime.timedelta(seconds=20), wait_all_ranks=True)
+    # Only rank 0 comes: it names every other rank, in order.
+    if rank == 0:
+        late = ", ".join(str(r) for r in range(1, world_size))
+        expect_raises(lambda: pg.monitored_barrier(datetime.timedelta(seconds=1),
+                                                   wait_all_ranks=True),
+                      RuntimeError, "Ranks %s failed to pass monitoredBarrier" % late)
+    dist.destroy_process_group()
+
+
 def scenario_checkpoint(torch, dist, rank, world_size, shared):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -145,7 +161,8 @@ def scenario_torchrun_worker(torch, dist, rank, world_size, shared):
     dist.destroy_process_group()
 
 
-SCENARIOS = {"init": scenario_init, "debug": scenario_debug, "checkpoint": scenario_checkpoint,
+SCENARIOS = {"init": scenario_init, "debug": scenario_debug, "monitored": scenario_monitored,
+             "checkpoint": scenario_checkpoint,
              "torchrun": scenario_torchrun_worker}
 
 
