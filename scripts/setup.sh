@@ -16,6 +16,7 @@ DEB_PACKAGES=(
   libboost-dev libcereal-dev libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libssl-dev libgtest-dev libgmock-dev libbenchmark-dev
   iproute2 openmpi-bin libopenmpi-dev
+  zlib1g-dev dataset-fashion-mnist
 )
 
 say() { printf 'setup: %s\n' "$*"; }

@@ -106,12 +106,18 @@ DataSplits load_data(const DataConfig& config) {
                           config.train_samples, " train, ", config.test_samples, " test)");
     return out;
   }
-  TDIST_CHECK_ARG(config.dataset == "mnist", "unknown dataset '", config.dataset, "'");
-  const std::string dir = require_directory(config.data_dir);
-  out.train = limited(read_mnist_split(dir, "train"), config.train_samples);
-  out.test = limited(read_mnist_split(dir, "t10k"), config.test_samples);
+  TDIST_CHECK_ARG(config.dataset == "mnist" || config.dataset == "fashion-mnist",
+                  "unknown dataset '", config.dataset, "'");
+  const bool fashion = config.dataset == "fashion-mnist";
+  const std::string dir =
+      require_directory(config.data_dir.empty() && fashion ? kFashionMnistDir : config.data_dir);
+  const double mean = fashion ? kFashionMnistMean : kMnistMean;
+  const double stddev = fashion ? kFashionMnistStd : kMnistStd;
+  out.train = limited(read_mnist_split(dir, "train", mean, stddev), config.train_samples);
+  out.test = limited(read_mnist_split(dir, "t10k", mean, stddev), config.test_samples);
   if (out.train->size() == 0) throw DataError(str("'", dir, "' holds no training images"));
-  out.description = str("mnist ", dir, " (", out.train->size(), " train, ", out.test->size(), " test)");
+  out.description = str(config.dataset, " ", dir, " (", out.train->size(), " train, ",
+                        out.test->size(), " test)");
   return out;
 }
 

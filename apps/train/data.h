@@ -1,6 +1,6 @@
 #pragma once
 // Training data for tdist-train: 1x28x28 images with labels in [0, 10), from a seeded synthetic
-// generator or from MNIST IDX files, and the DistributedSampler that gives each rank its shard.
+// generator or from MNIST-format IDX files (MNIST, Fashion-MNIST), and the DistributedSampler that gives each rank its shard.
 //
 // Datasets are immutable after construction and safe to read from several threads.
 
@@ -62,9 +62,13 @@ class TensorDataset : public Dataset {
   const at::Tensor labels_;
 };
 
+// Where Debian's dataset-fashion-mnist package puts the four gzip IDX files.
+inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+
 struct DataConfig {
-  std::string dataset = "synthetic";  // "synthetic" or "mnist"
-  std::string data_dir;               // mnist: holds the four IDX files
+  std::string dataset = "synthetic";  // "synthetic", "mnist" or "fashion-mnist"
+  std::string data_dir;               // mnist: holds the four IDX files (fashion-mnist: default
+                                      // kFashionMnistDir)
   int64_t train_samples = 60000;      // synthetic: size; mnist: a limit (0: all)
   int64_t test_samples = 10000;       // likewise for the test split
   uint64_t seed = 0;

@@ -29,17 +29,19 @@ int main(int argc, char** argv) {
                      ->check(CLI::Range(int64_t{0}, int64_t{64}));
 
   auto* data = app.add_option_group("Data");
-  data->add_option("--dataset", o.data.dataset, "synthetic or mnist (implied by --data-dir)")
-      ->check(CLI::IsMember({"synthetic", "mnist"}));
+  data->add_option("--dataset", o.data.dataset,
+                   "synthetic, mnist (implied by --data-dir) or fashion-mnist (from --data-dir, "
+                   "default " + std::string(tdist::train::kFashionMnistDir) + ")")
+      ->check(CLI::IsMember({"synthetic", "mnist", "fashion-mnist"}));
   auto* data_dir = data->add_option("--data-dir", o.data.data_dir,
-                                    "directory with the MNIST IDX files (train-images-idx3-ubyte, "
-                                    "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
-                                    "t10k-labels-idx1-ubyte)");
+                                    "directory with the IDX files, plain or .gz "
+                                    "(train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+                                    "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)");
   data->add_option("--train-samples", o.data.train_samples,
-                   "synthetic: training set size; mnist: use at most this many (0: all)")
+                   "synthetic: training set size; (fashion-)mnist: use at most this many (0: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   data->add_option("--test-samples", o.data.test_samples,
-                   "synthetic: test set size; mnist: use at most this many (0: all)")
+                   "synthetic: test set size; (fashion-)mnist: use at most this many (0: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
 
   data->add_option("--signal", o.data.signal,
@@ -113,9 +115,9 @@ int main(int argc, char** argv) {
       if (o.data.dataset == "synthetic" && app.get_option("--dataset")->count() > 0) {
         throw CLI::ValidationError("--data-dir", "is for --dataset mnist, not synthetic");
       }
-      o.data.dataset = "mnist";
+      if (app.get_option("--dataset")->count() == 0) o.data.dataset = "mnist";
     }
-    if (o.data.dataset == "mnist") {
+    if (o.data.dataset != "synthetic") {
       // Defaults of the synthetic set sizes mean "everything" for MNIST.
       if (app.get_option("--train-samples")->count() == 0) o.data.train_samples = 0;
       if (app.get_option("--test-samples")->count() == 0) o.data.test_samples = 0;

@@ -6,7 +6,10 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -375,6 +378,106 @@ TEST(TdistTrain, BadIdxFilesGiveClearErrors) {
     EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.describe();
     EXPECT_TRUE(contains(r.err, c.message)) << c.name << ": '" << c.message << "' not in " << r.err;
   }
+}
+
+// gzip -n, as the MNIST and Fashion-MNIST files are distributed (gzip is in every Debian).
+void gzip_file(const std::string& path) {
+  ASSERT_EQ(std::system(("gzip -n -f '" + path + "'").c_str()), 0) << path;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(TdistTrain, ReadsGzipIdxFilesAsFashionMnist) {
+  const std::string dir = test::temp_dir();
+  write_idx_split(dir, "train", 128, 1);
+  write_idx_split(dir, "t10k", 40, 2);
+  for (const char* f : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                        "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
+    gzip_file(dir + "/" + f);
+  }
+  const std::string summary = dir + "/summary.json";
+  auto r = train({"--dataset", "fashion-mnist", "--data-dir", dir, "--hidden", "32", "--layers",
+                  "1", "--steps", "24", "--batch-size", "32", "--summary", summary});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto s = read_json(summary);
+  EXPECT_TRUE(contains(s["dataset"].get<std::string>(),
+                       "fashion-mnist " + dir + " (128 train, 40 test)"))
+      << s.dump(2);
+  EXPECT_GE(s["accuracy"].get<double>(), 0.9) << r.out;
+}
+
+TEST(TdistTrain, BadGzipIdxFilesGiveClearErrors) {
+  struct Case {
+    std::string name;
+    std::function<void(const std::string&)> damage;  // on train-images-idx3-ubyte.gz
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"truncated gzip",
+       [](const std::string& path) {
+         std::string bytes = read_file(path);
+         write_file(path, bytes.substr(0, bytes.size() / 2));
+       },
+       "train-images-idx3-ubyte.gz': its header declares"},
+      {"header larger than the stream",
+       [](const std::string& path) {
+         std::string bytes;
+         put_u32(bytes, 0x00000803);
+         put_u32(bytes, 1000000);  // a million images declared, three present
+         put_u32(bytes, 28);
+         put_u32(bytes, 28);
+         bytes.append(28 * 28 * 3, '\0');
+         const std::string plain = path.substr(0, path.size() - 3);
+         write_file(plain, bytes);
+         gzip_file(plain);
+       },
+       "the gzip stream holds"},
+      {"corrupt deflate data",
+       [](const std::string& path) {
+         std::string bytes = read_file(path);
+         // Past the first deflate block's start, so the IDX header still decodes.
+         for (size_t i = bytes.size() / 2; i < bytes.size() / 2 + 40; ++i) {
+           bytes[i] = static_cast<char>(0xff);
+         }
+         write_file(path, bytes);
+       },
+       "corrupt gzip data"},
+      {"not gzip at all",
+       [](const std::string& path) { write_file(path, std::string(64, 'x')); },
+       "train-images-idx3-ubyte.gz'"},
+  };
+  for (const auto& c : cases) {
+    const std::string dir = test::temp_dir();
+    write_idx_split(dir, "train", 20, 1);
+    write_idx_split(dir, "t10k", 10, 2);
+    gzip_file(dir + "/train-images-idx3-ubyte");
+    c.damage(dir + "/train-images-idx3-ubyte.gz");
+    auto r = train({"--data-dir", dir, "--steps", "1", "--batch-size", "4"});
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.describe();
+    EXPECT_TRUE(contains(r.err, c.message)) << c.name << ": '" << c.message << "' not in " << r.err;
+  }
+}
+
+// The real Fashion-MNIST that scripts/setup.sh installs (Debian's dataset-fashion-mnist).
+TEST(TdistTrain, TrainsOnDebiansFashionMnist) {
+  struct stat st {};
+  if (::stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st) != 0) {
+    GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh installs it)";
+  }
+  const std::string summary = test::temp_dir() + "/summary.json";
+  auto r = train({"--dataset", "fashion-mnist", "--model", "conv", "--optimizer", "adam", "--lr",
+                  "0.002", "--steps", "60", "--batch-size", "32", "--test-samples", "1000",
+                  "--summary", summary});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto s = read_json(summary);
+  EXPECT_TRUE(contains(s["dataset"].get<std::string>(),
+                       "fashion-mnist /usr/share/datasets/fashion-mnist (60000 train, 1000 test)"))
+      << s.dump(2);
+  // 60 steps of 32 images already get well past chance (10%) on real clothes.
+  EXPECT_GE(s["accuracy"].get<double>(), 0.5) << r.out;
 }
 
 TEST(TdistTrain, AMissingDataDirectoryIsAClearErrorOnEveryRank) {
