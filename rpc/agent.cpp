@@ -35,7 +35,8 @@ struct AddrInfo {
 };
 
 // A connected TCP socket to host:port within `timeout`; NetworkError naming `who` otherwise.
-int connect_tcp(const std::string& host, uint16_t port, Millis timeout, const std::string& who) {
+int connect_tcp(const std::string& host, uint16_t port, Millis timeout, const std::string& who,
+                int buffer_bytes) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -51,6 +52,7 @@ int connect_tcp(const std::string& host, uint16_t port, Millis timeout, const st
       last = std::strerror(errno);
       continue;
     }
+    detail::set_socket_buffers(fd, buffer_bytes);
     rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
       pollfd p{fd, POLLOUT, 0};
@@ -101,6 +103,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   conn_options_.handshake.world_size = world_size;
   conn_options_.handshake.fast_path = options_.same_host_fast_path;
   conn_options_.handshake.timeout = hs_timeout;
+  conn_options_.socket_buffer_bytes = options_.socket_buffer_bytes;
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<Peer>());
 }
 
@@ -143,6 +146,7 @@ void RpcAgent::listen() {
     if (fd < 0) continue;
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    detail::set_socket_buffers(fd, options_.socket_buffer_bytes);  // accepted sockets inherit
     if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 512) == 0) {
       sockaddr_storage ss{};
       socklen_t len = sizeof(ss);
@@ -257,7 +261,8 @@ std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank) {
 
 std::shared_ptr<detail::Connection> RpcAgent::connect(int rank) {
   const auto& [host, port] = addresses_[rank];
-  int fd = connect_tcp(host, port, conn_options_.handshake.timeout, peer_name(rank));
+  int fd = connect_tcp(host, port, conn_options_.handshake.timeout, peer_name(rank),
+                       conn_options_.socket_buffer_bytes);
   detail::HandshakeResult hs;
   try {
     hs = detail::client_handshake(fd, conn_options_.handshake, rank);

@@ -26,11 +26,18 @@ constexpr size_t kBodyChunk = 1 << 20;
 
 }  // namespace
 
+void set_socket_buffers(int fd, int bytes) {
+  if (bytes <= 0) return;
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+}
+
 Connection::Connection(int fd, bool outgoing, const ConnectionOptions& options,
                        ConnectionHandler* handler, Executor* executor)
     : fd_(fd), outgoing_(outgoing), options_(options), handler_(handler), executor_(executor) {
   int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  set_socket_buffers(fd_, options_.socket_buffer_bytes);
   in_.resize(kReadBuffer);
 }
 

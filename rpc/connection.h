@@ -52,7 +52,11 @@ struct ConnectionOptions {
   Millis send_timeout{0};                    // SO_SNDTIMEO once established; 0: none
   uint64_t remote_tensor_threshold = 256 << 10;  // fast path only for tensors at least this large
   HandshakeOptions handshake;                // incoming connections handshake on their thread
+  int socket_buffer_bytes = 0;               // SO_SNDBUF / SO_RCVBUF; 0: the system's
 };
+
+// Sets a socket's send and receive buffer sizes (RpcOptions::socket_buffer_bytes); 0: no change.
+void set_socket_buffers(int fd, int bytes);
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
