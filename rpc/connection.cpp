@@ -24,6 +24,9 @@ namespace {
 constexpr size_t kReadBuffer = 256 << 10;
 constexpr size_t kBodyChunk = 1 << 20;
 
+// The connection whose reader this thread is (nullptr on other threads).
+thread_local const Connection* tl_reader = nullptr;
+
 }  // namespace
 
 void set_socket_buffers(int fd, int bytes) {
@@ -98,6 +101,7 @@ void Connection::close(const std::string& reason) {
 }
 
 void Connection::run() {
+  tl_reader = this;
   auto self = shared_from_this();
   std::string reason;
   try {
@@ -323,6 +327,10 @@ void Connection::frame(OutMessage& m) {
 }
 
 void Connection::send(OutMessage&& m) {
+  // A reader that blocks in sendmsg stops reading: the responses behind it wait, and so does
+  // every peer thread that writes to it. Whatever a reader must send is posted.
+  TDIST_CHECK(tl_reader == nullptr, "send() on the reader thread of the connection to worker "
+              "rank ", tl_reader ? tl_reader->peer_rank() : -1, " (post it to a worker thread)");
   frame(m);
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {

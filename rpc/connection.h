@@ -15,7 +15,8 @@
 //
 // A read or write error, EOF, a malformed frame or close() closes the connection; the handler
 // then hears on_closed() once, from the reader thread. send() on a closed connection throws
-// NetworkError with the reason.
+// NetworkError with the reason; send() on any connection's reader thread throws Error (a
+// reader blocked in sendmsg would stop reading: what a reader must send is posted).
 // Thread safety: send() and close() from any thread. Ownership: the agent owns connections and
 // joins their reader threads (join()) before dropping them.
 

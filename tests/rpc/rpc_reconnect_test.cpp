@@ -25,17 +25,20 @@ TDIST_TEST_CHILD(rpc_stopped_peer) {
   torch::set_num_threads(1);
   register_test_functions();
   auto store = std::make_shared<TCPStore>("127.0.0.1", master_port(), false, 60s);
+  // rpc_timeout also bounds start() (all workers joining): start together.
+  store->set("begin/" + std::to_string(rank), "1");
+  store->wait({"begin/0", "begin/1"}, 60s);
   RpcOptions o;
   o.store = store;
-  o.rpc_timeout = 500ms;  // also each handshake's timeout
+  o.rpc_timeout = 2s;  // also each handshake's timeout
   o.shutdown_timeout = 60s;
   auto agent = RpcAgent::start("p" + std::to_string(rank), rank, world_size, o);
   store->set("started/" + std::to_string(rank), "1");
   if (rank == 0) {
     store->wait({"stopped"}, 60s);
     try {
-      // Timeout 20 s: the first attempts time out while rank 1 is stopped (about 2 s).
-      int64_t v = agent->rpc_sync<int64_t>(1, "add", Timeout{Millis(20000)}, int64_t{40},
+      // Timeout 30 s: the first attempts time out while rank 1 is stopped (about 5 s).
+      int64_t v = agent->rpc_sync<int64_t>(1, "add", Timeout{Millis(30000)}, int64_t{40},
                                            int64_t{2});
       if (v != 42) return 4;
     } catch (const std::exception& e) {
@@ -57,7 +60,7 @@ TEST(RpcReconnect, AFirstConnectThatTimesOutIsRetried) {
   server.wait({"started/0", "started/1"}, 60s);
   procs.kill(1, SIGSTOP);
   server.set("stopped", "1");
-  std::this_thread::sleep_for(2s);  // several handshake timeouts of rank 0
+  std::this_thread::sleep_for(5s);  // two handshake timeouts of rank 0 at least
   procs.kill(1, SIGCONT);
   auto results = procs.wait_all(60s);
   EXPECT_TRUE(results[0].ok()) << results[0].describe() << "\n" << results[0].output;
