@@ -398,6 +398,11 @@ void RpcAgent::schedule(Clock::time_point when, std::function<void()> fn) {
   timeout_cv_.notify_one();
 }
 
+bool RpcAgent::idle() const {
+  std::lock_guard<std::mutex> lock(pending_mu_);
+  return pending_.empty() && processing_ == 0;
+}
+
 size_t RpcAgent::num_pending() const {
   std::lock_guard<std::mutex> lock(pending_mu_);
   return pending_.size();

@@ -228,6 +228,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   int64_t requests_sent() const { return sent_.load(); }
   int64_t requests_received() const { return received_.load(); }
   size_t num_pending() const;
+  // No call pending, no incoming call running and no posted work (post_work) left.
+  bool idle() const;
 
  private:
   struct Pending {

@@ -11,7 +11,7 @@ namespace {
 bool quiet(Agents& a) {
   return eventually([&] {
     for (auto& agent : a.agents) {
-      if (agent->num_pending() != 0 || agent->rref_context().num_pending() != 0) return false;
+      if (!agent->idle() || agent->rref_context().num_pending() != 0) return false;
     }
     return true;
   });
