@@ -35,7 +35,8 @@ struct AddrInfo {
 };
 
 // A connected TCP socket to host:port within `timeout`; NetworkError naming `who` otherwise.
-int connect_tcp(const std::string& host, uint16_t port, Millis timeout, const std::string& who) {
+int connect_tcp(const std::string& host, uint16_t port, Millis timeout, const std::string& who,
+                int buffer_bytes) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -51,6 +52,7 @@ int connect_tcp(const std::string& host, uint16_t port, Millis timeout, const st
       last = std::strerror(errno);
       continue;
     }
+    detail::set_socket_buffers(fd, buffer_bytes);
     rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
       pollfd p{fd, POLLOUT, 0};
@@ -101,6 +103,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   conn_options_.handshake.world_size = world_size;
   conn_options_.handshake.fast_path = options_.same_host_fast_path;
   conn_options_.handshake.timeout = hs_timeout;
+  conn_options_.socket_buffer_bytes = options_.socket_buffer_bytes;
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<Peer>());
 }
 
@@ -143,6 +146,7 @@ void RpcAgent::listen() {
     if (fd < 0) continue;
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    detail::set_socket_buffers(fd, options_.socket_buffer_bytes);  // accepted sockets inherit
     if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 512) == 0) {
       sockaddr_storage ss{};
       socklen_t len = sizeof(ss);
@@ -237,7 +241,8 @@ void RpcAgent::accept_loop() {
   }
 }
 
-std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank) {
+// See RpcAgent::Peer for when a peer counts as failed.
+std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank, Clock::time_point deadline) {
   Peer& p = *peers_.at(rank);
   std::lock_guard<std::mutex> lock(p.mu);
   if (p.conn && !p.conn->closed()) return p.conn;
@@ -245,22 +250,41 @@ std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank) {
     p.failed = str("connection to ", peer_name(rank), " was lost: ", p.conn->close_reason());
   }
   if (!p.failed.empty()) throw NetworkError(p.failed);
-  if (stopped_.load()) throw Error(str("the RPC agent of worker '", self_.name, "' is shut down"));
-  try {
-    p.conn = connect(rank);
-  } catch (const std::exception& e) {
-    p.failed = e.what();
-    throw;
+  Millis backoff(10);
+  for (int attempt = 1;; ++attempt) {
+    if (stopped_.load()) {
+      throw Error(str("the RPC agent of worker '", self_.name, "' is shut down"));
+    }
+    try {
+      p.conn = connect(rank, std::min(conn_options_.handshake.timeout, remaining(deadline)));
+      return p.conn;
+    } catch (const ProtocolError&) {
+      throw;  // the peer refused the handshake (another token): retrying cannot help
+    } catch (const Error& e) {
+      if (Clock::now() + backoff >= deadline) {
+        throw NetworkError(str(e.what(), " (", attempt, attempt == 1 ? " attempt" : " attempts",
+                               " before the call's deadline)"));
+      }
+      TDIST_LOG_DEBUG("rpc: connecting to ", peer_name(rank), " failed (attempt ", attempt,
+                      "), retrying in ", backoff.count(), " ms: ", e.what());
+      // Sleeps in short steps so that a shutdown (which takes p.mu) is not held up.
+      const auto wake = Clock::now() + backoff;
+      while (Clock::now() < wake && !stopped_.load()) {
+        std::this_thread::sleep_for(std::min(Millis(10), remaining(wake)));
+      }
+      backoff = std::min(backoff * 2, Millis(1000));
+    }
   }
-  return p.conn;
 }
 
-std::shared_ptr<detail::Connection> RpcAgent::connect(int rank) {
+std::shared_ptr<detail::Connection> RpcAgent::connect(int rank, Millis timeout) {
   const auto& [host, port] = addresses_[rank];
-  int fd = connect_tcp(host, port, conn_options_.handshake.timeout, peer_name(rank));
+  int fd = connect_tcp(host, port, timeout, peer_name(rank), conn_options_.socket_buffer_bytes);
+  detail::HandshakeOptions handshake = conn_options_.handshake;
+  handshake.timeout = timeout;
   detail::HandshakeResult hs;
   try {
-    hs = detail::client_handshake(fd, conn_options_.handshake, rank);
+    hs = detail::client_handshake(fd, handshake, rank);
   } catch (...) {
     ::close(fd);
     throw;
@@ -305,7 +329,10 @@ void RpcAgent::send_request(int to, detail::OutMessage&& m, Millis timeout,
     if (earliest) timeout_cv_.notify_one();
   }
   try {
-    connection_to(to)->send(std::move(m));
+    // A call without a timeout still gives up connecting after one handshake timeout.
+    connection_to(to, timeout.count() > 0 ? Clock::now() + timeout
+                                          : Clock::now() + conn_options_.handshake.timeout)
+        ->send(std::move(m));
   } catch (const std::exception& e) {
     Pending p;
     {
@@ -337,6 +364,43 @@ void RpcAgent::complete(Pending& p, Message* msg, std::exception_ptr error) {
   p.on_done = nullptr;
   std::lock_guard<std::mutex> lock(pending_mu_);
   if (--processing_ == 0 && pending_.empty()) idle_cv_.notify_all();
+}
+
+void RpcAgent::post_work(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    if (stopping_) return;
+    ++processing_;
+  }
+  auto done = [this] {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    if (--processing_ == 0 && pending_.empty()) idle_cv_.notify_all();
+  };
+  std::function<void()> task = [this, fn = std::move(fn), done] {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      TDIST_LOG_ERROR("rpc: worker '", self_.name, "': posted work threw: ", e.what());
+    }
+    done();
+  };
+  if (!pool_->try_post(std::move(task))) done();
+}
+
+void RpcAgent::schedule(Clock::time_point when, std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    if (stopping_) return;
+    const bool earliest = timers_.empty() || when < timers_.begin()->first;
+    timers_.emplace(when, std::move(fn));
+    if (!earliest) return;
+  }
+  timeout_cv_.notify_one();
+}
+
+bool RpcAgent::idle() const {
+  std::lock_guard<std::mutex> lock(pending_mu_);
+  return pending_.empty() && processing_ == 0;
 }
 
 size_t RpcAgent::num_pending() const {
@@ -453,13 +517,27 @@ void RpcAgent::fail_pending_to(int rank, const std::string& reason) {
 void RpcAgent::timeout_loop() {
   std::unique_lock<std::mutex> lock(pending_mu_);
   while (!stopping_) {
+    if (!timers_.empty() && timers_.begin()->first <= Clock::now()) {
+      auto fn = std::move(timers_.begin()->second);
+      timers_.erase(timers_.begin());
+      lock.unlock();
+      post_work(std::move(fn));
+      lock.lock();
+      continue;
+    }
     if (deadlines_.empty()) {
-      timeout_cv_.wait(lock);
+      if (timers_.empty()) {
+        timeout_cv_.wait(lock);
+      } else {
+        timeout_cv_.wait_until(lock, timers_.begin()->first);
+      }
       continue;
     }
     auto [deadline, id] = *deadlines_.begin();
     if (Clock::now() < deadline) {
-      timeout_cv_.wait_until(lock, deadline);
+      auto until = deadline;
+      if (!timers_.empty()) until = std::min(until, timers_.begin()->first);
+      timeout_cv_.wait_until(lock, until);
       continue;
     }
     deadlines_.erase(deadlines_.begin());
@@ -489,6 +567,9 @@ void RpcAgent::graceful_barrier() {
   const int n = world_size();
   std::vector<std::pair<int64_t, int64_t>> prev;
   for (int round = 0;; ++round) {
+    // Round 0 told everybody that this worker is shutting down; from round 1 on, every worker
+    // is, and what they still hold is deleted (Note [RPC graceful shutdown]).
+    if (round > 0) rrefs_->delete_all_users();
     if (!wait_idle(deadline)) {
       std::string what;
       {
@@ -530,6 +611,10 @@ void RpcAgent::graceful_barrier() {
 }
 
 void RpcAgent::shutdown(bool graceful) {
+  TDIST_CHECK_ARG(!(graceful && pool_ && pool_->in_pool_thread()),
+                  "shutdown() of worker '", self_.name, "' called on one of its own worker "
+                  "threads (from a function called over RPC): it would wait for that very call; "
+                  "shut down from the program's own thread");
   std::lock_guard<std::mutex> guard(shutdown_mu_);
   if (stopped_.load()) return;
   std::exception_ptr error;
@@ -561,6 +646,7 @@ std::vector<std::string> RpcAgent::leaked_rrefs() const {
 
 void RpcAgent::stop_everything(const std::string& reason) {
   std::vector<Pending> failed;
+  std::multimap<Clock::time_point, std::function<void()>> timers;  // dropped outside the lock
   {
     std::lock_guard<std::mutex> lock(pending_mu_);
     if (stopping_ && stopped_.load()) return;
@@ -569,6 +655,7 @@ void RpcAgent::stop_everything(const std::string& reason) {
     for (auto& [id, p] : pending_) failed.push_back(std::move(p));
     pending_.clear();
     deadlines_.clear();
+    timers.swap(timers_);
     processing_ += static_cast<int64_t>(failed.size());
   }
   timeout_cv_.notify_all();

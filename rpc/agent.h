@@ -34,8 +34,15 @@
 // flight and no answer of its own to give, so at that instant nothing was in flight anywhere.
 // Otherwise (work was still moving) it goes on with the next round. Every wait is bounded by
 // RpcOptions::shutdown_timeout; on timeout the agent still stops and shutdown() throws.
-// RRefs still registered after the last round are leaks: they are logged and kept in
+// From round 1 on (every worker has entered shutdown), each round starts by deleting the user
+// RRefs this worker still holds (a RREF_USER_DELETE each, as PyTorch's shutdown does; the
+// handles stay valid objects but name nothing any more) and by dropping the owned RRefs that
+// were never shared; a deletion sent is a request, so the rounds go on until it is answered.
+// RRefs still registered after the last round are leaks (e.g. a fork whose registration
+// failed, which is never released, see Note [RRef protocol]): they are logged and kept in
 // leaked_rrefs().
+// shutdown(true) from one of the agent's own worker threads is refused (InvalidArgument): it
+// would wait for the very call that runs it.
 //
 // Thread safety: every method may be called from any thread. Ownership: start() returns the
 // only owning reference handed out; the agent's threads stop in shutdown() (or the destructor,
@@ -192,7 +199,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   }
 
   // See Note [RPC graceful shutdown]. graceful=false closes every connection now and fails
-  // whatever is pending. Idempotent.
+  // whatever is pending. Idempotent. InvalidArgument for graceful=true on a worker thread of
+  // this agent.
   void shutdown(bool graceful = true);
   bool is_shut_down() const { return stopped_.load(); }
   // RRefs still registered when shutdown finished (Note [RRef protocol]).
@@ -211,10 +219,17 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   // (it may send, or destroy RRefs). `what` describes the call for error messages.
   void send_request(int to, detail::OutMessage&& m, Millis timeout, detail::ResponseFn on_done,
                     std::string what, bool on_pool = false);
+  // Runs fn on a worker thread; until it returns the agent is not idle (graceful shutdown
+  // waits for it). Nothing runs once the agent is stopping.
+  void post_work(std::function<void()> fn);
+  // Runs fn on a worker thread at `when` (or never, when the agent stops first).
+  void schedule(Clock::time_point when, std::function<void()> fn);
   // Requests sent and received so far, and whether the agent is idle (for tests and shutdown).
   int64_t requests_sent() const { return sent_.load(); }
   int64_t requests_received() const { return received_.load(); }
   size_t num_pending() const;
+  // No call pending, no incoming call running and no posted work (post_work) left.
+  bool idle() const;
 
  private:
   struct Pending {
@@ -225,6 +240,11 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
     bool has_deadline = false;
     bool on_pool = false;
   };
+  // Connecting: the first request to a peer connects; a connect or handshake that fails is
+  // retried with backoff until that request's deadline (a worker still starting, a listener
+  // backlog that dropped the attempt, a handshake that timed out), except when the peer
+  // refused the handshake (another token). Only a lost established connection marks the peer
+  // failed: later requests to it fail at once.
   struct Peer {
     std::mutex mu;
     std::shared_ptr<detail::Connection> conn;  // guarded by mu
@@ -236,10 +256,9 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   void join_group(int world_size);
   void accept_loop();
   void timeout_loop();
-  std::shared_ptr<detail::Connection> connection_to(int rank);
-  std::shared_ptr<detail::Connection> connect(int rank);
+  std::shared_ptr<detail::Connection> connection_to(int rank, Clock::time_point deadline);
+  std::shared_ptr<detail::Connection> connect(int rank, Millis timeout);
   std::string peer_name(int rank) const;
-  void fail_pending(std::vector<Pending>&& failed, std::exception_ptr error);
   void fail_pending_to(int rank, const std::string& reason);
   void complete(Pending& p, detail::Message* msg, std::exception_ptr error);
   void graceful_barrier();
@@ -290,9 +309,10 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
 
   mutable std::mutex pending_mu_;
   std::condition_variable idle_cv_;     // pending_ emptied or processing_ reached 0
-  std::condition_variable timeout_cv_;  // a new earliest deadline, or stopping
+  std::condition_variable timeout_cv_;  // a new earliest deadline or timer, or stopping
   std::unordered_map<uint64_t, Pending> pending_;                 // guarded by pending_mu_
   std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;    // guarded by pending_mu_
+  std::multimap<Clock::time_point, std::function<void()>> timers_;  // guarded by pending_mu_
   int64_t processing_ = 0;                                        // guarded by pending_mu_
   bool stopping_ = false;                                         // guarded by pending_mu_
 

@@ -259,8 +259,10 @@ HandshakeResult client_handshake(int fd, const HandshakeOptions& o, int expected
   try {
     read_exact(fd, acc, sizeof(acc), where.c_str());
   } catch (const NetworkError& e) {
-    throw NetworkError(str(e.what(), " (the worker rejected this connection: is the token "
-                                     "the same on every worker?)"));
+    // The worker closed after reading our answer: it refused it. A ProtocolError, so that the
+    // agent does not retry the connect (RpcAgent::Peer).
+    throw ProtocolError(str(e.what(), " (the worker rejected this connection: is the token "
+                                      "the same on every worker?)"));
   }
   Cursor a(acc, sizeof(acc));
   if (a.get<uint32_t>() != kAuthMagic) throw ProtocolError(where + ": bad magic");

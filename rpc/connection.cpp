@@ -24,13 +24,23 @@ namespace {
 constexpr size_t kReadBuffer = 256 << 10;
 constexpr size_t kBodyChunk = 1 << 20;
 
+// The connection whose reader this thread is (nullptr on other threads).
+thread_local const Connection* tl_reader = nullptr;
+
 }  // namespace
+
+void set_socket_buffers(int fd, int bytes) {
+  if (bytes <= 0) return;
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+}
 
 Connection::Connection(int fd, bool outgoing, const ConnectionOptions& options,
                        ConnectionHandler* handler, Executor* executor)
     : fd_(fd), outgoing_(outgoing), options_(options), handler_(handler), executor_(executor) {
   int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  set_socket_buffers(fd_, options_.socket_buffer_bytes);
   in_.resize(kReadBuffer);
 }
 
@@ -91,6 +101,7 @@ void Connection::close(const std::string& reason) {
 }
 
 void Connection::run() {
+  tl_reader = this;
   auto self = shared_from_this();
   std::string reason;
   try {
@@ -316,6 +327,10 @@ void Connection::frame(OutMessage& m) {
 }
 
 void Connection::send(OutMessage&& m) {
+  // A reader that blocks in sendmsg stops reading: the responses behind it wait, and so does
+  // every peer thread that writes to it. Whatever a reader must send is posted.
+  TDIST_CHECK(tl_reader == nullptr, "send() on the reader thread of the connection to worker "
+              "rank ", tl_reader ? tl_reader->peer_rank() : -1, " (post it to a worker thread)");
   frame(m);
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {

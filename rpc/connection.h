@@ -15,7 +15,8 @@
 //
 // A read or write error, EOF, a malformed frame or close() closes the connection; the handler
 // then hears on_closed() once, from the reader thread. send() on a closed connection throws
-// NetworkError with the reason.
+// NetworkError with the reason; send() on any connection's reader thread throws Error (a
+// reader blocked in sendmsg would stop reading: what a reader must send is posted).
 // Thread safety: send() and close() from any thread. Ownership: the agent owns connections and
 // joins their reader threads (join()) before dropping them.
 
@@ -52,7 +53,11 @@ struct ConnectionOptions {
   Millis send_timeout{0};                    // SO_SNDTIMEO once established; 0: none
   uint64_t remote_tensor_threshold = 256 << 10;  // fast path only for tensors at least this large
   HandshakeOptions handshake;                // incoming connections handshake on their thread
+  int socket_buffer_bytes = 0;               // SO_SNDBUF / SO_RCVBUF; 0: the system's
 };
+
+// Sets a socket's send and receive buffer sizes (RpcOptions::socket_buffer_bytes); 0: no change.
+void set_socket_buffers(int fd, int bytes);
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:

@@ -107,7 +107,7 @@ void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Messa
   RRefId rref_id;
   ForkId fork_id;
   size_t offset = read_fields(msg, h, rref_id, fork_id);
-  auto owner = rrefs_->get_or_create_owner(rref_id, nullptr);
+  auto owner = rrefs_->create_owner_for_call(rref_id);
   if (fork_id.created_on >= 0) rrefs_->add_fork(rref_id, fork_id);
   std::string error;
   try {
@@ -132,7 +132,11 @@ void RpcAgent::handle_fetch(const std::shared_ptr<Connection>& conn, Message& ms
   uint64_t type_hash = 0;
   std::string type;
   read_fields(msg, rref_id, type_hash, type);
-  auto owner = rrefs_->get_or_create_owner(rref_id, nullptr);
+  auto owner = rrefs_->find_owner(rref_id, nullptr);
+  if (!owner) {
+    throw InvalidArgument(str("to_here(): RRef ", rref_id.str(), " is unknown on its owner (",
+                              self_.name, "): it was deleted, or never existed"));
+  }
   std::weak_ptr<RpcAgent> weak = weak_from_this();
   const uint64_t id = msg.id;
   const int from = msg.from;
@@ -164,10 +168,16 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
                          : read_fields(*msg, h, target, phantom);
   std::shared_ptr<detail::OwnerRRef> result;
   if (remote) {
-    result = rrefs_->get_or_create_owner(result_id, nullptr);
+    result = rrefs_->create_owner_for_call(result_id);
     if (result_fork.created_on >= 0) rrefs_->add_fork(result_id, result_fork);
   }
-  auto owner = rrefs_->get_or_create_owner(target, nullptr);
+  auto owner = rrefs_->find_owner(target, nullptr);
+  if (!owner) {
+    // Deleted (invariant 5): a failed stand-in answers like a target whose creation failed.
+    owner = std::make_shared<detail::OwnerRRef>(rrefs_, target, self_.rank, nullptr);
+    owner->set_error(std::make_exception_ptr(InvalidArgument(
+        str("RRef ", target.str(), " is unknown on its owner: it was deleted, or never existed"))));
+  }
   if (phantom.created_on >= 0) rrefs_->delete_fork(target, phantom);  // see RRef::phantom_fork
   std::weak_ptr<RpcAgent> weak = weak_from_this();
   // Runs once the target's value exists (at once when it does; otherwise on the thread that
@@ -220,9 +230,19 @@ void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& 
   switch (msg.type) {
     case MessageType::kRRefForkRequest: {
       auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
-      rrefs_->get_or_create_owner(id, nullptr);
-      rrefs_->add_fork(id, fork);
-      break;
+      // Answered once the RRef is known here, or with an error (Note [RRef protocol]).
+      std::weak_ptr<RpcAgent> weak = weak_from_this();
+      const uint64_t request = msg.id;
+      rrefs_->add_fork_when_known(id, fork, [weak, conn, request](std::exception_ptr error) {
+        auto self = weak.lock();
+        if (!self) return;
+        if (error) {
+          self->reply_error(conn, request, describe_exception(error));
+        } else {
+          self->reply_empty(conn, request);
+        }
+      });
+      return;
     }
     case MessageType::kRRefUserDelete: {
       auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);

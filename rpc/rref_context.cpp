@@ -120,21 +120,134 @@ std::shared_ptr<OwnerRRef> RRefContext::create_owner(const TypeInfo* type, bool 
   return owner;
 }
 
-std::shared_ptr<OwnerRRef> RRefContext::get_or_create_owner(const RRefId& id,
-                                                            const TypeInfo* type) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& slot = owners_[id];
-  if (!slot) slot = std::make_shared<OwnerRRef>(weak_from_this(), id, rank_, type);
-  return slot;
+RRefContext::Unborn& RRefContext::unborn_locked(const RRefId& id, const TypeInfo* type,
+                                                bool& created) {
+  Unborn& u = unborn_[id];
+  created = !u.owner;
+  if (created) u.owner = std::make_shared<OwnerRRef>(weak_from_this(), id, rank_, type);
+  return u;
+}
+
+void RRefContext::schedule_expiry(const RRefId& id) {
+  auto agent = agent_.lock();
+  if (!agent || agent->options().rpc_timeout.count() <= 0) return;  // waits until shutdown
+  std::weak_ptr<RRefContext> weak = weak_from_this();
+  agent->schedule(Clock::now() + agent->options().rpc_timeout, [weak, id] {
+    if (auto ctx = weak.lock()) ctx->expire_unborn(id);
+  });
+}
+
+std::exception_ptr RRefContext::unknown_error(const RRefId& id, bool waited) const {
+  if (!waited) {
+    return std::make_exception_ptr(InvalidArgument(
+        str("RRef ", id.str(), " is unknown on its owner (rank ", rank_,
+            "): it was deleted, or never existed")));
+  }
+  auto agent = agent_.lock();
+  const int64_t ms = agent ? agent->options().rpc_timeout.count() : 0;
+  return std::make_exception_ptr(TimeoutError(
+      str("RRef ", id.str(), " is unknown on its owner (rank ", rank_,
+          "): the call creating it did not arrive within ", ms,
+          " ms (it failed, or the RRef was deleted)")));
+}
+
+void RRefContext::expire_unborn(const RRefId& id) {
+  Unborn u;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = unborn_.find(id);
+    if (it == unborn_.end()) return;  // created meanwhile
+    u = std::move(it->second);
+    unborn_.erase(it);
+  }
+  u.owner->set_error(unknown_error(id, true));  // answers the fetches and method calls
+  for (auto& f : u.on_birth) f(false);
+}
+
+std::shared_ptr<OwnerRRef> RRefContext::find_owner(const RRefId& id, const TypeInfo* type) {
+  bool created = false;
+  std::shared_ptr<OwnerRRef> owner;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = owners_.find(id);
+    if (it != owners_.end()) return it->second;
+    if (id.created_on == rank_) return nullptr;  // made here and gone (invariant 5)
+    owner = unborn_locked(id, type, created).owner;
+  }
+  if (created) schedule_expiry(id);
+  return owner;
+}
+
+std::shared_ptr<OwnerRRef> RRefContext::create_owner_for_call(const RRefId& id) {
+  std::shared_ptr<OwnerRRef> owner;
+  std::vector<std::function<void(bool)>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = owners_.find(id);
+    if (it != owners_.end()) return it->second;  // remote() to ourselves registered it
+    auto u = unborn_.find(id);
+    if (u != unborn_.end()) {
+      owner = std::move(u->second.owner);
+      waiting = std::move(u->second.on_birth);
+      unborn_.erase(u);
+    } else {
+      owner = std::make_shared<OwnerRRef>(weak_from_this(), id, rank_, nullptr);
+    }
+    owners_.emplace(id, owner);
+  }
+  for (auto& f : waiting) f(true);
+  return owner;
+}
+
+void RRefContext::add_fork_when_known(const RRefId& id, const ForkId& fork,
+                                      std::function<void(std::exception_ptr)> done) {
+  enum class Outcome { kAdded, kUnknown, kWaiting, kWaitingNew } outcome;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (owners_.count(id)) {
+      forks_[id].insert(fork);
+      outcome = Outcome::kAdded;
+    } else if (id.created_on == rank_) {
+      outcome = Outcome::kUnknown;  // made here and gone (invariant 5)
+    } else {
+      std::weak_ptr<RRefContext> weak = weak_from_this();
+      bool created = false;
+      unborn_locked(id, nullptr, created).on_birth.push_back([weak, id, fork, done](bool born) {
+        auto ctx = weak.lock();
+        if (!ctx) return;
+        if (!born) {
+          done(ctx->unknown_error(id, true));
+          return;
+        }
+        ctx->add_fork(id, fork);
+        done(nullptr);
+      });
+      outcome = created ? Outcome::kWaitingNew : Outcome::kWaiting;
+    }
+  }
+  switch (outcome) {
+    case Outcome::kAdded:
+      done(nullptr);
+      break;
+    case Outcome::kUnknown:
+      done(unknown_error(id, false));
+      break;
+    case Outcome::kWaitingNew:
+      schedule_expiry(id);  // outside the lock: schedule() takes the agent's lock
+      break;
+    case Outcome::kWaiting:
+      break;
+  }
 }
 
 std::shared_ptr<UserRRef> RRefContext::create_user_for_remote(int owner, const TypeInfo* type) {
   auto user = std::make_shared<UserRRef>(shared_from_this(), new_id(), new_id(), owner, type);
   std::lock_guard<std::mutex> lock(mu_);
   pending_users_.emplace(user->fork_id(), user);
-  users_.emplace(user->fork_id(), str("user RRef ", user->id().str(), " fork ",
-                                      user->fork_id().str(), " of ", type ? type->name : "?",
-                                      " owned by rank ", owner));
+  users_.emplace(user->fork_id(),
+                 LiveUser{user, str("user RRef ", user->id().str(), " fork ",
+                                    user->fork_id().str(), " of ", type ? type->name : "?",
+                                    " owned by rank ", owner)});
   return user;
 }
 
@@ -156,8 +269,23 @@ void RRefContext::finish_pending_user(const ForkId& fork, bool confirmed,
   // `user` may be the last reference: its destructor sends the deletion, outside our lock.
 }
 
+void RRefContext::fork_request_failed(const ForkId& fork, std::exception_ptr error) {
+  std::string why = "unknown error";
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    why = e.what();
+  } catch (...) {
+  }
+  TDIST_LOG_WARN("rpc: RREF_FORK_REQUEST for fork ", fork.str(), " failed: ", why,
+                 "; the fork stays pending and its parent keeps its reference (a leak, reported "
+                 "at shutdown, rather than a value freed while this worker holds it)");
+}
+
 ForkData RRefContext::prepare_child_fork(const std::shared_ptr<RRefBase>& rref, int dest) {
-  (void)dest;
+  auto agent = agent_.lock();
+  TDIST_CHECK_ARG(!agent || (dest >= 0 && dest < agent->world_size()),
+                  "an RRef sent to worker rank ", dest, ", which does not exist");
   ForkData fd;
   fd.rref_id = rref->id();
   fd.fork_id = new_id();
@@ -174,7 +302,7 @@ ForkData RRefContext::prepare_child_fork(const std::shared_ptr<RRefBase>& rref, 
     forks_[rref->id()].insert(fd.fork_id);
   } else {
     // The parent stays alive until the child is confirmed (invariant 2).
-    pending_children_.emplace(fd.fork_id, rref);
+    pending_children_.emplace(fd.fork_id, PendingChild{rref, dest});
   }
   return fd;
 }
@@ -189,7 +317,8 @@ std::shared_ptr<RRefBase> RRefContext::rref_from_fork(const ForkData& fd, int fr
                             ", parent ", fd.parent));
   }
   if (fd.owner == rank_) {
-    auto owner = get_or_create_owner(fd.rref_id, type);
+    auto owner = find_owner(fd.rref_id, type);
+    if (!owner) std::rethrow_exception(unknown_error(fd.rref_id, false));
     if (fd.parent == rank_) {
       delete_fork(fd.rref_id, fd.fork_id);  // the fork added when we sent it to ourselves
     } else {
@@ -201,8 +330,9 @@ std::shared_ptr<RRefBase> RRefContext::rref_from_fork(const ForkData& fd, int fr
                                          type);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    users_.emplace(fd.fork_id, str("user RRef ", fd.rref_id.str(), " fork ", fd.fork_id.str(),
-                                   " of ", fd.type_name, " owned by rank ", fd.owner));
+    users_.emplace(fd.fork_id,
+                   LiveUser{user, str("user RRef ", fd.rref_id.str(), " fork ", fd.fork_id.str(),
+                                      " of ", fd.type_name, " owned by rank ", fd.owner)});
     if (fd.parent != fd.owner) pending_users_.emplace(fd.fork_id, user);
   }
   if (fd.parent == fd.owner) {
@@ -228,7 +358,11 @@ void RRefContext::send_fork_request(const std::shared_ptr<UserRRef>& user, int p
       [weak, fork, parent](Message*, std::exception_ptr error) {
         auto ctx = weak.lock();
         if (!ctx) return;
-        ctx->finish_pending_user(fork, error == nullptr, error);
+        if (error) {
+          ctx->fork_request_failed(fork, error);  // no CHILD_ACCEPT: the parent holds on
+          return;
+        }
+        ctx->finish_pending_user(fork, true, nullptr);
         ctx->send_child_accept(parent, fork);
       },
       str("RREF_FORK_REQUEST for RRef ", user->id().str(), " fork ", fork.str()),
@@ -299,33 +433,81 @@ void RRefContext::child_accepted(const ForkId& fork) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_children_.find(fork);
     if (it == pending_children_.end()) return;  // idempotent
-    dropped = std::move(it->second);
+    dropped = std::move(it->second.parent);
     pending_children_.erase(it);
   }
 }
 
-void RRefContext::user_deleted(const UserRRef& user) {
+void RRefContext::user_deleted(UserRRef& user) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     users_.erase(user.fork_id());
   }
+  if (user.deleted_.exchange(true)) return;  // delete_all_users told the owner already
+  send_user_delete(user.owner(), user.id(), user.fork_id());
+}
+
+void RRefContext::send_user_delete(int owner, const RRefId& id, const ForkId& fork) {
   auto agent = agent_.lock();
   if (!agent || agent->is_shut_down()) return;  // after shutdown: reported as leaked
-  const RRefId id = user.id();
-  const ForkId fork = user.fork_id();
-  auto m = encode_message(MessageType::kRRefUserDelete, this, user.owner(),
-                          std::make_tuple(id, fork));
-  agent->send_request(
-      user.owner(), std::move(m), agent->options().rpc_timeout,
-      [id](Message*, std::exception_ptr error) {
-        if (!error) return;
-        try {
-          std::rethrow_exception(error);
-        } catch (const std::exception& e) {
-          TDIST_LOG_WARN("rpc: RREF_USER_DELETE for RRef ", id.str(), " failed: ", e.what());
-        }
-      },
-      str("RREF_USER_DELETE for RRef ", id.str(), " fork ", fork.str()), /*on_pool=*/true);
+  // Posted: the last handle may go on any thread, e.g. a connection's reader completing a
+  // response inline, which must never write (a full socket would stall every response).
+  std::weak_ptr<RRefContext> weak = weak_from_this();
+  agent->post_work([weak, owner, id, fork] {
+    auto ctx = weak.lock();
+    auto agent = ctx ? ctx->agent() : nullptr;
+    if (!agent) return;
+    auto m = encode_message(MessageType::kRRefUserDelete, ctx.get(), owner,
+                            std::make_tuple(id, fork));
+    agent->send_request(
+        owner, std::move(m), agent->options().rpc_timeout,
+        [id](Message*, std::exception_ptr error) {
+          if (!error) return;
+          try {
+            std::rethrow_exception(error);
+          } catch (const std::exception& e) {
+            TDIST_LOG_WARN("rpc: RREF_USER_DELETE for RRef ", id.str(), " failed: ", e.what());
+          }
+        },
+        str("RREF_USER_DELETE for RRef ", id.str(), " fork ", fork.str()), /*on_pool=*/true);
+  });
+}
+
+size_t RRefContext::delete_all_users() {
+  std::vector<std::shared_ptr<UserRRef>> users;
+  std::vector<std::shared_ptr<OwnerRRef>> unforked;  // dropped outside the lock
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::set<const RRefBase*> parents;
+    for (const auto& [fork, child] : pending_children_) parents.insert(child.parent.get());
+    for (auto it = users_.begin(); it != users_.end();) {
+      auto user = it->second.user.lock();
+      // Pending users and parents of pending children stay (invariants 1 and 2).
+      if (!user || pending_users_.count(it->first) || parents.count(user.get())) {
+        ++it;
+        continue;
+      }
+      users.push_back(std::move(user));
+      it = users_.erase(it);
+    }
+    for (auto it = owners_.begin(); it != owners_.end();) {
+      // A remote() to ourselves still running keeps its entry until its value is set.
+      auto f = forks_.find(it->first);
+      if ((f == forks_.end() || f->second.empty()) && it->second->ready()) {
+        unforked.push_back(std::move(it->second));
+        it = owners_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  size_t sent = 0;
+  for (auto& u : users) {
+    if (u->deleted_.exchange(true)) continue;
+    send_user_delete(u->owner(), u->id(), u->fork_id());
+    ++sent;
+  }
+  return sent;
 }
 
 std::vector<std::string> RRefContext::registered() const {
@@ -338,12 +520,17 @@ std::vector<std::string> RRefContext::registered() const {
     out.push_back(str("owned RRef ", id.str(), t ? " of " + t->name : std::string(), " with ", n,
                       " user fork(s)", owner->ready() ? "" : " and no value yet"));
   }
-  for (const auto& [fork, what] : users_) out.push_back(what);
+  for (const auto& [fork, user] : users_) out.push_back(user.what);
   for (const auto& [fork, user] : pending_users_) {
     out.push_back(str("pending user fork ", fork.str(), " (owner has not confirmed it)"));
   }
-  for (const auto& [fork, parent] : pending_children_) {
-    out.push_back(str("pending child fork ", fork.str(), " of RRef ", parent->id().str()));
+  for (const auto& [fork, child] : pending_children_) {
+    out.push_back(str("pending child fork ", fork.str(), " of RRef ", child.parent->id().str(),
+                      " sent to rank ", child.dest, " (not accepted)"));
+  }
+  for (const auto& [id, u] : unborn_) {
+    out.push_back(str("RRef ", id.str(), ": ", u.on_birth.size(),
+                      " fork request(s) and the fetches or calls waiting for its creation"));
   }
   return out;
 }

@@ -23,12 +23,17 @@
 //   - P is a user: P keeps its own UserRRef alive in `pending_children_` until C accepts. C
 //     holds its new UserRRef pending, sends RREF_FORK_REQUEST to the owner, and once the owner
 //     has added the fork and answered, confirms it and sends RREF_CHILD_ACCEPT to P, which drops
-//     the pending child.
+//     the pending child. When the FORK_REQUEST fails (an error, a timeout: the owner may still
+//     get it later) C sends nothing to P and its UserRRef stays pending for good, as in
+//     PyTorch: P then never lets go, so the owner can never free a value that C may hold; the
+//     cost is a leak, reported at shutdown.
 //   - C is the owner itself: it uses its OwnerRRef; if P was a user it sends RREF_CHILD_ACCEPT
 //     to P; if P is C (the owner sent it to itself) it removes the fork it added while sending.
 // Deleting: when the last RRef<T> handle of a UserRRef goes, the user sends RREF_USER_DELETE
 // {RRefId, ForkId} to the owner, which removes the fork; an OwnerRRef whose fork set becomes
-// empty leaves `owners_` once its value is set.
+// empty leaves `owners_` once its value is set. The deletion is sent from a worker thread,
+// never from the thread that dropped the handle (that may be a connection's reader, which
+// must not write). A graceful shutdown deletes the UserRRefs still held (delete_all_users).
 //
 // Invariants this gives:
 //   1. The owner learns of every fork before it can learn of that fork's deletion: a pending
@@ -43,9 +48,12 @@
 //      A call the owner makes on its own RRef carries a *phantom* fork, added before sending and
 //      removed by the handler once it holds the OwnerRRef, for the same reason.
 //   5. A fork request or fetch may reach the owner before the REMOTE_CALL that creates the value
-//      (different connections, a thread pool): the owner then creates the OwnerRRef empty, and
-//      waiters are answered when the value is set. An OwnerRRef without a value never leaves
-//      `owners_`.
+//      (different connections, a thread pool). The owner tells "not created yet" from "deleted"
+//      by the id: an RRefId made on the owner itself that is not in `owners_` is gone, and a
+//      request naming it fails at once. For an id made elsewhere the creating call may still
+//      be on its way: the request waits on a placeholder in `unborn_` (not in `owners_`), which
+//      the creating call adopts; a placeholder the call has not adopted within rpc_timeout is
+//      dropped and its requests fail. No request ever creates an owner entry.
 // Graceful shutdown (agent.h) waits until no control message is in flight anywhere; what is
 // still registered then is leaked (a handle kept past shutdown) and is reported.
 //
@@ -164,6 +172,7 @@ class UserRRef : public RRefBase {
   const std::shared_ptr<RRefContext> strong_ctx_;
   const ForkId fork_;
   std::atomic<bool> confirmed_{false};
+  std::atomic<bool> deleted_{false};  // the owner was told (at most once)
   mutable std::mutex mu_;
   std::exception_ptr creation_error_;  // guarded by mu_
 };
@@ -179,16 +188,28 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   // An OwnerRRef for a value created here (an RRef to a local value, or remote() to self).
   // `registered`: enter it in owners_ now (remote() to self, whose call looks it up by id).
   std::shared_ptr<OwnerRRef> create_owner(const TypeInfo* type, bool registered);
-  // The OwnerRRef with this id, created empty when unknown (invariant 5).
-  std::shared_ptr<OwnerRRef> get_or_create_owner(const RRefId& id, const TypeInfo* type);
+  // The OwnerRRef that a request names (a fetch, a method call, an RRef sent back to its
+  // owner): the registered one; nullptr when unknown and made here (deleted); otherwise a
+  // placeholder that the creating call adopts or that fails after rpc_timeout (invariant 5).
+  std::shared_ptr<OwnerRRef> find_owner(const RRefId& id, const TypeInfo* type);
+  // The OwnerRRef of the call that creates it (REMOTE_CALL, RREF_METHOD_REMOTE): registers it,
+  // adopting a placeholder that requests already wait on.
+  std::shared_ptr<OwnerRRef> create_owner_for_call(const RRefId& id);
+  // RREF_FORK_REQUEST: adds the fork once the RRef is known here and calls done(nullptr), or
+  // calls done(error) when it is unknown (see find_owner). `done` may run later, on another
+  // thread.
+  void add_fork_when_known(const RRefId& id, const ForkId& fork,
+                           std::function<void(std::exception_ptr)> done);
   // A pending UserRRef for remote(owner, ...) from here.
   std::shared_ptr<UserRRef> create_user_for_remote(int owner, const TypeInfo* type);
   // The owner answered the REMOTE_CALL / FORK_REQUEST (error: the remote call failed, or the
   // message may not have arrived). Either way the user stops being pending.
   // `confirmed`: the owner registered the fork (even if the call then failed).
   void finish_pending_user(const ForkId& fork, bool confirmed, std::exception_ptr error);
+  // The FORK_REQUEST of a child fork failed: the fork stays pending (Note [RRef protocol]).
+  void fork_request_failed(const ForkId& fork, std::exception_ptr error);
 
-  // Sender side of a fork (Note [RRef protocol]).
+  // Sender side of a fork to worker `dest` (Note [RRef protocol]).
   ForkData prepare_child_fork(const std::shared_ptr<RRefBase>& rref, int dest);
   // Receiver side: the RRef that fork data from `from` stands for here, of type `type` (checked
   // against the fork data by the caller).
@@ -203,7 +224,12 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   void child_accepted(const ForkId& fork);
 
   // From ~UserRRef.
-  void user_deleted(const UserRRef& user);
+  void user_deleted(UserRRef& user);
+  // Graceful shutdown: sends the deletion of every UserRRef held here that is neither pending
+  // nor the parent of a pending child (the handles stay, naming nothing), and drops from
+  // `owners_` the owned RRefs with a value and no fork (local handles keep their values).
+  // Returns how many deletions it sent.
+  size_t delete_all_users();
 
   // Descriptions of what is still registered: owned RRefs with forks, live user RRefs, pending
   // users and children. Empty when nothing leaked.
@@ -214,8 +240,19 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   size_t num_pending() const;
 
  private:
+  // Requests waiting for an RRef made elsewhere whose creating call has not arrived.
+  struct Unborn {
+    std::shared_ptr<OwnerRRef> owner;                  // adopted by the creating call
+    std::vector<std::function<void(bool)>> on_birth;   // true: created; false: given up
+  };
   void send_fork_request(const std::shared_ptr<UserRRef>& user, int parent);
   void send_child_accept(int parent, const ForkId& fork);
+  void send_user_delete(int owner, const RRefId& id, const ForkId& fork);
+  // The placeholder for `id` (mu_ held); schedules its expiry when new.
+  Unborn& unborn_locked(const RRefId& id, const TypeInfo* type, bool& created);
+  void schedule_expiry(const RRefId& id);
+  void expire_unborn(const RRefId& id);
+  std::exception_ptr unknown_error(const RRefId& id, bool waited) const;
 
   const std::weak_ptr<RpcAgent> agent_;
   const int rank_;
@@ -225,9 +262,19 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   std::unordered_map<RRefId, std::shared_ptr<OwnerRRef>, GloballyUniqueIdHash> owners_;
   std::unordered_map<RRefId, std::set<ForkId>, GloballyUniqueIdHash> forks_;
   std::unordered_map<ForkId, std::shared_ptr<UserRRef>, GloballyUniqueIdHash> pending_users_;
-  std::unordered_map<ForkId, std::shared_ptr<RRefBase>, GloballyUniqueIdHash> pending_children_;
-  // Live user RRefs here (for the leak report): fork -> "RRef id of type T owned by rank".
-  std::unordered_map<ForkId, std::string, GloballyUniqueIdHash> users_;
+  struct PendingChild {
+    std::shared_ptr<RRefBase> parent;  // kept alive until the child accepts
+    int dest = -1;                     // the worker the child fork was sent to
+  };
+  std::unordered_map<ForkId, PendingChild, GloballyUniqueIdHash> pending_children_;
+  // Live user RRefs here: for the leak report ("RRef id of type T owned by rank") and for
+  // delete_all_users.
+  struct LiveUser {
+    std::weak_ptr<UserRRef> user;
+    std::string what;
+  };
+  std::unordered_map<ForkId, LiveUser, GloballyUniqueIdHash> users_;
+  std::unordered_map<RRefId, Unborn, GloballyUniqueIdHash> unborn_;
 };
 
 }  // namespace detail

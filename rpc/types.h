@@ -52,6 +52,9 @@ struct RpcOptions {
   // Same-host peers read large tensors straight from the sender's memory (Linux
   // process_vm_readv) when the kernel allows it; off sends every byte through the socket.
   bool same_host_fast_path = true;
+  // SO_SNDBUF and SO_RCVBUF of every connection in bytes (the kernel may round them); 0 keeps
+  // the system's defaults. Small buffers make writers block early (tests use that).
+  int socket_buffer_bytes = 0;
 };
 
 // Where a call goes: a worker name, a rank or a WorkerInfo.

@@ -5,7 +5,10 @@
 namespace tdist::rpc::detail {
 namespace {
 thread_local const ThreadPool* tl_pool = nullptr;
-}
+// Set on a pool thread that called stop(): once its task returns, it leaves run() without
+// touching the pool, which may be gone by then.
+thread_local bool tl_released = false;
+}  // namespace
 
 ThreadPool::ThreadPool(int threads, std::function<void()> on_start)
     : on_start_(std::move(on_start)) {
@@ -34,23 +37,49 @@ bool ThreadPool::try_post(std::function<void()>&& task) {
 }
 
 void ThreadPool::stop() {
+  const bool own = in_pool_thread();
+  std::vector<std::thread> threads;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && threads_.empty()) return;
     stopping_ = true;
+    threads.swap(threads_);
   }
   cv_.notify_all();
-  for (auto& t : threads_) {
+  for (auto& t : threads) {
     if (t.get_id() == std::this_thread::get_id()) {
-      t.detach();  // stop() from a pool task: that thread exits after the task returns
+      t.detach();
     } else if (t.joinable()) {
       t.join();
     }
   }
-  threads_.clear();
+  if (!own) return;
+  // The other threads drained the queue before they left; with none, this one runs the rest.
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (tasks_.empty()) break;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    run_task(task);
+  }
+  tl_pool = nullptr;
+  tl_released = true;
 }
 
 bool ThreadPool::in_pool_thread() const { return tl_pool == this; }
+
+void ThreadPool::run_task(std::function<void()>& task) {
+  try {
+    task();
+  } catch (const std::exception& e) {
+    TDIST_LOG_ERROR("rpc worker thread: task threw: ", e.what());
+  } catch (...) {
+    TDIST_LOG_ERROR("rpc worker thread: task threw a non-standard exception");
+  }
+  task = nullptr;
+}
 
 void ThreadPool::run() {
   tl_pool = this;
@@ -66,14 +95,8 @@ void ThreadPool::run() {
     auto task = std::move(tasks_.front());
     tasks_.pop_front();
     lock.unlock();
-    try {
-      task();
-    } catch (const std::exception& e) {
-      TDIST_LOG_ERROR("rpc worker thread: task threw: ", e.what());
-    } catch (...) {
-      TDIST_LOG_ERROR("rpc worker thread: task threw a non-standard exception");
-    }
-    task = nullptr;
+    run_task(task);
+    if (tl_released) return;  // this task stopped the pool: it may be destroyed already
     lock.lock();
   }
 }

@@ -4,7 +4,14 @@
 // (the queue is unbounded) and wakes a thread only when one is idle. stop() finishes the queued
 // tasks and joins the threads; after stop(), post() runs the task on the calling thread and
 // try_post() runs nothing and returns false.
-// Thread safety: post() from any thread, including the pool's own threads.
+//
+// stop() may be called from one of the pool's own tasks (the agent can be destroyed on its own
+// worker thread): that thread cannot join itself, so stop() runs what is still queued on it,
+// joins the other threads and returns; once the task returns, that thread leaves without
+// touching the pool again. The pool may therefore be destroyed right after stop(), by any
+// thread, including that task.
+// Thread safety: post() from any thread, including the pool's own threads; stop() and the
+// destructor from one thread at a time.
 
 #include <condition_variable>
 #include <deque>
@@ -25,10 +32,12 @@ class ThreadPool : public Executor {
   void post(std::function<void()> task) override;
   bool try_post(std::function<void()>&& task);
   void stop();
+  // True on the pool's own threads (while they belong to it).
   bool in_pool_thread() const;
 
  private:
   void run();
+  static void run_task(std::function<void()>& task);
 
   std::function<void()> on_start_;
   std::mutex mu_;

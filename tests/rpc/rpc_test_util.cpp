@@ -134,17 +134,22 @@ void register_test_functions() {
 }
 
 Agents start_agents(int n, RpcOptions options) {
+  return start_agents(n, [&](int) { return options; });
+}
+
+Agents start_agents(int n, const std::function<RpcOptions(int rank)>& options_of) {
   register_test_functions();
   Agents a;
   a.store = std::make_shared<HashStore>(std::chrono::milliseconds(30000));
   a.agents.resize(n);
-  options.store = a.store;
   std::vector<std::thread> threads;
   std::mutex mu;
   std::exception_ptr first;
   for (int i = 0; i < n; ++i) {
     threads.emplace_back([&, i] {
       try {
+        RpcOptions options = options_of(i);
+        options.store = a.store;
         a.agents[i] = RpcAgent::start("w" + std::to_string(i), i, n, options);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,6 +94,8 @@ struct Agents {
 // Starts n agents named w0..w{n-1} (each start() on its own thread, as they wait for each
 // other), with `options` (its store is replaced by a fresh HashStore).
 Agents start_agents(int n, RpcOptions options = {});
+// The same with options per rank (their stores are replaced by one fresh HashStore).
+Agents start_agents(int n, const std::function<RpcOptions(int rank)>& options_of);
 // Shuts all down concurrently; rethrows the first error.
 void shutdown_all(Agents& a, bool graceful = true);
 
