@@ -5,11 +5,29 @@
 // as it arrives (recv_reduce) and forwarded at once; the last step reduces into the output.
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "tdist/comm/algorithms/algorithms.h"
 
 namespace tdist::comm::algorithms {
+namespace {
+
+std::atomic<size_t> peak_scratch{0};
+
+char* scratch(Context& c, size_t bytes) {
+  size_t seen = peak_scratch.load(std::memory_order_relaxed);
+  while (bytes > seen && !peak_scratch.compare_exchange_weak(seen, bytes)) {
+  }
+  return c.scratch.get(bytes);
+}
+
+}  // namespace
+
+namespace detail {
+size_t reduce_scatter_peak_scratch_bytes() { return peak_scratch.load(); }
+void reset_reduce_scatter_peak_scratch_bytes() { peak_scratch.store(0); }
+}  // namespace detail
 
 void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, char* output,
                          size_t count, const ReduceSpec& rs) {
@@ -28,7 +46,7 @@ void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, cha
   const size_t chunk = chunk_elems(c, es);
   const size_t chunks_per_block = (count + chunk - 1) / chunk;
   // Partials of steps 0..n-3 (the last step writes the output).
-  char* partials = c.scratch.get(static_cast<size_t>(std::max(n - 2, 1)) * bytes);
+  char* partials = scratch(c, static_cast<size_t>(std::max(n - 2, 1)) * bytes);
 
   c.ex.send(right, inputs[(r - 1 + n) % n], bytes);
   for (int s = 0; s < n - 1; ++s) {
