@@ -24,10 +24,8 @@ char* scratch(Context& c, size_t bytes) {
 
 }  // namespace
 
-namespace detail {
 size_t reduce_scatter_peak_scratch_bytes() { return peak_scratch.load(); }
 void reset_reduce_scatter_peak_scratch_bytes() { peak_scratch.store(0); }
-}  // namespace detail
 
 void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, char* output,
                          size_t count, const ReduceSpec& rs) {

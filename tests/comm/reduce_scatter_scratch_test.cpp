@@ -23,7 +23,7 @@ void run_case(int world, const std::string& transport, size_t chunk_bytes,
               const std::vector<int64_t>& lengths) {
   tdist::test::EnvGuard env(tdist::test::EnvVars{
       {"TDIST_TRANSPORT", transport}, {"TDIST_CHUNK_BYTES", std::to_string(chunk_bytes)}});
-  algorithms::detail::reset_reduce_scatter_peak_scratch_bytes();
+  algorithms::reset_reduce_scatter_peak_scratch_bytes();
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, world, test::test_options(Millis(60000)));
     for (int64_t n : lengths) {
@@ -49,7 +49,7 @@ void run_case(int world, const std::string& transport, size_t chunk_bytes,
       }
     }
   });
-  const size_t peak = algorithms::detail::reduce_scatter_peak_scratch_bytes();
+  const size_t peak = algorithms::reduce_scatter_peak_scratch_bytes();
   // A constant number of chunks, independent of the world size and of the block size (the
   // largest block here is hundreds of chunks).
   EXPECT_LE(peak, 8 * chunk_bytes) << "world " << world << ": reduce-scatter asked for " << peak
