@@ -108,7 +108,9 @@ void check_world(int world, const std::string& algo) {
           ro.op = op;
           ro.root = root;
           pg->reduce(y, ro)->wait();
-          if (rank == root) EXPECT_TRUE(matches_torch(y, want)) << "reduce to root " << root;
+          if (rank == root) {
+            EXPECT_TRUE(matches_torch(y, want)) << "reduce to root " << root;
+          }
         }
 
         std::vector<at::Tensor> big;
