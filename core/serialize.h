@@ -126,7 +126,7 @@ void CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, cereal::BinaryData<T>& b
 inline void CEREAL_SAVE_FUNCTION_NAME(BytesOutputArchive& ar, const at::Tensor& t) {
   TensorMeta meta = describe_tensor(t);
   ar(meta);
-  at::Tensor c = t.contiguous();
+  at::Tensor c = contiguous_values(t);
   if (meta.nbytes) ar.saveBinary(c.data_ptr(), static_cast<std::streamsize>(meta.nbytes));
 }
 

@@ -39,6 +39,13 @@ bool known_dtype(int8_t dtype) {
 
 }  // namespace
 
+at::Tensor contiguous_values(const at::Tensor& t) {
+  at::Tensor r = t;
+  if (r.is_conj()) r = r.resolve_conj();
+  if (r.is_neg()) r = r.resolve_neg();
+  return r.contiguous();
+}
+
 TensorMeta describe_tensor(const at::Tensor& t) {
   TDIST_CHECK_ARG(t.defined(), "cannot send an undefined tensor");
   TDIST_CHECK_ARG(t.device().is_cpu(), "only CPU tensors can be encoded, got ", t.device());
@@ -91,7 +98,7 @@ at::Tensor tensor_from_bytes(const TensorMeta& meta, const uint8_t* data, uint64
 
 void write_tensor(wire::Writer& w, const at::Tensor& t) {
   TensorMeta m = describe_tensor(t);
-  at::Tensor c = t.contiguous();
+  at::Tensor c = contiguous_values(t);
   w.u8(static_cast<uint8_t>(m.dtype));
   w.u8(static_cast<uint8_t>(m.shape.size()));
   for (int64_t d : m.shape) w.i64(d);

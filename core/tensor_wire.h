@@ -1,7 +1,8 @@
 #pragma once
 // Tensor wire format: a tensor travels as its metadata (dtype, shape, byte count) followed by its
 // bytes in row-major contiguous order. Only CPU tensors are encoded; a non-contiguous tensor is
-// made contiguous first (a copy). Decoding validates the dtype, the rank, every dimension and the
+// made contiguous first (a copy), and a conjugate or negative view
+// is resolved (contiguous_values). Decoding validates the dtype, the rank, every dimension and the
 // byte count against the bytes available *before* allocating the result.
 //
 // Two ways to use it:
@@ -32,7 +33,13 @@ struct TensorMeta {
   }
 };
 
-// Metadata of a CPU tensor (as it would be after .contiguous()).
+// The values `t` shows, as a contiguous tensor: a conjugate or negative view (a bit over its
+// base's unchanged storage, e.g. x.conj() of a complex x) is resolved first, a non-contiguous
+// tensor copied. Returns `t` itself when neither applies. Everything that sends a tensor's bytes
+// (collectives, send/recv, the wire format, RPC) goes through this.
+at::Tensor contiguous_values(const at::Tensor& t);
+
+// Metadata of a CPU tensor (as it would be after contiguous_values()).
 TensorMeta describe_tensor(const at::Tensor& t);
 
 // Checks that `meta` describes a valid tensor whose bytes fit in `available`: known dtype, at most

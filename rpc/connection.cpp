@@ -285,7 +285,7 @@ void Connection::frame(OutMessage& m) {
   uint64_t inline_bytes = 0;
   section.metas.reserve(m.tensors.size());
   for (auto& t : m.tensors) {
-    at::Tensor c = t.contiguous();
+    at::Tensor c = contiguous_values(t);  // resolves conjugate / negative views
     TensorMeta meta = describe_tensor(c);
     const bool is_remote = hs_.send_remote_tensors && meta.nbytes >= options_.remote_tensor_threshold;
     section.addresses.push_back(is_remote ? reinterpret_cast<uint64_t>(c.data_ptr()) : 0);

@@ -84,6 +84,11 @@ void scatter_direct(Context& c, const std::vector<const char*>& blocks, char* ou
 void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, char* output,
                          size_t count, const ReduceSpec& rs);
 
+// For tests: the largest scratch request (bytes) reduce_scatter_ring made in this process since
+// the last reset (every group and rank together).
+size_t reduce_scatter_peak_scratch_bytes();
+void reset_reduce_scatter_peak_scratch_bytes();
+
 // Sends send[i] (send_bytes[i]) to rank i and receives recv[i] (recv_bytes[i]) from it; the
 // entries for this rank are copied locally.
 void alltoall_pairwise(Context& c, const std::vector<const char*>& send,

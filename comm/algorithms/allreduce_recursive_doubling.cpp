@@ -6,8 +6,9 @@
 //   p remaining ranks (new rank = r/2 below 2*rem, r-rem above) run log2(p) rounds; in round k a
 //   rank exchanges its whole buffer with new rank ^ 2^k and reduces. Last, the odd ranks send
 //   the result to their even partners. Each round reduces a op b on one side and b op a on the
-//   other; the kernels are commutative (IEEE addition and multiplication are), so every rank
-//   ends with bit-identical results.
+//   other; the kernels are commutative (IEEE addition and multiplication are; MIN/MAX are made
+//   so, Note [MIN/MAX semantics] in reduce_kernels.cpp), so every rank ends with bit-identical
+//   results.
 
 #include <cstring>
 

@@ -1,15 +1,48 @@
-// Ring reduce-scatter, streamed like the first half of allreduce_ring (Note [Streaming ring]).
-// At step s (0..n-2) rank r sends the partial of block (r-s-1) to its right neighbour and
-// receives the partial of block (r-s-2) from its left one; the last step's block is r itself.
-// Inputs are never written: each incoming partial is reduced with this rank's input into scratch
-// as it arrives (recv_reduce) and forwarded at once; the last step reduces into the output.
+// Ring reduce-scatter, streamed in rounds of one chunk per block. Round k works on elements
+// [k*chunk, (k+1)*chunk) of every block: at step s (0..n-2) rank r sends the partial of block
+// (r-s-1) to its right neighbour and receives the partial of block (r-s-2) from its left one;
+// the last step's block is r itself. Inputs are never written: each incoming partial is reduced
+// with this rank's input as it arrives (recv_reduce) and forwarded at once; the last step
+// reduces into the output.
+//
+// Note [Reduce-scatter slots]
+//   Both directions carry positions i = k*(n-1) + s in order (the send at position i is what the
+//   right neighbour receives at i). The partials of steps 0..n-3 live only until they are
+//   forwarded (the send at i + 1), so they rotate through kSlots chunk-sized slots: scratch is
+//   kSlots chunks whatever the world and tensor sizes. A receive into a slot is gated on the
+//   slot's previous chunk having been sent on (Exchange::recv_reduce's gate). No deadlock with
+//   any channel buffer size: the receive at i waits only for the right neighbour's receive at
+//   some position <= i - 1 (kSlots >= 2), for the left neighbour's send at i (posted once its
+//   receive at i - 1 completed) and for this rank's sends before i; by induction on i over all
+//   ranks every receive completes. (Rounds matter: sending a whole block before the first
+//   partial would need a block of buffering per rank.)
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "tdist/comm/algorithms/algorithms.h"
 
 namespace tdist::comm::algorithms {
+namespace {
+
+// Partial results rotate through this many chunk-sized slots (double buffering: one slot is
+// filled from the left while the other drains to the right).
+constexpr size_t kSlots = 2;
+
+std::atomic<size_t> peak_scratch{0};
+
+char* scratch(Context& c, size_t bytes) {
+  size_t seen = peak_scratch.load(std::memory_order_relaxed);
+  while (bytes > seen && !peak_scratch.compare_exchange_weak(seen, bytes)) {
+  }
+  return c.scratch.get(bytes);
+}
+
+}  // namespace
+
+size_t reduce_scatter_peak_scratch_bytes() { return peak_scratch.load(); }
+void reset_reduce_scatter_peak_scratch_bytes() { peak_scratch.store(0); }
 
 void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, char* output,
                          size_t count, const ReduceSpec& rs) {
@@ -25,27 +58,56 @@ void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, cha
   }
   const int right = (r + 1) % n;
   const int left = (r + n - 1) % n;
+  const size_t steps = static_cast<size_t>(n - 1);
   const size_t chunk = chunk_elems(c, es);
-  const size_t chunks_per_block = (count + chunk - 1) / chunk;
-  // Partials of steps 0..n-3 (the last step writes the output).
-  char* partials = c.scratch.get(static_cast<size_t>(std::max(n - 2, 1)) * bytes);
+  const size_t rounds = (count + chunk - 1) / chunk;
+  const size_t slot_bytes = std::min(chunk, count) * es;
+  char* slots = n == 2 ? nullptr : scratch(c, kSlots * slot_bytes);
+  const char* own = inputs[(r - 1 + n) % n];  // what step 0 sends
+  auto off = [&](size_t k) { return k * chunk * es; };
+  auto len = [&](size_t k) { return std::min(chunk, count - k * chunk) * es; };
+  // Stream position i = k * steps + s (round k, step s) of both directions; slot chunk u =
+  // k * (n - 2) + s for the steps that keep a partial (s < n - 2).
+  auto slot = [&](size_t k, size_t s) {
+    return slots + ((k * (steps - 1) + s) % kSlots) * slot_bytes;
+  };
+  // Bytes this rank has sent to `right` once the send at position i is out.
+  auto sent_through = [&](size_t i) {
+    const size_t k = i / steps;
+    return k * steps * chunk * es + (i % steps + 1) * len(k);
+  };
 
-  c.ex.send(right, inputs[(r - 1 + n) % n], bytes);
-  for (int s = 0; s < n - 1; ++s) {
-    const int block = ((r - s - 2) % n + 2 * n) % n;
-    char* base = s < n - 2 ? partials + static_cast<size_t>(s) * bytes : output;
-    for (size_t off = 0; off < count; off += chunk) {
-      c.ex.recv_reduce(left, base + off * es, inputs[block] + off * es,
-                       std::min(chunk, count - off) * es, rs.fn, es,
-                       static_cast<uint64_t>(s) * chunks_per_block + off / chunk);
+  c.ex.send(right, own, n == 2 ? bytes : len(0));
+  for (size_t k = 0; k < rounds; ++k) {
+    for (size_t s = 0; s < steps; ++s) {
+      const int block = ((r - static_cast<int>(s) - 2) % n + 2 * n) % n;
+      const char* other = inputs[block] + off(k);
+      const uint64_t i = k * steps + s;
+      if (s + 1 == steps) {
+        c.ex.recv_reduce(left, output + off(k), other, len(k), rs.fn, es, i);
+        continue;
+      }
+      // The slot's previous chunk (kSlots slot chunks back) must have been forwarded: that was
+      // the send one position after its receive.
+      const size_t u = k * (steps - 1) + s;
+      int gate_peer = -1;
+      uint64_t gate_bytes = 0;
+      if (u >= kSlots) {
+        const size_t pk = (u - kSlots) / (steps - 1);
+        const size_t ps = (u - kSlots) % (steps - 1);
+        gate_peer = right;
+        gate_bytes = sent_through(pk * steps + ps + 1);
+      }
+      c.ex.recv_reduce(left, slot(k, s), other, len(k), rs.fn, es, i, gate_peer, gate_bytes);
     }
   }
-  c.ex.run([&](int, uint64_t cookie) {
-    const int s = static_cast<int>(cookie / chunks_per_block);
-    if (s == n - 2) return;
-    const size_t off = (cookie % chunks_per_block) * chunk;
-    c.ex.send(right, partials + static_cast<size_t>(s) * bytes + off * es,
-              std::min(chunk, count - off) * es);
+  c.ex.run([&](int, uint64_t i) {
+    const size_t k = i / steps;
+    const size_t s = i % steps;
+    if (s + 1 == steps) return;
+    c.ex.send(right, slot(k, s), len(k));  // position i + 1
+    // That was round k's last send: round k + 1 starts with this rank's own input.
+    if (s + 2 == steps && k + 1 < rounds) c.ex.send(right, own + off(k + 1), len(k + 1));
   });
   if (rs.op == ReduceOp::AVG) detail::divide_in_place(output, rs.dtype, count, n);
 }

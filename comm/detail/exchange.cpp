@@ -56,12 +56,14 @@ void Exchange::recv(int peer, void* data, size_t n, uint64_t cookie) {
 }
 
 void Exchange::recv_reduce(int peer, void* out, const void* other, size_t n, ReduceFn fn,
-                           size_t elem, uint64_t cookie) {
+                           size_t elem, uint64_t cookie, int gate_peer, uint64_t gate_bytes) {
   auto& q = recvs_[peer];
   Item it{static_cast<char*>(out), n, 0, cookie};
   it.other = static_cast<const char*>(other);
   it.fn = fn;
   it.elem = elem;
+  it.gate_peer = gate_peer;
+  it.gate_bytes = gate_bytes;
   q.items.push_back(it);
   q.posted += n;
 }
@@ -94,8 +96,16 @@ bool Exchange::progress_send(int peer) {
   return true;
 }
 
+bool Exchange::recv_ready(int peer) const {
+  const auto& q = recvs_[peer];
+  if (!q.pending()) return false;
+  const Item& it = q.items[q.head];
+  return it.gate_peer < 0 || sends_[it.gate_peer].moved >= it.gate_bytes;
+}
+
 bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   auto& q = recvs_[peer];
+  if (!recv_ready(peer)) return false;
   if (q.items[q.head].fn != nullptr) return progress_reduce(peer, cb, ctx);
   int count = 0;
   for (size_t i = q.head; i < q.items.size() && count < kMaxIov; ++i) {
@@ -207,7 +217,7 @@ bool Exchange::progress_reduce(int peer, Callback cb, void* ctx) {
   auto& q = recvs_[peer];
   Channel* ch = peers_[peer];
   bool progressed = false;
-  while (q.head < q.items.size() && q.items[q.head].fn != nullptr) {
+  while (q.head < q.items.size() && q.items[q.head].fn != nullptr && recv_ready(peer)) {
     Item& it = q.items[q.head];
     if (ch->supports_peek()) {
       iovec spans[2];
@@ -287,7 +297,7 @@ void Exchange::wait_for_io() {
   for (int p = 0; p < size(); ++p) {
     if (p == rank_) continue;
     bool want_write = sends_[p].pending();
-    bool want_read = recvs_[p].pending();
+    bool want_read = recv_ready(p);  // a gated receive waits for the send, not the socket
     if (!want_write && !want_read) continue;
     ::pollfd pfd{};
     if (!peers_[p]->prepare_wait(want_read, want_write, pfd)) {

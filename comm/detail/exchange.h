@@ -52,8 +52,10 @@ class Exchange {
   // Receives `n` bytes (whole elements of `elem` bytes) and reduces them as they arrive:
   // out = other op incoming (`out` may alias `other`). On shared memory the kernel reads the
   // ring directly (no copy); on TCP through a bounce buffer. `out` must not be sent meanwhile.
+  // With gate_peer >= 0 the receive does not start before `gate_bytes` of this operation have
+  // been sent to gate_peer (flow control: the algorithm reuses `out` after those bytes left).
   void recv_reduce(int peer, void* out, const void* other, size_t n, ReduceFn fn, size_t elem,
-                   uint64_t cookie = 0);
+                   uint64_t cookie = 0, int gate_peer = -1, uint64_t gate_bytes = 0);
 
   // Progresses every posted transfer until all are complete. fn(peer, cookie) runs for every
   // completed receive in stream order (it may post more). Throws as described above.
@@ -78,6 +80,8 @@ class Exchange {
     const char* other = nullptr;  // recv_reduce: the second operand
     ReduceFn fn = nullptr;        // recv_reduce: the kernel
     size_t elem = 0;              // recv_reduce: element bytes
+    int gate_peer = -1;           // starts once sends_[gate_peer].moved >= gate_bytes
+    uint64_t gate_bytes = 0;
   };
   struct Queue {
     std::vector<Item> items;
@@ -93,6 +97,8 @@ class Exchange {
   }
 
   void run_impl(Callback cb, void* ctx);
+  // Whether the head receive from `peer` may read (pending and not held by its gate).
+  bool recv_ready(int peer) const;
   bool progress_send(int peer);
   bool progress_recv(int peer, Callback cb, void* ctx);
   bool progress_reduce(int peer, Callback cb, void* ctx);

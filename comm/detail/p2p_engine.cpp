@@ -14,8 +14,24 @@
 
 namespace tdist::comm::detail {
 namespace {
-constexpr uint32_t kMagic = 0x32504454;  // "TDP2"
-constexpr size_t kHeader = 16;
+constexpr uint32_t kMagic = 0x33504454;  // "TDP3"
+constexpr size_t kHeader = 32;
+constexpr int kMaxIov = 32;
+
+// Frame kinds (Note [Point-to-point protocol]).
+enum Kind : uint32_t { kEager = 1, kRts = 2, kCts = 3, kData = 4, kCredit = 5, kCancel = 6 };
+
+void encode_header(uint8_t* out, uint32_t kind, uint32_t tag, uint64_t bytes, uint64_t id) {
+  Bytes h;
+  wire::Writer w(h);
+  w.u32(kMagic);
+  w.u32(kind);
+  w.u32(tag);
+  w.u32(0);
+  w.u64(bytes);
+  w.u64(id);
+  std::memcpy(out, h.data(), kHeader);
+}
 
 template <typename E, typename... Args>
 std::exception_ptr make_error(const Args&... args) {
@@ -29,6 +45,7 @@ P2PEngine::P2PEngine(std::vector<tcp::Connection*> peers, int rank,
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   TDIST_CHECK(wake_fd_ >= 0, "eventfd failed: ", tcp::errno_text(errno));
   state_.resize(peers_.size());
+  for (auto& st : state_) st.credit = kEagerCredit;
   discard_buf_.resize(64 * 1024);
   thread_ = std::thread([this] { loop(); });
 }
@@ -61,36 +78,14 @@ void P2PEngine::wake() {
 
 void P2PEngine::send(const void* data, size_t bytes, int dst, uint32_t tag,
                      Clock::time_point deadline, uint64_t seq, Done done) {
-  auto op = std::make_unique<Op>();
-  op->data = static_cast<char*>(const_cast<void*>(data));
-  op->bytes = bytes;
-  op->peer = dst;
-  op->tag = tag;
-  op->deadline = deadline;
-  op->seq = seq;
-  op->done = std::move(done);
-  op->is_send = true;
-  Bytes h;
-  wire::Writer w(h);
-  w.u32(kMagic);
-  w.u32(tag);
-  w.u64(bytes);
-  std::memcpy(op->header, h.data(), kHeader);
-  post(std::move(op));
+  post(std::unique_ptr<Op>(new Op{static_cast<char*>(const_cast<void*>(data)), bytes, dst, tag,
+                                  deadline, seq, std::move(done), true}));
 }
 
 void P2PEngine::recv(void* data, size_t bytes, int src, uint32_t tag, Clock::time_point deadline,
                      uint64_t seq, Done done) {
-  auto op = std::make_unique<Op>();
-  op->data = static_cast<char*>(data);
-  op->bytes = bytes;
-  op->peer = src;
-  op->tag = tag;
-  op->deadline = deadline;
-  op->seq = seq;
-  op->done = std::move(done);
-  op->is_send = false;
-  post(std::move(op));
+  post(std::unique_ptr<Op>(
+      new Op{static_cast<char*>(data), bytes, src, tag, deadline, seq, std::move(done), false}));
 }
 
 void P2PEngine::post(std::unique_ptr<Op> op) {
@@ -116,6 +111,7 @@ void P2PEngine::abort(std::exception_ptr error) {
 }
 
 void P2PEngine::complete(std::unique_ptr<Op> op, int source, std::exception_ptr error) {
+  if (!op) return;
   try {
     op->done(source, std::move(error));
   } catch (const std::exception& e) {
@@ -124,72 +120,293 @@ void P2PEngine::complete(std::unique_ptr<Op> op, int source, std::exception_ptr 
 }
 
 void P2PEngine::fatal(std::exception_ptr error) {
+  failed_ = true;
   abort(error);
   on_fatal_(error);
 }
 
+void P2PEngine::fail_all(std::exception_ptr error) {
+  for (auto& op : recvs_) complete(std::move(op), -1, error);
+  recvs_.clear();
+  unexpected_.clear();
+  for (auto& st : state_) {
+    for (auto& f : st.out) complete(std::move(f.op), -1, error);
+    st.out.clear();
+    for (auto& [id, op] : st.awaiting_cts) complete(std::move(op), -1, error);
+    st.awaiting_cts.clear();
+    for (auto& [id, op] : st.bound) complete(std::move(op), -1, error);
+    st.bound.clear();
+    complete(std::move(st.reading), -1, error);
+    st.stash.reset();
+  }
+}
+
+// ---- sending -------------------------------------------------------------------------------
+
+void P2PEngine::queue_control(int peer, uint32_t kind, uint32_t tag, uint64_t bytes, uint64_t id) {
+  auto& st = state_[peer];
+  if (st.closed) return;
+  OutFrame f;
+  encode_header(f.header, kind, tag, bytes, id);
+  st.out.push_back(std::move(f));
+}
+
+void P2PEngine::return_credit(int peer, uint64_t bytes) {
+  if (bytes > 0) queue_control(peer, kCredit, 0, bytes, 0);
+}
+
+void P2PEngine::start_send(std::unique_ptr<Op> op) {
+  const int peer = op->peer;
+  auto& st = state_[peer];
+  if (st.closed) {
+    auto e = make_error<NetworkError>(where(*op), ": the connection to rank ", peer, " is closed");
+    complete(std::move(op), peer, e);
+    return;
+  }
+  if (op->bytes <= kEagerMax && op->bytes <= st.credit) {
+    st.credit -= op->bytes;
+    OutFrame f;
+    encode_header(f.header, kEager, op->tag, op->bytes, 0);
+    f.data = op->data;
+    f.bytes = op->bytes;
+    f.eager = true;
+    f.op = std::move(op);
+    st.out.push_back(std::move(f));
+    return;
+  }
+  const uint64_t id = st.next_id++;
+  queue_control(peer, kRts, op->tag, op->bytes, id);
+  st.awaiting_cts.emplace(id, std::move(op));
+}
+
 bool P2PEngine::progress_send(int peer) {
   auto& st = state_[peer];
-  if (st.sends.empty() || st.closed) return false;
-  Op& op = *st.sends.front();
-  iovec iov[2];
+  if (st.out.empty() || st.closed) return false;
+  iovec iov[kMaxIov];
   int count = 0;
-  if (op.moved < kHeader) iov[count++] = iovec{op.header + op.moved, kHeader - op.moved};
-  size_t payload_done = op.moved > kHeader ? op.moved - kHeader : 0;
-  if (op.bytes > payload_done) iov[count++] = iovec{op.data + payload_done, op.bytes - payload_done};
+  for (size_t i = 0; i < st.out.size() && count + 2 <= kMaxIov; ++i) {
+    OutFrame& f = st.out[i];
+    if (f.moved < kHeader) iov[count++] = iovec{f.header + f.moved, kHeader - f.moved};
+    size_t done = f.moved > kHeader ? f.moved - kHeader : 0;
+    if (f.bytes > done) iov[count++] = iovec{const_cast<char*>(f.data) + done, f.bytes - done};
+  }
   long n = peers_[peer]->writev(iov, count);
   if (n == tcp::Connection::kError) {
-    int err = errno;
-    auto e = make_error<NetworkError>(where(op), ": lost the connection after sending ", op.moved,
-                                      " of ", op.bytes + kHeader, " bytes: ", tcp::errno_text(err));
-    st.closed = true;
-    if (op.moved == 0) {
-      // Nothing of this message is on the wire: fail it (and the rest) without aborting.
-      while (!st.sends.empty()) {
-        auto o = std::move(st.sends.front());
-        st.sends.pop_front();
-        complete(std::move(o), peer, e);
-      }
-      return true;
-    }
-    fatal(e);
+    lost_peer(peer, tcp::errno_text(errno));
     return true;
   }
   if (n <= 0) return false;
-  op.moved += static_cast<size_t>(n);
-  if (op.moved == op.bytes + kHeader) {
-    auto done = std::move(st.sends.front());
-    st.sends.pop_front();
-    complete(std::move(done), peer, nullptr);
+  size_t left = static_cast<size_t>(n);
+  while (left > 0) {
+    OutFrame& f = st.out.front();
+    size_t take = std::min<size_t>(left, kHeader + f.bytes - f.moved);
+    f.moved += take;
+    left -= take;
+    if (f.moved < kHeader + f.bytes) break;
+    auto op = std::move(f.op);
+    st.out.pop_front();
+    complete(std::move(op), peer, nullptr);
   }
   return true;
 }
 
-bool P2PEngine::try_match(int peer) {
-  auto& st = state_[peer];
-  for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
-    Op& op = **it;
-    if ((op.peer != peer && op.peer != -1) || op.tag != st.tag) continue;
-    auto matched = std::move(*it);
-    recvs_.erase(it);
-    if (matched->bytes != st.payload) {
-      auto e = make_error<InvalidArgument>(where(*matched), ": rank ", peer, " sent ", st.payload,
-                                           " bytes but the receive buffer holds ", matched->bytes,
-                                           " bytes");
-      complete(std::move(matched), peer, e);
-      st.discard = st.payload;
-      if (st.discard == 0) st.header_got = 0;
-      return true;
-    }
-    if (st.payload == 0) {
-      st.header_got = 0;
-      complete(std::move(matched), peer, nullptr);
-      return true;
-    }
-    st.reading = std::move(matched);
-    return true;
+// ---- receiving -----------------------------------------------------------------------------
+
+void P2PEngine::start_recv(std::unique_ptr<Op> op) {
+  for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
+    if ((op->peer != -1 && op->peer != it->peer) || op->tag != it->tag) continue;
+    Unexpected u = std::move(*it);
+    unexpected_.erase(it);
+    deliver(u.peer, std::move(op), u.eager, u.bytes, u.id, &u.data);
+    return;
   }
-  return false;
+  if (op->peer >= 0 && state_[op->peer].closed) {
+    const int peer = op->peer;
+    auto e = make_error<NetworkError>(where(*op), ": the connection to rank ", peer, " is closed");
+    complete(std::move(op), peer, e);
+    return;
+  }
+  recvs_.push_back(std::move(op));
+}
+
+// `op` takes the message `id` (RTS) or the eager payload in `data` from `peer`.
+void P2PEngine::deliver(int peer, std::unique_ptr<Op> op, bool eager, uint64_t bytes, uint64_t id,
+                        std::vector<char>* data) {
+  std::exception_ptr error;
+  if (op->bytes != bytes) {
+    error = make_error<InvalidArgument>(where(*op), ": rank ", peer, " sent ", bytes,
+                                        " bytes but the receive buffer holds ", op->bytes,
+                                        " bytes");
+  }
+  if (eager) {
+    if (!error && bytes > 0) std::memcpy(op->data, data->data(), bytes);
+    return_credit(peer, bytes);
+    complete(std::move(op), peer, error);
+    return;
+  }
+  // Ask for the payload; on a size mismatch it is dropped when it comes (the sender succeeds).
+  queue_control(peer, kCts, op->tag, bytes, id);
+  if (error) {
+    complete(std::move(op), peer, error);
+    state_[peer].bound.emplace(id, nullptr);
+  } else {
+    state_[peer].bound.emplace(id, std::move(op));
+  }
+}
+
+// The first posted receive that takes a message of `tag` from `peer`, removed from recvs_.
+std::unique_ptr<P2PEngine::Op> P2PEngine::take_posted(int peer, uint32_t tag) {
+  for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
+    if (((*it)->peer == peer || (*it)->peer == -1) && (*it)->tag == tag) {
+      auto op = std::move(*it);
+      recvs_.erase(it);
+      return op;
+    }
+  }
+  return nullptr;
+}
+
+void P2PEngine::on_header(int peer) {
+  auto& st = state_[peer];
+  wire::Reader r(st.header, kHeader);
+  const uint32_t magic = r.u32();
+  st.kind = r.u32();
+  st.tag = r.u32();
+  r.u32();
+  st.bytes = r.u64();
+  st.id = r.u64();
+  st.payload_got = 0;
+  st.target = nullptr;
+  if (magic != kMagic) {
+    fatal(make_error<ProtocolError>("rank ", rank_, ": bad point-to-point header from rank ", peer,
+                                    " (magic ", magic, ")"));
+    return;
+  }
+  switch (st.kind) {
+    case kEager: {
+      if (st.bytes > kEagerMax) {
+        fatal(make_error<ProtocolError>("rank ", rank_, ": rank ", peer, " sent an eager message of ",
+                                        st.bytes, " bytes (at most ", kEagerMax, " are allowed)"));
+        return;
+      }
+      if (auto op = take_posted(peer, st.tag)) {
+        if (op->bytes != st.bytes) {
+          // Dropped as it arrives; the credit goes back once it has been read.
+          deliver_mismatch(peer, std::move(op));
+        } else {
+          st.target = op->data;
+          st.reading = std::move(op);
+        }
+      } else {
+        st.stash = std::make_unique<std::vector<char>>(st.bytes);
+        st.target = st.stash->data();
+      }
+      if (st.bytes == 0) on_payload_done(peer);
+      return;
+    }
+    case kData: {
+      auto it = st.bound.find(st.id);
+      if (it == st.bound.end()) {
+        fatal(make_error<ProtocolError>("rank ", rank_, ": rank ", peer,
+                                        " sent the payload of message ", st.id,
+                                        ", which was not asked for"));
+        return;
+      }
+      auto op = std::move(it->second);
+      st.bound.erase(it);
+      if (op && op->bytes != st.bytes) {
+        fatal(make_error<ProtocolError>(where(*op), ": rank ", peer, " sent ", st.bytes,
+                                        " bytes after announcing ", op->bytes));
+        return;
+      }
+      if (op) {
+        st.target = op->data;
+        st.reading = std::move(op);
+      }
+      if (st.bytes == 0) on_payload_done(peer);
+      return;
+    }
+    case kRts:
+      st.header_got = 0;
+      if (auto op = take_posted(peer, st.tag)) {
+        deliver(peer, std::move(op), false, st.bytes, st.id, nullptr);
+      } else {
+        unexpected_.push_back(Unexpected{peer, st.tag, st.bytes, st.id, false, {}});
+      }
+      return;
+    case kCts: {
+      st.header_got = 0;
+      auto it = st.awaiting_cts.find(st.id);
+      if (it == st.awaiting_cts.end()) return;  // cancelled meanwhile (CANCEL is on its way)
+      OutFrame f;
+      encode_header(f.header, kData, it->second->tag, it->second->bytes, st.id);
+      f.data = it->second->data;
+      f.bytes = it->second->bytes;
+      f.id = st.id;
+      f.op = std::move(it->second);
+      st.awaiting_cts.erase(it);
+      st.out.push_back(std::move(f));
+      return;
+    }
+    case kCredit:
+      st.header_got = 0;
+      st.credit += st.bytes;
+      return;
+    case kCancel: {
+      st.header_got = 0;
+      for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
+        if (it->peer == peer && !it->eager && it->id == st.id) {
+          unexpected_.erase(it);
+          return;
+        }
+      }
+      auto it = st.bound.find(st.id);
+      if (it == st.bound.end()) return;
+      auto op = std::move(it->second);
+      st.bound.erase(it);
+      if (op) {
+        auto e = make_error<TimeoutError>(where(*op), " failed: rank ", peer,
+                                          " gave up sending the message (its send timed out)");
+        complete(std::move(op), peer, e);
+      }
+      return;
+    }
+    default:
+      fatal(make_error<ProtocolError>("rank ", rank_, ": unknown point-to-point frame kind ",
+                                      st.kind, " from rank ", peer));
+  }
+}
+
+void P2PEngine::deliver_mismatch(int peer, std::unique_ptr<Op> op) {
+  auto e = make_error<InvalidArgument>(where(*op), ": rank ", peer, " sent ", state_[peer].bytes,
+                                       " bytes but the receive buffer holds ", op->bytes, " bytes");
+  complete(std::move(op), peer, e);
+}
+
+void P2PEngine::on_payload_done(int peer) {
+  auto& st = state_[peer];
+  st.header_got = 0;
+  st.target = nullptr;
+  if (st.kind == kData) {
+    complete(std::move(st.reading), peer, nullptr);
+    return;
+  }
+  // EAGER: into a posted receive, into the stash (unexpected), or dropped (size mismatch).
+  if (st.reading) {
+    return_credit(peer, st.bytes);
+    complete(std::move(st.reading), peer, nullptr);
+  } else if (st.stash) {
+    std::vector<char> data = std::move(*st.stash);
+    st.stash.reset();
+    // A matching receive may have been posted while the payload arrived.
+    if (auto op = take_posted(peer, st.tag)) {
+      deliver(peer, std::move(op), true, st.bytes, 0, &data);
+    } else {
+      unexpected_.push_back(Unexpected{peer, st.tag, st.bytes, 0, true, std::move(data)});
+    }
+  } else {
+    return_credit(peer, st.bytes);
+  }
 }
 
 bool P2PEngine::progress_read(int peer) {
@@ -198,76 +415,76 @@ bool P2PEngine::progress_read(int peer) {
   iovec iov;
   if (st.header_got < kHeader) {
     iov = iovec{st.header + st.header_got, kHeader - st.header_got};
-  } else if (st.reading) {
-    iov = iovec{st.reading->data + st.reading->moved, st.reading->bytes - st.reading->moved};
-  } else if (st.discard > 0) {
-    iov = iovec{discard_buf_.data(), std::min<uint64_t>(st.discard, discard_buf_.size())};
+  } else if (st.target != nullptr) {
+    iov = iovec{st.target + st.payload_got, st.bytes - st.payload_got};
   } else {
-    return try_match(peer);  // a held header waits for a matching receive
+    iov = iovec{discard_buf_.data(), std::min<uint64_t>(st.bytes - st.payload_got,
+                                                        discard_buf_.size())};
   }
   long n = peers_[peer]->readv(&iov, 1);
   if (n == tcp::Connection::kClosed || n == tcp::Connection::kError) {
-    int err = n == tcp::Connection::kError ? errno : 0;
-    std::string cause = err ? tcp::errno_text(err) : std::string("the connection was closed");
-    st.closed = true;
-    if (st.header_got == 0) {
-      // A clean end between messages: only receives that need this rank fail.
-      for (auto it = recvs_.begin(); it != recvs_.end();) {
-        if ((*it)->peer == peer) {
-          auto op = std::move(*it);
-          it = recvs_.erase(it);
-          auto e = make_error<NetworkError>(where(*op), ": rank ", peer,
-                                            " closed its connection (", cause, ")");
-          complete(std::move(op), peer, e);
-        } else {
-          ++it;
-        }
-      }
-      if (!st.sends.empty() && st.sends.front()->moved > 0) {
-        fatal(make_error<NetworkError>("rank ", rank_, ": lost rank ", peer,
-                                       " in the middle of a point-to-point message: ", cause));
-        return true;
-      }
-      while (!st.sends.empty()) {
-        auto op = std::move(st.sends.front());
-        st.sends.pop_front();
-        auto e = make_error<NetworkError>(where(*op), ": rank ", peer, " closed its connection (",
-                                          cause, ")");
-        complete(std::move(op), peer, e);
-      }
-      return true;
-    }
-    fatal(make_error<NetworkError>("rank ", rank_, ": lost rank ", peer,
-                                   " in the middle of a point-to-point message: ", cause));
+    lost_peer(peer, n == tcp::Connection::kError ? tcp::errno_text(errno)
+                                                  : std::string("the connection was closed"));
     return true;
   }
   if (n == 0) return false;
   if (st.header_got < kHeader) {
     st.header_got += static_cast<size_t>(n);
-    if (st.header_got == kHeader) {
-      wire::Reader r(st.header, kHeader);
-      uint32_t magic = r.u32();
-      st.tag = r.u32();
-      st.payload = r.u64();
-      if (magic != kMagic) {
-        fatal(make_error<ProtocolError>("rank ", rank_, ": bad point-to-point header from rank ",
-                                        peer, " (magic ", magic, ")"));
-        return true;
-      }
-      try_match(peer);
-    }
-  } else if (st.reading) {
-    st.reading->moved += static_cast<size_t>(n);
-    if (st.reading->moved == st.reading->bytes) {
-      st.header_got = 0;
-      complete(std::move(st.reading), peer, nullptr);
-    }
+    if (st.header_got == kHeader) on_header(peer);
   } else {
-    st.discard -= static_cast<uint64_t>(n);
-    if (st.discard == 0) st.header_got = 0;
+    st.payload_got += static_cast<uint64_t>(n);
+    if (st.payload_got == st.bytes) on_payload_done(peer);
   }
   return true;
 }
+
+// The connection to `peer` failed or was closed. Between frames only the operations that need
+// this peer fail; in the middle of a frame the stream is lost and the group aborts.
+void P2PEngine::lost_peer(int peer, const std::string& cause) {
+  auto& st = state_[peer];
+  st.closed = true;
+  const bool midway = st.header_got > 0 || (!st.out.empty() && st.out.front().moved > 0);
+  if (midway) {
+    fatal(make_error<NetworkError>("rank ", rank_, ": lost rank ", peer,
+                                   " in the middle of a point-to-point message: ", cause));
+    return;
+  }
+  auto closed = [&](const Op& op) {
+    return make_error<NetworkError>(where(op), ": rank ", peer, " closed its connection (", cause,
+                                    ")");
+  };
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    if ((*it)->peer == peer) {
+      auto op = std::move(*it);
+      it = recvs_.erase(it);
+      auto e = closed(*op);
+      complete(std::move(op), peer, e);
+    } else {
+      ++it;
+    }
+  }
+  // Announced messages can no longer be fetched; whole eager ones stay deliverable.
+  unexpected_.remove_if([&](const Unexpected& u) { return u.peer == peer && !u.eager; });
+  for (auto& [id, op] : st.bound) {
+    if (!op) continue;
+    auto e = closed(*op);
+    complete(std::move(op), peer, e);
+  }
+  st.bound.clear();
+  for (auto& [id, op] : st.awaiting_cts) {
+    auto e = closed(*op);
+    complete(std::move(op), peer, e);
+  }
+  st.awaiting_cts.clear();
+  for (auto& f : st.out) {
+    if (!f.op) continue;
+    auto e = closed(*f.op);
+    complete(std::move(f.op), peer, e);
+  }
+  st.out.clear();
+}
+
+// ---- deadlines -----------------------------------------------------------------------------
 
 void P2PEngine::expire(Clock::time_point now) {
   auto timeout_error = [&](const Op& op, const char* what) {
@@ -283,26 +500,67 @@ void P2PEngine::expire(Clock::time_point now) {
       ++it;
     }
   }
-  for (size_t p = 0; p < state_.size(); ++p) {
+  for (int p = 0; p < static_cast<int>(state_.size()); ++p) {
     auto& st = state_[p];
     if (st.reading && st.reading->deadline <= now) {
       fatal(timeout_error(*st.reading, "the message stopped arriving midway"));
       return;
     }
-    for (size_t i = 0; i < st.sends.size(); ++i) {
-      if (st.sends[i]->deadline > now) continue;
-      if (st.sends[i]->moved > 0) {
-        fatal(timeout_error(*st.sends[i], "the receiver stopped reading midway"));
+    // Asked for, not arrived: the payload is dropped when it comes.
+    for (auto& [id, op] : st.bound) {
+      if (!op || op->deadline > now) continue;
+      auto e = timeout_error(*op, "the sender did not send the message it announced");
+      complete(std::move(op), p, e);
+    }
+    for (auto it = st.awaiting_cts.begin(); it != st.awaiting_cts.end();) {
+      if (it->second->deadline > now) {
+        ++it;
+        continue;
+      }
+      auto op = std::move(it->second);
+      queue_control(p, kCancel, op->tag, 0, it->first);
+      it = st.awaiting_cts.erase(it);
+      auto e = timeout_error(*op, "no matching receive was posted");
+      complete(std::move(op), p, e);
+    }
+    for (size_t i = 0; i < st.out.size(); ++i) {
+      OutFrame& f = st.out[i];
+      if (!f.op || f.op->deadline > now) continue;
+      if (f.moved > 0) {
+        fatal(timeout_error(*f.op, "the receiver stopped reading midway"));
         return;
       }
-      auto op = std::move(st.sends[i]);
-      st.sends.erase(st.sends.begin() + static_cast<long>(i));
+      auto op = std::move(f.op);
+      if (f.eager) {
+        st.credit += f.bytes;
+      } else {
+        queue_control(p, kCancel, op->tag, 0, f.id);  // the receiver waits for this DATA
+      }
+      st.out.erase(st.out.begin() + static_cast<long>(i));
       --i;
       auto e = timeout_error(*op, "the receiver did not read it");
-      complete(std::move(op), -1, e);
+      complete(std::move(op), p, e);
     }
   }
 }
+
+P2PEngine::Clock::time_point P2PEngine::next_deadline() const {
+  Clock::time_point d = Clock::time_point::max();
+  for (const auto& op : recvs_) d = std::min(d, op->deadline);
+  for (const auto& st : state_) {
+    if (st.reading) d = std::min(d, st.reading->deadline);
+    for (const auto& [id, op] : st.bound) {
+      if (op) d = std::min(d, op->deadline);
+    }
+    for (const auto& [id, op] : st.awaiting_cts) d = std::min(d, op->deadline);
+    for (const auto& f : st.out) {
+      if (f.op) d = std::min(d, f.op->deadline);
+    }
+  }
+  return d;
+}
+
+// ---- the engine thread ---------------------------------------------------------------------
 
 void P2PEngine::loop() {
   std::vector<pollfd> fds;
@@ -320,58 +578,48 @@ void P2PEngine::loop() {
       aborted = make_error<Error>("rank ", rank_,
                                   ": the process group was destroyed with this operation pending");
     }
-    for (auto& op : posted) {
-      if (!aborted && op->peer >= 0 && state_[op->peer].closed) {
-        const int peer = op->peer;
-        auto e = make_error<NetworkError>(where(*op), ": the connection to rank ", peer,
-                                          " is closed");
-        complete(std::move(op), peer, e);
-        continue;
-      }
-      if (op->is_send) {
-        state_[op->peer].sends.push_back(std::move(op));
-      } else {
-        recvs_.push_back(std::move(op));
-      }
-    }
     if (aborted) {
-      for (auto& op : recvs_) complete(std::move(op), -1, aborted);
-      recvs_.clear();
-      for (auto& st : state_) {
-        for (auto& op : st.sends) complete(std::move(op), -1, aborted);
-        st.sends.clear();
-        if (st.reading) complete(std::move(st.reading), -1, aborted);
-      }
+      // No more I/O: fail everything, then only wait to be stopped.
+      for (auto& op : posted) complete(std::move(op), -1, aborted);
+      fail_all(aborted);
       if (stop) return;
+      pollfd wake{wake_fd_, POLLIN, 0};
+      if (::poll(&wake, 1, -1) > 0) {
+        uint64_t v;
+        ssize_t k = ::read(wake_fd_, &v, sizeof(v));
+        (void)k;
+      }
+      continue;
+    }
+    for (auto& op : posted) {
+      if (op->is_send) {
+        start_send(std::move(op));
+      } else {
+        start_recv(std::move(op));
+      }
     }
     bool progressed = true;
-    while (progressed) {
+    while (progressed && !failed_) {
       progressed = false;
-      for (int p = 0; p < static_cast<int>(peers_.size()); ++p) {
+      for (int p = 0; p < static_cast<int>(peers_.size()) && !failed_; ++p) {
         if (p == rank_) continue;
         progressed |= progress_send(p);
-        progressed |= progress_read(p);
+        if (!failed_) progressed |= progress_read(p);
       }
     }
-    auto now = Clock::now();
-    expire(now);
-    Clock::time_point deadline = Clock::time_point::max();
-    for (auto& op : recvs_) deadline = std::min(deadline, op->deadline);
+    if (failed_) continue;
+    expire(Clock::now());
+    if (failed_) continue;
     fds.clear();
     fds.push_back(pollfd{wake_fd_, POLLIN, 0});
     for (int p = 0; p < static_cast<int>(peers_.size()); ++p) {
       auto& st = state_[p];
       if (p == rank_ || st.closed) continue;
-      short events = 0;
-      if (!st.sends.empty()) {
-        events |= POLLOUT;
-        for (auto& op : st.sends) deadline = std::min(deadline, op->deadline);
-      }
-      if (st.header_got < kHeader || st.reading || st.discard > 0) events |= POLLIN;
-      if (st.reading) deadline = std::min(deadline, st.reading->deadline);
+      short events = POLLIN;  // every connection is always read (Note [Point-to-point protocol])
+      if (!st.out.empty()) events |= POLLOUT;
       fds.push_back(pollfd{peers_[p]->fd(), events, 0});
     }
-    int rc = ::poll(fds.data(), fds.size(), tcp::poll_timeout_ms(deadline));
+    int rc = ::poll(fds.data(), fds.size(), tcp::poll_timeout_ms(next_deadline()));
     if (rc < 0 && errno != EINTR) {
       fatal(make_error<NetworkError>("rank ", rank_, ": poll failed: ", tcp::errno_text(errno)));
     }

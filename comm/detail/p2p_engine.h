@@ -3,16 +3,30 @@
 // (a second connection per pair, so that messages never interleave with collective streams).
 //
 // Note [Point-to-point protocol]
-//   Each message is a 16-byte header (u32 magic 'TDP2' | u32 tag | u64 payload bytes) followed by
-//   the payload. Messages from one rank to another arrive in the order they were sent. The engine
-//   reads a header as soon as it arrives and matches it against the posted receives in posting
-//   order: the first one whose source is the sender (or any) and whose tag is equal. Until one is
-//   posted the header is held and that connection is not read further (back-pressure; no buffer
-//   is ever allocated for unexpected data). A receive whose size differs from the message fails
-//   with an error naming both sizes and the payload is discarded (the stream stays in step).
-//   Every operation has a deadline: one that passes before any byte moved fails that operation
-//   alone; a timeout or a broken connection in the middle of a message leaves the stream unusable
-//   and aborts the group (on_fatal).
+//   Receives are matched per (source, tag), as in Gloo: a receive never waits behind a message of
+//   another tag. Every frame starts with a 32-byte header (u32 magic 'TDP3' | u32 kind | u32 tag |
+//   u32 zero | u64 payload bytes | u64 message id). Kinds:
+//     EAGER   a whole message (header + payload), for payloads up to kEagerMax bytes when the
+//             sender holds that much credit from the receiver;
+//     RTS     "ready to send" message `id` of `bytes` (larger messages, or no credit left);
+//     CTS     the receiver's "clear to send" for `id`, once a matching receive is posted;
+//     DATA    the payload of `id`, only after its CTS;
+//     CREDIT  the receiver returns `bytes` of eager credit (the buffer they used is free);
+//     CANCEL  the sender gave up on `id` (its send timed out before the CTS came).
+//   Each rank starts with kEagerCredit bytes of credit toward every peer, so a receiver holds at
+//   most that many bytes of unexpected eager payload per peer; every other frame is a header,
+//   and the engine always reads every connection (no head-of-line blocking between tags).
+//   Matching: a message (EAGER or RTS, in arrival order) goes to the first posted receive whose
+//   source is the sender or any and whose tag is equal; a receive posted later takes the first
+//   matching unexpected message in arrival order. Messages of one (source, tag) therefore match
+//   receives in the order they were sent. A send completes once its bytes are written: at once
+//   for EAGER, after the receiver posted a matching receive otherwise.
+//   A receive whose size differs from the message fails with an error naming both sizes and
+//   the payload is discarded (the sender's send succeeds). Every operation has a deadline: one
+//   that passes before any of its payload moved fails that operation alone (an expired RTS is
+//   cancelled, an expired bound receive drops the payload when it comes); a timeout or a broken
+//   connection in the middle of a frame leaves the stream unusable and aborts the group
+//   (on_fatal).
 //
 // Thread safety: send/recv/abort may be called from any thread; one internal thread does all
 // socket I/O (poll-based) and runs completion callbacks.
@@ -26,6 +40,7 @@
 #include <exception>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -46,6 +61,10 @@ class P2PEngine {
   ~P2PEngine();  // stop()
   P2PEngine(const P2PEngine&) = delete;
   P2PEngine& operator=(const P2PEngine&) = delete;
+
+  // Per-peer eager limits (Note [Point-to-point protocol]).
+  static constexpr uint64_t kEagerMax = 64 * 1024;
+  static constexpr uint64_t kEagerCredit = 256 * 1024;
 
   // `data` must stay valid until done runs. src = -1 receives from any rank.
   void send(const void* data, size_t bytes, int dst, uint32_t tag, Clock::time_point deadline,
@@ -69,29 +88,68 @@ class P2PEngine {
     uint64_t seq;
     Done done;
     bool is_send;
-    uint8_t header[16];
-    size_t moved = 0;  // header + payload bytes moved
+  };
+  // A frame queued for writing; `op` (a send) completes when the frame is written.
+  struct OutFrame {
+    uint8_t header[32];
+    const char* data = nullptr;
+    uint64_t bytes = 0;  // payload bytes
+    size_t moved = 0;    // header + payload bytes written
+    std::unique_ptr<Op> op;
+    uint64_t id = 0;
+    bool eager = false;
+  };
+  // A message that arrived before a matching receive was posted.
+  struct Unexpected {
+    int peer;
+    uint32_t tag;
+    uint64_t bytes;
+    uint64_t id;               // RTS: the message to ask for
+    bool eager;                // EAGER: `data` holds the payload
+    std::vector<char> data;
   };
   struct PeerState {
-    std::deque<std::unique_ptr<Op>> sends;
-    uint8_t header[16];
+    // Writing.
+    std::deque<OutFrame> out;
+    uint64_t credit = 0;  // eager bytes this rank may still send to the peer
+    uint64_t next_id = 0;
+    std::map<uint64_t, std::unique_ptr<Op>> awaiting_cts;  // RTS sent, by id
+    // Reading: the current frame.
+    uint8_t header[32];
     size_t header_got = 0;
-    uint32_t tag = 0;
-    uint64_t payload = 0;
-    std::unique_ptr<Op> reading;  // matched receive whose payload is being read
-    uint64_t discard = 0;         // payload bytes to drop (after a size mismatch)
+    uint32_t kind = 0, tag = 0;
+    uint64_t bytes = 0, id = 0;
+    char* target = nullptr;         // where the payload goes (null: discard)
+    uint64_t payload_got = 0;
+    std::unique_ptr<Op> reading;    // the receive the payload completes (if any)
+    std::unique_ptr<std::vector<char>> stash;  // an unexpected EAGER payload being read
+    std::exception_ptr reading_error;          // completes `reading` with this (size mismatch)
+    // Receives that sent a CTS and wait for the DATA, by id (null: drop the payload).
+    std::map<uint64_t, std::unique_ptr<Op>> bound;
     bool closed = false;
   };
 
   void loop();
   void post(std::unique_ptr<Op> op);
   void wake();
+  void start_send(std::unique_ptr<Op> op);
+  void start_recv(std::unique_ptr<Op> op);
+  void queue_control(int peer, uint32_t kind, uint32_t tag, uint64_t bytes, uint64_t id);
+  void return_credit(int peer, uint64_t bytes);
   bool progress_send(int peer);
   bool progress_read(int peer);
-  bool try_match(int peer);
+  void on_header(int peer);
+  void on_payload_done(int peer);
+  std::unique_ptr<Op> take_posted(int peer, uint32_t tag);
+  void deliver(int peer, std::unique_ptr<Op> op, bool eager, uint64_t bytes, uint64_t id,
+               std::vector<char>* data);
+  void deliver_mismatch(int peer, std::unique_ptr<Op> op);
+  void lost_peer(int peer, const std::string& cause);
   void expire(Clock::time_point now);
+  Clock::time_point next_deadline() const;
   void complete(std::unique_ptr<Op> op, int source, std::exception_ptr error);
   void fatal(std::exception_ptr error);
+  void fail_all(std::exception_ptr error);
   std::string where(const Op& op) const;
 
   // Constant after construction.
@@ -107,8 +165,10 @@ class P2PEngine {
 
   // Owned by the engine thread.
   std::vector<PeerState> state_;
-  std::list<std::unique_ptr<Op>> recvs_;  // posted receives, in posting order
+  std::list<std::unique_ptr<Op>> recvs_;  // posted, unmatched receives, in posting order
+  std::list<Unexpected> unexpected_;      // unmatched messages, in arrival order
   std::vector<char> discard_buf_;
+  bool failed_ = false;  // fatal() ran: no more I/O
   std::thread thread_;
 };
 

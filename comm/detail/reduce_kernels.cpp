@@ -5,8 +5,11 @@
 #include <c10/util/complex.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #include "tdist/core/error.h"
 
@@ -21,13 +24,32 @@ struct Prod {
   template <typename T>
   static T apply(T a, T b) { return a * b; }
 };
+// Note [MIN/MAX semantics]
+//   Floating point follows torch.minimum / torch.maximum: a NaN in either operand gives NaN.
+//   Algorithms apply a kernel as a op b on one rank and b op a on another (recursive doubling)
+//   and group operands differently per chunk, so the kernels must be commutative and associative
+//   down to the bits, or ranks end with different results: the NaN is always the canonical quiet
+//   NaN (whatever payload or sign the input NaN had), and between zeros MIN gives -0.0 and MAX
+//   +0.0 (IEEE 754-2019 minimum/maximum). Integers: the usual order.
 struct Min {
   template <typename T>
-  static T apply(T a, T b) { return b < a ? b : a; }
+  static T apply(T a, T b) {
+    if constexpr (std::is_floating_point_v<T>) {
+      if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
+      if (a == b) return std::signbit(a) ? a : b;
+    }
+    return b < a ? b : a;
+  }
 };
 struct Max {
   template <typename T>
-  static T apply(T a, T b) { return a < b ? b : a; }
+  static T apply(T a, T b) {
+    if constexpr (std::is_floating_point_v<T>) {
+      if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
+      if (a == b) return std::signbit(a) ? b : a;
+    }
+    return a < b ? b : a;
+  }
 };
 struct BAnd {
   template <typename T>

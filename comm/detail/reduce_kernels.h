@@ -2,7 +2,9 @@
 // Reduction kernels: out[i] = a[i] op b[i] over raw element pointers, one vectorizable loop per
 // (dtype, op). `out` may alias `a` (in-place accumulation). float16/bfloat16 are computed in
 // float32 and rounded once per element. Bool: SUM/MAX/BOR are logical or, PRODUCT/MIN/BAND
-// logical and, BXOR exclusive or. Complex: SUM, PRODUCT and AVG only.
+// logical and, BXOR exclusive or. Complex: SUM, PRODUCT and AVG only. Floating-point MIN/MAX
+// propagate NaN like torch.minimum/maximum and are commutative bit for bit (Note [MIN/MAX
+// semantics] in reduce_kernels.cpp), so every rank of a collective ends bit-identical.
 //
 // Thread safety: pure functions.
 

@@ -7,6 +7,7 @@
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/prefix_store.h"
+#include "tdist/core/tensor_wire.h"
 
 namespace tdist::comm::detail {
 namespace {
@@ -242,7 +243,7 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
     future->set_error(aborted_error(name, seq));
     return work;
   }
-  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  at::Tensor buffer = contiguous_values(tensor);  // copied back into `tensor` after a recv
   auto deadline = deadline_after(effective(timeout));
   std::weak_ptr<RecvWork> weak = work;
   auto done = [tensor, buffer, future, weak, is_send](int source, std::exception_ptr error) {

@@ -8,6 +8,7 @@
 
 #include "tdist/comm/detail/ring_process_group.h"
 #include "tdist/core/error.h"
+#include "tdist/core/tensor_wire.h"
 
 namespace tdist::comm::detail {
 namespace {
@@ -42,12 +43,13 @@ void check_root(int root, int size, const char* op) {
   TDIST_CHECK_ARG(root >= 0 && root < size, op, ": root ", root, " is not in [0, ", size, ")");
 }
 
-// A contiguous working view of a tensor: the tensor itself, or a contiguous copy made now
-// (snapshotting a non-contiguous input) that write_back() copies into the original.
+// A contiguous working view of a tensor: the tensor itself, or a contiguous copy of its values
+// made now (snapshotting a non-contiguous input, or resolving a conjugate or negative view) that
+// write_back() copies into the original (copy_ honours the original's conjugate/negative bit).
 struct Contig {
   at::Tensor orig;
   at::Tensor work;
-  explicit Contig(const at::Tensor& t) : orig(t), work(t.is_contiguous() ? t : t.contiguous()) {}
+  explicit Contig(const at::Tensor& t) : orig(t), work(contiguous_values(t)) {}
   char* data() const { return static_cast<char*>(work.data_ptr()); }
   size_t bytes() const { return static_cast<size_t>(work.numel()) * work.element_size(); }
   void write_back() const {
@@ -142,7 +144,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
                     "allreduce_coalesced: tensor ", i, " has dtype ", tensors[i].scalar_type(),
                     " but tensor 0 has ", tensors[0].scalar_type());
     shapes.push_back(tensors[i].sizes().vec());
-    flat_parts.push_back(tensors[i].reshape({-1}));
+    flat_parts.push_back(contiguous_values(tensors[i]).reshape({-1}));
   }
   auto rs = reduce_spec(tensors[0], opts.op);
   at::Tensor flat = at::cat(flat_parts);

@@ -67,6 +67,81 @@ TEST(P2P, RecvAnySourceReportsTheSender) {
   });
 }
 
+// A receive waits only for its own (peer, tag): recv(tag 2) posted and waited for before
+// recv(tag 1) completes although the sender sent tag 1 first, for small and for large messages,
+// and messages of one tag still arrive in the order they were sent. Short group timeout: before
+// the fix the first wait timed out.
+TEST(P2P, ReceiveOfALaterTagDoesNotWaitForAnEarlierOne) {
+  tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options(Millis(5000)));
+    const int64_t big = 1 << 20;  // 4 MiB of float: far more than a socket buffer holds
+    if (rank == 0) {
+      std::vector<std::shared_ptr<Work>> works;
+      works.push_back(pg->send(torch::full({4}, 1.0), 1, 1));
+      works.push_back(pg->send(torch::full({4}, 2.0), 1, 2));
+      works.push_back(pg->send(torch::full({big}, 3.0), 1, 3));
+      works.push_back(pg->send(torch::full({big}, 4.0), 1, 4));
+      // One tag, three messages, large between small ones: delivered in order.
+      works.push_back(pg->send(torch::full({big}, 5.0), 1, 5));
+      works.push_back(pg->send(torch::full({big}, 6.0), 1, 5));
+      works.push_back(pg->send(torch::full({big}, 7.0), 1, 5));
+      for (auto& w : works) w->wait();
+    } else {
+      auto two = torch::empty({4});
+      pg->recv(two, 0, 2)->wait();
+      auto one = torch::empty({4});
+      pg->recv(one, 0, 1)->wait();
+      EXPECT_TRUE(torch::equal(two, torch::full({4}, 2.0)));
+      EXPECT_TRUE(torch::equal(one, torch::full({4}, 1.0)));
+      auto four = torch::empty({big});
+      pg->recv(four, 0, 4)->wait();
+      auto three = torch::empty({big});
+      pg->recv(three, 0, 3)->wait();
+      EXPECT_TRUE(torch::equal(four, torch::full({big}, 4.0)));
+      EXPECT_TRUE(torch::equal(three, torch::full({big}, 3.0)));
+      for (double v : {5.0, 6.0, 7.0}) {
+        auto t = torch::empty({big});
+        pg->recv(t, 0, 5)->wait();
+        EXPECT_TRUE(torch::equal(t, torch::full({big}, v))) << v;
+      }
+    }
+    pg->barrier()->wait();
+  });
+}
+
+// recv_any_source(tag) takes a message of that tag from whichever rank has one, even when that
+// rank sent a message of another tag first; the other tag is received afterwards.
+TEST(P2P, RecvAnySourceSkipsOverOtherTags) {
+  tdist::test::spawn(3, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 3, test::test_options(Millis(5000)));
+    if (rank == 0) {
+      std::set<int> seen;
+      for (int i = 0; i < 2; ++i) {
+        auto t = torch::empty({3}, torch::kLong);
+        auto w = pg->recv_any_source(t, 2);
+        w->wait();
+        const int src = w->source_rank();
+        EXPECT_TRUE(torch::equal(t, torch::full({3}, int64_t(src * 10 + 2), torch::kLong)));
+        seen.insert(src);
+      }
+      EXPECT_EQ(seen, (std::set<int>{1, 2}));
+      auto t = torch::empty({3}, torch::kLong);
+      auto w = pg->recv_any_source(t, 1);
+      w->wait();
+      EXPECT_EQ(w->source_rank(), 1);
+      EXPECT_TRUE(torch::equal(t, torch::full({3}, int64_t(11), torch::kLong)));
+    } else if (rank == 1) {
+      auto a = pg->send(torch::full({3}, int64_t(11), torch::kLong), 0, 1);
+      auto b = pg->send(torch::full({3}, int64_t(12), torch::kLong), 0, 2);
+      a->wait();
+      b->wait();
+    } else {
+      pg->send(torch::full({3}, int64_t(22), torch::kLong), 0, 2)->wait();
+    }
+    pg->barrier()->wait();
+  });
+}
+
 TEST(P2P, SizeMismatchTimeoutAndBadArguments) {
   tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, 2, test::test_options());

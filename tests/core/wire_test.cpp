@@ -66,6 +66,26 @@ TEST(TensorWire, NonContiguousIsSentAsContiguous) {
   EXPECT_TRUE(read_tensor(r).equal(t));
 }
 
+// A conjugate or negative view shares its base's storage and carries a bit: what travels is the
+// values the view shows, inline (write_tensor) and through cereal alike.
+TEST(TensorWire, ConjugateAndNegativeViewsAreSentAsTheirValues) {
+  at::Tensor z = torch::complex(torch::arange(6, torch::kDouble), torch::arange(6, torch::kDouble) + 1);
+  at::Tensor f = torch::arange(6, torch::kFloat) + 1;
+  for (const at::Tensor& v : {z.conj(), f._neg_view(), z._neg_view(), z.conj().reshape({2, 3}).t()}) {
+    ASSERT_TRUE(v.is_conj() || v.is_neg());
+    at::Tensor want = v.resolve_conj().resolve_neg();
+    Bytes buf;
+    wire::Writer w(buf);
+    write_tensor(w, v);
+    wire::Reader r(buf);
+    at::Tensor back = read_tensor(r);
+    EXPECT_FALSE(back.is_conj() || back.is_neg());
+    EXPECT_TRUE(back.equal(want)) << back << " vs " << want;
+    at::Tensor decoded = decode<at::Tensor>(encode(v));
+    EXPECT_TRUE(decoded.equal(want)) << decoded << " vs " << want;
+  }
+}
+
 TEST(TensorWire, RejectsForgedMetadata) {
   TensorMeta m;
   m.dtype = static_cast<int8_t>(at::kFloat);

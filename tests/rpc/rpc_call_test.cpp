@@ -188,6 +188,33 @@ TEST_P(RpcCall, ManyOutstandingCallsFromSeveralThreads) {
   EXPECT_EQ(a_[0]->num_pending(), 0u);
 }
 
+// Conjugate and negative views travel as the values they show: as arguments and as results,
+// small (inline) and large (the same-host fast path when on).
+TEST_P(RpcCall, ConjugateAndNegativeViewsTravelAsTheirValues) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    register_function("conj_view", [](at::Tensor t) { return t.conj(); });
+    register_function("neg_view", [](at::Tensor t) { return t._neg_view(); });
+  });
+  for (int64_t n : {int64_t{6}, int64_t{1} << 19}) {
+    auto z = torch::complex(torch::arange(n, torch::kDouble), torch::arange(n, torch::kDouble) + 1)
+                 .to(torch::kComplexFloat);
+    auto want = z.conj().resolve_conj();
+    auto echoed = a_[0]->rpc_sync<at::Tensor>("w1", "echo", z.conj());
+    EXPECT_TRUE(torch::equal(echoed.resolve_conj(), want)) << "argument, n=" << n;
+    auto returned = a_[0]->rpc_sync<at::Tensor>("w1", "conj_view", z);
+    EXPECT_TRUE(torch::equal(returned.resolve_conj(), want)) << "result, n=" << n;
+    auto f = torch::arange(n, torch::kFloat);
+    auto negated = a_[0]->rpc_sync<at::Tensor>("w1", "neg_view", f);
+    EXPECT_TRUE(torch::equal(negated.resolve_neg(), -f)) << "negative result, n=" << n;
+    auto in_vector = a_[0]->rpc_sync<std::vector<at::Tensor>>(
+        "w1", "echo_tensors", std::vector<at::Tensor>{z.conj(), f._neg_view()});
+    ASSERT_EQ(in_vector.size(), 2u);
+    EXPECT_TRUE(torch::equal(in_vector[0].resolve_conj(), want)) << "vector, n=" << n;
+    EXPECT_TRUE(torch::equal(in_vector[1].resolve_neg(), -f)) << "vector, n=" << n;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(FastPath, RpcCall, ::testing::Values(true, false),
                          [](const auto& info) { return info.param ? "SameHost" : "SocketOnly"; });
 
