@@ -1,5 +1,5 @@
 // Distributed autograd contexts: propagation, cleanup on every worker, concurrency,
-// retain_graph, bad input, a worker that dies during backward.
+// retain_graph, bad input, a worker that died before backward.
 #include <gtest/gtest.h>
 
 #include <thread>
@@ -174,7 +174,7 @@ TEST_F(AutogradContext, BadInputGetsClearErrorsAndChangesNothing) {
   EXPECT_EQ(get_gradients(ctx.id()).count(x), 1u);
 }
 
-TEST_F(AutogradContext, AWorkerThatDiesDuringBackwardFailsItNamingTheWorker) {
+TEST_F(AutogradContext, AWorkerThatDiedFailsBackwardNamingIt) {
   at::Tensor x = leaf({2, 3});
   param("w1", "b") = leaf({3, 3});
   param("w2", "c") = leaf({3, 3});
@@ -183,7 +183,7 @@ TEST_F(AutogradContext, AWorkerThatDiesDuringBackwardFailsItNamingTheWorker) {
     using Chain = std::vector<std::pair<std::string, std::string>>;
     at::Tensor z = rpc::rpc_sync<at::Tensor>("w1", "ag.chain", Chain{{"w2", "c"}},
                                              std::string("b"), x);
-    agents_[2]->shutdown(false);  // w2 dies: its connections close
+    agents_[2]->shutdown(false);  // w2 dies between forward and backward: its connections close
     killed_ = true;
     auto what = expect_throw<Error>([&] { backward(ctx.id(), {z.sum()}); });
     expect_contains(what, "w2");
