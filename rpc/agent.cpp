@@ -13,6 +13,7 @@
 #include "tdist/core/logging.h"
 #include "tdist/core/rendezvous.h"
 #include "tdist/rpc/api.h"
+#include "tdist/rpc/autograd_hooks.h"
 
 namespace tdist::rpc {
 
@@ -329,6 +330,7 @@ void RpcAgent::send_request(int to, detail::OutMessage&& m, Millis timeout,
     if (earliest) timeout_cv_.notify_one();
   }
   try {
+    if (auto* hooks = detail::autograd_hooks()) hooks->on_send_request(*this, to, m);
     // A call without a timeout still gives up connecting after one handshake timeout.
     connection_to(to, timeout.count() > 0 ? Clock::now() + timeout
                                           : Clock::now() + conn_options_.handshake.timeout)
@@ -416,7 +418,20 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
       ++processing_;
     }
     bool posted = pool_->try_post([this, conn, m = std::move(msg)]() mutable {
-      handle_request(conn, m);
+      std::shared_ptr<void> autograd_scope;  // see rpc/autograd_hooks.h
+      bool ok = true;
+      if (m.flags & detail::kFlagAutograd) {
+        try {
+          auto* hooks = detail::autograd_hooks();
+          if (!hooks) throw ProtocolError("an autograd frame reached a worker without autograd");
+          autograd_scope = hooks->on_recv_request(*this, m);
+        } catch (const std::exception& e) {
+          ok = false;
+          reply_error(conn, m.id, e.what());
+        }
+      }
+      if (ok) handle_request(conn, m);
+      autograd_scope.reset();
       std::lock_guard<std::mutex> lock(pending_mu_);
       if (--processing_ == 0 && pending_.empty()) idle_cv_.notify_all();
     });
@@ -450,6 +465,16 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
     } catch (const std::exception& e) {
       error = std::make_exception_ptr(
           ProtocolError(str(p.what, " failed with an unreadable error: ", e.what())));
+    }
+  }
+  if (!error && (msg.flags & detail::kFlagAutograd)) {  // see rpc/autograd_hooks.h
+    try {
+      auto* hooks = detail::autograd_hooks();
+      if (!hooks) throw ProtocolError("an autograd frame reached a worker without autograd");
+      hooks->on_recv_response(*this, msg);
+    } catch (const std::exception& e) {
+      error = std::make_exception_ptr(
+          ProtocolError(str(p.what, " failed: bad autograd response: ", e.what())));
     }
   }
   if (p.on_pool || (msg.flags & detail::kFlagHasRRefs)) {

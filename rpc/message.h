@@ -12,7 +12,8 @@
 //
 // `length` counts everything after the header. The payload is the message's fields written with
 // core/serialize.h's archive followed by the call's arguments or result written with
-// rpc/detail/archive.h (tensors there are indices into the tensor section). The tensor section
+// rpc/detail/archive.h (tensors there are indices into the tensor section). With kFlagAutograd the
+// payload starts with distributed autograd's header (rpc/autograd_hooks.h), stripped on receipt. The tensor section
 // is a cereal TensorSection: one TensorMeta per tensor and, with kFlagRemoteTensors, the address
 // of each tensor's bytes in the sender's memory instead of bytes in the frame (same-host fast
 // path, see connection.h).
@@ -66,7 +67,8 @@ constexpr size_t kHeaderSize = 40;
 
 constexpr uint32_t kFlagHasRRefs = 1u << 0;       // decode on a worker thread (runs the protocol)
 constexpr uint32_t kFlagRemoteTensors = 1u << 1;  // tensor bytes stay in the sender's memory
-constexpr uint32_t kKnownFlags = kFlagHasRRefs | kFlagRemoteTensors;
+constexpr uint32_t kFlagAutograd = 1u << 2;  // payload starts with an autograd header (autograd_hooks.h)
+constexpr uint32_t kKnownFlags = kFlagHasRRefs | kFlagRemoteTensors | kFlagAutograd;
 
 struct FrameHeader {
   MessageType type = MessageType::kCall;

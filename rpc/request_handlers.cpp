@@ -4,6 +4,7 @@
 
 #include "tdist/core/logging.h"
 #include "tdist/rpc/agent.h"
+#include "tdist/rpc/autograd_hooks.h"
 
 namespace tdist::rpc {
 
@@ -300,6 +301,13 @@ void RpcAgent::reply_error(const std::shared_ptr<Connection>& conn, uint64_t id,
 
 void RpcAgent::send_reply(const std::shared_ptr<Connection>& conn, OutMessage&& m) {
   try {
+    if (auto* hooks = detail::autograd_hooks()) {
+      try {
+        hooks->on_send_response(*this, conn->peer_rank(), m);
+      } catch (const std::exception& e) {
+        throw InvalidArgument(e.what());  // answered with an error instead
+      }
+    }
     conn->send(std::move(m));
   } catch (const InvalidArgument&) {
     throw;  // e.g. a result larger than the maximum frame: the caller gets an error instead

@@ -1,0 +1,198 @@
+// Distributed autograd's side of rpc/autograd_hooks.h: what a message sent or received inside a
+// context records (Note [Distributed backward] in engine.cpp).
+//
+// Note [Autograd frame header]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A frame with kFlagAutograd starts its payload with (little-endian)
+//
+//   i64 context_id | i64 message_id | u32 count | count x u32 tensor index
+//
+// context_id: the context the message belongs to (> 0, its creator's rank in the top 16 bits).
+// message_id: the sender's autograd message id of its SendRpcBackward, or -1 when no tensor of
+// the message requires grad (count == 0). The indices, strictly increasing and below the
+// message's tensor count, name the tensors that required grad on the sender; the receiver
+// gives exactly those a RecvRpcBackward. Requests of the call types (CALL, REMOTE_CALL,
+// RREF_FETCH, RREF_METHOD_CALL/REMOTE) made inside a context always carry the header, so that
+// the callee runs in the context and its nested calls and its result are recorded; a response
+// carries it only when its result holds tensors that require grad. Anything else is refused
+// (ProtocolError) before a handler runs.
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cstring>
+
+#include "tdist/autograd/detail/container.h"
+#include "tdist/autograd/detail/functions.h"
+#include "tdist/core/error.h"
+#include "tdist/rpc/agent.h"
+#include "tdist/rpc/autograd_hooks.h"
+
+namespace tdist::autograd::detail {
+namespace {
+
+using rpc::detail::Message;
+using rpc::detail::MessageType;
+using rpc::detail::OutMessage;
+
+constexpr size_t kFixedHeader = 8 + 8 + 4;
+
+struct Header {
+  int64_t context_id = 0;
+  int64_t message_id = -1;
+  std::vector<uint32_t> indices;
+};
+
+bool carries_context(MessageType t) {
+  switch (t) {
+    case MessageType::kCall:
+    case MessageType::kRemoteCall:
+    case MessageType::kRRefFetch:
+    case MessageType::kRRefMethodCall:
+    case MessageType::kRRefMethodRemote:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void prepend_header(OutMessage& m, const Header& h) {
+  Bytes head(kFixedHeader + 4 * h.indices.size());
+  uint8_t* p = head.data();
+  const uint32_t count = static_cast<uint32_t>(h.indices.size());
+  std::memcpy(p, &h.context_id, 8);
+  std::memcpy(p + 8, &h.message_id, 8);
+  std::memcpy(p + 16, &count, 4);
+  if (count) std::memcpy(p + kFixedHeader, h.indices.data(), 4 * count);
+  m.body.insert(m.body.begin(), head.begin(), head.end());
+  m.flags |= rpc::detail::kFlagAutograd;
+}
+
+// Reads and strips the header; ProtocolError for anything inconsistent.
+Header take_header(Message& m, int world_size) {
+  if (m.body.size() < kFixedHeader) {
+    throw ProtocolError(str("autograd header truncated: ", m.body.size(), " bytes"));
+  }
+  Header h;
+  uint32_t count = 0;
+  std::memcpy(&h.context_id, m.body.data(), 8);
+  std::memcpy(&h.message_id, m.body.data() + 8, 8);
+  std::memcpy(&count, m.body.data() + 16, 4);
+  if (h.context_id <= 0 || context_creator(h.context_id) >= world_size) {
+    throw ProtocolError(str("bad distributed autograd context id ", h.context_id));
+  }
+  if (count > m.tensors.size() || m.body.size() - kFixedHeader < 4 * size_t{count}) {
+    throw ProtocolError(str("autograd header names ", count, " tensors; the message carries ",
+                            m.tensors.size()));
+  }
+  if ((count > 0) != (h.message_id >= 0)) {
+    throw ProtocolError(str("autograd header: message id ", h.message_id, " with ", count,
+                            " tensors that require grad"));
+  }
+  h.indices.resize(count);
+  if (count) std::memcpy(h.indices.data(), m.body.data() + kFixedHeader, 4 * size_t{count});
+  for (size_t i = 0; i < h.indices.size(); ++i) {
+    if (h.indices[i] >= m.tensors.size() || (i > 0 && h.indices[i] <= h.indices[i - 1])) {
+      throw ProtocolError("autograd header: tensor indices out of range or not increasing");
+    }
+  }
+  m.body.erase(m.body.begin(), m.body.begin() + static_cast<std::ptrdiff_t>(kFixedHeader + 4 * count));
+  return h;
+}
+
+// Records a SendRpcBackward for the tensors of `m` that require grad; fills h.
+void record_send(Container& c, ContextState& st, OutMessage& m, Header& h) {
+  std::vector<uint32_t> indices;
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    if (m.tensors[i].defined() && m.tensors[i].requires_grad()) {
+      indices.push_back(static_cast<uint32_t>(i));
+    }
+  }
+  if (indices.empty()) return;
+  auto send = std::make_shared<SendRpcBackward>();
+  torch::autograd::edge_list edges;
+  for (uint32_t i : indices) {
+    send->add_input_metadata(m.tensors[i]);
+    edges.push_back(torch::autograd::impl::gradient_edge(m.tensors[i]));
+  }
+  send->set_next_edges(std::move(edges));
+  h.message_id = c.next_message_id();
+  h.indices = std::move(indices);
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.sends.emplace(h.message_id, std::move(send));
+}
+
+// Gives the tensors named by h a RecvRpcBackward of (context, sender, message).
+void record_recv(ContextState& st, Message& m, const Header& h) {
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.workers.insert(m.from);
+  }
+  if (h.indices.empty()) return;
+  auto recv = std::make_shared<RecvRpcBackward>(h.context_id, m.from, h.message_id);
+  for (uint32_t i : h.indices) {
+    at::Tensor& t = m.tensors[i];
+    if (!torch::autograd::isDifferentiableType(t.scalar_type())) {
+      throw ProtocolError(tdist::str("autograd header marks a tensor of type ", c10::toString(t.scalar_type()),
+                              " as requiring grad"));
+    }
+    t = t.detach();  // a fresh autograd identity (the received tensor may view a frame buffer)
+    torch::autograd::set_history(t, recv);
+  }
+}
+
+class Hooks final : public rpc::detail::AutogradHooks {
+ public:
+  void on_send_request(rpc::RpcAgent& agent, int to, OutMessage& m) override {
+    const int64_t ctx = thread_context();
+    if (ctx == 0 || !carries_context(m.type)) return;
+    auto c = container_for(agent);
+    auto st = c->find(ctx);
+    TDIST_CHECK_ARG(st != nullptr, "distributed autograd context ", ctx,
+                    " is not known on worker '", agent.info().name, "' (released?)");
+    {
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->workers.insert(to);
+    }
+    Header h;
+    h.context_id = ctx;
+    record_send(*c, *st, m, h);
+    prepend_header(m, h);
+  }
+
+  void on_send_response(rpc::RpcAgent& agent, int to, OutMessage& m) override {
+    if (g_pending_replies.load(std::memory_order_relaxed) == 0) return;
+    auto c = container_for(agent);
+    const int64_t ctx = c->take_reply(to, m.id);
+    if (ctx < 0 || m.type != MessageType::kResponse) return;
+    auto st = c->find(ctx);
+    if (!st) return;  // released while the call ran: nothing to record
+    Header h;
+    h.context_id = ctx;
+    record_send(*c, *st, m, h);
+    if (!h.indices.empty()) prepend_header(m, h);
+  }
+
+  std::shared_ptr<void> on_recv_request(rpc::RpcAgent& agent, Message& m) override {
+    Header h = take_header(m, agent.world_size());
+    auto c = container_for(agent);
+    auto st = c->get_or_create(h.context_id);
+    record_recv(*st, m, h);
+    c->add_reply(m.from, m.id, h.context_id);
+    return std::make_shared<ThreadContextScope>(h.context_id);
+  }
+
+  void on_recv_response(rpc::RpcAgent& agent, Message& m) override {
+    Header h = take_header(m, agent.world_size());
+    auto st = container_for(agent)->get_or_create(h.context_id);
+    record_recv(*st, m, h);
+  }
+};
+
+}  // namespace
+
+void install_hooks() {
+  static Hooks hooks;
+  rpc::detail::set_autograd_hooks(&hooks);
+}
+
+}  // namespace tdist::autograd::detail
