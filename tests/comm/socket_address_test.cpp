@@ -23,7 +23,6 @@
 #include "tdist/core/tcp_store.h"
 #include "tests/harness/env_guard.h"
 #include "tests/harness/expect.h"
-#include "tests/harness/net.h"
 #include "tests/harness/process.h"
 #include "tests/harness/spawn.h"
 
@@ -58,11 +57,13 @@ std::string host_of(const std::string& host_port) { return host_port.substr(0, h
 
 // Builds a group of `world` ranks (threads) over `store` and returns the host each rank
 // published (the mesh's "addr/<rank>" keys of the first group on that store).
-std::vector<std::string> published_hosts(const std::function<std::shared_ptr<Store>(int)>& store_of,
-                                         int world) {
+// store_of(rank, shared) makes a rank's store (null: the shared in-process store).
+using StoreOf = std::function<std::shared_ptr<Store>(int, Store&)>;
+
+std::vector<std::string> published_hosts(const StoreOf& store_of, int world) {
   std::vector<std::string> hosts(world);
   test::spawn(world, [&](int rank, std::shared_ptr<Store> shared) {
-    auto store = store_of ? store_of(rank) : shared;
+    auto store = store_of ? store_of(rank, *shared) : shared;
     ProcessGroup::Options opts;
     opts.timeout = std::chrono::seconds(20);
     auto pg = create_process_group(store, rank, world, opts);
@@ -106,17 +107,24 @@ TEST(SocketAddress, NoHintPublishesANonLoopbackInterface) {
   const auto mine = non_loopback_addresses();
   if (mine.empty()) GTEST_SKIP() << "this host has no non-loopback IPv4 interface that is up";
   EnvGuard env(kNoHints);
+  std::vector<std::shared_ptr<TCPStoreServer>> servers;  // outlive the stores
   for (const auto& host : published_hosts(nullptr, 2)) {
     EXPECT_TRUE(mine.count(host)) << "in-process store: published " << host;
   }
-  const uint16_t port = test::free_port();
-  auto tcp_store = [&](int rank) -> std::shared_ptr<Store> {
+  // Rank 0 serves on a port the kernel picks and hands it to rank 1 through the shared store.
+  auto tcp_store = [&](int rank, Store& shared) -> std::shared_ptr<Store> {
     TCPStoreOptions o;
     o.host = "127.0.0.1";
-    o.port = port;
-    o.is_server = rank == 0;
-    o.num_workers = 2;
     o.timeout = std::chrono::seconds(20);
+    if (rank == 0) {
+      auto server = std::make_shared<TCPStoreServer>(o.host, 0);
+      shared.set("port", std::to_string(server->port()));
+      o.port = server->port();
+      auto store = std::make_shared<TCPStore>(o);
+      servers.push_back(server);
+      return store;
+    }
+    o.port = static_cast<uint16_t>(std::stoi(shared.get_string("port")));
     return std::make_shared<TCPStore>(o);
   };
   for (const auto& host : published_hosts(tcp_store, 2)) {
