@@ -22,6 +22,7 @@ class PrefixStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
+  std::string server_host() const override { return store_->server_host(); }
   using Store::set;
   using Store::wait;
 

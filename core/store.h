@@ -62,6 +62,11 @@ class Store {
   void set(const std::string& key, const char* value) { set(key, to_bytes(value)); }
   std::string get_string(const std::string& key) { return to_string(get(key)); }
 
+  // The host name or address this store's server is reached at (a TCPStore, or a store that
+  // wraps one); empty when the store has no network server (HashStore, FileStore). A process
+  // group publishes the address of the interface that routes to it (comm/transport/tcp/listener.h).
+  virtual std::string server_host() const { return {}; }
+
   Millis timeout() const { return Millis(timeout_ms_.load()); }
   void set_timeout(Millis timeout) { timeout_ms_.store(timeout.count()); }
 

@@ -75,6 +75,7 @@ class TCPStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
+  std::string server_host() const override { return options_.host; }
   using Store::set;
   using Store::wait;
 

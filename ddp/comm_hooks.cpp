@@ -243,7 +243,20 @@ class PowerSGD {
 
 CommHook powersgd_hook(PowerSGDOptions opts) {
   auto state = std::make_shared<PowerSGD>(opts);
-  return [state](GradBucket& bucket) { return state->enqueue(bucket); };
+  return [state](GradBucket& bucket) {
+    auto future = state->enqueue(bucket);
+    if (bucket.is_last()) {
+      // The ordering contract (comm_hooks.h): every collective of this backward is issued
+      // before the last call returns, so none interleaves with the Reducer's used-map
+      // allreduce. The worker serves buckets in order; this one is the last. An error (or the
+      // group's timeout) stays in the future, which the Reducer reports with the bucket.
+      try {
+        future->wait();
+      } catch (const std::exception&) {
+      }
+    }
+    return future;
+  };
 }
 
 }  // namespace tdist::ddp

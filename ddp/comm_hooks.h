@@ -4,12 +4,18 @@
 // that runs backward, and returns at once a Future whose value[0] is the averaged flat gradient
 // (numel of bucket.buffer(), any floating dtype; it may be buffer() itself).
 //
+// Hooks run without the Reducer's lock: a hook may call the Reducer's introspection methods, or
+// wait for another thread that does.
+//
 // Ordering contract: collectives must be issued in the same order on every rank. The Reducer
 // calls hooks in bucket order on every rank; a hook that issues its collectives inside the call
 // keeps that order. A hook that issues collectives later (after waiting for an earlier one) must
 // issue them from one thread that serves buckets in the order the hook was called: powersgd_hook
-// does that with a worker thread of its own. The Reducer waits for every bucket's future before
-// it issues any collective of its own, so hooks never interleave with it.
+// does that with a worker thread of its own. Under find_unused_parameters the Reducer issues a
+// collective of its own (the allreduce of the used map) right after the call for the last bucket
+// (bucket.is_last()) returns, as PyTorch does: by then every collective of every bucket must
+// have been issued, so a hook that issues later returns from its last call only once that is
+// done (powersgd_hook waits there for its worker).
 
 #include <cstdint>
 #include <functional>

@@ -99,6 +99,8 @@ void Reducer::reset_iteration() {
   std::fill(marked_.begin(), marked_.end(), false);
   std::fill(used_.begin(), used_.end(), 0);
   next_launch_ = 0;
+  used_map_ = at::Tensor();
+  used_future_.reset();
   if (record_order_) ready_order_.clear();
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
@@ -187,7 +189,8 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs, bool 
   } else if (opts_.static_graph) {
     unused = static_unused_;
   }
-  for (size_t i : unused) mark_ready(i, /*used=*/false, lock);
+  for (size_t i : unused) mark_ready(i, /*used=*/false);
+  launch_ready(lock);
 }
 
 std::vector<size_t> Reducer::find_unreached(const std::vector<at::Tensor>& outputs) const {
@@ -224,10 +227,11 @@ void Reducer::autograd_hook(size_t index) {
     backward_begin_us_ = Trace::now_us();
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
   }
-  mark_ready(index, /*used=*/true, lock);
+  mark_ready(index, /*used=*/true);
+  launch_ready(lock);
 }
 
-void Reducer::mark_ready(size_t index, bool used, std::unique_lock<std::mutex>& lock) {
+void Reducer::mark_ready(size_t index, bool used) {
   TDIST_CHECK(!marked_[index], "DDP on rank ", pg_->rank(), ": parameter ", names_[index],
               " was marked ready twice in one iteration (a second backward through the same "
               "forward, or a parameter that find_unused_parameters thought unused got a "
@@ -240,63 +244,134 @@ void Reducer::mark_ready(size_t index, bool used, std::unique_lock<std::mutex>& 
   Bucket& bucket = buckets_[b];
   at::Tensor& view = bucket.views[s];
   at::Tensor& grad = params_[index].mutable_grad();
+  // The built-in hook averages as sum of quotients (Note [DDP bucketing] 6): divide while
+  // copying. div rather than PyTorch's multiplication by 1/world: one correctly rounded
+  // operation, the same result for worlds that are powers of two.
+  const bool divide = default_hook_;
   if (passthrough()) {
     // World size 1, built-in hook: .grad already is the average.
   } else if (grad.defined()) {
-    if (!opts_.gradient_as_bucket_view) {
-      view.copy_(grad);
-    } else if (grad.data_ptr() != view.data_ptr()) {
-      // A new .grad (first backward, or zero_grad(set_to_none)): move it into the bucket.
-      view.copy_(grad);
-      grad = view;
+    if (opts_.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr()) {
+      if (divide) view.div_(pg_->size());
+    } else {
+      // Without bucket views, or a new .grad (first backward, zero_grad(set_to_none)) that
+      // moves into the bucket.
+      if (divide) {
+        at::div_out(view, grad, world_scalar());
+      } else {
+        view.copy_(grad);
+      }
+      if (opts_.gradient_as_bucket_view) grad = view;
     }
   } else {
     view.zero_();
   }
   TDIST_CHECK_GT(bucket.pending, 0u, "DDP: bucket ", b, " over-counted");
-  if (--bucket.pending == 0) launch_ready_buckets(lock);
+  --bucket.pending;
 }
 
-void Reducer::launch_ready_buckets(std::unique_lock<std::mutex>& /*lock*/) {
-  // Note [DDP bucketing] 3: strictly in index order.
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
-    const size_t b = next_launch_++;
-    Bucket& bucket = buckets_[b];
-    std::vector<at::Tensor> params;
-    params.reserve(bucket.params.size());
-    for (size_t i : bucket.params) params.push_back(params_[i]);
-    GradBucket view(b, buckets_.size(), bucket.buffer, bucket.views, std::move(params),
-                    bucket.offsets, pg_);
-    bucket.launch_us = Trace::now_us();
-    if (passthrough()) {
-      bucket.future = comm::Future::completed({bucket.buffer});
-    } else if (default_hook_) {
-      comm::AllreduceOptions aopts;  // SUM; divided in finalize (Note [DDP bucketing] 4)
-      bucket.future = pg_->allreduce(bucket.buffer, aopts)->future();
-    } else {
-      bucket.future = hook_(view);
+void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
+  // Note [DDP bucketing] 3: one launcher at a time, strictly in index order, hooks without mu_.
+  if (launching_) return;  // the launcher takes what became ready
+  launching_ = true;
+  struct EndLaunching {
+    Reducer* r;
+    std::unique_lock<std::mutex>& lock;
+    ~EndLaunching() {
+      if (!lock.owns_lock()) lock.lock();
+      r->launching_ = false;
+      r->launch_cv_.notify_all();
     }
-    TDIST_CHECK(bucket.future != nullptr, "DDP: the comm hook returned no future for bucket ", b);
-    if (trace_) {
-      auto trace = trace_;
-      int64_t begin = bucket.launch_us;
-      std::string args = tdist::str("\"bucket\": ", b, ", \"params\": ", bucket.params.size(),
-                             ", \"bytes\": ", bucket.bytes());
-      bucket.future->add_callback([trace, b, begin, args](comm::Future&) {
-        trace->add(tdist::str("comm bucket ", b), Trace::Track::kComm, begin, Trace::now_us(), args);
-      });
+  } end_launching{this, lock};
+  for (;;) {
+    if (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+      const size_t b = next_launch_++;
+      Bucket& bucket = buckets_[b];
+      std::vector<at::Tensor> params;
+      params.reserve(bucket.params.size());
+      for (size_t i : bucket.params) params.push_back(params_[i]);
+      GradBucket view(b, buckets_.size(), bucket.buffer, bucket.views, std::move(params),
+                      bucket.offsets, pg_);
+      bucket.launch_us = Trace::now_us();
+      if (passthrough()) {
+        bucket.future = comm::Future::completed({bucket.buffer});
+        continue;
+      }
+      const bool builtin = default_hook_;
+      lock.unlock();
+      auto future = launch_bucket(b, view, builtin);
+      lock.lock();
+      buckets_[b].future = std::move(future);
+      add_trace(b);
+    } else if (track_used_ && next_launch_ == buckets_.size() && !used_map_.defined()) {
+      // Note [DDP bucketing] 5: every parameter was marked, so the map is complete.
+      used_map_ = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
+      std::copy(used_.begin(), used_.end(), used_map_.data_ptr<int32_t>());
+      at::Tensor used = used_map_;
+      lock.unlock();
+      auto future = launch_used_map(used);
+      lock.lock();
+      used_future_ = std::move(future);
+    } else {
+      return;
     }
   }
+}
+
+// Called without mu_. The hook's or the collective's error becomes the bucket's failed future,
+// reported (with the bucket) at the end of backward.
+std::shared_ptr<comm::Future> Reducer::launch_bucket(size_t b, GradBucket& view, bool builtin) {
+  try {
+    std::shared_ptr<comm::Future> future;
+    if (builtin) {
+      comm::AllreduceOptions aopts;  // SUM of quotients (Note [DDP bucketing] 6)
+      future = pg_->allreduce(view.buffer(), aopts)->future();
+    } else {
+      future = hook_(view);  // hook_ does not change during an iteration
+    }
+    TDIST_CHECK(future != nullptr, "DDP: the comm hook returned no future for bucket ", b);
+    return future;
+  } catch (...) {
+    return comm::Future::failed(std::current_exception());
+  }
+}
+
+std::shared_ptr<comm::Future> Reducer::launch_used_map(const at::Tensor& used) {
+  try {
+    comm::AllreduceOptions aopts;
+    aopts.timeout = wait_timeout();
+    return pg_->allreduce(used, aopts)->future();
+  } catch (...) {
+    return comm::Future::failed(std::current_exception());
+  }
+}
+
+void Reducer::add_trace(size_t b) {
+  if (!trace_) return;
+  const Bucket& bucket = buckets_[b];
+  auto trace = trace_;
+  int64_t begin = bucket.launch_us;
+  std::string args = tdist::str("\"bucket\": ", b, ", \"params\": ", bucket.params.size(),
+                                ", \"bytes\": ", bucket.bytes());
+  bucket.future->add_callback([trace, b, begin, args](comm::Future&) {
+    trace->add(tdist::str("comm bucket ", b), Trace::Track::kComm, begin, Trace::now_us(), args);
+  });
 }
 
 void Reducer::finalize() {
   std::unique_lock<std::mutex> lock(mu_);
   if (!expect_hooks_) return;
+  // The engine runs this after every hook returned, so nobody launches now; wait all the same.
+  launch_cv_.wait(lock, [&] { return !launching_; });
   const int64_t wait_begin = Trace::now_us();
   struct ResetOnExit {
     Reducer* r;
-    ~ResetOnExit() { r->reset_iteration(); }
-  } reset_on_exit{this};
+    std::unique_lock<std::mutex>& lock;
+    ~ResetOnExit() {
+      if (!lock.owns_lock()) lock.lock();
+      r->reset_iteration();
+    }
+  } reset_on_exit{this, lock};
 
   if (next_launch_ < buckets_.size()) {
     std::vector<size_t> missing;
@@ -309,19 +384,43 @@ void Reducer::finalize() {
                 "find_unused_parameters=true if that is expected, or make every output of forward "
                 "take part in the loss.");
   }
+  TDIST_CHECK(!track_used_ || used_future_ != nullptr, "DDP: the used map was not launched");
+  // Wait without mu_ (a hook's continuation may query the Reducer).
+  std::vector<std::shared_ptr<comm::Future>> futures;
+  std::vector<size_t> sizes;
+  for (const Bucket& bucket : buckets_) {
+    futures.push_back(bucket.future);
+    sizes.push_back(bucket.params.size());
+  }
+  const auto used_future = used_future_;
+  const size_t num_buckets = buckets_.size();
+  const int rank = pg_->rank();
   const auto timeout = wait_timeout();
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    Bucket& bucket = buckets_[b];
+  lock.unlock();
+  for (size_t b = 0; b < num_buckets; ++b) {
     try {
-      bucket.future->wait(timeout);
+      futures[b]->wait(timeout);
     } catch (const TimeoutError& e) {
-      TDIST_THROW(TimeoutError, "DDP on rank ", pg_->rank(), ": waited ", timeout.count(),
+      TDIST_THROW(TimeoutError, "DDP on rank ", rank, ": waited ", timeout.count(),
                   " ms at the end of backward for the communication of bucket ", b, " of ",
-                  buckets_.size(), " (", bucket.params.size(), " parameters): ", e.what());
+                  num_buckets, " (", sizes[b], " parameters): ", e.what());
     } catch (const std::exception& e) {
-      TDIST_THROW(Error, "DDP on rank ", pg_->rank(), ": the communication of bucket ", b,
+      TDIST_THROW(Error, "DDP on rank ", rank, ": the communication of bucket ", b,
                   " failed: ", e.what());
     }
+  }
+  if (used_future) {
+    try {
+      used_future->wait(timeout);
+    } catch (const std::exception& e) {
+      TDIST_THROW(Error, "DDP on rank ", rank,
+                  ": the allreduce of the map of used parameters (find_unused_parameters) "
+                  "failed: ", e.what());
+    }
+  }
+  lock.lock();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
     const auto& value = bucket.future->value();
     TDIST_CHECK(!value.empty() && value[0].defined() && value[0].numel() == bucket.buffer.numel(),
                 "DDP: the comm hook's result for bucket ", b, " must be one tensor of ",
@@ -335,12 +434,7 @@ void Reducer::finalize() {
   // Note [DDP bucketing] 5: which parameters did any rank use?
   std::vector<bool> global_unused(params_.size(), false);
   if (track_used_) {
-    at::Tensor used = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
-    std::copy(used_.begin(), used_.end(), used.data_ptr<int32_t>());
-    comm::AllreduceOptions aopts;
-    aopts.timeout = timeout;
-    pg_->allreduce(used, aopts)->wait();
-    const int32_t* u = used.data_ptr<int32_t>();
+    const int32_t* u = used_map_.data_ptr<int32_t>();
     for (size_t i = 0; i < params_.size(); ++i) global_unused[i] = u[i] == 0;
     if (opts_.static_graph && !static_known_) {
       static_global_unused_ = global_unused;
@@ -363,13 +457,12 @@ void Reducer::finalize() {
 
 bool Reducer::passthrough() const { return default_hook_ && pg_->size() == 1; }
 
+at::Tensor Reducer::world_scalar() const {
+  return at::scalar_tensor(static_cast<double>(pg_->size()), at::kDouble);
+}
+
 void Reducer::write_back(const std::vector<bool>& global_unused) {
-  // The built-in hook leaves sums in the buckets: divide while writing back.
-  const bool divide = default_hook_;
-  const double world = pg_->size();
-  if (divide && opts_.gradient_as_bucket_view) {
-    for (Bucket& bucket : buckets_) bucket.buffer.div_(world);
-  }
+  // The buckets hold the averages (the built-in hook divided before its allreduce).
   for (size_t i = 0; i < params_.size(); ++i) {
     if (global_unused[i]) continue;
     auto [b, s] = locate_[i];
@@ -378,9 +471,7 @@ void Reducer::write_back(const std::vector<bool>& global_unused) {
     if (opts_.gradient_as_bucket_view) {
       if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
     } else if (!grad.defined()) {
-      grad = divide ? at::div(view, world) : view.clone();
-    } else if (divide) {
-      at::div_out(grad, view, at::scalar_tensor(world, view.options()));
+      grad = view.clone();
     } else {
       grad.copy_(view);
     }

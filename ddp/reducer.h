@@ -18,33 +18,45 @@
 //     bucket before it was launched: buckets are launched in index order on every rank, which
 //     keeps the collectives in the same order everywhere (the process group requires it). The
 //     allreduce of bucket i then runs while backward computes the gradients of later buckets.
+//     Launches run without mu_ (a hook may query the Reducer, or wait for a thread that does),
+//     by one thread at a time: the thread that finds launchable buckets while no other launches
+//     becomes the launcher and launches, in order, every bucket that is (or becomes) ready; a
+//     thread that marks a gradient ready meanwhile leaves its bucket to the launcher.
 //  4. The first hook of a backward queues the end-of-backward callback (finalize) on the engine.
 //     finalize requires every bucket launched (else: the parameters that got no gradient are
-//     named, as PyTorch does), waits for every bucket's future (with the timeout), writes the
-//     averaged gradients back into .grad, and only then issues collectives of its own (the used
-//     map under find_unused_parameters), so that hook collectives never interleave with it.
+//     named, as PyTorch does), waits (without mu_) for every bucket's future and the used map's
+//     (with the timeout), and writes the averaged gradients back into .grad.
 //  5. Unused parameters (find_unused_parameters, or static_graph's first iteration): after forward,
 //     the autograd graph is walked from the outputs; every parameter whose accumulator is not
-//     reached is marked ready at once (its bucket view is zero, or its accumulated .grad). After
-//     the reduction a used map (1 where a rank used the parameter) is allreduced; a parameter no
-//     rank used keeps its .grad untouched (undefined stays undefined).
+//     reached is marked ready at once (its bucket view is zero, or its accumulated .grad). A used
+//     map (1 where a rank used the parameter) is allreduced, issued by the launcher right after
+//     the last bucket's hook returned (as PyTorch does): it is complete then, since every
+//     parameter was marked, and it travels while the last bucket is still in flight. A parameter
+//     no rank used keeps its .grad untouched (undefined stays undefined).
 //  6. Rebuild: during the first synchronized backward the ready order is recorded. At the next
 //     forward that syncs, rank 0's order is broadcast and every rank rebuilds its buckets in it
 //     (once). With gradient_as_bucket_view the .grad tensors are moved to the new views.
-//     With the built-in hook the buckets carry sums and the division by the world size happens
-//     in this write-back; with world size 1 and the built-in hook nothing is copied at all.
+//     With the built-in hook each rank divides its gradients by the world size while copying
+//     them into the bucket (in place, for a .grad that is the bucket view), and the allreduce
+//     sums the quotients: the sum never exceeds the largest gradient, so fp16 gradients that
+//     fit do not overflow to inf (world * |g| may not fit). This is PyTorch's order too. With
+//     world size 1 and the built-in hook nothing is copied at all.
 //  7. Outside a synchronized iteration (no_sync, forward under NoGradGuard) hooks do nothing:
 //     gradients simply accumulate in .grad, and the next synchronized backward reduces the sum.
 //  8. A forward that starts while a synchronized backward was begun but not finished fails
 //     (PyTorch's "Expected to have finished reduction in the prior iteration").
 //
-// Thread safety: the engine calls hooks on the thread running backward; all state is guarded by
-// mu_. prepare_* and the destructor must not run concurrently with a backward of this model.
+// Thread safety: the engine calls hooks on the thread running backward (or several, one per
+// device); all state is guarded by mu_, which is never held while a comm hook runs, a collective
+// is issued or finalize waits. The introspection methods may be called from any thread, comm
+// hooks included. prepare_* and the destructor must not run concurrently with a backward of
+// this model.
 // Blocking: finalize blocks until every bucket's communication finished or `timeout` passed.
 
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -97,11 +109,15 @@ class Reducer {
  private:
   struct Hook;
   void autograd_hook(size_t index);
-  void mark_ready(size_t index, bool used, std::unique_lock<std::mutex>& lock);
-  void launch_ready_buckets(std::unique_lock<std::mutex>& lock);
+  void mark_ready(size_t index, bool used);
+  void launch_ready(std::unique_lock<std::mutex>& lock);
+  std::shared_ptr<comm::Future> launch_bucket(size_t b, GradBucket& view, bool builtin);
+  std::shared_ptr<comm::Future> launch_used_map(const at::Tensor& used);
   void finalize();
   void write_back(const std::vector<bool>& global_unused);
   bool passthrough() const;
+  at::Tensor world_scalar() const;  // the world size as a CPU double scalar (for div_out)
+  void add_trace(size_t b);
   void build_buckets(const std::vector<size_t>& order);
   void rebuild_buckets();
   void reset_iteration();
@@ -120,11 +136,12 @@ class Reducer {
   std::vector<uintptr_t> hook_keys_;
 
   mutable std::mutex mu_;
+  std::condition_variable launch_cv_;  // launching_ became false
   // guarded by mu_:
   CommHook hook_;                  // null: the built-in allreduce (see default_hook_)
-  // No hook registered: allreduce(SUM) and divide by the world size while writing .grad back
-  // (one pass over the gradients fewer than dividing before the allreduce). With world size 1
-  // there is nothing to average: gradients stay where autograd put them (no copies).
+  // No hook registered: divide by the world size while copying into the bucket, then
+  // allreduce(SUM) (Note [DDP bucketing] 6). With world size 1 there is nothing to average:
+  // gradients stay where autograd put them (no copies).
   bool default_hook_ = true;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> locate_;  // param -> (bucket, slot)
@@ -134,7 +151,10 @@ class Reducer {
   std::vector<bool> marked_;       // per param, this iteration
   std::vector<int32_t> used_;      // per param, 1 if it got a gradient this iteration
   size_t next_launch_ = 0;
+  bool launching_ = false;         // a thread is launching (Note [DDP bucketing] 3)
   bool track_used_ = false;        // this iteration allreduces the used map
+  at::Tensor used_map_;            // this iteration's used map, once launched
+  std::shared_ptr<comm::Future> used_future_;  // its allreduce
   std::vector<size_t> static_unused_;   // static_graph: unused locally (from iteration 1)
   std::vector<bool> static_global_unused_;  // static_graph: unused on every rank
   bool static_known_ = false;

@@ -1,6 +1,8 @@
 #include "tdist/python/tdist_c10d/store_adapter.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdint>
 #include <limits>
@@ -84,6 +86,15 @@ bool StoreAdapter::delete_key(const std::string& key) {
 
 int64_t StoreAdapter::num_keys() {
   return translate("num_keys", "", [&] { return store_->getNumKeys(); });
+}
+
+std::string StoreAdapter::server_host() const {
+  c10::intrusive_ptr<::c10d::Store> store = store_;
+  while (auto* prefix = dynamic_cast<::c10d::PrefixStore*>(store.get())) {
+    store = prefix->getUnderlyingStore();
+  }
+  if (auto* tcp = dynamic_cast<::c10d::TCPStore*>(store.get())) return tcp->getHost();
+  return {};
 }
 
 }  // namespace tdist::c10d_backend

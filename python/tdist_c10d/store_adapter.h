@@ -36,6 +36,9 @@ class StoreAdapter : public tdist::Store {
   bool check(const std::vector<std::string>& keys) override;
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
+  // The host of the c10d TCPStore under any c10d PrefixStores (init_method tcp:// or env://);
+  // empty for other c10d stores.
+  std::string server_host() const override;
   using tdist::Store::set;
   using tdist::Store::wait;
 

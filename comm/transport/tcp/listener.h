@@ -30,10 +30,19 @@ class Listener {
   uint16_t port_ = 0;
 };
 
-// The IPv4 address this process publishes for its peers: TDIST_SOCKET_HOST when set; otherwise
-// 127.0.0.1 when MASTER_ADDR is unset or a loopback address, else the address of the interface
-// that routes to MASTER_ADDR (falling back to what the host name resolves to).
-std::string local_address();
+// The IPv4 address this process listens on and publishes for its peers (docs/comm.md), the first
+// that applies of:
+//   1. TDIST_SOCKET_HOST (an address or host name, used as given);
+//   2. the interface named by TDIST_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME (the first name of a
+//      comma-separated list): its IPv4 address. InvalidArgument naming the variable and the
+//      interfaces there are when it is unknown, down or has no IPv4 address;
+//   3. `store_host` (the host of the store the ranks meet at; empty when unknown) when it is not
+//      a loopback address: the address of the interface that routes to it;
+//   4. the first non-loopback interface that is up and has an IPv4 address;
+//   5. 127.0.0.1: this host has no other interface, so every peer is on it.
+// Never loopback while another interface is up (unless named): a rank that met the store at
+// 127.0.0.1 may still have peers on other hosts that reach the store at its real address.
+std::string local_address(const std::string& store_host = {});
 
 // Connects to host:port before the deadline, retrying refused connections (the peer may still
 // be starting). Returns a configured descriptor; TimeoutError naming `who` otherwise.

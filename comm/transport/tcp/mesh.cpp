@@ -36,7 +36,7 @@ Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t token,
   conns_.resize(static_cast<size_t>(channels));
   for (auto& c : conns_) c.resize(static_cast<size_t>(size));
   if (size == 1) return;
-  Listener listener(local_address(), 0, 2 * size * channels + 16);
+  Listener listener(local_address(store.server_host()), 0, 2 * size * channels + 16);
   store.set(addr_key(rank), str(listener.host(), ":", listener.port()));
   connect_lower(store, token, deadline);
   accept_higher(token, deadline, listener);

@@ -4,8 +4,9 @@
 // point-to-point messages, so that the two never share a byte stream).
 //
 // Note [Mesh handshake]
-//   1. Every rank listens on local_address():0 and publishes "host:port" under "addr/<rank>" in
-//      the (group-prefixed) store.
+//   1. Every rank listens on local_address(store.server_host()):0 (an address its peers can
+//      reach; see listener.h) and publishes "host:port" under "addr/<rank>" in the
+//      (group-prefixed) store.
 //   2. Rank r connects to every lower rank j, once per channel, and sends a 24-byte hello:
 //      u32 magic 'TDCM' | u16 version | u8 channel | u8 0 | u32 rank | u32 0 | u64 group token.
 //      It needs no reply: the listen backlog holds the connection until j accepts it, so the
