@@ -17,9 +17,13 @@ OptimizerSpec OptimizerSpec::sgd(const torch::optim::SGDOptions& o) {
   return s;
 }
 
-OptimizerSpec OptimizerSpec::adam(const torch::optim::AdamOptions& o) {
+namespace {
+
+// Adam and AdamW share their options' fields.
+template <class Options>
+OptimizerSpec adam_family(OptimizerSpec::Kind kind, const Options& o) {
   OptimizerSpec s;
-  s.kind = kAdam;
+  s.kind = kind;
   s.lr = o.lr();
   s.beta1 = std::get<0>(o.betas());
   s.beta2 = std::get<1>(o.betas());
@@ -29,16 +33,14 @@ OptimizerSpec OptimizerSpec::adam(const torch::optim::AdamOptions& o) {
   return s;
 }
 
+}  // namespace
+
+OptimizerSpec OptimizerSpec::adam(const torch::optim::AdamOptions& o) {
+  return adam_family(kAdam, o);
+}
+
 OptimizerSpec OptimizerSpec::adamw(const torch::optim::AdamWOptions& o) {
-  OptimizerSpec s;
-  s.kind = kAdamW;
-  s.lr = o.lr();
-  s.beta1 = std::get<0>(o.betas());
-  s.beta2 = std::get<1>(o.betas());
-  s.eps = o.eps();
-  s.weight_decay = o.weight_decay();
-  s.amsgrad = o.amsgrad();
-  return s;
+  return adam_family(kAdamW, o);
 }
 
 OptimizerSpec OptimizerSpec::rmsprop(const torch::optim::RMSpropOptions& o) {
