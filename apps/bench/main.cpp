@@ -1,7 +1,8 @@
 // tdist-bench: benchmarks a user runs. One subcommand per file:
 //   collective  (bench_collective.cpp)  an nccl-tests-style table for one collective (under tdist-run)
 //   ddp         (apps/bench_ddp/)       DDP samples/s vs plain libtorch and PyTorch's Python DDP
-//   rpc         (apps/bench_rpc/)       RPC round trip, async rate, tensor echo vs torch.distributed.rpc
+//   rpc         (apps/bench_rpc/)       RPC round trip, async rate, tensor echo vs torch.distributed.rpc;
+//                                       with --autograd, training over RPC vs torch.distributed.autograd
 // `ddp` and `rpc` start their own processes and take their own flags (tdist-bench ddp --help).
 #include <CLI/CLI.hpp>
 

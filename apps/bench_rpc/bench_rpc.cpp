@@ -203,6 +203,9 @@ std::string default_script() {
 }  // namespace
 
 int run_rpc_bench(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--autograd") return run_autograd_bench(argc, argv);
+  }
   Options o;
   CLI::App app{"tdist-bench rpc: RPC round trip, async call rate and tensor echo, tdist vs "
                "torch.distributed.rpc (TensorPipe), two workers on this machine"};

@@ -1,7 +1,10 @@
 // The RPC training demos as a user runs them. tdist-rpc-seed: two processes started by hand, and
 // under tdist-run; the weight it prints must equal single-process libtorch training of the same
 // model on the same data (apps/rpc_demos/seed_model.h) to 1e-6. tdist-rpc-split: three workers
-// under tdist-run; the loss falls.
+// under tdist-run; the loss falls. tdist-rpc-ps-autograd: a server and three trainers under
+// tdist-run; every trainer's loss falls and the server's model classifies held-out samples.
+// tdist-bench rpc --autograd (tdist side only, a few iterations)
+// completes and prints a time for both shapes (no timing asserted).
 #include <gtest/gtest.h>
 
 #include <regex>
@@ -85,6 +88,42 @@ TEST(RpcSplitDemo, LossFallsAcrossThreeWorkers) {
   std::regex re(R"(loss ([0-9.]+) -> ([0-9.]+) over 60 steps)");
   ASSERT_TRUE(std::regex_search(r.out, m, re)) << r.describe();
   EXPECT_LT(std::stod(m[2]), 0.5 * std::stod(m[1])) << r.out;
+}
+
+TEST(RpcPsAutogradDemo, ThreeTrainersReachHighAccuracy) {
+  CommandOptions o;
+  o.timeout = std::chrono::seconds(150);
+  auto r = run_command({TDIST_RUN_BIN, "--nproc-per-node", "4", "--master-port", "0",
+                        TDIST_RPC_PS_AUTOGRAD_BIN, "--steps", "100", "--min-accuracy", "0"},
+                       o);
+  ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
+  for (int t = 1; t <= 3; ++t) {
+    std::smatch m;
+    std::regex re("trainer" + std::to_string(t) + R"(: loss ([0-9.]+) -> ([0-9.]+) over 100 steps)");
+    ASSERT_TRUE(std::regex_search(r.out, m, re)) << r.describe();
+    EXPECT_LT(std::stod(m[2]), 0.5 * std::stod(m[1])) << r.out;
+  }
+  std::smatch m;
+  std::regex re(R"(ps: accuracy ([0-9.]+) on 2000 held-out samples after 3 trainers)");
+  ASSERT_TRUE(std::regex_search(r.out, m, re)) << r.describe();
+  // 4 classes: chance is 0.25; the clusters are separable enough for a linear model.
+  EXPECT_GE(std::stod(m[1]), 0.9) << r.out;
+}
+
+TEST(RpcAutogradBench, BriefRunPrintsBothRows) {
+  CommandOptions o;
+  o.timeout = std::chrono::seconds(120);
+  auto r = run_command({TDIST_BENCH_BIN, "rpc", "--autograd", "--no-torch", "--rounds", "1",
+                        "--iters", "5", "--warmup", "1", "--split-iters", "2", "--split-warmup",
+                        "0"},
+                       o);
+  ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
+  for (const char* row : {R"(seed: Linear 2->1 [^\n]*SGD +([0-9.]+))",
+                          R"(split MLP 784-1024x3-10[^\n]*SGD +([0-9.]+))"}) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, std::regex(row))) << row << " in " << r.out;
+    EXPECT_GT(std::stod(m[1]), 0.0) << r.out;
+  }
 }
 
 }  // namespace

@@ -1,0 +1,323 @@
+// tdist-bench rpc --autograd: per-iteration time of training over RPC with distributed autograd
+// and the DistributedOptimizer, two workers on this machine (this process trains as worker0, a
+// copy of it started as worker1 holds the remote part):
+//   seed   demo 1's shape: a Linear 2 -> 1 (no bias) on worker1, 8 samples on worker0, MSE loss,
+//          SGD (lr 0.05)
+//   split  an MLP 784-1024-1024-1024-10 split in two: 784->1024->1024 (ReLU) on worker1,
+//          1024->1024->10 on worker0 (the trainer), batch 64, cross entropy, SGD (lr 0.01)
+// Every iteration: a context, forward over RPC, the loss, distributed backward, step. Then,
+// unless --no-torch, the same through torch.distributed.autograd + DistributedOptimizer by
+// running scripts/bench_autograd_torch.py, and the ratios against the target (at most 1/2).
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "apps/bench_rpc/bench_rpc.h"
+#include "tdist/autograd/context.h"
+#include "tdist/core/tcp_store.h"
+#include "tdist/optim/distributed_optimizer.h"
+#include "tdist/rpc/api.h"
+
+extern char** environ;
+
+namespace tdist::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+namespace dist_autograd = tdist::autograd;
+
+struct Options {
+  int iters = 200;
+  int warmup = 20;
+  int split_iters = 50;
+  int split_warmup = 5;
+  int threads = 4;
+  int rounds = 3;
+  bool torch = true;
+  std::string torch_script;
+  std::string json_file;
+  bool server = false;  // internal: the worker1 role
+  int store_port = 0;
+};
+
+std::vector<rpc::RRef<at::Tensor>> rrefs_of(torch::nn::Module& m) {
+  std::vector<rpc::RRef<at::Tensor>> out;
+  for (auto& p : m.parameters()) out.push_back(rpc::make_rref(p));
+  return out;
+}
+
+// Demo 1's Net: one linear layer 2 -> 1, no bias.
+class SeedNet {
+ public:
+  explicit SeedNet(int64_t seed) {
+    torch::manual_seed(seed);
+    fc_ = torch::nn::Linear(torch::nn::LinearOptions(2, 1).bias(false));
+  }
+  at::Tensor forward(at::Tensor x) { return fc_->forward(x); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return rrefs_of(*fc_); }
+
+ private:
+  torch::nn::Linear fc_{nullptr};
+};
+
+// The first half of the split MLP (784 -> 1024 -> 1024, ReLU after each).
+class FrontMlp {
+ public:
+  explicit FrontMlp(int64_t seed) {
+    torch::manual_seed(seed);
+    seq_ = torch::nn::Sequential(torch::nn::Linear(784, 1024), torch::nn::ReLU(),
+                                 torch::nn::Linear(1024, 1024), torch::nn::ReLU());
+  }
+  at::Tensor forward(at::Tensor x) { return seq_->forward(x); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return rrefs_of(*seq_); }
+
+ private:
+  torch::nn::Sequential seq_{nullptr};
+};
+
+void register_classes() {
+  rpc::register_class<SeedNet>("BenchSeedNet")
+      .constructor<int64_t>()
+      .method("forward", &SeedNet::forward)
+      .method("parameter_rrefs", &SeedNet::parameter_rrefs);
+  rpc::register_class<FrontMlp>("BenchFrontMlp")
+      .constructor<int64_t>()
+      .method("forward", &FrontMlp::forward)
+      .method("parameter_rrefs", &FrontMlp::parameter_rrefs);
+}
+
+rpc::RpcOptions agent_options(const Options& o) {
+  rpc::RpcOptions r;
+  r.store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(o.store_port), false,
+                                       std::chrono::seconds(60));
+  r.num_worker_threads = o.threads;
+  r.rpc_timeout = std::chrono::seconds(120);
+  return r;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Runs `step` warmup + iters times; the median time of one iteration in milliseconds.
+template <class Step>
+double time_iterations(int warmup, int iters, Step&& step) {
+  for (int i = 0; i < warmup; ++i) step();
+  std::vector<double> samples;
+  for (int i = 0; i < std::max(iters, 1); ++i) {
+    auto t0 = Clock::now();
+    step();
+    samples.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  return median(samples);
+}
+
+json measure(const Options& o) {
+  rpc::init_rpc("worker0", 0, 2, agent_options(o));
+  json r;
+  r["backend"] = "tdist";
+  {
+    auto net = rpc::remote<SeedNet>("worker1", "BenchSeedNet", int64_t{1});
+    optim::DistributedOptimizer opt(optim::OptimizerSpec::sgd(torch::optim::SGDOptions(0.05)),
+                                    net.rpc_sync<std::vector<rpc::RRef<at::Tensor>>>("parameter_rrefs"));
+    const at::Tensor x = at::randn({8, 2}), y = at::randn({8, 1});
+    double loss = 0;
+    r["seed_ms"] = time_iterations(o.warmup, o.iters, [&] {
+      dist_autograd::Context ctx;
+      at::Tensor l = torch::mse_loss(net.rpc_sync<at::Tensor>("forward", x), y);
+      dist_autograd::backward(ctx.id(), {l});
+      opt.step(ctx.id());
+      loss = l.item<double>();
+    });
+    r["seed_final_loss"] = loss;
+  }
+  {
+    auto front = rpc::remote<FrontMlp>("worker1", "BenchFrontMlp", int64_t{2});
+    torch::manual_seed(3);
+    torch::nn::Sequential back(torch::nn::Linear(1024, 1024), torch::nn::ReLU(),
+                               torch::nn::Linear(1024, 10));
+    auto params = front.rpc_sync<std::vector<rpc::RRef<at::Tensor>>>("parameter_rrefs");
+    for (auto& p : rrefs_of(*back)) params.push_back(p);
+    optim::DistributedOptimizer opt(optim::OptimizerSpec::sgd(torch::optim::SGDOptions(0.01)),
+                                    params);
+    const at::Tensor x = at::randn({64, 784}), y = at::randint(10, {64}, at::kLong);
+    double loss = 0;
+    r["split_ms"] = time_iterations(o.split_warmup, o.split_iters, [&] {
+      dist_autograd::Context ctx;
+      at::Tensor h = front.rpc_sync<at::Tensor>("forward", x);
+      at::Tensor l = torch::cross_entropy_loss(back->forward(h), y);
+      dist_autograd::backward(ctx.id(), {l});
+      opt.step(ctx.id());
+      loss = l.item<double>();
+    });
+    r["split_final_loss"] = loss;
+  }
+  rpc::shutdown();
+  return r;
+}
+
+int run_server(const Options& o) {
+  rpc::init_rpc("worker1", 1, 2, agent_options(o));
+  rpc::shutdown();  // serves until worker0 is done too
+  return 0;
+}
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) throw std::runtime_error("cannot find this executable");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+pid_t spawn_server(const Options& o) {
+  std::vector<std::string> args{self_exe(), "rpc", "--autograd", "--role-server", "--store-port",
+                                std::to_string(o.store_port), "--threads",
+                                std::to_string(o.threads)};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  if (::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) {
+    throw std::runtime_error("cannot start the worker1 process");
+  }
+  return pid;
+}
+
+json run_torch(const Options& o) {
+  std::ostringstream cmd;
+  cmd << "python3 " << o.torch_script << " --iters " << o.iters << " --warmup " << o.warmup
+      << " --split-iters " << o.split_iters << " --split-warmup " << o.split_warmup
+      << " --threads " << o.threads << " 2>/dev/null";
+  FILE* p = ::popen(cmd.str().c_str(), "r");
+  if (!p) throw std::runtime_error("cannot run " + cmd.str());
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int rc = ::pclose(p);
+  if (rc != 0) {
+    throw std::runtime_error("'" + cmd.str() + "' failed (exit status " + std::to_string(rc) + ")");
+  }
+  auto brace = out.find_last_of('{');
+  if (brace == std::string::npos) throw std::runtime_error("no JSON from " + o.torch_script);
+  return json::parse(out.substr(brace));
+}
+
+std::string default_script() {
+  // <build>/apps/bench/tdist-bench -> <source>/scripts/bench_autograd_torch.py
+  const std::string name = "/scripts/bench_autograd_torch.py";
+  for (std::string dir = self_exe();;) {
+    auto slash = dir.find_last_of('/');
+    if (slash == std::string::npos || slash == 0) break;
+    dir = dir.substr(0, slash);
+    if (std::ifstream(dir + name).good()) return dir + name;
+    if (std::ifstream(dir + "/.." + name).good()) return dir + "/.." + name;
+  }
+  return "scripts/bench_autograd_torch.py";
+}
+
+}  // namespace
+
+int run_autograd_bench(int argc, char** argv) {
+  Options o;
+  bool autograd = false;
+  CLI::App app{"tdist-bench rpc --autograd: per-iteration time of training over RPC with "
+               "distributed autograd + DistributedOptimizer, tdist vs torch.distributed.autograd, "
+               "two workers on this machine"};
+  app.add_flag("--autograd", autograd, "this benchmark (instead of the plain RPC one)");
+  app.add_option("--iters", o.iters, "timed iterations of demo 1's shape (Linear 2->1)");
+  app.add_option("--warmup", o.warmup, "untimed iterations before them");
+  app.add_option("--split-iters", o.split_iters, "timed iterations of the split MLP");
+  app.add_option("--split-warmup", o.split_warmup, "untimed iterations before them");
+  app.add_option("--threads", o.threads, "RPC worker threads per worker (both sides)");
+  app.add_option("--rounds", o.rounds, "alternate tdist and torch this many times; medians");
+  app.add_flag("!--no-torch", o.torch, "skip the torch.distributed.autograd side");
+  app.add_option("--torch-script", o.torch_script, "path of scripts/bench_autograd_torch.py");
+  app.add_option("--json", o.json_file, "also write the results as JSON to this file");
+  app.add_flag("--role-server", o.server)->group("");
+  app.add_option("--store-port", o.store_port)->group("");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    at::set_num_threads(1);
+    register_classes();
+    if (o.server) return run_server(o);
+    if (o.torch && o.torch_script.empty()) o.torch_script = default_script();
+    std::vector<json> ours, theirs;
+    for (int round = 0; round < std::max(o.rounds, 1); ++round) {
+      TCPStoreServer store("127.0.0.1", 0);
+      o.store_port = store.port();
+      pid_t server = spawn_server(o);
+      try {
+        ours.push_back(measure(o));
+      } catch (...) {
+        ::kill(server, SIGKILL);
+        ::waitpid(server, nullptr, 0);
+        throw;
+      }
+      int status = 0;
+      ::waitpid(server, &status, 0);
+      if (o.torch) theirs.push_back(run_torch(o));
+    }
+    auto med = [](const std::vector<json>& runs) {
+      json m = runs.front();
+      for (const char* key : {"seed_ms", "split_ms"}) {
+        std::vector<double> v;
+        for (const auto& r : runs) v.push_back(r[key].get<double>());
+        m[key] = median(v);
+      }
+      m["runs"] = runs;
+      return m;
+    };
+    json a = med(ours), result{{"tdist", a}};
+    json b;
+    if (o.torch) result["torch"] = b = med(theirs);
+
+    constexpr double kTarget = 0.5;
+    std::printf("%-44s %10s", "per iteration (ms)", "tdist");
+    if (o.torch) std::printf(" %10s %8s %10s", "torch", "ratio", "target");
+    std::printf("\n");
+    const std::pair<const char*, const char*> rows[] = {
+        {"seed: Linear 2->1 remote, 8 samples, SGD", "seed_ms"},
+        {"split MLP 784-1024x3-10, batch 64, SGD", "split_ms"}};
+    bool all_met = true;
+    for (const auto& [label, key] : rows) {
+      std::printf("%-44s %10.3f", label, a[key].get<double>());
+      if (o.torch) {
+        const double ratio = a[key].get<double>() / b[key].get<double>();
+        const bool met = ratio <= kTarget;
+        all_met = all_met && met;
+        std::printf(" %10.3f %8.3f %7s%.2f %s", b[key].get<double>(), ratio, "<=", kTarget,
+                    met ? "met" : "NOT MET");
+        result["ratios"][key] = ratio;
+        result["met"][key] = met;
+      }
+      std::printf("\n");
+    }
+    std::printf("(medians of %d alternating rounds, each the median of %d / %d timed iterations; "
+                "%d RPC worker threads, 1 intra-op thread)\n",
+                std::max(o.rounds, 1), o.iters, o.split_iters, o.threads);
+    if (!o.json_file.empty()) std::ofstream(o.json_file) << result.dump(2) << "\n";
+    if (o.torch) std::printf("targets: %s\n", all_met ? "all met" : "not all met");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tdist-bench rpc --autograd: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace tdist::bench
