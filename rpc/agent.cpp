@@ -633,6 +633,24 @@ void RpcAgent::graceful_barrier() {
   std::vector<std::string> keys;
   for (int r = 0; r < n; ++r) keys.push_back(store_prefix_ + "shutdown/exit/" + std::to_string(r));
   store_->wait(keys, remaining(deadline));
+  // Rank 0 usually hosts that store (env://): it stays until every other worker's wait above
+  // has returned, or an exiting rank 0 could cut another worker's wait off mid-reply. The others'
+  // last store call is the "left" mark; its own reply may be cut off, which is harmless.
+  const std::string left = store_prefix_ + "shutdown/left/";
+  if (self_.rank == 0) {
+    std::vector<std::string> others;
+    for (int r = 1; r < n; ++r) others.push_back(left + std::to_string(r));
+    try {
+      store_->wait(others, remaining(deadline));
+    } catch (const std::exception& e) {
+      TDIST_LOG_WARN("rpc: shutdown: not every worker confirmed it left the store: ", e.what());
+    }
+  } else {
+    try {
+      store_->set(left + std::to_string(self_.rank), "1");
+    } catch (const std::exception&) {
+    }
+  }
 }
 
 void RpcAgent::shutdown(bool graceful) {
