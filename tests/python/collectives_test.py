@@ -301,14 +301,24 @@ def check_functional(dist, torch, g, rank, n, ranks):
 
 def check_errors(dist, torch, g, rank, n, ranks):
     """Refused calls raise RuntimeError naming the operation, change nothing, and leave the group
-    usable. Every member makes the same calls, so the members stay in step."""
+    usable (a sparse all_reduce with SUM, which is served, is checked beside its refused MAX). Every member makes the same calls, so the members stay in step."""
     x = values(rank, 4, torch.float32)
     before = x.clone()
     expect_raises(lambda: dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.0), group=g),
                   RuntimeError, "allreduce", "PREMUL_SUM")
     check_equal(x, before, "tensor after a refused all_reduce")
     sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
-    expect_raises(lambda: dist.all_reduce(sparse, group=g), RuntimeError, "allreduce")
+    expect_raises(lambda: dist.all_reduce(sparse, op=dist.ReduceOp.MAX, group=g), RuntimeError,
+                  "allreduce", "SUM")
+    check_equal(sparse.to_dense(), torch.tensor([1.0, 0.0, 2.0, 0.0]),
+                "sparse tensor after a refused all_reduce")
+    # Sparse COO SUM works as on gloo: the members hold different indices, some shared.
+    mine = torch.sparse_coo_tensor([[rank % 3]], [float(rank + 1)], (4,))
+    dist.all_reduce(mine, group=g)
+    expected = torch.zeros(4)
+    for r in ranks:
+        expected[r % 3] += r + 1
+    check_equal(mine.to_dense(), expected, "sparse all_reduce (SUM)")
     # A root outside the group, straight to the backend (the Python API refuses it earlier).
     opts = dist.BroadcastOptions()
     opts.rootRank = n
