@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "apps/bench_rpc/bench_rpc.h"
+#include "apps/bench_rpc/rounds.h"
 #include "tdist/autograd/context.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/optim/distributed_optimizer.h"
@@ -107,11 +108,6 @@ rpc::RpcOptions agent_options(const Options& o) {
   r.num_worker_threads = o.threads;
   r.rpc_timeout = std::chrono::seconds(120);
   return r;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // Runs `step` warmup + iters times; the median time of one iteration in milliseconds.
@@ -258,30 +254,9 @@ int run_autograd_bench(int argc, char** argv) {
     if (o.server) return run_server(o);
     if (o.torch && o.torch_script.empty()) o.torch_script = default_script();
     std::vector<json> ours, theirs;
-    for (int round = 0; round < std::max(o.rounds, 1); ++round) {
-      TCPStoreServer store("127.0.0.1", 0);
-      o.store_port = store.port();
-      pid_t server = spawn_server(o);
-      try {
-        ours.push_back(measure(o));
-      } catch (...) {
-        ::kill(server, SIGKILL);
-        ::waitpid(server, nullptr, 0);
-        throw;
-      }
-      int status = 0;
-      ::waitpid(server, &status, 0);
-      if (o.torch) theirs.push_back(run_torch(o));
-    }
+    run_rounds(o, spawn_server, measure, run_torch, ours, theirs);
     auto med = [](const std::vector<json>& runs) {
-      json m = runs.front();
-      for (const char* key : {"seed_ms", "split_ms"}) {
-        std::vector<double> v;
-        for (const auto& r : runs) v.push_back(r[key].get<double>());
-        m[key] = median(v);
-      }
-      m["runs"] = runs;
-      return m;
+      return median_of(runs, {"seed_ms", "split_ms"});
     };
     json a = med(ours), result{{"tdist", a}};
     json b;

@@ -7,6 +7,7 @@
 // Then, unless --no-torch, the same three through torch.distributed.rpc (TensorPipe) by running
 // scripts/bench_rpc_torch.py, and the ratios against the targets of the RPC issue.
 #include "apps/bench_rpc/bench_rpc.h"
+#include "apps/bench_rpc/rounds.h"
 
 #include <spawn.h>
 #include <sys/wait.h>
@@ -54,11 +55,6 @@ struct Options {
   bool server = false;
   int store_port = 0;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -233,30 +229,9 @@ int run_rpc_bench(int argc, char** argv) {
     register_bench_functions();
     if (o.torch && o.torch_script.empty()) o.torch_script = default_script();
     std::vector<json> our_runs, torch_runs;
-    for (int round = 0; round < std::max(o.rounds, 1); ++round) {
-      TCPStoreServer store("127.0.0.1", 0);
-      o.store_port = store.port();
-      pid_t server = spawn_server(o);
-      try {
-        our_runs.push_back(measure(o));
-      } catch (...) {
-        ::kill(server, SIGKILL);
-        ::waitpid(server, nullptr, 0);
-        throw;
-      }
-      int status = 0;
-      ::waitpid(server, &status, 0);
-      if (o.torch) torch_runs.push_back(run_torch(o));
-    }
+    run_rounds(o, spawn_server, measure, run_torch, our_runs, torch_runs);
     auto med = [](const std::vector<json>& runs) {
-      json m = runs.front();
-      for (const char* key : {"rtt_us", "async_calls_s", "echo_gbps"}) {
-        std::vector<double> v;
-        for (const auto& r : runs) v.push_back(r[key].get<double>());
-        m[key] = median(v);
-      }
-      m["runs"] = runs;
-      return m;
+      return median_of(runs, {"rtt_us", "async_calls_s", "echo_gbps"});
     };
     json ours = med(our_runs);
     json result{{"tdist", ours}};
