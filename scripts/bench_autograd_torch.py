@@ -11,9 +11,7 @@ Each iteration: a dist_autograd context, forward over RPC, loss, dist_autograd.b
 opt.step. Prints one JSON object on stdout (and writes it to --json FILE when given).
 """
 import argparse
-import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -21,11 +19,13 @@ import time
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_rpc_torch import run_pair  # noqa: E402  (same spawn-two-workers driver)
 
 
 class SeedNet(nn.Module):
@@ -50,12 +50,6 @@ class FrontMlp(nn.Module):
 
 def parameter_rrefs(module_rref):
     return [RRef(p) for p in module_rref.local_value().parameters()]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_iterations(warmup, iters, step):
@@ -128,24 +122,7 @@ def main():
     p.add_argument("--threads", type=int, default=4, help="num_worker_threads per worker")
     p.add_argument("--json", help="also write the result to this file")
     args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args, port, queue)) for r in range(2)]
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join(600)
-        if pr.exitcode != 0:
-            print(f"worker exited with {pr.exitcode}", file=sys.stderr)
-            sys.exit(1)
-    result = queue.get()
-    text = json.dumps(result)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    run_pair(worker, args)
 
 
 if __name__ == "__main__":

@@ -90,18 +90,9 @@ def worker(rank, args, port, queue):
     rpc.shutdown()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rtt-iters", type=int, default=2000)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--async-calls", type=int, default=20000)
-    p.add_argument("--outstanding", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--echo-bytes", type=int, default=16 << 20)
-    p.add_argument("--echo-iters", type=int, default=30)
-    p.add_argument("--threads", type=int, default=4, help="num_worker_threads per worker")
-    p.add_argument("--json", help="also write the result to this file")
-    args = p.parse_args()
+def run_pair(worker, args):
+    """Runs worker(rank, args, port, queue) as 2 spawned processes, prints the JSON result the
+    workers put on the queue (and writes it to args.json when given); exits 1 if one fails."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -120,6 +111,21 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rtt-iters", type=int, default=2000)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--async-calls", type=int, default=20000)
+    p.add_argument("--outstanding", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--echo-bytes", type=int, default=16 << 20)
+    p.add_argument("--echo-iters", type=int, default=30)
+    p.add_argument("--threads", type=int, default=4, help="num_worker_threads per worker")
+    p.add_argument("--json", help="also write the result to this file")
+    args = p.parse_args()
+    run_pair(worker, args)
 
 
 if __name__ == "__main__":
