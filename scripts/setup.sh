@@ -72,8 +72,9 @@ else
   say "torch $TORCH_VERSION present"
 fi
 # numpy for torch's Python side; expecttest for torch's own test modules, which
-# tests/python/pytorch_suite.py runs against the tdist backend.
-for mod in numpy expecttest; do
+# tests/python/pytorch_suite.py runs against the tdist backend; matplotlib for
+# scripts/plot_metrics.py (the main job's picture).
+for mod in numpy expecttest matplotlib; do
   if ! "$PYTHON" -c "import $mod" >/dev/null 2>&1; then
     say "installing $mod"
     "$PYTHON" -m pip install -q "$mod" "${pip_extra[@]}"
