@@ -223,6 +223,7 @@ bool Exchange::progress_reduce(int peer, Callback cb, void* ctx) {
       iovec spans[2];
       long avail = ch->peek(spans);
       if (avail == Channel::kClosed) fail_closed(peer, "receiving from", 0);
+      if (avail == Channel::kError) fail_closed(peer, "receiving from", errno);
       if (avail <= 0) break;
       size_t used = reduce_spans(it, spans, std::min(static_cast<size_t>(avail), it.size - it.done));
       if (used == 0) break;
@@ -330,7 +331,10 @@ void Exchange::fail_closed(int peer, const char* direction, int err) {
   const auto& r = recvs_[peer];
   std::string cause = err == 0 ? std::string("the connection was closed (rank ") + std::to_string(peer) +
                                      " exited, crashed or aborted)"
-                               : tcp::errno_text(err);
+                    : err == EPROTO
+                        ? "it published an impossible counter in the shared-memory ring (" +
+                              tcp::errno_text(err) + ")"
+                        : tcp::errno_text(err);
   TDIST_THROW(NetworkError, where(), ": lost rank ", peer, " while ", direction, " it: ", cause,
               "; received ", r.moved, " of the ", r.posted, " bytes posted so far from it, sent ",
               s.moved, " of ", s.posted, " to it");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "tdist/comm/transport/shm/shm_channel.h"
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
@@ -64,7 +65,8 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
                   "' is not one of auto, tcp");
   copts.allow_shm = transport == "auto";
   copts.shm_capacity = static_cast<size_t>(
-      env::get_int("TDIST_SHM_BYTES", static_cast<int64_t>(copts.shm_capacity), 4096, int64_t(1) << 32));
+      env::get_int("TDIST_SHM_BYTES", static_cast<int64_t>(copts.shm_capacity),
+                   static_cast<int64_t>(shm::kMinCapacity), static_cast<int64_t>(shm::kMaxCapacity)));
   channels_ = make_channels(*mesh_, 0, copts, setup_deadline);
   std::vector<Channel*> peers;
   for (auto& c : channels_) peers.push_back(c.get());

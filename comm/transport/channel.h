@@ -33,7 +33,8 @@ class Channel {
   virtual void shutdown() = 0;
 
   // Zero-copy receive (shared memory): the readable bytes as up to two spans, without copying
-  // them; returns their total (0: nothing yet; kClosed: closed and drained). consume(n) releases
+  // them; returns their total (0: nothing yet; kClosed: closed and drained; kError: errno says
+  // why, e.g. EPROTO when the peer broke the ring's protocol). consume(n) releases
   // the first n. Channels without it return false from supports_peek().
   virtual bool supports_peek() const { return false; }
   virtual long peek(iovec spans[2]) {

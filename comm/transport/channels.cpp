@@ -67,7 +67,8 @@ std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel
     uint32_t magic = r.u32();
     uint64_t capacity = r.u64();
     uint32_t len = r.u32();
-    if (magic != kMagic || len > kMaxName || capacity == 0 || capacity > (uint64_t(1) << 32)) {
+    if (magic != kMagic || len > kMaxName || capacity < shm::kMinCapacity ||
+        capacity > shm::kMaxCapacity) {
       TDIST_THROW(ProtocolError, "rank ", me, ": bad shared-memory offer from rank ", p);
     }
     std::string name(len, '\0');

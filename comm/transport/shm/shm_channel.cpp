@@ -110,43 +110,70 @@ void ShmChannel::ring_doorbell() {
   conn_->writev(&iov, 1);  // a full socket already holds a wake-up; errors show up as EOF
 }
 
+long ShmChannel::fail_protocol() {
+  closed_ = true;
+  close_errno_ = EPROTO;
+  conn_->shutdown();
+  errno = EPROTO;
+  return -1;
+}
+
+long ShmChannel::readable() {
+  const uint64_t head = rx_->head.load(std::memory_order_acquire);
+  const uint64_t avail = head - rx_tail_;  // unsigned: a head behind our tail is huge too
+  if (avail > capacity_) return fail_protocol();
+  return static_cast<long>(avail);
+}
+
+long ShmChannel::writable() {
+  const uint64_t tail = tx_->tail.load(std::memory_order_acquire);
+  const uint64_t used = tx_head_ - tail;  // unsigned: a tail ahead of our head is huge too
+  if (used > capacity_) return fail_protocol();
+  return static_cast<long>(capacity_ - used);
+}
+
 long ShmChannel::writev(const iovec* iov, int count) {
   if (closed_) {
     errno = close_errno_ != 0 ? close_errno_ : EPIPE;
     return kError;
   }
-  const uint64_t head = tx_->head.load(std::memory_order_relaxed);
-  const uint64_t tail = tx_->tail.load(std::memory_order_acquire);
-  const size_t space = capacity_ - static_cast<size_t>(head - tail);
-  const size_t moved =
-      ring_copy(Direction::kIntoRing, tx_data_, capacity_, head, iov, count, space);
+  const long space = writable();
+  if (space < 0) return kError;
+  const size_t moved = ring_copy(Direction::kIntoRing, tx_data_, capacity_, tx_head_, iov, count,
+                                 static_cast<size_t>(space));
   if (moved == 0) return 0;
-  tx_->head.store(head + moved, std::memory_order_release);
+  tx_head_ += moved;
+  tx_->head.store(tx_head_, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (tx_->reader_waiting.load(std::memory_order_relaxed) != 0) ring_doorbell();
   return static_cast<long>(moved);
 }
 
 long ShmChannel::readv(const iovec* iov, int count) {
-  const uint64_t tail = rx_->tail.load(std::memory_order_relaxed);
-  const uint64_t head = rx_->head.load(std::memory_order_acquire);
-  size_t avail = static_cast<size_t>(head - tail);
+  if (close_errno_ == EPROTO) {
+    errno = EPROTO;
+    return kError;
+  }
+  const long avail = readable();
+  if (avail < 0) return kError;
   if (avail == 0) return closed_ ? kClosed : 0;
-  const size_t moved =
-      ring_copy(Direction::kOutOfRing, rx_data_, capacity_, tail, iov, count, avail);
-  rx_->tail.store(tail + moved, std::memory_order_release);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (rx_->writer_waiting.load(std::memory_order_relaxed) != 0) ring_doorbell();
+  const size_t moved = ring_copy(Direction::kOutOfRing, rx_data_, capacity_, rx_tail_, iov, count,
+                                 static_cast<size_t>(avail));
+  consume(moved);
   return static_cast<long>(moved);
 }
 
 long ShmChannel::peek(iovec spans[2]) {
-  const uint64_t tail = rx_->tail.load(std::memory_order_relaxed);
-  const uint64_t head = rx_->head.load(std::memory_order_acquire);
-  size_t avail = static_cast<size_t>(head - tail);
+  if (close_errno_ == EPROTO) {
+    errno = EPROTO;
+    return kError;
+  }
+  const long readable_now = readable();
+  if (readable_now < 0) return kError;
+  const size_t avail = static_cast<size_t>(readable_now);
   if (avail == 0) return closed_ ? kClosed : 0;
-  size_t pos = static_cast<size_t>(tail % capacity_);
-  size_t first = std::min(avail, capacity_ - pos);
+  const size_t pos = static_cast<size_t>(rx_tail_ % capacity_);
+  const size_t first = std::min(avail, capacity_ - pos);
   spans[0] = iovec{rx_data_ + pos, first};
   spans[1] = iovec{rx_data_, avail - first};
   return static_cast<long>(avail);
@@ -154,7 +181,8 @@ long ShmChannel::peek(iovec spans[2]) {
 
 void ShmChannel::consume(size_t n) {
   if (n == 0) return;
-  rx_->tail.store(rx_->tail.load(std::memory_order_relaxed) + n, std::memory_order_release);
+  rx_tail_ += n;
+  rx_->tail.store(rx_tail_, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (rx_->writer_waiting.load(std::memory_order_relaxed) != 0) ring_doorbell();
 }
@@ -163,12 +191,10 @@ bool ShmChannel::prepare_wait(bool want_read, bool want_write, pollfd& pfd) {
   if (want_read) rx_->reader_waiting.store(1, std::memory_order_relaxed);
   if (want_write) tx_->writer_waiting.store(1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_seq_cst);
+  // An impossible counter counts as ready: the next readv/writev reports it.
   bool ready = closed_ ||
-               (want_read && rx_->head.load(std::memory_order_acquire) !=
-                                 rx_->tail.load(std::memory_order_relaxed)) ||
-               (want_write && tx_->head.load(std::memory_order_relaxed) -
-                                      tx_->tail.load(std::memory_order_acquire) <
-                                  capacity_);
+               (want_read && rx_->head.load(std::memory_order_acquire) != rx_tail_) ||
+               (want_write && tx_head_ - tx_->tail.load(std::memory_order_acquire) != capacity_);
   if (ready) {
     rx_->reader_waiting.store(0, std::memory_order_relaxed);
     tx_->writer_waiting.store(0, std::memory_order_relaxed);

@@ -18,6 +18,13 @@
 //   after waking. The socket also carries liveness: end-of-file (the peer exited, crashed or
 //   aborted) makes reads fail once the ring is empty and writes fail at once.
 //
+//   The segment is writable by the peer, so nothing in it is trusted: each side keeps its own
+//   counter (head when sending, tail when receiving) in private memory and only publishes it,
+//   and checks every counter the peer publishes against it. A head more than `capacity` bytes
+//   ahead of our tail, or a tail behind our head by more than `capacity` or ahead of it, would
+//   make us copy outside the ring: the channel fails instead (EPROTO, "protocol error"), as does
+//   a segment offered with a capacity below kMinCapacity.
+//
 // Thread safety: one thread does I/O on a channel; shutdown() may come from any thread.
 
 #include <atomic>
@@ -62,6 +69,10 @@ struct RingHeader {
 // Bytes of a segment holding two rings of `capacity` bytes each.
 size_t segment_bytes(size_t capacity);
 
+// The smallest and largest ring capacity either side accepts (TDIST_SHM_BYTES, a peer's offer).
+inline constexpr size_t kMinCapacity = 4096;
+inline constexpr size_t kMaxCapacity = size_t(1) << 32;
+
 class ShmChannel final : public Channel {
  public:
   // `is_lower`: this rank is the lower of the pair (it owns the first ring for sending).
@@ -82,6 +93,12 @@ class ShmChannel final : public Channel {
 
  private:
   void ring_doorbell();
+  // The bytes readable now (the peer's head against our tail) and the bytes free to write (the
+  // peer's tail against our head); -1 after marking the channel failed when the peer's counter is
+  // impossible.
+  long readable();
+  long writable();
+  long fail_protocol();
 
   const std::unique_ptr<Segment> segment_;
   const size_t capacity_;
@@ -90,6 +107,8 @@ class ShmChannel final : public Channel {
   RingHeader* rx_;
   char* tx_data_;
   char* rx_data_;
+  uint64_t tx_head_ = 0;  // ours: bytes produced into tx_ (published as tx_->head)
+  uint64_t rx_tail_ = 0;  // ours: bytes consumed from rx_ (published as rx_->tail)
   bool closed_ = false;
   int close_errno_ = 0;
 };

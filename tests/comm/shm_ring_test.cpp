@@ -1,0 +1,134 @@
+// The shared-memory rings trust nothing in the segment (Note [Shared-memory rings]): the peer can
+// write every byte of it, so an impossible head or tail it publishes fails the channel with
+// EPROTO instead of handing out spans outside the ring, and rewriting our own counters in the
+// segment changes nothing we read or write.
+
+#include <gtest/gtest.h>
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "tdist/comm/transport/shm/shm_channel.h"
+#include "tdist/comm/transport/tcp/connection.h"
+
+namespace tdist::comm::shm {
+namespace {
+
+constexpr size_t kCapacity = kMinCapacity;
+
+// Two channels over one segment, as the two ranks of a pair hold them, and the segment's ring
+// headers as a hostile peer would see them.
+struct Pair {
+  std::unique_ptr<tcp::Connection> lower_conn, upper_conn;
+  std::unique_ptr<ShmChannel> lower, upper;
+  RingHeader* headers = nullptr;  // [0]: lower -> upper, [1]: upper -> lower
+
+  Pair() {
+    const std::string name = "/tdist-ring-test-" + std::to_string(::getpid());
+    auto created = Segment::create(name, segment_bytes(kCapacity));
+    auto opened = Segment::open(name, segment_bytes(kCapacity));
+    Segment::unlink(name);
+    if (!created || !opened) return;
+    headers = reinterpret_cast<RingHeader*>(opened->data());
+    int fds[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds) != 0) return;
+    lower_conn = std::make_unique<tcp::Connection>(fds[0], 1);
+    upper_conn = std::make_unique<tcp::Connection>(fds[1], 0);
+    lower = std::make_unique<ShmChannel>(std::move(created), kCapacity, true, lower_conn.get());
+    upper = std::make_unique<ShmChannel>(std::move(opened), kCapacity, false, upper_conn.get());
+  }
+  bool ok() const { return lower && upper; }
+};
+
+long write_bytes(Channel& ch, const std::string& s) {
+  iovec iov{const_cast<char*>(s.data()), s.size()};
+  return ch.writev(&iov, 1);
+}
+
+std::string read_bytes(Channel& ch, size_t n) {
+  std::string out(n, '\0');
+  iovec iov{out.data(), n};
+  long got = ch.readv(&iov, 1);
+  out.resize(got > 0 ? static_cast<size_t>(got) : 0);
+  return out;
+}
+
+TEST(ShmRing, BytesCrossInOrderAndPeekShowsThem) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  ASSERT_EQ(write_bytes(*p.lower, "hello"), 5);
+  iovec spans[2];
+  ASSERT_EQ(p.upper->peek(spans), 5);
+  EXPECT_EQ(std::string(static_cast<char*>(spans[0].iov_base), spans[0].iov_len), "hello");
+  p.upper->consume(2);
+  EXPECT_EQ(read_bytes(*p.upper, 16), "llo");
+  EXPECT_EQ(read_bytes(*p.upper, 16), "");
+}
+
+TEST(ShmRing, HeadBeyondTheRingFailsPeekAndReadWithEproto) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  ASSERT_EQ(write_bytes(*p.lower, "abc"), 3);
+  // The "sender" claims more unread bytes than the ring holds: a span past the mapping.
+  p.headers[0].head.store(kCapacity + 100);
+  iovec spans[2];
+  errno = 0;
+  EXPECT_EQ(p.upper->peek(spans), Channel::kError);
+  EXPECT_EQ(errno, EPROTO);
+  errno = 0;
+  char buf[8];
+  iovec iov{buf, sizeof(buf)};
+  EXPECT_EQ(p.upper->readv(&iov, 1), Channel::kError);
+  EXPECT_EQ(errno, EPROTO);
+  // It stays failed even if the peer puts the counter back.
+  p.headers[0].head.store(3);
+  EXPECT_EQ(p.upper->readv(&iov, 1), Channel::kError);
+}
+
+TEST(ShmRing, HeadBehindOurTailFailsWithEproto) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  ASSERT_EQ(write_bytes(*p.lower, "abcdef"), 6);
+  ASSERT_EQ(read_bytes(*p.upper, 6), "abcdef");
+  p.headers[0].head.store(2);  // moves backwards: 2 - 6 wraps to almost 2^64 readable bytes
+  iovec spans[2];
+  errno = 0;
+  EXPECT_EQ(p.upper->peek(spans), Channel::kError);
+  EXPECT_EQ(errno, EPROTO);
+}
+
+TEST(ShmRing, TailAheadOfOurHeadFailsWritesWithEproto) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  ASSERT_EQ(write_bytes(*p.lower, "abc"), 3);
+  // The "receiver" claims to have consumed bytes never written: more space than the ring has.
+  p.headers[0].tail.store(1000);
+  errno = 0;
+  EXPECT_EQ(write_bytes(*p.lower, "more"), Channel::kError);
+  EXPECT_EQ(errno, EPROTO);
+}
+
+TEST(ShmRing, RewrittenOwnCountersInTheSegmentChangeNothing) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  ASSERT_EQ(write_bytes(*p.lower, "first"), 5);
+  ASSERT_EQ(read_bytes(*p.upper, 5), "first");
+  // The segment's tail of this ring goes back to 0 (as if the receiver had read nothing): the
+  // receiver keeps its own tail, so the next message arrives once, without the first again.
+  p.headers[0].tail.store(0);
+  ASSERT_EQ(write_bytes(*p.lower, "second"), 6);
+  EXPECT_EQ(read_bytes(*p.upper, 64), "second");
+  EXPECT_EQ(read_bytes(*p.upper, 64), "");
+  // The ring still fills to exactly its capacity and no further.
+  std::string big(kCapacity, 'x');
+  EXPECT_EQ(write_bytes(*p.lower, big), static_cast<long>(kCapacity));
+  EXPECT_EQ(write_bytes(*p.lower, "y"), 0);
+}
+
+}  // namespace
+}  // namespace tdist::comm::shm
