@@ -69,15 +69,21 @@ void validate_tensor_meta(const TensorMeta& meta, uint64_t available) {
                             TensorMeta::kMaxDims, " are allowed"));
   }
   const uint64_t elem = c10::elementSize(static_cast<c10::ScalarType>(meta.dtype));
-  uint64_t numel = 1;
+  // The product of the non-zero dimensions, times the element size, must fit in int64 (what
+  // at::empty computes): a zero dimension does not make [0, 2^62, 2^62] a valid shape.
+  constexpr uint64_t kLimit = static_cast<uint64_t>(INT64_MAX);
+  uint64_t numel = 1, nonzero = 1;
   for (int64_t d : meta.shape) {
     if (d < 0) throw ProtocolError(str("tensor has a negative dimension ", d));
-    if (d != 0 && numel > UINT64_MAX / static_cast<uint64_t>(d)) {
-      throw ProtocolError("tensor shape overflows");
+    if (d == 0) {
+      numel = 0;
+      continue;
     }
+    if (nonzero > kLimit / static_cast<uint64_t>(d)) throw ProtocolError("tensor shape overflows");
+    nonzero *= static_cast<uint64_t>(d);
     numel *= static_cast<uint64_t>(d);
   }
-  if (numel != 0 && elem > UINT64_MAX / numel) throw ProtocolError("tensor size overflows");
+  if (elem > kLimit / nonzero) throw ProtocolError("tensor size overflows");
   if (numel * elem != meta.nbytes) {
     throw ProtocolError(str("tensor byte count ", meta.nbytes, " does not match its shape (",
                             numel, " elements of ", elem, " bytes)"));

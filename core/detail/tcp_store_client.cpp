@@ -226,8 +226,16 @@ TCPStoreClient::Reply TCPStoreClient::request(Command cmd, const Bytes& body, Mi
     if (!problem.empty()) throw ProtocolError(problem);
     Reply reply;
     reply.status = static_cast<tcp_store::Status>(h.code);
-    reply.body.resize(h.body_bytes);
-    recv_all(fd, reply.body.data(), reply.body.size(), deadline);
+    // The body grows with the bytes that arrive (at most doubling), so a header that declares
+    // more than the server sends costs memory in proportion to what it sent, not to its claim.
+    constexpr uint64_t kFirstChunk = uint64_t(1) << 20;
+    uint64_t got = 0;
+    while (got < h.body_bytes) {
+      const uint64_t n = std::min(h.body_bytes - got, std::max(kFirstChunk, got));
+      reply.body.resize(got + n);
+      recv_all(fd, reply.body.data() + got, n, deadline);
+      got += n;
+    }
     give_back(fd);
     return reply;
   } catch (const DeadlinePassed&) {

@@ -13,9 +13,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <thread>
+#include <vector>
 
 #include "tdist/core/detail/tcp_store_protocol.h"
 #include "tdist/core/env.h"
@@ -272,6 +274,68 @@ TEST(TCPStore, UnresponsiveServerGivesTimeoutError) {
     expect_contains(msg, "set('k')");
   }
   ::close(fd);
+}
+
+// Peak resident memory of this process in KiB, after resetting the peak to the current size.
+long peak_rss_kib(bool reset) {
+  if (reset) {
+    FILE* f = std::fopen("/proc/self/clear_refs", "w");
+    if (f == nullptr) return -1;
+    std::fputs("5", f);  // 5: reset the peak resident set size
+    std::fclose(f);
+  }
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long kib = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "VmHWM: %ld kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return kib;
+}
+
+TEST(TCPStore, ReplyHeaderThatOverstatesItsBodyCostsOnlyWhatArrives) {
+  // A "server" that answers any request with a header declaring an almost 1 GiB body (the frame
+  // limit), sends 4 KiB of it and then nothing: the client times out, and its memory grows by
+  // about what arrived, not by the claim.
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = loopback(0);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 16), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  const uint16_t port = ntohs(addr.sin_port);
+  std::atomic<bool> done{false};
+  std::thread server([&] {
+    int fd = ::accept(listener, nullptr, nullptr);
+    if (fd < 0) return;
+    proto::Header h;
+    h.code = static_cast<uint16_t>(proto::Status::kOk);
+    h.body_bytes = TCPStoreServer::kMaxFrameBytes - 1;
+    uint8_t header[proto::kHeaderBytes];
+    proto::encode_header(h, header);
+    std::vector<uint8_t> first(4096, 7);
+    char request[256];
+    (void)::recv(fd, request, sizeof(request), 0);
+    (void)::send(fd, header, sizeof(header), MSG_NOSIGNAL);
+    (void)::send(fd, first.data(), first.size(), MSG_NOSIGNAL);
+    while (!done) std::this_thread::sleep_for(10ms);
+    ::close(fd);
+  });
+  const long before = peak_rss_kib(true);
+  {
+    TCPStore client("127.0.0.1", port, false, 1s);
+    std::string msg = expect_throw<TimeoutError>([&] { (void)client.get("k"); });
+    expect_contains(msg, "127.0.0.1:" + std::to_string(port));
+  }
+  const long after = peak_rss_kib(false);
+  done = true;
+  server.join();
+  ::close(listener);
+  if (before < 0 || after < 0) GTEST_SKIP() << "no /proc/self/status here";
+  EXPECT_LT(after - before, 64 * 1024) << "peak RSS grew from " << before << " KiB to " << after
+                                       << " KiB for a reply that sent 4 KiB";
 }
 
 TEST(TCPStore, ConnectRetriesUntilTheServerStarts) {

@@ -109,6 +109,22 @@ TEST(TensorWire, RejectsForgedMetadata) {
   EXPECT_THROW(validate_tensor_meta(m, 100), ProtocolError);  // too many dims
 }
 
+// A zero dimension makes the byte count 0, but the other dimensions must still describe a shape
+// at::empty can make: otherwise the receiver fails later with a non-protocol error.
+TEST(TensorWire, EmptyShapesWithHugeDimensionsAreForged) {
+  TensorMeta m;
+  m.dtype = static_cast<int8_t>(at::kFloat);
+  m.nbytes = 0;
+  m.shape = {0, int64_t(1) << 62, int64_t(1) << 62};
+  EXPECT_THROW(validate_tensor_meta(m, 0), ProtocolError);
+  m.shape = {int64_t(1) << 62, 0};  // 2^62 floats = 2^64 bytes if it were not empty
+  EXPECT_THROW(validate_tensor_meta(m, 0), ProtocolError);
+  m.shape = {0, int64_t(1) << 20, 3};  // a real empty tensor
+  EXPECT_NO_THROW(validate_tensor_meta(m, 0));
+  uint8_t none = 0;
+  EXPECT_EQ(tensor_from_bytes(m, &none, 0).sizes(), at::IntArrayRef({0, int64_t(1) << 20, 3}));
+}
+
 struct Sample {
   std::string name;
   std::vector<int64_t> ids;
