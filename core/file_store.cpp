@@ -58,8 +58,19 @@ std::string errno_text() { return std::strerror(errno); }
 class FileStore::LockedFile {
  public:
   LockedFile(const std::string& path, bool exclusive, Millis timeout) : path_(path) {
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    // Only this user may read or write the store, and the path itself must be the file: a
+    // symbolic link planted there (or a FIFO, a device) is refused, never followed or truncated.
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd_ < 0 && errno == ELOOP) {
+      TDIST_THROW(Error, "FileStore refuses '", path,
+                  "': it is a symbolic link (the store must be a regular file)");
+    }
     if (fd_ < 0) TDIST_THROW(Error, "FileStore cannot open '", path, "': ", errno_text());
+    struct stat st{};
+    if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      TDIST_THROW(Error, "FileStore refuses '", path, "': it is not a regular file");
+    }
     const auto deadline = detail::deadline_after(timeout);
     auto pause = std::chrono::microseconds(100);
     while (::flock(fd_, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0) {

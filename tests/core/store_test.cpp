@@ -1,6 +1,8 @@
 // The one Store suite every implementation must pass: HashStore, FileStore, TCPStore (a really
 // started server on 127.0.0.1, port 0) and PrefixStore over TCPStore.
 
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -8,6 +10,7 @@
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "tdist/core/error.h"
@@ -375,6 +378,32 @@ TEST_F(FileStoreTest, AnUnopenablePathIsAnErrorNamingIt) {
   const std::string bad = dir_ + "/no-such-dir/store";
   std::string msg = expect_throw<Error>([&] { FileStore store(bad, -1, kTimeout); });
   expect_contains(msg, bad);
+}
+
+TEST_F(FileStoreTest, TheFileIsReadableByItsUserOnly) {
+  FileStore store(path_, -1, kTimeout);
+  store.set("k", "v");
+  struct stat st{};
+  ASSERT_EQ(::stat(path_.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
+TEST_F(FileStoreTest, ASymbolicLinkAtThePathIsRefusedAndItsTargetUntouched) {
+  const std::string target = dir_ + "/precious";
+  { std::ofstream(target) << "keep me"; }
+  std::filesystem::create_symlink(target, path_);
+  std::string msg = expect_throw<Error>([&] { FileStore store(path_, -1, kTimeout); });
+  expect_contains(msg, path_);
+  expect_contains(msg, "symbolic link");
+  std::ifstream in(target);
+  std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(content, "keep me");
+}
+
+TEST_F(FileStoreTest, AFifoAtThePathIsRefused) {
+  ASSERT_EQ(::mkfifo(path_.c_str(), 0600), 0);
+  std::string msg = expect_throw<Error>([&] { FileStore store(path_, -1, kTimeout); });
+  expect_contains(msg, "not a regular file");
 }
 
 TDIST_TEST_CHILD(file_store_worker) {
