@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -70,8 +72,25 @@ void verify_same_across_ranks(comm::ProcessGroup& pg, const std::vector<TensorSi
   std::vector<at::Tensor> lens;
   for (int r = 0; r < world; ++r) lens.push_back(at::empty({1}, at::kLong));
   pg.allgather(lens, len, opts)->wait();
-  int64_t max_len = 0;
-  for (const auto& l : lens) max_len = std::max(max_len, l.item<int64_t>());
+  // The lengths come from other ranks: nothing is allocated from them before they pass a bound
+  // every rank computes alike (from the shortest signature), so all ranks decide the same way.
+  // Equal models have equal lengths; a signature far longer than the shortest is a different
+  // model (or a forged length), reported as such instead of allocating it world-fold.
+  int64_t max_len = 0, min_len = std::numeric_limits<int64_t>::max();
+  int longest = 0, shortest = 0;
+  for (int r = 0; r < world; ++r) {
+    const int64_t n = lens[r].item<int64_t>();
+    if (n < 0) TDIST_THROW(ProtocolError, "DDP: bad model signature length ", n, " from rank ", r);
+    if (n > max_len) max_len = n, longest = r;
+    if (n < min_len) min_len = n, shortest = r;
+  }
+  const int64_t bound = std::max(2 * min_len, min_len + (int64_t(1) << 20));
+  if (max_len > bound) {
+    TDIST_THROW(InvalidArgument,
+                "DDP: the model differs across ranks (every rank must construct the same model): "
+                "rank ", longest, "'s model signature is ", max_len, " bytes, rank ", shortest,
+                "'s ", min_len);
+  }
 
   at::Tensor mine_t = at::zeros({max_len}, at::kByte);
   std::memcpy(mine_t.data_ptr<uint8_t>(), bytes.data(), bytes.size());

@@ -6,6 +6,7 @@
 
 #include "tdist/core/error.h"
 #include "tdist/ddp/bucket.h"
+#include "tdist/ddp/model_sync.h"
 #include "tdist/ddp/reducer.h"
 #include "tests/ddp/ddp_test_util.h"
 
@@ -221,6 +222,33 @@ TEST(DDPReducer, MismatchedModelsNameParameterAndRanks) {
     EXPECT_NE(messages[r].find("[8, 6] on rank 0"), std::string::npos) << messages[r];
     EXPECT_NE(messages[r].find("[9, 6] on rank(s) 2"), std::string::npos) << messages[r];
   }
+}
+
+// The model check allgathers each rank's signature length before the signatures: a length far
+// beyond the shortest (here a forged 1 TiB) is a different model on every rank, not an allocation.
+TEST(DDPReducer, ForgedSignatureLengthIsRefusedBeforeAllocating) {
+  torch::set_num_threads(1);
+  std::string message;
+  run_ranks(2, [&](int rank, std::shared_ptr<comm::ProcessGroup> pg) {
+    if (rank == 1) {
+      // A peer that announces an enormous signature and then sends nothing.
+      std::vector<at::Tensor> lens = {at::empty({1}, at::kLong), at::empty({1}, at::kLong)};
+      comm::AllgatherOptions opts;
+      opts.timeout = std::chrono::seconds(20);
+      pg->allgather(lens, at::full({1}, int64_t(1) << 40, at::kLong), opts)->wait();
+      return;
+    }
+    std::vector<ddp::TensorSignature> mine = {
+        ddp::signature_of("parameter", "w", torch::zeros({3, 2}))};
+    try {
+      ddp::verify_same_across_ranks(*pg, mine, std::chrono::seconds(20));
+    } catch (const InvalidArgument& e) {
+      message = e.what();
+    }
+  });
+  EXPECT_NE(message.find("the model differs across ranks"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 1's model signature is 1099511627776 bytes"), std::string::npos)
+      << message;
 }
 
 TEST(DDPReducer, MissingParameterNamed) {
