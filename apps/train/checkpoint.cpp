@@ -16,13 +16,21 @@
 
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
+#include "tdist/core/wire.h"
 
 namespace tdist::train {
 namespace {
 
-constexpr int64_t kFormatVersion = 1;
 constexpr int64_t kNoCheckpoint = -1;
 constexpr int64_t kReadFailed = -2;
+// Note [Checkpoint protocol] 4: the file starts with kMagic (which also names the format
+// version), the fingerprint's length (u32, little endian) and the fingerprint; libtorch's
+// archive follows. The fingerprint is compared before libtorch parses anything.
+constexpr char kMagic[8] = {'T', 'D', 'C', 'K', 'P', 'T', '0', '2'};
+constexpr size_t kMaxFingerprint = 1 << 16;
+// Rank 0 broadcasts a checkpoint in pieces of this size: the other ranks' memory grows with
+// the bytes that arrived, never with a size rank 0 announced.
+constexpr int64_t kShareChunk = int64_t(64) << 20;
 
 void write_all(int fd, const char* data, size_t n, const std::string& path) {
   while (n > 0) {
@@ -63,9 +71,9 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   std::filesystem::create_directories(dir, ec);
   if (ec) TDIST_THROW(Error, "cannot create checkpoint directory '", dir, "': ", ec.message());
 
+  TDIST_CHECK_ARG(fingerprint.size() <= kMaxFingerprint, "checkpoint fingerprint of ",
+                  fingerprint.size(), " bytes exceeds ", kMaxFingerprint);
   torch::serialize::OutputArchive archive;
-  archive.write("format_version", c10::IValue(kFormatVersion));
-  archive.write("fingerprint", c10::IValue(fingerprint));
   archive.write("step", c10::IValue(state.step));
   archive.write("epoch", c10::IValue(state.epoch));
   archive.write("batch_in_epoch", c10::IValue(state.batch_in_epoch));
@@ -79,6 +87,11 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   optimizer.save(optimizer_archive);
   archive.write("optimizer", optimizer_archive);
   std::ostringstream bytes;
+  Bytes head;
+  wire::Writer w(head);
+  w.raw(kMagic, sizeof(kMagic));
+  w.string(fingerprint);
+  bytes.write(reinterpret_cast<const char*>(head.data()), static_cast<std::streamsize>(head.size()));
   archive.save_to(bytes);
   const std::string data = bytes.str();
 
@@ -92,7 +105,8 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
     }
   }
   const std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A new file, never one planted at that name (a link would make us write through it).
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) TDIST_THROW(Error, "cannot create '", tmp_path, "': ", std::strerror(errno));
   try {
     write_all(fd, data.data(), data.size(), tmp_path);
@@ -152,34 +166,43 @@ std::optional<std::vector<char>> share_checkpoint(comm::ProcessGroup& pg,
   }
   if (n == kNoCheckpoint) return std::nullopt;
   TDIST_CHECK(n >= 0, "bad checkpoint size ", n, " from rank 0");
-  at::Tensor data = at::empty({n}, at::kByte);
-  if (pg.rank() == 0 && n > 0) std::memcpy(data.data_ptr(), bytes->data(), static_cast<size_t>(n));
-  if (pg.size() > 1 && n > 0) pg.broadcast(data, opts)->wait();
-  const auto* p = reinterpret_cast<const char*>(data.data_ptr<uint8_t>());
-  return std::vector<char>(p, p + n);
+  const bool root = pg.rank() == 0;
+  std::vector<char> out;
+  for (int64_t done = 0; done < n;) {
+    const int64_t piece = std::min(kShareChunk, n - done);
+    at::Tensor chunk = at::empty({piece}, at::kByte);
+    if (root) std::memcpy(chunk.data_ptr(), bytes->data() + done, static_cast<size_t>(piece));
+    if (pg.size() > 1) pg.broadcast(chunk, opts)->wait();
+    const auto* p = reinterpret_cast<const char*>(chunk.data_ptr<uint8_t>());
+    if (!root) out.insert(out.end(), p, p + piece);
+    done += piece;
+  }
+  return root ? bytes : std::optional<std::vector<char>>(std::move(out));
 }
 
 TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& model,
                            torch::optim::Optimizer& optimizer, const std::string& fingerprint) {
+  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  wire::Reader r(data, bytes.size());
+  std::string saved;
+  try {
+    if (std::memcmp(r.raw(sizeof(kMagic), "header"), kMagic, sizeof(kMagic)) != 0) {
+      throw ProtocolError("it does not start with this version's header (not a tdist-train "
+                          "checkpoint, or one from an older version)");
+    }
+    saved = r.string("fingerprint", kMaxFingerprint);
+  } catch (const ProtocolError& e) {
+    TDIST_THROW(Error, "the checkpoint is not readable: ", e.what());
+  }
+  if (saved != fingerprint) {
+    throw InvalidArgument(str("the checkpoint belongs to a different run; resume needs the same ",
+                              "settings.\n  checkpoint: ", saved, "\n  this run:   ", fingerprint));
+  }
+  const size_t archive_at = bytes.size() - r.remaining();
   torch::serialize::InputArchive archive;
   TrainState state;
   try {
-    archive.load_from(bytes.data(), bytes.size());
-    const int64_t version = read_int(archive, "format_version");
-    TDIST_CHECK(version == kFormatVersion, "checkpoint format version ", version,
-                " is not the supported ", kFormatVersion);
-  } catch (const c10::Error& e) {
-    TDIST_THROW(Error, "the checkpoint is not readable: ", e.what_without_backtrace());
-  }
-  c10::IValue saved;
-  archive.read("fingerprint", saved);
-  if (!saved.isString() || saved.toStringRef() != fingerprint) {
-    throw InvalidArgument(str("the checkpoint belongs to a different run; resume needs the same ",
-                              "settings.\n  checkpoint: ",
-                              saved.isString() ? saved.toStringRef() : std::string("?"),
-                              "\n  this run:   ", fingerprint));
-  }
-  try {
+    archive.load_from(bytes.data() + archive_at, bytes.size() - archive_at);
     state.step = read_int(archive, "step");
     state.epoch = read_int(archive, "epoch");
     state.batch_in_epoch = read_int(archive, "batch_in_epoch");

@@ -16,6 +16,9 @@
 //  4. The checkpoint records the run's fingerprint (model, optimizer, batch size, world size,
 //     seed, data): everything that must stay the same for the resumed run to continue exactly
 //     where the interrupted one left off. A different fingerprint is refused with both shown.
+//     The file starts with a header (magic "TDCKPT02", the fingerprint as a u64 length and its
+//     bytes) before libtorch's archive, so the fingerprint is checked before libtorch parses
+//     any of the file.
 //  5. The sampler position (epoch, batch within the epoch) and the step determine the next
 //     batch on every rank; with the RNG state restored, the resumed run computes exactly the
 //     steps the interrupted one would have.

@@ -250,6 +250,20 @@ TEST(TdistTrain, ResumeRefusesACheckpointOfAnotherRun) {
                         "--checkpoint-dir", dir, "--resume"});
   EXPECT_EQ(damaged.exit_code, 1) << damaged.describe();
   EXPECT_TRUE(contains(damaged.err, "the checkpoint is not readable")) << damaged.err;
+
+  // The fingerprint is checked before libtorch parses anything: another run's header in front of
+  // bytes that are no archive at all is refused as another run's.
+  {
+    const std::string fingerprint = "another run's settings";
+    std::string forged = "TDCKPT02";
+    for (int i = 0; i < 8; ++i) forged.push_back(static_cast<char>((fingerprint.size() >> (8 * i)) & 0xff));
+    forged += fingerprint + "no libtorch archive follows";
+    std::ofstream(dir + "/checkpoint.pt", std::ios::trunc | std::ios::binary) << forged;
+  }
+  auto forged = train({"--hidden", "32", "--layers", "1", "--steps", "5", "--test-samples", "10",
+                       "--checkpoint-dir", dir, "--resume"});
+  EXPECT_EQ(forged.exit_code, 2) << forged.describe();
+  EXPECT_TRUE(contains(forged.err, "checkpoint: another run's settings")) << forged.err;
 }
 
 // --- IDX files ------------------------------------------------------------------------------
