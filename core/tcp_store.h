@@ -7,7 +7,10 @@
 //   u32 magic 'TDST' | u16 version | u16 command-or-status | u64 body length | body
 // The server checks magic, version and a maximum body length (kMaxFrameBytes) before reading
 // or allocating the body; a bad frame closes that connection only (logged), the server keeps
-// serving the others. Blocking get/wait are served by the server with the timeout the client
+// serving the others. The server reads a connection's next request only once the previous
+// reply is written (a peer that pipelines requests without reading costs one reply), a key list
+// holds at most 65536 keys, and connections beyond a limit are closed as they are accepted.
+// Blocking get/wait are served by the server with the timeout the client
 // sends, so a timed-out wait leaves the connection usable; the client also keeps its own
 // deadline (timeout + grace) so that a dead server gives a NetworkError/TimeoutError, not a hang.
 //
@@ -47,6 +50,9 @@ class TCPStoreServer {
   // Number of connections closed because their bytes broke the protocol (bad magic, version,
   // length, command or body).
   int64_t num_rejected_frames() const;
+  // Number of connections closed at accept because the server already held its limit of open
+  // connections (TDIST_STORE_MAX_CONNECTIONS; by default 3/4 of the descriptor limit).
+  int64_t num_refused_connections() const;
 
  private:
   std::unique_ptr<detail::TCPStoreServerImpl> impl_;

@@ -63,12 +63,15 @@ Bytes make_frame(uint16_t code, const Bytes& body) {
 }
 
 void write_keys(wire::Writer& w, const std::vector<std::string>& keys) {
+  TDIST_CHECK_ARG(keys.size() <= kMaxKeys, "a store wait/check takes at most ", kMaxKeys,
+                  " keys, not ", keys.size());
   w.u64(keys.size());
   for (const auto& k : keys) w.string(k);
 }
 
 std::vector<std::string> read_keys(wire::Reader& r) {
   const uint64_t n = r.u64("key count");
+  if (n > kMaxKeys) throw ProtocolError(str("key count ", n, " exceeds the limit of ", kMaxKeys));
   if (n > r.remaining() / 8) {
     throw ProtocolError(str("key count ", n, " is larger than the ", r.remaining(),
                             " remaining bytes allow"));

@@ -60,7 +60,12 @@ Bytes make_frame(uint16_t code, const Bytes& body);
 
 // A list of keys as u64 count + strings. The count is checked against the bytes that remain
 // (each key takes at least 8) before anything is reserved.
+// A key list (wait, check, a timeout's missing keys) holds at most kMaxKeys keys: decoded keys
+// cost several times their wire size, so the count is bounded, not only the frame's bytes.
+constexpr uint64_t kMaxKeys = uint64_t(1) << 16;
+// Throws InvalidArgument when `keys` holds more than kMaxKeys.
 void write_keys(wire::Writer& w, const std::vector<std::string>& keys);
+// Throws ProtocolError when the count exceeds kMaxKeys or the remaining bytes.
 std::vector<std::string> read_keys(wire::Reader& r);
 
 }  // namespace tdist::detail::tcp_store

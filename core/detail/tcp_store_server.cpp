@@ -2,6 +2,8 @@
 // key-value map and the waiters are touched only from that thread, so none of them needs a lock.
 // See Note [TCPStore protocol] in core/tcp_store.cpp.
 
+#include <sys/resource.h>
+
 #include <boost/asio.hpp>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 
 #include "tdist/core/detail/store_util.h"
 #include "tdist/core/detail/tcp_store_protocol.h"
+#include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/tcp_store.h"
@@ -50,6 +53,7 @@ class TCPStoreServerImpl {
   const std::string& host() const { return host_; }
   int num_connections() const { return num_connections_.load(); }
   int64_t num_rejected_frames() const { return num_rejected_frames_.load(); }
+  int64_t num_refused_connections() const { return num_refused_connections_.load(); }
   std::string address() const { return host_ + ":" + std::to_string(port_); }
 
   // Called by connections, on the io thread.
@@ -94,6 +98,8 @@ class TCPStoreServerImpl {
   std::thread thread_;
   std::atomic<int> num_connections_{0};
   std::atomic<int64_t> num_rejected_frames_{0};
+  std::atomic<int64_t> num_refused_connections_{0};
+  size_t max_connections_ = 0;  // TDIST_STORE_MAX_CONNECTIONS, or from the descriptor limit
 
   // Touched only from the io thread.
   bool stopping_ = false;
@@ -150,6 +156,7 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
   Bytes body_;
   size_t body_received_ = 0;
   std::deque<Bytes> out_;
+  bool read_after_write_ = false;  // the next request is read when out_ drains
   std::optional<Waiter> waiter_;
 };
 
@@ -237,8 +244,16 @@ void TCPStoreConnection::dispatch() {
     return;
   }
   body_ = Bytes();
-  // Read on even while a get/wait is parked: that is how a peer's disconnect is noticed.
-  if (!closed_) read_header();
+  if (closed_) return;
+  // Backpressure: the next request is read only once this one's reply is written, so a peer
+  // that pipelines requests without reading the replies holds at most one reply here (the
+  // rest wait in its socket). A parked get/wait has no reply yet: read on, which is how a
+  // peer's disconnect is noticed (and a request that comes before the answer is rejected).
+  if (out_.empty()) {
+    read_header();
+  } else {
+    read_after_write_ = true;
+  }
 }
 
 void TCPStoreConnection::reply(Status status, const Bytes& body) {
@@ -263,7 +278,12 @@ void TCPStoreConnection::on_write(const error_code& ec, size_t /*n*/) {
     return;
   }
   out_.pop_front();
-  if (!out_.empty()) write_next();
+  if (!out_.empty()) {
+    write_next();
+  } else if (read_after_write_) {
+    read_after_write_ = false;
+    read_header();
+  }
 }
 
 void TCPStoreConnection::reject(const std::string& why) {
@@ -284,8 +304,25 @@ void TCPStoreConnection::close(bool rejected) {
 
 // ---- TCPStoreServerImpl -------------------------------------------------------------------------
 
+namespace {
+
+// Connections the server keeps open at most: TDIST_STORE_MAX_CONNECTIONS, by default 3/4 of the
+// process's descriptor limit (the rest stays for the process itself), at least 64.
+size_t connection_limit() {
+  rlimit rl{};
+  int64_t fallback = 1024;
+  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    fallback = static_cast<int64_t>(rl.rlim_cur);
+  }
+  fallback = std::clamp<int64_t>(fallback * 3 / 4, 64, int64_t(1) << 20);
+  return static_cast<size_t>(
+      env::get_int("TDIST_STORE_MAX_CONNECTIONS", fallback, 1, int64_t(1) << 20));
+}
+
+}  // namespace
+
 TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port)
-    : host_(host), acceptor_(io_), accept_retry_timer_(io_) {
+    : host_(host), acceptor_(io_), accept_retry_timer_(io_), max_connections_(connection_limit()) {
   try {
     tcp::resolver resolver(io_);
     auto results = resolver.resolve(host, std::to_string(port),
@@ -346,6 +383,18 @@ void TCPStoreServerImpl::on_accept(const error_code& ec, tcp::socket socket) {
     TDIST_LOG_WARN("TCPStore server ", address(), ": accept failed: ", ec.message());
     accept_retry_timer_.expires_after(std::chrono::milliseconds(100));
     accept_retry_timer_.async_wait([this](const error_code& e) { on_accept_retry(e); });
+    return;
+  }
+  if (connections_.size() >= max_connections_) {
+    // Over the cap: closed at once (the peer sees end-of-file), logged once per refusal burst.
+    error_code ignored;
+    socket.close(ignored);
+    if (num_refused_connections_.fetch_add(1) % 1000 == 0) {
+      TDIST_LOG_ERROR("TCPStore server ", address(), ": refusing connections beyond the limit of ",
+                      max_connections_, " (TDIST_STORE_MAX_CONNECTIONS); ",
+                      num_refused_connections_.load(), " refused so far");
+    }
+    start_accept();
     return;
   }
   {
@@ -609,5 +658,7 @@ const std::string& TCPStoreServer::host() const { return impl_->host(); }
 int TCPStoreServer::num_connections() const { return impl_->num_connections(); }
 
 int64_t TCPStoreServer::num_rejected_frames() const { return impl_->num_rejected_frames(); }
+
+int64_t TCPStoreServer::num_refused_connections() const { return impl_->num_refused_connections(); }
 
 }  // namespace tdist

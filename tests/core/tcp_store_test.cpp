@@ -25,6 +25,7 @@
 #include "tdist/core/logging.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/core/wire.h"
+#include "tests/harness/env_guard.h"
 #include "tests/harness/process.h"
 #include "tests/harness/net.h"
 #include "tests/harness/expect.h"
@@ -336,6 +337,76 @@ TEST(TCPStore, ReplyHeaderThatOverstatesItsBodyCostsOnlyWhatArrives) {
   if (before < 0 || after < 0) GTEST_SKIP() << "no /proc/self/status here";
   EXPECT_LT(after - before, 64 * 1024) << "peak RSS grew from " << before << " KiB to " << after
                                        << " KiB for a reply that sent 4 KiB";
+}
+
+Bytes get_frame(const std::string& key) {
+  Bytes body;
+  wire::Writer w(body);
+  w.string(key);
+  w.i64(1000);
+  return proto::make_frame(static_cast<uint16_t>(proto::Command::kGet), body);
+}
+
+TEST(TCPStore, PipelinedGetsThatAreNotReadCostTheServerOneReply) {
+  // 64 gets of a 4 MiB value sent back to back by a peer that never reads: the server reads
+  // the next request only after writing the previous reply, so it holds one reply (plus what
+  // the socket buffers take), not 64 copies of the value.
+  TCPStoreServer server("127.0.0.1", 0);
+  TCPStore store("127.0.0.1", server.port(), false, kTimeout);
+  store.set("big", Bytes(size_t(4) << 20, 1));
+  const long before = peak_rss_kib(true);
+  RawSocket greedy(server.port());
+  Bytes frames;
+  for (int i = 0; i < 64; ++i) {
+    Bytes f = get_frame("big");
+    frames.insert(frames.end(), f.begin(), f.end());
+  }
+  greedy.send(frames);
+  std::this_thread::sleep_for(1s);  // time for the server to take every request it would take
+  const long after = peak_rss_kib(false);
+  // Others are served meanwhile.
+  EXPECT_EQ(store.get("big").size(), size_t(4) << 20);
+  if (before < 0 || after < 0) GTEST_SKIP() << "no /proc/self/status here";
+  EXPECT_LT(after - before, 64 * 1024) << "peak RSS grew from " << before << " KiB to " << after
+                                       << " KiB while a peer pipelined 64 gets of 4 MiB";
+}
+
+TEST(TCPStore, KeyListsAreBoundedInCount) {
+  TCPStoreServer server("127.0.0.1", 0);
+  TCPStore store("127.0.0.1", server.port(), false, kTimeout);
+  std::vector<std::string> keys(proto::kMaxKeys + 1, "k");
+  std::string msg = expect_throw<InvalidArgument>([&] { store.check(keys); });
+  expect_contains(msg, "at most 65536 keys");
+  // A forged count above the limit (with the bytes to back it) is a bad frame: that connection
+  // closes, the server goes on.
+  Bytes body;
+  wire::Writer w(body);
+  w.u64(proto::kMaxKeys + 1);
+  for (uint64_t i = 0; i <= proto::kMaxKeys; ++i) w.string("");
+  RawSocket forger(server.port());
+  forger.send(proto::make_frame(static_cast<uint16_t>(proto::Command::kCheck), body));
+  EXPECT_TRUE(forger.sees_eof());
+  EXPECT_EQ(server.num_rejected_frames(), 1);
+  store.set("a", "1");
+  EXPECT_TRUE(store.check({"a"}));
+}
+
+TEST(TCPStore, ConnectionsBeyondTheLimitAreClosedAtOnce) {
+  test::EnvGuard env(test::EnvVars{{"TDIST_STORE_MAX_CONNECTIONS", "3"}});
+  TCPStoreServer server("127.0.0.1", 0);
+  std::vector<std::unique_ptr<RawSocket>> held;
+  for (int i = 0; i < 3; ++i) held.push_back(std::make_unique<RawSocket>(server.port()));
+  ASSERT_TRUE(eventually([&] { return server.num_connections() == 3; }));
+  RawSocket extra(server.port());
+  EXPECT_TRUE(extra.sees_eof());
+  EXPECT_GE(server.num_refused_connections(), 1);
+  EXPECT_EQ(server.num_connections(), 3);
+  // Once the holders go, real clients are served.
+  held.clear();
+  ASSERT_TRUE(eventually([&] { return server.num_connections() == 0; }));
+  TCPStore store("127.0.0.1", server.port(), false, kTimeout);
+  store.set("k", "v");
+  EXPECT_EQ(store.get_string("k"), "v");
 }
 
 TEST(TCPStore, ConnectRetriesUntilTheServerStarts) {
