@@ -107,7 +107,20 @@ class RawSocket {
   int fd_ = -1;
 };
 
-// A port that nothing listens on right now.
+// A socket listening on a free loopback port (set in `port`); -1 when that fails.
+int listening_socket(uint16_t& port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = loopback(0);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(fd, 16) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return -1;
+  }
+  port = ntohs(addr.sin_port);
+  return fd;
+}
+
 
 Bytes header(uint32_t magic, uint16_t version, uint16_t code, uint64_t body_bytes) {
   Bytes out(proto::kHeaderBytes);
@@ -261,13 +274,9 @@ TEST(TCPStore, ServerThatGoesAwayGivesBlockedClientsAnError) {
 
 TEST(TCPStore, UnresponsiveServerGivesTimeoutError) {
   // A socket that listens but never accepts or answers: connect completes from the backlog.
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = loopback(0);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(fd, 16), 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const uint16_t port = ntohs(addr.sin_port);
+  uint16_t port = 0;
+  const int fd = listening_socket(port);
+  ASSERT_GE(fd, 0);
   {
     TCPStore client("127.0.0.1", port, false, 500ms);
     std::string msg = expect_throw<TimeoutError>([&] { client.set("k", "v"); });
@@ -300,13 +309,9 @@ TEST(TCPStore, ReplyHeaderThatOverstatesItsBodyCostsOnlyWhatArrives) {
   // A "server" that answers any request with a header declaring an almost 1 GiB body (the frame
   // limit), sends 4 KiB of it and then nothing: the client times out, and its memory grows by
   // about what arrived, not by the claim.
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = loopback(0);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(listener, 16), 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  const uint16_t port = ntohs(addr.sin_port);
+  uint16_t port = 0;
+  const int listener = listening_socket(port);
+  ASSERT_GE(listener, 0);
   std::atomic<bool> done{false};
   std::thread server([&] {
     int fd = ::accept(listener, nullptr, nullptr);
