@@ -623,7 +623,14 @@ std::vector<bool> RpcAgent::wait_for_workers(const std::string& prefix, int firs
       for (int r = first_rank; r < n; ++r) present[r] = present[r] || !resolved[r];
       return present;
     } catch (const TimeoutError&) {
-      if (Clock::now() >= deadline) throw;
+      if (Clock::now() >= deadline) {
+        std::string who;
+        for (int r = first_rank; r < n; ++r) {
+          if (!resolved[r]) who += (who.empty() ? "" : ", ") + peer_name(r);
+        }
+        throw TimeoutError(str("no key ", prefix, "<rank> from ", who,
+                               ", and none of them was seen gone"));
+      }
     }
     publish_lost_peers();
     for (int r = first_rank; r < n; ++r) {
