@@ -495,6 +495,10 @@ void RpcAgent::on_closed(const std::shared_ptr<detail::Connection>& conn,
     if (!stopped_.load()) TDIST_LOG_WARN("rpc: rejected a connection: ", reason);
     return;
   }
+  if (!stopped_.load()) {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    lost_.insert(rank);  // see Note [RPC graceful shutdown]
+  }
   if (!conn->is_outgoing()) {
     if (!stopped_.load() && !reason.empty()) {
       TDIST_LOG_DEBUG("rpc: connection from ", peer_name(rank), " closed: ", reason);
@@ -585,6 +589,68 @@ bool RpcAgent::wait_idle(Clock::time_point deadline) {
                              [&] { return pending_.empty() && processing_ == 0; });
 }
 
+void RpcAgent::publish_lost_peers() {
+  std::vector<int> fresh;
+  {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    for (int r : lost_) {
+      if (lost_published_.insert(r).second) fresh.push_back(r);
+    }
+  }
+  for (int r : fresh) {
+    // A worker that finished its shutdown closes its connections too: not gone, just left.
+    if (store_->check({store_prefix_ + "shutdown/exit/" + std::to_string(r)})) continue;
+    TDIST_LOG_WARN("rpc: shutdown: worker '", self_.name, "' lost its connection to ",
+                   peer_name(r), "; the other workers' shutdown will not wait for it");
+    store_->set(store_prefix_ + "shutdown/gone/" + std::to_string(r), "1");
+  }
+}
+
+std::vector<bool> RpcAgent::wait_for_workers(const std::string& prefix, int first_rank,
+                                             Clock::time_point deadline) {
+  static constexpr Millis kPoll{100};
+  const int n = world_size();
+  const std::string gone = store_prefix_ + "shutdown/gone/";
+  std::vector<bool> present(n, false), resolved(n, false);
+  for (int r = 0; r < first_rank; ++r) resolved[r] = true;
+  for (;;) {
+    std::vector<std::string> missing;
+    for (int r = 0; r < n; ++r) {
+      if (!resolved[r]) missing.push_back(prefix + std::to_string(r));
+    }
+    try {
+      store_->wait(missing, std::min(kPoll, remaining(deadline)));
+      for (int r = first_rank; r < n; ++r) present[r] = present[r] || !resolved[r];
+      return present;
+    } catch (const TimeoutError&) {
+      if (Clock::now() >= deadline) {
+        std::string who;
+        for (int r = first_rank; r < n; ++r) {
+          if (!resolved[r]) who += (who.empty() ? "" : ", ") + peer_name(r);
+        }
+        throw TimeoutError(str("no key ", prefix, "<rank> from ", who,
+                               ", and none of them was seen gone"));
+      }
+    }
+    publish_lost_peers();
+    for (int r = first_rank; r < n; ++r) {
+      if (resolved[r]) continue;
+      const std::string key = prefix + std::to_string(r);
+      if (store_->check({key})) {
+        present[r] = resolved[r] = true;
+      } else if (store_->check({gone + std::to_string(r)})) {
+        // Whatever it set, it set before it was seen gone: one more look decides for good.
+        resolved[r] = true;
+        present[r] = store_->check({key});
+      }
+    }
+    if (store_->check({gone + std::to_string(self_.rank)})) {
+      throw Error(str("worker '", self_.name, "' was declared gone by another worker (a "
+                      "connection to it broke) while it was still shutting down"));
+    }
+  }
+}
+
 void RpcAgent::graceful_barrier() {
   const Millis limit =
       options_.shutdown_timeout.count() > 0 ? options_.shutdown_timeout : Millis(1LL << 40);
@@ -613,35 +679,35 @@ void RpcAgent::graceful_barrier() {
     const std::string round_prefix = store_prefix_ + "shutdown/" + std::to_string(round) + "/";
     store_->set(round_prefix + std::to_string(self_.rank),
                 encode(sent_.load(), received_.load()));
-    std::vector<std::string> keys;
-    for (int r = 0; r < n; ++r) keys.push_back(round_prefix + std::to_string(r));
+    std::vector<bool> present;
     try {
-      store_->wait(keys, remaining(deadline));
+      present = wait_for_workers(round_prefix, 0, deadline);
     } catch (const TimeoutError& e) {
       throw TimeoutError(str("shutdown of worker '", self_.name, "' waited ", limit.count(),
                              " ms for the other workers to shut down (round ", round, "): ",
                              e.what()));
     }
-    std::vector<std::pair<int64_t, int64_t>> counts;
-    for (const auto& k : keys) counts.push_back(decode<std::pair<int64_t, int64_t>>(store_->get(k)));
+    // A gone worker that never published this round counts as (-1, -1) for everybody alike.
+    std::vector<std::pair<int64_t, int64_t>> counts(n, {-1, -1});
+    for (int r = 0; r < n; ++r) {
+      if (present[r]) {
+        counts[r] = decode<std::pair<int64_t, int64_t>>(store_->get(round_prefix + std::to_string(r)));
+      }
+    }
     if (round > 0 && counts == prev) break;
     prev = std::move(counts);
   }
   // The store may live in one of the workers (TCPStore server): leave only when every worker
   // has read the last round.
   store_->set(store_prefix_ + "shutdown/exit/" + std::to_string(self_.rank), "1");
-  std::vector<std::string> keys;
-  for (int r = 0; r < n; ++r) keys.push_back(store_prefix_ + "shutdown/exit/" + std::to_string(r));
-  store_->wait(keys, remaining(deadline));
+  wait_for_workers(store_prefix_ + "shutdown/exit/", 0, deadline);
   // Rank 0 usually hosts that store (env://): it stays until every other worker's wait above
   // has returned, or an exiting rank 0 could cut another worker's wait off mid-reply. The others'
   // last store call is the "left" mark; its own reply may be cut off, which is harmless.
   const std::string left = store_prefix_ + "shutdown/left/";
   if (self_.rank == 0) {
-    std::vector<std::string> others;
-    for (int r = 1; r < n; ++r) others.push_back(left + std::to_string(r));
     try {
-      store_->wait(others, remaining(deadline));
+      wait_for_workers(left, 1, deadline);
     } catch (const std::exception& e) {
       TDIST_LOG_WARN("rpc: shutdown: not every worker confirmed it left the store: ", e.what());
     }

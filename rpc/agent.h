@@ -34,6 +34,14 @@
 // flight and no answer of its own to give, so at that instant nothing was in flight anywhere.
 // Otherwise (work was still moving) it goes on with the next round. Every wait is bounded by
 // RpcOptions::shutdown_timeout; on timeout the agent still stops and shutdown() throws.
+// A worker that died does not hold the others up: each worker records the peers whose
+// established connection broke while it ran (a killed process's sockets close at once), and
+// while it waits for a round it marks them gone in the store; a round's wait then stops waiting
+// for a gone worker. A gone worker's keys were all set before any worker saw its connection
+// break, so once its gone mark is visible, whether its key for a round exists is settled, and
+// every worker reads the same round (a gone worker without a key counts as (-1, -1)). A worker
+// that nobody was connected to is not noticed and is waited for until the timeout; a worker
+// declared gone while still alive (its connection broke) fails its own shutdown with an Error.
 // From round 1 on (every worker has entered shutdown), each round starts by deleting the user
 // RRefs this worker still holds (a RREF_USER_DELETE each, as PyTorch's shutdown does; the
 // handles stay valid objects but name nothing any more) and by dropping the owned RRefs that
@@ -262,6 +270,12 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   void fail_pending_to(int rank, const std::string& reason);
   void complete(Pending& p, detail::Message* msg, std::exception_ptr error);
   void graceful_barrier();
+  // Waits until each worker r >= first_rank has set prefix + r, or is gone (Note [RPC graceful
+  // shutdown]); returns, per rank, whether its key is there. TimeoutError at `deadline`.
+  std::vector<bool> wait_for_workers(const std::string& prefix, int first_rank,
+                                     Clock::time_point deadline);
+  // Marks in the store the peers whose connection broke while this agent ran.
+  void publish_lost_peers();
   bool wait_idle(Clock::time_point deadline);
   void stop_everything(const std::string& reason);
 
@@ -321,6 +335,9 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   std::atomic<int64_t> received_{0};
   std::atomic<bool> stopped_{false};
   std::mutex shutdown_mu_;  // serializes shutdown()
+  std::mutex lost_mu_;
+  std::set<int> lost_;            // guarded by lost_mu_: peers whose connection broke
+  std::set<int> lost_published_;  // guarded by lost_mu_: of those, the ones marked in the store
   mutable std::mutex leaks_mu_;
   std::vector<std::string> leaked_;  // guarded by leaks_mu_
 };

@@ -357,6 +357,21 @@ TEST(RpcShutdown, NotGracefulFailsPendingCallsAtOnce) {
   a[1]->shutdown(false);
 }
 
+// A worker that dies (here: stops without a graceful shutdown, closing its connections as the
+// kernel closes a killed process's) does not hold up the others' graceful shutdown, not even
+// that of a worker that never talked to it (Note [RPC graceful shutdown]).
+TEST(RpcShutdown, GracefulDoesNotWaitForAWorkerThatDied) {
+  RpcOptions o;
+  o.shutdown_timeout = 15s;  // waiting for the dead worker would throw TimeoutError after this
+  auto a = start_agents(3, o);
+  ASSERT_EQ(a[2]->rpc_sync<int64_t>("w0", "add", int64_t{1}, int64_t{2}), 3);  // w0 knows w2
+  auto in_flight = a[1]->rpc_async<int64_t>("w0", "sleep_ms", int64_t{300});
+  a[2]->shutdown(false);
+  a.agents.pop_back();
+  shutdown_all(a);
+  EXPECT_EQ(in_flight.value(), 300);  // the living finished their work first
+}
+
 // ---- a worker killed with calls pending (real processes) ---------------------------------------
 
 uint16_t master_port() {
