@@ -14,20 +14,21 @@
 // all are done the server prints the model's accuracy on the test set and exits 1 if it is below
 // --min-accuracy.
 //
-// Parameters updated in place between a forward and its backward. While one trainer is between
-// its forward and its backward, another trainer's optimizer step updates the parameters in place.
-// A Linear's backward needs its weight (the gradient of its input is grad_out @ W), so a forward
-// that used the parameters themselves would fail its backward ("a variable needed for gradient
-// computation has been modified by an inplace operation"), or, without that check, compute the
-// gradient with weights other than those of its forward. The server's forward therefore uses a
-// snapshot of each parameter, taken under autograd when the forward starts (p.clone()): clone's
-// backward saves nothing and passes the gradient straight on to p, so the gradient still
+// Parameters updated in place between a forward and its backward. While one trainer is between its
+// forward and its backward, another trainer's optimizer step updates the parameters in place. A
+// Linear's backward needs its weight (the gradient of its input is grad_out @ W), so a forward that
+// used the parameters themselves would compute its backward with weights other than those of its
+// forward: silently, since libtorch's optimizers update through p.data(), which autograd's version
+// check does not see (an update through p itself fails that backward with "a variable needed for
+// gradient computation has been modified by an inplace operation"). The server's forward therefore
+// uses a snapshot of each parameter, taken under autograd when the forward starts (p.clone()):
+// clone's backward saves nothing and passes the gradient straight on to p, so the gradient still
 // accumulates for p in the trainer's context, while the graph saved for backward holds only the
-// snapshot, which nothing modifies. This is asynchronous ("Hogwild") SGD as in PyTorch's
-// tutorial: each gradient is exact for the weights its forward saw, and it is applied to the
-// weights as they are when it arrives. The snapshot is read without a lock, so it may catch
-// another trainer's step half applied; asynchronous SGD tolerates that as it tolerates stale
-// weights. The cost is one copy of the parameters per forward.
+// snapshot, which nothing modifies. This is asynchronous ("Hogwild") SGD as in PyTorch's tutorial:
+// each gradient is exact for the weights its forward saw, and it is applied to the weights as they
+// are when it arrives. The snapshot is read without a lock, so it may catch another trainer's step
+// half applied; asynchronous SGD tolerates that as it tolerates stale weights. The cost is one copy
+// of the parameters per forward.
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
