@@ -131,12 +131,13 @@ TEST(RpcPsAutogradDemo, ThreeTrainersTrainAnMlpOnSyntheticData) {
 // Demo 2 against tdist-train on Debian's Fashion-MNIST: the same MLP, initialised from the same
 // seed, trained with the same optimizer (plain SGD) on the same number of samples from the same
 // 20000 training images (2 trainers x 300 steps of 32 against tdist-train's 600 steps of 32),
-// tested on the same 10000 test images. (Seed 1: tdist-train 80.86%, the demo 80.47% to 80.89% over
-// seven runs; seeds 2 and 3 gave differences of 1.7 and 0.5 points.)
+// tested on the same 10000 test images. (Seed 1: tdist-train 80.86%, the demo 80.47% to 80.89%
+// over seven runs; seeds 2 and 3 gave differences of 1.7 and 0.5 points.)
 TEST(RpcPsAutogradDemo, MatchesTdistTrainOnFashionMnist) {
   struct stat st {};
   if (::stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st) != 0) {
-    GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh installs it)";
+    GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh installs "
+                    "it)";
   }
   const std::vector<std::string> same = {"--dataset", "fashion-mnist", "--train-samples", "20000",
                                          "--test-samples", "10000", "--hidden", "128",
