@@ -18,7 +18,16 @@
 //      outputs (accumulate_grad = false): the engine sums, per input, the gradients arriving
 //      over every local path, and executes only the nodes between the roots and those outputs
 //      (neither AccumulateGrad nor RecvRpcBackward ever runs);
-//   3. add each leaf's gradient into the context's gradient map (never into .grad);
+//   3. add each leaf's gradient into the context's gradient map (never into .grad); then, when
+//      some of the leaves' gradient accumulators have post hooks (DDP's Reducer hooks there),
+//      run those hooks as libtorch's engine would after accumulating, inside a graph task of
+//      libtorch's engine (so that they may queue final callbacks, which run before the pass
+//      goes on) and with the context current as the thread's detail::LeafGradients
+//      (core/leaf_gradients.h), through which a hook reads and rewrites the gradient in the
+//      context (Note [DDP bucketing] 9 in ddp/reducer.h). A hooked leaf's entry is a tensor of
+//      its own (not shared with another leaf's), so that rewriting it in place is safe. The
+//      hooks run after the pass's local computation, not interleaved with it: DDP's allreduce
+//      does not overlap this backward;
 //   4. group the gradients that reached each RecvRpcBackward by its sender, send each sender one
 //      BACKWARD request (tdist.autograd.backward: context, [(message id, gradients)]), wait for
 //      all the answers and fail with the first error.
@@ -59,6 +68,7 @@
 #include "tdist/autograd/detail/container.h"
 #include "tdist/autograd/detail/engine.h"
 #include "tdist/autograd/detail/functions.h"
+#include "tdist/core/leaf_gradients.h"
 #include "tdist/core/logging.h"
 #include "tdist/rpc/api.h"
 
@@ -69,9 +79,60 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using GradBatch = std::vector<std::pair<int64_t, std::vector<at::Tensor>>>;
 
+// A context's part as the gradients of its leaves (step 3).
+class ContextLeafGradients : public tdist::detail::LeafGradients {
+ public:
+  explicit ContextLeafGradients(std::shared_ptr<ContextState> st) : st_(std::move(st)) {}
+  void with_gradient(const at::Tensor& leaf,
+                     const std::function<void(at::Tensor& grad)>& fn) override {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    auto it = st_->grads.find(leaf);
+    if (it != st_->grads.end()) {
+      fn(it->second);
+      return;
+    }
+    at::Tensor grad;
+    fn(grad);
+    if (grad.defined()) st_->grads.emplace(leaf, std::move(grad));
+  }
+
+ private:
+  const std::shared_ptr<ContextState> st_;
+};
+
+// Runs the post hooks of `leaves` (accumulator, the gradient it received) with the context as
+// the thread's LeafGradients, as the one node of a graph task of libtorch's engine (step 3).
+struct RunLeafHooks : Node {
+  std::vector<std::pair<std::shared_ptr<Node>, at::Tensor>> leaves;
+  std::shared_ptr<tdist::detail::LeafGradients> grads;
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& /*unused*/) override {
+    tdist::detail::LeafGradientsScope scope(grads);
+    const torch::autograd::variable_list no_outputs;
+    for (auto& [acc, g] : leaves) {
+      for (const auto& hook : acc->post_hooks()) (*hook)(no_outputs, {g});
+    }
+    return {};
+  }
+};
+
+void run_leaf_hooks(const std::shared_ptr<ContextState>& st,
+                    std::vector<std::pair<std::shared_ptr<Node>, at::Tensor>> leaves) {
+  auto node = std::make_shared<RunLeafHooks>();
+  node->leaves = std::move(leaves);
+  node->grads = std::make_shared<ContextLeafGradients>(st);
+  at::Tensor seed = at::zeros({});
+  node->add_input_metadata(seed);
+  torch::autograd::Engine::get_default_engine().execute(
+      {Edge(node, 0)}, {seed}, /*keep_graph=*/false, /*create_graph=*/false,
+      /*accumulate_grad=*/true, /*outputs=*/{});
+}
+
 // One local pass (steps 1-3); returns the gradients to send, by sender rank (step 4).
-std::map<int, GradBatch> local_pass(ContextState& st, const torch::autograd::edge_list& roots,
+std::map<int, GradBatch> local_pass(const std::shared_ptr<ContextState>& state,
+                                    const torch::autograd::edge_list& roots,
                                     const torch::autograd::variable_list& grads) {
+  ContextState& st = *state;
   torch::autograd::edge_list outputs;
   std::vector<torch::autograd::AccumulateGrad*> leaves;  // per output, or null
   std::vector<RecvRpcBackward*> recvs;                   // per output, or null
@@ -111,15 +172,18 @@ std::map<int, GradBatch> local_pass(ContextState& st, const torch::autograd::edg
       outputs);
   std::map<int, GradBatch> out;
   std::map<RecvRpcBackward*, std::vector<at::Tensor>> by_recv;
-  std::lock_guard<std::mutex> lock(st.mu);
+  std::vector<std::pair<std::shared_ptr<Node>, at::Tensor>> hooked;
+  std::unique_lock<std::mutex> lock(st.mu);
   for (size_t i = 0; i < outputs.size(); ++i) {
     const at::Tensor& g = results[i];
     if (leaves[i]) {
       if (!g.defined()) continue;
       const at::Tensor& var = leaves[i]->variable;
+      const bool has_hooks = !leaves[i]->post_hooks().empty();
+      if (has_hooks) hooked.emplace_back(outputs[i].function, g);
       auto it = st.grads.find(var);
       if (it == st.grads.end()) {
-        st.grads.emplace(var, g.detach());
+        st.grads.emplace(var, has_hooks ? g.detach().clone() : g.detach());
       } else {
         it->second = it->second + g.detach();
       }
@@ -134,6 +198,8 @@ std::map<int, GradBatch> local_pass(ContextState& st, const torch::autograd::edg
     for (const auto& g : gs) any = any || g.defined();
     if (any) out[recv->from].emplace_back(recv->message_id, std::move(gs));
   }
+  lock.unlock();
+  if (!hooked.empty()) run_leaf_hooks(state, std::move(hooked));
   return out;
 }
 
@@ -185,7 +251,7 @@ void handle_backward(int64_t context_id, GradBatch batch) {
     }
   }
   if (roots.empty()) return;
-  propagate(*agent, context_id, local_pass(*st, roots, grads));
+  propagate(*agent, context_id, local_pass(st, roots, grads));
 }
 
 }  // namespace tdist::autograd::detail
@@ -222,7 +288,7 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool ret
                     "the first one to run a second");
   }
   try {
-    detail::propagate(*agent, context_id, detail::local_pass(*st, edges, grads));
+    detail::propagate(*agent, context_id, detail::local_pass(st, edges, grads));
   } catch (const std::exception& e) {
     throw Error(str("distributed backward of context ", context_id, " on worker '",
                     agent->info().name, "' failed: ", e.what()));

@@ -11,6 +11,7 @@
 
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
+#include "tdist/core/leaf_gradients.h"
 #include "tdist/core/logging.h"
 
 namespace tdist::ddp {
@@ -101,6 +102,7 @@ void Reducer::reset_iteration() {
   next_launch_ = 0;
   used_map_ = at::Tensor();
   used_future_.reset();
+  leaf_grads_.reset();
   if (record_order_) ready_order_.clear();
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
@@ -226,6 +228,8 @@ void Reducer::autograd_hook(size_t index) {
     backward_started_ = true;
     backward_begin_us_ = Trace::now_us();
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+    // Note [DDP bucketing] 9: where this backward keeps the gradients.
+    leaf_grads_ = tdist::detail::current_leaf_gradients();
   }
   mark_ready(index, /*used=*/true);
   launch_ready(lock);
@@ -243,28 +247,27 @@ void Reducer::mark_ready(size_t index, bool used) {
   auto [b, s] = locate_[index];
   Bucket& bucket = buckets_[b];
   at::Tensor& view = bucket.views[s];
-  at::Tensor& grad = params_[index].mutable_grad();
   // The built-in hook averages as sum of quotients (Note [DDP bucketing] 6): divide while
   // copying. div rather than PyTorch's multiplication by 1/world: one correctly rounded
   // operation, the same result for worlds that are powers of two.
   const bool divide = default_hook_;
-  if (passthrough()) {
-    // World size 1, built-in hook: .grad already is the average.
-  } else if (grad.defined()) {
-    if (opts_.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr()) {
-      if (divide) view.div_(pg_->size());
-    } else {
-      // Without bucket views, or a new .grad (first backward, zero_grad(set_to_none)) that
-      // moves into the bucket.
-      if (divide) {
-        at::div_out(view, grad, world_scalar());
+  if (!passthrough()) {  // world size 1, built-in hook: the gradient already is the average
+    tdist::detail::with_leaf_gradient(leaf_grads_, params_[index], [&](at::Tensor& grad) {
+      if (!grad.defined()) {
+        view.zero_();
+      } else if (opts_.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr()) {
+        if (divide) view.div_(pg_->size());
       } else {
-        view.copy_(grad);
+        // Without bucket views, or a new gradient (first backward, zero_grad(set_to_none)) that
+        // moves into the bucket.
+        if (divide) {
+          at::div_out(view, grad, world_scalar());
+        } else {
+          view.copy_(grad);
+        }
+        if (opts_.gradient_as_bucket_view) grad = view;
       }
-      if (opts_.gradient_as_bucket_view) grad = view;
-    }
-  } else {
-    view.zero_();
+    });
   }
   TDIST_CHECK_GT(bucket.pending, 0u, "DDP: bucket ", b, " over-counted");
   --bucket.pending;
@@ -467,14 +470,15 @@ void Reducer::write_back(const std::vector<bool>& global_unused) {
     if (global_unused[i]) continue;
     auto [b, s] = locate_[i];
     const at::Tensor& view = buckets_[b].views[s];
-    at::Tensor& grad = params_[i].mutable_grad();
-    if (opts_.gradient_as_bucket_view) {
-      if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
-    } else if (!grad.defined()) {
-      grad = view.clone();
-    } else {
-      grad.copy_(view);
-    }
+    tdist::detail::with_leaf_gradient(leaf_grads_, params_[i], [&](at::Tensor& grad) {
+      if (opts_.gradient_as_bucket_view) {
+        if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
+      } else if (!grad.defined()) {
+        grad = view.clone();
+      } else {
+        grad.copy_(view);
+      }
+    });
   }
 }
 

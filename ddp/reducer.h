@@ -45,6 +45,12 @@
 //     gradients simply accumulate in .grad, and the next synchronized backward reduces the sum.
 //  8. A forward that starts while a synchronized backward was begun but not finished fails
 //     (PyTorch's "Expected to have finished reduction in the prior iteration").
+//  9. Under tdist::autograd's distributed backward the gradients live in the autograd context,
+//     not in .grad: that engine runs the accumulators' post hooks (and the final callback) with
+//     the context current as a detail::LeafGradients (core/leaf_gradients.h). The first hook of
+//     an iteration captures it, and marking (2) and the write-back (4) read and write the
+//     gradient through it, so the optimizer stepping that context sees the averages. The
+//     parameters that (5) marks at forward time are read from .grad (usually undefined: zeros).
 //
 // Thread safety: the engine calls hooks on the thread running backward (or several, one per
 // device); all state is guarded by mu_, which is never held while a comm hook runs, a collective
@@ -74,6 +80,9 @@ struct Node;
 
 namespace tdist::comm {
 class ProcessGroup;
+}
+namespace tdist::detail {
+class LeafGradients;
 }
 
 namespace tdist::ddp {
@@ -155,6 +164,8 @@ class Reducer {
   bool track_used_ = false;        // this iteration allreduces the used map
   at::Tensor used_map_;            // this iteration's used map, once launched
   std::shared_ptr<comm::Future> used_future_;  // its allreduce
+  // Where this iteration's gradients live (Note [DDP bucketing] 9); null: .grad.
+  std::shared_ptr<tdist::detail::LeafGradients> leaf_grads_;
   std::vector<size_t> static_unused_;   // static_graph: unused locally (from iteration 1)
   std::vector<bool> static_global_unused_;  // static_graph: unused on every rank
   bool static_known_ = false;

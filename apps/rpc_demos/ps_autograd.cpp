@@ -1,104 +1,170 @@
 // tdist-rpc-ps-autograd: a parameter server with several trainers using distributed autograd and
-// the DistributedOptimizer (the shape of PyTorch's parameter-server RPC tutorial).
+// the DistributedOptimizer (the shape of PyTorch's parameter-server RPC tutorial), on the data and
+// model of tdist-train.
 //
-//   tdist-run --nproc-per-node 3 tdist-rpc-ps-autograd --steps 100
+//   tdist-run --nproc-per-node 3 tdist-rpc-ps-autograd --dataset fashion-mnist --steps 150
 //
-// Rank 0 ("ps") holds the model, a linear classifier 16 -> 4 (softmax regression). Ranks 1..N
-// ("trainer<r>") each draw their own batches of a learnable synthetic task (4 Gaussian clusters in
-// 16 dimensions), run the model's forward on the server over RPC inside a distributed autograd
-// context, compute the loss locally, run distributed backward, and step their DistributedOptimizer
-// (SGD), which applies the gradients on the server. Trainers run concurrently, without waiting
-// for each other. When all are done the server prints the model's accuracy on held-out samples
-// and exits 1 if it is below --min-accuracy.
+// Rank 0 ("ps") holds the model, tdist-train's MLP (apps/train/models.h), initialised as
+// tdist-train initialises it for the same --seed. Ranks 1..N ("trainer<r>") each read the training
+// set with tdist-train's reader (apps/train/data.h: synthetic, MNIST or Fashion-MNIST), take their
+// shard of it as tdist-train's DistributedSampler gives it, and each step run the model's forward
+// on the server over RPC inside a distributed autograd context, compute the loss locally, run
+// distributed backward and step their DistributedOptimizer (SGD), which applies the gradients on
+// the server. Trainers run concurrently, without waiting for each other (asynchronous SGD). When
+// all are done the server prints the model's accuracy on the test set and exits 1 if it is below
+// --min-accuracy.
 //
-// The model is one layer on purpose: its input (the data) does not require grad, so its forward
-// saves no parameter for backward, and another trainer's optimizer step updating the parameters
-// in place between this trainer's forward and backward cannot invalidate this trainer's graph.
+// Parameters updated in place between a forward and its backward. While one trainer is between its
+// forward and its backward, another trainer's optimizer step updates the parameters in place. A
+// Linear's backward needs its weight (the gradient of its input is grad_out @ W), so a forward that
+// used the parameters themselves would compute its backward with weights other than those of its
+// forward: silently, since libtorch's optimizers update through p.data(), which autograd's version
+// check does not see (an update through p itself fails that backward with "a variable needed for
+// gradient computation has been modified by an inplace operation"). The server's forward therefore
+// uses a snapshot of each parameter, taken under autograd when the forward starts (p.clone()):
+// clone's backward saves nothing and passes the gradient straight on to p, so the gradient still
+// accumulates for p in the trainer's context, while the graph saved for backward holds only the
+// snapshot, which nothing modifies. This is asynchronous ("Hogwild") SGD as in PyTorch's tutorial:
+// each gradient is exact for the weights its forward saw, and it is applied to the weights as they
+// are when it arrives. The snapshot is read without a lock, so it may catch another trainer's step
+// half applied; asynchronous SGD tolerates that as it tolerates stale weights. The cost is one copy
+// of the parameters per forward.
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <cstdio>
 
+#include "apps/train/data.h"
+#include "apps/train/models.h"
 #include "tdist/autograd/context.h"
 #include "tdist/core/env.h"
 #include "tdist/optim/distributed_optimizer.h"
 #include "tdist/rpc/api.h"
 
 namespace rpc = tdist::rpc;
+namespace train = tdist::train;
 namespace dist_autograd = tdist::autograd;
 
 namespace {
 
-constexpr int64_t kFeatures = 16, kClasses = 4;
+struct Options {
+  train::DataConfig data;
+  train::ModelConfig model;
+  int64_t steps = 150, batch = 32;
+  double lr = 0.05, momentum = 0.9, min_accuracy = 0.0;
+  uint64_t seed = 0;
+};
 
-// The server's model, created on first use (only the server calls this).
-torch::nn::Linear& server_model() {
-  static torch::nn::Linear model = [] {
-    torch::manual_seed(0);
-    return torch::nn::Linear(kFeatures, kClasses);
+// Set by main() before RPC starts; read-only afterwards.
+Options g_options;
+
+// The server's model, created on first use (only the server calls this): tdist-train's model
+// for the same seed.
+torch::nn::Sequential& server_model() {
+  static torch::nn::Sequential model = [] {
+    torch::manual_seed(g_options.seed);
+    return train::build_model(g_options.model);
   }();
   return model;
 }
 
-// Samples of the task: class c is a Gaussian (std 1) around centre c (fixed, 3 apart on average).
-struct Batch {
-  at::Tensor x, y;
-};
-Batch make_batch(int64_t size, at::Generator& gen) {
-  auto centre_gen = at::make_generator<at::CPUGeneratorImpl>(1234);
-  at::Tensor centres = 1.5 * at::randn({kClasses, kFeatures}, centre_gen);
-  at::Tensor y = at::randint(kClasses, {size}, gen, at::kLong);
-  at::Tensor x = centres.index_select(0, y) + at::randn({size, kFeatures}, gen);
-  return {x, y};
+// The MLP's forward on snapshots of its parameters (see the file comment).
+at::Tensor snapshot_forward(torch::nn::Sequential& model, at::Tensor x) {
+  for (const auto& m : *model) {
+    if (auto* linear = m.ptr()->as<torch::nn::LinearImpl>()) {
+      x = torch::linear(x, linear->weight.clone(), linear->bias.clone());
+    } else if (m.ptr()->as<torch::nn::ReLUImpl>() != nullptr) {
+      x = torch::relu(x);
+    } else if (m.ptr()->as<torch::nn::FlattenImpl>() != nullptr) {
+      x = x.flatten(1);
+    } else {
+      throw tdist::InvalidArgument("snapshot_forward: unexpected layer " + m.ptr()->name());
+    }
+  }
+  return x;
 }
 
-int run_trainer(int rank, int64_t steps, int64_t batch, double lr) {
+int run_trainer(int rank, int trainers) {
+  const Options& o = g_options;
+  train::DataSplits data = train::load_data(o.data);
   auto params = rpc::rpc_sync<std::vector<rpc::RRef<at::Tensor>>>("ps", "ps_parameter_rrefs");
   tdist::optim::DistributedOptimizer opt(
-      tdist::optim::OptimizerSpec::sgd(torch::optim::SGDOptions(lr)), params);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + rank);
+      tdist::optim::OptimizerSpec::sgd(torch::optim::SGDOptions(o.lr).momentum(o.momentum)),
+      params);
+  train::DistributedSampler sampler(data.train->size(), trainers, rank - 1, /*shuffle=*/true,
+                                    o.seed);
+  std::vector<int64_t> order;
+  size_t next = 0;
+  int64_t epoch = 0;
   double first = 0, last = 0;
-  for (int64_t step = 0; step < steps; ++step) {
-    Batch b = make_batch(batch, gen);
+  for (int64_t step = 0; step < o.steps; ++step) {
+    std::vector<int64_t> idx;
+    while (static_cast<int64_t>(idx.size()) < o.batch) {
+      if (next == order.size()) {
+        order = sampler.epoch_indices(epoch++);
+        next = 0;
+      }
+      idx.push_back(order[next++]);
+    }
+    train::Batch b = data.train->get(idx);
     dist_autograd::Context ctx;
-    at::Tensor logits = rpc::rpc_sync<at::Tensor>("ps", "ps_forward", b.x);
-    at::Tensor loss = torch::cross_entropy_loss(logits, b.y);
+    at::Tensor logits = rpc::rpc_sync<at::Tensor>("ps", "ps_forward", b.images);
+    at::Tensor loss = torch::cross_entropy_loss(logits, b.labels);
     dist_autograd::backward(ctx.id(), {loss});
     opt.step(ctx.id());
     last = loss.item<double>();
     if (step == 0) first = last;
   }
   std::printf("trainer%d: loss %.4f -> %.4f over %lld steps\n", rank, first, last,
-              static_cast<long long>(steps));
+              static_cast<long long>(o.steps));
   return 0;
 }
 
-double server_accuracy(int64_t samples) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  Batch b = make_batch(samples, gen);
+// Accuracy of the server's model on `test`.
+double server_accuracy(const train::Dataset& test) {
   torch::NoGradGuard no_grad;
-  at::Tensor pred = server_model()->forward(b.x).argmax(1);
-  return pred.eq(b.y).to(at::kDouble).mean().item<double>();
+  server_model()->eval();
+  int64_t correct = 0;
+  for (int64_t begin = 0; begin < test.size(); begin += 1000) {
+    std::vector<int64_t> idx;
+    for (int64_t i = begin; i < std::min(test.size(), begin + 1000); ++i) idx.push_back(i);
+    train::Batch b = test.get(idx);
+    correct += server_model()->forward(b.images).argmax(1).eq(b.labels).sum().item<int64_t>();
+  }
+  return static_cast<double>(correct) / static_cast<double>(test.size());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t steps = 100, batch = 32, test_samples = 2000;
-  double lr = 0.1, min_accuracy = 0.9;
+  Options& o = g_options;
+  o.data.train_samples = 60000;
+  o.data.test_samples = 2000;
   CLI::App app{"tdist-rpc-ps-autograd: a parameter server (rank 0) and trainers (ranks 1..N) "
-               "training with distributed autograd and the DistributedOptimizer; start it with "
-               "tdist-run --nproc-per-node N+1"};
-  app.add_option("--steps", steps, "training steps per trainer");
-  app.add_option("--batch", batch, "samples per step");
-  app.add_option("--lr", lr, "SGD learning rate");
-  app.add_option("--test-samples", test_samples, "held-out samples the server evaluates");
-  app.add_option("--min-accuracy", min_accuracy, "exit 1 when the final accuracy is below this");
+               "training tdist-train's MLP with distributed autograd and the "
+               "DistributedOptimizer; start it with tdist-run --nproc-per-node N+1"};
+  app.add_option("--dataset", o.data.dataset, "synthetic, mnist or fashion-mnist (as tdist-train)")
+      ->check(CLI::IsMember({"synthetic", "mnist", "fashion-mnist"}));
+  app.add_option("--data-dir", o.data.data_dir, "mnist: the IDX files; fashion-mnist: default " +
+                                                    std::string(train::kFashionMnistDir));
+  app.add_option("--train-samples", o.data.train_samples, "training samples (a limit for files)");
+  app.add_option("--test-samples", o.data.test_samples, "test samples the server evaluates");
+  app.add_option("--signal", o.data.signal, "synthetic: strength of the class pattern");
+  app.add_option("--hidden", o.model.hidden, "MLP hidden width");
+  app.add_option("--layers", o.model.layers, "MLP hidden layers");
+  app.add_option("--steps", o.steps, "training steps per trainer");
+  app.add_option("--batch", o.batch, "samples per step");
+  app.add_option("--lr", o.lr, "SGD learning rate");
+  app.add_option("--momentum", o.momentum, "SGD momentum");
+  app.add_option("--seed", o.seed, "seed of the model and the data order (as tdist-train's)");
+  app.add_option("--min-accuracy", o.min_accuracy, "exit 1 when the final accuracy is below this");
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
-    rpc::register_function("ps_forward", [](at::Tensor x) { return server_model()->forward(x); });
+    o.data.seed = o.seed;
+    rpc::register_function("ps_forward",
+                           [](at::Tensor x) { return snapshot_forward(server_model(), x); });
     rpc::register_function("ps_parameter_rrefs", [] {
       std::vector<rpc::RRef<at::Tensor>> out;
       for (auto& p : server_model()->parameters()) out.push_back(rpc::make_rref(p));
@@ -112,15 +178,22 @@ int main(int argc, char** argv) {
     rpc::init_rpc(name, env.rank, env.world_size);
     int rc = 0;
     if (env.rank == 0) {
+      train::DataSplits data = train::load_data(o.data);
+      std::printf("ps: model %s, %s\n", train::describe_model(o.model).c_str(),
+                  data.description.c_str());
+      const auto& test = data.test;
       server_model();
       rpc::shutdown();  // serves until every trainer is done
-      const double acc = server_accuracy(test_samples);
-      std::printf("ps: accuracy %.4f on %lld held-out samples after %d trainers x %lld steps\n",
-                  acc, static_cast<long long>(test_samples), env.world_size - 1,
-                  static_cast<long long>(steps));
-      if (!(acc >= min_accuracy)) rc = 1;
+      const int64_t trainers = env.world_size - 1;
+      const double acc = server_accuracy(*test);
+      std::printf("ps: test accuracy %.4f on %lld test samples after %lld trainers x %lld steps "
+                  "of %lld (%lld samples)\n",
+                  acc, static_cast<long long>(test->size()), static_cast<long long>(trainers),
+                  static_cast<long long>(o.steps), static_cast<long long>(o.batch),
+                  static_cast<long long>(trainers * o.steps * o.batch));
+      if (!(acc >= o.min_accuracy)) rc = 1;
     } else {
-      rc = run_trainer(env.rank, steps, batch, lr);
+      rc = run_trainer(env.rank, env.world_size - 1);
       rpc::shutdown();
     }
     return rc;

@@ -6,26 +6,29 @@
 // the classifier; rank 0 ("trainer") creates both with remote(), owns the data, runs forward
 // through both over RPC inside a distributed autograd context, the loss locally, backward across
 // all three, and steps a DistributedOptimizer (Adam) over both remote modules' parameters.
-// Each bag of token ids belongs to the class whose token range most of its tokens come from, so
-// the loss falls; the trainer prints the first and last loss and exits 1 if it did not fall by
-// half.
+// The bags of token ids are the task of apps/rpc_demos/bags.h, so the loss falls; the trainer
+// prints the first and last loss and exits 1 if it did not fall by half.
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <cstdio>
 
+#include "apps/rpc_demos/bags.h"
 #include "tdist/autograd/context.h"
 #include "tdist/core/env.h"
 #include "tdist/optim/distributed_optimizer.h"
 #include "tdist/rpc/api.h"
 
 namespace rpc = tdist::rpc;
+namespace demo = tdist::demo;
 namespace dist_autograd = tdist::autograd;
 
 namespace {
 
-constexpr int64_t kVocab = 200, kClasses = 4, kEmbed = 16, kHidden = 32;
+using demo::bags::kClasses;
+using demo::bags::kVocab;
+constexpr int64_t kEmbed = 16, kHidden = 32;
 
 std::vector<rpc::RRef<at::Tensor>> rrefs_of(torch::nn::Module& m) {
   std::vector<rpc::RRef<at::Tensor>> out;
@@ -66,20 +69,6 @@ class Classifier {
  private:
   torch::nn::Linear fc_{nullptr};
 };
-
-// A batch of bags: class c draws 3 of every 4 tokens from [c * kVocab / kClasses, ...).
-struct Batch {
-  at::Tensor ids, offsets, labels;
-};
-Batch make_batch(int64_t size, at::Generator& gen) {
-  const int64_t len = 8, span = kVocab / kClasses;
-  at::Tensor labels = at::randint(kClasses, {size}, gen, at::kLong);
-  at::Tensor ids = at::randint(kVocab, {size, len}, gen, at::kLong);
-  at::Tensor own = labels.unsqueeze(1) * span + at::randint(span, {size, len}, gen, at::kLong);
-  at::Tensor pick = at::rand({size, len}, gen) < 0.75;
-  ids = at::where(pick, own, ids);
-  return {ids.reshape({-1}), at::arange(0, size * len, len, at::kLong), labels};
-}
 
 }  // namespace
 
@@ -122,7 +111,7 @@ int main(int argc, char** argv) {
       auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
       double first = 0, last = 0;
       for (int64_t step = 0; step < steps; ++step) {
-        Batch b = make_batch(batch, gen);
+        demo::bags::Batch b = demo::bags::make_batch(batch, gen);
         dist_autograd::Context ctx;
         at::Tensor h = encoder.rpc_sync<at::Tensor>("forward", b.ids, b.offsets);
         at::Tensor logits = classifier.rpc_sync<at::Tensor>("forward", h);
