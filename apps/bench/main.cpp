@@ -1,17 +1,11 @@
-// tdist-bench: benchmarks a user runs. One subcommand per file:
-//   collective  (bench_collective.cpp)  an nccl-tests-style table for one collective (under tdist-run)
-//   ddp         (apps/bench_ddp/)       DDP samples/s vs plain libtorch and PyTorch's Python DDP
-//   rpc         (apps/bench_rpc/)       RPC round trip, async rate, tensor echo vs torch.distributed.rpc;
-//                                       with --autograd, training over RPC vs torch.distributed.autograd
-// `ddp` and `rpc` start their own processes and take their own flags (tdist-bench ddp --help).
+// tdist-bench: benchmarks a user runs, one subcommand per file (see subcommands.h). `ddp` and
+// `rpc` start their own processes and take their own flags (tdist-bench ddp --help).
 #include <CLI/CLI.hpp>
 
 #include <cstring>
 #include <iostream>
 
-#include "apps/bench/bench_collective.h"
-#include "apps/bench_ddp/bench_ddp.h"
-#include "apps/bench_rpc/bench_rpc.h"
+#include "apps/bench/subcommands.h"
 
 namespace {
 

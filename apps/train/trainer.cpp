@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -243,214 +244,303 @@ void validate(const TrainOptions& o) {
   describe_model(o.model);  // checks the model's settings
 }
 
+namespace {
+
+// One run on this rank, phase by phase: run_training() below calls them in order (set up,
+// resume, train epoch after epoch, finish), and every rank makes the same collective calls in
+// the same order: DDP's broadcast when training starts and its allreduce every backward, the
+// small allreduce of each log point, each evaluation's allreduce, the checkpoint broadcast of
+// resume and the final barrier.
+class Trainer {
+ public:
+  // Phase 1, set up: data first (a bad directory or file fails at once on every rank, before
+  // any rendezvous), then the group, the sampler, and the model and its optimizer, seeded.
+  explicit Trainer(const TrainOptions& o);
+  // Phase 2, resume (--resume): every rank loads the checkpoint rank 0 read
+  // (Note [Checkpoint protocol] 3), or starts from step 0 when there is none.
+  void resume();
+  // Wraps the model in DDP (which broadcasts rank 0's parameters: after resume) and starts the
+  // clock of the training phase.
+  void start_training();
+  bool done() const { return state_.step >= total_steps_; }
+  // Phase 3, train an epoch: the steps from the current one to the end of its epoch (or of
+  // training), each followed by its log point, evaluation and checkpoint when they are due.
+  void train_epoch();
+  // Phase 5, finish: the last checkpoint, the final evaluation, the summary file and the line
+  // with the parameter hash, then a barrier (rank 0 hosts the store: nobody leaves while
+  // another rank may still need it).
+  void finish();
+
+ private:
+  void train_step(int64_t step, const std::vector<int64_t>& epoch_indices);
+  void report_window(int64_t epoch);
+  // Phase 4, evaluate: the test set across all ranks, reported at state_.step.
+  EvalResult evaluate_now();
+  void save();
+  void write_summary(const EvalResult& final_eval, double train_s, uint64_t hash) const;
+
+  // Constant after set up.
+  const TrainOptions& o_;
+  DataSplits data_;
+  std::shared_ptr<comm::ProcessGroup> pg_;
+  int rank_ = 0;
+  int world_ = 1;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<Progress> progress_;
+  std::unique_ptr<DistributedSampler> sampler_;
+  int64_t steps_per_epoch_ = 0;
+  int64_t total_steps_ = 0;
+  torch::nn::Sequential model_{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::string fingerprint_;
+  int64_t num_params_ = 0;
+  FailureInjection failure_;
+
+  // Resume.
+  TrainState state_;
+  int64_t resumed_from_ = -1;
+  int64_t saved_step_ = -1;
+
+  // Training.
+  std::unique_ptr<Model> ddp_model_;
+  std::shared_ptr<GradTiming> timing_ = std::make_shared<GradTiming>();
+  Clock::time_point start_;
+  int64_t steps_run_ = 0;
+  int64_t measured_steps_ = 0;  // steps after the warm-up ones: the summary's samples_per_sec
+  double measured_s_ = 0;
+  Window window_;
+};
+
+Trainer::Trainer(const TrainOptions& o) : o_(o) {
+  DataConfig data_config = o.data;
+  data_config.seed = o.seed;
+  data_ = load_data(data_config);
+  pg_ = make_group(o);
+  rank_ = pg_->rank();
+  world_ = pg_->size();
+  set_log_rank(rank_);
+  timeout_ = timeout_of(o);
+  progress_ = std::make_unique<Progress>(parse_progress_mode(o.progress), rank_ == 0, o.metrics_path);
+
+  sampler_ = std::make_unique<DistributedSampler>(data_.train->size(), world_, rank_,
+                                                  /*shuffle=*/true, o.seed);
+  steps_per_epoch_ = sampler_->num_samples() / o.batch_size;
+  if (steps_per_epoch_ < 1) {
+    throw InvalidArgument(str("the training set has ", data_.train->size(), " samples, fewer than ",
+                              "one step needs (--batch-size ", o.batch_size, " x world size ", world_,
+                              ")"));
+  }
+  total_steps_ = o.steps > 0 ? o.steps : o.epochs * steps_per_epoch_;
+
+  torch::manual_seed(o.seed);
+  model_ = build_model(o.model);
+  optimizer_ = make_optimizer(o, model_->parameters());
+  fingerprint_ = fingerprint(o, world_, data_.train->size());
+  num_params_ = count_parameters(*model_);
+  progress_->note(str("tdist-train: ", describe_model(o.model), " (", num_params_, " parameters) on ",
+                      data_.description, "; world size ", world_, ", batch ", o.batch_size,
+                      " per rank, ", o.optimizer, " lr ", o.lr > 0 ? o.lr : default_lr(o.optimizer),
+                      "; ", steps_per_epoch_, " steps per epoch, ", total_steps_, " steps"));
+  failure_ = FailureInjection::from_env(rank_, world_);
+}
+
+void Trainer::resume() {
+  std::optional<std::vector<char>> bytes;
+  std::string read_error;
+  if (rank_ == 0) {
+    try {
+      bytes = read_checkpoint_file(o_.checkpoint_dir);
+    } catch (const std::exception& e) {
+      read_error = e.what();
+    }
+  }
+  auto shared = share_checkpoint(*pg_, bytes, read_error, timeout_);
+  if (!shared) {
+    progress_->note(str("no checkpoint in ", o_.checkpoint_dir, ": starting from step 0"));
+    return;
+  }
+  state_ = load_checkpoint(*shared, *model_, *optimizer_, fingerprint_);
+  TDIST_CHECK_EQ(state_.epoch * steps_per_epoch_ + state_.batch_in_epoch, state_.step,
+                 "the checkpoint's sampler position (epoch ", state_.epoch, ", batch ",
+                 state_.batch_in_epoch, ") does not match its step");
+  if (state_.rng_state.defined()) set_rng_state(state_.rng_state);
+  resumed_from_ = state_.step;
+  saved_step_ = state_.step;
+  progress_->note(str("resumed from ", checkpoint_path(o_.checkpoint_dir), " at step ", state_.step,
+                      " (epoch ", state_.epoch, ", batch ", state_.batch_in_epoch, ")"));
+}
+
+void Trainer::start_training() {
+  ddp::DDPOptions dopts = o_.ddp;
+  dopts.timeout = timeout_;
+  ddp_model_ = std::make_unique<Model>(model_, pg_, dopts);
+  if (auto hook = make_hook(o_)) ddp_model_->register_comm_hook(std::move(hook));
+  watch_gradients(model_->parameters(), timing_);
+  start_ = Clock::now();
+}
+
+void Trainer::train_epoch() {
+  const int64_t epoch = state_.step / steps_per_epoch_;
+  const int64_t end = std::min((epoch + 1) * steps_per_epoch_, total_steps_);
+  std::vector<int64_t> epoch_indices;
+  for (int64_t step = state_.step; step < end; ++step) {
+    failure_.check(step);
+    if (epoch_indices.empty()) epoch_indices = sampler_->epoch_indices(epoch);
+    train_step(step, epoch_indices);
+    if (state_.step % o_.log_every == 0 || state_.step == total_steps_) report_window(epoch);
+    if (o_.eval_every > 0 && state_.step % o_.eval_every == 0 && state_.step != total_steps_) {
+      evaluate_now();
+    }
+    if (!o_.checkpoint_dir.empty() && o_.checkpoint_every > 0 &&
+        state_.step % o_.checkpoint_every == 0) {
+      save();
+    }
+  }
+}
+
+// One optimizer step on this rank's batch `step` (of `epoch_indices`), timed part by part into
+// the window of the next log point.
+void Trainer::train_step(int64_t step, const std::vector<int64_t>& epoch_indices) {
+  const auto t0 = Clock::now();
+  const auto first = epoch_indices.begin() + (step % steps_per_epoch_) * o_.batch_size;
+  Batch batch = data_.train->get(std::vector<int64_t>(first, first + o_.batch_size));
+  const auto t1 = Clock::now();
+  optimizer_->zero_grad();
+  at::Tensor logits = (*ddp_model_)(batch.images);
+  at::Tensor loss = torch::nn::functional::cross_entropy(logits, batch.labels);
+  const auto t2 = Clock::now();
+  const int64_t backward_begin = now_us();
+  loss.backward();
+  const int64_t backward_end = now_us();
+  const auto t3 = Clock::now();
+  optimizer_->step();
+  const auto t4 = Clock::now();
+
+  const int64_t last_grad = timing_->last_grad_us.load(std::memory_order_relaxed);
+  Window& w = window_;
+  w.steps += 1;
+  w.loss_sum += loss.item<double>();
+  w.correct += logits.argmax(1).eq(batch.labels).sum().item<int64_t>();
+  w.samples += o_.batch_size;
+  w.step_s += seconds_between(t0, t4);
+  w.data_ms += 1e3 * seconds_between(t0, t1);
+  w.forward_ms += 1e3 * seconds_between(t1, t2);
+  w.backward_ms += 1e3 * seconds_between(t2, t3);
+  w.comm_wait_ms += last_grad >= backward_begin ? (backward_end - last_grad) / 1e3 : 0.0;
+  w.optimizer_ms += 1e3 * seconds_between(t3, t4);
+  ++steps_run_;
+  if (steps_run_ > o_.warmup_steps) {
+    measured_s_ += seconds_between(t0, t4);
+    ++measured_steps_;
+  }
+  state_.step = step + 1;
+  state_.epoch = state_.step / steps_per_epoch_;
+  state_.batch_in_epoch = state_.step % steps_per_epoch_;
+}
+
+// Collective: every rank reports at the same steps; the window's sums are averaged over ranks.
+void Trainer::report_window(int64_t epoch) {
+  const Window& w = window_;
+  at::Tensor sums = at::tensor({w.loss_sum, static_cast<double>(w.correct),
+                                static_cast<double>(w.samples)}, at::kDouble);
+  comm::AllreduceOptions aopts;
+  aopts.timeout = timeout_;
+  pg_->allreduce(sums, aopts)->wait();
+  StepReport r;
+  r.step = state_.step;
+  r.total_steps = total_steps_;
+  r.epoch = epoch;
+  r.window_steps = w.steps;
+  r.loss = sums[0].item<double>() / static_cast<double>(w.steps * world_);
+  r.train_accuracy = sums[1].item<double>() / sums[2].item<double>();
+  r.samples_per_sec = w.step_s > 0 ? static_cast<double>(w.samples * world_) / w.step_s : 0.0;
+  const double n = static_cast<double>(w.steps);
+  r.data_ms = w.data_ms / n;
+  r.forward_ms = w.forward_ms / n;
+  r.backward_ms = w.backward_ms / n;
+  r.comm_wait_ms = w.comm_wait_ms / n;
+  r.optimizer_ms = w.optimizer_ms / n;
+  r.elapsed_s = seconds_between(start_, Clock::now());
+  const double per_step = measured_steps_ > 0
+                              ? measured_s_ / static_cast<double>(measured_steps_)
+                              : w.step_s / n;
+  r.eta_s = per_step * static_cast<double>(total_steps_ - state_.step);
+  progress_->report(r);
+  state_.last_loss = r.loss;
+  state_.last_train_accuracy = r.train_accuracy;
+  window_ = Window{};
+}
+
+EvalResult Trainer::evaluate_now() {
+  EvalResult e = evaluate(model_, *data_.test, *pg_, o_.eval_batch_size, timeout_);
+  progress_->evaluation(state_.step, e.accuracy, e.samples);
+  return e;
+}
+
+void Trainer::save() {
+  state_.rng_state = rng_state();
+  if (rank_ == 0) save_checkpoint(o_.checkpoint_dir, *model_, *optimizer_, state_, fingerprint_);
+  saved_step_ = state_.step;
+}
+
+void Trainer::finish() {
+  const double train_s = seconds_between(start_, Clock::now());
+  if (!o_.checkpoint_dir.empty() && saved_step_ != state_.step) save();
+  const EvalResult final_eval = evaluate_now();
+  progress_->finish();
+  const uint64_t hash = params_hash(model_->parameters());
+  if (rank_ == 0 && !o_.summary_path.empty()) write_summary(final_eval, train_s, hash);
+  std::printf("rank %d of %d: trained %lld steps, test accuracy %.2f%%, parameters fnv1a64 %s\n",
+              rank_, world_, static_cast<long long>(state_.step), 100.0 * final_eval.accuracy,
+              hex64(hash).c_str());
+  std::fflush(stdout);
+  comm::BarrierOptions bopts;
+  bopts.timeout = timeout_;
+  pg_->barrier(bopts)->wait();
+}
+
+void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64_t hash) const {
+  const double samples_per_sec =
+      measured_steps_ > 0
+          ? static_cast<double>(measured_steps_ * o_.batch_size * world_) / measured_s_
+          : std::nan("");
+  nlohmann::json s = {
+      {"world_size", world_},
+      {"params", num_params_},
+      {"model", describe_model(o_.model)},
+      {"dataset", data_.description},
+      {"optimizer", o_.optimizer},
+      {"lr", o_.lr > 0 ? o_.lr : default_lr(o_.optimizer)},
+      {"batch_size", o_.batch_size},
+      {"seed", o_.seed},
+      {"steps", state_.step},
+      {"steps_run", steps_run_},
+      {"steps_per_epoch", steps_per_epoch_},
+      {"resumed_from_step",
+       resumed_from_ >= 0 ? nlohmann::json(resumed_from_) : nlohmann::json(nullptr)},
+      {"warmup_steps", o_.warmup_steps},
+      {"samples_per_sec", number_or_null(samples_per_sec)},
+      {"final_loss", number_or_null(state_.last_loss >= 0 ? state_.last_loss : std::nan(""))},
+      {"train_accuracy",
+       number_or_null(state_.last_train_accuracy >= 0 ? state_.last_train_accuracy : std::nan(""))},
+      {"accuracy", number_or_null(final_eval.accuracy)},
+      {"eval_samples", final_eval.samples},
+      {"train_seconds", train_s},
+      {"params_fnv1a64", hex64(hash)},
+  };
+  write_file_atomically(o_.summary_path, s.dump(2) + "\n");
+}
+
+}  // namespace
+
 void run_training(const TrainOptions& o) {
   validate(o);
   if (o.threads > 0) at::set_num_threads(o.threads);
-  // Data first: a bad directory or file fails at once on every rank, before any rendezvous.
-  DataConfig data_config = o.data;
-  data_config.seed = o.seed;
-  DataSplits data = load_data(data_config);
-  auto pg = make_group(o);
-  const int rank = pg->rank();
-  const int world = pg->size();
-  set_log_rank(rank);
-  const auto timeout = timeout_of(o);
-  Progress progress(parse_progress_mode(o.progress), rank == 0, o.metrics_path);
-
-  DistributedSampler sampler(data.train->size(), world, rank, /*shuffle=*/true, o.seed);
-  const int64_t steps_per_epoch = sampler.num_samples() / o.batch_size;
-  if (steps_per_epoch < 1) {
-    throw InvalidArgument(str("the training set has ", data.train->size(), " samples, fewer than ",
-                              "one step needs (--batch-size ", o.batch_size, " x world size ", world,
-                              ")"));
-  }
-  const int64_t total_steps = o.steps > 0 ? o.steps : o.epochs * steps_per_epoch;
-
-  torch::manual_seed(o.seed);
-  torch::nn::Sequential model = build_model(o.model);
-  auto optimizer = make_optimizer(o, model->parameters());
-  const std::string print = fingerprint(o, world, data.train->size());
-  const int64_t num_params = count_parameters(*model);
-  progress.note(str("tdist-train: ", describe_model(o.model), " (", num_params, " parameters) on ",
-                    data.description, "; world size ", world, ", batch ", o.batch_size,
-                    " per rank, ", o.optimizer, " lr ", o.lr > 0 ? o.lr : default_lr(o.optimizer),
-                    "; ", steps_per_epoch, " steps per epoch, ", total_steps, " steps"));
-
-  TrainState state;
-  int64_t resumed_from = -1;
-  if (o.resume) {
-    std::optional<std::vector<char>> bytes;
-    std::string read_error;
-    if (rank == 0) {
-      try {
-        bytes = read_checkpoint_file(o.checkpoint_dir);
-      } catch (const std::exception& e) {
-        read_error = e.what();
-      }
-    }
-    auto shared = share_checkpoint(*pg, bytes, read_error, timeout);
-    if (shared) {
-      state = load_checkpoint(*shared, *model, *optimizer, print);
-      TDIST_CHECK_EQ(state.epoch * steps_per_epoch + state.batch_in_epoch, state.step,
-                     "the checkpoint's sampler position (epoch ", state.epoch, ", batch ",
-                     state.batch_in_epoch, ") does not match its step");
-      if (state.rng_state.defined()) set_rng_state(state.rng_state);
-      resumed_from = state.step;
-      progress.note(str("resumed from ", checkpoint_path(o.checkpoint_dir), " at step ", state.step,
-                        " (epoch ", state.epoch, ", batch ", state.batch_in_epoch, ")"));
-    } else {
-      progress.note(str("no checkpoint in ", o.checkpoint_dir, ": starting from step 0"));
-    }
-  }
-
-  ddp::DDPOptions dopts = o.ddp;
-  dopts.timeout = timeout;
-  Model ddp_model(model, pg, dopts);
-  if (auto hook = make_hook(o)) ddp_model.register_comm_hook(std::move(hook));
-  auto timing = std::make_shared<GradTiming>();
-  watch_gradients(model->parameters(), timing);
-
-  const FailureInjection failure = FailureInjection::from_env(rank, world);
-  auto save = [&] {
-    state.rng_state = rng_state();
-    if (rank == 0) save_checkpoint(o.checkpoint_dir, *model, *optimizer, state, print);
-  };
-  int64_t saved_step = resumed_from;
-
-  const auto start = Clock::now();
-  int64_t steps_run = 0;
-  int64_t measured_steps = 0;
-  double measured_s = 0;
-  Window w;
-  int64_t cached_epoch = -1;
-  std::vector<int64_t> epoch_indices;
-  for (int64_t step = state.step; step < total_steps; ++step) {
-    failure.check(step);
-    const int64_t epoch = step / steps_per_epoch;
-    const int64_t in_epoch = step % steps_per_epoch;
-    const auto t0 = Clock::now();
-    if (epoch != cached_epoch) {
-      epoch_indices = sampler.epoch_indices(epoch);
-      cached_epoch = epoch;
-    }
-    const auto first = epoch_indices.begin() + in_epoch * o.batch_size;
-    Batch batch = data.train->get(std::vector<int64_t>(first, first + o.batch_size));
-    const auto t1 = Clock::now();
-    optimizer->zero_grad();
-    at::Tensor logits = ddp_model(batch.images);
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits, batch.labels);
-    const auto t2 = Clock::now();
-    const int64_t backward_begin = now_us();
-    loss.backward();
-    const int64_t backward_end = now_us();
-    const auto t3 = Clock::now();
-    optimizer->step();
-    const auto t4 = Clock::now();
-
-    const int64_t last_grad = timing->last_grad_us.load(std::memory_order_relaxed);
-    w.steps += 1;
-    w.loss_sum += loss.item<double>();
-    w.correct += logits.argmax(1).eq(batch.labels).sum().item<int64_t>();
-    w.samples += o.batch_size;
-    w.step_s += seconds_between(t0, t4);
-    w.data_ms += 1e3 * seconds_between(t0, t1);
-    w.forward_ms += 1e3 * seconds_between(t1, t2);
-    w.backward_ms += 1e3 * seconds_between(t2, t3);
-    w.comm_wait_ms += last_grad >= backward_begin ? (backward_end - last_grad) / 1e3 : 0.0;
-    w.optimizer_ms += 1e3 * seconds_between(t3, t4);
-    ++steps_run;
-    if (steps_run > o.warmup_steps) {
-      measured_s += seconds_between(t0, t4);
-      ++measured_steps;
-    }
-    state.step = step + 1;
-    state.epoch = state.step / steps_per_epoch;
-    state.batch_in_epoch = state.step % steps_per_epoch;
-
-    if (state.step % o.log_every == 0 || state.step == total_steps) {
-      // Collective: every rank reports at the same steps.
-      at::Tensor sums = at::tensor({w.loss_sum, static_cast<double>(w.correct),
-                                    static_cast<double>(w.samples)}, at::kDouble);
-      comm::AllreduceOptions aopts;
-      aopts.timeout = timeout;
-      pg->allreduce(sums, aopts)->wait();
-      StepReport r;
-      r.step = state.step;
-      r.total_steps = total_steps;
-      r.epoch = epoch;
-      r.window_steps = w.steps;
-      r.loss = sums[0].item<double>() / static_cast<double>(w.steps * world);
-      r.train_accuracy = sums[1].item<double>() / sums[2].item<double>();
-      r.samples_per_sec = w.step_s > 0 ? static_cast<double>(w.samples * world) / w.step_s : 0.0;
-      const double n = static_cast<double>(w.steps);
-      r.data_ms = w.data_ms / n;
-      r.forward_ms = w.forward_ms / n;
-      r.backward_ms = w.backward_ms / n;
-      r.comm_wait_ms = w.comm_wait_ms / n;
-      r.optimizer_ms = w.optimizer_ms / n;
-      r.elapsed_s = seconds_between(start, Clock::now());
-      const double per_step = measured_steps > 0 ? measured_s / static_cast<double>(measured_steps)
-                                                 : w.step_s / n;
-      r.eta_s = per_step * static_cast<double>(total_steps - state.step);
-      progress.report(r);
-      state.last_loss = r.loss;
-      state.last_train_accuracy = r.train_accuracy;
-      w = Window{};
-    }
-    if (o.eval_every > 0 && state.step % o.eval_every == 0 && state.step != total_steps) {
-      EvalResult e = evaluate(model, *data.test, *pg, o.eval_batch_size, timeout);
-      progress.evaluation(state.step, e.accuracy, e.samples);
-    }
-    if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 && state.step % o.checkpoint_every == 0) {
-      save();
-      saved_step = state.step;
-    }
-  }
-  const double train_s = seconds_between(start, Clock::now());
-  if (!o.checkpoint_dir.empty() && saved_step != state.step) save();
-
-  EvalResult final_eval = evaluate(model, *data.test, *pg, o.eval_batch_size, timeout);
-  progress.evaluation(state.step, final_eval.accuracy, final_eval.samples);
-  progress.finish();
-  const uint64_t hash = params_hash(model->parameters());
-  const double samples_per_sec =
-      measured_steps > 0 ? static_cast<double>(measured_steps * o.batch_size * world) / measured_s
-                         : std::nan("");
-
-  if (rank == 0 && !o.summary_path.empty()) {
-    nlohmann::json s = {
-        {"world_size", world},
-        {"params", num_params},
-        {"model", describe_model(o.model)},
-        {"dataset", data.description},
-        {"optimizer", o.optimizer},
-        {"lr", o.lr > 0 ? o.lr : default_lr(o.optimizer)},
-        {"batch_size", o.batch_size},
-        {"seed", o.seed},
-        {"steps", state.step},
-        {"steps_run", steps_run},
-        {"steps_per_epoch", steps_per_epoch},
-        {"resumed_from_step", resumed_from >= 0 ? nlohmann::json(resumed_from) : nlohmann::json(nullptr)},
-        {"warmup_steps", o.warmup_steps},
-        {"samples_per_sec", number_or_null(samples_per_sec)},
-        {"final_loss", number_or_null(state.last_loss >= 0 ? state.last_loss : std::nan(""))},
-        {"train_accuracy",
-         number_or_null(state.last_train_accuracy >= 0 ? state.last_train_accuracy : std::nan(""))},
-        {"accuracy", number_or_null(final_eval.accuracy)},
-        {"eval_samples", final_eval.samples},
-        {"train_seconds", train_s},
-        {"params_fnv1a64", hex64(hash)},
-    };
-    write_file_atomically(o.summary_path, s.dump(2) + "\n");
-  }
-  std::printf("rank %d of %d: trained %lld steps, test accuracy %.2f%%, parameters fnv1a64 %s\n",
-              rank, world, static_cast<long long>(state.step), 100.0 * final_eval.accuracy,
-              hex64(hash).c_str());
-  std::fflush(stdout);
-  // Rank 0 hosts the store: nobody leaves while another rank may still need it.
-  comm::BarrierOptions bopts;
-  bopts.timeout = timeout;
-  pg->barrier(bopts)->wait();
+  Trainer trainer(o);
+  if (o.resume) trainer.resume();
+  trainer.start_training();
+  while (!trainer.done()) trainer.train_epoch();
+  trainer.finish();
 }
 
 }  // namespace tdist::train

@@ -1,8 +1,9 @@
-#include "apps/bench_ddp/bench_ddp.h"
-
+// tdist-bench ddp: training throughput of tdist's DistributedDataParallel, measured side by side
+// with plain libtorch (world size 1) and with PyTorch's Python DDP over gloo (world size N,
+// scripts/bench_ddp_torch.py) on the same model, batch and world size. Reports samples/s and
+// the ratios. The world-size-N run starts N copies of this binary (`ddp --worker`) on 127.0.0.1.
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,13 +22,13 @@
 #include <string>
 #include <vector>
 
+#include "apps/bench/common.h"
+#include "apps/bench/subcommands.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
 #include "tdist/core/hash_store.h"
 #include "tdist/core/rendezvous.h"
 #include "tdist/ddp/distributed_data_parallel.h"
-
-extern char** environ;
 
 namespace tdist::bench {
 namespace {
@@ -83,20 +84,13 @@ Result train(const Config& c, int rank, int world, std::vector<torch::Tensor> pa
     torch::nn::functional::cross_entropy(forward(xs[i % 4]), ys[i % 4]).backward();
     opt.step();
   };
-  for (int i = 0; i < c.warmup; ++i) step(i);
+  time_calls(c.warmup, 0, step);
   sync();
-  std::vector<double> times;
   auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < c.iters; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    step(i);
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                        .count());
-  }
+  const std::vector<double> times = time_calls(0, c.iters, step);
   sync();
   double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::sort(times.begin(), times.end());
-  return Result{static_cast<double>(world) * c.batch * c.iters / total, times[times.size() / 2]};
+  return Result{static_cast<double>(world) * c.batch * c.iters / total, median(times) * 1e3};
 }
 
 Result run_plain(const Config& c) {
@@ -148,21 +142,6 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& extra_env) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e; ++e) env.emplace_back(*e);
-  env.insert(env.end(), extra_env.begin(), extra_env.end());
-  std::vector<char*> argv, envp;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-  envp.push_back(nullptr);
-  pid_t pid;
-  int rc = posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data());
-  TDIST_CHECK(rc == 0, "cannot start ", args[0], ": ", std::strerror(rc));
-  return pid;
-}
-
 Result run_tdist_world(const Config& c, const std::vector<std::string>& worker_args) {
   const int port = free_port();
   char tmpl[] = "/tmp/tdist-bench-ddp-XXXXXX";
@@ -172,11 +151,12 @@ Result run_tdist_world(const Config& c, const std::vector<std::string>& worker_a
   const std::string result_path = tmpl;
   std::vector<pid_t> pids;
   for (int r = 0; r < c.world_size; ++r) {
-    pids.push_back(spawn(worker_args,
+    pids.push_back(spawn_process(worker_args,
                          {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(c.world_size),
                           "LOCAL_RANK=" + std::to_string(r), "MASTER_ADDR=127.0.0.1",
                           "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=" +
-                          std::to_string(c.threads), "TDIST_BENCH_DDP_RESULT=" + result_path}));
+                          std::to_string(c.threads), "TDIST_BENCH_DDP_RESULT=" + result_path},
+                                 "rank " + std::to_string(r)));
   }
   std::string failed;
   for (int r = 0; r < c.world_size; ++r) {
@@ -203,12 +183,9 @@ Result run_torch_world(const Config& c) {
       << c.iters << " --warmup " << c.warmup << " --batch " << c.batch << " --hidden " << c.hidden
       << " --layers " << c.layers << " --lr " << c.lr << " --bucket-cap-mb " << c.bucket_cap_mb
       << " --threads " << c.threads << " 2>&1";
-  FILE* p = ::popen(cmd.str().c_str(), "r");
-  TDIST_CHECK(p != nullptr, "cannot run ", cmd.str());
-  std::string out, line;
-  char buf[4096];
-  while (std::fgets(buf, sizeof(buf), p)) out += buf;
-  int rc = ::pclose(p);
+  int rc = 0;
+  const std::string out = capture_output(cmd.str(), &rc);
+  std::string line;
   Result res;
   std::istringstream is(out);
   while (std::getline(is, line)) {
@@ -220,13 +197,14 @@ Result run_torch_world(const Config& c) {
   return res;
 }
 
-Result median(std::vector<Result> rs) {
-  auto by = [](auto key, std::vector<Result> v) {
-    std::sort(v.begin(), v.end(), [&](const Result& a, const Result& b) { return key(a) < key(b); });
-    return key(v[v.size() / 2]);
-  };
-  return Result{by([](const Result& r) { return r.samples_per_s; }, rs),
-                by([](const Result& r) { return r.iter_ms; }, rs)};
+// Each figure's median over the rounds.
+Result median_result(const std::vector<Result>& rs) {
+  std::vector<double> samples_per_s, iter_ms;
+  for (const auto& r : rs) {
+    samples_per_s.push_back(r.samples_per_s);
+    iter_ms.push_back(r.iter_ms);
+  }
+  return Result{median(samples_per_s), median(iter_ms)};
 }
 
 void print_row(const std::string& world, const std::string& what, const Result& r,
@@ -265,7 +243,7 @@ int run_ddp_bench(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  try {
+  return run_or_report("tdist-bench ddp", [&] {
     if (c.worker) return worker_main(c);
     torch::set_num_threads(c.threads);
     std::cout << "model MLP 784-" << c.hidden << "x" << c.layers << "-10, batch " << c.batch
@@ -283,7 +261,7 @@ int run_ddp_bench(int argc, char** argv) {
         ddp1.push_back(run_ddp(c, pg));
         if (r % 2 == 1) plain.push_back(run_plain(c));
       }
-      Result p = median(plain), d = median(ddp1);
+      Result p = median_result(plain), d = median_result(ddp1);
       print_row("1", "libtorch, no DDP", p, "");
       std::ostringstream ratio;
       ratio << std::setprecision(3) << std::fixed << d.samples_per_s / p.samples_per_s
@@ -299,9 +277,9 @@ int run_ddp_bench(int argc, char** argv) {
       if (c.compare_torch && r % 2 == 0) theirs.push_back(run_torch_world(c));
     }
     const std::string w = std::to_string(c.world_size);
-    Result o = median(ours);
+    Result o = median_result(ours);
     if (c.compare_torch) {
-      Result t = median(theirs);
+      Result t = median_result(theirs);
       print_row(w, "PyTorch DDP (Python, gloo)", t, "");
       std::ostringstream ratio;
       ratio << std::setprecision(3) << std::fixed << o.samples_per_s / t.samples_per_s
@@ -311,10 +289,7 @@ int run_ddp_bench(int argc, char** argv) {
       print_row(w, "tdist DDP (ring)", o, "");
     }
     return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "tdist-bench ddp: " << e.what() << std::endl;
-    return 1;
-  }
+  });
 }
 
 }  // namespace tdist::bench

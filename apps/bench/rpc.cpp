@@ -6,13 +6,6 @@
 //   tensor echo   a --echo-mib MiB float32 tensor sent and returned, GB/s counting both ways
 // Then, unless --no-torch, the same three through torch.distributed.rpc (TensorPipe) by running
 // scripts/bench_rpc_torch.py, and the ratios against the targets of the RPC issue.
-#include "apps/bench_rpc/bench_rpc.h"
-#include "apps/bench_rpc/rounds.h"
-
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -20,16 +13,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "tdist/core/tcp_store.h"
+#include "apps/bench/subcommands.h"
+#include "apps/bench/two_workers.h"
 #include "tdist/rpc/api.h"
-
-extern char** environ;
 
 namespace tdist::bench {
 namespace {
@@ -66,11 +56,7 @@ void register_bench_functions() {
 }
 
 rpc::RpcOptions agent_options(const Options& o) {
-  rpc::RpcOptions r;
-  r.store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(o.store_port), false,
-                                       std::chrono::seconds(60));
-  r.num_worker_threads = o.threads;
-  r.rpc_timeout = std::chrono::seconds(120);
+  rpc::RpcOptions r = worker_options(o.store_port, o.threads);
   r.same_host_fast_path = o.fast_path;
   return r;
 }
@@ -89,15 +75,10 @@ json measure(const Options& o) {
   r["backend"] = "tdist";
   r["fast_path"] = o.fast_path;
 
-  for (int i = 0; i < o.warmup; ++i) agent->rpc_sync<int64_t>(peer, "bench_add", int64_t{1}, int64_t{2});
-  std::vector<double> samples;
-  samples.reserve(o.rtt_iters);
-  for (int i = 0; i < o.rtt_iters; ++i) {
-    auto t0 = Clock::now();
+  const std::vector<double> rtt_s = time_calls(o.warmup, o.rtt_iters, [&](int) {
     agent->rpc_sync<int64_t>(peer, "bench_add", int64_t{1}, int64_t{2});
-    samples.push_back(seconds_since(t0));
-  }
-  r["rtt_us"] = median(samples) * 1e6;
+  });
+  r["rtt_us"] = median(rtt_s) * 1e6;
 
   auto async_round = [&](int n) {
     auto t0 = Clock::now();
@@ -123,77 +104,29 @@ json measure(const Options& o) {
   const int64_t bytes = int64_t{o.echo_mib} << 20;
   at::Tensor t = at::rand({bytes / 4});
   at::Tensor back;
-  for (int i = 0; i < 3; ++i) back = agent->rpc_sync<at::Tensor>(peer, "bench_echo", t);
-  samples.clear();
-  for (int i = 0; i < o.echo_iters; ++i) {
-    auto t0 = Clock::now();
+  const std::vector<double> echo_s = time_calls(3, o.echo_iters, [&](int) {
     back = agent->rpc_sync<at::Tensor>(peer, "bench_echo", t);
-    samples.push_back(seconds_since(t0));
-  }
+  });
   if (!back.equal(t)) throw std::runtime_error("the echoed tensor differs from the one sent");
   r["echo_bytes"] = bytes;
-  r["echo_gbps"] = 2.0 * static_cast<double>(bytes) / median(samples) / 1e9;
+  r["echo_gbps"] = 2.0 * static_cast<double>(bytes) / median(echo_s) / 1e9;
   agent->shutdown(true);
   return r;
 }
 
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) throw std::runtime_error("cannot find this executable");
-  return std::string(buf, static_cast<size_t>(n));
-}
-
-pid_t spawn_server(const Options& o) {
-  std::vector<std::string> args{self_exe(),
-                                "rpc",
-                                "--role-server",
-                                "--store-port",
-                                std::to_string(o.store_port),
-                                "--threads",
-                                std::to_string(o.threads)};
-  if (!o.fast_path) args.push_back("--no-fast-path");
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  int rc = ::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ);
-  if (rc != 0) throw std::runtime_error("cannot start the server process");
-  return pid;
+pid_t start_server(const Options& o) {
+  std::vector<std::string> flags;
+  if (!o.fast_path) flags.push_back("--no-fast-path");
+  return spawn_server(flags, o.store_port, o.threads);
 }
 
 json run_torch(const Options& o) {
-  std::ostringstream cmd;
-  cmd << "python3 " << o.torch_script << " --rtt-iters " << o.rtt_iters << " --warmup "
-      << o.warmup << " --async-calls " << o.async_calls << " --outstanding " << o.outstanding
-      << " --repeats " << o.repeats << " --echo-bytes " << (int64_t{o.echo_mib} << 20)
-      << " --echo-iters " << o.echo_iters << " --threads " << o.threads << " 2>/dev/null";
-  FILE* p = ::popen(cmd.str().c_str(), "r");
-  if (!p) throw std::runtime_error("cannot run " + cmd.str());
-  std::string out;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
-  int rc = ::pclose(p);
-  if (rc != 0) throw std::runtime_error("'" + cmd.str() + "' failed (exit status " + std::to_string(rc) + ")");
-  auto nl = out.find_last_of('{');
-  if (nl == std::string::npos) throw std::runtime_error("no JSON from " + o.torch_script);
-  return json::parse(out.substr(nl));
-}
-
-std::string default_script() {
-  // <build>/apps/bench/tdist-bench -> <source>/scripts/bench_rpc_torch.py
-  std::string exe = self_exe();
-  for (std::string dir = exe; !dir.empty();) {
-    auto slash = dir.find_last_of('/');
-    if (slash == std::string::npos) break;
-    dir = dir.substr(0, slash);
-    std::string candidate = dir + "/scripts/bench_rpc_torch.py";
-    if (std::ifstream(candidate).good()) return candidate;
-    if (std::ifstream(dir + "/../scripts/bench_rpc_torch.py").good()) {
-      return dir + "/../scripts/bench_rpc_torch.py";
-    }
-  }
-  return "scripts/bench_rpc_torch.py";
+  std::ostringstream args;
+  args << " --rtt-iters " << o.rtt_iters << " --warmup " << o.warmup << " --async-calls "
+       << o.async_calls << " --outstanding " << o.outstanding << " --repeats " << o.repeats
+       << " --echo-bytes " << (int64_t{o.echo_mib} << 20) << " --echo-iters " << o.echo_iters
+       << " --threads " << o.threads;
+  return run_torch_script(o.torch_script, args.str());
 }
 
 }  // namespace
@@ -224,12 +157,12 @@ int run_rpc_bench(int argc, char** argv) {
   app.add_option("--store-port", o.store_port)->group("");
   CLI11_PARSE(app, argc, argv);
 
-  try {
+  return run_or_report("tdist-bench rpc", [&] {
     if (o.server) return run_server(o);
     register_bench_functions();
-    if (o.torch && o.torch_script.empty()) o.torch_script = default_script();
+    if (o.torch && o.torch_script.empty()) o.torch_script = find_script("bench_rpc_torch.py");
     std::vector<json> our_runs, torch_runs;
-    run_rounds(o, spawn_server, measure, run_torch, our_runs, torch_runs);
+    run_rounds(o, start_server, measure, run_torch, our_runs, torch_runs);
     auto med = [](const std::vector<json>& runs) {
       return median_of(runs, {"rtt_us", "async_calls_s", "echo_gbps"});
     };
@@ -241,45 +174,18 @@ int run_rpc_bench(int argc, char** argv) {
       result["torch"] = theirs;
     }
 
-    std::printf("%-28s %14s", "", "tdist");
-    if (o.torch) std::printf(" %14s %10s %10s", "torch (TP)", "ratio", "target");
-    std::printf("\n");
-    struct Row {
-      const char* label;
-      const char* key;
-      bool lower_is_better;
-      double target;
-    };
-    const Row rows[] = {{"rpc_sync round trip (us)", "rtt_us", true, 1.0 / 3},
-                        {"rpc_async calls/s", "async_calls_s", false, 3.0},
-                        {"tensor echo (GB/s)", "echo_gbps", false, 1.5}};
-    bool all_met = true;
-    for (const auto& row : rows) {
-      const double a = ours[row.key].get<double>();
-      std::printf("%-28s %14.2f", row.label, a);
-      if (o.torch) {
-        const double b = theirs[row.key].get<double>();
-        const double ratio = a / b;
-        const bool met = row.lower_is_better ? ratio <= row.target : ratio >= row.target;
-        all_met = all_met && met;
-        std::printf(" %14.2f %10.3f %9s%.2f %s", b, ratio, row.lower_is_better ? "<=" : ">=",
-                    row.target, met ? "met" : "NOT MET");
-        result["ratios"][row.key] = ratio;
-        result["met"][row.key] = met;
-      }
-      std::printf("\n");
-    }
+    const RatioTable table{"", "torch (TP)", 28, 14, 2, 10, 9,
+                           {{"rpc_sync round trip (us)", "rtt_us", true, 1.0 / 3},
+                            {"rpc_async calls/s", "async_calls_s", false, 3.0},
+                            {"tensor echo (GB/s)", "echo_gbps", false, 1.5}}};
+    const bool all_met = print_ratio_table(table, ours, o.torch ? &theirs : nullptr, result);
     std::printf("(medians of %d alternating rounds; %d MiB echo, %d outstanding async calls, %d "
                 "worker threads, fast path %s)\n",
                 std::max(o.rounds, 1), o.echo_mib, o.outstanding, o.threads,
                 o.fast_path ? "on" : "off");
-    if (!o.json_file.empty()) std::ofstream(o.json_file) << result.dump(2) << "\n";
-    if (o.torch) std::printf("targets: %s\n", all_met ? "all met" : "not all met");
+    finish_report(o.json_file, result, o.torch, all_met);
     return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "tdist-bench rpc: %s\n", e.what());
-    return 1;
-  }
+  });
 }
 
 }  // namespace tdist::bench

@@ -13,7 +13,7 @@
 // are not installed with the wheel): scripts/bench_gloo.py runs torch.distributed's Gloo in the
 // same run and prints both tables and their ratios.
 
-#include "apps/bench/bench_collective.h"
+#include "apps/bench/subcommands.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

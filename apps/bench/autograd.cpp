@@ -13,31 +13,21 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "apps/bench_rpc/bench_rpc.h"
-#include "apps/bench_rpc/rounds.h"
+#include "apps/bench/subcommands.h"
+#include "apps/bench/two_workers.h"
 #include "tdist/autograd/context.h"
-#include "tdist/core/tcp_store.h"
 #include "tdist/optim/distributed_optimizer.h"
 #include "tdist/rpc/api.h"
-
-extern char** environ;
 
 namespace tdist::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 namespace dist_autograd = tdist::autograd;
 
@@ -101,30 +91,14 @@ void register_classes() {
       .method("parameter_rrefs", &FrontMlp::parameter_rrefs);
 }
 
-rpc::RpcOptions agent_options(const Options& o) {
-  rpc::RpcOptions r;
-  r.store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(o.store_port), false,
-                                       std::chrono::seconds(60));
-  r.num_worker_threads = o.threads;
-  r.rpc_timeout = std::chrono::seconds(120);
-  return r;
-}
-
 // Runs `step` warmup + iters times; the median time of one iteration in milliseconds.
 template <class Step>
 double time_iterations(int warmup, int iters, Step&& step) {
-  for (int i = 0; i < warmup; ++i) step();
-  std::vector<double> samples;
-  for (int i = 0; i < std::max(iters, 1); ++i) {
-    auto t0 = Clock::now();
-    step();
-    samples.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-  }
-  return median(samples);
+  return median(time_calls(warmup, std::max(iters, 1), [&](int) { step(); })) * 1e3;
 }
 
 json measure(const Options& o) {
-  rpc::init_rpc("worker0", 0, 2, agent_options(o));
+  rpc::init_rpc("worker0", 0, 2, worker_options(o.store_port, o.threads));
   json r;
   r["backend"] = "tdist";
   {
@@ -168,62 +142,20 @@ json measure(const Options& o) {
 }
 
 int run_server(const Options& o) {
-  rpc::init_rpc("worker1", 1, 2, agent_options(o));
+  rpc::init_rpc("worker1", 1, 2, worker_options(o.store_port, o.threads));
   rpc::shutdown();  // serves until worker0 is done too
   return 0;
 }
 
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) throw std::runtime_error("cannot find this executable");
-  return std::string(buf, static_cast<size_t>(n));
-}
-
-pid_t spawn_server(const Options& o) {
-  std::vector<std::string> args{self_exe(), "rpc", "--autograd", "--role-server", "--store-port",
-                                std::to_string(o.store_port), "--threads",
-                                std::to_string(o.threads)};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  if (::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) {
-    throw std::runtime_error("cannot start the worker1 process");
-  }
-  return pid;
+pid_t start_server(const Options& o) {
+  return spawn_server({"--autograd"}, o.store_port, o.threads);
 }
 
 json run_torch(const Options& o) {
-  std::ostringstream cmd;
-  cmd << "python3 " << o.torch_script << " --iters " << o.iters << " --warmup " << o.warmup
-      << " --split-iters " << o.split_iters << " --split-warmup " << o.split_warmup
-      << " --threads " << o.threads << " 2>/dev/null";
-  FILE* p = ::popen(cmd.str().c_str(), "r");
-  if (!p) throw std::runtime_error("cannot run " + cmd.str());
-  std::string out;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
-  const int rc = ::pclose(p);
-  if (rc != 0) {
-    throw std::runtime_error("'" + cmd.str() + "' failed (exit status " + std::to_string(rc) + ")");
-  }
-  auto brace = out.find_last_of('{');
-  if (brace == std::string::npos) throw std::runtime_error("no JSON from " + o.torch_script);
-  return json::parse(out.substr(brace));
-}
-
-std::string default_script() {
-  // <build>/apps/bench/tdist-bench -> <source>/scripts/bench_autograd_torch.py
-  const std::string name = "/scripts/bench_autograd_torch.py";
-  for (std::string dir = self_exe();;) {
-    auto slash = dir.find_last_of('/');
-    if (slash == std::string::npos || slash == 0) break;
-    dir = dir.substr(0, slash);
-    if (std::ifstream(dir + name).good()) return dir + name;
-    if (std::ifstream(dir + "/.." + name).good()) return dir + "/.." + name;
-  }
-  return "scripts/bench_autograd_torch.py";
+  std::ostringstream args;
+  args << " --iters " << o.iters << " --warmup " << o.warmup << " --split-iters "
+       << o.split_iters << " --split-warmup " << o.split_warmup << " --threads " << o.threads;
+  return run_torch_script(o.torch_script, args.str());
 }
 
 }  // namespace
@@ -248,13 +180,13 @@ int run_autograd_bench(int argc, char** argv) {
   app.add_option("--store-port", o.store_port)->group("");
   CLI11_PARSE(app, argc, argv);
 
-  try {
+  return run_or_report("tdist-bench rpc --autograd", [&] {
     at::set_num_threads(1);
     register_classes();
     if (o.server) return run_server(o);
-    if (o.torch && o.torch_script.empty()) o.torch_script = default_script();
+    if (o.torch && o.torch_script.empty()) o.torch_script = find_script("bench_autograd_torch.py");
     std::vector<json> ours, theirs;
-    run_rounds(o, spawn_server, measure, run_torch, ours, theirs);
+    run_rounds(o, start_server, measure, run_torch, ours, theirs);
     auto med = [](const std::vector<json>& runs) {
       return median_of(runs, {"seed_ms", "split_ms"});
     };
@@ -262,37 +194,17 @@ int run_autograd_bench(int argc, char** argv) {
     json b;
     if (o.torch) result["torch"] = b = med(theirs);
 
-    constexpr double kTarget = 0.5;
-    std::printf("%-44s %10s", "per iteration (ms)", "tdist");
-    if (o.torch) std::printf(" %10s %8s %10s", "torch", "ratio", "target");
-    std::printf("\n");
-    const std::pair<const char*, const char*> rows[] = {
-        {"seed: Linear 2->1 remote, 8 samples, SGD", "seed_ms"},
-        {"split MLP 784-1024x3-10, batch 64, SGD", "split_ms"}};
-    bool all_met = true;
-    for (const auto& [label, key] : rows) {
-      std::printf("%-44s %10.3f", label, a[key].get<double>());
-      if (o.torch) {
-        const double ratio = a[key].get<double>() / b[key].get<double>();
-        const bool met = ratio <= kTarget;
-        all_met = all_met && met;
-        std::printf(" %10.3f %8.3f %7s%.2f %s", b[key].get<double>(), ratio, "<=", kTarget,
-                    met ? "met" : "NOT MET");
-        result["ratios"][key] = ratio;
-        result["met"][key] = met;
-      }
-      std::printf("\n");
-    }
+    constexpr double kTarget = 0.5;  // at most half of PyTorch's time per iteration
+    const RatioTable table{"per iteration (ms)", "torch", 44, 10, 3, 8, 7,
+                           {{"seed: Linear 2->1 remote, 8 samples, SGD", "seed_ms", true, kTarget},
+                            {"split MLP 784-1024x3-10, batch 64, SGD", "split_ms", true, kTarget}}};
+    const bool all_met = print_ratio_table(table, a, o.torch ? &b : nullptr, result);
     std::printf("(medians of %d alternating rounds, each the median of %d / %d timed iterations; "
                 "%d RPC worker threads, 1 intra-op thread)\n",
                 std::max(o.rounds, 1), o.iters, o.split_iters, o.threads);
-    if (!o.json_file.empty()) std::ofstream(o.json_file) << result.dump(2) << "\n";
-    if (o.torch) std::printf("targets: %s\n", all_met ? "all met" : "not all met");
+    finish_report(o.json_file, result, o.torch, all_met);
     return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "tdist-bench rpc --autograd: %s\n", e.what());
-    return 1;
-  }
+  });
 }
 
 }  // namespace tdist::bench

@@ -1,0 +1,65 @@
+#pragma once
+// What every tdist-bench subcommand shares: the median, timing a call many times, starting a copy
+// of this binary or another program, running a command and reading its output, and the guard
+// that turns an exception into the subcommand's error line and exit code 1.
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace tdist::bench {
+
+// The upper median (v[n/2] after sorting), as every table of tdist-bench reports. v not empty.
+double median(std::vector<double> v);
+
+// Runs step(i) for i in [0, warmup) untimed, then for i in [0, iters) timed; returns the seconds
+// each timed call took.
+template <class Step>
+std::vector<double> time_calls(int warmup, int iters, Step&& step) {
+  using Clock = std::chrono::steady_clock;
+  for (int i = 0; i < warmup; ++i) step(i);
+  std::vector<double> seconds;
+  seconds.reserve(iters > 0 ? static_cast<size_t>(iters) : 0);
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    step(i);
+    seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return seconds;
+}
+
+// The path of this executable (/proc/self/exe); std::runtime_error when it cannot be read.
+std::string self_exe();
+
+// Starts args[0] (looked up in PATH unless it has a slash) with args, in this process's
+// environment plus extra_env ("NAME=value"); returns its pid. std::runtime_error naming `what`
+// when it cannot be started.
+pid_t spawn_process(const std::vector<std::string>& args, const std::vector<std::string>& extra_env,
+                    const std::string& what);
+
+// Runs `command` through the shell and returns everything it wrote on stdout; its wait status
+// in *status. std::runtime_error when it cannot be started.
+std::string capture_output(const std::string& command, int* status);
+
+// <dir>/scripts/<name> for the nearest directory above this executable that has it (the source
+// tree of a build directory inside it or beside it); "scripts/<name>" when none does.
+std::string find_script(const std::string& name);
+
+// Prints "<name>: <what>" on stderr.
+void report_error(const char* name, const std::exception& e);
+
+// Runs body() and returns what it returns; an exception becomes report_error() and 1.
+template <class Body>
+int run_or_report(const char* name, Body&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    report_error(name, e);
+    return 1;
+  }
+}
+
+}  // namespace tdist::bench

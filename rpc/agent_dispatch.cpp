@@ -1,0 +1,120 @@
+// RpcAgent, part 3 of 4: dispatch (agent.h has the whole contract; agent.cpp lists the parts).
+// Contract of this part:
+// - on_message() runs on a connection's reader thread for every complete frame and never runs
+//   user code there. A request counts as received and goes to the worker pool, where the
+//   autograd hook (rpc/autograd_hooks.h) sees it first and request_handlers.cpp answers it. A
+//   response or error completes its pending call (agent_pending.cpp): an ERROR frame becomes a
+//   RemoteError naming the remote worker; a response to a call that already timed out or failed
+//   is dropped. A completion that may send or destroy RRefs (on_pool, or a response carrying
+//   RRefs) runs on the pool, the others on the reader thread.
+// - post_work(): work on the pool that keeps the agent busy (not idle()) until it returns; none
+//   runs once the agent is stopping.
+#include "tdist/rpc/agent.h"
+
+#include "tdist/core/logging.h"
+#include "tdist/rpc/autograd_hooks.h"
+
+namespace tdist::rpc {
+
+using detail::Message;
+
+void RpcAgent::post_work(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    if (stopping_) return;
+    ++processing_;
+  }
+  auto done = [this] {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    if (--processing_ == 0 && pending_.empty()) idle_cv_.notify_all();
+  };
+  std::function<void()> task = [this, fn = std::move(fn), done] {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      TDIST_LOG_ERROR("rpc: worker '", self_.name, "': posted work threw: ", e.what());
+    }
+    done();
+  };
+  if (!pool_->try_post(std::move(task))) done();
+}
+
+void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  if (detail::is_request(msg.type)) {
+    received_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      ++processing_;
+    }
+    bool posted = pool_->try_post([this, conn, m = std::move(msg)]() mutable {
+      std::shared_ptr<void> autograd_scope;  // see rpc/autograd_hooks.h
+      bool ok = true;
+      if (m.flags & detail::kFlagAutograd) {
+        try {
+          auto* hooks = detail::autograd_hooks();
+          if (!hooks) throw ProtocolError("an autograd frame reached a worker without autograd");
+          autograd_scope = hooks->on_recv_request(*this, m);
+        } catch (const std::exception& e) {
+          ok = false;
+          reply_error(conn, m.id, e.what());
+        }
+      }
+      if (ok) handle_request(conn, m);
+      autograd_scope.reset();
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      if (--processing_ == 0 && pending_.empty()) idle_cv_.notify_all();
+    });
+    if (!posted) {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      --processing_;
+    }
+    return;
+  }
+  Pending p;
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    auto it = pending_.find(msg.id);
+    if (it == pending_.end()) {
+      TDIST_LOG_DEBUG("rpc: dropping a response to request ", msg.id, " from ",
+                      peer_name(msg.from), " (timed out or already failed)");
+      return;
+    }
+    p = std::move(it->second);
+    pending_.erase(it);
+    if (p.has_deadline) deadlines_.erase({p.deadline, msg.id});
+    ++processing_;
+  }
+  std::exception_ptr error;
+  if (msg.type == detail::MessageType::kError) {
+    try {
+      auto body = decode<detail::ErrorBody>(msg.body);
+      error = std::make_exception_ptr(RemoteError(
+          str(p.what, " failed on worker '", body.worker, "': ", body.message), body.worker,
+          body.message));
+    } catch (const std::exception& e) {
+      error = std::make_exception_ptr(
+          ProtocolError(str(p.what, " failed with an unreadable error: ", e.what())));
+    }
+  }
+  if (!error && (msg.flags & detail::kFlagAutograd)) {  // see rpc/autograd_hooks.h
+    try {
+      auto* hooks = detail::autograd_hooks();
+      if (!hooks) throw ProtocolError("an autograd frame reached a worker without autograd");
+      hooks->on_recv_response(*this, msg);
+    } catch (const std::exception& e) {
+      error = std::make_exception_ptr(
+          ProtocolError(str(p.what, " failed: bad autograd response: ", e.what())));
+    }
+  }
+  if (p.on_pool || (msg.flags & detail::kFlagHasRRefs)) {
+    auto shared = std::make_shared<std::pair<Pending, Message>>(std::move(p), std::move(msg));
+    bool posted = pool_->try_post([this, shared, error] {
+      complete(shared->first, &shared->second, error);
+    });
+    if (!posted) complete(shared->first, &shared->second, error);
+    return;
+  }
+  complete(p, &msg, error);
+}
+
+}  // namespace tdist::rpc
