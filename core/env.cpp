@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cstdint>
 #include <cstdlib>
 
 #include "tdist/core/error.h"
@@ -106,11 +107,103 @@ DistEnv read_dist_env() {
       "workers with tdist-run, srun or mpirun, or set RANK and WORLD_SIZE");
 }
 
+namespace {
+
+std::optional<std::string> slurm_nodelist() {
+  if (auto l = get("SLURM_STEP_NODELIST")) return l;
+  return get("SLURM_JOB_NODELIST");
+}
+
+}  // namespace
+
 MasterAddress read_master_address() {
   MasterAddress m;
-  m.host = require("MASTER_ADDR");
-  m.port = static_cast<uint16_t>(require_int("MASTER_PORT", 1, 65535));
+  if (auto host = get("MASTER_ADDR")) {
+    m.host = *host;
+  } else if (auto list = slurm_nodelist()) {
+    m.host = expand_slurm_nodelist(*list, 1).front();
+  } else {
+    throw InvalidArgument(
+        "environment variable MASTER_ADDR is not set (nor SLURM_STEP_NODELIST or "
+        "SLURM_JOB_NODELIST)");
+  }
+  if (get("MASTER_PORT") || !get("SLURM_JOB_ID")) {
+    m.port = static_cast<uint16_t>(require_int("MASTER_PORT", 1, 65535));
+  } else {
+    m.port = static_cast<uint16_t>(slurm_default_port(require_int("SLURM_JOB_ID", 0, INT64_MAX)));
+  }
   return m;
+}
+
+std::vector<std::string> expand_slurm_nodelist(const std::string& list, size_t max_hosts) {
+  auto bad = [&](const std::string& why) -> InvalidArgument {
+    return InvalidArgument(str("Slurm node list '", list, "': ", why));
+  };
+  std::vector<std::string> hosts;
+  auto add = [&](std::string h) {
+    if (hosts.size() >= max_hosts) return false;
+    hosts.push_back(std::move(h));
+    return true;
+  };
+  size_t pos = 0;
+  while (pos < list.size()) {
+    // One name: prefix[ranges]suffix or a plain name, up to a comma outside brackets.
+    const size_t open = list.find_first_of("[,", pos);
+    if (open == std::string::npos || list[open] == ',') {
+      const size_t end = open == std::string::npos ? list.size() : open;
+      if (end == pos) throw bad("empty name");
+      if (!add(list.substr(pos, end - pos))) return hosts;
+      pos = end + 1;
+      continue;
+    }
+    const size_t close = list.find(']', open);
+    if (close == std::string::npos) throw bad("unclosed '['");
+    const std::string prefix = list.substr(pos, open - pos);
+    size_t end = list.find(',', close);
+    if (end == std::string::npos) end = list.size();
+    const std::string suffix = list.substr(close + 1, end - close - 1);
+    if (suffix.find_first_of("[]") != std::string::npos) throw bad("more than one '[...]' in a name");
+    const std::string ranges = list.substr(open + 1, close - open - 1);
+    size_t rpos = 0;
+    while (rpos <= ranges.size()) {
+      size_t comma = ranges.find(',', rpos);
+      if (comma == std::string::npos) comma = ranges.size();
+      const std::string range = ranges.substr(rpos, comma - rpos);
+      const size_t dash = range.find('-');
+      const std::string lo_text = range.substr(0, dash);
+      const std::string hi_text = dash == std::string::npos ? lo_text : range.substr(dash + 1);
+      auto number = [&](const std::string& t) {
+        if (t.empty() || t.size() > 9 || t.find_first_not_of("0123456789") != std::string::npos)
+          throw bad("'" + range + "' is not N or N-M");
+        return std::stol(t);
+      };
+      const long lo = number(lo_text), hi = number(hi_text);
+      if (hi < lo) throw bad("'" + range + "' runs backwards");
+      for (long i = lo; i <= hi; ++i) {
+        std::string digits = std::to_string(i);
+        if (digits.size() < lo_text.size()) digits.insert(0, lo_text.size() - digits.size(), '0');
+        if (!add(prefix + digits + suffix)) return hosts;
+      }
+      rpos = comma + 1;
+    }
+    pos = end + 1;
+  }
+  if (hosts.empty()) throw bad("no host");
+  return hosts;
+}
+
+int slurm_default_port(int64_t job_id) { return static_cast<int>(20000 + job_id % 20000); }
+
+std::optional<SlurmStep> read_slurm_step() {
+  auto nodes = get("SLURM_STEP_NUM_NODES");
+  auto list = get("SLURM_STEP_NODELIST");
+  if (!nodes || !list || !get("SLURM_NODEID")) return std::nullopt;
+  SlurmStep s;
+  s.num_nodes = static_cast<int>(parse_int("SLURM_STEP_NUM_NODES", *nodes, 1, kMaxRanks));
+  s.node_id = static_cast<int>(require_int("SLURM_NODEID", 0, s.num_nodes - 1));
+  s.first_host = expand_slurm_nodelist(*list, 1).front();
+  s.port = slurm_default_port(get_int("SLURM_JOB_ID", 0, 0, INT64_MAX));
+  return s;
 }
 
 }  // namespace tdist::env

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace tdist::env {
 
@@ -41,11 +42,32 @@ struct DistEnv {
 };
 DistEnv read_dist_env();
 
-// MASTER_ADDR (required) and MASTER_PORT (required, 1..65535).
+// MASTER_ADDR and MASTER_PORT (1..65535). When unset inside a Slurm job, MASTER_ADDR defaults to
+// the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST) and MASTER_PORT to
+// slurm_default_port(SLURM_JOB_ID), so that `srun tdist-train` needs no variable of its own.
+// InvalidArgument when neither is available.
 struct MasterAddress {
   std::string host;
   uint16_t port = 0;
 };
 MasterAddress read_master_address();
+
+// Expands a Slurm host list: "node[1-3,5],gpu07,rack[01-02]-ib" -> node1 node2 node3 node5
+// gpu07 rack01-ib rack02-ib (zero padding kept; one bracket group per name). InvalidArgument
+// (naming the list) on a malformed list or more than `max_hosts` names.
+std::vector<std::string> expand_slurm_nodelist(const std::string& list, size_t max_hosts = 1 << 20);
+
+// The port every task of Slurm job `job_id` derives alike: 20000 + job_id mod 20000.
+int slurm_default_port(int64_t job_id);
+
+// Inside an srun step (SLURM_STEP_NUM_NODES, SLURM_NODEID and SLURM_STEP_NODELIST set): the
+// node count, this node's index, the first host of the step and slurm_default_port(SLURM_JOB_ID).
+struct SlurmStep {
+  int num_nodes = 1;
+  int node_id = 0;
+  std::string first_host;
+  int port = 0;
+};
+std::optional<SlurmStep> read_slurm_step();
 
 }  // namespace tdist::env

@@ -5,6 +5,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -12,6 +13,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -69,11 +71,6 @@ int take_signal(int fd) {
   return sig;
 }
 
-std::string signal_name(int sig) {
-  const char* abbrev = sigabbrev_np(sig);
-  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
-}
-
 void write_all(int fd, const std::string& s) {
   size_t off = 0;
   while (off < s.size()) {
@@ -107,6 +104,11 @@ struct Launcher::Worker {
   }
 };
 
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
 std::string WorkerExit::describe() const {
   std::string s = str("rank ", rank, " (local rank ", local_rank, ", pid ", pid, ")");
   if (signaled) return s + " was killed by " + signal_name(code);
@@ -128,9 +130,13 @@ Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
 }
 
 int Launcher::run() {
-  if (config_.master_port == 0) config_.master_port = pick_free_port(config_.master_addr);
   SignalForwarding signals;
   signal_fd_ = signals.fd();
+  return config_.elastic.enabled ? run_elastic() : run_static();
+}
+
+int Launcher::run_static() {
+  if (config_.master_port == 0) config_.master_port = pick_free_port(config_.master_addr);
   for (;;) {
     Outcome outcome = run_attempt();
     if (outcome == Outcome::kSuccess) return 0;
@@ -151,18 +157,34 @@ int Launcher::run() {
 }
 
 Launcher::Outcome Launcher::run_attempt() {
+  Assignment a;
+  a.node_rank = config_.node_rank;
+  a.nnodes = config_.nnodes;
+  a.master_addr = config_.master_addr;
+  a.master_port = config_.master_port;
+  a.attempt = restart_count_;
+  start_workers(a);
+  Outcome outcome = watch_workers({});
+  if (outcome == Outcome::kFailure) stop_all(SIGTERM);
+  if (outcome == Outcome::kSuccess && !drain_exited()) outcome = Outcome::kSignal;
+  return outcome;
+}
+
+void Launcher::start_workers(const Assignment& a) {
   failure_.reset();
   workers_.clear();
   for (int lr = 0; lr < config_.nproc_per_node; ++lr) {
     auto w = std::make_unique<Worker>();
     w->local_rank = lr;
-    w->rank = config_.node_rank * config_.nproc_per_node + lr;
+    w->rank = a.node_rank * config_.nproc_per_node + lr;
     w->exit.local_rank = lr;
     w->exit.rank = w->rank;
     workers_.push_back(std::move(w));
   }
-  for (auto& w : workers_) spawn(*w);
+  for (auto& w : workers_) spawn(*w, a);
+}
 
+Launcher::Outcome Launcher::watch_workers(const std::function<bool()>& tick) {
   auto all_exited = [&] {
     for (auto& w : workers_)
       if (!w->exited) return false;
@@ -176,15 +198,17 @@ Launcher::Outcome Launcher::run_attempt() {
     for (auto& w : workers_) {
       if (w->exited && !w->exit.ok() && !failure_) {
         failure_ = w->exit;
-        stop_all(SIGTERM);
-        // Fold in the failed worker's last output, drained by stop_all.
-        failure_->stderr_tail = w->exit.stderr_tail;
         return Outcome::kFailure;
       }
     }
+    if (tick && tick()) return Outcome::kInterrupted;
   }
-  // Everyone exited cleanly: drain what is left in the pipes (bounded, in case a grandchild
-  // keeps one open).
+  return Outcome::kSuccess;
+}
+
+bool Launcher::drain_exited() {
+  // Everyone exited: drain what is left in the pipes (bounded, in case a grandchild keeps one
+  // open).
   const auto drain_until = Clock::now() + std::chrono::seconds(2);
   auto open = [&] {
     for (auto& w : workers_)
@@ -192,18 +216,23 @@ Launcher::Outcome Launcher::run_attempt() {
     return false;
   };
   while (open() && Clock::now() < drain_until) {
-    if (!pump(std::chrono::milliseconds(50))) return Outcome::kSignal;
+    if (!pump(std::chrono::milliseconds(50))) return false;
   }
-  return Outcome::kSuccess;
+  return true;
 }
 
-void Launcher::spawn(Worker& w) {
+bool Launcher::signal_pending() {
+  if (received_signal_ == 0) received_signal_ = take_signal(signal_fd_);
+  return received_signal_ != 0;
+}
+
+void Launcher::spawn(Worker& w, const Assignment& a) {
   int pipes[2][2];
   for (auto& p : pipes) {
     TDIST_CHECK(::pipe2(p, O_CLOEXEC) == 0, "pipe2: ", std::strerror(errno));
   }
   if (!config_.log_dir.empty()) {
-    std::string dir = config_.log_dir + "/attempt_" + std::to_string(restart_count_);
+    std::string dir = config_.log_dir + "/attempt_" + std::to_string(a.attempt);
     ::mkdir(config_.log_dir.c_str(), 0755);
     ::mkdir(dir.c_str(), 0755);
     const char* names[2] = {"stdout", "stderr"};
@@ -213,35 +242,59 @@ void Launcher::spawn(Worker& w) {
       TDIST_CHECK(w.log_fd[i] >= 0, "cannot open log file ", path, ": ", std::strerror(errno));
     }
   }
-  const int world = config_.nnodes * config_.nproc_per_node;
-  std::vector<std::pair<std::string, std::string>> env = {
+  const int world = a.nnodes * config_.nproc_per_node;
+  std::vector<std::pair<std::string, std::string>> vars = {
       {"RANK", std::to_string(w.rank)},
       {"LOCAL_RANK", std::to_string(w.local_rank)},
       {"WORLD_SIZE", std::to_string(world)},
       {"LOCAL_WORLD_SIZE", std::to_string(config_.nproc_per_node)},
-      {"GROUP_RANK", std::to_string(config_.node_rank)},
-      {"MASTER_ADDR", config_.master_addr},
-      {"MASTER_PORT", std::to_string(config_.master_port)},
-      {"TDIST_RESTART_COUNT", std::to_string(restart_count_)},
+      {"GROUP_RANK", std::to_string(a.node_rank)},
+      {"GROUP_WORLD_SIZE", std::to_string(a.nnodes)},
+      {"MASTER_ADDR", a.master_addr},
+      {"MASTER_PORT", std::to_string(a.master_port)},
+      {"TDIST_RESTART_COUNT", std::to_string(a.attempt)},
       {"TDIST_MAX_RESTARTS", std::to_string(config_.max_restarts)},
   };
+  // Several workers on one node share its cores: one intra-op thread each unless told.
+  if (config_.nproc_per_node > 1 && !std::getenv("OMP_NUM_THREADS")) {
+    vars.emplace_back("OMP_NUM_THREADS", "1");
+  }
+  // The environment is built before fork: the launcher may run store threads, and a child of a
+  // threaded process may only call async-signal-safe functions until it execs.
+  std::vector<std::string> env_text;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('='));
+    bool overridden = false;
+    for (const auto& [k, v] : vars) overridden = overridden || k == name;
+    if (!overridden) env_text.push_back(std::move(entry));
+  }
+  for (const auto& [k, v] : vars) env_text.push_back(k + "=" + v);
+  std::vector<char*> envp;
+  for (auto& e : env_text) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<char*> argv;
+  for (auto& arg : config_.command) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+  const std::string cannot_exec = "tdist-run: cannot execute '" + config_.command[0] + "': ";
+  const pid_t launcher_pid = ::getpid();
   pid_t pid = ::fork();
   TDIST_CHECK(pid >= 0, "fork: ", std::strerror(errno));
   if (pid == 0) {
     ::dup2(pipes[0][1], STDOUT_FILENO);
     ::dup2(pipes[1][1], STDERR_FILENO);
-    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-    // Several workers on one node share its cores: one intra-op thread each unless told.
-    if (config_.nproc_per_node > 1) ::setenv("OMP_NUM_THREADS", "1", 0);
+    // A worker does not outlive its launcher (a node that dies takes its workers with it).
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != launcher_pid) _exit(127);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
     signal(SIGPIPE, SIG_DFL);
-    std::vector<char*> argv;
-    for (auto& a : config_.command) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execvp(argv[0], argv.data());
-    std::fprintf(stderr, "tdist-run: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
+    ::execvpe(argv[0], argv.data(), envp.data());
+    const char* why = std::strerror(errno);
+    [[maybe_unused]] ssize_t n1 = ::write(STDERR_FILENO, cannot_exec.data(), cannot_exec.size());
+    [[maybe_unused]] ssize_t n2 = ::write(STDERR_FILENO, why, std::strlen(why));
+    [[maybe_unused]] ssize_t n3 = ::write(STDERR_FILENO, "\n", 1);
     _exit(127);
   }
   w.pid = pid;
@@ -367,6 +420,10 @@ void Launcher::stop_all(int sig) {
     return false;
   };
   while (open() && Clock::now() < drain_until) pump(std::chrono::milliseconds(20));
+  // Fold in the failed worker's last output, drained just now.
+  for (auto& w : workers_) {
+    if (failure_ && w->rank == failure_->rank) failure_->stderr_tail = w->exit.stderr_tail;
+  }
 }
 
 void Launcher::report_failure(const WorkerExit& e) const {

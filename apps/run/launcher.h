@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +21,22 @@ namespace tdist::run {
 
 inline constexpr int kTeeStdout = 1;
 inline constexpr int kTeeStderr = 2;
+
+// Elastic mode (--nnodes MIN:MAX with --rdzv-endpoint): Note [Elastic rendezvous] in
+// rendezvous.cpp. nnodes/node_rank/master_* of LaunchConfig are then decided per round.
+struct ElasticOptions {
+  bool enabled = false;
+  int min_nodes = 1;
+  int max_nodes = 1;
+  std::string endpoint_host;
+  int endpoint_port = 0;
+  std::string run_id = "none";
+  std::string local_addr;  // empty: the address of the interface that routes to the endpoint
+  std::chrono::milliseconds last_call{2000};
+  std::chrono::milliseconds join_timeout{600000};
+  std::chrono::milliseconds keep_alive_interval{1000};
+  std::chrono::milliseconds keep_alive_timeout{10000};
+};
 
 struct LaunchConfig {
   int nproc_per_node = 1;
@@ -35,6 +52,7 @@ struct LaunchConfig {
   // kTeeStdout | kTeeStderr by default. Without log_dir anything not relayed is dropped.
   int tee = 3;
   std::vector<std::string> command;  // program and its arguments
+  ElasticOptions elastic;
 };
 
 // How a worker ended.
@@ -69,10 +87,30 @@ class Launcher {
 
  private:
   struct Worker;
-  enum class Outcome { kSuccess, kFailure, kSignal };
+  // kInterrupted: the watcher's tick asked to stop watching (the workers still run).
+  enum class Outcome { kSuccess, kFailure, kSignal, kInterrupted };
+  // Where this node's workers sit in one attempt (static) or round (elastic).
+  struct Assignment {
+    int node_rank = 0;
+    int nnodes = 1;
+    std::string master_addr;
+    int master_port = 0;
+    int64_t attempt = 0;  // TDIST_RESTART_COUNT and the log directory's attempt_<n>
+  };
 
+  int run_static();
+  int run_elastic();  // launcher_elastic.cpp
   Outcome run_attempt();
-  void spawn(Worker& w);
+  void start_workers(const Assignment& a);
+  // Relays output and reaps workers until they all succeeded, one failed (failure_ is set; the
+  // others still run), a signal arrived, or `tick` (called every monitor interval, may be
+  // empty) returned true.
+  Outcome watch_workers(const std::function<bool()>& tick);
+  // Drains what is left in the workers' pipes after they all exited (bounded).
+  bool drain_exited();
+  // Reads a pending forwarded signal into received_signal_; true when one arrived.
+  bool signal_pending();
+  void spawn(Worker& w, const Assignment& a);
   // Reads what the workers wrote (waiting up to `wait` for some) and reaps exited workers.
   // Returns false when a forwarded signal arrived.
   bool pump(std::chrono::milliseconds wait);
@@ -91,6 +129,9 @@ class Launcher {
   int received_signal_ = 0;
   std::optional<WorkerExit> failure_;
 };
+
+// "SIGTERM", or "signal N" for one without a name.
+std::string signal_name(int sig);
 
 // Picks a free TCP port on `host` (binds port 0 and releases it).
 int pick_free_port(const std::string& host);

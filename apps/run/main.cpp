@@ -2,6 +2,14 @@
 //
 //   tdist-run --nproc-per-node 4 [--nnodes N --node-rank R] [--master-addr A] [--master-port P]
 //             [--standalone] [--max-restarts K] [--log-dir DIR [--tee 0-3]] PROGRAM ARGS...
+//   tdist-run --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id JOB [--rdzv-last-call S]
+//             [--max-restarts K] ... PROGRAM ARGS...          (elastic: Note [Elastic rendezvous])
+//
+// Defaults, lowest first: built in; inside an srun step, Slurm's (SLURM_STEP_NUM_NODES,
+// SLURM_NODEID, the step's first host, a port from SLURM_JOB_ID); the PET_* variables that
+// Kubeflow's PyTorchJob sets for torchrun (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+// PET_MASTER_ADDR, PET_MASTER_PORT, PET_RDZV_ENDPOINT, PET_RDZV_BACKEND, PET_RDZV_ID,
+// PET_MAX_RESTARTS); then the flags. See docs/deploy.md.
 //
 // Exit codes: 0 all workers succeeded; 1 a worker failed (rank and exit code or signal are
 // reported); 2 bad flags; 128+N stopped by signal N (forwarded to the workers).
@@ -11,7 +19,68 @@
 #include <iostream>
 
 #include "apps/run/launcher.h"
+#include "tdist/core/env.h"
 #include "tdist/core/error.h"
+
+namespace {
+
+// "N" or "MIN:MAX" (torchrun's --nnodes).
+std::pair<int, int> parse_nnodes(const std::string& text) {
+  auto number = [&](const std::string& t) {
+    try {
+      return static_cast<int>(tdist::env::parse_int("--nnodes", t, 1, 65536));
+    } catch (const tdist::InvalidArgument&) {
+      throw CLI::ValidationError("--nnodes", "'" + text + "' is not N or MIN:MAX with 1 <= MIN <= MAX");
+    }
+  };
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) return {number(text), number(text)};
+  std::pair<int, int> mm{number(text.substr(0, colon)), number(text.substr(colon + 1))};
+  if (mm.first > mm.second) {
+    throw CLI::ValidationError("--nnodes", "'" + text + "' is not N or MIN:MAX with 1 <= MIN <= MAX");
+  }
+  return mm;
+}
+
+// torchrun's --rdzv-conf (what Kubeflow passes as PET_RDZV_CONF): fills the values whose own
+// flag was not given. Keys other than these four are ignored, as torchrun's c10d backend
+// ignores the ones it does not use.
+void apply_rdzv_conf(const std::string& conf, const CLI::App& app, double& last_call,
+                     double& join_timeout, double& keep_alive, double& keep_alive_timeout) {
+  double attempts = -1;
+  size_t pos = 0;
+  while (pos < conf.size()) {
+    size_t comma = conf.find(',', pos);
+    if (comma == std::string::npos) comma = conf.size();
+    const std::string item = conf.substr(pos, comma - pos);
+    pos = comma + 1;
+    const auto eq = item.find('=');
+    if (eq == std::string::npos) throw CLI::ValidationError("--rdzv-conf", "'" + item + "' is not KEY=VALUE");
+    const std::string k = item.substr(0, eq);
+    double v = 0;
+    try {
+      size_t used = 0;
+      v = std::stod(item.substr(eq + 1), &used);
+      if (used != item.size() - eq - 1 || !(v > 0)) throw std::invalid_argument(item);
+    } catch (const std::exception&) {
+      throw CLI::ValidationError("--rdzv-conf", "'" + item + "' needs a positive number");
+    }
+    auto given = [&](const char* flag) { return app.count(flag) > 0; };
+    if (k == "join_timeout" && !given("--rdzv-join-timeout")) join_timeout = v;
+    if (k == "last_call_timeout" && !given("--rdzv-last-call")) last_call = v;
+    if (k == "keep_alive_interval" && !given("--rdzv-keep-alive-interval")) keep_alive = v;
+    if (k == "keep_alive_max_attempt") attempts = v;
+  }
+  if (attempts > 0 && app.count("--rdzv-keep-alive-timeout") == 0) {
+    keep_alive_timeout = keep_alive * attempts;
+  }
+}
+
+std::chrono::milliseconds seconds(double s) {
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   tdist::run::LaunchConfig cfg;
@@ -24,20 +93,67 @@ int main(int argc, char** argv) {
   double stop_grace_s = 5.0;
   bool no_tee = false;
   int tee = -1;
+  std::string nnodes = "1";
+  std::string backend = "static";
+  double last_call_s = 2.0, join_timeout_s = 600.0, keep_alive_s = 1.0, keep_alive_timeout_s = 10.0;
+  try {
+    if (auto slurm = tdist::env::read_slurm_step()) {
+      nnodes = std::to_string(slurm->num_nodes);
+      cfg.node_rank = slurm->node_id;
+      cfg.master_addr = slurm->first_host;
+      cfg.master_port = slurm->port;
+    }
+  } catch (const tdist::InvalidArgument& e) {
+    std::cerr << "tdist-run: " << e.what() << "\n";
+    return 2;
+  }
   app.add_option("--nproc-per-node,--nproc_per_node", cfg.nproc_per_node,
                  "worker processes on this node")
+      ->envname("PET_NPROC_PER_NODE")
       ->check(CLI::Range(1, 4096));
-  app.add_option("--nnodes", cfg.nnodes, "number of nodes")->check(CLI::Range(1, 65536));
+  app.add_option("--nnodes", nnodes, "number of nodes: N, or MIN:MAX for an elastic job")
+      ->envname("PET_NNODES");
   app.add_option("--node-rank,--node_rank", cfg.node_rank, "this node's rank")
+      ->envname("PET_NODE_RANK")
       ->check(CLI::Range(0, 65535));
-  app.add_option("--master-addr,--master_addr", cfg.master_addr, "address of rank 0's store");
+  app.add_option("--master-addr,--master_addr", cfg.master_addr, "address of rank 0's store")
+      ->envname("PET_MASTER_ADDR");
   app.add_option("--master-port,--master_port", cfg.master_port,
                  "port of rank 0's store (0: pick a free one)")
+      ->envname("PET_MASTER_PORT")
       ->check(CLI::Range(0, 65535));
-  app.add_option("--rdzv-endpoint,--rdzv_endpoint", endpoint, "HOST:PORT of the store");
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", endpoint,
+                 "HOST:PORT of the store (static) or of the elastic rendezvous")
+      ->envname("PET_RDZV_ENDPOINT");
+  app.add_option("--rdzv-backend,--rdzv_backend", backend,
+                 "static (fixed nodes and ranks) or c10d (elastic; implied by --nnodes MIN:MAX)")
+      ->envname("PET_RDZV_BACKEND")
+      ->check(CLI::IsMember({"static", "c10d"}));
+  app.add_option("--rdzv-id,--rdzv_id", cfg.elastic.run_id, "the job's id on the rendezvous")
+      ->envname("PET_RDZV_ID");
+  app.add_option("--rdzv-last-call,--rdzv_last_call", last_call_s,
+                 "elastic: once MIN nodes joined, seconds to wait for more")
+      ->check(CLI::Range(0.0, 86400.0));
+  app.add_option("--rdzv-join-timeout", join_timeout_s,
+                 "elastic: seconds a node waits to be admitted to a round")
+      ->check(CLI::Range(0.1, 864000.0));
+  app.add_option("--rdzv-keep-alive-interval", keep_alive_s, "elastic: seconds between heartbeats")
+      ->check(CLI::Range(0.01, 3600.0));
+  app.add_option("--rdzv-keep-alive-timeout", keep_alive_timeout_s,
+                 "elastic: a node silent this many seconds is taken for dead")
+      ->check(CLI::Range(0.05, 86400.0));
+  std::string rdzv_conf;
+  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf,
+                 "elastic: torchrun's KEY=VALUE,... with join_timeout, last_call_timeout, "
+                 "keep_alive_interval, keep_alive_max_attempt (seconds; the flags above win)")
+      ->envname("PET_RDZV_CONF");
+  app.add_option("--local-addr,--local_addr", cfg.elastic.local_addr,
+                 "elastic: this node's address for the others (default: the interface that "
+                 "routes to the rendezvous endpoint)");
   app.add_flag("--standalone", standalone, "single node: local address and a free port");
   app.add_option("--max-restarts,--max_restarts", cfg.max_restarts,
                  "restart the whole group this many times after a failure")
+      ->envname("PET_MAX_RESTARTS")
       ->check(CLI::Range(0, 1000000));
   app.add_option("--monitor-interval,--monitor_interval", monitor_interval_s,
                  "seconds between checks of the workers")
@@ -74,6 +190,29 @@ int main(int argc, char** argv) {
         throw CLI::ValidationError("--rdzv-endpoint", "port '" + port + "' is not in [1, 65535]");
       }
     }
+    const auto [min_nodes, max_nodes] = parse_nnodes(nnodes);
+    cfg.nnodes = max_nodes;
+    // MIN:MAX (even 2:2) asks for the elastic rendezvous, as --rdzv-backend c10d does.
+    if (nnodes.find(':') != std::string::npos || backend == "c10d") {
+      if (endpoint.empty()) {
+        throw CLI::ValidationError("--nnodes", "an elastic job (--nnodes " + nnodes +
+                                                   ", --rdzv-backend " + backend +
+                                                   ") needs --rdzv-endpoint HOST:PORT");
+      }
+      if (standalone) throw CLI::ValidationError("--standalone", "is for a single static node");
+      cfg.elastic.enabled = true;
+      cfg.elastic.min_nodes = min_nodes;
+      cfg.elastic.max_nodes = max_nodes;
+      cfg.elastic.endpoint_host = cfg.master_addr;
+      cfg.elastic.endpoint_port = cfg.master_port;
+      apply_rdzv_conf(rdzv_conf, app, last_call_s, join_timeout_s, keep_alive_s,
+                      keep_alive_timeout_s);
+      cfg.elastic.last_call = seconds(last_call_s);
+      cfg.elastic.join_timeout = seconds(join_timeout_s);
+      cfg.elastic.keep_alive_interval = seconds(keep_alive_s);
+      cfg.elastic.keep_alive_timeout = seconds(keep_alive_timeout_s);
+      cfg.node_rank = 0;  // decided per round
+    }
     if (standalone) {
       if (cfg.nnodes != 1) throw CLI::ValidationError("--standalone", "needs --nnodes 1");
       cfg.master_addr = "127.0.0.1";
@@ -94,8 +233,8 @@ int main(int argc, char** argv) {
     std::cerr << "tdist-run: " << e.what() << "\nRun with --help for usage.\n";
     return 2;
   }
-  cfg.monitor_interval = std::chrono::milliseconds(static_cast<int64_t>(monitor_interval_s * 1000));
-  cfg.stop_grace = std::chrono::milliseconds(static_cast<int64_t>(stop_grace_s * 1000));
+  cfg.monitor_interval = seconds(monitor_interval_s);
+  cfg.stop_grace = seconds(stop_grace_s);
   try {
     tdist::run::Launcher launcher(cfg);
     return launcher.run();

@@ -198,6 +198,16 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--nproc-per-node", "2"}, "no program"},
       {{"--log-dir", "/tmp", "--tee", "4", "true"}, "--tee"},
       {{"--tee", "1", "true"}, "--tee: needs --log-dir"},
+      {{"--nnodes", "1:4", "true"}, "needs --rdzv-endpoint HOST:PORT"},
+      {{"--nnodes", "3:2", "--rdzv-endpoint", "127.0.0.1:1234", "true"}, "MIN:MAX"},
+      {{"--nnodes", "x", "true"}, "--nnodes"},
+      {{"--rdzv-backend", "etcd", "true"}, "--rdzv-backend"},
+      {{"--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1234", "--rdzv-conf", "join_timeout",
+        "true"},
+       "KEY=VALUE"},
+      {{"--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1234", "--rdzv-conf",
+        "join_timeout=soon", "true"},
+       "positive number"},
   };
   for (const auto& c : cases) {
     auto r = launch(c.args);

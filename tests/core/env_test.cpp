@@ -30,7 +30,9 @@ const std::map<std::string, std::optional<std::string>> kClean = {
     {"SLURM_NTASKS", unset}, {"SLURM_LOCALID", unset},        {"SLURM_NTASKS_PER_NODE", unset},
     {"OMPI_COMM_WORLD_RANK", unset}, {"OMPI_COMM_WORLD_SIZE", unset},
     {"OMPI_COMM_WORLD_LOCAL_RANK", unset}, {"OMPI_COMM_WORLD_LOCAL_SIZE", unset},
-    {"MASTER_ADDR", unset},  {"MASTER_PORT", unset}};
+    {"MASTER_ADDR", unset},  {"MASTER_PORT", unset},
+    {"SLURM_STEP_NODELIST", unset}, {"SLURM_JOB_NODELIST", unset}, {"SLURM_JOB_ID", unset},
+    {"SLURM_STEP_NUM_NODES", unset}, {"SLURM_NODEID", unset}};
 
 TEST(Env, ReadsTorchrunVariables) {
   EnvGuard clean(kClean);
@@ -108,6 +110,63 @@ TEST(Env, FallsBackToSlurmThenOpenMpi) {
     EnvGuard g({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
     expect_invalid([] { env::read_dist_env(); }, {"OMPI_COMM_WORLD_RANK=2"});
   }
+}
+
+TEST(Env, ExpandsSlurmNodeLists) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(env::expand_slurm_nodelist("node[1-3,5]"), (V{"node1", "node2", "node3", "node5"}));
+  EXPECT_EQ(env::expand_slurm_nodelist("gpu07,gpu08"), (V{"gpu07", "gpu08"}));
+  EXPECT_EQ(env::expand_slurm_nodelist("rack[01-02]-ib,login"), (V{"rack01-ib", "rack02-ib", "login"}));
+  EXPECT_EQ(env::expand_slurm_nodelist("n[08-10],m[9-11]"), (V{"n08", "n09", "n10", "m9", "m10", "m11"}));
+  EXPECT_EQ(env::expand_slurm_nodelist("cn[003-004],x", 1), (V{"cn003"}));
+  EXPECT_EQ(env::expand_slurm_nodelist("single"), (V{"single"}));
+  expect_invalid([] { env::expand_slurm_nodelist("node[1-3"); }, {"node[1-3", "unclosed"});
+  expect_invalid([] { env::expand_slurm_nodelist("node[3-1]"); }, {"backwards"});
+  expect_invalid([] { env::expand_slurm_nodelist("node[a-b]"); }, {"'a-b'"});
+  expect_invalid([] { env::expand_slurm_nodelist("a[1]b[2]"); }, {"more than one"});
+  expect_invalid([] { env::expand_slurm_nodelist("a,,b"); }, {"empty name"});
+  expect_invalid([] { env::expand_slurm_nodelist(""); }, {"no host"});
+}
+
+TEST(Env, MasterAddressFromSlurm) {
+  EnvGuard clean(kClean);
+  {
+    EnvGuard g({{"SLURM_STEP_NODELIST", "cn[003-004]"}, {"SLURM_JOB_NODELIST", "cn[001-004]"},
+                {"SLURM_JOB_ID", "123456"}});
+    auto m = env::read_master_address();
+    EXPECT_EQ(m.host, "cn003") << "the step's first host";
+    EXPECT_EQ(m.port, 20000 + 123456 % 20000);
+  }
+  {
+    EnvGuard g({{"SLURM_JOB_NODELIST", "cn[001-004]"}, {"SLURM_JOB_ID", "7"},
+                {"MASTER_PORT", "29500"}});
+    auto m = env::read_master_address();
+    EXPECT_EQ(m.host, "cn001") << "the job's first host when there is no step";
+    EXPECT_EQ(m.port, 29500) << "MASTER_PORT wins over the derived port";
+  }
+  {
+    EnvGuard g({{"SLURM_JOB_NODELIST", "cn1"}, {"SLURM_JOB_ID", "7"}, {"MASTER_ADDR", "10.0.0.9"}});
+    EXPECT_EQ(env::read_master_address().host, "10.0.0.9") << "MASTER_ADDR wins";
+  }
+  {
+    EnvGuard g(test::EnvVars{{"SLURM_JOB_NODELIST", "cn1"}});
+    expect_invalid([] { env::read_master_address(); }, {"MASTER_PORT is not set"});
+  }
+}
+
+TEST(Env, SlurmStepForOneLauncherPerNode) {
+  EnvGuard clean(kClean);
+  EXPECT_FALSE(env::read_slurm_step().has_value()) << "outside srun";
+  EnvGuard g({{"SLURM_STEP_NUM_NODES", "3"}, {"SLURM_NODEID", "2"},
+              {"SLURM_STEP_NODELIST", "gpu[10-12]"}, {"SLURM_JOB_ID", "42"}});
+  auto s = env::read_slurm_step();
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->num_nodes, 3);
+  EXPECT_EQ(s->node_id, 2);
+  EXPECT_EQ(s->first_host, "gpu10");
+  EXPECT_EQ(s->port, 20042);
+  EnvGuard bad(test::EnvVars{{"SLURM_NODEID", "3"}});
+  expect_invalid([] { env::read_slurm_step(); }, {"SLURM_NODEID='3'"});
 }
 
 TEST(Env, Booleans) {
