@@ -119,6 +119,10 @@ long ShmChannel::fail_protocol() {
 }
 
 long ShmChannel::readable() {
+  if (close_errno_ == EPROTO) {  // stays failed even if the peer puts the counter back
+    errno = EPROTO;
+    return -1;
+  }
   const uint64_t head = rx_->head.load(std::memory_order_acquire);
   const uint64_t avail = head - rx_tail_;  // unsigned: a head behind our tail is huge too
   if (avail > capacity_) return fail_protocol();
@@ -150,10 +154,6 @@ long ShmChannel::writev(const iovec* iov, int count) {
 }
 
 long ShmChannel::readv(const iovec* iov, int count) {
-  if (close_errno_ == EPROTO) {
-    errno = EPROTO;
-    return kError;
-  }
   const long avail = readable();
   if (avail < 0) return kError;
   if (avail == 0) return closed_ ? kClosed : 0;
@@ -164,10 +164,6 @@ long ShmChannel::readv(const iovec* iov, int count) {
 }
 
 long ShmChannel::peek(iovec spans[2]) {
-  if (close_errno_ == EPROTO) {
-    errno = EPROTO;
-    return kError;
-  }
   const long readable_now = readable();
   if (readable_now < 0) return kError;
   const size_t avail = static_cast<size_t>(readable_now);

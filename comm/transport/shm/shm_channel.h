@@ -95,7 +95,7 @@ class ShmChannel final : public Channel {
   void ring_doorbell();
   // The bytes readable now (the peer's head against our tail) and the bytes free to write (the
   // peer's tail against our head); -1 after marking the channel failed when the peer's counter is
-  // impossible.
+  // impossible (reads then keep failing).
   long readable();
   long writable();
   long fail_protocol();
