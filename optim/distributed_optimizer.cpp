@@ -1,5 +1,7 @@
 #include "tdist/optim/distributed_optimizer.h"
 
+#include <torch/nn/module.h>
+
 #include "tdist/autograd/detail/container.h"
 #include "tdist/rpc/api.h"
 
@@ -101,6 +103,12 @@ std::vector<std::string> DistributedOptimizer::owners() const {
   std::vector<std::string> names;
   for (const auto& r : remotes_) names.push_back(r.first);
   return names;
+}
+
+std::vector<rpc::RRef<at::Tensor>> parameter_rrefs(const torch::nn::Module& module) {
+  std::vector<rpc::RRef<at::Tensor>> out;
+  for (const auto& p : module.parameters()) out.push_back(rpc::make_rref(p));
+  return out;
 }
 
 }  // namespace tdist::optim

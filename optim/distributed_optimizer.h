@@ -30,7 +30,16 @@
 #include "tdist/optim/optimizer_spec.h"
 #include "tdist/rpc/rref.h"
 
+namespace torch::nn {
+class Module;
+}
+
 namespace tdist::optim {
+
+// An RRef (owned here) to each parameter of `module`, in parameters() order: what a worker that
+// holds a model hands to a DistributedOptimizer elsewhere (PyTorch's [RRef(p) for p in
+// model.parameters()]).
+std::vector<rpc::RRef<at::Tensor>> parameter_rrefs(const torch::nn::Module& module);
 
 class DistributedOptimizer {
  public:

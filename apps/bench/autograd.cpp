@@ -45,12 +45,6 @@ struct Options {
   int store_port = 0;
 };
 
-std::vector<rpc::RRef<at::Tensor>> rrefs_of(torch::nn::Module& m) {
-  std::vector<rpc::RRef<at::Tensor>> out;
-  for (auto& p : m.parameters()) out.push_back(rpc::make_rref(p));
-  return out;
-}
-
 // Demo 1's Net: one linear layer 2 -> 1, no bias.
 class SeedNet {
  public:
@@ -59,7 +53,7 @@ class SeedNet {
     fc_ = torch::nn::Linear(torch::nn::LinearOptions(2, 1).bias(false));
   }
   at::Tensor forward(at::Tensor x) { return fc_->forward(x); }
-  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return rrefs_of(*fc_); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return tdist::optim::parameter_rrefs(*fc_); }
 
  private:
   torch::nn::Linear fc_{nullptr};
@@ -74,7 +68,7 @@ class FrontMlp {
                                  torch::nn::Linear(1024, 1024), torch::nn::ReLU());
   }
   at::Tensor forward(at::Tensor x) { return seq_->forward(x); }
-  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return rrefs_of(*seq_); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return tdist::optim::parameter_rrefs(*seq_); }
 
  private:
   torch::nn::Sequential seq_{nullptr};
@@ -122,7 +116,7 @@ json measure(const Options& o) {
     torch::nn::Sequential back(torch::nn::Linear(1024, 1024), torch::nn::ReLU(),
                                torch::nn::Linear(1024, 10));
     auto params = front.rpc_sync<std::vector<rpc::RRef<at::Tensor>>>("parameter_rrefs");
-    for (auto& p : rrefs_of(*back)) params.push_back(p);
+    for (auto& p : tdist::optim::parameter_rrefs(*back)) params.push_back(p);
     optim::DistributedOptimizer opt(optim::OptimizerSpec::sgd(torch::optim::SGDOptions(0.01)),
                                     params);
     const at::Tensor x = at::randn({64, 784}), y = at::randint(10, {64}, at::kLong);

@@ -165,11 +165,8 @@ int main(int argc, char** argv) {
     o.data.seed = o.seed;
     rpc::register_function("ps_forward",
                            [](at::Tensor x) { return snapshot_forward(server_model(), x); });
-    rpc::register_function("ps_parameter_rrefs", [] {
-      std::vector<rpc::RRef<at::Tensor>> out;
-      for (auto& p : server_model()->parameters()) out.push_back(rpc::make_rref(p));
-      return out;
-    });
+    rpc::register_function("ps_parameter_rrefs",
+                           [] { return tdist::optim::parameter_rrefs(*server_model()); });
     const auto env = tdist::env::read_dist_env();
     if (env.world_size < 2) {
       throw tdist::InvalidArgument("tdist-rpc-ps-autograd needs a server and at least one trainer");

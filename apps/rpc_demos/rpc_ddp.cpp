@@ -81,7 +81,7 @@ int run_trainer(int rank, const Options& o, std::shared_ptr<tdist::comm::Process
   tdist::ddp::DistributedDataParallel<torch::nn::Linear> model(dense, pg);
 
   auto params = rpc::rpc_sync<std::vector<rpc::RRef<at::Tensor>>>("ps", "table_parameter_rrefs");
-  for (const auto& p : model.parameters()) params.push_back(rpc::make_rref(p));
+  for (auto& p : tdist::optim::parameter_rrefs(*dense)) params.push_back(std::move(p));
   tdist::optim::DistributedOptimizer opt(
       tdist::optim::OptimizerSpec::adam(torch::optim::AdamOptions(o.lr)), params);
 
@@ -146,11 +146,8 @@ int main(int argc, char** argv) {
     rpc::register_function("table_forward", [](at::Tensor ids, at::Tensor offsets) {
       return table()->forward(ids, offsets);
     });
-    rpc::register_function("table_parameter_rrefs", [] {
-      std::vector<rpc::RRef<at::Tensor>> out;
-      for (auto& p : table()->parameters()) out.push_back(rpc::make_rref(p));
-      return out;
-    });
+    rpc::register_function("table_parameter_rrefs",
+                           [] { return tdist::optim::parameter_rrefs(*table()); });
     const auto env = tdist::env::read_dist_env();
     if (env.world_size < 3) {
       throw tdist::InvalidArgument("tdist-rpc-ddp needs an embedding owner and at least two "

@@ -33,9 +33,7 @@ class RemoteNet {
   explicit RemoteNet(std::vector<double> w) : net_(w) {}
   at::Tensor forward(at::Tensor x) { return net_->forward(x); }
   std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() {
-    std::vector<rpc::RRef<at::Tensor>> out;
-    for (auto& p : net_->parameters()) out.push_back(rpc::make_rref(p));
-    return out;
+    return tdist::optim::parameter_rrefs(*net_);
   }
   at::Tensor weight() const { return net_->fc->weight; }
 

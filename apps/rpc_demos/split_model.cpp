@@ -30,12 +30,6 @@ using demo::bags::kClasses;
 using demo::bags::kVocab;
 constexpr int64_t kEmbed = 16, kHidden = 32;
 
-std::vector<rpc::RRef<at::Tensor>> rrefs_of(torch::nn::Module& m) {
-  std::vector<rpc::RRef<at::Tensor>> out;
-  for (auto& p : m.parameters()) out.push_back(rpc::make_rref(p));
-  return out;
-}
-
 class Encoder {
  public:
   explicit Encoder(int64_t seed) {
@@ -49,7 +43,7 @@ class Encoder {
   at::Tensor forward(at::Tensor ids, at::Tensor offsets) {
     return torch::relu(fc_->forward(bag_->forward(ids, offsets)));
   }
-  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return rrefs_of(module_); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return tdist::optim::parameter_rrefs(module_); }
 
  private:
   torch::nn::Module module_;
@@ -64,7 +58,7 @@ class Classifier {
     fc_ = torch::nn::Linear(kHidden, kClasses);
   }
   at::Tensor forward(at::Tensor h) { return fc_->forward(h); }
-  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return rrefs_of(*fc_); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return tdist::optim::parameter_rrefs(*fc_); }
 
  private:
   torch::nn::Linear fc_{nullptr};

@@ -33,9 +33,7 @@ class RemoteNet {
  public:
   torch::Tensor forward(torch::Tensor x) { return net_(x); }
   std::vector<rpc::RRef<torch::Tensor>> parameter_rrefs() {
-    std::vector<rpc::RRef<torch::Tensor>> out;
-    for (auto& p : net_->parameters()) out.push_back(rpc::make_rref(p));
-    return out;
+    return tdist::optim::parameter_rrefs(*net_);
   }
   torch::Tensor weight() { return net_->fc->weight.detach().clone(); }
 
