@@ -94,20 +94,17 @@ int run_trainer(int rank, int trainers) {
       params);
   train::DistributedSampler sampler(data.train->size(), trainers, rank - 1, /*shuffle=*/true,
                                     o.seed);
-  std::vector<int64_t> order;
-  size_t next = 0;
   int64_t epoch = 0;
+  int64_t position = 0;
+  std::vector<int64_t> order = sampler.epoch_order(epoch);
   double first = 0, last = 0;
   for (int64_t step = 0; step < o.steps; ++step) {
-    std::vector<int64_t> idx;
-    while (static_cast<int64_t>(idx.size()) < o.batch) {
-      if (next == order.size()) {
-        order = sampler.epoch_indices(epoch++);
-        next = 0;
-      }
-      idx.push_back(order[next++]);
+    if (sampler.steps_left(position, o.batch) == 0) {
+      order = sampler.epoch_order(++epoch);
+      position = 0;
     }
-    train::Batch b = data.train->get(idx);
+    train::Batch b = data.train->get(sampler.step_indices(order, position, o.batch));
+    position += o.batch * trainers;
     dist_autograd::Context ctx;
     at::Tensor logits = rpc::rpc_sync<at::Tensor>("ps", "ps_forward", b.images);
     at::Tensor loss = torch::cross_entropy_loss(logits, b.labels);

@@ -26,7 +26,7 @@ constexpr int64_t kReadFailed = -2;
 // Note [Checkpoint protocol] 4: the file starts with kMagic (which also names the format
 // version), the fingerprint's length (u32, little endian) and the fingerprint; libtorch's
 // archive follows. The fingerprint is compared before libtorch parses anything.
-constexpr char kMagic[8] = {'T', 'D', 'C', 'K', 'P', 'T', '0', '2'};
+constexpr char kMagic[8] = {'T', 'D', 'C', 'K', 'P', 'T', '0', '3'};
 constexpr size_t kMaxFingerprint = 1 << 16;
 // Rank 0 broadcasts a checkpoint in pieces of this size: the other ranks' memory grows with
 // the bytes that arrived, never with a size rank 0 announced.
@@ -76,7 +76,8 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   torch::serialize::OutputArchive archive;
   archive.write("step", c10::IValue(state.step));
   archive.write("epoch", c10::IValue(state.epoch));
-  archive.write("batch_in_epoch", c10::IValue(state.batch_in_epoch));
+  archive.write("epoch_position", c10::IValue(state.epoch_position));
+  archive.write("world_size", c10::IValue(state.world_size));
   archive.write("last_loss", c10::IValue(state.last_loss));
   archive.write("last_train_accuracy", c10::IValue(state.last_train_accuracy));
   if (state.rng_state.defined()) archive.write("rng_state", state.rng_state);
@@ -205,7 +206,8 @@ TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& mo
     archive.load_from(bytes.data() + archive_at, bytes.size() - archive_at);
     state.step = read_int(archive, "step");
     state.epoch = read_int(archive, "epoch");
-    state.batch_in_epoch = read_int(archive, "batch_in_epoch");
+    state.epoch_position = read_int(archive, "epoch_position");
+    state.world_size = read_int(archive, "world_size");
     state.last_loss = read_double(archive, "last_loss");
     state.last_train_accuracy = read_double(archive, "last_train_accuracy");
     at::Tensor rng;

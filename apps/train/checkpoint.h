@@ -13,15 +13,16 @@
 //  3. --resume: rank 0 reads the file and broadcasts its bytes over the process group (a size,
 //     then the bytes; size -1 means "no checkpoint", -2 "rank 0 could not read it"), and every
 //     rank loads the same bytes. Only rank 0 needs the directory (no shared file system).
-//  4. The checkpoint records the run's fingerprint (model, optimizer, batch size, world size,
-//     seed, data): everything that must stay the same for the resumed run to continue exactly
-//     where the interrupted one left off. A different fingerprint is refused with both shown.
-//     The file starts with a header (magic "TDCKPT02", the fingerprint as a u64 length and its
-//     bytes) before libtorch's archive, so the fingerprint is checked before libtorch parses
-//     any of the file.
-//  5. The sampler position (epoch, batch within the epoch) and the step determine the next
-//     batch on every rank; with the RNG state restored, the resumed run computes exactly the
-//     steps the interrupted one would have.
+//  4. The checkpoint records the run's fingerprint (model, optimizer, batch size per rank,
+//     seed, data): everything that must stay the same for the resumed run to continue where
+//     the interrupted one left off. A different fingerprint is refused with both shown. The
+//     world size is not part of it: a run may resume at another world size (Note [Elastic
+//     resume] in trainer.cpp). The file starts with a header (magic "TDCKPT03", the
+//     fingerprint as a u64 length and its bytes) before libtorch's archive, so the fingerprint
+//     is checked before libtorch parses any of the file.
+//  5. The sampler position (epoch, samples of it consumed) and the step determine the next
+//     batch on every rank; with the RNG state restored, a run resumed at the same world size
+//     computes exactly the steps the interrupted one would have.
 //
 // Plain functions, blocking (file I/O; share_checkpoint is a collective).
 
@@ -49,7 +50,8 @@ namespace tdist::train {
 struct TrainState {
   int64_t step = 0;            // optimizer steps done
   int64_t epoch = 0;           // sampler position of the next batch: its epoch,
-  int64_t batch_in_epoch = 0;  // and its index within that epoch
+  int64_t epoch_position = 0;  // and the samples of that epoch already consumed (all ranks)
+  int64_t world_size = 0;      // of the run that wrote the checkpoint
   at::Tensor rng_state;        // libtorch's default CPU generator (undefined: leave it)
   double last_loss = -1;       // the last reported training loss (negative: none yet)
   double last_train_accuracy = -1;

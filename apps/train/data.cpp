@@ -131,10 +131,9 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int world_size, int
   TDIST_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size, "rank ", rank,
                   " of world size ", world_size);
   TDIST_CHECK_ARG(dataset_size >= 0, "dataset size ", dataset_size);
-  num_samples_ = (dataset_size + world_size - 1) / world_size;
 }
 
-std::vector<int64_t> DistributedSampler::epoch_indices(int64_t epoch) const {
+std::vector<int64_t> DistributedSampler::epoch_order(int64_t epoch) const {
   std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
   if (shuffle_) {
     auto gen = make_generator(mix_seed(mix_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
@@ -144,14 +143,25 @@ std::vector<int64_t> DistributedSampler::epoch_indices(int64_t epoch) const {
   } else {
     for (int64_t i = 0; i < dataset_size_; ++i) order[static_cast<size_t>(i)] = i;
   }
+  return order;
+}
+
+std::vector<int64_t> DistributedSampler::step_indices(const std::vector<int64_t>& order,
+                                                      int64_t position, int64_t batch) const {
+  TDIST_CHECK_ARG(batch >= 1 && position >= 0 && steps_left(position, batch) >= 1,
+                  "no step of ", batch, " samples per rank fits at position ", position,
+                  " of an epoch of ", dataset_size_, " samples at world size ", world_size_);
   std::vector<int64_t> mine;
-  mine.reserve(static_cast<size_t>(num_samples_));
-  if (dataset_size_ == 0) return mine;
-  for (int64_t k = 0; k < num_samples_; ++k) {
-    const int64_t pos = k * world_size_ + rank_;
-    mine.push_back(order[static_cast<size_t>(pos % dataset_size_)]);
+  mine.reserve(static_cast<size_t>(batch));
+  for (int64_t j = 0; j < batch; ++j) {
+    mine.push_back(order[static_cast<size_t>(position + j * world_size_ + rank_)]);
   }
   return mine;
+}
+
+int64_t DistributedSampler::steps_left(int64_t position, int64_t batch) const {
+  const int64_t per_step = batch * world_size_;
+  return position >= dataset_size_ ? 0 : (dataset_size_ - position) / per_step;
 }
 
 }  // namespace tdist::train

@@ -84,15 +84,24 @@ struct DataSplits {
 // Builds the splits. DataError (exit 2 in tdist-train) for a missing directory or bad files.
 DataSplits load_data(const DataConfig& config);
 
-// PyTorch's DistributedSampler: each epoch a permutation of [0, dataset_size) seeded by
-// (seed, epoch) (or the identity without shuffle), padded by wrapping around to a multiple of
-// `world_size`, of which rank r takes positions r, r + world_size, ... Every rank thus gets
-// num_samples() indices, and together they cover the dataset. Pure; thread safe.
+// PyTorch's DistributedSampler, with the position counted in samples (Note [Elastic resume] in
+// trainer.cpp): each epoch a permutation of [0, dataset_size) seeded by (seed, epoch) (or the
+// identity without shuffle), the same on every rank and for every world size. A step that starts
+// at `position` of the epoch gives rank r the samples at position + j * world_size + r,
+// j < batch: a step consumes batch x world_size consecutive samples of the permutation, and the
+// epoch ends when fewer than that remain (the incomplete last step is dropped). For a fixed world
+// size this is PyTorch's assignment (rank r takes positions r, r + world_size, ...). Pure; thread
+// safe.
 class DistributedSampler {
  public:
   DistributedSampler(int64_t dataset_size, int world_size, int rank, bool shuffle, uint64_t seed);
-  int64_t num_samples() const { return num_samples_; }
-  std::vector<int64_t> epoch_indices(int64_t epoch) const;
+  // The permutation of epoch `epoch`.
+  std::vector<int64_t> epoch_order(int64_t epoch) const;
+  // This rank's `batch` samples of the step that starts at `position` of `order`.
+  std::vector<int64_t> step_indices(const std::vector<int64_t>& order, int64_t position,
+                                    int64_t batch) const;
+  // Steps of `batch` samples per rank that fit between `position` and the end of an epoch.
+  int64_t steps_left(int64_t position, int64_t batch) const;
 
  private:
   const int64_t dataset_size_;
@@ -100,7 +109,6 @@ class DistributedSampler {
   const int rank_;
   const bool shuffle_;
   const uint64_t seed_;
-  int64_t num_samples_;
 };
 
 // Mixes values into a 64-bit seed (splitmix64 steps); used for every derived seed.

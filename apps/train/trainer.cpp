@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "apps/train/checkpoint.h"
@@ -92,11 +93,30 @@ void watch_gradients(const std::vector<at::Tensor>& params, const std::shared_pt
   }
 }
 
-// Everything that must match for a resumed run to continue exactly (Note [Checkpoint protocol] 4).
-std::string fingerprint(const TrainOptions& o, int world, int64_t train_size) {
+// Note [Elastic resume]
+// ~~~~~~~~~~~~~~~~~~~~~
+// tdist-run --nnodes MIN:MAX restarts the workers with a new world size when nodes leave or
+// join, and they resume from the last checkpoint. So a run's position is counted in samples,
+// not in steps of one world size:
+//  1. The epoch's permutation does not depend on the world size, and a step consumes
+//     batch x world consecutive samples of it (DistributedSampler, data.h). The checkpoint holds
+//     (epoch, samples of it consumed); a run resumed at another world size goes on with the
+//     next unconsumed sample, so every sample of an epoch is used once whatever the membership
+//     history (but for the incomplete last step of each epoch, dropped).
+//  2. --batch-size is per rank, as in PyTorch: the global batch follows the world size; the
+//     learning rate is left alone (scaling it is the user's choice, as under torchrun).
+//  3. --epochs ends the run at the end of that epoch, whatever world sizes it went through (the
+//     total steps are recomputed at resume); --steps counts optimizer steps of any world size.
+//  4. The world size is not in the fingerprint (Note [Checkpoint protocol] 4); the final
+//     parameters are a function of the membership history (the checkpointed step at which each
+//     world size took over): the same history gives bit-equal parameters, and at an unchanged
+//     world size resume stays exact.
+
+// Everything that must match for a resumed run to continue (Note [Checkpoint protocol] 4).
+std::string fingerprint(const TrainOptions& o, int64_t train_size) {
   return str("model=", describe_model(o.model), " optimizer=", o.optimizer,
              " lr=", o.lr > 0 ? o.lr : default_lr(o.optimizer), " momentum=", o.momentum,
-             " weight_decay=", o.weight_decay, " batch_size=", o.batch_size, " world_size=", world,
+             " weight_decay=", o.weight_decay, " batch_size=", o.batch_size,
              " seed=", o.seed, " dataset=", o.data.dataset, " train_samples=", train_size,
              o.data.dataset == "synthetic" ? str(" signal=", o.data.signal) : std::string(),
              " comm_hook=", o.comm_hook);
@@ -176,12 +196,14 @@ struct Window {
   double data_ms = 0, forward_ms = 0, backward_ms = 0, comm_wait_ms = 0, optimizer_ms = 0;
 };
 
-// Test hook (docs/train.md): TDIST_TRAIN_FAIL_AT_STEP=K kills rank TDIST_TRAIN_FAIL_RANK
+// Test hooks (docs/train.md): TDIST_TRAIN_FAIL_AT_STEP=K kills rank TDIST_TRAIN_FAIL_RANK
 // (default: the last rank) with SIGKILL once K steps are done, on the first attempt only
-// (TDIST_RESTART_COUNT unset or 0), to test restarts and resume.
+// (TDIST_RESTART_COUNT unset or 0), to test restarts and resume; TDIST_TRAIN_STEP_SLEEP_MS=T
+// makes every step T ms longer, so that a test can act on a job while it trains.
 struct FailureInjection {
   int64_t at_step = -1;
   bool armed = false;
+  int64_t step_sleep_ms = 0;
 
   static FailureInjection from_env(int rank, int world) {
     FailureInjection f;
@@ -189,9 +211,11 @@ struct FailureInjection {
     const int64_t fail_rank = env::get_int("TDIST_TRAIN_FAIL_RANK", world - 1, 0, world - 1);
     f.armed = f.at_step >= 0 && fail_rank == rank &&
               env::get_int("TDIST_RESTART_COUNT", 0, 0, INT64_MAX) == 0;
+    f.step_sleep_ms = env::get_int("TDIST_TRAIN_STEP_SLEEP_MS", 0, 0, 60000);
     return f;
   }
   void check(int64_t steps_done) const {
+    if (step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_sleep_ms));
     if (!armed || steps_done != at_step) return;
     std::fprintf(stderr, "tdist-train: TDIST_TRAIN_FAIL_AT_STEP=%lld: killing this worker\n",
                  static_cast<long long>(at_step));
@@ -272,7 +296,11 @@ class Trainer {
   void finish();
 
  private:
-  void train_step(int64_t step, const std::vector<int64_t>& epoch_indices);
+  void train_step(const std::vector<int64_t>& epoch_order);
+  // Moves the sampler position to the next epoch when no step fits in this one.
+  void roll_over_epoch();
+  // The step training ends at, from the current position (Note [Elastic resume] 3).
+  int64_t planned_steps() const;
   void report_window(int64_t epoch);
   // Phase 4, evaluate: the test set across all ranks, reported at state_.step.
   EvalResult evaluate_now();
@@ -288,7 +316,7 @@ class Trainer {
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<DistributedSampler> sampler_;
-  int64_t steps_per_epoch_ = 0;
+  int64_t steps_per_epoch_ = 0;  // of a whole epoch at this world size
   int64_t total_steps_ = 0;
   torch::nn::Sequential model_{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
@@ -324,18 +352,18 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
 
   sampler_ = std::make_unique<DistributedSampler>(data_.train->size(), world_, rank_,
                                                   /*shuffle=*/true, o.seed);
-  steps_per_epoch_ = sampler_->num_samples() / o.batch_size;
+  steps_per_epoch_ = sampler_->steps_left(0, o.batch_size);
   if (steps_per_epoch_ < 1) {
     throw InvalidArgument(str("the training set has ", data_.train->size(), " samples, fewer than ",
                               "one step needs (--batch-size ", o.batch_size, " x world size ", world_,
                               ")"));
   }
-  total_steps_ = o.steps > 0 ? o.steps : o.epochs * steps_per_epoch_;
+  total_steps_ = planned_steps();
 
   torch::manual_seed(o.seed);
   model_ = build_model(o.model);
   optimizer_ = make_optimizer(o, model_->parameters());
-  fingerprint_ = fingerprint(o, world_, data_.train->size());
+  fingerprint_ = fingerprint(o, data_.train->size());
   num_params_ = count_parameters(*model_);
   progress_->note(str("tdist-train: ", describe_model(o.model), " (", num_params_, " parameters) on ",
                       data_.description, "; world size ", world_, ", batch ", o.batch_size,
@@ -360,14 +388,39 @@ void Trainer::resume() {
     return;
   }
   state_ = load_checkpoint(*shared, *model_, *optimizer_, fingerprint_);
-  TDIST_CHECK_EQ(state_.epoch * steps_per_epoch_ + state_.batch_in_epoch, state_.step,
-                 "the checkpoint's sampler position (epoch ", state_.epoch, ", batch ",
-                 state_.batch_in_epoch, ") does not match its step");
+  const int64_t n = data_.train->size();
+  if (state_.step < 0 || state_.epoch < 0 || state_.epoch_position < 0 ||
+      state_.epoch_position > n) {
+    TDIST_THROW(Error, "the checkpoint's position (step ", state_.step, ", epoch ", state_.epoch,
+                ", sample ", state_.epoch_position, ") lies outside the training set of ", n,
+                " samples");
+  }
   if (state_.rng_state.defined()) set_rng_state(state_.rng_state);
   resumed_from_ = state_.step;
   saved_step_ = state_.step;
   progress_->note(str("resumed from ", checkpoint_path(o_.checkpoint_dir), " at step ", state_.step,
-                      " (epoch ", state_.epoch, ", batch ", state_.batch_in_epoch, ")"));
+                      " (epoch ", state_.epoch, ", sample ", state_.epoch_position, " of ", n, ")"));
+  if (state_.world_size != world_) {
+    progress_->note(str("the checkpoint was written at world size ", state_.world_size,
+                        "; continuing at world size ", world_, ": a step now takes ",
+                        o_.batch_size * world_, " samples (", o_.batch_size,
+                        " per rank) instead of ", o_.batch_size * state_.world_size));
+  }
+  roll_over_epoch();
+  total_steps_ = planned_steps();
+}
+
+void Trainer::roll_over_epoch() {
+  if (sampler_->steps_left(state_.epoch_position, o_.batch_size) > 0) return;
+  state_.epoch += 1;
+  state_.epoch_position = 0;
+}
+
+int64_t Trainer::planned_steps() const {
+  if (o_.steps > 0) return o_.steps;
+  if (state_.epoch >= o_.epochs) return state_.step;
+  return state_.step + sampler_->steps_left(state_.epoch_position, o_.batch_size) +
+         (o_.epochs - state_.epoch - 1) * steps_per_epoch_;
 }
 
 void Trainer::start_training() {
@@ -380,13 +433,11 @@ void Trainer::start_training() {
 }
 
 void Trainer::train_epoch() {
-  const int64_t epoch = state_.step / steps_per_epoch_;
-  const int64_t end = std::min((epoch + 1) * steps_per_epoch_, total_steps_);
-  std::vector<int64_t> epoch_indices;
-  for (int64_t step = state_.step; step < end; ++step) {
-    failure_.check(step);
-    if (epoch_indices.empty()) epoch_indices = sampler_->epoch_indices(epoch);
-    train_step(step, epoch_indices);
+  const int64_t epoch = state_.epoch;
+  const std::vector<int64_t> order = sampler_->epoch_order(epoch);
+  while (state_.epoch == epoch && state_.step < total_steps_) {
+    failure_.check(state_.step);
+    train_step(order);
     if (state_.step % o_.log_every == 0 || state_.step == total_steps_) report_window(epoch);
     if (o_.eval_every > 0 && state_.step % o_.eval_every == 0 && state_.step != total_steps_) {
       evaluate_now();
@@ -398,12 +449,12 @@ void Trainer::train_epoch() {
   }
 }
 
-// One optimizer step on this rank's batch `step` (of `epoch_indices`), timed part by part into
-// the window of the next log point.
-void Trainer::train_step(int64_t step, const std::vector<int64_t>& epoch_indices) {
+// One optimizer step on this rank's batch at the sampler position (in `epoch_order`), timed part
+// by part into the window of the next log point.
+void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
   const auto t0 = Clock::now();
-  const auto first = epoch_indices.begin() + (step % steps_per_epoch_) * o_.batch_size;
-  Batch batch = data_.train->get(std::vector<int64_t>(first, first + o_.batch_size));
+  Batch batch = data_.train->get(
+      sampler_->step_indices(epoch_order, state_.epoch_position, o_.batch_size));
   const auto t1 = Clock::now();
   optimizer_->zero_grad();
   at::Tensor logits = (*ddp_model_)(batch.images);
@@ -433,9 +484,9 @@ void Trainer::train_step(int64_t step, const std::vector<int64_t>& epoch_indices
     measured_s_ += seconds_between(t0, t4);
     ++measured_steps_;
   }
-  state_.step = step + 1;
-  state_.epoch = state_.step / steps_per_epoch_;
-  state_.batch_in_epoch = state_.step % steps_per_epoch_;
+  state_.step += 1;
+  state_.epoch_position += o_.batch_size * world_;
+  roll_over_epoch();
 }
 
 // Collective: every rank reports at the same steps; the window's sums are averaged over ranks.
@@ -479,6 +530,7 @@ EvalResult Trainer::evaluate_now() {
 
 void Trainer::save() {
   state_.rng_state = rng_state();
+  state_.world_size = world_;
   if (rank_ == 0) save_checkpoint(o_.checkpoint_dir, *model_, *optimizer_, state_, fingerprint_);
   saved_step_ = state_.step;
 }

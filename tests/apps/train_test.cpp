@@ -233,6 +233,48 @@ TEST(TdistTrain, AKilledWorkerRestartsFromTheCheckpointAndEndsLikeAnUninterrupte
   EXPECT_EQ(sc["params_fnv1a64"], sa["params_fnv1a64"]);
 }
 
+// Note [Elastic resume]: a run killed at world size 3 resumes at world size 2 where its samples
+// left off: 960 samples, batch 8 per rank, 2 epochs. Killed after 25 steps of 24 samples (600 of
+// epoch 0), it goes on with (960 - 600) / 16 = 22 steps of 16, then 60 in epoch 1: 107 steps
+// (counting steps of the new world size from the start of the epoch would give 97 or 120).
+// The same history gives the same parameters; another history does not.
+TEST(TdistTrain, ResumesAtAnotherWorldSizeWhereItsSamplesLeftOff) {
+  const auto args = [](const std::string& dir) {
+    return std::vector<std::string>{
+        "--hidden", "32", "--layers", "1", "--train-samples", "960", "--test-samples", "100",
+        "--batch-size", "8", "--epochs", "2", "--threads", "1", "--checkpoint-dir", dir + "/ckpt",
+        "--checkpoint-every", "5", "--resume", "--summary", dir + "/summary.json", "--seed", "3"};
+  };
+  // Rank 0 stops itself at step 25, after it wrote that step's checkpoint (had another rank
+  // died first, the launcher could stop rank 0 before the write).
+  const auto history = [&](const std::string& dir) {
+    auto killed = train_under_run(3, {"--stop-grace", "2"}, args(dir),
+                                  with_timeout(90, {{"TDIST_TRAIN_FAIL_AT_STEP", "25"},
+                                                   {"TDIST_TRAIN_FAIL_RANK", "0"}}));
+    EXPECT_NE(killed.exit_code, 0) << killed.describe();
+    auto resumed = train_under_run(2, {}, args(dir));
+    EXPECT_EQ(resumed.exit_code, 0) << resumed.describe();
+    EXPECT_TRUE(contains(resumed.out, "resumed from " + dir + "/ckpt/checkpoint.pt at step 25 "
+                                      "(epoch 0, sample 600 of 960)")) << resumed.out;
+    EXPECT_TRUE(contains(resumed.out, "the checkpoint was written at world size 3; continuing at "
+                                      "world size 2: a step now takes 16 samples")) << resumed.out;
+    return read_json(dir + "/summary.json");
+  };
+  const std::string a = test::temp_dir(), b = test::temp_dir(), c = test::temp_dir();
+  auto sa = history(a);
+  EXPECT_EQ(sa["resumed_from_step"], 25);
+  EXPECT_EQ(sa["steps"], 107);
+  EXPECT_EQ(sa["steps_run"], 82);
+  EXPECT_EQ(sa["world_size"], 2);
+  auto sb = history(b);
+  EXPECT_EQ(sb["params_fnv1a64"], sa["params_fnv1a64"]) << "the same history, other parameters";
+  auto only_two = train_under_run(2, {}, args(c));
+  ASSERT_EQ(only_two.exit_code, 0) << only_two.describe();
+  auto sc = read_json(c + "/summary.json");
+  EXPECT_EQ(sc["steps"], 120);
+  EXPECT_NE(sc["params_fnv1a64"], sa["params_fnv1a64"]) << "the world size history left no trace";
+}
+
 TEST(TdistTrain, ResumeRefusesACheckpointOfAnotherRun) {
   const std::string dir = test::temp_dir();
   auto first = train({"--hidden", "32", "--layers", "1", "--steps", "5", "--test-samples", "10",
@@ -255,7 +297,7 @@ TEST(TdistTrain, ResumeRefusesACheckpointOfAnotherRun) {
   // bytes that are no archive at all is refused as another run's.
   {
     const std::string fingerprint = "another run's settings";
-    std::string forged = "TDCKPT02";
+    std::string forged = "TDCKPT03";
     for (int i = 0; i < 8; ++i) forged.push_back(static_cast<char>((fingerprint.size() >> (8 * i)) & 0xff));
     forged += fingerprint + "no libtorch archive follows";
     std::ofstream(dir + "/checkpoint.pt", std::ios::trunc | std::ios::binary) << forged;
