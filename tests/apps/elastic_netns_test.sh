@@ -12,36 +12,14 @@
 #   elastic_netns_test.sh <tdist-run> <tdist-train>
 set -uo pipefail
 run="$1"; train="$2"
+source "$(dirname "$0")/../harness/netns_hosts.sh"
 id="tde$$"
 net=10.216.$(( $$ % 250 ))
 port=29711
 work=$(mktemp -d)
-hosts=(h1 h2 h3 h4)
-cleanup() {
-  for h in "${hosts[@]}"; do
-    ip netns pids "$id$h" 2>/dev/null | xargs -r kill -9 2>/dev/null
-    ip netns del "$id$h" 2>/dev/null
-  done
-  ip netns del "${id}hub" 2>/dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'netns_cleanup; rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; for f in "$work"/*.out "$work"/*.err; do echo "--- $f"; cat "$f"; done; exit 1; }
-
-if ! err=$(ip netns add "${id}hub" 2>&1); then
-  echo "SKIP: cannot create network namespaces here: $err"; exit 77
-fi
-ip -n "${id}hub" link add br0 type bridge && ip -n "${id}hub" link set br0 up || exit 1
-for i in 1 2 3 4; do
-  ns="${id}h$i"
-  ip netns add "$ns" || exit 1
-  if ! err=$(ip link add "${id}v$i" netns "$ns" type veth peer name "${id}b$i" netns "${id}hub" 2>&1); then
-    echo "SKIP: cannot create a veth pair here: $err"; exit 77
-  fi
-  ip -n "${id}hub" link set "${id}b$i" master br0 up || exit 1
-  ip -n "$ns" addr add "$net.$i/24" dev "${id}v$i" || exit 1
-  ip -n "$ns" link set "${id}v$i" up && ip -n "$ns" link set lo up || exit 1
-done
+netns_hosts "$id" "$net" 4
 
 train_args=(--hidden 32 --layers 1 --train-samples 2400 --test-samples 200 --batch-size 8
             --epochs 2 --threads 1 --progress log --log-every 5 --checkpoint-every 5 --resume)

@@ -1,0 +1,41 @@
+# Sourced by tests: "hosts" made of network namespaces on one bridge (the bridge in a namespace
+# of its own, so nothing touches the machine's network). The test owns what it creates:
+#   netns_hosts ID NET N   creates namespaces ${ID}h1..${ID}hN with addresses NET.1..NET.N/24,
+#                          loopback up; exits 77 (ctest: skipped) with the reason when
+#                          namespaces or veth pairs cannot be made here
+#   netns_host_names I LINE...
+#                          /etc/hosts as processes in host I see it (ip netns exec mounts
+#                          /etc/netns/<namespace>/hosts over /etc/hosts)
+#   netns_cleanup          kills every process left in the hosts and removes them (trap it)
+netns_ids=()
+netns_cleanup() {
+  for ns in "${netns_ids[@]}"; do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null
+    ip netns del "$ns" 2>/dev/null
+    rm -rf "/etc/netns/$ns"
+  done
+}
+netns_hosts() {
+  local id=$1 net=$2 n=$3 err i ns
+  if ! err=$(ip netns add "${id}hub" 2>&1); then
+    echo "SKIP: cannot create network namespaces here: $err"; exit 77
+  fi
+  netns_ids+=("${id}hub")
+  ip -n "${id}hub" link add br0 type bridge && ip -n "${id}hub" link set br0 up || exit 1
+  for (( i = 1; i <= n; i++ )); do
+    ns="${id}h$i"
+    ip netns add "$ns" || exit 1
+    netns_ids+=("$ns")
+    if ! err=$(ip link add "${id}v$i" netns "$ns" type veth peer name "${id}b$i" netns "${id}hub" 2>&1); then
+      echo "SKIP: cannot create a veth pair here: $err"; exit 77
+    fi
+    ip -n "${id}hub" link set "${id}b$i" master br0 up || exit 1
+    ip -n "$ns" addr add "$net.$i/24" dev "${id}v$i" || exit 1
+    ip -n "$ns" link set "${id}v$i" up && ip -n "$ns" link set lo up || exit 1
+  done
+}
+netns_host_names() {
+  local i=$1; shift  # netns_ids[0] is the hub, [i] host i
+  mkdir -p "/etc/netns/${netns_ids[$i]}"
+  printf '%s\n' "127.0.0.1 localhost" "$@" > "/etc/netns/${netns_ids[$i]}/hosts"
+}
