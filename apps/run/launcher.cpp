@@ -349,7 +349,13 @@ void Launcher::read_stream(Worker& w, int stream) {
       part.append(buf, static_cast<size_t>(n));
       size_t start = 0;
       for (size_t nl; (nl = part.find('\n', start)) != std::string::npos; start = nl + 1) {
+        for (; nl - start > kMaxLineBytes; start += kMaxLineBytes) {
+          emit_line(w, stream, part.substr(start, kMaxLineBytes));
+        }
         emit_line(w, stream, part.substr(start, nl - start));
+      }
+      for (; part.size() - start > kMaxLineBytes; start += kMaxLineBytes) {
+        emit_line(w, stream, part.substr(start, kMaxLineBytes));
       }
       part.erase(0, start);
       continue;

@@ -71,6 +71,9 @@ struct WorkerExit {
 class Launcher {
  public:
   static constexpr size_t kStderrTailLines = 20;
+  // A worker's line longer than this is passed on in pieces of this size, each a line of its
+  // own: what the launcher holds per stream stays bounded whatever a worker writes.
+  static constexpr size_t kMaxLineBytes = 64 * 1024;
 
   explicit Launcher(LaunchConfig config);
   ~Launcher();

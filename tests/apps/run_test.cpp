@@ -166,6 +166,29 @@ TEST(TdistRun, LogDirHoldsOneFilePerRankAndStream) {
   }
 }
 
+// A worker that writes 8 MiB without a newline costs the launcher one line's worth of memory:
+// the bytes come out as lines of at most 64 KiB (Launcher::kMaxLineBytes), none lost, in order.
+TEST(TdistRun, AnEndlessLineIsPassedOnInBoundedPieces) {
+  std::string dir = test::temp_dir();
+  auto r = launch({"--nproc-per-node", "1", "--master-port", "0", "--log-dir", dir, "--no-tee",
+                   "sh", "-c", "head -c 8388608 /dev/zero | tr '\\0' x; echo; echo done"});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  std::ifstream out(dir + "/attempt_0/rank_0.stdout");
+  size_t lines = 0, bytes = 0, longest = 0;
+  std::string line, last;
+  while (std::getline(out, line)) {
+    ++lines;
+    bytes += line.size();
+    longest = std::max(longest, line.size());
+    EXPECT_EQ(line.find_first_not_of('x'), line == "done" ? 0 : std::string::npos);
+    last = line;
+  }
+  EXPECT_EQ(bytes, 8388608u + 4u) << "every byte is passed on";
+  EXPECT_EQ(longest, 65536u) << "lines are cut at 64 KiB";
+  EXPECT_EQ(lines, 8388608u / 65536u + 1u);
+  EXPECT_EQ(last, "done");
+}
+
 TEST(TdistRun, TeeChoosesWhichStreamsAlsoReachTheConsole) {
   std::string dir = test::temp_dir();
   auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--log-dir", dir, "--tee", "2",
