@@ -25,6 +25,19 @@
 // A well-formed request that cannot be done (add() on a value that is not an integer) is not a
 // protocol violation: it gets a kInvalid reply and the connection stays usable.
 //
+// Limits, so that no peer can make the server grow without bound or hold it:
+//  - connections: TDIST_STORE_MAX_CONNECTIONS (3/4 of the descriptor limit by default); more
+//    are closed at accept. Each holds at most one parked get/wait (one request at a time,
+//    below), with at most 65536 keys, so waiters are bounded by connections.
+//  - data held: TDIST_STORE_MAX_KEYS keys (2^20) and TDIST_STORE_MAX_BYTES bytes of keys and
+//    values together (4 GiB); a write past either gets kInvalid naming the limit, and nothing
+//    already stored changes.
+//  - a started frame: once its first byte arrived, the whole frame must arrive within
+//    TDIST_STORE_FRAME_TIMEOUT_MS (60 s); a peer that stalls or trickles inside a frame loses
+//    its connection. A connection idle between frames is not timed out: store clients
+//    legitimately sit idle for the length of a job (torch's TCPStore clients too), and the
+//    connection limit bounds them.
+//
 // One request at a time per connection. A client sends a request and waits for its reply before
 // it sends the next on that socket. The server keeps reading while a get/wait is parked, only to
 // notice a disconnect at once (the parked waiter is then dropped); a frame that arrives before

@@ -55,6 +55,7 @@ class TCPStoreServerImpl {
   int64_t num_rejected_frames() const { return num_rejected_frames_.load(); }
   int64_t num_refused_connections() const { return num_refused_connections_.load(); }
   std::string address() const { return host_ + ":" + std::to_string(port_); }
+  Millis frame_timeout() const { return frame_timeout_; }
 
   // Called by connections, on the io thread.
   void handle_request(const std::shared_ptr<TCPStoreConnection>& conn, uint16_t code,
@@ -87,6 +88,12 @@ class TCPStoreServerImpl {
   void on_key_changed(const std::string& key);
   // Removes the connection's waiter from waiting_ and cancels its timer.
   void unpark(TCPStoreConnection& conn);
+  // Writes go through these: why storing `value_bytes` at `key` would pass the limits on keys
+  // and bytes held ("" when it fits), and the write itself (which keeps held_bytes_).
+  std::string over_limit(const std::string& key, size_t value_bytes) const;
+  void put(const std::string& key, Bytes value);
+  // Replies kInvalid with `why` (the request is refused, the connection stays).
+  static void refuse(TCPStoreConnection& conn, const std::string& why);
 
   // Constant after construction.
   std::string host_;
@@ -100,10 +107,14 @@ class TCPStoreServerImpl {
   std::atomic<int64_t> num_rejected_frames_{0};
   std::atomic<int64_t> num_refused_connections_{0};
   size_t max_connections_ = 0;  // TDIST_STORE_MAX_CONNECTIONS, or from the descriptor limit
+  size_t max_keys_ = 0;          // TDIST_STORE_MAX_KEYS
+  uint64_t max_bytes_ = 0;       // TDIST_STORE_MAX_BYTES: keys and values held, together
+  Millis frame_timeout_{0};      // TDIST_STORE_FRAME_TIMEOUT_MS: a started frame must end by then
 
   // Touched only from the io thread.
   bool stopping_ = false;
   std::unordered_map<std::string, Bytes> data_;
+  uint64_t held_bytes_ = 0;  // sizes of data_'s keys and values
   std::set<std::shared_ptr<TCPStoreConnection>> connections_;
   std::unordered_map<std::string, std::unordered_set<TCPStoreConnection*>> waiting_;
   uint64_t next_waiter_id_ = 1;
@@ -123,7 +134,7 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
   };
 
   TCPStoreConnection(TCPStoreServerImpl& server, tcp::socket socket)
-      : server_(server), socket_(std::move(socket)) {
+      : server_(server), socket_(std::move(socket)), frame_timer_(socket_.get_executor()) {
     error_code ec;
     auto ep = socket_.remote_endpoint(ec);
     peer_ = ec ? std::string("unknown peer") : ep.address().to_string() + ":" + std::to_string(ep.port());
@@ -140,7 +151,13 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
 
  private:
   void read_header();
-  void on_header(const error_code& ec, size_t n);
+  void read_header_part();
+  void on_header_part(const error_code& ec, size_t n);
+  void on_header();
+  // A frame whose first byte arrived must be whole within the server's frame timeout: a peer
+  // that stalls or trickles inside a frame loses its connection (Note [TCPStore protocol]).
+  void arm_frame_deadline();
+  void disarm_frame_deadline();
   void read_body_chunk();
   void on_body_chunk(const error_code& ec, size_t n);
   void dispatch();
@@ -149,9 +166,13 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
 
   TCPStoreServerImpl& server_;
   tcp::socket socket_;
+  asio::steady_timer frame_timer_;
+  bool frame_armed_ = false;
+  uint64_t frame_generation_ = 0;  // a deadline handler acts only for its own frame
   std::string peer_;
   bool closed_ = false;
   std::array<uint8_t, tcp_store::kHeaderBytes> header_bytes_{};
+  size_t header_received_ = 0;
   tcp_store::Header header_;
   Bytes body_;
   size_t body_received_ = 0;
@@ -163,18 +184,23 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
 // ---- TCPStoreConnection -------------------------------------------------------------------------
 
 void TCPStoreConnection::read_header() {
-  asio::async_read(socket_, asio::buffer(header_bytes_),
-                   [self = shared_from_this()](const error_code& ec, size_t n) {
-                     self->on_header(ec, n);
-                   });
+  header_received_ = 0;
+  read_header_part();
 }
 
-void TCPStoreConnection::on_header(const error_code& ec, size_t n) {
+void TCPStoreConnection::read_header_part() {
+  socket_.async_read_some(
+      asio::buffer(header_bytes_.data() + header_received_, header_bytes_.size() - header_received_),
+      [self = shared_from_this()](const error_code& ec, size_t n) { self->on_header_part(ec, n); });
+}
+
+void TCPStoreConnection::on_header_part(const error_code& ec, size_t n) {
   if (closed_) return;
+  header_received_ += n;
   if (ec) {
-    if (n > 0) {
-      reject(str("connection ended inside a frame header (", n, " of ", header_bytes_.size(),
-                 " bytes)"));
+    if (header_received_ > 0) {
+      reject(str("connection ended inside a frame header (", header_received_, " of ",
+                 header_bytes_.size(), " bytes)"));
     } else {
       TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": ", peer_, " disconnected (",
                       ec.message(), ")");
@@ -182,6 +208,39 @@ void TCPStoreConnection::on_header(const error_code& ec, size_t n) {
     }
     return;
   }
+  if (header_received_ < header_bytes_.size()) {
+    arm_frame_deadline();
+    read_header_part();
+    return;
+  }
+  on_header();
+}
+
+void TCPStoreConnection::arm_frame_deadline() {
+  if (frame_armed_) return;
+  frame_armed_ = true;
+  const uint64_t generation = ++frame_generation_;
+  frame_timer_.expires_after(server_.frame_timeout());
+  frame_timer_.async_wait([self = shared_from_this(), generation](const error_code& ec) {
+    if (ec || self->closed_ || !self->frame_armed_ || self->frame_generation_ != generation) return;
+    const bool in_header = self->header_received_ < self->header_bytes_.size();
+    self->reject(str("the peer stalled inside a frame for ",
+                     seconds_text(self->server_.frame_timeout()), " s (TDIST_STORE_FRAME_TIMEOUT_MS), ",
+                     in_header ? str("after ", self->header_received_, " of ",
+                                     self->header_bytes_.size(), " header bytes")
+                               : str("in the ", self->header_.body_bytes, "-byte body of '",
+                                     tcp_store::command_name(self->header_.code), "'")));
+  });
+}
+
+void TCPStoreConnection::disarm_frame_deadline() {
+  if (!frame_armed_) return;
+  frame_armed_ = false;
+  ++frame_generation_;
+  frame_timer_.cancel();
+}
+
+void TCPStoreConnection::on_header() {
   header_ = tcp_store::decode_header(header_bytes_.data());
   // Validated before a single byte of the body is read or allocated.
   std::string problem = tcp_store::header_problem(header_, TCPStoreServer::kMaxFrameBytes);
@@ -203,6 +262,7 @@ void TCPStoreConnection::on_header(const error_code& ec, size_t n) {
   if (header_.body_bytes == 0) {
     dispatch();
   } else {
+    arm_frame_deadline();
     read_body_chunk();
   }
 }
@@ -235,6 +295,7 @@ void TCPStoreConnection::on_body_chunk(const error_code& ec, size_t n) {
 }
 
 void TCPStoreConnection::dispatch() {
+  disarm_frame_deadline();
   auto self = shared_from_this();
   try {
     wire::Reader reader(body_);
@@ -298,6 +359,7 @@ void TCPStoreConnection::close(bool rejected) {
   error_code ignored;
   socket_.shutdown(tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
+  disarm_frame_deadline();
   out_.clear();
   server_.on_connection_closed(this, rejected);
 }
@@ -319,10 +381,23 @@ size_t connection_limit() {
       env::get_int("TDIST_STORE_MAX_CONNECTIONS", fallback, 1, int64_t(1) << 20));
 }
 
+constexpr int64_t kDefaultMaxKeys = int64_t(1) << 20;
+constexpr int64_t kDefaultMaxBytes = int64_t(4) << 30;
+constexpr int64_t kDefaultFrameTimeoutMs = 60000;
+
 }  // namespace
 
 TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port)
-    : host_(host), acceptor_(io_), accept_retry_timer_(io_), max_connections_(connection_limit()) {
+    : host_(host),
+      acceptor_(io_),
+      accept_retry_timer_(io_),
+      max_connections_(connection_limit()),
+      max_keys_(static_cast<size_t>(
+          env::get_int("TDIST_STORE_MAX_KEYS", kDefaultMaxKeys, 1, int64_t(1) << 40))),
+      max_bytes_(static_cast<uint64_t>(
+          env::get_int("TDIST_STORE_MAX_BYTES", kDefaultMaxBytes, 1, int64_t(1) << 50))),
+      frame_timeout_(
+          env::get_int("TDIST_STORE_FRAME_TIMEOUT_MS", kDefaultFrameTimeoutMs, 1, int64_t(1) << 40)) {
   try {
     tcp::resolver resolver(io_);
     auto results = resolver.resolve(host, std::to_string(port),
@@ -461,7 +536,8 @@ void TCPStoreServerImpl::on_set(TCPStoreConnection& conn, wire::Reader& body) {
   std::string key = body.string("key");
   Bytes value = body.blob("value");
   body.expect_end("set request");
-  data_[key] = std::move(value);
+  if (auto why = over_limit(key, value.size()); !why.empty()) return refuse(conn, why);
+  put(key, std::move(value));
   conn.reply(Status::kOk, {});
   on_key_changed(key);
 }
@@ -490,18 +566,14 @@ void TCPStoreServerImpl::on_add(TCPStoreConnection& conn, wire::Reader& body) {
   try {
     if (it != data_.end()) value = parse_counter(key, it->second);
   } catch (const InvalidArgument& e) {
-    Bytes out;
-    wire::Writer(out).string(e.what());
-    conn.reply(Status::kInvalid, out);
-    return;
+    return refuse(conn, e.what());
   }
   if (__builtin_add_overflow(value, delta, &value)) {
-    Bytes out;
-    wire::Writer(out).string(str("add(", delta, ") overflows the counter in store key '", key, "'"));
-    conn.reply(Status::kInvalid, out);
-    return;
+    return refuse(conn, str("add(", delta, ") overflows the counter in store key '", key, "'"));
   }
-  data_[key] = to_bytes(std::to_string(value));
+  Bytes text = to_bytes(std::to_string(value));
+  if (auto why = over_limit(key, text.size()); !why.empty()) return refuse(conn, why);
+  put(key, std::move(text));
   Bytes out;
   wire::Writer(out).i64(value);
   conn.reply(Status::kOk, out);
@@ -516,20 +588,14 @@ void TCPStoreServerImpl::on_compare_set(TCPStoreConnection& conn, wire::Reader& 
   Bytes result;
   bool changed = false;
   auto it = data_.find(key);
-  if (it == data_.end()) {
-    if (expected.empty()) {
-      data_[key] = desired;
-      result = desired;
-      changed = true;
-    } else {
-      result = expected;
-    }
-  } else if (it->second == expected) {
-    it->second = desired;
+  const bool swap = it == data_.end() ? expected.empty() : it->second == expected;
+  if (swap) {
+    if (auto why = over_limit(key, desired.size()); !why.empty()) return refuse(conn, why);
+    put(key, desired);
     result = desired;
     changed = true;
   } else {
-    result = it->second;
+    result = it == data_.end() ? expected : it->second;
   }
   Bytes out;
   wire::Writer(out).blob(result);
@@ -560,8 +626,14 @@ void TCPStoreServerImpl::on_check(TCPStoreConnection& conn, wire::Reader& body) 
 void TCPStoreServerImpl::on_delete(TCPStoreConnection& conn, wire::Reader& body) {
   std::string key = body.string("key");
   body.expect_end("delete_key request");
+  auto it = data_.find(key);
+  const bool found = it != data_.end();
+  if (found) {
+    held_bytes_ -= key.size() + it->second.size();
+    data_.erase(it);
+  }
   Bytes out;
-  wire::Writer(out).u8(data_.erase(key) > 0 ? 1 : 0);
+  wire::Writer(out).u8(found ? 1 : 0);
   conn.reply(Status::kOk, out);
 }
 
@@ -573,6 +645,34 @@ void TCPStoreServerImpl::on_num_keys(TCPStoreConnection& conn, wire::Reader& bod
   Bytes out;
   wire::Writer(out).i64(n);
   conn.reply(Status::kOk, out);
+}
+
+std::string TCPStoreServerImpl::over_limit(const std::string& key, size_t value_bytes) const {
+  auto it = data_.find(key);
+  const uint64_t freed = it == data_.end() ? 0 : key.size() + it->second.size();
+  if (it == data_.end() && data_.size() >= max_keys_) {
+    return str("the store at ", address(), " holds ", data_.size(), " keys, its limit ",
+               "(TDIST_STORE_MAX_KEYS); setting the new key '", key, "' is refused");
+  }
+  if (held_bytes_ - freed + key.size() + value_bytes > max_bytes_) {
+    return str("the store at ", address(), " holds ", held_bytes_, " bytes of keys and values; ",
+               "storing ", value_bytes, " bytes at '", key, "' would pass its limit of ",
+               max_bytes_, " (TDIST_STORE_MAX_BYTES)");
+  }
+  return {};
+}
+
+void TCPStoreServerImpl::put(const std::string& key, Bytes value) {
+  auto [it, inserted] = data_.try_emplace(key);
+  if (!inserted) held_bytes_ -= key.size() + it->second.size();
+  held_bytes_ += key.size() + value.size();
+  it->second = std::move(value);
+}
+
+void TCPStoreServerImpl::refuse(TCPStoreConnection& conn, const std::string& why) {
+  Bytes out;
+  wire::Writer(out).string(why);
+  conn.reply(Status::kInvalid, out);
 }
 
 std::vector<std::string> TCPStoreServerImpl::missing_keys(

@@ -414,6 +414,66 @@ TEST(TCPStore, ConnectionsBeyondTheLimitAreClosedAtOnce) {
   EXPECT_EQ(store.get_string("k"), "v");
 }
 
+// Note [TCPStore protocol], limits: a write past TDIST_STORE_MAX_KEYS or TDIST_STORE_MAX_BYTES is
+// refused with InvalidArgument naming the limit; what is stored stays, the connection stays usable.
+TEST(TCPStore, WritesPastTheKeyAndByteLimitsAreRefusedAndNothingIsLost) {
+  test::EnvGuard env(test::EnvVars{{"TDIST_STORE_MAX_KEYS", "3"}, {"TDIST_STORE_MAX_BYTES", "1000"}});
+  TCPStoreServer server("127.0.0.1", 0);
+  TCPStore store("127.0.0.1", server.port(), false, kTimeout);
+  store.set("a", "1");
+  store.set("b", "2");
+  EXPECT_EQ(store.add("c", 5), 5);
+  expect_contains(expect_throw<InvalidArgument>([&] { store.set("d", "4"); }),
+                  "holds 3 keys, its limit (TDIST_STORE_MAX_KEYS)");
+  expect_contains(expect_throw<InvalidArgument>([&] { store.add("e", 1); }), "TDIST_STORE_MAX_KEYS");
+  expect_contains(expect_throw<InvalidArgument>([&] { store.compare_set("f", Bytes{}, to_bytes("x")); }),
+                  "TDIST_STORE_MAX_KEYS");
+  store.set("a", "changed");  // an existing key may change
+  EXPECT_EQ(store.add("c", 1), 6);
+  expect_contains(expect_throw<InvalidArgument>([&] { store.set("b", std::string(1000, 'x')); }),
+                  "would pass its limit of 1000 (TDIST_STORE_MAX_BYTES)");
+  EXPECT_EQ(store.get_string("b"), "2") << "a refused write changes nothing";
+  EXPECT_EQ(store.num_keys(), 3);
+  EXPECT_TRUE(store.delete_key("b"));
+  store.set("d", std::string(900, 'y'));  // room again, in keys and in bytes
+  EXPECT_EQ(store.get_string("d").size(), 900u);
+  EXPECT_EQ(store.get_string("a"), "changed");
+}
+
+// A peer that stops inside a frame (in its header or its body) loses its connection after
+// TDIST_STORE_FRAME_TIMEOUT_MS, logged once; a client idle between frames keeps its connection,
+// and a real client is served throughout.
+TEST(TCPStore, APeerStalledInsideAFrameLosesItsConnection) {
+  test::EnvGuard env(test::EnvVars{{"TDIST_STORE_FRAME_TIMEOUT_MS", "300"}});
+  const LogLevel saved = log_level();
+  if (!log_enabled(LogLevel::kError)) set_log_level(LogLevel::kError);
+  TCPStoreServer server("127.0.0.1", 0);
+  TCPStore store("127.0.0.1", server.port(), false, kTimeout);
+  store.set("k", "v");
+  ::testing::internal::CaptureStderr();
+  RawSocket in_header(server.port());
+  const Bytes whole_header = header(proto::kMagic, proto::kVersion, 1, 0);
+  in_header.send(Bytes(whole_header.begin(), whole_header.begin() + 5));
+  Bytes body_frame = header(proto::kMagic, proto::kVersion, 1, 100);
+  body_frame.resize(body_frame.size() + 10);
+  RawSocket in_body(server.port());
+  in_body.send(body_frame);
+  RawSocket idle(server.port());
+  idle.send(proto::make_frame(static_cast<uint16_t>(proto::Command::kNumKeys), {}));
+  EXPECT_EQ(store.get_string("k"), "v") << "the stalled peers hold up no one";
+  EXPECT_TRUE(in_header.sees_eof(5s)) << "stalled inside a header, still connected";
+  EXPECT_TRUE(in_body.sees_eof(5s)) << "stalled inside a body, still connected";
+  EXPECT_TRUE(eventually([&] { return server.num_rejected_frames() == 2; }));
+  std::string log = ::testing::internal::GetCapturedStderr();
+  set_log_level(saved);
+  expect_contains(log, "stalled inside a frame for 0.3 s (TDIST_STORE_FRAME_TIMEOUT_MS), after 5 "
+                       "of 16 header bytes");
+  expect_contains(log, "in the 100-byte body of 'set'");
+  EXPECT_FALSE(idle.sees_eof(Millis(600))) << "a connection idle between frames was closed";
+  EXPECT_EQ(server.num_rejected_frames(), 2);
+  EXPECT_EQ(store.get_string("k"), "v");
+}
+
 TEST(TCPStore, ConnectRetriesUntilTheServerStarts) {
   const uint16_t port = free_port();
   std::unique_ptr<TCPStoreServer> server;
