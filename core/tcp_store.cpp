@@ -80,6 +80,7 @@ const std::string kAllJoinedKey =
 std::string quoted(const std::string& key) { return "'" + key + "'"; }
 
 Millis limit_for(Millis timeout) {
+  timeout = detail::effective_timeout(timeout);
   return timeout == Store::kNoTimeout ? Store::kNoTimeout : timeout + reply_grace(timeout);
 }
 

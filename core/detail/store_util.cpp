@@ -42,7 +42,7 @@ void throw_wait_timeout(const std::string& store, const std::vector<std::string>
 }
 
 std::chrono::steady_clock::time_point deadline_after(Millis timeout) {
-  if (timeout == Store::kNoTimeout) return std::chrono::steady_clock::time_point::max();
+  if (effective_timeout(timeout) == Store::kNoTimeout) return std::chrono::steady_clock::time_point::max();
   return std::chrono::steady_clock::now() + timeout;
 }
 

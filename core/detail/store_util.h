@@ -23,7 +23,15 @@ int64_t parse_counter(const std::string& key, const Bytes& value);
 [[noreturn]] void throw_wait_timeout(const std::string& store, const std::vector<std::string>& missing,
                                      Millis timeout);
 
-// Deadline for a wait; `timeout` zero means none (time_point::max()).
+// Timeouts longer than this (about 35 years) mean "none": longer ones would overflow the clocks'
+// nanosecond arithmetic (found by tests/fuzz/store_server).
+inline constexpr Millis kLongestTimeout{int64_t(1) << 40};
+// `timeout` as the stores treat it: above kLongestTimeout, kNoTimeout.
+inline Millis effective_timeout(Millis timeout) {
+  return timeout > kLongestTimeout ? Store::kNoTimeout : timeout;
+}
+
+// Deadline for a wait; `timeout` zero (or past kLongestTimeout) means none (time_point::max()).
 std::chrono::steady_clock::time_point deadline_after(Millis timeout);
 
 }  // namespace tdist::detail

@@ -520,7 +520,7 @@ namespace {
 Millis read_timeout(wire::Reader& r) {
   int64_t ms = r.i64("timeout");
   if (ms < 0) throw ProtocolError(str("negative timeout ", ms, " ms"));
-  return Millis(ms);
+  return effective_timeout(Millis(ms));
 }
 
 Bytes encode_keys(const std::vector<std::string>& keys) {

@@ -1,0 +1,70 @@
+// Fuzzes the TCPStore server (core/detail/tcp_store_server.cpp) through its socket, as a peer
+// would: each input is sent on a fresh connection, which is then half-closed, and its replies
+// are read until the server closes it or 100 ms pass. One server runs for the whole campaign;
+// every 64 inputs a real TCPStore client must still be served (and at the end), so an input that
+// wedges or kills the server is a finding, as is any sanitizer report in the server.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+
+#include "tdist/core/logging.h"
+#include "tdist/core/tcp_store.h"
+
+namespace {
+
+tdist::TCPStoreServer* g_server = nullptr;
+
+void send_and_drain(const uint8_t* data, size_t size) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) std::abort();
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(g_server->port());
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    std::fprintf(stderr, "the store server stopped accepting connections\n");
+    std::abort();
+  }
+  for (size_t done = 0; done < size;) {
+    ssize_t n = ::send(fd, data + done, size - done, MSG_NOSIGNAL);
+    if (n <= 0) break;  // the server closed the connection (a bad frame): fine
+    done += static_cast<size_t>(n);
+  }
+  ::shutdown(fd, SHUT_WR);
+  uint8_t buf[4096];
+  pollfd p{fd, POLLIN, 0};
+  while (::poll(&p, 1, 100) > 0 && ::recv(fd, buf, sizeof(buf), 0) > 0) {
+  }
+  ::close(fd);
+}
+
+void expect_served() {
+  tdist::TCPStore client("127.0.0.1", g_server->port(), false, std::chrono::seconds(10));
+  client.set("fuzz/alive", "1");
+  if (client.get_string("fuzz/alive") != "1") std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  ::setenv("TDIST_STORE_FRAME_TIMEOUT_MS", "200", 1);
+  ::setenv("TDIST_STORE_MAX_BYTES", "67108864", 1);  // what the inputs store stays bounded
+  tdist::set_log_level(tdist::LogLevel::kOff);
+  g_server = new tdist::TCPStoreServer("127.0.0.1", 0);
+  std::atexit([] { expect_served(); });
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static uint64_t runs = 0;
+  send_and_drain(data, size);
+  if (++runs % 64 == 0) expect_served();
+  return 0;
+}
