@@ -1,0 +1,94 @@
+// Nothing lost or leaked: after a process group is destroyed, gracefully or after an abort,
+// this process holds no more threads, descriptors, shared-memory files or mappings than before,
+// counted from /proc and /dev/shm. The first round warms up what lives for the whole process
+// (libtorch's thread pools, the logger); every later round must end where the first ended.
+
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <string>
+
+#include "tests/comm/comm_test_util.h"
+
+namespace tdist::comm {
+namespace {
+
+int entries(const std::string& dir, const std::string& prefix = "") {
+  int n = 0;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != ".." && name.rfind(prefix, 0) == 0) ++n;
+    }
+    ::closedir(d);
+  }
+  return n;
+}
+
+struct Held {
+  int threads = 0, fds = 0, shm_files = 0, shm_maps = 0;
+  bool operator==(const Held& o) const {
+    return threads == o.threads && fds == o.fds && shm_files == o.shm_files && shm_maps == o.shm_maps;
+  }
+};
+
+std::ostream& operator<<(std::ostream& os, const Held& h) {
+  return os << h.threads << " threads, " << h.fds << " descriptors, " << h.shm_files
+            << " /dev/shm/tdist-* files, " << h.shm_maps << " tdist-* mappings";
+}
+
+Held held() {
+  Held h;
+  h.threads = entries("/proc/self/task");
+  h.fds = entries("/proc/self/fd");
+  h.shm_files = entries("/dev/shm", "tdist-");
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/tdist-") != std::string::npos) ++h.shm_maps;
+  }
+  return h;
+}
+
+// One group of 2 (shared memory and TCP between its ranks) doing a small and a large allreduce,
+// then destroyed; with `abort_it`, rank 1 aborts while rank 0 waits in an allreduce.
+void one_group(bool abort_it) {
+  tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options());
+    pg->allreduce(torch::ones({16}))->wait();
+    pg->allreduce(torch::ones({1 << 18}))->wait();
+    // What the counters must see come and go: the ranks' rings are mapped now.
+    EXPECT_GT(held().shm_maps, 0) << "the group does not use shared memory: nothing is checked";
+    if (abort_it) {
+      if (rank == 1) {
+        pg->abort();
+      } else {
+        EXPECT_THROW(pg->allreduce(torch::ones({16}))->wait(Millis(30000)), Error);
+      }
+    } else {
+      pg->barrier()->wait();
+    }
+    pg.reset();
+  });
+}
+
+void expect_nothing_left(bool abort_it) {
+  one_group(abort_it);
+  const Held after_first = held();
+  EXPECT_EQ(after_first.shm_files, 0) << after_first;
+  EXPECT_EQ(after_first.shm_maps, 0) << after_first;
+  for (int round = 0; round < 3; ++round) {
+    one_group(abort_it);
+    EXPECT_EQ(held(), after_first) << "round " << round + 2;
+  }
+}
+
+TEST(Leaks, AGracefullyDestroyedGroupLeavesNoThreadDescriptorOrSegment) {
+  expect_nothing_left(false);
+}
+
+TEST(Leaks, AnAbortedGroupLeavesNoThreadDescriptorOrSegment) { expect_nothing_left(true); }
+
+}  // namespace
+}  // namespace tdist::comm
