@@ -10,7 +10,10 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstring>
 #include <iostream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "tdist/core/env.h"
@@ -88,23 +91,66 @@ TDIST_TEST_CHILD(comm_env_init_child) {
 
 // Allreduces of 1 MiB in a loop until one fails; exits 0 when the failure names this rank, the
 // operation, its sequence number and a peer.
+// One round of TDIST_TEST_OP on every rank (the fault matrix's operations below).
+void run_op(ProcessGroup& pg, const std::string& op, const at::Tensor& x) {
+  const int world = pg.size(), rank = pg.rank();
+  if (op == "allreduce") {
+    pg.allreduce(x)->wait();
+  } else if (op == "broadcast") {
+    pg.broadcast(x)->wait();
+  } else if (op == "allgather") {
+    pg.allgather_into_tensor(at::empty({x.numel() * world}), x)->wait();
+  } else if (op == "reduce_scatter") {
+    pg.reduce_scatter_tensor(at::empty({x.numel() / world}), x)->wait();
+  } else if (op == "alltoall") {
+    pg.alltoall_base(at::empty_like(x), x, {}, {})->wait();
+  } else if (op == "barrier") {
+    pg.barrier()->wait();
+  } else if (op == "send") {  // a ring of sends and receives
+    auto out = pg.send(x, (rank + 1) % world);
+    pg.recv(at::empty_like(x), (rank + world - 1) % world)->wait();
+    out->wait();
+  } else {
+    TDIST_THROW(InvalidArgument, "unknown TDIST_TEST_OP ", op);
+  }
+}
+
+// Repeats TDIST_TEST_OP until it fails (a peer was killed or stopped): the error must name this
+// rank and the operation and say which peer was lost or waited for, and a later operation must
+// fail too.
 TDIST_TEST_CHILD(comm_killed_peer_child) {
   torch::set_num_threads(1);
+  const std::string op = env::get("TDIST_TEST_OP").value_or("allreduce");
+  const Millis timeout(env::get_int("TDIST_TEST_OP_TIMEOUT_MS", 20000, 1, 600000));
   auto store = child_store();
-  auto pg = create_process_group(store, rank, world_size, test::test_options(Millis(20000)));
-  auto x = torch::ones({1 << 18});
+  auto pg = create_process_group(store, rank, world_size, test::test_options(timeout));
+  auto x = torch::ones({3 << 16});
   for (int i = 0;; ++i) {
     try {
-      pg->allreduce(x)->wait();
+      run_op(*pg, op, x);
     } catch (const std::exception& e) {
       std::string msg = e.what();
       std::cerr << "rank " << rank << " failed at iteration " << i << ": " << msg << std::endl;
-      bool named = msg.find(str("rank ", rank, ": allreduce (seq ")) != std::string::npos &&
-                   (msg.find("lost rank") != std::string::npos ||
-                    msg.find("waiting for rank") != std::string::npos);
-      // Later operations fail at once.
-      bool aborted = pg->barrier()->is_completed();
-      return named && aborted ? 0 : 11;
+      // The names errors give the operations run_op calls.
+      const std::map<std::string, std::string> names = {
+          {"allgather", "allgather_into_tensor (seq "}, {"reduce_scatter", "reduce_scatter_tensor (seq "},
+          {"alltoall", "alltoall_base (seq "}, {"send", ""}};
+      const auto it = names.find(op);
+      const std::string name = it != names.end() ? it->second : op + " (seq ";
+      bool named = msg.find(str("rank ", rank, ": ", name)) != std::string::npos;
+      bool peer = false;
+      for (const char* why : {"lost rank", "waiting for rank", "Timed out", "closed its connection"}) {
+        peer = peer || msg.find(why) != std::string::npos;
+      }
+      // Later operations fail too, promptly (at once after a collective's failure, which
+      // aborts the group; after a point-to-point one, when they meet the lost peer).
+      auto later = pg->barrier();
+      try {
+        later->wait(Millis(10000));
+      } catch (const std::exception&) {
+      }
+      bool failed_later = later->is_completed() && !later->is_success();
+      return named && peer && failed_later ? 0 : 11;
     }
     store->add(str("progress/", rank), 1);
   }
@@ -132,31 +178,73 @@ TEST(ProcessTest, EnvInitMethod) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ProcessTest, ::testing::Values(2, 4));
 
-// Both transports: over TCP the survivors see the socket break; over shared memory they see
-// the doorbell socket's end-of-file once the ring runs dry.
-class ProcessFailure : public ::testing::TestWithParam<const char*> {};
+// The fault matrix: a rank dies (SIGKILL, SIGTERM, abort()) or stops (SIGSTOP) in the middle
+// of each collective and of point-to-point traffic, over shared memory ("auto") and TCP. The
+// survivors get an error naming themselves, the operation and the lost peer, within the bound:
+// at once for a death (the connection breaks), within the operation's timeout for a stop.
+struct Fault {
+  std::string op;
+  int sig;
+  std::string transport;
+};
 
-TEST_P(ProcessFailure, KilledProcessMidAllreduceFailsTheOthers) {
+std::ostream& operator<<(std::ostream& os, const Fault& f) {
+  return os << f.op << "_" << strsignal(f.sig) << "_" << f.transport;
+}
+
+class ProcessFailure : public ::testing::TestWithParam<Fault> {};
+
+TEST_P(ProcessFailure, SurvivorsGetAnErrorNamingTheLostPeerWithinTheBound) {
+  const Fault f = GetParam();
   const int world = 3;
+  const Millis op_timeout(f.sig == SIGSTOP ? 3000 : 20000);
   TCPStoreServer server("127.0.0.1", 0);
   TCPStore store("127.0.0.1", server.port(), false, Millis(60000));
   tdist::test::Processes procs("comm_killed_peer_child", world,
                                {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
-                                {"TDIST_TRANSPORT", GetParam()}});
-  // Let every rank finish a few allreduces, then kill rank 1 while they keep going.
+                                {"TDIST_TRANSPORT", f.transport},
+                                {"TDIST_TEST_OP", f.op},
+                                {"TDIST_TEST_OP_TIMEOUT_MS", std::to_string(op_timeout.count())}});
+  // Let every rank finish a round, then strike rank 1 while the others keep going.
   for (int r = 0; r < world; ++r) store.wait({str("progress/", r)}, Millis(60000));
-  procs.kill(1, SIGKILL);
-  auto results = procs.wait_all(Millis(60000));
-  EXPECT_FALSE(results[1].exited);
-  EXPECT_EQ(results[1].signal, SIGKILL);
+  const auto struck = std::chrono::steady_clock::now();
+  procs.kill(1, f.sig);
+  // A death is seen when the connection breaks; a stop only when the operation times out.
+  const Millis bound = (f.sig == SIGSTOP ? op_timeout : Millis(0)) + Millis(10000);
   for (int r : {0, 2}) {
-    EXPECT_TRUE(results[r].ok()) << results[r].describe() << "\n" << results[r].output;
-    EXPECT_FALSE(results[r].timed_out);
-    std::cout << results[r].output;
+    auto result = procs.wait(r, bound + Millis(20000));
+    EXPECT_TRUE(result.ok()) << result.describe() << "\n" << result.output;
   }
+  const auto took = std::chrono::steady_clock::now() - struck;
+  EXPECT_LT(took, bound) << "the survivors took "
+                         << std::chrono::duration_cast<Millis>(took).count() << " ms";
+  if (f.sig == SIGSTOP) procs.kill(1, SIGKILL);
+  auto struck_result = procs.wait(1, Millis(10000));
+  EXPECT_FALSE(struck_result.exited) << struck_result.describe();
+  EXPECT_EQ(struck_result.signal, f.sig == SIGSTOP ? SIGKILL : f.sig);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, ProcessFailure, ::testing::Values("auto", "tcp"));
+std::vector<Fault> faults() {
+  std::vector<Fault> out;
+  for (const char* op : {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall",
+                         "barrier", "send"}) {
+    out.push_back({op, SIGKILL, "auto"});
+  }
+  for (const char* transport : {"auto", "tcp"}) {
+    for (int sig : {SIGKILL, SIGTERM, SIGABRT, SIGSTOP}) out.push_back({"allreduce", sig, transport});
+  }
+  out.erase(out.begin() + 7);  // allreduce SIGKILL auto is in the first list already
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, ProcessFailure, ::testing::ValuesIn(faults()),
+                         [](const auto& info) {
+                           std::ostringstream name;
+                           name << info.param;
+                           std::string s = name.str();
+                           for (char& c : s) if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return s;
+                         });
 
 }  // namespace
 }  // namespace tdist::comm
