@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A link taken down mid-training: two hosts made of network namespaces, one tdist-run each
+# (2 nodes x 1 worker of tdist-train --timeout 3); once both train, host 2's link goes down.
+# No packet says so (no reset, no FIN): each worker must fail with a timeout error naming the
+# operation and the peer within its --timeout plus a slack, and each launcher must exit non-zero,
+# never hang. Exits 77 (ctest: skipped) with the reason when namespaces cannot be made.
+#   link_down_test.sh <tdist-run> <tdist-train>
+set -uo pipefail
+run="$1"; train="$2"
+source "$(dirname "$0")/../harness/netns_hosts.sh"
+id="tdl$$"
+net=10.218.$(( $$ % 250 ))
+work=$(mktemp -d)
+trap 'netns_cleanup; rm -rf "$work"' EXIT
+netns_hosts "$id" "$net" 2
+fail() { echo "FAIL: $*"; for f in "$work"/*; do echo "--- $f"; cat "$f"; done; exit 1; }
+
+pids=()
+for h in 1 2; do
+  OMP_NUM_THREADS=1 TDIST_TRAIN_STEP_SLEEP_MS=10 timeout -k 5 120 ip netns exec "${id}h$h" \
+    "$run" --nnodes 2 --node-rank $(( h - 1 )) --nproc-per-node 1 --master-addr "$net.1" \
+    --master-port 29733 --stop-grace 2 \
+    "$train" --steps 100000 --hidden 32 --layers 1 --train-samples 2000 --test-samples 100 \
+    --threads 1 --timeout 3 --progress log --log-every 10 >"$work/node$h.out" 2>"$work/node$h.err" &
+  pids+=($!)
+done
+for (( i = 0; i < 600; i++ )); do grep -q "\] step 30/" "$work/node1.out" && break; sleep 0.1; done
+grep -q "\] step 30/" "$work/node1.out" || fail "training never reached step 30"
+
+ip -n "${id}h2" link set "${id}v2" down
+down=$(date +%s%N)
+wait "${pids[0]}"; r1=$?
+wait "${pids[1]}"; r2=$?
+took_ms=$(( ($(date +%s%N) - down) / 1000000 ))
+echo "both launchers exited ($r1, $r2) ${took_ms} ms after the link went down"
+(( r1 != 0 && r2 != 0 )) || fail "a launcher exited 0 after its link went down ($r1, $r2)"
+(( r1 != 124 && r2 != 124 )) || fail "a launcher hung until the test's own timeout"
+# --timeout 3 per operation, then the launcher's stop grace (2 s) and process exit: 15 s is ample.
+(( took_ms < 15000 )) || fail "the failure took ${took_ms} ms to surface"
+for h in 1 2; do
+  grep -qE "Timed out|timed out" "$work/node$h.err" || fail "worker on host $h gave no timeout error"
+  # The operation: the log point's allreduce, or DDP's bucket when backward was waiting for it.
+  grep -qE "allreduce \(seq [0-9]+\)|communication of bucket [0-9]+" "$work/node$h.err" ||
+    fail "host $h's error does not name the operation"
+done
+echo "PASS: a link down mid-training gave each worker a timeout error within ${took_ms} ms"
