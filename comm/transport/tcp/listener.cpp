@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -23,39 +24,95 @@
 namespace tdist::comm::tcp {
 namespace {
 
-sockaddr_in make_address(const std::string& host, uint16_t port) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1) return addr;
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
-  if (rc != 0 || res == nullptr) {
-    TDIST_THROW(NetworkError, "cannot resolve host '", host, "': ", ::gai_strerror(rc));
+// A socket address of either family, resolved from a literal or a host name.
+struct Address {
+  sockaddr_storage storage{};
+  socklen_t len = 0;
+  int family() const { return storage.ss_family; }
+  sockaddr* get() { return reinterpret_cast<sockaddr*>(&storage); }
+};
+
+// host:port as an address: IPv4 and IPv6 literals as they are, a host name as getaddrinfo's
+// first stream address of either family.
+Address make_address(const std::string& host, uint16_t port) {
+  Address a;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&a.storage);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
+  if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    a.len = sizeof(sockaddr_in);
+  } else if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    a.len = sizeof(sockaddr_in6);
+  } else {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
+    if (rc != 0 || res == nullptr) {
+      TDIST_THROW(NetworkError, "cannot resolve host '", host, "': ", ::gai_strerror(rc));
+    }
+    std::memcpy(&a.storage, res->ai_addr, res->ai_addrlen);
+    a.len = static_cast<socklen_t>(res->ai_addrlen);
+    ::freeaddrinfo(res);
   }
-  addr.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
-  ::freeaddrinfo(res);
-  return addr;
+  if (a.family() == AF_INET) {
+    v4->sin_port = htons(port);
+  } else {
+    v6->sin6_port = htons(port);
+  }
+  return a;
 }
 
+uint16_t port_of(const Address& a) {
+  return ntohs(a.family() == AF_INET ? reinterpret_cast<const sockaddr_in*>(&a.storage)->sin_port
+                                     : reinterpret_cast<const sockaddr_in6*>(&a.storage)->sin6_port);
+}
+
+bool is_loopback(const Address& a) {
+  if (a.family() == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(&a.storage)->sin_addr.s_addr) >> 24) == 127;
+  }
+  return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(&a.storage)->sin6_addr);
+}
+
+std::string text_of(const Address& a) {
+  char text[INET6_ADDRSTRLEN] = {0};
+  const void* bytes = a.family() == AF_INET
+                          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(&a.storage)->sin_addr)
+                          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(&a.storage)->sin6_addr);
+  ::inet_ntop(a.family(), bytes, text, sizeof(text));
+  return text;
+}
+
+// True for "localhost" and loopback literals of either family.
 bool is_loopback(const std::string& host) {
   if (host == "localhost") return true;
-  in_addr a{};
-  if (::inet_pton(AF_INET, host.c_str(), &a) == 1) return (ntohl(a.s_addr) >> 24) == 127;
-  return host == "::1";
+  Address a;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&a.storage);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
+  if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    a.storage.ss_family = AF_INET;
+    return is_loopback(a);
+  }
+  if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    a.storage.ss_family = AF_INET6;
+    return is_loopback(a);
+  }
+  return false;
 }
 
 struct Interface {
   std::string name;
-  std::string address;  // IPv4, empty when it has none
+  std::string address;   // IPv4, empty when it has none
+  std::string address6;  // IPv6 of global (or loopback) scope, empty when it has none
   bool up = false;
   bool loopback = false;
 };
 
-// Every interface of this host (in the kernel's order), with its first IPv4 address.
+// Every interface of this host (in the kernel's order), with its first IPv4 address and its
+// first IPv6 address that needs no scope (not link-local).
 std::vector<Interface> interfaces() {
   ifaddrs* list = nullptr;
   if (::getifaddrs(&list) != 0) {
@@ -66,22 +123,26 @@ std::vector<Interface> interfaces() {
     auto it = std::find_if(out.begin(), out.end(),
                            [&](const Interface& i) { return i.name == a->ifa_name; });
     if (it == out.end()) {
-      out.push_back(Interface{a->ifa_name, "", (a->ifa_flags & IFF_UP) != 0,
+      out.push_back(Interface{a->ifa_name, "", "", (a->ifa_flags & IFF_UP) != 0,
                               (a->ifa_flags & IFF_LOOPBACK) != 0});
       it = out.end() - 1;
     }
-    if (it->address.empty() && a->ifa_addr != nullptr && a->ifa_addr->sa_family == AF_INET) {
-      char text[INET_ADDRSTRLEN] = {0};
-      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text,
-                  sizeof(text));
-      it->address = text;
+    if (a->ifa_addr == nullptr) continue;
+    Address addr;
+    if (a->ifa_addr->sa_family == AF_INET) {
+      std::memcpy(&addr.storage, a->ifa_addr, sizeof(sockaddr_in));
+      if (it->address.empty()) it->address = text_of(addr);
+    } else if (a->ifa_addr->sa_family == AF_INET6) {
+      std::memcpy(&addr.storage, a->ifa_addr, sizeof(sockaddr_in6));
+      const auto* v6 = reinterpret_cast<const sockaddr_in6*>(a->ifa_addr);
+      if (it->address6.empty() && !IN6_IS_ADDR_LINKLOCAL(&v6->sin6_addr)) it->address6 = text_of(addr);
     }
   }
   ::freeifaddrs(list);
   return out;
 }
 
-// The IPv4 address of the interface `name`, which `var` named.
+// The address (IPv4, else IPv6) of the interface `name`, which `var` named.
 std::string interface_address(const char* var, const std::string& name) {
   auto all = interfaces();
   std::string known;
@@ -90,51 +151,49 @@ std::string interface_address(const char* var, const std::string& name) {
   TDIST_CHECK_ARG(it != all.end(), var, "='", name, "' names no network interface of this host (",
                   "there are: ", known, ")");
   TDIST_CHECK_ARG(it->up, var, "='", name, "': that interface is down");
-  TDIST_CHECK_ARG(!it->address.empty(), var, "='", name, "': that interface has no IPv4 address");
-  return it->address;
+  TDIST_CHECK_ARG(!it->address.empty() || !it->address6.empty(), var, "='", name,
+                  "': that interface has no IPv4 or global IPv6 address");
+  return !it->address.empty() ? it->address : it->address6;
 }
 
 // The local address of the interface that routes to `host`: connect() a UDP socket (no packet
 // is sent) and read its local address. Nothing when `host` does not resolve or has no route,
 // or when the route is a loopback one (a host name that resolves to this host's own 127.0.1.1).
 std::optional<std::string> address_toward(const std::string& host) {
-  sockaddr_in remote{};
+  Address remote;
   try {
     remote = make_address(host, 9);
   } catch (const NetworkError& e) {
     TDIST_LOG_DEBUG("not routing toward the store host: ", e.what());
     return std::nullopt;
   }
-  int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  int fd = ::socket(remote.family(), SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return std::nullopt;
-  sockaddr_in local{};
-  socklen_t len = sizeof(local);
-  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&remote), sizeof(remote)) == 0 &&
-            ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
+  Address local;
+  local.len = sizeof(local.storage);
+  bool ok = ::connect(fd, remote.get(), remote.len) == 0 &&
+            ::getsockname(fd, local.get(), &local.len) == 0;
   ::close(fd);
-  if (!ok || (ntohl(local.sin_addr.s_addr) >> 24) == 127) return std::nullopt;
-  char text[INET_ADDRSTRLEN] = {0};
-  ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text));
-  return std::string(text);
+  if (!ok || is_loopback(local)) return std::nullopt;
+  return text_of(local);
 }
 
 }  // namespace
 
 Listener::Listener(const std::string& host, uint16_t port, int backlog) : host_(host) {
-  sockaddr_in addr = make_address(host, port);
-  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  Address addr = make_address(host, port);
+  fd_ = ::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd_ < 0) TDIST_THROW(NetworkError, "socket() failed: ", errno_text(errno));
   int one = 1;
   ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::listen(fd_, backlog) != 0) {
+  if (::bind(fd_, addr.get(), addr.len) != 0 || ::listen(fd_, backlog) != 0) {
     int err = errno;
     ::close(fd_);
     TDIST_THROW(NetworkError, "cannot listen on ", host, ":", port, ": ", errno_text(err));
   }
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  port_ = ntohs(addr.sin_port);
+  addr.len = sizeof(addr.storage);
+  ::getsockname(fd_, addr.get(), &addr.len);
+  port_ = port_of(addr);
   ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL, 0) | O_NONBLOCK);
 }
 
@@ -174,11 +233,22 @@ std::string local_address(const std::string& store_host) {
       return *address;
     }
   }
-  for (const Interface& i : interfaces()) {
-    if (i.up && !i.loopback && !i.address.empty()) {
-      TDIST_LOG_DEBUG("publishing ", i.address, " (", i.name,
-                      ", the first non-loopback interface that is up)");
-      return i.address;
+  const auto all = interfaces();
+  for (bool v6 : {false, true}) {
+    for (const Interface& i : all) {
+      const std::string& address = v6 ? i.address6 : i.address;
+      if (i.up && !i.loopback && !address.empty()) {
+        TDIST_LOG_DEBUG("publishing ", address, " (", i.name,
+                        ", the first non-loopback interface that is up)");
+        return address;
+      }
+    }
+  }
+  // Only loopback: 127.0.0.1, or ::1 on a host whose loopback has no IPv4 address.
+  for (const Interface& i : all) {
+    if (i.loopback && i.up && i.address.empty() && !i.address6.empty()) {
+      TDIST_LOG_DEBUG("publishing ", i.address6, " (only loopback is up, and it has no IPv4)");
+      return i.address6;
     }
   }
   TDIST_LOG_DEBUG("publishing 127.0.0.1 (no interface but loopback is up)");
@@ -187,13 +257,13 @@ std::string local_address(const std::string& store_host) {
 
 int connect_to(const std::string& host, uint16_t port, Clock::time_point deadline,
                const std::string& who) {
-  sockaddr_in addr = make_address(host, port);
+  Address addr = make_address(host, port);
   auto backoff = std::chrono::milliseconds(1);
   int last_error = 0;
   for (;;) {
-    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int fd = ::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) TDIST_THROW(NetworkError, "socket() failed: ", errno_text(errno));
-    int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    int rc = ::connect(fd, addr.get(), addr.len);
     if (rc != 0 && errno == EINPROGRESS) {
       short ev = poll_one(fd, POLLOUT, deadline);
       int err = 0;
