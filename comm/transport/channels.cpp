@@ -42,6 +42,7 @@ std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel
       }
     }
   } unlinker{names};
+  if (opts.allow_shm) shm::Segment::sweep_dead();
 
   // 1. Offers to the higher ranks.
   for (int p = me + 1; p < n; ++p) {

@@ -1,14 +1,20 @@
 #include "tdist/comm/transport/shm/shm_channel.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <new>
+
+#include "tdist/core/logging.h"
 
 namespace tdist::comm::shm {
 namespace {
@@ -89,6 +95,30 @@ std::unique_ptr<Segment> Segment::open(const std::string& name, size_t bytes) {
 }
 
 void Segment::unlink(const std::string& name) { ::shm_unlink(name.c_str()); }
+
+int Segment::sweep_dead(std::chrono::seconds min_age, const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  int removed = 0;
+  const auto now = std::chrono::system_clock::now();
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind("tdist-", 0) != 0) continue;
+    const long pid = std::strtol(name.c_str() + 6, nullptr, 10);
+    if (pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    struct stat st {};
+    const std::string path = dir + "/" + name;
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) continue;
+    if (now - std::chrono::system_clock::from_time_t(st.st_mtime) < min_age) continue;
+    if (::unlink(path.c_str()) == 0) {
+      ++removed;
+      TDIST_LOG_DEBUG("removed ", path, ": a shared-memory segment of process ", pid,
+                      ", which no longer runs");
+    }
+  }
+  ::closedir(d);
+  return removed;
+}
 
 Segment::~Segment() { ::munmap(data_, size_); }
 

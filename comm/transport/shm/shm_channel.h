@@ -28,6 +28,7 @@
 // Thread safety: one thread does I/O on a channel; shutdown() may come from any thread.
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -46,6 +47,12 @@ class Segment {
   // Opens and maps an existing object; nullptr when it cannot be opened or is too small.
   static std::unique_ptr<Segment> open(const std::string& name, size_t bytes);
   static void unlink(const std::string& name);
+  // Removes the segments of dead processes: /dev/shm/tdist-<pid>-... whose <pid> no longer runs
+  // and that are older than `min_age` (a negotiation that was killed between creating a segment
+  // and the unlink that follows its peer's open; the age keeps a live negotiation of a process
+  // in another PID namespace safe). Returns how many it removed. Called at channel set-up.
+  static int sweep_dead(std::chrono::seconds min_age = std::chrono::seconds(60),
+                        const std::string& dir = "/dev/shm");
   ~Segment();
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
