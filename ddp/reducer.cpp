@@ -15,6 +15,13 @@
 #include "tdist/core/logging.h"
 
 namespace tdist::ddp {
+namespace {
+
+// How long past its own timeout finalize() still waits for a bucket's collective to fail by
+// itself (with the error that names the peer) before it reports the bucket as timed out.
+constexpr Millis kOwnErrorGrace{2000};
+
+}  // namespace
 
 // Runs after the accumulator of parameter `index` wrote its gradient (Note [DDP bucketing] 2).
 // Holds the Reducer by raw pointer: the Reducer removes its hooks before it is destroyed.
@@ -401,15 +408,30 @@ void Reducer::finalize() {
   const auto timeout = wait_timeout();
   lock.unlock();
   for (size_t b = 0; b < num_buckets; ++b) {
+    const auto& f = futures[b];
     try {
-      futures[b]->wait(timeout);
-    } catch (const TimeoutError& e) {
-      TDIST_THROW(TimeoutError, "DDP on rank ", rank, ": waited ", timeout.count(),
-                  " ms at the end of backward for the communication of bucket ", b, " of ",
-                  num_buckets, " (", sizes[b], " parameters): ", e.what());
+      f->wait(timeout);
     } catch (const std::exception& e) {
-      TDIST_THROW(Error, "DDP on rank ", rank, ": the communication of bucket ", b,
-                  " failed: ", e.what());
+      if (!f->completed()) {
+        // The collective has a deadline of its own, which started with it (before this wait
+        // did), and its error names the peer it waited for: give it a moment to fail by itself.
+        try {
+          f->wait(std::min(timeout, kOwnErrorGrace));
+        } catch (const std::exception&) {
+        }
+      }
+      if (!f->completed()) {
+        TDIST_THROW(TimeoutError, "DDP on rank ", rank, ": waited ", timeout.count(),
+                    " ms at the end of backward for the communication of bucket ", b, " of ",
+                    num_buckets, " (", sizes[b], " parameters): ", e.what());
+      }
+      if (!f->has_error()) continue;  // it completed during the grace
+      try {
+        std::rethrow_exception(f->error());
+      } catch (const std::exception& own) {
+        TDIST_THROW(Error, "DDP on rank ", rank, ": the communication of bucket ", b,
+                    " failed: ", own.what());
+      }
     }
   }
   if (used_future) {
