@@ -3,8 +3,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <thread>
 
+#include "tdist/comm/transport/tcp/listener.h"
+#include "tdist/core/logging.h"
 #include "tests/comm/comm_test_util.h"
 
 namespace tdist::comm {
@@ -88,6 +92,42 @@ TEST(Failure, DestroyingWithPendingWorkFailsItWithoutHanging) {
       EXPECT_TRUE(contains(message_of(w), "rank 0")) << message_of(w);
     }
   });
+}
+
+// A stranger that connects to a rank's mesh listener and sends nothing holds up no one: hellos
+// are read from every connection at once, so the group is up while the stranger still has time
+// to say hello (it is dropped, unlogged, with the listener). Read one after the other, the
+// stranger's hello was waited for first: the group came up only after the stranger had timed
+// out, which the log shows.
+TEST(Failure, AStrangerThatSaysNothingDoesNotHoldUpGroupCreation) {
+  const LogLevel saved = log_level();
+  set_log_level(LogLevel::kWarn);
+  ::testing::internal::CaptureStderr();
+  auto store = std::make_shared<HashStore>(Millis(30000));
+  std::exception_ptr first_error;
+  std::thread first([&] {
+    try {
+      auto pg = create_process_group(store, 0, 2, test::test_options(Millis(3000)));
+      pg->barrier()->wait();
+    } catch (...) {
+      first_error = std::current_exception();
+    }
+  });
+  // The stranger connects as soon as rank 0 published its address, before rank 1 starts.
+  const std::string addr = store->get_string("tdist/pg1/addr/0");
+  const auto colon = addr.rfind(':');
+  int stranger = tcp::connect_to(addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
+                                 std::chrono::steady_clock::now() + std::chrono::seconds(5), "rank 0");
+  std::this_thread::sleep_for(Millis(200));  // rank 0 accepts it before rank 1 connects
+  auto pg = create_process_group(store, 1, 2, test::test_options(Millis(3000)));
+  pg->barrier()->wait();
+  first.join();
+  ::close(stranger);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  set_log_level(saved);
+  if (first_error) std::rethrow_exception(first_error);
+  EXPECT_EQ(log.find("rejected a connection"), std::string::npos)
+      << "the group waited for the stranger's hello:\n" << log;
 }
 
 TEST(Failure, FingerprintMismatchNamesRanksAndFields) {

@@ -19,6 +19,7 @@ class Listener {
 
   uint16_t port() const { return port_; }
   const std::string& host() const { return host_; }
+  int fd() const { return fd_; }  // to poll for connections beside others
 
   // The next accepted descriptor (configured with Connection::configure), or -1 when the
   // deadline passes first.

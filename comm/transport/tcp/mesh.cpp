@@ -1,6 +1,10 @@
 #include "tdist/comm/transport/tcp/mesh.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "tdist/comm/transport/tcp/listener.h"
@@ -78,11 +82,26 @@ void Mesh::connect_lower(Store& store, uint64_t token, Clock::time_point deadlin
   }
 }
 
+// Accepts the higher ranks' connections. Hellos are read from every accepted connection at once
+// (one poll over the listener and the connections still saying hello), so a stranger that
+// connects and sends nothing (or trickles) holds up no one: it costs one connection until its own
+// 10 s pass, then one log line.
 void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& listener) {
+  struct Pending {
+    std::unique_ptr<Connection> conn;
+    uint8_t hello[kHelloBytes];
+    size_t got = 0;
+    Clock::time_point until;
+  };
+  std::vector<Pending> pending;
   int expected = (size_ - 1 - rank_) * channels_;
+  const auto reject = [&](size_t i, const std::string& why) {
+    TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ", why);
+    pending.erase(pending.begin() + static_cast<long>(i));
+  };
   while (expected > 0) {
-    int fd = listener.accept(deadline);
-    if (fd < 0) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
       std::string missing;
       for (int p = rank_ + 1; p < size_; ++p) {
         for (int ch = 0; ch < channels_; ++ch) {
@@ -95,13 +114,31 @@ void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& l
       TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
                   "rank(s) ", missing, " did not connect");
     }
-    auto conn = std::make_unique<Connection>(fd, -1);
-    uint8_t hello[kHelloBytes];
-    try {
-      // A stray connection that sends nothing must not hold up the mesh for long.
-      auto hello_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(10));
-      conn->read_all(hello, sizeof(hello), hello_deadline, "the mesh hello");
-      wire::Reader r(hello, sizeof(hello));
+    for (size_t i = pending.size(); i-- > 0;) {
+      if (now >= pending[i].until) reject(i, "no hello within 10 s");
+    }
+    auto wake = deadline;
+    std::vector<pollfd> fds{{listener.fd(), POLLIN, 0}};
+    for (const auto& p : pending) {
+      fds.push_back({p.conn->fd(), POLLIN, 0});
+      wake = std::min(wake, p.until);
+    }
+    int rc = ::poll(fds.data(), fds.size(), poll_timeout_ms(wake));
+    if (rc < 0 && errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", errno_text(errno));
+    if (rc <= 0) continue;
+    // Read what the connections sent, newest first (so erasing keeps the indices below valid).
+    for (size_t i = pending.size(); i-- > 0;) {
+      if (fds[i + 1].revents == 0) continue;
+      Pending& p = pending[i];
+      ssize_t n = ::recv(p.conn->fd(), p.hello + p.got, kHelloBytes - p.got, MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        reject(i, str("the connection ended after ", p.got, " of ", kHelloBytes, " hello bytes"));
+        continue;
+      }
+      if (n < 0) continue;
+      p.got += static_cast<size_t>(n);
+      if (p.got < kHelloBytes) continue;
+      wire::Reader r(p.hello, kHelloBytes);
       uint32_t magic = r.u32();
       uint16_t version = r.u16();
       uint8_t ch = r.u8();
@@ -110,18 +147,22 @@ void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& l
       r.u32();
       uint64_t their_token = r.u64();
       if (magic != kMagic || version != kVersion || their_token != token) {
-        TDIST_THROW(ProtocolError, "bad hello (magic ", magic, ", version ", version,
-                    ", token match ", their_token == token, ")");
+        reject(i, str("bad hello (magic ", magic, ", version ", version, ", token match ",
+                      their_token == token, ")"));
+      } else if (ch >= channels_ || peer <= static_cast<uint32_t>(rank_) ||
+                 peer >= static_cast<uint32_t>(size_) || conns_[ch][peer]) {
+        reject(i, str("unexpected hello from rank ", peer, " channel ", int(ch)));
+      } else {
+        p.conn->set_peer(static_cast<int>(peer));
+        conns_[ch][peer] = std::move(p.conn);
+        pending.erase(pending.begin() + static_cast<long>(i));
+        --expected;
       }
-      if (ch >= channels_ || peer <= static_cast<uint32_t>(rank_) ||
-          peer >= static_cast<uint32_t>(size_) || conns_[ch][peer]) {
-        TDIST_THROW(ProtocolError, "unexpected hello from rank ", peer, " channel ", int(ch));
-      }
-      conn->set_peer(static_cast<int>(peer));
-      conns_[ch][peer] = std::move(conn);
-      --expected;
-    } catch (const Error& e) {
-      TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ", e.what());
+    }
+    if (fds[0].revents != 0) {
+      int fd = listener.accept(Clock::now());
+      if (fd >= 0) pending.push_back({std::make_unique<Connection>(fd, -1), {}, 0,
+                                      Clock::now() + std::chrono::seconds(10)});
     }
   }
 }
