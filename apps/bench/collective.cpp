@@ -337,11 +337,11 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const st
   if (anchor) std::printf(" %12s %11s %9s", (cfg.anchor + "(us)").c_str(), (cfg.anchor + "_busbw").c_str(), ("bus/" + cfg.anchor).c_str());
   std::printf(" %8s\n", "#wrong");
   for (const auto& row : rows) {
-    std::printf(" %12zu %12lld %9s %7s %12.2f %11.3f %11.3f %11.3f %9.3f", row.bytes,
+    std::printf(" %12zu %12lld %9s %7s %12.2f %11.3f %11.3f %11.3f %9.3g", row.bytes,
                 static_cast<long long>(row.count), cfg.dtype.c_str(),
                 per_rank_blocks && cfg.op != "reduce_scatter" ? "none" : cfg.redop.c_str(),
                 row.time_us, row.algbw, row.busbw, row.bound, row.of_bound);
-    if (anchor) std::printf(" %12.2f %11.3f %9.3f", row.anchor_us, row.anchor_busbw, row.of_anchor);
+    if (anchor) std::printf(" %12.2f %11.3f %9.3g", row.anchor_us, row.anchor_busbw, row.of_anchor);
     std::printf(" %8lld\n", static_cast<long long>(row.wrong));
   }
   std::fflush(stdout);
