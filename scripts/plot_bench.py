@@ -90,13 +90,15 @@ def plot_ddp(plt, data, title):
         need(w, ["world", "bound", "tdist", "tdist_over_bound"], "ddp world")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.27
+    labelled = set()
     for i, w in enumerate(worlds):
         bars = [("bound (independent libtorch)", w["bound"], "0.6"), ("tdist DDP", w["tdist"], "C0")]
         if "torch" in w:
             bars.append(("PyTorch DDP (gloo)", w["torch"], "C1"))
         for j, (label, res, color) in enumerate(bars):
             ax.bar(i + (j - 1) * width, res["samples_per_s"], width, color=color,
-                   label=label if i == 0 else None)
+                   label=None if label in labelled else label)
+            labelled.add(label)
         ax.annotate(f"{w['tdist_over_bound']:.2f} of bound", (i, w["tdist"]["samples_per_s"]),
                     ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(worlds)))
@@ -123,7 +125,7 @@ def plot_rpc(plt, data, title):
     left.bar(labels, values, color=["C0", "0.6", "C1"][:len(values)])
     left.set_ylabel("us (lower is better)")
     left.set_title("rpc_sync round trip")
-    labels = ["tdist", "memcpy (bound)", "TCP ping-pong"]
+    labels = ["tdist", "memcpy\n(bound)", "TCP\nping-pong"]
     values = [ours["echo_gbps"], ours["memcpy_gbps"], ours["echo_tcp_gbps"]]
     if theirs:
         labels.append("torch.distributed\n.rpc")
