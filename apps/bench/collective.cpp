@@ -1,22 +1,27 @@
 // tdist-bench collective: times one collective over a range of buffer sizes and prints a table
-// in the style of nccl-tests, checking every result.
+// in the style of nccl-tests, checking every result, with the transport's bound per row (Note
+// [Collective bounds]) and, with --anchor, the same op through Open MPI or gloo (anchors.h).
 //
 //   tdist-run --nproc-per-node 4 tdist-bench collective --op allreduce --min-bytes 4K
 //       [--max-bytes 64M] [--iters 20] [--warmup 5] [--dtype float32] [--redop sum] [--json FILE]
+//       [--anchor none|mpi|gloo] [--plot FILE.png] [--python python3]
 //
+// The table is printed by rank 0 once every size, the bounds and the anchor are measured.
 // Sizes follow nccl-tests: "bytes" is the buffer of allreduce/broadcast/reduce, the whole
 // gathered buffer of allgather/gather, the whole input of reduce_scatter/scatter and each
 // rank's buffer of alltoall. Time per iteration is the slowest rank's (max over ranks of the
 // iteration's time), the row shows the median over iterations. busbw = algbw times
 // 2(n-1)/n (allreduce), (n-1)/n (allgather, reduce_scatter, alltoall, gather, scatter), 1
 // (broadcast, reduce). --backend gloo is not available from C++ here (libtorch's Gloo headers
-// are not installed with the wheel): scripts/bench_gloo.py runs torch.distributed's Gloo in the
-// same run and prints both tables and their ratios.
+// are not installed with the wheel): --anchor gloo (and scripts/bench_gloo.py, every op and
+// world size in rounds) runs torch.distributed's Gloo in the same run.
 
 #include "apps/bench/subcommands.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -28,9 +33,13 @@
 #include <string>
 #include <vector>
 
+#include "apps/bench/anchors.h"
+#include "apps/bench/bounds.h"
+#include "apps/bench/common.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/rendezvous.h"
 
 namespace tdist::bench {
 namespace {
@@ -51,6 +60,9 @@ struct Config {
   std::string json;
   std::string init_method = "env://";
   int root = 0;
+  std::string anchor = "none";
+  std::string python = "python3";
+  std::string plot;
 };
 
 struct Row {
@@ -60,6 +72,11 @@ struct Row {
   double algbw;
   double busbw;
   int64_t wrong;
+  double bound = 0;         // GB/s of the transport's bound (Note [Collective bounds])
+  double of_bound = 0;      // busbw / bound
+  double anchor_us = 0;     // --anchor's time
+  double anchor_busbw = 0;  // and busbw
+  double of_anchor = 0;     // busbw / the anchor's busbw
 };
 
 size_t parse_bytes(const std::string& text) {
@@ -247,11 +264,115 @@ class Case {
   at::Tensor a_, b_;
 };
 
+// What rank 0 measures after the tdist rows, while the other ranks wait in the store: the bound of
+// the transport the group used (Note [Collective bounds]) and, with --anchor, the same op through
+// another library. Every rank calls it; rows are filled on rank 0.
+//
+// Note [Collective bounds]
+//   Shared memory (every rank on one host, TDIST_TRANSPORT not "tcp"): the bandwidth of one
+//   thread's memcpy of the row's size on rank 0 (a ring step moves each byte at least once
+//   through memory; busbw counts each byte once). TCP: a plain TCP stream of the row's size from
+//   rank 0 to rank 1 (loopback on one host, rank 1's host name otherwise), each transfer
+//   acknowledged by one byte. Both: --warmup untimed, --iters timed, the median.
+void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
+                               std::vector<Row>& rows, std::string* bound_name) {
+  const std::string prefix = "tdist-bench/collective/";
+  store.set(prefix + "host/" + std::to_string(rank), host_name());
+  if (rank == 0) {
+    bool one_host = true;
+    for (int r = 1; r < n; ++r) one_host = one_host && store.get_string(prefix + "host/" + std::to_string(r)) == host_name();
+    const char* transport = std::getenv("TDIST_TRANSPORT");
+    const bool tcp = n >= 2 && (!one_host || (transport && std::string(transport) == "tcp"));
+    store.set(prefix + "transport", tcp ? (one_host ? "tcp 127.0.0.1" : "tcp") : "shm");
+    if (tcp) {
+      const std::string peer = store.get_string(prefix + "tcp-peer");
+      const auto colon = peer.rfind(':');
+      TcpLink link = TcpLink::connect(one_host ? "127.0.0.1" : peer.substr(0, colon),
+                                      std::stoi(peer.substr(colon + 1)));
+      for (auto& row : rows) {
+        const double s = median(time_tcp(link, TcpPattern::kStream, row.bytes, cfg.warmup, cfg.iters));
+        row.bound = row.bytes / s / 1e9;
+      }
+      *bound_name = std::string("plain TCP stream rank 0 -> rank 1") + (one_host ? " (127.0.0.1)" : "");
+    } else {
+      for (auto& row : rows) row.bound = row.bytes / median(time_memcpy(row.bytes, cfg.warmup, cfg.iters)) / 1e9;
+      *bound_name = "single-thread memcpy";
+    }
+    for (auto& row : rows) row.of_bound = row.busbw / row.bound;
+    if (cfg.anchor != "none") {
+      AnchorRun run{cfg.anchor, cfg.op, n, cfg.warmup, cfg.iters, cfg.min_bytes, cfg.max_bytes,
+                    cfg.step_factor, {}, cfg.python};
+      for (const auto& row : rows) run.bytes.push_back(row.bytes);
+      const std::vector<double> times = run_anchor(run);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i].anchor_us = times[i];
+        rows[i].anchor_busbw = rows[i].bytes / times[i] / 1e3 * bus_factor(cfg.op, n);
+        rows[i].of_anchor = times[i] / rows[i].time_us;  // = busbw / anchor's busbw
+      }
+    }
+    store.set(prefix + "done", "1");
+  } else {
+    if (rank == 1 && store.get_string(prefix + "transport").rfind("tcp", 0) == 0) {
+      TcpListener listener("0.0.0.0");
+      store.set(prefix + "tcp-peer", host_name() + ":" + std::to_string(listener.port()));
+      TcpLink link = listener.accept();
+      serve_tcp_bounds(link);
+    }
+    store.wait({prefix + "done"}, Millis(2 * 3600 * 1000));
+  }
+}
+
+void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name) {
+  const bool per_rank_blocks = cfg.op != "allreduce" && cfg.op != "broadcast" && cfg.op != "reduce";
+  const bool anchor = cfg.anchor != "none";
+  std::printf("# tdist-bench collective: op %s, backend %s (ring), world size %d, dtype %s, "
+              "redop %s, iters %d, warmup %d\n",
+              cfg.op.c_str(), cfg.backend.c_str(), n, cfg.dtype.c_str(), cfg.redop.c_str(),
+              cfg.iters, cfg.warmup);
+  std::printf("# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
+              anchor ? ("; anchor: " + std::string(cfg.anchor == "mpi" ? "Open MPI (mpirun)" : "torch.distributed gloo") +
+                        ", same op and sizes, float32 sum, median of --iters").c_str() : "");
+  std::printf("#%12s %12s %9s %7s %12s %11s %11s %11s %9s", "size(B)", "count", "type", "redop",
+              "time(us)", "algbw(GB/s)", "busbw(GB/s)", "bound(GB/s)", "bus/bound");
+  if (anchor) std::printf(" %12s %11s %9s", (cfg.anchor + "(us)").c_str(), (cfg.anchor + "_busbw").c_str(), ("bus/" + cfg.anchor).c_str());
+  std::printf(" %8s\n", "#wrong");
+  for (const auto& row : rows) {
+    std::printf(" %12zu %12lld %9s %7s %12.2f %11.3f %11.3f %11.3f %9.3g", row.bytes,
+                static_cast<long long>(row.count), cfg.dtype.c_str(),
+                per_rank_blocks && cfg.op != "reduce_scatter" ? "none" : cfg.redop.c_str(),
+                row.time_us, row.algbw, row.busbw, row.bound, row.of_bound);
+    if (anchor) std::printf(" %12.2f %11.3f %9.3g", row.anchor_us, row.anchor_busbw, row.of_anchor);
+    std::printf(" %8lld\n", static_cast<long long>(row.wrong));
+  }
+  std::fflush(stdout);
+}
+
+void write_json(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name,
+                const std::string& path) {
+  nlohmann::json j{{"op", cfg.op},       {"backend", cfg.backend}, {"world_size", n},
+                   {"dtype", cfg.dtype}, {"bound", bound_name},    {"anchor", cfg.anchor}};
+  j["rows"] = nlohmann::json::array();
+  for (const auto& r : rows) {
+    nlohmann::json row{{"bytes", r.bytes},         {"time_us", r.time_us},  {"algbw_gbs", r.algbw},
+                       {"busbw_gbs", r.busbw},     {"bound_gbs", r.bound},  {"busbw_over_bound", r.of_bound},
+                       {"wrong", r.wrong}};
+    if (cfg.anchor != "none") {
+      row["anchor_time_us"] = r.anchor_us;
+      row["anchor_busbw_gbs"] = r.anchor_busbw;
+      row["busbw_over_anchor"] = r.of_anchor;
+    }
+    j["rows"].push_back(row);
+  }
+  std::ofstream out(path);
+  TDIST_CHECK(out.good(), "cannot write ", path);
+  out << j.dump(1) << "\n";
+}
+
 int run_collective(const Config& cfg) {
   TDIST_CHECK_ARG(cfg.backend == "tdist",
                   "--backend gloo: libtorch's ProcessGroupGloo cannot be driven from C++ with the "
-                  "pip wheel (it ships no gloo headers); run scripts/bench_gloo.py, which runs "
-                  "torch.distributed's Gloo and tdist-bench in the same run and prints the ratios");
+                  "pip wheel (it ships no gloo headers); use --anchor gloo, which runs "
+                  "torch.distributed's Gloo in the same run and prints the ratios");
   TDIST_CHECK_ARG(cfg.iters >= 1 && cfg.warmup >= 0, "--iters must be >= 1 and --warmup >= 0");
   TDIST_CHECK_ARG(cfg.step_factor > 1, "--step-factor must be > 1");
   const size_t min_b = parse_bytes(cfg.min_bytes);
@@ -259,24 +380,18 @@ int run_collective(const Config& cfg) {
   TDIST_CHECK_ARG(min_b <= max_b, "--min-bytes is larger than --max-bytes");
   const auto dtype = parse_dtype(cfg.dtype);
   const auto redop = parse_redop(cfg.redop);
+  check_anchor(cfg.anchor, cfg.dtype, cfg.redop);
   at::set_num_threads(1);
 
   ProcessGroup::Options opts;
   opts.timeout = Millis(300000);
-  auto pg = comm::create_process_group(cfg.init_method, -1, -1, opts);
+  auto rdzv = rendezvous(cfg.init_method, -1, -1, opts.timeout);
+  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, opts);
   set_log_rank(pg->rank());
   const int n = pg->size();
   const bool print = pg->rank() == 0;
   const size_t esize = at::elementSize(dtype);
   const bool per_rank_blocks = cfg.op != "allreduce" && cfg.op != "broadcast" && cfg.op != "reduce";
-  if (print) {
-    std::printf("# tdist-bench collective: op %s, backend %s (ring), world size %d, dtype %s, "
-                "redop %s, iters %d, warmup %d\n",
-                cfg.op.c_str(), cfg.backend.c_str(), n, cfg.dtype.c_str(), cfg.redop.c_str(),
-                cfg.iters, cfg.warmup);
-    std::printf("#%12s %12s %9s %7s %12s %11s %11s %8s\n", "size(B)", "count", "type", "redop",
-                "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
-  }
   std::vector<Row> rows;
   std::vector<size_t> sizes;
   for (double b = static_cast<double>(min_b); b <= static_cast<double>(max_b) * 1.0000001; b *= cfg.step_factor) {
@@ -308,28 +423,19 @@ int run_collective(const Config& cfg) {
     row.algbw = median > 0 ? real_bytes / median / 1e3 : 0;
     row.busbw = row.algbw * bus_factor(cfg.op, n);
     rows.push_back(row);
-    if (print) {
-      std::printf(" %12zu %12lld %9s %7s %12.2f %11.3f %11.3f %8lld\n", row.bytes,
-                  static_cast<long long>(row.count), cfg.dtype.c_str(),
-                  per_rank_blocks && cfg.op != "reduce_scatter" ? "none" : cfg.redop.c_str(),
-                  row.time_us, row.algbw, row.busbw, static_cast<long long>(row.wrong));
-      std::fflush(stdout);
-    }
+    if (print) std::fprintf(stderr, "tdist-bench collective: %zu bytes done\n", real_bytes);
   }
+  pg->barrier()->wait();
+  std::string bound_name;
+  measure_bounds_and_anchor(cfg, *rdzv.store, pg->rank(), n, rows, &bound_name);
   int64_t total_wrong = 0;
   for (const auto& r : rows) total_wrong += r.wrong;
-  if (print && !cfg.json.empty()) {
-    std::ofstream out(cfg.json);
-    TDIST_CHECK(out.good(), "cannot write ", cfg.json);
-    out << "{\"op\":\"" << cfg.op << "\",\"backend\":\"" << cfg.backend << "\",\"world_size\":" << n
-        << ",\"dtype\":\"" << cfg.dtype << "\",\"rows\":[";
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const auto& r = rows[i];
-      out << (i ? "," : "") << "{\"bytes\":" << r.bytes << ",\"time_us\":" << r.time_us
-          << ",\"algbw_gbs\":" << r.algbw << ",\"busbw_gbs\":" << r.busbw << ",\"wrong\":" << r.wrong
-          << "}";
-    }
-    out << "]}\n";
+  if (print) {
+    print_rows(cfg, n, rows, bound_name);
+    std::string json = cfg.json;
+    if (json.empty() && !cfg.plot.empty()) json = cfg.plot + ".json";
+    if (!json.empty()) write_json(cfg, n, rows, bound_name, json);
+    if (!cfg.plot.empty()) draw_plot(cfg.python, "collective", json, cfg.plot);
   }
   pg->barrier()->wait();
   if (print && total_wrong > 0) std::fprintf(stderr, "tdist-bench: %lld wrong elements\n", static_cast<long long>(total_wrong));
@@ -353,9 +459,19 @@ void add_collective_command(CLI::App& app) {
   sub->add_option("--dtype,-d", cfg->dtype, "element type")->capture_default_str();
   sub->add_option("--redop,-o", cfg->redop, "sum, avg, prod, min, max")->capture_default_str();
   sub->add_option("--root,-r", cfg->root, "root of broadcast/reduce/gather/scatter")->capture_default_str();
-  sub->add_option("--backend", cfg->backend, "tdist (gloo: see scripts/bench_gloo.py)")->capture_default_str();
+  sub->add_option("--backend", cfg->backend, "tdist (gloo: see --anchor gloo)")->capture_default_str();
   sub->add_option("--json", cfg->json, "also write the rows as JSON to this file (rank 0)");
   sub->add_option("--init-method", cfg->init_method, "rendezvous URL")->capture_default_str();
+  sub->add_option("--anchor", cfg->anchor,
+                  "also run the same op and sizes through Open MPI (mpirun) or torch.distributed's "
+                  "gloo on this host and print the ratio per row")
+      ->check(CLI::IsMember({"none", "mpi", "gloo"}))
+      ->capture_default_str();
+  sub->add_option("--python", cfg->python, "Python with torch and matplotlib (gloo anchor, --plot)")
+      ->capture_default_str();
+  sub->add_option("--plot", cfg->plot,
+                  "draw busbw against the bound and the anchor to this PNG (rank 0; the JSON "
+                  "goes to --json, else FILE.json)");
   sub->callback([cfg] {
     int rc = run_collective(*cfg);
     if (rc != 0) std::exit(rc);

@@ -1,10 +1,14 @@
 #include "apps/bench/common.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -28,8 +32,17 @@ std::string self_exe() {
 
 pid_t spawn_process(const std::vector<std::string>& args, const std::vector<std::string>& extra_env,
                     const std::string& what) {
+  auto name_of = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
   std::vector<std::string> env;
-  for (char** e = environ; *e; ++e) env.emplace_back(*e);
+  for (char** e = environ; *e; ++e) {
+    // An inherited variable that extra_env sets again is left out: with both, getenv() and
+    // Python's os.environ would see the inherited one (the first), not ours.
+    const std::string entry = *e;
+    const bool replaced = std::any_of(extra_env.begin(), extra_env.end(), [&](const std::string& x) {
+      return name_of(x) == name_of(entry);
+    });
+    if (!replaced) env.push_back(entry);
+  }
   env.insert(env.end(), extra_env.begin(), extra_env.end());
   std::vector<char*> argv, envp;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -40,6 +53,34 @@ pid_t spawn_process(const std::vector<std::string>& args, const std::vector<std:
   const int rc = ::posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data());
   if (rc != 0) throw std::runtime_error("cannot start " + what + ": " + std::strerror(rc));
   return pid;
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  if (!ok) throw std::runtime_error("cannot find a free port");
+  return ntohs(addr.sin_port);
+}
+
+bool in_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "";
+  for (size_t start = 0; start <= dirs.size();) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    const std::string dir = end > start ? dirs.substr(start, end - start) : ".";
+    if (::access((dir + "/" + program).c_str(), X_OK) == 0) return true;
+    start = end + 1;
+  }
+  return false;
 }
 
 std::string capture_output(const std::string& command, int* status) {
@@ -63,6 +104,15 @@ std::string find_script(const std::string& name) {
     if (std::ifstream(dir + "/.." + rel).good()) return dir + "/.." + rel;
   }
   return "scripts/" + name;
+}
+
+void draw_plot(const std::string& python, const std::string& kind, const std::string& json_path,
+               const std::string& png) {
+  const std::string cmd = python + " " + find_script("plot_bench.py") + " " + kind + " '" +
+                          json_path + "' -o '" + png + "' 2>&1";
+  int status = 0;
+  const std::string out = capture_output(cmd, &status);
+  if (status != 0) throw std::runtime_error("plotting failed (" + cmd + "):\n" + out);
 }
 
 void report_error(const char* name, const std::exception& e) {

@@ -1,14 +1,14 @@
 // tdist-bench ddp: training throughput of tdist's DistributedDataParallel, measured side by side
-// with plain libtorch (world size 1) and with PyTorch's Python DDP over gloo (world size N,
-// scripts/bench_ddp_torch.py) on the same model, batch and world size. Reports samples/s and
-// the ratios. The world-size-N run starts N copies of this binary (`ddp --worker`) on 127.0.0.1.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
+// with its compute-only bound (world size 1: plain libtorch; world size N: N independent
+// plain-libtorch processes training at the same time, `ddp --bound-worker`) and with PyTorch's
+// Python DDP over gloo (scripts/bench_ddp_torch.py) on the same model, batch and world size.
+// Reports samples/s and the ratios. The world-size-N run starts N copies of this binary
+// (`ddp --worker`) on 127.0.0.1.
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -48,7 +48,11 @@ struct Config {
   bool skip_world1 = false;
   std::string python = "python3";
   std::string torch_script = TDIST_BENCH_DDP_TORCH_SCRIPT;
-  bool worker = false;  // internal: this process is one rank of the tdist run
+  std::vector<int> world_sizes{2};  // world_size takes each in turn
+  std::string json_file;
+  std::string plot;
+  bool worker = false;        // internal: this process is one rank of the tdist run
+  bool bound_worker = false;  // internal: one process of the compute-only bound
 };
 
 struct Result {
@@ -93,11 +97,11 @@ Result train(const Config& c, int rank, int world, std::vector<torch::Tensor> pa
   return Result{static_cast<double>(world) * c.batch * c.iters / total, median(times) * 1e3};
 }
 
-Result run_plain(const Config& c) {
+Result run_plain(const Config& c, const std::function<void()>& sync = [] {}) {
   torch::manual_seed(0);
   auto model = make_model(c);
   return train(c, 0, 1, model->parameters(), [&](const torch::Tensor& x) { return model->forward(x); },
-               [] {});
+               sync);
 }
 
 Result run_ddp(const Config& c, std::shared_ptr<comm::ProcessGroup> pg) {
@@ -111,38 +115,58 @@ Result run_ddp(const Config& c, std::shared_ptr<comm::ProcessGroup> pg) {
                [&](const torch::Tensor& x) { return ddp_model(x); }, sync);
 }
 
+void write_worker_result(const Result& r) {
+  const char* path = std::getenv("TDIST_BENCH_DDP_RESULT");
+  TDIST_CHECK(path != nullptr, "TDIST_BENCH_DDP_RESULT is not set");
+  std::ofstream f(path);
+  f << r.samples_per_s << " " << r.iter_ms << "\n";
+}
+
 // One rank of the world-size-N tdist run (a child of the launcher).
 int worker_main(const Config& c) {
   torch::set_num_threads(c.threads);
   auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(120));
   auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size);
   Result r = run_ddp(c, pg);
-  if (rdzv.rank == 0) {
-    const char* path = std::getenv("TDIST_BENCH_DDP_RESULT");
-    TDIST_CHECK(path != nullptr, "TDIST_BENCH_DDP_RESULT is not set");
-    std::ofstream f(path);
-    f << r.samples_per_s << " " << r.iter_ms << "\n";
-  }
+  if (rdzv.rank == 0) write_worker_result(r);
   pg->barrier()->wait();  // rank 0 hosts the store: leave together
   return 0;
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TDIST_CHECK(fd >= 0, "socket() failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-            ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  ::close(fd);
-  TDIST_CHECK(ok, "cannot find a free port");
-  return ntohs(addr.sin_port);
+// One of the N processes of the compute-only bound (a child of the launcher): plain libtorch, no
+// process group and no communication while it trains. The store only lines the processes up
+// before and after the timed part, as DDP's barriers do, so they train at the same time and each
+// one's samples/s is counted over the same span; rank 0 reports the sum over the processes.
+int bound_worker_main(const Config& c) {
+  torch::set_num_threads(c.threads);
+  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(120));
+  Store& store = *rdzv.store;
+  const std::string prefix = "tdist-bench/ddp-bound/";
+  int syncs = 0;
+  auto sync = [&] {
+    const std::string key = prefix + "sync/" + std::to_string(syncs++);
+    if (store.add(key, 1) == rdzv.world_size) store.set(key + "/go", "1");
+    store.wait({key + "/go"});
+  };
+  Result r = run_plain(c, sync);
+  store.set(prefix + "samples_per_s/" + std::to_string(rdzv.rank), std::to_string(r.samples_per_s));
+  if (rdzv.rank == 0) {
+    Result sum{0, r.iter_ms};
+    for (int k = 0; k < rdzv.world_size; ++k) {
+      sum.samples_per_s += std::stod(store.get_string(prefix + "samples_per_s/" + std::to_string(k)));
+    }
+    write_worker_result(sum);
+  }
+  // No barrier to leave: rank 0 hosts the store and leaves only after reading every result, the
+  // last store operation of the others, so none of them waits on the store when it goes. (A
+  // final barrier raced: its last arrival, rank 0, could exit before the store had answered a
+  // rank still waiting in it.)
+  return 0;
 }
 
-Result run_tdist_world(const Config& c, const std::vector<std::string>& worker_args) {
+// Starts c.world_size processes `worker_args` (ranks of one env:// rendezvous on 127.0.0.1) and
+// returns what rank 0 wrote to TDIST_BENCH_DDP_RESULT.
+Result run_world(const Config& c, const std::vector<std::string>& worker_args) {
   const int port = free_port();
   char tmpl[] = "/tmp/tdist-bench-ddp-XXXXXX";
   int fd = ::mkstemp(tmpl);
@@ -173,7 +197,7 @@ Result run_tdist_world(const Config& c, const std::vector<std::string>& worker_a
   Result res;
   f >> res.samples_per_s >> res.iter_ms;
   std::remove(result_path.c_str());
-  TDIST_CHECK(failed.empty() && res.samples_per_s > 0, "tdist DDP workers failed:", failed);
+  TDIST_CHECK(failed.empty() && res.samples_per_s > 0, worker_args[2], " workers failed:", failed);
   return res;
 }
 
@@ -218,10 +242,11 @@ void print_row(const std::string& world, const std::string& what, const Result& 
 
 int run_ddp_bench(int argc, char** argv) {
   Config c;
-  CLI::App app{"tdist-bench ddp: DDP training throughput (samples/s) of tdist vs plain libtorch "
-               "(world size 1) and vs PyTorch's Python DDP over gloo (world size N), side by "
-               "side in one run. Model: MLP 784-H-...-H-10, cross-entropy, SGD."};
-  app.add_option("--world-size", c.world_size, "ranks of the distributed comparison")
+  CLI::App app{"tdist-bench ddp: DDP training throughput (samples/s) of tdist against its bound "
+               "(N independent plain-libtorch processes training at the same time, no "
+               "communication; world size 1: plain libtorch) and PyTorch's Python DDP over gloo, "
+               "side by side in one run. Model: MLP 784-H-...-H-10, cross-entropy, SGD."};
+  app.add_option("--world-size", c.world_sizes, "ranks of the distributed comparisons (one or more)")
       ->check(CLI::Range(2, 64));
   app.add_option("--iters", c.iters, "timed iterations per run")->check(CLI::Range(1, 1000000));
   app.add_option("--warmup", c.warmup, "untimed iterations first")->check(CLI::Range(0, 1000000));
@@ -235,24 +260,47 @@ int run_ddp_bench(int argc, char** argv) {
       ->check(CLI::Range(1, 100));
   app.add_flag("!--no-torch", c.compare_torch, "skip PyTorch's Python DDP");
   app.add_flag("--skip-world1", c.skip_world1, "skip the world-size-1 comparison");
-  app.add_option("--python", c.python, "Python with torch, for the anchor");
+  app.add_option("--python", c.python, "Python with torch (the anchor) and matplotlib (--plot)");
   app.add_option("--torch-script", c.torch_script, "path of bench_ddp_torch.py");
+  app.add_option("--json", c.json_file, "also write the results as JSON to this file");
+  app.add_option("--plot", c.plot, "draw samples/s against the bound and PyTorch to this PNG "
+                                   "(the JSON goes to --json, else FILE.json)");
   app.add_flag("--worker", c.worker, "internal: run as one rank (RANK, WORLD_SIZE, MASTER_*)");
+  app.add_flag("--bound-worker", c.bound_worker, "internal: one process of the compute-only bound");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return app.exit(e) == 0 ? 0 : 2;
   }
   return run_or_report("tdist-bench ddp", [&] {
     if (c.worker) return worker_main(c);
+    if (c.bound_worker) return bound_worker_main(c);
     torch::set_num_threads(c.threads);
     std::cout << "model MLP 784-" << c.hidden << "x" << c.layers << "-10, batch " << c.batch
               << " per rank, SGD, " << c.iters << " timed iterations (+" << c.warmup
               << " warm-up), " << c.threads << " thread(s) per rank, median of " << c.rounds
-              << " rounds (alternating which side runs first)\n\n";
+              << " rounds (alternating which side runs first)\n"
+              << "bound: N independent plain-libtorch processes training at the same time (no "
+                 "communication); world 1: plain libtorch\n\n";
     std::cout << std::left << std::setw(7) << "world" << std::setw(34) << "implementation"
               << std::right << std::setw(12) << "samples/s" << std::setw(11) << "iter ms"
               << "   ratio\n";
+    auto to_json = [](const Result& r) {
+      return nlohmann::json{{"samples_per_s", r.samples_per_s}, {"iter_ms", r.iter_ms}};
+    };
+    nlohmann::json report{{"hidden", c.hidden}, {"layers", c.layers}, {"batch", c.batch},
+                          {"iters", c.iters}, {"rounds", c.rounds}, {"worlds", nlohmann::json::array()}};
+    // The target of the issue on DDP against the bound, by world size (none for the others).
+    auto target_of = [](int world) { return world == 1 ? 0.98 : world == 2 ? 0.9 : world == 4 ? 0.8 : 0; };
+    auto bound_ratio = [&](int world, const Result& ours, const Result& bound) {
+      std::ostringstream s;
+      s << std::setprecision(3) << std::fixed << ours.samples_per_s / bound.samples_per_s << " of bound";
+      if (target_of(world) > 0) {
+        s << " (target >= " << std::setprecision(2) << target_of(world) << ": "
+          << (ours.samples_per_s / bound.samples_per_s >= target_of(world) ? "met" : "NOT MET") << ")";
+      }
+      return s.str();
+    };
     if (!c.skip_world1) {
       std::vector<Result> plain, ddp1;
       auto pg = comm::create_process_group(std::make_shared<HashStore>(), 0, 1);
@@ -262,32 +310,49 @@ int run_ddp_bench(int argc, char** argv) {
         if (r % 2 == 1) plain.push_back(run_plain(c));
       }
       Result p = median_result(plain), d = median_result(ddp1);
-      print_row("1", "libtorch, no DDP", p, "");
-      std::ostringstream ratio;
-      ratio << std::setprecision(3) << std::fixed << d.samples_per_s / p.samples_per_s
-            << "x of libtorch (target >= 0.97)";
-      print_row("1", "tdist DDP", d, ratio.str());
+      print_row("1", "bound: libtorch, no DDP", p, "");
+      print_row("1", "tdist DDP", d, bound_ratio(1, d, p));
+      report["worlds"].push_back({{"world", 1}, {"bound", to_json(p)}, {"tdist", to_json(d)},
+                                  {"tdist_over_bound", d.samples_per_s / p.samples_per_s}});
     }
-    std::vector<std::string> worker_args{"/proc/self/exe", "ddp", "--worker"};
-    for (int i = 1; i < argc; ++i) worker_args.push_back(argv[i]);
-    std::vector<Result> ours, theirs;
-    for (int r = 0; r < c.rounds; ++r) {  // alternate which goes first
-      if (c.compare_torch && r % 2 == 1) theirs.push_back(run_torch_world(c));
-      ours.push_back(run_tdist_world(c, worker_args));
-      if (c.compare_torch && r % 2 == 0) theirs.push_back(run_torch_world(c));
+    for (int world : c.world_sizes) {
+      c.world_size = world;
+      std::vector<std::string> worker_args{"/proc/self/exe", "ddp", "--worker"};
+      std::vector<std::string> bound_args{"/proc/self/exe", "ddp", "--bound-worker"};
+      for (int i = 1; i < argc; ++i) {
+        worker_args.push_back(argv[i]);
+        bound_args.push_back(argv[i]);
+      }
+      std::vector<Result> ours, theirs, bound;
+      for (int r = 0; r < c.rounds; ++r) {  // alternate which goes first
+        if (c.compare_torch && r % 2 == 1) theirs.push_back(run_torch_world(c));
+        if (r % 2 == 1) bound.push_back(run_world(c, bound_args));
+        ours.push_back(run_world(c, worker_args));
+        if (r % 2 == 0) bound.push_back(run_world(c, bound_args));
+        if (c.compare_torch && r % 2 == 0) theirs.push_back(run_torch_world(c));
+      }
+      const std::string w = std::to_string(world);
+      Result o = median_result(ours), b = median_result(bound);
+      nlohmann::json entry{{"world", world}, {"bound", to_json(b)}, {"tdist", to_json(o)},
+                           {"tdist_over_bound", o.samples_per_s / b.samples_per_s}};
+      print_row(w, "bound: " + w + " x libtorch, no comm.", b, "");
+      std::string ratio = bound_ratio(world, o, b);
+      if (c.compare_torch) {
+        Result t = median_result(theirs);
+        print_row(w, "PyTorch DDP (Python, gloo)", t, "");
+        std::ostringstream vs;
+        vs << std::setprecision(3) << std::fixed << o.samples_per_s / t.samples_per_s << "x of PyTorch, ";
+        ratio = vs.str() + ratio;
+        entry["torch"] = to_json(t);
+        entry["tdist_over_torch"] = o.samples_per_s / t.samples_per_s;
+      }
+      print_row(w, "tdist DDP (ring)", o, ratio);
+      report["worlds"].push_back(entry);
     }
-    const std::string w = std::to_string(c.world_size);
-    Result o = median_result(ours);
-    if (c.compare_torch) {
-      Result t = median_result(theirs);
-      print_row(w, "PyTorch DDP (Python, gloo)", t, "");
-      std::ostringstream ratio;
-      ratio << std::setprecision(3) << std::fixed << o.samples_per_s / t.samples_per_s
-            << "x of PyTorch (target >= 1.3)";
-      print_row(w, "tdist DDP (ring)", o, ratio.str());
-    } else {
-      print_row(w, "tdist DDP (ring)", o, "");
-    }
+    std::string json = c.json_file;
+    if (json.empty() && !c.plot.empty()) json = c.plot + ".json";
+    if (!json.empty()) std::ofstream(json) << report.dump(1) << "\n";
+    if (!c.plot.empty()) draw_plot(c.python, "ddp", json, c.plot);
     return 0;
   });
 }

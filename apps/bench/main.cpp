@@ -1,11 +1,13 @@
 // tdist-bench: benchmarks a user runs, one subcommand per file (see subcommands.h). `ddp` and
-// `rpc` start their own processes and take their own flags (tdist-bench ddp --help).
+// `rpc` start their own processes and take their own flags (tdist-bench ddp --help). Exit
+// status: 0, 1 when a run fails, 2 for a bad flag or flag value.
 #include <CLI/CLI.hpp>
 
 #include <cstring>
 #include <iostream>
 
 #include "apps/bench/subcommands.h"
+#include "tdist/core/error.h"
 
 namespace {
 
@@ -38,7 +40,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return app.exit(e) == 0 ? 0 : 2;  // --help: 0; a bad flag or value: 2, as the others
+  } catch (const tdist::InvalidArgument& e) {
+    std::cerr << "tdist-bench: " << e.what() << std::endl;
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "tdist-bench: " << e.what() << std::endl;
     return 1;

@@ -5,7 +5,8 @@
 //                 of --outstanding, each waited for: the same method as the Python side)
 //   tensor echo   a --echo-mib MiB float32 tensor sent and returned, GB/s counting both ways
 // Then, unless --no-torch, the same three through torch.distributed.rpc (TensorPipe) by running
-// scripts/bench_rpc_torch.py, and the ratios against the targets of the RPC issue.
+// scripts/bench_rpc_torch.py, and the ratios against the targets of the RPC issue; and the round
+// trip and the echo against their bounds (Note [RPC bounds]), measured in each round.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -15,8 +16,10 @@
 #include <cstdio>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "apps/bench/bounds.h"
 #include "apps/bench/subcommands.h"
 #include "apps/bench/two_workers.h"
 #include "tdist/rpc/api.h"
@@ -35,12 +38,14 @@ struct Options {
   int repeats = 3;
   int echo_mib = 16;
   int echo_iters = 30;
+  int bound_bytes = 64;
   int threads = 4;
   int rounds = 3;
   bool fast_path = true;
   bool torch = true;
   std::string torch_script;
   std::string json_file;
+  std::string plot;
   // Internal: the server role.
   bool server = false;
   int store_port = 0;
@@ -66,6 +71,44 @@ int run_server(const Options& o) {
   auto agent = rpc::RpcAgent::start("worker1", 1, 2, agent_options(o));
   agent->shutdown(true);  // serves until the client is done too
   return 0;
+}
+
+// The bounds of the round trip and the echo, measured right after them (Note [RPC bounds]).
+//
+// Note [RPC bounds]
+//   Round trip: a bare ping-pong of --bound-bytes (default 64: the 40-byte frame header and the
+//   body of a small call) over a plain TCP connection on 127.0.0.1 between two threads of this
+//   process, blocking sockets, TCP_NODELAY: what a request and a response over loopback TCP
+//   cannot beat. Echo: the same ping-pong with the echoed tensor's bytes (GB/s counting both
+//   ways, as the echo), and one thread's memcpy of them (the same-host fast path reads the
+//   tensor straight from the sender's memory: at best one copy each way, so the echo's GB/s
+//   counting both ways is at most memcpy's).
+void measure_bounds(const Options& o, json& r) {
+  TcpListener listener("127.0.0.1");
+  std::thread server([&listener] {
+    TcpLink link = listener.accept();
+    serve_tcp_bounds(link);
+  });
+  const size_t echo_bytes = r["echo_bytes"].get<size_t>();
+  try {
+    TcpLink link = TcpLink::connect("127.0.0.1", listener.port());
+    r["pingpong_bytes"] = o.bound_bytes;
+    r["pingpong_us"] =
+        median(time_tcp(link, TcpPattern::kPingPong, o.bound_bytes, o.warmup, o.rtt_iters)) * 1e6;
+    r["echo_tcp_gbps"] = 2.0 * static_cast<double>(echo_bytes) /
+                         median(time_tcp(link, TcpPattern::kPingPong, echo_bytes, 3, o.echo_iters)) / 1e9;
+  } catch (...) {
+    // The link is closed, so a server thread that accepted it returns; one still in accept()
+    // (connect failed) is released by one more connection, closed at once.
+    try {
+      TcpLink::connect("127.0.0.1", listener.port(), 1);
+    } catch (...) {
+    }
+    server.join();
+    throw;
+  }
+  server.join();
+  r["memcpy_gbps"] = static_cast<double>(echo_bytes) / median(time_memcpy(echo_bytes, 3, o.echo_iters)) / 1e9;
 }
 
 json measure(const Options& o) {
@@ -111,7 +154,28 @@ json measure(const Options& o) {
   r["echo_bytes"] = bytes;
   r["echo_gbps"] = 2.0 * static_cast<double>(bytes) / median(echo_s) / 1e9;
   agent->shutdown(true);
+  measure_bounds(o, r);
   return r;
+}
+
+// The figures against their bounds (Note [RPC bounds]), also into result["bounds"].
+void print_bounds(const json& ours, json& result) {
+  const double rtt = ours["rtt_us"].get<double>(), pp = ours["pingpong_us"].get<double>();
+  const double echo = ours["echo_gbps"].get<double>();
+  const double tcp = ours["echo_tcp_gbps"].get<double>(), mem = ours["memcpy_gbps"].get<double>();
+  std::printf("\nagainst the bounds (medians of the rounds):\n");
+  std::printf("%-28s %10.2f  bound: TCP ping-pong of %lld bytes %8.2f us  bound/ours %.3f "
+              "(target: round trip <= 15 us: %s)\n",
+              "rpc_sync round trip (us)", rtt, ours["pingpong_bytes"].get<long long>(), pp, pp / rtt,
+              rtt <= 15 ? "met" : "NOT MET");
+  std::printf("%-28s %10.2f  bound: memcpy %8.2f GB/s  ours/bound %.3f (target >= 0.80: %s); "
+              "TCP ping-pong %.2f GB/s, ours/TCP %.3f\n",
+              "tensor echo (GB/s)", echo, mem, echo / mem, echo / mem >= 0.8 ? "met" : "NOT MET", tcp,
+              echo / tcp);
+  result["bounds"] = {{"rtt_over_pingpong", rtt / pp},
+                      {"pingpong_over_rtt", pp / rtt},
+                      {"echo_over_memcpy", echo / mem},
+                      {"echo_over_tcp", echo / tcp}};
 }
 
 pid_t start_server(const Options& o) {
@@ -152,10 +216,18 @@ int run_rpc_bench(int argc, char** argv) {
   app.add_flag("!--no-fast-path", o.fast_path, "send every byte through the socket");
   app.add_flag("!--no-torch", o.torch, "skip the torch.distributed.rpc side");
   app.add_option("--torch-script", o.torch_script, "path of scripts/bench_rpc_torch.py");
+  app.add_option("--bound-bytes", o.bound_bytes, "message size of the TCP ping-pong bound")
+      ->check(CLI::Range(1, 1 << 30));
   app.add_option("--json", o.json_file, "also write the results as JSON to this file");
+  app.add_option("--plot", o.plot, "draw the figures against the bound and PyTorch to this PNG "
+                                   "(the JSON goes to --json, else FILE.json)");
   app.add_flag("--role-server", o.server)->group("");
   app.add_option("--store-port", o.store_port)->group("");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
 
   return run_or_report("tdist-bench rpc", [&] {
     if (o.server) return run_server(o);
@@ -166,7 +238,9 @@ int run_rpc_bench(int argc, char** argv) {
     auto med = [](const std::vector<json>& runs) {
       return median_of(runs, {"rtt_us", "async_calls_s", "echo_gbps"});
     };
-    json ours = med(our_runs);
+    // Ours also carries the bounds of its rounds (measure_bounds), PyTorch's does not.
+    json ours = median_of(our_runs, {"rtt_us", "async_calls_s", "echo_gbps", "pingpong_us",
+                                     "echo_tcp_gbps", "memcpy_gbps"});
     json result{{"tdist", ours}};
     json theirs;
     if (o.torch) {
@@ -183,7 +257,11 @@ int run_rpc_bench(int argc, char** argv) {
                 "worker threads, fast path %s)\n",
                 std::max(o.rounds, 1), o.echo_mib, o.outstanding, o.threads,
                 o.fast_path ? "on" : "off");
-    finish_report(o.json_file, result, o.torch, all_met);
+    print_bounds(ours, result);
+    std::string json_path = o.json_file;
+    if (json_path.empty() && !o.plot.empty()) json_path = o.plot + ".json";
+    finish_report(json_path, result, o.torch, all_met);
+    if (!o.plot.empty()) draw_plot("python3", "rpc", json_path, o.plot);
     return 0;
   });
 }

@@ -1,0 +1,68 @@
+#pragma once
+// The bounds that tdist-bench sets its figures against, measured in the same run as the figure:
+// one thread's memcpy of a buffer (what moving data through shared memory cannot beat), and a
+// plain TCP connection between two endpoints (blocking sockets, TCP_NODELAY, no framing but a
+// header per batch): a one-way stream and a ping-pong (what a transport over TCP cannot beat).
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace tdist::bench {
+
+// Seconds of each of `iters` memcpy calls of `bytes` bytes between two buffers of this thread,
+// after `warmup` untimed ones.
+std::vector<double> time_memcpy(size_t bytes, int warmup, int iters);
+
+// A connected TCP socket with TCP_NODELAY, closed on destruction. Blocking; one thread uses it at
+// a time. Failures throw std::runtime_error naming the call.
+class TcpLink {
+ public:
+  explicit TcpLink(int fd) : fd_(fd) {}
+  TcpLink(TcpLink&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  TcpLink& operator=(TcpLink&&) = delete;
+  ~TcpLink();
+
+  // Connects to host:port, retrying refused connections for up to `timeout_s` seconds.
+  static TcpLink connect(const std::string& host, int port, double timeout_s = 30);
+
+  void send_all(const void* data, size_t n);
+  void recv_all(void* data, size_t n);
+
+ private:
+  int fd_;
+};
+
+// A listening TCP socket on `host` (an address; "0.0.0.0": every interface) and a port the
+// kernel picks. Closed on destruction.
+class TcpListener {
+ public:
+  explicit TcpListener(const std::string& host);
+  TcpListener(const TcpListener&) = delete;
+  TcpListener& operator=(const TcpListener&) = delete;
+  ~TcpListener();
+
+  int port() const { return port_; }
+  TcpLink accept();
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+enum class TcpPattern {
+  kStream,    // `bytes` one way, then a one-byte acknowledgement back
+  kPingPong,  // `bytes` one way, the same `bytes` back
+};
+
+// Seconds of each of `iters` transfers of `bytes` bytes (after `warmup` untimed ones) between
+// this end of `link` and serve_tcp_bounds() at the other.
+std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, int warmup, int iters);
+
+// The other end of time_tcp(): answers its batches until the link is closed, then returns.
+void serve_tcp_bounds(TcpLink& link);
+
+// This host's name (gethostname).
+std::string host_name();
+
+}  // namespace tdist::bench
