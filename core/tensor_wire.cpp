@@ -102,29 +102,4 @@ at::Tensor tensor_from_bytes(const TensorMeta& meta, const uint8_t* data, uint64
   return t;
 }
 
-void write_tensor(wire::Writer& w, const at::Tensor& t) {
-  TensorMeta m = describe_tensor(t);
-  at::Tensor c = contiguous_values(t);
-  w.u8(static_cast<uint8_t>(m.dtype));
-  w.u8(static_cast<uint8_t>(m.shape.size()));
-  for (int64_t d : m.shape) w.i64(d);
-  w.u64(m.nbytes);
-  if (m.nbytes) w.raw(c.data_ptr(), m.nbytes);
-}
-
-at::Tensor read_tensor(wire::Reader& r) {
-  TensorMeta m;
-  m.dtype = static_cast<int8_t>(r.u8("tensor dtype"));
-  uint8_t ndim = r.u8("tensor rank");
-  if (ndim > TensorMeta::kMaxDims) {
-    throw ProtocolError(str("tensor has ", int(ndim), " dimensions; at most ",
-                            TensorMeta::kMaxDims, " are allowed"));
-  }
-  m.shape.resize(ndim);
-  for (auto& d : m.shape) d = r.i64("tensor dimension");
-  m.nbytes = r.u64("tensor byte count");
-  validate_tensor_meta(m, r.remaining());
-  return tensor_from_bytes(m, r.raw(m.nbytes, "tensor data"), m.nbytes);
-}
-
 }  // namespace tdist

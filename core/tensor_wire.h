@@ -5,18 +5,14 @@
 // is resolved (contiguous_values). Decoding validates the dtype, the rank, every dimension and the
 // byte count against the bytes available *before* allocating the result.
 //
-// Two ways to use it:
-//   - write_tensor/read_tensor: metadata and bytes inline in one wire buffer;
-//   - TensorMeta (cereal-serializable) in a message header with the bytes carried beside the
-//     frame (RPC sends large tensors that way without copying them into the header), then
-//     tensor_from_bytes(meta, data, available) to rebuild the tensor.
+// A tensor is written with core/serialize.h's archive: inline (TensorMeta, then its bytes), or in
+// RPC as an index whose TensorMeta travels in the frame's tensor section and whose bytes travel
+// beside the frame; tensor_from_bytes(meta, data, available) rebuilds one from bytes in memory.
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>
-
-#include "tdist/core/wire.h"
 
 namespace tdist {
 
@@ -49,8 +45,5 @@ void validate_tensor_meta(const TensorMeta& meta, uint64_t available);
 
 // A new CPU tensor holding a copy of `data`, after validate_tensor_meta(meta, available).
 at::Tensor tensor_from_bytes(const TensorMeta& meta, const uint8_t* data, uint64_t available);
-
-void write_tensor(wire::Writer& w, const at::Tensor& t);
-at::Tensor read_tensor(wire::Reader& r);
 
 }  // namespace tdist

@@ -235,20 +235,22 @@ void Connection::read_frame_tensors(const FrameHeader& h, Message& m, TensorSect
   m.tensors.reserve(section.metas.size());
   for (size_t i = 0; i < section.metas.size(); ++i) {
     const TensorMeta& meta = section.metas[i];
-    at::Tensor t = empty_for_receive(meta);
-    if (meta.nbytes) {
-      if (any_remote && section.addresses[i] != 0) {
+    if (any_remote && section.addresses[i] != 0) {
+      at::Tensor t = empty_for_receive(meta);
+      if (meta.nbytes) {
         auto* dst = static_cast<uint8_t*>(t.data_ptr());
         const uint64_t src = section.addresses[i];
         const pid_t pid = hs_.peer_pid;
         parallel_copy(meta.nbytes, [&](uint64_t off, uint64_t n) {
           read_process_memory(pid, src + off, dst + off, n);
         });
-      } else {
-        read(t.data_ptr(), meta.nbytes);
       }
+      m.tensors.push_back(std::move(t));
+    } else {
+      // Its storage grows as its bytes arrive (rpc/detail/tensor_pool.h): the frame's length
+      // was checked against the tensors' sizes, but it is only the peer's word.
+      m.tensors.push_back(receive_tensor(meta, [this](void* dst, size_t n) { read(dst, n); }));
     }
-    m.tensors.push_back(std::move(t));
   }
   if (any_remote) {
     // The sender holds those tensors until it hears that we are done with its memory.

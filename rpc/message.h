@@ -10,9 +10,10 @@
 //   body    body_len bytes = payload (body_len - meta_len bytes) + tensor section (meta_len bytes)
 //   tensors length - body_len bytes: every tensor's bytes, in order, contiguous row-major
 //
-// `length` counts everything after the header. The payload is the message's fields written with
-// core/serialize.h's archive followed by the call's arguments or result written with
-// rpc/detail/archive.h (tensors there are indices into the tensor section). With kFlagAutograd the
+// `length` counts everything after the header. The payload is the message's fields followed by
+// the call's arguments or result, all written with core/serialize.h's archive; the arguments and
+// the result with RPC's context (rpc/detail/archive.h: tensors there are indices into the tensor
+// section). With kFlagAutograd the
 // payload starts with distributed autograd's header (rpc/autograd_hooks.h), stripped on receipt. The tensor section
 // is a cereal TensorSection: one TensorMeta per tensor and, with kFlagRemoteTensors, the address
 // of each tensor's bytes in the sender's memory instead of bytes in the frame (same-host fast
@@ -22,8 +23,10 @@
 // version, a known type, length <= the maximum frame size, meta_len <= body_len <= length,
 // reserved == 0; then that the tensor section decodes within meta_len bytes, that every TensorMeta
 // is valid (core/tensor_wire.h) and that the tensor byte counts add up to exactly
-// length - body_len. Any violation closes the connection (ProtocolError); nothing a peer sends
-// can make a receiver allocate more than the frame it announced within the maximum frame size.
+// length - body_len. Any violation closes the connection (ProtocolError). Even then the lengths
+// are only the peer's word: the body and each tensor's storage grow as their bytes arrive
+// (rpc/detail/tensor_pool.h), so a peer makes a receiver hold about twice what it sent, never
+// what it announced.
 //
 // `id` pairs a response (kResponse / kError) with its request. Every other type but
 // kTensorRelease is a request and gets exactly one response.
@@ -117,8 +120,7 @@ struct OutMessage {
   bool remote_tensors = false;
 };
 
-// Fields of the various messages (written with core/serialize.h's archive at the start of the
-// payload).
+// Fields of the various messages (at the start of the payload, written without a context).
 struct CallHeader {  // kCall, kRemoteCall (+ rref/fork), kRRefMethodCall/Remote (+ target)
   std::string name;
   uint64_t signature = 0;

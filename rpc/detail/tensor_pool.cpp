@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Storage.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -26,18 +28,37 @@ constexpr uint64_t kChunk = uint64_t{4} << 20;  // parallel_copy's smallest chun
 struct Block {
   void* ptr;
   size_t size;
+  size_t mapped = 0;  // the length of its mmap()ed region; 0: from posix_memalign
 };
+
+void free_block(const Block& b) {
+  if (b.mapped) {
+    ::munmap(b.ptr, b.mapped);
+  } else {
+    std::free(b.ptr);
+  }
+}
 
 class CachingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
-    void* p = take(n);
-    if (!p) {
-      if (::posix_memalign(&p, kAlignment, std::max<size_t>(n, 1)) != 0) {
+    Block b = take(n);
+    if (!b.ptr) {
+      if (::posix_memalign(&b.ptr, kAlignment, std::max<size_t>(n, 1)) != 0) {
         throw std::bad_alloc();
       }
+      b.size = n;
     }
-    return {p, new Block{p, n}, &CachingAllocator::release, c10::Device(c10::DeviceType::CPU)};
+    return adopt(b);
+  }
+  // A cached block of exactly n bytes, or an empty DataPtr.
+  c10::DataPtr cached(size_t n) {
+    Block b = take(n);
+    return b.ptr ? adopt(b) : c10::DataPtr();
+  }
+  // Storage in `b` (an mmap()ed region from receive_tensor, or one of ours).
+  c10::DataPtr adopt(const Block& b) {
+    return {b.ptr, new Block(b), &CachingAllocator::release, c10::Device(c10::DeviceType::CPU)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     if (count) std::memcpy(dest, src, count);
@@ -45,29 +66,30 @@ class CachingAllocator final : public c10::Allocator {
 
  private:
   static void release(void* ctx);
-  void* take(size_t n) {
+  // A cached block of exactly n bytes (ptr == nullptr: none).
+  Block take(size_t n) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = free_.find(n);
-    if (it == free_.end()) return nullptr;
-    void* p = it->second;
+    if (it == free_.end()) return Block{nullptr, 0};
+    Block b = it->second;
     free_.erase(it);
     cached_ -= n;
-    return p;
+    return b;
   }
   void give(Block b) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (b.size >= kMinCached && cached_ + b.size <= kMaxCachedBytes) {
-        free_.emplace(b.size, b.ptr);
+        free_.emplace(b.size, b);
         cached_ += b.size;
         return;
       }
     }
-    std::free(b.ptr);
+    free_block(b);
   }
 
   std::mutex mu_;
-  std::multimap<size_t, void*> free_;  // guarded by mu_
+  std::multimap<size_t, Block> free_;  // guarded by mu_
   size_t cached_ = 0;                  // guarded by mu_
   friend CachingAllocator& allocator();
 };
@@ -123,20 +145,78 @@ class CopyHelpers {
   std::deque<std::function<void()>> tasks_;
 };
 
-}  // namespace
-
-at::Tensor empty_for_receive(const TensorMeta& meta) {
-  const auto dtype = static_cast<c10::ScalarType>(meta.dtype);
-  if (meta.nbytes < kMinCached) return at::empty(meta.shape, at::TensorOptions().dtype(dtype));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), meta.nbytes, &allocator(),
-                       /*resizable=*/true);
+at::Tensor tensor_on(c10::Storage storage, const TensorMeta& meta) {
   std::vector<int64_t> strides(meta.shape.size());
   int64_t stride = 1;
   for (size_t i = meta.shape.size(); i-- > 0;) {
     strides[i] = stride;
     stride *= std::max<int64_t>(meta.shape[i], 1);
   }
+  const auto dtype = static_cast<c10::ScalarType>(meta.dtype);
   return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, meta.shape, strides);
+}
+
+c10::Storage storage_of(c10::DataPtr data, size_t nbytes) {
+  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), &allocator(),
+                      /*resizable=*/true);
+}
+
+size_t page_rounded(uint64_t n) {
+  static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return static_cast<size_t>((n + page - 1) / page * page);
+}
+
+void* map_or_throw(void* old, size_t old_len, size_t len) {
+  void* p = old ? ::mremap(old, old_len, len, MREMAP_MAYMOVE)
+                : ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  return p;
+}
+
+}  // namespace
+
+at::Tensor empty_for_receive(const TensorMeta& meta) {
+  const auto dtype = static_cast<c10::ScalarType>(meta.dtype);
+  if (meta.nbytes < kMinCached) return at::empty(meta.shape, at::TensorOptions().dtype(dtype));
+  return tensor_on(c10::Storage(c10::Storage::use_byte_size_t(), meta.nbytes, &allocator(),
+                                /*resizable=*/true),
+                   meta);
+}
+
+at::Tensor receive_tensor(const TensorMeta& meta,
+                          const std::function<void(void* dst, size_t size)>& read) {
+  const uint64_t n = meta.nbytes;
+  if (n < kMinCached) {
+    at::Tensor t = empty_for_receive(meta);
+    if (n) read(t.data_ptr(), n);
+    return t;
+  }
+  if (c10::DataPtr block = allocator().cached(n)) {
+    at::Tensor t = tensor_on(storage_of(std::move(block), n), meta);
+    read(t.data_ptr(), n);
+    return t;
+  }
+  // Grows with what arrived: each mapping is at most twice the bytes read into it so far (plus
+  // the first chunk).
+  const size_t full = page_rounded(n);
+  size_t mapped = std::min(full, page_rounded(kFirstReceiveChunk));
+  void* p = map_or_throw(nullptr, 0, mapped);
+  uint64_t got = 0;
+  try {
+    for (;;) {
+      const uint64_t until = std::min<uint64_t>(n, mapped);
+      read(static_cast<uint8_t*>(p) + got, until - got);
+      got = until;
+      if (got == n) break;
+      const size_t bigger = std::min(full, mapped * 2);
+      p = map_or_throw(p, mapped, bigger);
+      mapped = bigger;
+    }
+  } catch (...) {
+    ::munmap(p, mapped);
+    throw;
+  }
+  return tensor_on(storage_of(allocator().adopt(Block{p, n, mapped}), n), meta);
 }
 
 void parallel_copy(uint64_t total, const std::function<void(uint64_t, uint64_t)>& copy) {

@@ -8,6 +8,15 @@
 // are already mapped instead of paying a page fault per 4 KiB on every receive. The storage is
 // ordinary resizable CPU storage.
 //
+// receive_tensor(): a new CPU tensor whose bytes read(dst, size) brings in, in order. Its storage
+// grows as the bytes arrive, so a peer that announces a large tensor and sends less makes us
+// hold about twice what it sent, never what it announced (the frame's length bounds the
+// announcement, by RpcOptions::max_frame_bytes, 4 GiB by default: that bound is not a cost we
+// take on a peer's word). Tensors below kMinCached are allocated at once; larger ones reuse a
+// cached block of their exact size if there is one (memory the process already holds), and
+// otherwise start as a kFirstReceiveChunk mapping that doubles (mremap, no copy) each time it is
+// full.
+//
 // parallel_copy(): runs copy(offset, size) over [0, total) in chunks, on the calling thread and
 // on a few process-wide helper threads that do nothing else (so a copy never waits behind user
 // code). Blocks until all chunks are done; rethrows the first chunk's error.
@@ -25,7 +34,12 @@ namespace tdist::rpc::detail {
 constexpr uint64_t kMinCached = uint64_t{1} << 20;
 constexpr uint64_t kMaxCachedBytes = uint64_t{256} << 20;
 
+constexpr uint64_t kFirstReceiveChunk = uint64_t{1} << 20;
+
 at::Tensor empty_for_receive(const TensorMeta& meta);
+
+at::Tensor receive_tensor(const TensorMeta& meta,
+                          const std::function<void(void* dst, size_t size)>& read);
 
 void parallel_copy(uint64_t total, const std::function<void(uint64_t offset, uint64_t size)>& copy);
 

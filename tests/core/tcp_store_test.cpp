@@ -29,6 +29,7 @@
 #include "tests/harness/process.h"
 #include "tests/harness/net.h"
 #include "tests/harness/expect.h"
+#include "tests/harness/memory.h"
 #include "tests/core/store_worker.h"
 
 namespace tdist {
@@ -37,6 +38,7 @@ namespace {
 using test::free_port;
 using test::expect_throw;
 using test::expect_contains;
+using test::peak_rss_kib;
 
 using namespace std::chrono_literals;
 namespace proto = detail::tcp_store;
@@ -284,25 +286,6 @@ TEST(TCPStore, UnresponsiveServerGivesTimeoutError) {
     expect_contains(msg, "set('k')");
   }
   ::close(fd);
-}
-
-// Peak resident memory of this process in KiB, after resetting the peak to the current size.
-long peak_rss_kib(bool reset) {
-  if (reset) {
-    FILE* f = std::fopen("/proc/self/clear_refs", "w");
-    if (f == nullptr) return -1;
-    std::fputs("5", f);  // 5: reset the peak resident set size
-    std::fclose(f);
-  }
-  FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return -1;
-  char line[256];
-  long kib = -1;
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    if (std::sscanf(line, "VmHWM: %ld kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return kib;
 }
 
 TEST(TCPStore, ReplyHeaderThatOverstatesItsBodyCostsOnlyWhatArrives) {

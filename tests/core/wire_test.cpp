@@ -1,9 +1,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstring>
+#include <map>
+
 #include "tdist/core/serialize.h"
 #include "tdist/core/tensor_wire.h"
 #include "tdist/core/wire.h"
+#include "tests/harness/memory.h"
 
 namespace tdist {
 namespace {
@@ -44,12 +48,7 @@ TEST(TensorWire, RoundTripsEveryDtypeAndShape) {
   for (auto dt : dtypes) {
     for (const auto& shape : shapes) {
       at::Tensor t = torch::randn(shape).mul(10).to(dt);
-      Bytes buf;
-      wire::Writer w(buf);
-      write_tensor(w, t);
-      wire::Reader r(buf);
-      at::Tensor back = read_tensor(r);
-      r.expect_end();
+      at::Tensor back = decode<at::Tensor>(encode(t));
       EXPECT_EQ(back.scalar_type(), dt);
       EXPECT_EQ(back.sizes(), t.sizes());
       EXPECT_TRUE(back.equal(t)) << dt;
@@ -59,30 +58,20 @@ TEST(TensorWire, RoundTripsEveryDtypeAndShape) {
 
 TEST(TensorWire, NonContiguousIsSentAsContiguous) {
   at::Tensor t = torch::arange(12, torch::kFloat).reshape({3, 4}).t();
-  Bytes buf;
-  wire::Writer w(buf);
-  write_tensor(w, t);
-  wire::Reader r(buf);
-  EXPECT_TRUE(read_tensor(r).equal(t));
+  EXPECT_TRUE(decode<at::Tensor>(encode(t)).equal(t));
 }
 
 // A conjugate or negative view shares its base's storage and carries a bit: what travels is the
-// values the view shows, inline (write_tensor) and through cereal alike.
+// values the view shows.
 TEST(TensorWire, ConjugateAndNegativeViewsAreSentAsTheirValues) {
   at::Tensor z = torch::complex(torch::arange(6, torch::kDouble), torch::arange(6, torch::kDouble) + 1);
   at::Tensor f = torch::arange(6, torch::kFloat) + 1;
   for (const at::Tensor& v : {z.conj(), f._neg_view(), z._neg_view(), z.conj().reshape({2, 3}).t()}) {
     ASSERT_TRUE(v.is_conj() || v.is_neg());
     at::Tensor want = v.resolve_conj().resolve_neg();
-    Bytes buf;
-    wire::Writer w(buf);
-    write_tensor(w, v);
-    wire::Reader r(buf);
-    at::Tensor back = read_tensor(r);
+    at::Tensor back = decode<at::Tensor>(encode(v));
     EXPECT_FALSE(back.is_conj() || back.is_neg());
     EXPECT_TRUE(back.equal(want)) << back << " vs " << want;
-    at::Tensor decoded = decode<at::Tensor>(encode(v));
-    EXPECT_TRUE(decoded.equal(want)) << decoded << " vs " << want;
   }
 }
 
@@ -164,6 +153,51 @@ TEST(Serialize, ForgedCountIsRefusedBeforeResize) {
   Bytes ok = encode(std::string("x"));
   ok.push_back(0);
   EXPECT_THROW(decode<std::string>(ok), ProtocolError);
+}
+
+TEST(Serialize, LayoutIsCerealsBinaryLayoutOverWireH) {
+  // The archive writes what wire::Writer writes field by field: numbers as they are, a string or
+  // a vector as its u64 count and then its elements. Peers of older builds read it unchanged.
+  Bytes expected;
+  wire::Writer w(expected);
+  w.string("ab");
+  w.u32(7);
+  w.u64(2);
+  w.pod<int16_t>(1);
+  w.pod<int16_t>(-2);
+  w.u64(1);
+  w.string("k");
+  w.pod<double>(0.5);
+  EXPECT_EQ(encode(std::string("ab"), uint32_t{7}, std::vector<int16_t>{1, -2},
+                   std::map<std::string, double>{{"k", 0.5}}),
+            expected);
+}
+
+TEST(Serialize, ForgedCountCostsNoMoreThanTheMessage) {
+  // A collection count is checked as count * the fewest bytes an element takes on the wire
+  // before the collection is resized: 2^40 strings announced in 20 bytes, and one string per
+  // byte of a 4 MiB message (8 bytes each at least; resized first, they would take 128 MiB of
+  // std::string), are ProtocolErrors, and the peak resident memory does not grow.
+  Bytes small;
+  wire::Writer ws(small);
+  ws.u64(uint64_t{1} << 40);
+  ws.raw("twelve bytes", 12);
+  ASSERT_EQ(small.size(), 20u);
+  const size_t n = size_t{4} << 20;
+  Bytes big(8 + n, 0);  // the count, then zeros (as strings: empty ones, 8 bytes each)
+  const uint64_t count = n;
+  std::memcpy(big.data(), &count, sizeof(count));
+
+  const long before = test::peak_rss_kib(true);
+  EXPECT_THROW(decode<std::vector<std::string>>(small), ProtocolError);
+  EXPECT_THROW(decode<std::vector<std::string>>(big), ProtocolError);
+  EXPECT_THROW(decode<std::vector<std::vector<int64_t>>>(big), ProtocolError);
+  EXPECT_THROW(decode<std::vector<int64_t>>(big), ProtocolError);
+  const long after = test::peak_rss_kib(false);
+  if (before < 0 || after < 0) GTEST_SKIP() << "no /proc/self/status here";
+  EXPECT_LT(after - before, 8 * 1024) << "peak RSS grew from " << before << " KiB to " << after
+                                      << " KiB decoding a " << big.size() / 1024
+                                      << " KiB message";
 }
 
 }  // namespace

@@ -3,12 +3,17 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <linux/sockios.h>
 #include <unistd.h>
+
+#include <cstdio>
 
 #include "tdist/core/env.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/rpc/auth.h"
+#include "tests/harness/memory.h"
 #include "tests/harness/process.h"
 #include "tests/rpc/rpc_test_util.h"
 
@@ -62,6 +67,36 @@ detail::HandshakeOptions raw_options(const std::string& token) {
   o.fast_path = false;
   o.timeout = 10s;
   return o;
+}
+
+// How many bytes that we sent on `fd` the agent listening on `agent_port` has not read yet: our
+// socket's send queue plus the receive queue of the agent's end (/proc/net/tcp and tcp6); -1
+// while the agent's end is not listed.
+long unread_by_agent(int fd, uint16_t agent_port) {
+  sockaddr_in me{};  // connect_raw's sockets are IPv4
+  socklen_t len = sizeof(me);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) != 0) return -1;
+  const unsigned my_port = ntohs(me.sin_port);
+  int queued = 0;
+  if (::ioctl(fd, SIOCOUTQ, &queued) != 0) return -1;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    FILE* f = std::fopen(table, "r");
+    if (f == nullptr) continue;
+    char line[512];
+    long found = -1;
+    while (found < 0 && std::fgets(line, sizeof(line), f) != nullptr) {
+      unsigned local = 0, remote = 0;
+      unsigned long tx = 0, rx = 0;
+      if (std::sscanf(line, " %*d: %*[0-9A-Fa-f]:%X %*[0-9A-Fa-f]:%X %*X %lX:%lX", &local, &remote,
+                      &tx, &rx) == 4 &&
+          local == agent_port && remote == my_port) {
+        found = static_cast<long>(rx);
+      }
+    }
+    std::fclose(f);
+    if (found >= 0) return found + queued;
+  }
+  return -1;
 }
 
 class RpcBadPeer : public ::testing::Test {
@@ -189,6 +224,42 @@ TEST_F(RpcBadPeer, InconsistentFramesCloseTheConnection) {
     ::close(fd);
   }
   expect_still_serving();
+}
+
+TEST_F(RpcBadPeer, AnnouncedTensorThatNeverArrivesCostsWhatArrived) {
+  // A frame announcing a 1 GiB tensor (within the maximum frame size, so the header is valid)
+  // whose sender then sends 4 KiB of it and waits: the agent's reader waits inside the tensor,
+  // holding about what arrived, not the 1 GiB announced. Memory allocated and not yet written is
+  // not resident, so the address space (VmSize) is what shows an allocation made on the peer's
+  // word.
+  int fd = authenticated();
+  detail::TensorSection section;
+  section.metas.push_back(TensorMeta{static_cast<int8_t>(c10::ScalarType::Float), {1LL << 28},
+                                     uint64_t{1} << 30});
+  Bytes body = encode(section);
+  FrameHeader h;
+  h.type = MessageType::kCall;
+  h.id = 1;
+  h.body_len = static_cast<uint32_t>(body.size());
+  h.meta_len = h.body_len;
+  h.length = body.size() + (uint64_t{1} << 30);
+  auto b = header_bytes(h);
+  b.insert(b.end(), body.begin(), body.end());
+  b.resize(b.size() + 4096, 7);
+
+  const long before = tdist::test::vm_size_kib();
+  send_bytes(fd, b.data(), b.size());
+  // Once the agent has read every byte we sent, its reader is inside the tensor, waiting.
+  long unread = -1;
+  eventually([&] { return (unread = unread_by_agent(fd, a_[1]->port())) == 0; }, 10s);
+  const long during = tdist::test::vm_size_kib();
+  ::close(fd);
+  expect_still_serving();
+  ASSERT_EQ(unread, 0) << "the agent did not read the frame's first bytes within 10 s";
+  if (before < 0 || during < 0) GTEST_SKIP() << "no /proc/self/status here";
+  EXPECT_LT(during - before, 256 * 1024)
+      << "address space grew from " << before << " KiB to " << during
+      << " KiB while a peer had sent 4 KiB of a tensor it announced as 1 GiB";
 }
 
 TEST_F(RpcBadPeer, AWellFormedRawCallIsAnswered) {
