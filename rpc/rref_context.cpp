@@ -220,7 +220,7 @@ std::shared_ptr<OwnerRRef> RRefContext::create_owner_for_call(const RRefId& id) 
 std::exception_ptr RRefContext::foreign_fork_error(const RRefId& id, const ForkId& fork,
                                                    int holder) const {
   return std::make_exception_ptr(InvalidArgument(
-      str("fork ", fork.str(), " of RRef ", id.str(), " is held by another worker than rank ",
+      str("fork ", fork.str(), " of RRef ", id.str(), " is held by another worker, not by rank ",
           holder, " (refused)")));
 }
 

@@ -75,7 +75,9 @@ uint64_t socket_inode(const Endpoint& local, const Endpoint& remote, uid_t uid,
       *why = "the peer's socket belongs to uid " + owner;
       return 0;
     }
-    return std::strtoull(inode.c_str(), nullptr, 10);
+    const uint64_t n = std::strtoull(inode.c_str(), nullptr, 10);
+    if (n == 0) *why = "the peer's socket is not accepted yet";
+    return n;
   }
   *why = "the peer's socket is not in this host's network namespace";
   return 0;

@@ -140,6 +140,8 @@ TEST(RpcFastPath, ARealLocalPeerGetsIt) {
 TEST(RpcFastPath, TheCheckNamesOnlyTheProcessThatHoldsThePeerSocket) {
   auto a = start_agents(1, with_token());
   int fd = connect_raw(a[0]->port());
+  uint8_t challenge[40];  // sent once the agent accepted: its end has a descriptor now
+  detail::read_exact(fd, challenge, sizeof(challenge), "challenge");
   std::string why;
   // Seen from the client socket, the peer's end is the agent's: held by this process.
   EXPECT_TRUE(detail::peer_is_local_process(fd, ::getpid(), &why)) << why;
