@@ -6,8 +6,9 @@
 //   response or error completes its pending call (agent_pending.cpp): an ERROR frame becomes a
 //   RemoteError naming the remote worker; a response to a call that already timed out or failed
 //   is dropped, and so is one that arrives on another connection than its request left on (a
-//   peer answering somebody else's call), with a log line. A completion that may send or destroy RRefs (on_pool, or a response carrying
-//   RRefs) runs on the pool, the others on the reader thread.
+//   peer answering somebody else's call), with a log line. A completion that may send or
+//   destroy RRefs (on_pool, or a response carrying RRefs) runs on the pool, the others on the
+//   reader thread.
 // - post_work(): work on the pool that keeps the agent busy (not idle()) until it returns; none
 //   runs once the agent is stopping.
 #include "tdist/rpc/agent.h"

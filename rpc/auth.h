@@ -81,8 +81,8 @@ void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size);
 void read_exact(int fd, void* data, size_t size, const char* what);
 // The same, but all of it by `deadline` (TimeoutError naming `what` otherwise), however the
 // bytes trickle in.
-void read_exact_until(int fd, void* data, size_t size, std::chrono::steady_clock::time_point deadline,
-                      const char* what);
+void read_exact_until(int fd, void* data, size_t size,
+                      std::chrono::steady_clock::time_point deadline, const char* what);
 void write_all(int fd, const void* data, size_t size, const char* what);
 void set_socket_timeouts(int fd, Millis timeout);  // 0: none
 

@@ -77,7 +77,8 @@ TDIST_TEST_CHILD(rpc_forged_pid) {
   at::Tensor t = torch::empty({static_cast<int64_t>(kSecretBytes)}, torch::kUInt8);
   detail::OutMessage m = detail::encode_message(
       MessageType::kCall, nullptr, 1,
-      std::make_tuple(detail::CallHeader{"security_probe", signature_of<int64_t, at::Tensor>().hash}),
+      std::make_tuple(
+          detail::CallHeader{"security_probe", signature_of<int64_t, at::Tensor>().hash}),
       t);
   detail::TensorSection section;
   section.metas.push_back(describe_tensor(t));
