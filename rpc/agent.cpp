@@ -16,8 +16,10 @@
 
 #include <algorithm>
 
+#include "tdist/core/env.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/rendezvous.h"
+#include "tdist/core/token.h"
 #include "tdist/rpc/api.h"
 #include "tdist/rpc/detail/deadline.h"
 
@@ -28,6 +30,8 @@ using detail::remaining;
 namespace {
 
 const std::string kPrefix = "tdist_rpc/";
+constexpr Millis kDefaultHandshakeTimeout{10000};
+constexpr int64_t kDefaultMaxPendingHandshakes = 64;
 
 }  // namespace
 
@@ -42,12 +46,33 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   TDIST_CHECK_ARG(options_.rpc_timeout.count() >= 0, "rpc_timeout must not be negative");
   self_.name = name;
   self_.rank = rank;
-  const Millis hs_timeout = options_.rpc_timeout.count() > 0
-                                ? std::min(options_.rpc_timeout, Millis(60000))
-                                : Millis(60000);
+  TDIST_CHECK_ARG(options_.handshake_timeout.count() >= 0, "handshake_timeout must not be "
+                  "negative");
+  TDIST_CHECK_ARG(options_.max_pending_handshakes >= 0, "max_pending_handshakes must not be "
+                  "negative");
+  if (options_.handshake_timeout.count() == 0) {
+    const Millis fallback = options_.rpc_timeout.count() > 0
+                                ? std::min(options_.rpc_timeout, kDefaultHandshakeTimeout)
+                                : kDefaultHandshakeTimeout;
+    options_.handshake_timeout =
+        Millis(env::get_int("TDIST_RPC_HANDSHAKE_TIMEOUT_MS", fallback.count(), 1, INT32_MAX));
+  }
+  if (options_.max_pending_handshakes == 0) {
+    options_.max_pending_handshakes = static_cast<int>(env::get_int(
+        "TDIST_RPC_MAX_PENDING_HANDSHAKES", kDefaultMaxPendingHandshakes, 1, 1 << 20));
+  }
+  const Millis hs_timeout = options_.handshake_timeout;
   conn_options_.max_frame_bytes = options_.max_frame_bytes;
   conn_options_.send_timeout = options_.rpc_timeout;
-  conn_options_.handshake.token = options_.token;
+  conn_options_.frame_timeout = options_.rpc_timeout;
+  if (!options_.token) {
+    Token t = load_token();
+    options_.token = t.value;
+    token_source_ = t.source;
+  } else {
+    token_source_ = "RpcOptions::token";
+  }
+  conn_options_.handshake.token = *options_.token;
   conn_options_.handshake.my_rank = rank;
   conn_options_.handshake.world_size = world_size;
   conn_options_.handshake.fast_path = options_.same_host_fast_path;
@@ -73,7 +98,13 @@ std::shared_ptr<RpcAgent> RpcAgent::start(const std::string& name, int rank, int
     throw;
   }
   TDIST_LOG_INFO("rpc: worker '", name, "' (rank ", rank, " of ", world_size, ") listening on ",
-                 a->options_.listen_host, ":", a->port_);
+                 a->options_.listen_host, ":", a->port_,
+                 a->options_.token->empty() ? "" : " (token from " + a->token_source_ + ")");
+  if (a->options_.token->empty()) {
+    TDIST_LOG_WARN("rpc: worker '", name, "': the RPC port ", a->options_.listen_host, ":",
+                   a->port_, " is unauthenticated: anyone who can reach it can call every "
+                   "registered function (set TDIST_TOKEN or TDIST_TOKEN_FILE on every worker)");
+  }
   return a;
 }
 

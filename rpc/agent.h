@@ -58,6 +58,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -247,6 +248,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
     Clock::time_point deadline;
     bool has_deadline = false;
     bool on_pool = false;
+    // The connection the request left on: only a response on it completes the call.
+    std::weak_ptr<detail::Connection> conn;
   };
   // Connecting: the first request to a peer connects; a connect or handshake that fails is
   // retried with backoff until that request's deadline (a worker still starting, a listener
@@ -311,6 +314,7 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   int listen_fd_ = -1;
   uint16_t port_ = 0;
   detail::ConnectionOptions conn_options_;
+  std::string token_source_;  // where options_.token came from (for the log)
 
   std::shared_ptr<detail::RRefContext> rrefs_;
   std::unique_ptr<detail::ThreadPool> pool_;
@@ -320,6 +324,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
 
   std::mutex conns_mu_;
   std::vector<std::shared_ptr<detail::Connection>> incoming_;  // guarded by conns_mu_
+  // Accepted connections that may still be in their handshake, oldest first.
+  std::deque<std::weak_ptr<detail::Connection>> handshaking_;  // guarded by conns_mu_
 
   mutable std::mutex pending_mu_;
   std::condition_variable idle_cv_;     // pending_ emptied or processing_ reached 0

@@ -4,6 +4,8 @@
 //   getaddrinfo gives; port 0 picks one, port() tells which). accept_loop() (its own thread)
 //   hands every accepted socket to a Connection, which runs the server side of the handshake on
 //   its reader thread (rpc/auth.h); finished incoming connections are reaped on the next accept.
+//   At most RpcOptions::max_pending_handshakes accepted connections are in their handshake: a
+//   new one closes the oldest, and each handshake has one deadline for all of it.
 // - connection_to(rank, deadline): the one outgoing connection to a peer, made on first use.
 //   A connect or handshake that fails is retried with backoff (10 ms doubling to 1 s) until the
 //   deadline, except a refused handshake (ProtocolError: another token), which fails at once.
@@ -133,6 +135,7 @@ void RpcAgent::accept_loop() {
     }
     auto conn = detail::Connection::incoming(fd, conn_options_, this, pool_.get());
     std::vector<std::shared_ptr<detail::Connection>> done;
+    std::shared_ptr<detail::Connection> evicted;
     {
       std::lock_guard<std::mutex> lock(conns_mu_);
       if (stopped_.load()) return;  // conn's destructor closes the socket
@@ -141,6 +144,25 @@ void RpcAgent::accept_loop() {
       done.assign(std::make_move_iterator(it), std::make_move_iterator(incoming_.end()));
       incoming_.erase(it, incoming_.end());
       incoming_.push_back(conn);
+      // Bounded handshakes: the oldest unauthenticated connection makes room for the newest,
+      // so strangers that connect and wait cannot lock a real peer out (its handshake takes
+      // milliseconds; theirs end at the handshake deadline anyway).
+      handshaking_.erase(std::remove_if(handshaking_.begin(), handshaking_.end(),
+                                        [](const auto& w) {
+                                          auto c = w.lock();
+                                          return !c || c->finished() || c->peer_rank() >= 0;
+                                        }),
+                         handshaking_.end());
+      if (handshaking_.size() >= static_cast<size_t>(options_.max_pending_handshakes)) {
+        evicted = handshaking_.front().lock();
+        handshaking_.pop_front();
+      }
+      handshaking_.push_back(conn);
+    }
+    if (evicted) {
+      evicted->close(str(evicted->peer(), ": more than ", options_.max_pending_handshakes,
+                         " connections in their handshake (RpcOptions::max_pending_handshakes, "
+                         "TDIST_RPC_MAX_PENDING_HANDSHAKES): closed the oldest"));
     }
     for (auto& c : done) c->join();
     conn->start();

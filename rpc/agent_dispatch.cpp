@@ -5,8 +5,10 @@
 //   autograd hook (rpc/autograd_hooks.h) sees it first and request_handlers.cpp answers it. A
 //   response or error completes its pending call (agent_pending.cpp): an ERROR frame becomes a
 //   RemoteError naming the remote worker; a response to a call that already timed out or failed
-//   is dropped. A completion that may send or destroy RRefs (on_pool, or a response carrying
-//   RRefs) runs on the pool, the others on the reader thread.
+//   is dropped, and so is one that arrives on another connection than its request left on (a
+//   peer answering somebody else's call), with a log line. A completion that may send or
+//   destroy RRefs (on_pool, or a response carrying RRefs) runs on the pool, the others on the
+//   reader thread.
 // - post_work(): work on the pool that keeps the agent busy (not idle()) until it returns; none
 //   runs once the agent is stopping.
 #include "tdist/rpc/agent.h"
@@ -74,9 +76,27 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
   {
     std::lock_guard<std::mutex> lock(pending_mu_);
     auto it = pending_.find(msg.id);
+    std::string stray;
     if (it == pending_.end()) {
-      TDIST_LOG_DEBUG("rpc: dropping a response to request ", msg.id, " from ",
-                      peer_name(msg.from), " (timed out or already failed)");
+      if (msg.id >= next_request_id_.load() || !conn->is_outgoing()) {
+        stray = "no such request was sent on that connection";
+      } else {
+        TDIST_LOG_DEBUG("rpc: dropping a response to request ", msg.id, " from ", conn->peer(),
+                        " (timed out or already failed)");
+        return;
+      }
+    } else if (it->second.conn.lock() != conn) {
+      stray = str("that request went to ", peer_name(it->second.to));
+    }
+    if (!stray.empty()) {
+      // Somebody answers calls it was not sent: logged once per connection.
+      if (conn->first_stray_response()) {
+        TDIST_LOG_WARN("rpc: worker '", self_.name, "' dropped a response to request ", msg.id,
+                       " from ", conn->peer(), ": ", stray, " (further ones from it: debug)");
+      } else {
+        TDIST_LOG_DEBUG("rpc: dropped a response to request ", msg.id, " from ", conn->peer(),
+                        ": ", stray);
+      }
       return;
     }
     p = std::move(it->second);

@@ -1,7 +1,8 @@
 // RpcAgent, part 4 of 4: pending calls and timeouts (agent.h has the whole contract; agent.cpp
 // lists the parts). Contract of this part:
 // - send_request() registers a call under a fresh id (with its deadline when it has a timeout)
-//   before sending it, so a response can never arrive for an unknown id; its on_done runs
+//   and the connection it leaves on before sending it, so a response can never arrive for an
+//   unknown id, and only a response on that connection completes it; its on_done runs
 //   exactly once: with the response (agent_dispatch.cpp), or with the failure: a send or connect
 //   that throws (NetworkError, InvalidArgument as is), a lost connection (fail_pending_to),
 //   the deadline (timeout_loop: TimeoutError naming the peer), or the agent stopping.
@@ -56,9 +57,15 @@ void RpcAgent::send_request(int to, detail::OutMessage&& m, Millis timeout,
   try {
     if (auto* hooks = detail::autograd_hooks()) hooks->on_send_request(*this, to, m);
     // A call without a timeout still gives up connecting after one handshake timeout.
-    connection_to(to, timeout.count() > 0 ? Clock::now() + timeout
-                                          : Clock::now() + conn_options_.handshake.timeout)
-        ->send(std::move(m));
+    auto conn = connection_to(to, timeout.count() > 0
+                                      ? Clock::now() + timeout
+                                      : Clock::now() + conn_options_.handshake.timeout);
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      auto it = pending_.find(id);
+      if (it != pending_.end()) it->second.conn = conn;
+    }
+    conn->send(std::move(m));
   } catch (const std::exception& e) {
     Pending p;
     {

@@ -5,35 +5,26 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/rpc/detail/same_host.h"
+#include "tdist/rpc/types.h"
 
 namespace tdist::rpc::detail {
 namespace {
 
 constexpr uint32_t kAuthMagic = 0x54554154;  // "TAUT"
-constexpr uint16_t kAuthVersion = 1;
-
-// The canary that peers read to test the same-host fast path (Note [RPC handshake]).
-struct Canary {
-  volatile uint64_t value = 0;
-  Canary() {
-    uint64_t v = 0;
-    if (RAND_bytes(reinterpret_cast<unsigned char*>(&v), sizeof(v)) != 1) v = 0x5eed;
-    value = v | 1;  // never zero
-  }
-};
-Canary& canary() {
-  static Canary c;
-  return c;
-}
+constexpr uint16_t kAuthVersion = 2;
 
 void random_bytes(uint8_t* out, size_t n) {
   TDIST_CHECK(RAND_bytes(out, static_cast<int>(n)) == 1, "RAND_bytes failed");
@@ -75,28 +66,41 @@ class Cursor {
   const uint8_t* end_;
 };
 
-constexpr size_t kChallengeSize = 4 + 2 + 2 + 32 + 4 + 8 + 8;
-constexpr size_t kResponseSize = 4 + 2 + 2 + 4 + 32 + 4 + 8 + 8 + 4 + 32;
-constexpr size_t kAcceptSize = 4 + 4 + 32;
+constexpr size_t kChallengeSize = 4 + 2 + 2 + 32;
+constexpr size_t kResponseSize = 4 + 2 + 2 + 4 + 32 + 4 + 4 + 32;
+constexpr size_t kAcceptSize = 4 + 4 + 4 + 4 + 32;
+constexpr size_t kConfirmSize = 4 + 4 + 32;
 
-Digest mac_of(const std::string& token, const char* label, const std::vector<uint8_t>& fields,
+Digest mac_of(const std::string& token, const char* label, const uint8_t* fields, size_t size,
               const uint8_t* n1, const uint8_t* n2) {
   std::vector<uint8_t> data(label, label + std::strlen(label));
-  data.insert(data.end(), fields.begin(), fields.end());
+  data.insert(data.end(), fields, fields + size);
   data.insert(data.end(), n1, n1 + 32);
   if (n2) data.insert(data.end(), n2, n2 + 32);
   return hmac_sha256(token, data.data(), data.size());
 }
 
-bool can_read_canary(bool fast_path, pid_t pid, uint64_t address, uint64_t value) {
-  if (!fast_path || pid <= 0 || address == 0 || value == 0) return false;
-  uint64_t seen = 0;
-  try {
-    read_process_memory(pid, address, &seen, sizeof(seen));
-  } catch (const Error&) {
-    return false;
-  }
-  return seen == value;
+// Appends the MAC of everything in `b` so far.
+void seal(Buf& b, const std::string& token, const char* label, const uint8_t* n1,
+          const uint8_t* n2) {
+  Digest mac = mac_of(token, label, b.bytes().data(), b.bytes().size(), n1, n2);
+  b.put(mac.data(), mac.size());
+}
+
+// Whether the last 32 bytes of msg are the MAC of the bytes before them.
+bool sealed(const uint8_t* msg, size_t size, const std::string& token, const char* label,
+            const uint8_t* n1, const uint8_t* n2) {
+  Digest expect = mac_of(token, label, msg, size - 32, n1, n2);
+  return CRYPTO_memcmp(expect.data(), msg + size - 32, expect.size()) == 0;
+}
+
+// The reading side's fast-path decision (Note [RPC handshake]): from its own checks only.
+bool may_read_peer(bool fast_path, bool peer_wants, int fd, pid_t pid, const std::string& who) {
+  if (!fast_path || !peer_wants) return false;
+  std::string why;
+  if (peer_is_local_process(fd, pid, &why)) return true;
+  TDIST_LOG_DEBUG("rpc: no same-host fast path with ", who, ": ", why);
+  return false;
 }
 
 }  // namespace
@@ -145,6 +149,29 @@ void read_exact(int fd, void* data, size_t size, const char* what) {
   }
 }
 
+void read_exact_until(int fd, void* data, size_t size, Clock::time_point deadline,
+                      const char* what) {
+  auto* p = static_cast<uint8_t*>(data);
+  while (size > 0) {
+    const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now()).count();
+    if (left <= 0) throw TimeoutError(str(what, ": timed out"));
+    pollfd pfd{fd, POLLIN, 0};
+    int rc = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, INT32_MAX)));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc < 0) throw NetworkError(str(what, ": ", std::strerror(errno)));
+    if (rc == 0) continue;  // the loop's deadline check throws
+    ssize_t n = ::recv(fd, p, size, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      size -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) throw NetworkError(str(what, ": connection closed by the peer"));
+    if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+    throw NetworkError(str(what, ": ", std::strerror(errno)));
+  }
+}
+
 void write_all(int fd, const void* data, size_t size, const char* what) {
   const auto* p = static_cast<const uint8_t*>(data);
   while (size > 0) {
@@ -171,7 +198,8 @@ void set_socket_timeouts(int fd, Millis timeout) {
 }
 
 HandshakeResult server_handshake(int fd, const HandshakeOptions& o) {
-  set_socket_timeouts(fd, o.timeout);
+  const auto deadline = Clock::now() + o.timeout;
+  set_socket_timeouts(fd, o.timeout);  // bounds the writes
   uint8_t nonce_s[32];
   random_bytes(nonce_s, sizeof(nonce_s));
   Buf ch;
@@ -179,13 +207,10 @@ HandshakeResult server_handshake(int fd, const HandshakeOptions& o) {
   ch.put<uint16_t>(kAuthVersion);
   ch.put<uint16_t>(0);
   ch.put(nonce_s, 32);
-  ch.put<uint32_t>(static_cast<uint32_t>(::getpid()));
-  ch.put<uint64_t>(reinterpret_cast<uint64_t>(&canary().value));
-  ch.put<uint64_t>(canary().value);
   write_all(fd, ch.bytes().data(), ch.bytes().size(), "handshake: sending the challenge");
 
   uint8_t resp[kResponseSize];
-  read_exact(fd, resp, sizeof(resp), "handshake: reading the response");
+  read_exact_until(fd, resp, sizeof(resp), deadline, "handshake: reading the response");
   Cursor c(resp, sizeof(resp));
   if (c.get<uint32_t>() != kAuthMagic) throw ProtocolError("handshake: bad magic");
   if (c.get<uint16_t>() != kAuthVersion) throw ProtocolError("handshake: unsupported version");
@@ -194,38 +219,46 @@ HandshakeResult server_handshake(int fd, const HandshakeOptions& o) {
   r.peer_rank = c.get<int32_t>();
   uint8_t nonce_c[32];
   c.get(nonce_c, 32);
-  r.peer_pid = static_cast<pid_t>(c.get<uint32_t>());
-  uint64_t peer_canary_addr = c.get<uint64_t>();
-  uint64_t peer_canary = c.get<uint64_t>();
-  uint32_t client_reads_us = c.get<uint32_t>();
-  Digest mac_c;
-  c.get(mac_c.data(), mac_c.size());
-  std::vector<uint8_t> fields(resp, resp + kResponseSize - 32);
-  Digest expect = mac_of(o.token, "tdist-rpc-client", fields, nonce_s, nullptr);
-  if (CRYPTO_memcmp(expect.data(), mac_c.data(), expect.size()) != 0) {
+  const auto claimed_pid = static_cast<pid_t>(c.get<uint32_t>());
+  const bool client_wants = c.get<uint32_t>() == 1;
+  if (!sealed(resp, sizeof(resp), o.token, "tdist-rpc-client", nonce_s, nullptr)) {
     throw ProtocolError("handshake: authentication failed (wrong or missing token)");
   }
   if (r.peer_rank < 0 || r.peer_rank >= o.world_size) {
     throw ProtocolError(str("handshake: rank ", r.peer_rank, " is not in [0, ", o.world_size, ")"));
   }
-  r.read_remote_tensors = can_read_canary(o.fast_path, r.peer_pid, peer_canary_addr, peer_canary);
-  r.send_remote_tensors = o.fast_path && client_reads_us == 1;
+  // Authenticated: from here on the peer may learn our pid, and we check its claim.
+  r.read_remote_tensors = may_read_peer(o.fast_path, client_wants, fd, claimed_pid,
+                                        str("worker rank ", r.peer_rank));
+  if (r.read_remote_tensors) r.peer_pid = claimed_pid;
 
   Buf acc;
   acc.put<uint32_t>(kAuthMagic);
+  acc.put<uint32_t>(static_cast<uint32_t>(::getpid()));
   acc.put<uint32_t>(r.read_remote_tensors ? 1 : 0);
-  Digest mac_s = mac_of(o.token, "tdist-rpc-server", acc.bytes(), nonce_c, nonce_s);
-  acc.put(mac_s.data(), mac_s.size());
+  acc.put<uint32_t>(o.fast_path ? 1 : 0);
+  seal(acc, o.token, "tdist-rpc-server", nonce_c, nonce_s);
   write_all(fd, acc.bytes().data(), acc.bytes().size(), "handshake: sending the acceptance");
+
+  uint8_t confirm[kConfirmSize];
+  read_exact_until(fd, confirm, sizeof(confirm), deadline, "handshake: reading the confirmation");
+  Cursor k(confirm, sizeof(confirm));
+  if (k.get<uint32_t>() != kAuthMagic) throw ProtocolError("handshake: bad magic");
+  const bool client_reads_us = k.get<uint32_t>() == 1;
+  if (!sealed(confirm, sizeof(confirm), o.token, "tdist-rpc-confirm", nonce_s, nonce_c)) {
+    throw ProtocolError("handshake: the confirmation failed authentication");
+  }
+  r.send_remote_tensors = o.fast_path && client_reads_us;
   set_socket_timeouts(fd, Millis(0));
   return r;
 }
 
 HandshakeResult client_handshake(int fd, const HandshakeOptions& o, int expected_peer) {
-  set_socket_timeouts(fd, o.timeout);
+  const auto deadline = Clock::now() + o.timeout;
+  set_socket_timeouts(fd, o.timeout);  // bounds the writes
   auto where = str("handshake with worker rank ", expected_peer);
   uint8_t ch[kChallengeSize];
-  read_exact(fd, ch, sizeof(ch), where.c_str());
+  read_exact_until(fd, ch, sizeof(ch), deadline, where.c_str());
   Cursor c(ch, sizeof(ch));
   if (c.get<uint32_t>() != kAuthMagic) throw ProtocolError(where + ": bad magic");
   if (c.get<uint16_t>() != kAuthVersion) throw ProtocolError(where + ": unsupported version");
@@ -234,10 +267,6 @@ HandshakeResult client_handshake(int fd, const HandshakeOptions& o, int expected
   c.get(nonce_s, 32);
   HandshakeResult r;
   r.peer_rank = expected_peer;
-  r.peer_pid = static_cast<pid_t>(c.get<uint32_t>());
-  uint64_t peer_canary_addr = c.get<uint64_t>();
-  uint64_t peer_canary = c.get<uint64_t>();
-  r.read_remote_tensors = can_read_canary(o.fast_path, r.peer_pid, peer_canary_addr, peer_canary);
 
   uint8_t nonce_c[32];
   random_bytes(nonce_c, sizeof(nonce_c));
@@ -248,33 +277,37 @@ HandshakeResult client_handshake(int fd, const HandshakeOptions& o, int expected
   resp.put<int32_t>(o.my_rank);
   resp.put(nonce_c, 32);
   resp.put<uint32_t>(static_cast<uint32_t>(::getpid()));
-  resp.put<uint64_t>(reinterpret_cast<uint64_t>(&canary().value));
-  resp.put<uint64_t>(canary().value);
-  resp.put<uint32_t>(r.read_remote_tensors ? 1 : 0);
-  Digest mac_c = mac_of(o.token, "tdist-rpc-client", resp.bytes(), nonce_s, nullptr);
-  resp.put(mac_c.data(), mac_c.size());
+  resp.put<uint32_t>(o.fast_path ? 1 : 0);
+  seal(resp, o.token, "tdist-rpc-client", nonce_s, nullptr);
   write_all(fd, resp.bytes().data(), resp.bytes().size(), where.c_str());
 
   uint8_t acc[kAcceptSize];
   try {
-    read_exact(fd, acc, sizeof(acc), where.c_str());
+    read_exact_until(fd, acc, sizeof(acc), deadline, where.c_str());
   } catch (const NetworkError& e) {
     // The worker closed after reading our answer: it refused it. A ProtocolError, so that the
     // agent does not retry the connect (RpcAgent::Peer).
     throw ProtocolError(str(e.what(), " (the worker rejected this connection: is the token "
                                       "the same on every worker?)"));
   }
-  Cursor a(acc, sizeof(acc));
-  if (a.get<uint32_t>() != kAuthMagic) throw ProtocolError(where + ": bad magic");
-  uint32_t server_reads_us = a.get<uint32_t>();
-  Digest mac_s;
-  a.get(mac_s.data(), mac_s.size());
-  std::vector<uint8_t> fields(acc, acc + 8);
-  Digest expect = mac_of(o.token, "tdist-rpc-server", fields, nonce_c, nonce_s);
-  if (CRYPTO_memcmp(expect.data(), mac_s.data(), expect.size()) != 0) {
+  // Nothing in ACCEPT counts before its MAC verified (Note [RPC handshake]).
+  if (!sealed(acc, sizeof(acc), o.token, "tdist-rpc-server", nonce_c, nonce_s)) {
     throw ProtocolError(where + ": the worker failed authentication (wrong or missing token)");
   }
-  r.send_remote_tensors = o.fast_path && server_reads_us == 1;
+  Cursor a(acc, sizeof(acc));
+  if (a.get<uint32_t>() != kAuthMagic) throw ProtocolError(where + ": bad magic");
+  const auto claimed_pid = static_cast<pid_t>(a.get<uint32_t>());
+  const bool server_reads_us = a.get<uint32_t>() == 1;
+  const bool server_wants = a.get<uint32_t>() == 1;
+  r.send_remote_tensors = o.fast_path && server_reads_us;
+  r.read_remote_tensors = may_read_peer(o.fast_path, server_wants, fd, claimed_pid, where);
+  if (r.read_remote_tensors) r.peer_pid = claimed_pid;
+
+  Buf confirm;
+  confirm.put<uint32_t>(kAuthMagic);
+  confirm.put<uint32_t>(r.read_remote_tensors ? 1 : 0);
+  seal(confirm, o.token, "tdist-rpc-confirm", nonce_s, nonce_c);
+  write_all(fd, confirm.bytes().data(), confirm.bytes().size(), where.c_str());
   set_socket_timeouts(fd, Millis(0));
   return r;
 }

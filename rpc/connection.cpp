@@ -1,5 +1,6 @@
 #include "tdist/rpc/connection.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
 #include <netinet/in.h>
@@ -41,7 +42,30 @@ Connection::Connection(int fd, bool outgoing, const ConnectionOptions& options,
   int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   set_socket_buffers(fd_, options_.socket_buffer_bytes);
-  in_.resize(kReadBuffer);
+  // The read buffer comes once the peer is authenticated (run()): an unauthenticated
+  // connection costs a thread and a socket, not 256 KiB.
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (::getpeername(fd_, reinterpret_cast<sockaddr*>(&ss), &len) == 0) {
+    if (ss.ss_family == AF_INET) {
+      const auto& a = reinterpret_cast<const sockaddr_in&>(ss);
+      ::inet_ntop(AF_INET, &a.sin_addr, host, sizeof(host));
+      port = ntohs(a.sin_port);
+    } else if (ss.ss_family == AF_INET6) {
+      const auto& a = reinterpret_cast<const sockaddr_in6&>(ss);
+      ::inet_ntop(AF_INET6, &a.sin6_addr, host, sizeof(host));
+      port = ntohs(a.sin6_port);
+    }
+  }
+  peer_address_ = str(host, ":", port);
+}
+
+std::string Connection::peer() const {
+  const int rank = peer_rank();
+  return rank >= 0 ? str("worker rank ", rank, " (", peer_address_, ")")
+                   : str("unauthenticated peer ", peer_address_);
 }
 
 std::shared_ptr<Connection> Connection::outgoing(int fd, const HandshakeResult& hs,
@@ -106,31 +130,55 @@ void Connection::run() {
   std::string reason;
   try {
     if (!outgoing_) {
-      hs_ = server_handshake(fd_, options_.handshake);
+      try {
+        hs_ = server_handshake(fd_, options_.handshake);
+      } catch (const std::exception& e) {
+        throw ProtocolError(str(peer(), ": ", e.what()));
+      }
       peer_rank_ = hs_.peer_rank;
     }
-    if (options_.send_timeout.count() > 0) {
-      struct timeval tv {};
-      tv.tv_sec = static_cast<time_t>(options_.send_timeout.count() / 1000);
-      tv.tv_usec = static_cast<suseconds_t>((options_.send_timeout.count() % 1000) * 1000);
-      ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-    }
+    in_.resize(kReadBuffer);
+    set_timeout(SO_SNDTIMEO, options_.send_timeout);
+    // Bounds a read inside a frame; between frames the reader waits without limit (fill()).
+    set_timeout(SO_RCVTIMEO, options_.frame_timeout);
     read_frames();
   } catch (const std::exception& e) {
     reason = e.what();
   }
   close(reason);
-  handler_->on_closed(self, reason);
+  handler_->on_closed(self, close_reason());  // the first reason: e.g. why close() was called
   finished_ = true;
+}
+
+void Connection::set_timeout(int option, Millis timeout) {
+  if (timeout.count() <= 0) return;
+  struct timeval tv {};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  ::setsockopt(fd_, SOL_SOCKET, option, &tv, sizeof(tv));
+}
+
+void Connection::throw_read_error(ssize_t n) {
+  if (n == 0) throw NetworkError(str("connection closed by ", peer()));
+  if (errno == EAGAIN || errno == EWOULDBLOCK) {
+    throw TimeoutError(str(peer(), " sent part of a frame and then nothing for ",
+                           options_.frame_timeout.count(),
+                           " ms (the RPC timeout); closing the connection"));
+  }
+  throw NetworkError(str("reading from ", peer(), ": ", std::strerror(errno)));
 }
 
 size_t Connection::fill(size_t want) {
   for (;;) {
     ssize_t n = ::recv(fd_, in_.data() + in_end_, std::min(want, in_.size() - in_end_), 0);
-    if (n > 0) return static_cast<size_t>(n);
-    if (n == 0) throw NetworkError(str("connection closed by worker rank ", peer_rank()));
-    if (errno == EINTR) continue;
-    throw NetworkError(str("reading from worker rank ", peer_rank(), ": ", std::strerror(errno)));
+    if (n > 0) {
+      between_frames_ = false;
+      return static_cast<size_t>(n);
+    }
+    if (n < 0 && errno == EINTR) continue;
+    // SO_RCVTIMEO passed: fine while no byte of the next frame has come (an idle peer).
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && between_frames_) continue;
+    throw_read_error(n);
   }
 }
 
@@ -150,11 +198,8 @@ void Connection::read(void* dst, size_t size) {
       if (n > 0) {
         d += n;
         size -= static_cast<size_t>(n);
-      } else if (n == 0) {
-        throw NetworkError(str("connection closed by worker rank ", peer_rank()));
-      } else if (errno != EINTR) {
-        throw NetworkError(
-            str("reading from worker rank ", peer_rank(), ": ", std::strerror(errno)));
+      } else if (n == 0 || errno != EINTR) {
+        throw_read_error(n);
       }
     }
     return;
@@ -173,6 +218,7 @@ void Connection::read_frames() {
   auto self = shared_from_this();
   uint8_t hdr[kHeaderSize];
   for (;;) {
+    between_frames_ = in_pos_ == in_end_;
     read(hdr, sizeof(hdr));
     FrameHeader h = decode_header(hdr, options_.max_frame_bytes);
     if (h.type == MessageType::kTensorRelease) {

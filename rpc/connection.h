@@ -7,6 +7,10 @@
 // large tensor are read from the sender's memory instead (process_vm_readv, one copy), and a
 // TENSOR_RELEASE frame then lets the sender drop its reference. Each complete frame goes to the
 // handler; the reader never runs user code and never writes (it posts what must be sent).
+// An incoming connection's thread runs the server handshake first and gets its read buffer
+// only once the peer authenticated. Between frames the reader waits without limit; once a
+// frame's first byte has come, each read must progress within frame_timeout (the RPC timeout)
+// or the connection closes with a TimeoutError naming the peer.
 //
 // Writing: send() frames the message (header, payload + tensor section, tensor bytes) and writes
 // it with scatter-gather sendmsg() straight from the payload and the tensors' memory. Concurrent
@@ -51,6 +55,9 @@ class ConnectionHandler {
 struct ConnectionOptions {
   uint64_t max_frame_bytes = uint64_t{4} << 30;
   Millis send_timeout{0};                    // SO_SNDTIMEO once established; 0: none
+  // Once a frame's first byte has come, each read of the rest must progress within this
+  // (TimeoutError naming the peer, the connection closes); between frames no limit. 0: none.
+  Millis frame_timeout{0};
   uint64_t remote_tensor_threshold = 256 << 10;  // fast path only for tensors at least this large
   HandshakeOptions handshake;                // incoming connections handshake on their thread
   int socket_buffer_bytes = 0;               // SO_SNDBUF / SO_RCVBUF; 0: the system's
@@ -79,6 +86,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void join();
 
   bool is_outgoing() const { return outgoing_; }
+  // "worker rank R (host:port)", or "unauthenticated peer host:port" before the handshake.
+  std::string peer() const;
+  // True the first time only: a stray response from this peer is logged once (agent_dispatch).
+  bool first_stray_response() { return !stray_logged_.exchange(true); }
   int peer_rank() const { return peer_rank_.load(); }
   bool closed() const;
   bool finished() const { return finished_.load(); }  // the reader thread has returned
@@ -97,6 +108,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Buffered reads.
   void read(void* dst, size_t size);
   size_t fill(size_t want);
+  [[noreturn]] void throw_read_error(ssize_t n);
+  void set_timeout(int option, Millis timeout);
 
   // Constant after construction.
   const int fd_;
@@ -104,6 +117,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   const ConnectionOptions options_;
   ConnectionHandler* const handler_;
   Executor* const executor_;
+  std::string peer_address_;  // set in the constructor
 
   // Set by the handshake (before any frame).
   std::atomic<int> peer_rank_{-1};
@@ -113,8 +127,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::vector<uint8_t> in_;
   size_t in_pos_ = 0;
   size_t in_end_ = 0;
+  bool between_frames_ = true;  // no byte of the next frame read yet
   std::thread reader_;
   std::atomic<bool> finished_{false};
+  std::atomic<bool> stray_logged_{false};
 
   mutable std::mutex mu_;
   std::deque<OutMessage> queue_;  // guarded by mu_

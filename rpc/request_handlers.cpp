@@ -109,7 +109,10 @@ void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Messa
   ForkId fork_id;
   size_t offset = read_fields(msg, h, rref_id, fork_id);
   auto owner = rrefs_->create_owner_for_call(rref_id);
-  if (fork_id.created_on >= 0) rrefs_->add_fork(rref_id, fork_id);
+  if (fork_id.created_on >= 0 && !rrefs_->add_fork(rref_id, fork_id, msg.from)) {
+    throw InvalidArgument(str("fork ", fork_id.str(), " of RRef ", rref_id.str(),
+                              " is held by another worker"));
+  }
   std::string error;
   try {
     auto fn = registry().find_function(h.name);
@@ -133,7 +136,7 @@ void RpcAgent::handle_fetch(const std::shared_ptr<Connection>& conn, Message& ms
   uint64_t type_hash = 0;
   std::string type;
   read_fields(msg, rref_id, type_hash, type);
-  auto owner = rrefs_->find_owner(rref_id, nullptr);
+  auto owner = rrefs_->find_owner(rref_id, nullptr, msg.from);
   if (!owner) {
     throw InvalidArgument(str("to_here(): RRef ", rref_id.str(), " is unknown on its owner (",
                               self_.name, "): it was deleted, or never existed"));
@@ -170,16 +173,24 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
   std::shared_ptr<detail::OwnerRRef> result;
   if (remote) {
     result = rrefs_->create_owner_for_call(result_id);
-    if (result_fork.created_on >= 0) rrefs_->add_fork(result_id, result_fork);
+    if (result_fork.created_on >= 0) rrefs_->add_fork(result_id, result_fork, msg->from);
   }
-  auto owner = rrefs_->find_owner(target, nullptr);
+  std::shared_ptr<detail::OwnerRRef> owner;
+  std::exception_ptr missing;
+  try {
+    owner = rrefs_->find_owner(target, nullptr, msg->from);
+  } catch (const InvalidArgument&) {
+    missing = std::current_exception();  // too many requests waiting (invariant 6)
+  }
   if (!owner) {
     // Deleted (invariant 5): a failed stand-in answers like a target whose creation failed.
     owner = std::make_shared<detail::OwnerRRef>(rrefs_, target, self_.rank, nullptr);
-    owner->set_error(std::make_exception_ptr(InvalidArgument(
-        str("RRef ", target.str(), " is unknown on its owner: it was deleted, or never existed"))));
+    owner->set_error(missing ? missing : std::make_exception_ptr(InvalidArgument(str(
+        "RRef ", target.str(), " is unknown on its owner: it was deleted, or never existed"))));
   }
-  if (phantom.created_on >= 0) rrefs_->delete_fork(target, phantom);  // see RRef::phantom_fork
+  if (phantom.created_on >= 0) {
+    rrefs_->delete_fork(target, phantom, msg->from);  // see RRef::phantom_fork
+  }
   std::weak_ptr<RpcAgent> weak = weak_from_this();
   // Runs once the target's value exists (at once when it does; otherwise on the thread that
   // sets it, see Note [RRef protocol] invariant 5).
@@ -234,7 +245,7 @@ void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& 
       // Answered once the RRef is known here, or with an error (Note [RRef protocol]).
       std::weak_ptr<RpcAgent> weak = weak_from_this();
       const uint64_t request = msg.id;
-      rrefs_->add_fork_when_known(id, fork, [weak, conn, request](std::exception_ptr error) {
+      auto reply = [weak, conn, request](std::exception_ptr error) {
         auto self = weak.lock();
         if (!self) return;
         if (error) {
@@ -242,17 +253,27 @@ void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& 
         } else {
           self->reply_empty(conn, request);
         }
-      });
+      };
+      rrefs_->add_fork_when_known(id, fork, msg.from, std::move(reply));
       return;
     }
     case MessageType::kRRefUserDelete: {
       auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
-      rrefs_->delete_fork(id, fork);
+      if (!rrefs_->delete_fork(id, fork, msg.from)) {
+        TDIST_LOG_WARN("rpc: worker '", self_.name, "' ignored RREF_USER_DELETE of fork ",
+                       fork.str(), " of RRef ", id.str(), " from ", peer_name(msg.from),
+                       ", which does not hold it");
+        throw InvalidArgument(str("fork ", fork.str(), " of RRef ", id.str(),
+                                  " is not held by worker rank ", msg.from));
+      }
       break;
     }
     case MessageType::kRRefChildAccept: {
       auto fork = decode<ForkId>(msg.body);
-      rrefs_->child_accepted(fork);
+      if (!rrefs_->child_accepted(fork, msg.from)) {
+        throw InvalidArgument(str("child fork ", fork.str(), " was not sent to worker rank ",
+                                  msg.from));
+      }
       break;
     }
     default:

@@ -121,11 +121,26 @@ std::shared_ptr<OwnerRRef> RRefContext::create_owner(const TypeInfo* type, bool 
 }
 
 RRefContext::Unborn& RRefContext::unborn_locked(const RRefId& id, const TypeInfo* type,
-                                                bool& created) {
+                                                int from, bool& created) {
+  size_t& parked = parked_[from];
+  if (parked >= kMaxParkedPerPeer) {
+    throw InvalidArgument(str("RRef ", id.str(), " is unknown on its owner (rank ", rank_,
+                              ") and worker rank ", from, " already has ", parked,
+                              " requests waiting for RRefs that do not exist yet (the limit)"));
+  }
   Unborn& u = unborn_[id];
   created = !u.owner;
   if (created) u.owner = std::make_shared<OwnerRRef>(weak_from_this(), id, rank_, type);
+  u.parked_by.push_back(from);
+  ++parked;
   return u;
+}
+
+void RRefContext::unpark_locked(const Unborn& u) {
+  for (int from : u.parked_by) {
+    auto it = parked_.find(from);
+    if (it != parked_.end() && --it->second == 0) parked_.erase(it);
+  }
 }
 
 void RRefContext::schedule_expiry(const RRefId& id) {
@@ -159,12 +174,14 @@ void RRefContext::expire_unborn(const RRefId& id) {
     if (it == unborn_.end()) return;  // created meanwhile
     u = std::move(it->second);
     unborn_.erase(it);
+    unpark_locked(u);
   }
   u.owner->set_error(unknown_error(id, true));  // answers the fetches and method calls
   for (auto& f : u.on_birth) f(false);
 }
 
-std::shared_ptr<OwnerRRef> RRefContext::find_owner(const RRefId& id, const TypeInfo* type) {
+std::shared_ptr<OwnerRRef> RRefContext::find_owner(const RRefId& id, const TypeInfo* type,
+                                                   int from) {
   bool created = false;
   std::shared_ptr<OwnerRRef> owner;
   {
@@ -172,7 +189,7 @@ std::shared_ptr<OwnerRRef> RRefContext::find_owner(const RRefId& id, const TypeI
     auto it = owners_.find(id);
     if (it != owners_.end()) return it->second;
     if (id.created_on == rank_) return nullptr;  // made here and gone (invariant 5)
-    owner = unborn_locked(id, type, created).owner;
+    owner = unborn_locked(id, type, from, created).owner;
   }
   if (created) schedule_expiry(id);
   return owner;
@@ -189,6 +206,7 @@ std::shared_ptr<OwnerRRef> RRefContext::create_owner_for_call(const RRefId& id) 
     if (u != unborn_.end()) {
       owner = std::move(u->second.owner);
       waiting = std::move(u->second.on_birth);
+      unpark_locked(u->second);
       unborn_.erase(u);
     } else {
       owner = std::make_shared<OwnerRRef>(weak_from_this(), id, rank_, nullptr);
@@ -199,38 +217,55 @@ std::shared_ptr<OwnerRRef> RRefContext::create_owner_for_call(const RRefId& id) 
   return owner;
 }
 
-void RRefContext::add_fork_when_known(const RRefId& id, const ForkId& fork,
+std::exception_ptr RRefContext::foreign_fork_error(const RRefId& id, const ForkId& fork,
+                                                   int holder) const {
+  return std::make_exception_ptr(InvalidArgument(
+      str("fork ", fork.str(), " of RRef ", id.str(), " is held by another worker, not by rank ",
+          holder, " (refused)")));
+}
+
+void RRefContext::add_fork_when_known(const RRefId& id, const ForkId& fork, int holder,
                                       std::function<void(std::exception_ptr)> done) {
-  enum class Outcome { kAdded, kUnknown, kWaiting, kWaitingNew } outcome;
+  enum class Outcome { kAdded, kForeign, kUnknown, kWaiting, kWaitingNew } outcome;
+  std::exception_ptr refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (owners_.count(id)) {
-      forks_[id].insert(fork);
-      outcome = Outcome::kAdded;
+      outcome = add_fork_locked(id, fork, holder) ? Outcome::kAdded : Outcome::kForeign;
     } else if (id.created_on == rank_) {
       outcome = Outcome::kUnknown;  // made here and gone (invariant 5)
     } else {
       std::weak_ptr<RRefContext> weak = weak_from_this();
       bool created = false;
-      unborn_locked(id, nullptr, created).on_birth.push_back([weak, id, fork, done](bool born) {
-        auto ctx = weak.lock();
-        if (!ctx) return;
-        if (!born) {
-          done(ctx->unknown_error(id, true));
-          return;
-        }
-        ctx->add_fork(id, fork);
-        done(nullptr);
-      });
-      outcome = created ? Outcome::kWaitingNew : Outcome::kWaiting;
+      try {
+        unborn_locked(id, nullptr, holder, created)
+            .on_birth.push_back([weak, id, fork, holder, done](bool born) {
+              auto ctx = weak.lock();
+              if (!ctx) return;
+              if (!born) {
+                done(ctx->unknown_error(id, true));
+              } else if (!ctx->add_fork(id, fork, holder)) {
+                done(ctx->foreign_fork_error(id, fork, holder));
+              } else {
+                done(nullptr);
+              }
+            });
+        outcome = created ? Outcome::kWaitingNew : Outcome::kWaiting;
+      } catch (const InvalidArgument&) {
+        refused = std::current_exception();  // too many requests waiting (invariant 6)
+        outcome = Outcome::kUnknown;
+      }
     }
   }
   switch (outcome) {
     case Outcome::kAdded:
       done(nullptr);
       break;
+    case Outcome::kForeign:
+      done(foreign_fork_error(id, fork, holder));
+      break;
     case Outcome::kUnknown:
-      done(unknown_error(id, false));
+      done(refused ? refused : unknown_error(id, false));
       break;
     case Outcome::kWaitingNew:
       schedule_expiry(id);  // outside the lock: schedule() takes the agent's lock
@@ -299,7 +334,7 @@ ForkData RRefContext::prepare_child_fork(const std::shared_ptr<RRefBase>& rref, 
   if (rref->is_owner()) {
     // Early registration: the owner knows the child before it exists.
     owners_.emplace(rref->id(), std::static_pointer_cast<OwnerRRef>(rref));
-    forks_[rref->id()].insert(fd.fork_id);
+    forks_[rref->id()].emplace(fd.fork_id, dest);
   } else {
     // The parent stays alive until the child is confirmed (invariant 2).
     pending_children_.emplace(fd.fork_id, PendingChild{rref, dest});
@@ -317,10 +352,10 @@ std::shared_ptr<RRefBase> RRefContext::rref_from_fork(const ForkData& fd, int fr
                             ", parent ", fd.parent));
   }
   if (fd.owner == rank_) {
-    auto owner = find_owner(fd.rref_id, type);
+    auto owner = find_owner(fd.rref_id, type, from);
     if (!owner) std::rethrow_exception(unknown_error(fd.rref_id, false));
     if (fd.parent == rank_) {
-      delete_fork(fd.rref_id, fd.fork_id);  // the fork added when we sent it to ourselves
+      delete_fork(fd.rref_id, fd.fork_id, rank_);  // added when we sent it to ourselves
     } else {
       send_child_accept(fd.parent, fd.fork_id);
     }
@@ -371,7 +406,7 @@ void RRefContext::send_fork_request(const std::shared_ptr<UserRRef>& user, int p
 
 void RRefContext::send_child_accept(int parent, const ForkId& fork) {
   if (parent == rank_) {
-    child_accepted(fork);
+    child_accepted(fork, rank_);
     return;
   }
   auto agent = agent_.lock();
@@ -390,19 +425,27 @@ void RRefContext::send_child_accept(int parent, const ForkId& fork) {
       str("RREF_CHILD_ACCEPT for fork ", fork.str()), /*on_pool=*/true);
 }
 
-void RRefContext::add_fork(const RRefId& id, const ForkId& fork) {
-  std::lock_guard<std::mutex> lock(mu_);
-  forks_[id].insert(fork);
+bool RRefContext::add_fork_locked(const RRefId& id, const ForkId& fork, int holder) {
+  auto [it, added] = forks_[id].emplace(fork, holder);
+  return added || it->second == holder;
 }
 
-void RRefContext::delete_fork(const RRefId& id, const ForkId& fork) {
+bool RRefContext::add_fork(const RRefId& id, const ForkId& fork, int holder) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return add_fork_locked(id, fork, holder);
+}
+
+bool RRefContext::delete_fork(const RRefId& id, const ForkId& fork, int holder) {
   std::shared_ptr<OwnerRRef> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = forks_.find(id);
-    if (it == forks_.end()) return;  // idempotent
-    it->second.erase(fork);
-    if (!it->second.empty()) return;
+    if (it == forks_.end()) return true;  // idempotent
+    auto f = it->second.find(fork);
+    if (f == it->second.end()) return true;
+    if (f->second != holder) return false;  // invariant 6
+    it->second.erase(f);
+    if (!it->second.empty()) return true;
     forks_.erase(it);
     auto o = owners_.find(id);
     if (o != owners_.end() && o->second->ready()) {
@@ -411,6 +454,7 @@ void RRefContext::delete_fork(const RRefId& id, const ForkId& fork) {
     }
   }
   // `dropped` may hold the last reference to the value: freed here, outside the lock.
+  return true;
 }
 
 void RRefContext::owner_ready(const RRefId& id) {
@@ -427,15 +471,17 @@ void RRefContext::owner_ready(const RRefId& id) {
   }
 }
 
-void RRefContext::child_accepted(const ForkId& fork) {
+bool RRefContext::child_accepted(const ForkId& fork, int from) {
   std::shared_ptr<RRefBase> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_children_.find(fork);
-    if (it == pending_children_.end()) return;  // idempotent
+    if (it == pending_children_.end()) return true;  // idempotent
+    if (it->second.dest != from) return false;       // invariant 6
     dropped = std::move(it->second.parent);
     pending_children_.erase(it);
   }
+  return true;
 }
 
 void RRefContext::user_deleted(UserRRef& user) {
@@ -549,6 +595,18 @@ size_t RRefContext::num_forks(const RRefId& id) const {
 size_t RRefContext::num_pending() const {
   std::lock_guard<std::mutex> lock(mu_);
   return pending_users_.size() + pending_children_.size();
+}
+
+size_t RRefContext::num_unborn() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return unborn_.size();
+}
+
+size_t RRefContext::num_parked() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [rank, count] : parked_) n += count;
+  return n;
 }
 
 }  // namespace tdist::rpc::detail

@@ -54,6 +54,12 @@
 //      be on its way: the request waits on a placeholder in `unborn_` (not in `owners_`), which
 //      the creating call adopts; a placeholder the call has not adopted within rpc_timeout is
 //      dropped and its requests fail. No request ever creates an owner entry.
+//   6. A peer cannot touch what is not its own: the owner records which worker holds each fork
+//      (the caller of REMOTE_CALL, the sender of FORK_REQUEST, the destination of a fork the
+//      owner sent) and ignores a RREF_USER_DELETE from any other worker, a FORK_REQUEST for a
+//      fork another worker holds, and a RREF_CHILD_ACCEPT from a worker the child was not sent
+//      to. Requests waiting on placeholders (invariant 5) are bounded per requesting worker
+//      (kMaxParkedPerPeer); beyond that they fail at once, so bogus ids cost no memory.
 // Graceful shutdown (agent.h) waits until no control message is in flight anywhere; what is
 // still registered then is leaked (a handle kept past shutdown) and is reported.
 //
@@ -66,6 +72,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <map>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -179,6 +186,8 @@ class UserRRef : public RRefBase {
 
 class RRefContext : public std::enable_shared_from_this<RRefContext> {
  public:
+  static constexpr size_t kMaxParkedPerPeer = 256;
+
   RRefContext(std::weak_ptr<RpcAgent> agent, int rank);
 
   int rank() const { return rank_; }
@@ -188,17 +197,20 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   // An OwnerRRef for a value created here (an RRef to a local value, or remote() to self).
   // `registered`: enter it in owners_ now (remote() to self, whose call looks it up by id).
   std::shared_ptr<OwnerRRef> create_owner(const TypeInfo* type, bool registered);
-  // The OwnerRRef that a request names (a fetch, a method call, an RRef sent back to its
-  // owner): the registered one; nullptr when unknown and made here (deleted); otherwise a
-  // placeholder that the creating call adopts or that fails after rpc_timeout (invariant 5).
-  std::shared_ptr<OwnerRRef> find_owner(const RRefId& id, const TypeInfo* type);
+  // The OwnerRRef that a request from rank `from` names (a fetch, a method call, an RRef sent
+  // back to its owner): the registered one; nullptr when unknown and made here (deleted);
+  // otherwise a placeholder that the creating call adopts or that fails after rpc_timeout
+  // (invariant 5). InvalidArgument when `from` already has kMaxParkedPerPeer requests waiting
+  // on placeholders (invariant 6).
+  std::shared_ptr<OwnerRRef> find_owner(const RRefId& id, const TypeInfo* type, int from);
   // The OwnerRRef of the call that creates it (REMOTE_CALL, RREF_METHOD_REMOTE): registers it,
   // adopting a placeholder that requests already wait on.
   std::shared_ptr<OwnerRRef> create_owner_for_call(const RRefId& id);
   // RREF_FORK_REQUEST: adds the fork once the RRef is known here and calls done(nullptr), or
   // calls done(error) when it is unknown (see find_owner). `done` may run later, on another
   // thread.
-  void add_fork_when_known(const RRefId& id, const ForkId& fork,
+  // `holder`: the requesting worker, which holds the fork from then on (invariant 6).
+  void add_fork_when_known(const RRefId& id, const ForkId& fork, int holder,
                            std::function<void(std::exception_ptr)> done);
   // A pending UserRRef for remote(owner, ...) from here.
   std::shared_ptr<UserRRef> create_user_for_remote(int owner, const TypeInfo* type);
@@ -215,13 +227,15 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   // against the fork data by the caller).
   std::shared_ptr<RRefBase> rref_from_fork(const ForkData& fd, int from, const TypeInfo* type);
 
-  // Owner side (idempotent).
-  void add_fork(const RRefId& id, const ForkId& fork);
-  void delete_fork(const RRefId& id, const ForkId& fork);
+  // Owner side (idempotent). `holder`: the worker that holds the fork; only it may delete it.
+  // add_fork of a fork already held by another worker, and delete_fork by a worker that does
+  // not hold it, change nothing and return false (invariant 6).
+  bool add_fork(const RRefId& id, const ForkId& fork, int holder);
+  bool delete_fork(const RRefId& id, const ForkId& fork, int holder);
   // The owner's value was just set: leave owners_ when no fork is left.
   void owner_ready(const RRefId& id);
-  // Parent side (idempotent).
-  void child_accepted(const ForkId& fork);
+  // Parent side (idempotent): only the worker the child fork was sent to may accept it.
+  bool child_accepted(const ForkId& fork, int from);
 
   // From ~UserRRef.
   void user_deleted(UserRRef& user);
@@ -238,21 +252,29 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   size_t num_owned() const;
   size_t num_forks(const RRefId& id) const;
   size_t num_pending() const;
+  // Placeholders of RRefs not created yet, and the requests waiting on them (invariant 6).
+  size_t num_unborn() const;
+  size_t num_parked() const;
 
  private:
   // Requests waiting for an RRef made elsewhere whose creating call has not arrived.
   struct Unborn {
     std::shared_ptr<OwnerRRef> owner;                  // adopted by the creating call
     std::vector<std::function<void(bool)>> on_birth;   // true: created; false: given up
+    std::vector<int> parked_by;                        // one entry per waiting request
   };
   void send_fork_request(const std::shared_ptr<UserRRef>& user, int parent);
   void send_child_accept(int parent, const ForkId& fork);
   void send_user_delete(int owner, const RRefId& id, const ForkId& fork);
   // The placeholder for `id` (mu_ held); schedules its expiry when new.
-  Unborn& unborn_locked(const RRefId& id, const TypeInfo* type, bool& created);
+  Unborn& unborn_locked(const RRefId& id, const TypeInfo* type, int from, bool& created);
+  // Forgets the requests that waited on `u` (mu_ held).
+  void unpark_locked(const Unborn& u);
   void schedule_expiry(const RRefId& id);
   void expire_unborn(const RRefId& id);
   std::exception_ptr unknown_error(const RRefId& id, bool waited) const;
+  std::exception_ptr foreign_fork_error(const RRefId& id, const ForkId& fork, int holder) const;
+  bool add_fork_locked(const RRefId& id, const ForkId& fork, int holder);  // mu_ held
 
   const std::weak_ptr<RpcAgent> agent_;
   const int rank_;
@@ -260,7 +282,8 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
 
   mutable std::mutex mu_;
   std::unordered_map<RRefId, std::shared_ptr<OwnerRRef>, GloballyUniqueIdHash> owners_;
-  std::unordered_map<RRefId, std::set<ForkId>, GloballyUniqueIdHash> forks_;
+  // The forks of each owned RRef, with the rank that holds each.
+  std::unordered_map<RRefId, std::map<ForkId, int>, GloballyUniqueIdHash> forks_;
   std::unordered_map<ForkId, std::shared_ptr<UserRRef>, GloballyUniqueIdHash> pending_users_;
   struct PendingChild {
     std::shared_ptr<RRefBase> parent;  // kept alive until the child accepts
@@ -275,6 +298,7 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   };
   std::unordered_map<ForkId, LiveUser, GloballyUniqueIdHash> users_;
   std::unordered_map<RRefId, Unborn, GloballyUniqueIdHash> unborn_;
+  std::unordered_map<int, size_t> parked_;  // requests waiting in unborn_, per requesting rank
 };
 
 }  // namespace detail

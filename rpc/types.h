@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "tdist/core/store.h"
@@ -41,9 +42,11 @@ struct RpcOptions {
   Millis shutdown_timeout{300000};
   // Threads that run incoming calls. Calls that block on nested RPCs hold a thread each.
   int num_worker_threads = 8;
-  // When non-empty, every connection must pass an HMAC-SHA256 challenge keyed with this token
-  // (rpc/auth.h) before any message is read. All workers must use the same token.
-  std::string token;
+  // The shared secret: every connection must pass an HMAC-SHA256 challenge keyed with it
+  // (rpc/auth.h) before any message is read; all workers must use the same one. Unset (the
+  // default): TDIST_TOKEN or TDIST_TOKEN_FILE (core/token.h). Empty, set or loaded: no
+  // authentication, and the agent logs one warning naming its port.
+  std::optional<std::string> token;
   // Address this worker listens on and that it publishes to the others (port 0: any free port).
   std::string listen_host = "127.0.0.1";
   uint16_t listen_port = 0;
@@ -55,6 +58,13 @@ struct RpcOptions {
   // SO_SNDBUF and SO_RCVBUF of every connection in bytes (the kernel may round them); 0 keeps
   // the system's defaults. Small buffers make writers block early (tests use that).
   int socket_buffer_bytes = 0;
+  // The whole handshake of a new connection (connect included on the connecting side), however
+  // its bytes trickle. 0: TDIST_RPC_HANDSHAKE_TIMEOUT_MS, else min(rpc_timeout, 10 s).
+  Millis handshake_timeout{0};
+  // Accepted connections still in their handshake, at most; a new one beyond it closes the
+  // oldest (so idle strangers cannot lock real peers out). 0: TDIST_RPC_MAX_PENDING_HANDSHAKES,
+  // else 64.
+  int max_pending_handshakes = 0;
 };
 
 // Where a call goes: a worker name, a rank or a WorkerInfo.

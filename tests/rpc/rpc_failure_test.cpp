@@ -15,6 +15,7 @@
 #include "tdist/rpc/auth.h"
 #include "tests/harness/memory.h"
 #include "tests/harness/process.h"
+#include "tests/rpc/raw_peer.h"
 #include "tests/rpc/rpc_test_util.h"
 
 namespace tdist::rpc::test {
@@ -22,52 +23,6 @@ namespace {
 
 using detail::FrameHeader;
 using detail::MessageType;
-
-// ---- raw sockets ---------------------------------------------------------------------------
-
-int connect_raw(uint16_t port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TDIST_CHECK(fd >= 0, "socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  TDIST_CHECK(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0, "connect");
-  detail::set_socket_timeouts(fd, 10s);  // a test never hangs on this socket
-  return fd;
-}
-
-// True when the peer closes the connection (EOF or reset) before the socket's timeout.
-bool closed_by_peer(int fd) {
-  char buf[4096];
-  for (;;) {
-    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n == 0) return true;
-    if (n < 0) return errno == ECONNRESET || errno == EPIPE;
-    // Bytes before the close (e.g. the handshake challenge): keep reading.
-  }
-}
-
-void send_bytes(int fd, const void* data, size_t n) {
-  ::send(fd, data, n, MSG_NOSIGNAL);  // may fail once the agent has closed: that is the point
-}
-
-std::vector<uint8_t> header_bytes(FrameHeader h, uint32_t magic = detail::kMagic) {
-  std::vector<uint8_t> b(detail::kHeaderSize);
-  detail::encode_header(h, b.data());
-  std::memcpy(b.data(), &magic, 4);
-  return b;
-}
-
-detail::HandshakeOptions raw_options(const std::string& token) {
-  detail::HandshakeOptions o;
-  o.token = token;
-  o.my_rank = 0;
-  o.world_size = 2;
-  o.fast_path = false;
-  o.timeout = 10s;
-  return o;
-}
 
 // How many bytes that we sent on `fd` the agent listening on `agent_port` has not read yet: our
 // socket's send queue plus the receive queue of the agent's end (/proc/net/tcp and tcp6); -1

@@ -215,7 +215,8 @@ TEST_F(RRefTest, ControlMessagesAreIdempotent) {
   };
   using detail::MessageType;
   send(0, 1, MessageType::kRRefForkRequest, std::make_tuple(id, fork));  // again
-  send(2, 1, MessageType::kRRefForkRequest, std::make_tuple(id, fork));  // from elsewhere
+  // From elsewhere: refused, w0 holds that fork (rpc_security_test.cpp has the rest).
+  EXPECT_THROW(send(2, 1, MessageType::kRRefForkRequest, std::make_tuple(id, fork)), RemoteError);
   EXPECT_EQ(a_[1]->rref_context().num_forks(id), 1u);
   send(0, 1, MessageType::kRRefUserDelete, std::make_tuple(id, ForkId{0, 999999}));  // unknown
   send(0, 1, MessageType::kRRefUserDelete, std::make_tuple(RRefId{2, 999999}, fork));

@@ -1,0 +1,38 @@
+#pragma once
+// A hostile or broken peer for the RPC tests: a raw TCP client that speaks the wire format
+// (Note [RPC handshake] in rpc/auth.h, Note [RPC wire format] in rpc/message.h) and can lie.
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tdist/rpc/auth.h"
+#include "tdist/rpc/message.h"
+
+namespace tdist::rpc::test {
+
+// A socket connected to 127.0.0.1:port with 10 s read/write timeouts (a test never hangs).
+int connect_raw(uint16_t port);
+// True when the peer closes the connection (EOF or reset) before the socket's timeout; bytes
+// before the close (e.g. the handshake challenge) are skipped.
+bool closed_by_peer(int fd);
+// True when the peer has closed the connection by now (does not wait).
+bool closed_now(int fd);
+// send() that ignores failures (the agent may have closed: that is the point).
+void send_bytes(int fd, const void* data, size_t n);
+std::vector<uint8_t> header_bytes(detail::FrameHeader h, uint32_t magic = detail::kMagic);
+// Client handshake options of a raw peer claiming rank `rank` of world 2, no fast path.
+detail::HandshakeOptions raw_options(const std::string& token, int rank = 0);
+
+// The client side of the handshake written by hand, claiming rank `rank` and process `pid`, and
+// asking for the same-host fast path. Returns whether the server said it will read our memory.
+// Throws when the server refuses or closes.
+bool forged_handshake(int fd, const std::string& token, int rank, pid_t pid);
+
+// Sends a frame and reads the next frame back (its header and its body + tensor bytes).
+void send_frame(int fd, detail::FrameHeader h, const std::vector<uint8_t>& body);
+detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body);
+
+}  // namespace tdist::rpc::test
