@@ -13,13 +13,9 @@
 set -uo pipefail
 run="$1"; train="$2"
 source "$(dirname "$0")/../harness/netns_hosts.sh"
-id="tde$$"
-net=10.216.$(( $$ % 250 ))
 port=29711
-work=$(mktemp -d)
-trap 'netns_cleanup; rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; for f in "$work"/*.out "$work"/*.err; do echo "--- $f"; cat "$f"; done; exit 1; }
-netns_hosts "$id" "$net" 4
+netns_test_begin tde 216 4
 
 train_args=(--hidden 32 --layers 1 --train-samples 2400 --test-samples 200 --batch-size 8
             --epochs 2 --threads 1 --progress log --log-every 5 --checkpoint-every 5 --resume)

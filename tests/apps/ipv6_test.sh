@@ -10,10 +10,7 @@
 set -uo pipefail
 run="$1"; train="$2"
 source "$(dirname "$0")/../harness/netns_hosts.sh"
-id="td6$$"
 net6="fd00:$(printf '%x' $(( $$ % 65000 )))"
-work=$(mktemp -d)
-trap 'netns_cleanup; rm -rf "$work"' EXIT
 train_args=(--steps 10 --hidden 16 --layers 1 --train-samples 500 --test-samples 50 --threads 1
             --progress none)
 # same_parameters <world> <files...>: ranks 0..world-1 trained, all with one parameter hash
@@ -27,7 +24,7 @@ same_parameters() {
 }
 
 # Hosts 1 and 2 without any IPv4 address, host 3 for case 1.
-netns_hosts "$id" 10.219.0 3
+netns_test_begin td6 219 3
 for i in 1 2 3; do
   ip -n "${id}h$i" addr flush dev "${id}v$i"
   ip -n "${id}h$i" addr del 127.0.0.1/8 dev lo

@@ -8,11 +8,7 @@
 set -uo pipefail
 run="$1"; train="$2"
 source "$(dirname "$0")/../harness/netns_hosts.sh"
-id="tdl$$"
-net=10.218.$(( $$ % 250 ))
-work=$(mktemp -d)
-trap 'netns_cleanup; rm -rf "$work"' EXIT
-netns_hosts "$id" "$net" 2
+netns_test_begin tdl 218 2
 fail() { echo "FAIL: $*"; for f in "$work"/*; do echo "--- $f"; cat "$f"; done; exit 1; }
 
 pids=()

@@ -11,11 +11,7 @@
 set -uo pipefail
 run="$1"; train="$2"
 source "$(dirname "$0")/../harness/netns_hosts.sh"
-id="tds$$"
-net=10.217.$(( $$ % 250 ))
-work=$(mktemp -d)
-trap 'netns_cleanup; rm -rf "$work"' EXIT
-netns_hosts "$id" "$net" 2
+netns_test_begin tds 217 2
 for h in 1 2; do netns_host_names $h "$net.1 node1" "$net.2 node2"; done
 
 train_args=(--steps 10 --hidden 32 --layers 1 --test-samples 200 --train-samples 2000 --progress none)

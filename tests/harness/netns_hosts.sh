@@ -7,6 +7,10 @@
 #                          /etc/hosts as processes in host I see it (ip netns exec mounts
 #                          /etc/netns/<namespace>/hosts over /etc/hosts)
 #   netns_cleanup          kills every process left in the hosts and removes them (trap it)
+#   netns_test_begin TAG SUBNET N
+#                          what a test script does first: sets id (TAG + the script's pid), net
+#                          (10.SUBNET.x, x from the pid) and work (a temporary directory), traps
+#                          the clean-up of both, and makes N hosts
 netns_ids=()
 netns_cleanup() {
   for ns in "${netns_ids[@]}"; do
@@ -38,4 +42,11 @@ netns_host_names() {
   local i=$1; shift  # netns_ids[0] is the hub, [i] host i
   mkdir -p "/etc/netns/${netns_ids[$i]}"
   printf '%s\n' "127.0.0.1 localhost" "$@" > "/etc/netns/${netns_ids[$i]}/hosts"
+}
+netns_test_begin() {
+  id="$1$$"
+  net=10.$2.$(( $$ % 250 ))
+  work=$(mktemp -d)
+  trap 'netns_cleanup; rm -rf "$work"' EXIT
+  netns_hosts "$id" "$net" "$3"
 }

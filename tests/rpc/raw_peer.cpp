@@ -9,6 +9,8 @@
 #include <cstring>
 
 #include "tdist/core/error.h"
+#include "tdist/core/serialize.h"
+#include "tdist/rpc/signature.h"
 
 namespace tdist::rpc::test {
 namespace {
@@ -121,6 +123,17 @@ detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body) {
   detail::FrameHeader h = detail::decode_header(hdr, uint64_t{1} << 30);
   body->resize(h.length);
   detail::read_exact(fd, body->data(), body->size(), "test frame");
+  return h;
+}
+
+detail::FrameHeader add_call(uint64_t id, std::vector<uint8_t>* body) {
+  *body = encode(detail::CallHeader{"add", signature_of<int64_t, int64_t, int64_t>().hash},
+                 int64_t{20}, int64_t{22});
+  detail::FrameHeader h;
+  h.type = detail::MessageType::kCall;
+  h.id = id;
+  h.body_len = static_cast<uint32_t>(body->size());
+  h.length = body->size();
   return h;
 }
 

@@ -31,6 +31,10 @@ detail::HandshakeOptions raw_options(const std::string& token, int rank = 0);
 // Throws when the server refuses or closes.
 bool forged_handshake(int fd, const std::string& token, int rank, pid_t pid);
 
+// A CALL of the test agents' "add" (rpc_test_util.h) of 20 and 22 with `id`: its header, and its
+// body in `body`.
+detail::FrameHeader add_call(uint64_t id, std::vector<uint8_t>* body);
+
 // Sends a frame and reads the next frame back (its header and its body + tensor bytes).
 void send_frame(int fd, detail::FrameHeader h, const std::vector<uint8_t>& body);
 detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body);

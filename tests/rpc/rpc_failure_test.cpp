@@ -221,13 +221,8 @@ TEST_F(RpcBadPeer, AWellFormedRawCallIsAnswered) {
   // The same raw path with a correct frame gets a RESPONSE: the rejections above are about the
   // bytes, not about raw sockets.
   int fd = authenticated();
-  Bytes body = encode(detail::CallHeader{"add", signature_of<int64_t, int64_t, int64_t>().hash},
-                      int64_t{20}, int64_t{22});
-  FrameHeader h;
-  h.type = MessageType::kCall;
-  h.id = 77;
-  h.body_len = static_cast<uint32_t>(body.size());
-  h.length = body.size();
+  Bytes body;
+  FrameHeader h = add_call(77, &body);
   auto b = header_bytes(h);
   b.insert(b.end(), body.begin(), body.end());
   detail::write_all(fd, b.data(), b.size(), "test");

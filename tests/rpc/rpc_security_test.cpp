@@ -392,13 +392,8 @@ TEST(RpcConnectionLimits, APeerStalledMidFrameIsDisconnectedAnIdleOneIsNot) {
   // Waiting between frames is no stall: the idle connection still works.
   std::this_thread::sleep_for(1500ms);
   EXPECT_FALSE(closed_now(idle));
-  Bytes body = encode(detail::CallHeader{"add", signature_of<int64_t, int64_t, int64_t>().hash},
-                      int64_t{20}, int64_t{22});
-  FrameHeader call;
-  call.type = MessageType::kCall;
-  call.id = 9;
-  call.body_len = static_cast<uint32_t>(body.size());
-  call.length = body.size();
+  Bytes body;
+  FrameHeader call = add_call(9, &body);
   send_frame(idle, call, body);
   std::vector<uint8_t> reply;
   EXPECT_EQ(read_frame(idle, &reply).type, MessageType::kResponse);
