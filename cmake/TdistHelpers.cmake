@@ -18,7 +18,18 @@ function(tdist_add_module name)
           FILES_MATCHING PATTERN "*.h")
 endfunction()
 
-# tdist_use_torch_pch(target): precompile the heavy libtorch headers for `target`.
+# tdist_use_torch_pch(target): `target` (an executable: an app or a test) includes the heavy
+# libtorch headers precompiled. They are precompiled once, by tdist_torch_pch, and reused by every
+# executable: with debug information one precompiled <torch/torch.h> takes about 860 MB and a
+# minute to build, so one per target cost some 13 GB of disk and a quarter of an hour. A reused
+# header must be compiled like its users: tdist_torch_pch is an executable with their warnings,
+# so it gets their -fPIE too.
 function(tdist_use_torch_pch target)
-  target_precompile_headers(${target} PRIVATE <torch/torch.h>)
+  if(NOT TARGET tdist_torch_pch)
+    add_executable(tdist_torch_pch ${PROJECT_SOURCE_DIR}/cmake/torch_pch.cpp)
+    target_link_libraries(tdist_torch_pch PRIVATE tdist_torch::torch)
+    target_compile_options(tdist_torch_pch PRIVATE -Wall -Wextra)
+    target_precompile_headers(tdist_torch_pch PRIVATE <torch/torch.h>)
+  endif()
+  target_precompile_headers(${target} REUSE_FROM tdist_torch_pch)
 endfunction()

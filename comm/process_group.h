@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,9 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
     Millis timeout = Millis(30 * 60 * 1000);
     // "ring" (CPU over TCP) for every device, or per device type: "cpu:ring,cuda:nccl".
     std::string backend = "ring";
+    // The job's shared secret: every mesh connection passes the connection handshake with it
+    // (core/net/handshake.h). Unset: TDIST_TOKEN / TDIST_TOKEN_FILE (core/token.h).
+    std::optional<std::string> token;
   };
 
   virtual ~ProcessGroup() = default;

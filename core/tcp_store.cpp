@@ -7,10 +7,18 @@
 #include "tdist/core/detail/tcp_store_protocol.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/token.h"
 #include "tdist/core/wire.h"
 
 // Note [TCPStore protocol]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
+// Handshake. A new connection first runs the connection handshake (service "store", no fields:
+// Note [Connection handshake] in core/net/handshake.h). The server sends the challenge at
+// accept and reads nothing else until the client's hello verified; a wrong or missing token,
+// another protocol's bytes or a handshake that is not over within TDIST_STORE_FRAME_TIMEOUT_MS
+// close the connection (counted in num_failed_handshakes()). A client whose hello is refused
+// gets a ProtocolError at once (another token: retrying cannot help).
+//
 // Frames. Every request and every reply is
 //     u32 magic 'TDST' | u16 version (1) | u16 command (request) or status (reply) | u64 body length
 // followed by the body, all little-endian; bodies use core/wire.h (strings and blobs are u64
@@ -121,11 +129,12 @@ TCPStore::TCPStore(TCPStoreOptions options) : Store(options.timeout), options_(s
   TDIST_CHECK_ARG(options_.is_server || options_.port != 0,
                   "TCPStore client needs a port (only a server may use port 0)");
   if (options_.is_server) {
-    server_ = std::make_unique<TCPStoreServer>(options_.host, options_.port);
+    server_ = std::make_unique<TCPStoreServer>(options_.host, options_.port, options_.token);
     options_.port = server_->port();
   }
-  client_ = std::make_unique<detail::TCPStoreClient>(options_.host, options_.port,
-                                                     options_.timeout);
+  client_ = std::make_unique<detail::TCPStoreClient>(
+      options_.host, options_.port, options_.timeout,
+      resolve_token(options_.token, "TCPStoreOptions::token").value);
   if (options_.num_workers > 0) join();
 }
 

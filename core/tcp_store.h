@@ -3,7 +3,10 @@
 // event loop on its own thread); every process, the server's included, talks to it through a
 // client connection.
 //
-// Protocol (Note [TCPStore protocol] in tcp_store.cpp): each request and reply is a frame
+// Every connection first passes the connection handshake (Note [Connection handshake] in
+// core/net/handshake.h), which authenticates both ends with the job's token; the server reads
+// no request from a peer that failed it. Then (Note [TCPStore protocol] in tcp_store.cpp) each
+// request and reply is a frame
 //   u32 magic 'TDST' | u16 version | u16 command-or-status | u64 body length | body
 // The server checks magic, version and a maximum body length (kMaxFrameBytes) before reading
 // or allocating the body; a bad frame closes that connection only (logged), the server keeps
@@ -20,6 +23,7 @@
 // up to the store's timeout when the server does not answer.
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "tdist/core/store.h"
@@ -37,8 +41,10 @@ class TCPStoreServer {
   static constexpr uint64_t kMaxFrameBytes = uint64_t(1) << 30;  // 1 GiB
 
   // Binds host:port (port 0 picks a free one) and starts serving on a background thread.
-  // Throws NetworkError when the address cannot be bound.
-  TCPStoreServer(const std::string& host, uint16_t port);
+  // `token` authenticates every client (unset: TDIST_TOKEN / TDIST_TOKEN_FILE, core/token.h;
+  // empty: none). Throws NetworkError when the address cannot be bound.
+  TCPStoreServer(const std::string& host, uint16_t port,
+                 const std::optional<std::string>& token = std::nullopt);
   ~TCPStoreServer();
   TCPStoreServer(const TCPStoreServer&) = delete;
   TCPStoreServer& operator=(const TCPStoreServer&) = delete;
@@ -48,8 +54,11 @@ class TCPStoreServer {
   // Number of client connections open now.
   int num_connections() const;
   // Number of connections closed because their bytes broke the protocol (bad magic, version,
-  // length, command or body).
+  // length, command or body) or failed the handshake (num_failed_handshakes counts those too).
   int64_t num_rejected_frames() const;
+  // Number of connections closed because they did not pass the handshake in time (wrong or
+  // missing token, another protocol, a stall).
+  int64_t num_failed_handshakes() const;
   // Number of connections closed at accept because the server already held its limit of open
   // connections (TDIST_STORE_MAX_CONNECTIONS; by default 3/4 of the descriptor limit).
   int64_t num_refused_connections() const;
@@ -64,6 +73,9 @@ struct TCPStoreOptions {
   bool is_server = false;     // start a TCPStoreServer in this process
   int num_workers = -1;       // when > 0, the constructor waits until that many stores joined
   Millis timeout = Store::kDefaultTimeout;  // for get/wait and for connecting
+  // The shared secret of the connection handshake (client and, with is_server, server); all
+  // processes of a job use the same one. Unset: TDIST_TOKEN / TDIST_TOKEN_FILE (core/token.h).
+  std::optional<std::string> token;
 };
 
 class TCPStore : public Store {

@@ -94,4 +94,9 @@ Token load_token() {
   return Token{};
 }
 
+Token resolve_token(const std::optional<std::string>& given, const char* option) {
+  if (given) return Token{*given, option};
+  return load_token();
+}
+
 }  // namespace tdist

@@ -1,6 +1,7 @@
 #pragma once
-// The job's shared secret, from the environment. One loader for every listening port that
-// authenticates its peers (RPC today); libtorch-free, so the launcher can use it too.
+// The job's shared secret, from the environment. One loader for every port that authenticates
+// its peers with the connection handshake (core/net/handshake.h: the store, the collective mesh
+// and RPC); libtorch-free, so the launcher can use it too.
 //
 //   TDIST_TOKEN=<secret>          the token itself
 //   TDIST_TOKEN_FILE=<path>       a regular file holding it (one line; a trailing newline is
@@ -12,6 +13,7 @@
 // Thread safety: reads the environment and the file; safe to call from any thread that does
 // not change the environment meanwhile.
 
+#include <optional>
 #include <string>
 
 namespace tdist {
@@ -23,6 +25,9 @@ struct Token {
 
 // The token from TDIST_TOKEN or TDIST_TOKEN_FILE; an empty Token when neither is set.
 Token load_token();
+
+// The token given in code (`given`, its source named `option`), else load_token().
+Token resolve_token(const std::optional<std::string>& given, const char* option);
 
 // Reads a token file (see above): opened with O_NOFOLLOW (a symbolic link is refused), must be
 // a regular file without group/other read or write permission, at most 4 KiB, not empty.

@@ -54,6 +54,8 @@ class Reader {
  public:
   Reader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
   explicit Reader(const Bytes& b) : Reader(b.data(), b.size()) {}
+  // A Reader points into its bytes: a temporary would be gone before the first read.
+  explicit Reader(Bytes&&) = delete;
 
   size_t remaining() const { return size_ - pos_; }
   size_t position() const { return pos_; }

@@ -65,13 +65,9 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   conn_options_.max_frame_bytes = options_.max_frame_bytes;
   conn_options_.send_timeout = options_.rpc_timeout;
   conn_options_.frame_timeout = options_.rpc_timeout;
-  if (!options_.token) {
-    Token t = load_token();
-    options_.token = t.value;
-    token_source_ = t.source;
-  } else {
-    token_source_ = "RpcOptions::token";
-  }
+  Token token = resolve_token(options_.token, "RpcOptions::token");
+  options_.token = token.value;
+  token_source_ = token.source;
   conn_options_.handshake.token = *options_.token;
   conn_options_.handshake.my_rank = rank;
   conn_options_.handshake.world_size = world_size;

@@ -4,27 +4,15 @@
 //
 // Note [RPC handshake]
 // ~~~~~~~~~~~~~~~~~~~~
-// Runs on every new connection before any frame is read. Sizes are fixed; nothing is allocated
-// from what the peer sends; the whole handshake has one deadline (HandshakeOptions::timeout),
-// not one per read, so a peer that trickles bytes is dropped when it passes.
-//
-//   server -> client  CHALLENGE  magic "TAUT", version, nonce_s (32 random bytes)
-//   client -> server  RESPONSE   magic, version, client rank, nonce_c, pid_c, fast-path wish,
-//                                mac_c = HMAC-SHA256(token, "tdist-rpc-client" | RESPONSE
-//                                        fields before mac_c | nonce_s)
-//   server -> client  ACCEPT     magic, pid_s, whether the server reads the client's tensors,
-//                                mac_s = HMAC-SHA256(token, "tdist-rpc-server" | ACCEPT fields
-//                                        before mac_s | nonce_c | nonce_s)
-//   client -> server  CONFIRM    magic, whether the client reads the server's tensors,
-//                                mac_k = HMAC-SHA256(token, "tdist-rpc-confirm" | CONFIRM fields
-//                                        before mac_k | nonce_s | nonce_c)
-//
-// The server closes the connection, without a word, when the magic, version or rank is wrong or
-// mac_c does not verify (constant-time compare); the client closes it when mac_s does not verify
-// and looks at nothing else in ACCEPT before it did; the server uses CONFIRM only once mac_k
-// verifies. Both nonces are fresh per connection, so a recorded handshake cannot be replayed.
-// Without a token both sides key HMAC with the empty string: a worker that has a token rejects
-// one that has none. The token never travels. (Authentication only: frames are not encrypted.)
+// Runs on every new connection before any frame is read: the connection handshake shared with
+// the store and the mesh (service "RPC", Note [Connection handshake] in core/net/handshake.h),
+// with one deadline for all of it (HandshakeOptions::timeout), so a peer that trickles bytes is
+// dropped when it passes. RPC's fields, all fixed-size:
+//   HELLO    (client) i32 rank | u32 pid | u32 wants the fast path
+//   ACCEPT   (server) u32 pid | u32 reads the client's tensors | u32 offers the fast path
+//   CONFIRM  (client) u32 reads the server's tensors
+// The server also closes the connection when the rank is not in [0, world size). A worker that
+// has a token rejects one that has none.
 //
 // Same-host fast path: a receiver may read a sender's large tensors straight from the sender's
 // memory (process_vm_readv), and the sender then sends addresses instead of bytes
@@ -38,7 +26,6 @@
 
 #include <sys/types.h>
 
-#include <array>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -46,10 +33,6 @@
 #include "tdist/core/store.h"
 
 namespace tdist::rpc::detail {
-
-using Digest = std::array<uint8_t, 32>;
-
-Digest hmac_sha256(const std::string& key, const uint8_t* data, size_t size);
 
 struct HandshakeResult {
   int peer_rank = -1;
@@ -75,15 +58,5 @@ HandshakeResult client_handshake(int fd, const HandshakeOptions& options, int ex
 // Reads `size` bytes of process `pid` at `address` into `out` (process_vm_readv). Throws
 // NetworkError when the kernel refuses or the range is not mapped.
 void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size);
-
-// Blocking socket helpers shared with the connection code. Both honour SO_RCVTIMEO/SO_SNDTIMEO
-// (TimeoutError) and report EOF and errors as NetworkError naming `what`.
-void read_exact(int fd, void* data, size_t size, const char* what);
-// The same, but all of it by `deadline` (TimeoutError naming `what` otherwise), however the
-// bytes trickle in.
-void read_exact_until(int fd, void* data, size_t size,
-                      std::chrono::steady_clock::time_point deadline, const char* what);
-void write_all(int fd, const void* data, size_t size, const char* what);
-void set_socket_timeouts(int fd, Millis timeout);  // 0: none
 
 }  // namespace tdist::rpc::detail

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -19,6 +20,7 @@
 #include <memory>
 
 #include "tdist/core/error.h"
+#include "tdist/core/token.h"
 
 namespace tdist::run {
 namespace {
@@ -129,7 +131,58 @@ Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
   TDIST_CHECK_ARG(config_.max_restarts >= 0, "--max-restarts must be >= 0");
 }
 
+// Note [Launcher token]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Every port of a job (the store, each worker's collective mesh and RPC port) authenticates its
+// peers with the job's token (core/net/handshake.h), read from TDIST_TOKEN or TDIST_TOKEN_FILE.
+// The launcher decides it once, before its own stores or any worker start, and leaves it in its
+// environment, which the workers inherit:
+//   --token-file PATH  checked now (core/token.h: a regular file, no group/other access) and
+//                      passed on as TDIST_TOKEN_FILE, so the secret itself is in no environment;
+//   TDIST_TOKEN or TDIST_TOKEN_FILE already set: used as it is;
+//   neither, one static node: 32 random bytes (getrandom), hex, as TDIST_TOKEN: every local job
+//                      is authenticated with no set-up, and each run has its own token;
+//   neither, several nodes or elastic: no token (each node would draw its own), as torchrun
+//                      runs; one warning names the ports that anyone who reaches them can use.
+void Launcher::prepare_token() {
+  if (!config_.token_file.empty()) {
+    TDIST_CHECK_ARG(!std::getenv("TDIST_TOKEN") && !std::getenv("TDIST_TOKEN_FILE"),
+                    "--token-file ", config_.token_file, " and TDIST_TOKEN / TDIST_TOKEN_FILE "
+                    "are both given; give only one");
+    try {
+      (void)read_token_file(config_.token_file);  // its problems are reported now, by name
+    } catch (const InvalidArgument& e) {
+      TDIST_THROW(InvalidArgument, "--token-file: ", e.what());
+    }
+    ::setenv("TDIST_TOKEN_FILE", config_.token_file.c_str(), 1);
+    return;
+  }
+  if (!load_token().value.empty()) return;
+  if (!config_.elastic.enabled && config_.nnodes == 1) {
+    uint8_t bytes[32];
+    TDIST_CHECK(::getrandom(bytes, sizeof(bytes), 0) == static_cast<ssize_t>(sizeof(bytes)),
+                "getrandom: ", std::strerror(errno));
+    static const char kDigits[] = "0123456789abcdef";
+    std::string hex;
+    for (uint8_t b : bytes) {
+      hex += kDigits[b >> 4];
+      hex += kDigits[b & 15];
+    }
+    ::setenv("TDIST_TOKEN", hex.c_str(), 1);
+    return;
+  }
+  const std::string store = config_.elastic.enabled
+                                ? str(config_.elastic.endpoint_host, ":", config_.elastic.endpoint_port)
+                                : str(config_.master_addr, ":", config_.master_port);
+  std::fprintf(stderr,
+               "tdist-run: warning: this multi-node job has no token (--token-file, or "
+               "TDIST_TOKEN_FILE on every node): the store at %s and every worker's collective "
+               "and RPC ports accept anyone who can reach them\n",
+               store.c_str());
+}
+
 int Launcher::run() {
+  prepare_token();
   SignalForwarding signals;
   signal_fd_ = signals.fd();
   return config_.elastic.enabled ? run_elastic() : run_static();

@@ -4,6 +4,10 @@
 // and fails fast: when one worker fails, the others are stopped (SIGTERM, then SIGKILL after
 // `stop_grace`), and the group is restarted while restarts remain.
 //
+// The job's token (Note [Launcher token] in launcher.cpp): a single-node job gets a fresh random
+// one unless the user gave one; a multi-node job takes --token-file (or the user's
+// TDIST_TOKEN / TDIST_TOKEN_FILE) and runs without one after a warning otherwise.
+//
 // Not thread safe; run() blocks until the workers are done. SIGINT/SIGTERM/SIGHUP received by the
 // launcher during run() are forwarded to every worker.
 
@@ -53,6 +57,8 @@ struct LaunchConfig {
   int tee = 3;
   std::vector<std::string> command;  // program and its arguments
   ElasticOptions elastic;
+  // --token-file: the job's shared secret, a file every node has (core/token.h's rules).
+  std::string token_file;
 };
 
 // How a worker ended.
@@ -101,6 +107,9 @@ class Launcher {
     int64_t attempt = 0;  // TDIST_RESTART_COUNT and the log directory's attempt_<n>
   };
 
+  // Decides the job's token before anything starts and puts it where the launcher's own
+  // stores and every worker read it (the environment).
+  void prepare_token();
   int run_static();
   int run_elastic();  // launcher_elastic.cpp
   Outcome run_attempt();

@@ -168,6 +168,9 @@ int main(int argc, char** argv) {
                  "3 both (default)")
       ->check(CLI::Range(0, 3));
   app.add_flag("--no-tee", no_tee, "with --log-dir: do not also print worker output (--tee 0)");
+  app.add_option("--token-file", cfg.token_file,
+                 "the job's shared secret (every node has the file; readable by its owner only); "
+                 "without one a single-node job makes its own and a multi-node job has none");
   try {
     app.parse(argc, argv);
     cfg.command = app.remaining();

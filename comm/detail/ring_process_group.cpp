@@ -9,6 +9,7 @@
 #include "tdist/core/logging.h"
 #include "tdist/core/prefix_store.h"
 #include "tdist/core/tensor_wire.h"
+#include "tdist/core/token.h"
 
 namespace tdist::comm::detail {
 namespace {
@@ -58,7 +59,9 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
 
   auto store = std::make_shared<PrefixStore>(prefix_, root_store_);
   const auto setup_deadline = deadline_after(opts_.timeout);
-  mesh_ = std::make_unique<tcp::Mesh>(*store, rank_, size_, 2, tcp::fnv1a(prefix_), setup_deadline);
+  mesh_ = std::make_unique<tcp::Mesh>(*store, rank_, size_, 2, tcp::fnv1a(prefix_),
+                                      resolve_token(opts_.token, "ProcessGroup::Options::token").value,
+                                      setup_deadline);
   ChannelOptions copts;
   auto transport = env::get("TDIST_TRANSPORT").value_or("auto");
   TDIST_CHECK_ARG(transport == "auto" || transport == "tcp", "TDIST_TRANSPORT='", transport,

@@ -16,6 +16,7 @@
 #include "tdist/core/detail/store_util.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
 
 namespace tdist::detail {
@@ -51,41 +52,6 @@ bool wait_ready(int fd, short events, Clock::time_point deadline) {
 void set_nonblocking(int fd) {
   int flags = ::fcntl(fd, F_GETFL, 0);
   ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-}
-
-// Thrown by the I/O helpers; request() turns it into TimeoutError with the request's name.
-struct DeadlinePassed {};
-
-void send_all(int fd, const uint8_t* data, size_t size, Clock::time_point deadline) {
-  while (size > 0) {
-    ssize_t n = ::send(fd, data, size, MSG_NOSIGNAL);
-    if (n > 0) {
-      data += n;
-      size -= static_cast<size_t>(n);
-    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      if (!wait_ready(fd, POLLOUT, deadline)) throw DeadlinePassed{};
-    } else if (n < 0 && errno == EINTR) {
-      continue;
-    } else {
-      throw NetworkError(str("send failed: ", std::strerror(errno)));
-    }
-  }
-}
-
-void recv_all(int fd, uint8_t* data, size_t size, Clock::time_point deadline) {
-  while (size > 0) {
-    ssize_t n = ::recv(fd, data, size, 0);
-    if (n > 0) {
-      data += n;
-      size -= static_cast<size_t>(n);
-    } else if (n == 0) {
-      throw NetworkError("the server closed the connection");
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (!wait_ready(fd, POLLIN, deadline)) throw DeadlinePassed{};
-    } else if (errno != EINTR) {
-      throw NetworkError(str("receive failed: ", std::strerror(errno)));
-    }
-  }
 }
 
 // An idle socket is usable when it has nothing to read: readable means EOF or junk.
@@ -130,11 +96,13 @@ int connect_once(const addrinfo* ai, Clock::time_point deadline, std::string& er
 
 }  // namespace
 
-TCPStoreClient::TCPStoreClient(std::string host, uint16_t port, Millis connect_timeout)
+TCPStoreClient::TCPStoreClient(std::string host, uint16_t port, Millis connect_timeout,
+                               std::string token)
     : host_(std::move(host)),
       port_(port),
       address_(host_ + ":" + std::to_string(port_)),
-      connect_timeout_(connect_timeout) {
+      connect_timeout_(connect_timeout),
+      token_(std::move(token)) {
   idle_.push_back(connect(deadline_after(connect_timeout_), connect_timeout_));
 }
 
@@ -161,9 +129,26 @@ int TCPStoreClient::connect(Clock::time_point deadline, Millis limit) {
     } else {
       for (addrinfo* ai = list; ai != nullptr; ai = ai->ai_next) {
         int fd = connect_once(ai, deadline, last_error);
-        if (fd >= 0) {
+        if (fd < 0) continue;
+        try {
+          net::ClientHandshake handshake(token_, net::Service::kStore);
+          net::client_handshake(fd, handshake, {}, 0, deadline, "the TCPStore at " + address_);
           ::freeaddrinfo(list);
           return fd;
+        } catch (const ProtocolError&) {
+          ::close(fd);
+          ::freeaddrinfo(list);
+          throw;  // refused (another token) or not a store: retrying cannot help
+        } catch (const TimeoutError&) {
+          // Connected, but no handshake by the deadline: the server is there and does not
+          // answer (a stopped process, a full backlog that is never accepted).
+          ::close(fd);
+          ::freeaddrinfo(list);
+          TDIST_THROW(TimeoutError, "TCPStore at ", address_, ": no handshake within ",
+                      seconds_text(limit), " s (the server is unresponsive)");
+        } catch (const Error& e) {
+          ::close(fd);  // e.g. closed at accept (the server's connection limit): retry
+          last_error = e.what();
         }
       }
       ::freeaddrinfo(list);
@@ -214,10 +199,10 @@ TCPStoreClient::Reply TCPStoreClient::request(Command cmd, const Bytes& body, Mi
   int fd = take_socket(deadline, limit);
   try {
     Bytes frame = tcp_store::make_frame(static_cast<uint16_t>(cmd), body);
-    send_all(fd, frame.data(), frame.size(), deadline);
+    net::write_all(fd, frame.data(), frame.size(), deadline, "send");
 
     uint8_t header_bytes[tcp_store::kHeaderBytes];
-    recv_all(fd, header_bytes, sizeof(header_bytes), deadline);
+    net::read_exact(fd, header_bytes, sizeof(header_bytes), deadline, "receive");
     tcp_store::Header h = tcp_store::decode_header(header_bytes);
     std::string problem = tcp_store::header_problem(h, TCPStoreServer::kMaxFrameBytes);
     if (problem.empty() && h.code > static_cast<uint16_t>(tcp_store::Status::kInvalid)) {
@@ -233,12 +218,12 @@ TCPStoreClient::Reply TCPStoreClient::request(Command cmd, const Bytes& body, Mi
     while (got < h.body_bytes) {
       const uint64_t n = std::min(h.body_bytes - got, std::max(kFirstChunk, got));
       reply.body.resize(got + n);
-      recv_all(fd, reply.body.data() + got, n, deadline);
+      net::read_exact(fd, reply.body.data() + got, n, deadline, "receive");
       got += n;
     }
     give_back(fd);
     return reply;
-  } catch (const DeadlinePassed&) {
+  } catch (const TimeoutError&) {
     ::close(fd);
     TDIST_THROW(TimeoutError, "TCPStore at ", address_, ": no reply to ", what, " within ",
                 seconds_text(limit), " s (the server is unresponsive)");

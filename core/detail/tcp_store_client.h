@@ -23,9 +23,11 @@ class TCPStoreClient {
     Bytes body;
   };
 
-  // Connects one socket, retrying until `connect_timeout` passes (the server may start after its
-  // clients). NetworkError naming host:port when it cannot.
-  TCPStoreClient(std::string host, uint16_t port, Millis connect_timeout);
+  // Connects one socket and passes the connection handshake with `token` (core/net/handshake.h),
+  // retrying until `connect_timeout` passes (the server may start after its clients).
+  // NetworkError naming host:port when it cannot connect, ProtocolError at once when the server
+  // refuses the handshake (another token).
+  TCPStoreClient(std::string host, uint16_t port, Millis connect_timeout, std::string token);
   ~TCPStoreClient();
   TCPStoreClient(const TCPStoreClient&) = delete;
   TCPStoreClient& operator=(const TCPStoreClient&) = delete;
@@ -44,7 +46,8 @@ class TCPStoreClient {
 
   int take_socket(Clock::time_point deadline, Millis limit);
   void give_back(int fd);
-  // Connects a new socket, retrying refused/unreachable attempts until `deadline`.
+  // Connects a new socket and passes the handshake, retrying refused/unreachable attempts until
+  // `deadline`.
   int connect(Clock::time_point deadline, Millis limit);
 
   // Constant after construction.
@@ -52,6 +55,7 @@ class TCPStoreClient {
   const uint16_t port_;
   const std::string address_;
   const Millis connect_timeout_;
+  const std::string token_;
 
   std::mutex mu_;
   std::vector<int> idle_;  // guarded by mu_: connected sockets not in use

@@ -21,7 +21,9 @@
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
+#include "tdist/core/token.h"
 
 namespace tdist {
 namespace detail {
@@ -46,7 +48,7 @@ class TCPStoreConnection;
 
 class TCPStoreServerImpl {
  public:
-  TCPStoreServerImpl(const std::string& host, uint16_t port);
+  TCPStoreServerImpl(const std::string& host, uint16_t port, std::string token);
   ~TCPStoreServerImpl();
 
   uint16_t port() const { return port_; }
@@ -54,13 +56,18 @@ class TCPStoreServerImpl {
   int num_connections() const { return num_connections_.load(); }
   int64_t num_rejected_frames() const { return num_rejected_frames_.load(); }
   int64_t num_refused_connections() const { return num_refused_connections_.load(); }
+  int64_t num_failed_handshakes() const { return num_failed_handshakes_.load(); }
   std::string address() const { return host_ + ":" + std::to_string(port_); }
   Millis frame_timeout() const { return frame_timeout_; }
+  const std::string& token() const { return token_; }
 
   // Called by connections, on the io thread.
   void handle_request(const std::shared_ptr<TCPStoreConnection>& conn, uint16_t code,
                       wire::Reader& body);
   void on_connection_closed(TCPStoreConnection* conn, bool rejected);
+  // Logs (the first ten, then one in a thousand) and counts a connection that failed the
+  // handshake.
+  void on_failed_handshake(const std::string& peer, const std::string& why);
   void on_wait_timeout(const std::shared_ptr<TCPStoreConnection>& conn, uint64_t waiter_id,
                        const error_code& ec);
 
@@ -98,6 +105,7 @@ class TCPStoreServerImpl {
   // Constant after construction.
   std::string host_;
   uint16_t port_ = 0;
+  std::string token_;  // of the connection handshake (empty: none)
 
   asio::io_context io_;
   tcp::acceptor acceptor_;
@@ -106,6 +114,7 @@ class TCPStoreServerImpl {
   std::atomic<int> num_connections_{0};
   std::atomic<int64_t> num_rejected_frames_{0};
   std::atomic<int64_t> num_refused_connections_{0};
+  std::atomic<int64_t> num_failed_handshakes_{0};
   size_t max_connections_ = 0;  // TDIST_STORE_MAX_CONNECTIONS, or from the descriptor limit
   size_t max_keys_ = 0;          // TDIST_STORE_MAX_KEYS
   uint64_t max_bytes_ = 0;       // TDIST_STORE_MAX_BYTES: keys and values held, together
@@ -140,7 +149,8 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
     peer_ = ec ? std::string("unknown peer") : ep.address().to_string() + ":" + std::to_string(ep.port());
   }
 
-  void start() { read_header(); }
+  // Runs the server side of the connection handshake, then reads requests.
+  void start();
   void reply(Status status, const Bytes& body);
   // Logs why the peer's bytes cannot be accepted and closes this connection only.
   void reject(const std::string& why);
@@ -150,6 +160,8 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
   std::optional<Waiter>& waiter() { return waiter_; }
 
  private:
+  void on_challenge_sent(const error_code& ec);
+  void on_hello(const error_code& ec, size_t n);
   void read_header();
   void read_header_part();
   void on_header_part(const error_code& ec, size_t n);
@@ -171,6 +183,8 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
   uint64_t frame_generation_ = 0;  // a deadline handler acts only for its own frame
   std::string peer_;
   bool closed_ = false;
+  std::optional<net::ServerHandshake> handshake_;  // set until the handshake is over
+  Bytes hello_;
   std::array<uint8_t, tcp_store::kHeaderBytes> header_bytes_{};
   size_t header_received_ = 0;
   tcp_store::Header header_;
@@ -182,6 +196,63 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
 };
 
 // ---- TCPStoreConnection -------------------------------------------------------------------------
+
+void TCPStoreConnection::start() {
+  // The handshake is the connection's first frame: it must be over within the frame timeout.
+  handshake_.emplace(server_.token(), net::Service::kStore);
+  arm_frame_deadline();
+  asio::async_write(socket_, asio::buffer(handshake_->challenge()),
+                    [self = shared_from_this()](const error_code& ec, size_t) {
+                      self->on_challenge_sent(ec);
+                    });
+}
+
+void TCPStoreConnection::on_challenge_sent(const error_code& ec) {
+  if (closed_) return;
+  if (ec) {
+    TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": ", peer_, " left before the ",
+                    "handshake (", ec.message(), ")");
+    close();
+    return;
+  }
+  hello_.resize(net::hello_bytes(0));
+  asio::async_read(socket_, asio::buffer(hello_),
+                   [self = shared_from_this()](const error_code& ec, size_t n) {
+                     self->on_hello(ec, n);
+                   });
+}
+
+void TCPStoreConnection::on_hello(const error_code& ec, size_t n) {
+  if (closed_) return;
+  std::string why;
+  if (ec && n == 0) {
+    // Connected and left without a word (a port probe): not worth a warning.
+    TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": ", peer_, " left before the ",
+                    "handshake (", ec.message(), ")");
+    close();
+    return;
+  }
+  if (ec) {
+    why = str("the connection ended after ", n, " of ", hello_.size(), " hello bytes");
+  } else {
+    try {
+      handshake_->verify_hello(hello_.data(), hello_.size(), 0);
+    } catch (const ProtocolError& e) {
+      why = e.what();
+    }
+  }
+  if (!why.empty()) {
+    server_.on_failed_handshake(peer_, why);
+    close(/*rejected=*/true);
+    return;
+  }
+  disarm_frame_deadline();
+  out_.push_back(handshake_->accept({}));
+  handshake_.reset();
+  hello_ = Bytes();
+  read_after_write_ = true;  // requests are read once the acceptance is written
+  write_next();
+}
 
 void TCPStoreConnection::read_header() {
   header_received_ = 0;
@@ -223,6 +294,14 @@ void TCPStoreConnection::arm_frame_deadline() {
   frame_timer_.expires_after(server_.frame_timeout());
   frame_timer_.async_wait([self = shared_from_this(), generation](const error_code& ec) {
     if (ec || self->closed_ || !self->frame_armed_ || self->frame_generation_ != generation) return;
+    if (self->handshake_) {
+      self->server_.on_failed_handshake(
+          self->peer_, str("the handshake was not over within ",
+                           seconds_text(self->server_.frame_timeout()),
+                           " s (TDIST_STORE_FRAME_TIMEOUT_MS)"));
+      self->close(/*rejected=*/true);
+      return;
+    }
     const bool in_header = self->header_received_ < self->header_bytes_.size();
     self->reject(str("the peer stalled inside a frame for ",
                      seconds_text(self->server_.frame_timeout()), " s (TDIST_STORE_FRAME_TIMEOUT_MS), ",
@@ -387,8 +466,9 @@ constexpr int64_t kDefaultFrameTimeoutMs = 60000;
 
 }  // namespace
 
-TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port)
+TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port, std::string token)
     : host_(host),
+      token_(std::move(token)),
       acceptor_(io_),
       accept_retry_timer_(io_),
       max_connections_(connection_limit()),
@@ -487,6 +567,14 @@ void TCPStoreServerImpl::on_accept(const error_code& ec, tcp::socket socket) {
 void TCPStoreServerImpl::on_accept_retry(const error_code& ec) {
   if (stopping_ || ec == asio::error::operation_aborted) return;
   start_accept();
+}
+
+void TCPStoreServerImpl::on_failed_handshake(const std::string& peer, const std::string& why) {
+  const int64_t n = num_failed_handshakes_.fetch_add(1) + 1;
+  if (n <= 10 || n % 1000 == 0) {
+    TDIST_LOG_WARN("TCPStore server ", address(), ": refused the connection from ", peer, ": ",
+                   why, " (", n, " refused handshakes so far)");
+  }
 }
 
 void TCPStoreServerImpl::on_connection_closed(TCPStoreConnection* conn, bool rejected) {
@@ -746,8 +834,10 @@ void TCPStoreServerImpl::on_wait_timeout(const std::shared_ptr<TCPStoreConnectio
 
 // ---- TCPStoreServer -----------------------------------------------------------------------------
 
-TCPStoreServer::TCPStoreServer(const std::string& host, uint16_t port)
-    : impl_(std::make_unique<detail::TCPStoreServerImpl>(host, port)) {}
+TCPStoreServer::TCPStoreServer(const std::string& host, uint16_t port,
+                               const std::optional<std::string>& token)
+    : impl_(std::make_unique<detail::TCPStoreServerImpl>(
+          host, port, resolve_token(token, "the TCPStoreServer's token").value)) {}
 
 TCPStoreServer::~TCPStoreServer() = default;
 
@@ -760,5 +850,7 @@ int TCPStoreServer::num_connections() const { return impl_->num_connections(); }
 int64_t TCPStoreServer::num_rejected_frames() const { return impl_->num_rejected_frames(); }
 
 int64_t TCPStoreServer::num_refused_connections() const { return impl_->num_refused_connections(); }
+
+int64_t TCPStoreServer::num_failed_handshakes() const { return impl_->num_failed_handshakes(); }
 
 }  // namespace tdist

@@ -1,11 +1,13 @@
 // tdist-run as a user runs it: real worker processes (small shell scripts), real signals.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
 #include <map>
 #include <regex>
+#include <sstream>
 #include <thread>
 
 #include "tests/harness/command.h"
@@ -55,6 +57,90 @@ TEST(TdistRun, WorkersSeeTheirVariables) {
   }
   EXPECT_EQ(seen, (std::map<int, int>{{0, 1}, {1, 1}, {2, 1}})) << r.describe();
   EXPECT_NE(port, "0") << "port 0 means: pick a free one";
+}
+
+// The token each worker saw, by rank ("" when unset), from `echo token=$TDIST_TOKEN` lines.
+std::map<int, std::string> tokens_seen(const std::string& out) {
+  std::map<int, std::string> seen;
+  std::regex line(R"(\[rank (\d)\] token=(\S*) file=(\S*))");
+  std::istringstream in(out);
+  for (std::string l; std::getline(in, l);) {
+    std::smatch m;
+    if (std::regex_match(l, m, line)) seen[std::stoi(m[1])] = m[2].str() + "|" + m[3].str();
+  }
+  return seen;
+}
+
+const std::vector<std::string> kPrintToken = {"sh", "-c",
+                                              "echo token=$TDIST_TOKEN file=$TDIST_TOKEN_FILE"};
+
+std::vector<std::string> with_command(std::vector<std::string> args,
+                                      const std::vector<std::string>& command) {
+  args.insert(args.end(), command.begin(), command.end());
+  return args;
+}
+
+// Note [Launcher token]: a single-node job draws its own token, the same for all its workers
+// and new per run; one the user set is passed on untouched.
+TEST(TdistRun, ASingleNodeJobGetsItsOwnRandomToken) {
+  CommandOptions o;
+  o.env = {{"TDIST_TOKEN", ""}, {"TDIST_TOKEN_FILE", ""}};
+  const auto args = with_command({"--nproc-per-node", "2", "--master-port", "0"}, kPrintToken);
+  auto first = launch(args, o);
+  auto second = launch(args, o);
+  ASSERT_EQ(first.exit_code, 0) << first.describe();
+  ASSERT_EQ(second.exit_code, 0) << second.describe();
+  auto a = tokens_seen(first.out);
+  auto b = tokens_seen(second.out);
+  ASSERT_EQ(a.size(), 2u) << first.out;
+  ASSERT_EQ(b.size(), 2u) << second.out;
+  EXPECT_EQ(a[0], a[1]) << "the workers of one job share its token";
+  EXPECT_TRUE(std::regex_match(a[0], std::regex("[0-9a-f]{64}\\|"))) << a[0];
+  EXPECT_NE(a[0], b[0]) << "each run draws a new token";
+  o.env["TDIST_TOKEN"] = "mine";
+  auto given = launch(args, o);
+  EXPECT_EQ(tokens_seen(given.out)[1], "mine|") << given.describe();
+}
+
+TEST(TdistRun, TokenFileIsCheckedThenPassedOnByPath) {
+  const std::string path = test::temp_dir() + "/token";
+  std::ofstream(path) << "s3cret\n";
+  CommandOptions o;
+  o.env = {{"TDIST_TOKEN", ""}, {"TDIST_TOKEN_FILE", ""}};
+  ::chmod(path.c_str(), 0644);
+  const auto args = with_command({"--nproc-per-node", "2", "--master-port", "0", "--token-file",
+                                  path},
+                                 kPrintToken);
+  auto open = launch(args, o);
+  EXPECT_EQ(open.exit_code, 2) << open.describe();
+  EXPECT_TRUE(contains(open.err, "--token-file: TDIST_TOKEN_FILE='" + path + "' has mode 0644"))
+      << open.err;
+  EXPECT_TRUE(tokens_seen(open.out).empty()) << "no worker starts with a bad token file";
+  ::chmod(path.c_str(), 0600);
+  auto ok = launch(args, o);
+  ASSERT_EQ(ok.exit_code, 0) << ok.describe();
+  EXPECT_EQ(tokens_seen(ok.out), (std::map<int, std::string>{{0, "|" + path}, {1, "|" + path}}))
+      << "the secret itself stays out of the environment";
+  o.env["TDIST_TOKEN"] = "also";
+  auto both = launch(args, o);
+  EXPECT_EQ(both.exit_code, 2) << both.describe();
+  EXPECT_TRUE(contains(both.err, "give only one")) << both.err;
+}
+
+TEST(TdistRun, AMultiNodeJobWithoutATokenWarnsNamingItsStore) {
+  CommandOptions o;
+  o.env = {{"TDIST_TOKEN", ""}, {"TDIST_TOKEN_FILE", ""}};
+  const auto args = with_command({"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                  "127.0.0.1", "--master-port", "29998"},
+                                 kPrintToken);
+  auto r = launch(args, o);
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_TRUE(contains(r.err, "warning: this multi-node job has no token")) << r.err;
+  EXPECT_TRUE(contains(r.err, "the store at 127.0.0.1:29998")) << r.err;
+  EXPECT_EQ(tokens_seen(r.out)[1], "|") << "nodes do not draw tokens of their own";
+  o.env["TDIST_TOKEN"] = "shared";
+  auto quiet = launch(args, o);
+  EXPECT_FALSE(contains(quiet.err, "no token")) << quiet.err;
 }
 
 TEST(TdistRun, MultiNodeRanksFollowTheNodeRank) {

@@ -10,6 +10,8 @@
 #include "tdist/comm/transport/tcp/listener.h"
 #include "tdist/core/logging.h"
 #include "tests/comm/comm_test_util.h"
+#include "tests/harness/expect.h"
+#include "tests/harness/handshake_attacks.h"
 
 namespace tdist::comm {
 namespace {
@@ -128,6 +130,67 @@ TEST(Failure, AStrangerThatSaysNothingDoesNotHoldUpGroupCreation) {
   if (first_error) std::rethrow_exception(first_error);
   EXPECT_EQ(log.find("rejected a connection"), std::string::npos)
       << "the group waited for the stranger's hello:\n" << log;
+}
+
+// The mesh's port under hostile clients (the same attacks as the store's and RPC's ports,
+// tests/harness/handshake_attacks.h): while rank 0 waits for rank 1, strangers without the
+// token, with a wrong one, with a replayed hello, and one that stalls mid-handshake are
+// refused; then the group comes up and works, and the stalled stranger is closed.
+TEST(Failure, StrangersReplaysAndStallsAtTheMeshAreRefusedAndTheGroupComesUp) {
+  const LogLevel saved = log_level();
+  set_log_level(LogLevel::kOff);
+  auto store = std::make_shared<HashStore>(Millis(30000));
+  auto options = test::test_options(Millis(20000));
+  options.token = "s3cret";
+  std::exception_ptr first_error;
+  std::thread first([&] {
+    try {
+      auto pg = create_process_group(store, 0, 2, options);
+      pg->allreduce(torch::ones({4}))->wait();
+    } catch (...) {
+      first_error = std::current_exception();
+    }
+  });
+  const std::string addr = store->get_string("tdist/pg1/addr/0");
+  const auto colon = addr.rfind(':');
+  tdist::test::HandshakePort port{addr.substr(0, colon),
+                           static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
+                           net::Service::kMesh, 13};
+  EXPECT_TRUE(tdist::test::refuses_token(port, ""));
+  EXPECT_TRUE(tdist::test::refuses_token(port, "wrong"));
+  EXPECT_TRUE(tdist::test::refuses_replayed_hello(port, "s3cret"));
+  const int stalled = tdist::test::stalled_handshake(port, "s3cret");
+  auto pg = create_process_group(store, 1, 2, options);
+  auto t = torch::ones({4});
+  pg->allreduce(t)->wait();
+  first.join();
+  if (first_error) std::rethrow_exception(first_error);
+  EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
+  EXPECT_TRUE(tdist::test::closed_within(stalled, Millis(5000)));
+  ::close(stalled);
+  set_log_level(saved);
+}
+
+// Ranks with different tokens do not form a group: the one refused says why at once, the
+// other times out naming the rank that never connected.
+TEST(Failure, RanksWithDifferentTokensFailGroupCreationWithAClearError) {
+  const LogLevel saved = log_level();
+  set_log_level(LogLevel::kOff);
+  tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
+    auto options = test::test_options(Millis(3000));
+    options.token = rank == 0 ? "one" : "another";
+    if (rank == 0) {
+      tdist::test::expect_contains(tdist::test::expect_throw<TimeoutError>(
+                                [&] { create_process_group(store, rank, 2, options); }),
+                            "rank(s) 1 did not connect");
+    } else {
+      tdist::test::expect_contains(
+          tdist::test::expect_throw<ProtocolError>([&] { create_process_group(store, rank, 2, options); }),
+          "rank 1: handshake with rank 0: connection closed by the peer (rank 0 refused this "
+          "connection: is the token the same on every process?)");
+    }
+  });
+  set_log_level(saved);
 }
 
 TEST(Failure, FingerprintMismatchNamesRanksAndFields) {

@@ -23,6 +23,7 @@
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/core/wire.h"
 #include "tests/harness/env_guard.h"
@@ -67,14 +68,20 @@ sockaddr_in loopback(uint16_t port) {
   return addr;
 }
 
+// A peer that writes frames by hand, after passing the connection handshake (with no token)
+// unless told not to.
 class RawSocket {
  public:
-  explicit RawSocket(uint16_t port) {
+  explicit RawSocket(uint16_t port, bool handshake = true) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     TDIST_CHECK(fd_ >= 0, std::strerror(errno));
     sockaddr_in addr = loopback(port);
     TDIST_CHECK(::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0,
                 std::strerror(errno));
+    if (handshake) {
+      net::ClientHandshake hs("", net::Service::kStore);
+      net::client_handshake(fd_, hs, {}, 0, net::Clock::now() + kTimeout, "the test's server");
+    }
   }
   ~RawSocket() {
     if (fd_ >= 0) ::close(fd_);
@@ -108,6 +115,24 @@ class RawSocket {
  private:
   int fd_ = -1;
 };
+
+// The server side of the connection handshake (no token) on an accepted socket of a fake
+// server; false when the client did not pass it.
+bool serve_handshake(int fd) {
+  try {
+    net::ServerHandshake hs("", net::Service::kStore);
+    const auto deadline = net::Clock::now() + kTimeout;
+    net::write_all(fd, hs.challenge().data(), hs.challenge().size(), deadline, "challenge");
+    Bytes hello(net::hello_bytes(0));
+    net::read_exact(fd, hello.data(), hello.size(), deadline, "hello");
+    hs.verify_hello(hello.data(), hello.size(), 0);
+    const Bytes accept = hs.accept({});
+    net::write_all(fd, accept.data(), accept.size(), deadline, "accept");
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
 
 // A socket listening on a free loopback port (set in `port`); -1 when that fails.
 int listening_socket(uint16_t& port) {
@@ -275,17 +300,38 @@ TEST(TCPStore, ServerThatGoesAwayGivesBlockedClientsAnError) {
 }
 
 TEST(TCPStore, UnresponsiveServerGivesTimeoutError) {
-  // A socket that listens but never accepts or answers: connect completes from the backlog.
+  // A socket that listens but never accepts or answers: connect completes from the backlog,
+  // and the handshake never starts.
   uint16_t port = 0;
   const int fd = listening_socket(port);
   ASSERT_GE(fd, 0);
+  std::string msg = expect_throw<TimeoutError>([&] { TCPStore client("127.0.0.1", port, false, 500ms); });
+  expect_contains(msg, "127.0.0.1:" + std::to_string(port));
+  expect_contains(msg, "no handshake within 0.5 s");
+  ::close(fd);
+}
+
+TEST(TCPStore, ServerThatStopsAnsweringAfterTheHandshakeGivesTimeoutError) {
+  uint16_t port = 0;
+  const int listener = listening_socket(port);
+  ASSERT_GE(listener, 0);
+  std::atomic<bool> done{false};
+  std::thread server([&] {
+    int fd = ::accept(listener, nullptr, nullptr);
+    if (fd < 0) return;
+    serve_handshake(fd);
+    while (!done) std::this_thread::sleep_for(10ms);
+    ::close(fd);
+  });
   {
     TCPStore client("127.0.0.1", port, false, 500ms);
     std::string msg = expect_throw<TimeoutError>([&] { client.set("k", "v"); });
     expect_contains(msg, "127.0.0.1:" + std::to_string(port));
     expect_contains(msg, "set('k')");
   }
-  ::close(fd);
+  done = true;
+  server.join();
+  ::close(listener);
 }
 
 TEST(TCPStore, ReplyHeaderThatOverstatesItsBodyCostsOnlyWhatArrives) {
@@ -299,6 +345,7 @@ TEST(TCPStore, ReplyHeaderThatOverstatesItsBodyCostsOnlyWhatArrives) {
   std::thread server([&] {
     int fd = ::accept(listener, nullptr, nullptr);
     if (fd < 0) return;
+    serve_handshake(fd);
     proto::Header h;
     h.code = static_cast<uint16_t>(proto::Status::kOk);
     h.body_bytes = TCPStoreServer::kMaxFrameBytes - 1;
@@ -385,7 +432,7 @@ TEST(TCPStore, ConnectionsBeyondTheLimitAreClosedAtOnce) {
   std::vector<std::unique_ptr<RawSocket>> held;
   for (int i = 0; i < 3; ++i) held.push_back(std::make_unique<RawSocket>(server.port()));
   ASSERT_TRUE(eventually([&] { return server.num_connections() == 3; }));
-  RawSocket extra(server.port());
+  RawSocket extra(server.port(), /*handshake=*/false);
   EXPECT_TRUE(extra.sees_eof());
   EXPECT_GE(server.num_refused_connections(), 1);
   EXPECT_EQ(server.num_connections(), 3);

@@ -20,7 +20,9 @@ case "$mode" in
     ;;
   run)
     target=$3; seconds=$4
-    corpus_name=${target%%_*}  # store_protocol, store_server -> store
+    # The target's own seeds (corpus/store_server), else its family's (store_protocol -> store).
+    corpus_name=$target
+    [ -d "$here/corpus/$corpus_name" ] || corpus_name=${target%%_*}
     work="$build/corpus-$target"
     mkdir -p "$work"
     cp -n "$here/corpus/$corpus_name"/* "$work/"

@@ -1,6 +1,8 @@
 // Fuzzes the TCPStore server (core/detail/tcp_store_server.cpp) through its socket, as a peer
 // would: each input is sent on a fresh connection, which is then half-closed, and its replies
-// are read until the server closes it or 100 ms pass. One server runs for the whole campaign;
+// are read until the server closes it or 100 ms pass. An input whose first byte is even is sent
+// after a real connection handshake (it fuzzes the frames); one whose first byte is odd is sent
+// from the connection's first byte on (it fuzzes the handshake). One server runs for the whole campaign;
 // every 64 inputs a real TCPStore client must still be served (and at the end), so an input that
 // wedges or kills the server is a finding, as is any sanitizer report in the server.
 #include <arpa/inet.h>
@@ -15,6 +17,7 @@
 #include <memory>
 
 #include "tdist/core/logging.h"
+#include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
 
 namespace {
@@ -31,6 +34,18 @@ void send_and_drain(const uint8_t* data, size_t size) {
   if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
     std::fprintf(stderr, "the store server stopped accepting connections\n");
     std::abort();
+  }
+  if (size > 0 && data[0] % 2 == 0) {
+    try {
+      tdist::net::ClientHandshake handshake("", tdist::net::Service::kStore);
+      tdist::net::client_handshake(fd, handshake, {}, 0,
+                                   tdist::net::Clock::now() + std::chrono::seconds(10), "store");
+    } catch (const tdist::Error& e) {
+      std::fprintf(stderr, "the store server refused an honest handshake: %s\n", e.what());
+      std::abort();
+    }
+    ++data;
+    --size;
   }
   for (size_t done = 0; done < size;) {
     ssize_t n = ::send(fd, data + done, size - done, MSG_NOSIGNAL);
@@ -56,6 +71,8 @@ void expect_served() {
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   ::setenv("TDIST_STORE_FRAME_TIMEOUT_MS", "200", 1);
   ::setenv("TDIST_STORE_MAX_BYTES", "67108864", 1);  // what the inputs store stays bounded
+  ::unsetenv("TDIST_TOKEN");
+  ::unsetenv("TDIST_TOKEN_FILE");
   tdist::set_log_level(tdist::LogLevel::kOff);
   g_server = new tdist::TCPStoreServer("127.0.0.1", 0);
   std::atexit([] { expect_served(); });

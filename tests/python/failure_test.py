@@ -11,6 +11,11 @@
   failure_test.py --scenario absent   2 ranks; rank 1 never joins new_group(backend="tdist"); rank
                                       0's new_group must raise within its timeout, naming the
                                       group's creation.
+  failure_test.py --scenario token    2 ranks with the same TDIST_TOKEN make a tdist group and
+                                      all_reduce; then each sets a token of its own and
+                                      new_group(backend="tdist") must raise on both within its
+                                      timeout: the refused rank at once, naming the token, the
+                                      other naming the rank that never connected.
 """
 
 import argparse
@@ -35,7 +40,7 @@ VICTIM = 2
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--child", action="store_true")
-    p.add_argument("--scenario", choices=["killed", "stopped", "absent"], required=True)
+    p.add_argument("--scenario", choices=["killed", "stopped", "absent", "token"], required=True)
     return p.parse_args()
 
 
@@ -113,10 +118,38 @@ def absent(rank, world_size):
         print("rank 1: stayed away from new_group")
 
 
+def token(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    import tdist_c10d  # noqa: F401
+    torch.set_num_threads(1)
+    os.environ["TDIST_TOKEN"] = "the-job's-secret"
+    dist.init_process_group("tdist", init_method="env://")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    check(t.tolist() == [2.0] * 4, "all_reduce with the shared token gave", t)
+    # The mesh reads the token when a group is made: from here the ranks disagree.
+    os.environ["TDIST_TOKEN"] = "rank-%d's-own" % rank
+    short = datetime.timedelta(seconds=5)
+    start = time.monotonic()
+    try:
+        dist.new_group(ranks=[0, 1], backend="tdist", timeout=short)
+        raise AssertionError("new_group returned although the ranks' tokens differ")
+    except RuntimeError as e:
+        elapsed = time.monotonic() - start
+        print("rank %d: new_group raised after %.1f s: %s" % (rank, elapsed, str(e).splitlines()[0]))
+        expected = "did not connect" if rank == 0 else "is the token the same on every process?"
+        check(expected in str(e), "unexpected error:", e)
+        check(elapsed <= (short + GRACE).total_seconds(),
+              "the error came after %.1f s, past the %s timeout" % (elapsed, short))
+
+
 def child(rank, world_size):
     args = parse()
     if args.scenario == "absent":
         absent(rank, world_size)
+    elif args.scenario == "token":
+        token(rank, world_size)
     else:
         dead_peer(rank, world_size, args.scenario)
 
@@ -129,6 +162,10 @@ def main():
     if args.scenario == "absent":
         harness.run_ranks(script, 2, ["--scenario", "absent"], timeout=60,
                           what="new_group with a rank that never joins")
+        return
+    if args.scenario == "token":
+        harness.run_ranks(script, 2, ["--scenario", "token"], timeout=60,
+                          what="groups made with the same token and with different ones")
         return
     survivors = [r for r in range(3) if r != VICTIM]
     with harness.Ranks(script, 3, ["--scenario", args.scenario]) as ranks:

@@ -9,30 +9,12 @@
 #include <cstring>
 
 #include "tdist/core/error.h"
+#include "tdist/core/net/handshake.h"
 #include "tdist/core/serialize.h"
+#include "tdist/core/wire.h"
 #include "tdist/rpc/signature.h"
 
 namespace tdist::rpc::test {
-namespace {
-
-template <class T>
-void put(std::vector<uint8_t>& b, T v) {
-  const auto* p = reinterpret_cast<const uint8_t*>(&v);
-  b.insert(b.end(), p, p + sizeof(T));
-}
-
-// HMAC-SHA256(token, label | fields | n1 | n2), appended to `fields`.
-void seal(std::vector<uint8_t>& fields, const std::string& token, const char* label,
-          const uint8_t* n1, const uint8_t* n2) {
-  std::vector<uint8_t> data(label, label + std::strlen(label));
-  data.insert(data.end(), fields.begin(), fields.end());
-  data.insert(data.end(), n1, n1 + 32);
-  if (n2) data.insert(data.end(), n2, n2 + 32);
-  auto mac = detail::hmac_sha256(token, data.data(), data.size());
-  fields.insert(fields.end(), mac.begin(), mac.end());
-}
-
-}  // namespace
 
 int connect_raw(uint16_t port) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -42,7 +24,7 @@ int connect_raw(uint16_t port) {
   addr.sin_port = htons(port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   TDIST_CHECK(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0, "connect");
-  detail::set_socket_timeouts(fd, std::chrono::seconds(10));
+  net::set_socket_timeouts(fd, std::chrono::seconds(10));
   return fd;
 }
 
@@ -83,46 +65,39 @@ detail::HandshakeOptions raw_options(const std::string& token, int rank) {
   return o;
 }
 
+net::Clock::time_point soon() { return net::Clock::now() + std::chrono::seconds(10); }
+
 bool forged_handshake(int fd, const std::string& token, int rank, pid_t pid) {
-  uint8_t ch[40];
-  detail::read_exact(fd, ch, sizeof(ch), "forged handshake: challenge");
-  const uint8_t* nonce_s = ch + 8;
-  uint8_t nonce_c[32];
-  for (int i = 0; i < 32; ++i) nonce_c[i] = static_cast<uint8_t>(i * 37 + rank);
-  std::vector<uint8_t> resp;
-  put<uint32_t>(resp, 0x54554154);
-  put<uint16_t>(resp, 2);
-  put<uint16_t>(resp, 0);
-  put<int32_t>(resp, rank);
-  resp.insert(resp.end(), nonce_c, nonce_c + 32);
-  put<uint32_t>(resp, static_cast<uint32_t>(pid));
-  put<uint32_t>(resp, 1);  // wants the fast path
-  seal(resp, token, "tdist-rpc-client", nonce_s, nullptr);
-  detail::write_all(fd, resp.data(), resp.size(), "forged handshake: response");
-  uint8_t acc[48];
-  detail::read_exact(fd, acc, sizeof(acc), "forged handshake: acceptance");
-  uint32_t server_reads_us = 0;
-  std::memcpy(&server_reads_us, acc + 8, 4);
-  std::vector<uint8_t> confirm;
-  put<uint32_t>(confirm, 0x54554154);
-  put<uint32_t>(confirm, 0);  // we do not read the server's memory
-  seal(confirm, token, "tdist-rpc-confirm", nonce_s, nonce_c);
-  detail::write_all(fd, confirm.data(), confirm.size(), "forged handshake: confirmation");
-  return server_reads_us == 1;
+  Bytes fields;
+  wire::Writer w(fields);
+  w.u32(static_cast<uint32_t>(rank));
+  w.u32(static_cast<uint32_t>(pid));
+  w.u32(1);  // wants the fast path
+  net::ClientHandshake hs(token, net::Service::kRpc);
+  const Bytes theirs = net::client_handshake(fd, hs, fields, 12, soon(), "the agent");
+  wire::Reader accept(theirs);
+  accept.u32();  // the server's pid
+  const bool server_reads_us = accept.u32() == 1;
+  Bytes no;
+  wire::Writer k(no);
+  k.u32(0);  // we do not read the server's memory
+  const Bytes confirm = hs.confirm(no);
+  net::write_all(fd, confirm.data(), confirm.size(), soon(), "forged handshake: confirmation");
+  return server_reads_us;
 }
 
 void send_frame(int fd, detail::FrameHeader h, const std::vector<uint8_t>& body) {
   auto b = header_bytes(h);
   b.insert(b.end(), body.begin(), body.end());
-  detail::write_all(fd, b.data(), b.size(), "test frame");
+  net::write_all(fd, b.data(), b.size(), soon(), "test frame");
 }
 
 detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body) {
   uint8_t hdr[detail::kHeaderSize];
-  detail::read_exact(fd, hdr, sizeof(hdr), "test frame");
+  net::read_exact(fd, hdr, sizeof(hdr), soon(), "test frame");
   detail::FrameHeader h = detail::decode_header(hdr, uint64_t{1} << 30);
   body->resize(h.length);
-  detail::read_exact(fd, body->data(), body->size(), "test frame");
+  net::read_exact(fd, body->data(), body->size(), soon(), "test frame");
   return h;
 }
 

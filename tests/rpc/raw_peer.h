@@ -8,11 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "tdist/core/net/socket_io.h"
 #include "tdist/rpc/auth.h"
 #include "tdist/rpc/message.h"
 
 namespace tdist::rpc::test {
 
+// Ten seconds from now: the deadline of a raw peer's reads and writes (a test never hangs).
+net::Clock::time_point soon();
 // A socket connected to 127.0.0.1:port with 10 s read/write timeouts (a test never hangs).
 int connect_raw(uint16_t port);
 // True when the peer closes the connection (EOF or reset) before the socket's timeout; bytes
@@ -26,8 +29,8 @@ std::vector<uint8_t> header_bytes(detail::FrameHeader h, uint32_t magic = detail
 // Client handshake options of a raw peer claiming rank `rank` of world 2, no fast path.
 detail::HandshakeOptions raw_options(const std::string& token, int rank = 0);
 
-// The client side of the handshake written by hand, claiming rank `rank` and process `pid`, and
-// asking for the same-host fast path. Returns whether the server said it will read our memory.
+// The client side of the handshake with forged fields: claiming rank `rank` and process `pid`,
+// and asking for the same-host fast path. Returns whether the server said it will read our memory.
 // Throws when the server refuses or closes.
 bool forged_handshake(int fd, const std::string& token, int rank, pid_t pid);
 

@@ -71,7 +71,6 @@ class RpcBadPeer : public ::testing::Test {
   int authenticated(const std::string& token = "s3cret") {
     int fd = connect_raw(a_[1]->port());
     detail::client_handshake(fd, raw_options(token), 1);
-    detail::set_socket_timeouts(fd, 10s);  // the handshake cleared them
     return fd;
   }
   Agents a_;
@@ -225,14 +224,14 @@ TEST_F(RpcBadPeer, AWellFormedRawCallIsAnswered) {
   FrameHeader h = add_call(77, &body);
   auto b = header_bytes(h);
   b.insert(b.end(), body.begin(), body.end());
-  detail::write_all(fd, b.data(), b.size(), "test");
+  net::write_all(fd, b.data(), b.size(), soon(), "test");
   uint8_t hdr[detail::kHeaderSize];
-  detail::read_exact(fd, hdr, sizeof(hdr), "test");
+  net::read_exact(fd, hdr, sizeof(hdr), soon(), "test");
   FrameHeader r = detail::decode_header(hdr, 1 << 20);
   EXPECT_EQ(r.type, MessageType::kResponse);
   EXPECT_EQ(r.id, 77u);
   std::vector<uint8_t> rb(r.length);
-  detail::read_exact(fd, rb.data(), rb.size(), "test");
+  net::read_exact(fd, rb.data(), rb.size(), soon(), "test");
   EXPECT_EQ(decode<int64_t>(rb), 42);
   ::close(fd);
 }

@@ -11,14 +11,14 @@
 #include "tdist/core/error.h"
 #include "tdist/core/hash.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/handshake.h"
 #include "tdist/core/wire.h"
 
 namespace tdist::comm::tcp {
 namespace {
 
-constexpr uint32_t kMagic = 0x4d434454;  // "TDCM"
-constexpr uint16_t kVersion = 1;
-constexpr size_t kHelloBytes = 24;
+constexpr size_t kHelloFields = 1 + 4 + 8;  // channel, rank, group (Note [Mesh handshake])
+constexpr auto kHelloTimeout = std::chrono::seconds(10);
 
 std::string addr_key(int rank) { return str("addr/", rank); }
 
@@ -34,19 +34,20 @@ void parse_host_port(const std::string& text, int peer, std::string& host, uint1
 
 uint64_t fnv1a(const std::string& s) { return fnv1a64(s); }
 
-Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t token,
-           Clock::time_point deadline)
+Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t group,
+           const std::string& token, Clock::time_point deadline)
     : rank_(rank), size_(size), channels_(channels) {
   conns_.resize(static_cast<size_t>(channels));
   for (auto& c : conns_) c.resize(static_cast<size_t>(size));
   if (size == 1) return;
   Listener listener(local_address(store.server_host()), 0, 2 * size * channels + 16);
   store.set(addr_key(rank), str(listener.host(), ":", listener.port()));
-  connect_lower(store, token, deadline);
-  accept_higher(token, deadline, listener);
+  connect_lower(store, group, token, deadline);
+  accept_higher(group, token, deadline, listener);
 }
 
-void Mesh::connect_lower(Store& store, uint64_t token, Clock::time_point deadline) {
+void Mesh::connect_lower(Store& store, uint64_t group, const std::string& token,
+                         Clock::time_point deadline) {
   for (int peer = 0; peer < rank_; ++peer) {
     auto remaining = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     if (remaining.count() <= 0 || !store.check({addr_key(peer)})) {
@@ -67,29 +68,35 @@ void Mesh::connect_lower(Store& store, uint64_t token, Clock::time_point deadlin
     for (int ch = 0; ch < channels_; ++ch) {
       int fd = connect_to(host, port, deadline, str("rank ", peer));
       auto conn = std::make_unique<Connection>(fd, peer);
-      Bytes hello;
-      wire::Writer w(hello);
-      w.u32(kMagic);
-      w.u16(kVersion);
+      Bytes fields;
+      wire::Writer w(fields);
       w.u8(static_cast<uint8_t>(ch));
-      w.u8(0);
       w.u32(static_cast<uint32_t>(rank_));
-      w.u32(0);
-      w.u64(token);
-      conn->write_all(hello.data(), hello.size(), deadline, "the mesh hello");
+      w.u64(group);
+      net::ClientHandshake handshake(token, net::Service::kMesh);
+      try {
+        net::client_handshake(fd, handshake, fields, 0, deadline, str("rank ", peer));
+      } catch (const TimeoutError& e) {
+        TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
+                    e.what());
+      } catch (const ProtocolError& e) {
+        TDIST_THROW(ProtocolError, "rank ", rank_, ": ", e.what());
+      }
       conns_[ch][peer] = std::move(conn);
     }
   }
 }
 
 // Accepts the higher ranks' connections. Hellos are read from every accepted connection at once
-// (one poll over the listener and the connections still saying hello), so a stranger that
+// (one poll over the listener and the connections still in their handshake), so a stranger that
 // connects and sends nothing (or trickles) holds up no one: it costs one connection until its own
 // 10 s pass, then one log line.
-void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& listener) {
+void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_point deadline,
+                         Listener& listener) {
   struct Pending {
     std::unique_ptr<Connection> conn;
-    uint8_t hello[kHelloBytes];
+    net::ServerHandshake handshake;
+    Bytes hello;
     size_t got = 0;
     Clock::time_point until;
   };
@@ -115,7 +122,7 @@ void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& l
                   "rank(s) ", missing, " did not connect");
     }
     for (size_t i = pending.size(); i-- > 0;) {
-      if (now >= pending[i].until) reject(i, "no hello within 10 s");
+      if (now >= pending[i].until) reject(i, "the handshake was not over within 10 s");
     }
     auto wake = deadline;
     std::vector<pollfd> fds{{listener.fd(), POLLIN, 0}};
@@ -130,29 +137,41 @@ void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& l
     for (size_t i = pending.size(); i-- > 0;) {
       if (fds[i + 1].revents == 0) continue;
       Pending& p = pending[i];
-      ssize_t n = ::recv(p.conn->fd(), p.hello + p.got, kHelloBytes - p.got, MSG_DONTWAIT);
+      ssize_t n = ::recv(p.conn->fd(), p.hello.data() + p.got, p.hello.size() - p.got,
+                         MSG_DONTWAIT);
       if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-        reject(i, str("the connection ended after ", p.got, " of ", kHelloBytes, " hello bytes"));
+        reject(i, str("the connection ended after ", p.got, " of ", p.hello.size(),
+                      " hello bytes"));
         continue;
       }
       if (n < 0) continue;
       p.got += static_cast<size_t>(n);
-      if (p.got < kHelloBytes) continue;
-      wire::Reader r(p.hello, kHelloBytes);
-      uint32_t magic = r.u32();
-      uint16_t version = r.u16();
-      uint8_t ch = r.u8();
-      r.u8();
-      uint32_t peer = r.u32();
-      r.u32();
-      uint64_t their_token = r.u64();
-      if (magic != kMagic || version != kVersion || their_token != token) {
-        reject(i, str("bad hello (magic ", magic, ", version ", version, ", token match ",
-                      their_token == token, ")"));
+      if (p.got < p.hello.size()) continue;
+      Bytes fields;
+      try {
+        fields = p.handshake.verify_hello(p.hello.data(), p.hello.size(), kHelloFields);
+      } catch (const ProtocolError& e) {
+        reject(i, e.what());
+        continue;
+      }
+      wire::Reader r(fields);
+      const uint8_t ch = r.u8();
+      const uint32_t peer = r.u32();
+      const uint64_t their_group = r.u64();
+      if (their_group != group) {
+        reject(i, str("a hello for another process group (rank ", peer, ")"));
       } else if (ch >= channels_ || peer <= static_cast<uint32_t>(rank_) ||
                  peer >= static_cast<uint32_t>(size_) || conns_[ch][peer]) {
         reject(i, str("unexpected hello from rank ", peer, " channel ", int(ch)));
       } else {
+        try {
+          const Bytes accept = p.handshake.accept({});
+          net::write_all(p.conn->fd(), accept.data(), accept.size(), p.until,
+                         str("the handshake answer to rank ", peer));
+        } catch (const Error& e) {
+          reject(i, e.what());
+          continue;
+        }
         p.conn->set_peer(static_cast<int>(peer));
         conns_[ch][peer] = std::move(p.conn);
         pending.erase(pending.begin() + static_cast<long>(i));
@@ -161,8 +180,20 @@ void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& l
     }
     if (fds[0].revents != 0) {
       int fd = listener.accept(Clock::now());
-      if (fd >= 0) pending.push_back({std::make_unique<Connection>(fd, -1), {}, 0,
-                                      Clock::now() + std::chrono::seconds(10)});
+      if (fd >= 0) {
+        Pending p{std::make_unique<Connection>(fd, -1),
+                  net::ServerHandshake(token, net::Service::kMesh),
+                  Bytes(net::hello_bytes(kHelloFields)), 0, Clock::now() + kHelloTimeout};
+        try {
+          const Bytes& challenge = p.handshake.challenge();
+          net::write_all(fd, challenge.data(), challenge.size(), p.until,
+                         "the handshake challenge");
+          pending.push_back(std::move(p));
+        } catch (const Error& e) {
+          TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ",
+                         e.what());
+        }
+      }
     }
   }
 }

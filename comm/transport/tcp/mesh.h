@@ -7,13 +7,19 @@
 //   1. Every rank listens on local_address(store.server_host()):0 (an address its peers can
 //      reach; see listener.h) and publishes "host:port" under "addr/<rank>" in the
 //      (group-prefixed) store.
-//   2. Rank r connects to every lower rank j, once per channel, and sends a 24-byte hello:
-//      u32 magic 'TDCM' | u16 version | u8 channel | u8 0 | u32 rank | u32 0 | u64 group token.
-//      It needs no reply: the listen backlog holds the connection until j accepts it, so the
-//      lower ranks never wait on the higher ones to connect (no cycle, no deadlock).
-//   3. Rank r then accepts the connections of the higher ranks and checks each hello (magic,
-//      version, token, rank in range and not yet connected on that channel). A bad hello closes
-//      that connection only and is logged; the rank keeps accepting until the deadline.
+//   2. Rank r connects to every lower rank j, once per channel, and runs the client side of the
+//      connection handshake (service "mesh", Note [Connection handshake] in
+//      core/net/handshake.h) with the job's token; its hello carries 13 bytes of fields:
+//      u8 channel | u32 rank | u64 group (FNV-1a of the group's store prefix, so that a
+//      connection meant for another group of the same job is told apart).
+//      The wait for j's answer cannot deadlock: j answers once it reaches step 3, which needs
+//      only the ranks below j (by induction, rank 0 answers at once).
+//   3. Rank r then accepts the connections of the higher ranks and runs the server side of the
+//      handshake on all of them at once (one poll loop): a stranger that connects and says
+//      nothing, or trickles, holds up no one and is dropped after 10 s. It checks the MAC (the
+//      token), the group, the rank (above r, in range) and the channel (not yet connected). A
+//      connection that fails any check is closed without an answer and logged; the rank keeps
+//      accepting until the deadline.
 // Every step is bounded by one deadline; a TimeoutError names the ranks that did not show up.
 //
 // Thread safety: built by one thread; afterwards connections are used as documented in
@@ -30,8 +36,11 @@ namespace tdist::comm::tcp {
 
 class Mesh {
  public:
-  // Blocks until connected to every peer on every channel or until `deadline`.
-  Mesh(Store& store, int rank, int size, int channels, uint64_t token, Clock::time_point deadline);
+  // Blocks until connected to every peer on every channel or until `deadline`. `group` tells
+  // this group's connections from other groups' (fnv1a of its store prefix); `token` is the
+  // job's shared secret (empty: none), which every peer must have.
+  Mesh(Store& store, int rank, int size, int channels, uint64_t group, const std::string& token,
+       Clock::time_point deadline);
   ~Mesh() = default;
   Mesh(const Mesh&) = delete;
   Mesh& operator=(const Mesh&) = delete;
@@ -45,8 +54,10 @@ class Mesh {
   void shutdown_all();
 
  private:
-  void connect_lower(Store& store, uint64_t token, Clock::time_point deadline);
-  void accept_higher(uint64_t token, Clock::time_point deadline, class Listener& listener);
+  void connect_lower(Store& store, uint64_t group, const std::string& token,
+                     Clock::time_point deadline);
+  void accept_higher(uint64_t group, const std::string& token, Clock::time_point deadline,
+                     class Listener& listener);
 
   const int rank_;
   const int size_;
@@ -54,7 +65,7 @@ class Mesh {
   std::vector<std::vector<std::unique_ptr<Connection>>> conns_;  // [channel][rank]
 };
 
-// FNV-1a of a string: a token that every rank computes alike for a group's store prefix.
+// FNV-1a of a string: a group id that every rank computes alike from a group's store prefix.
 uint64_t fnv1a(const std::string& s);
 
 }  // namespace tdist::comm::tcp

@@ -1,0 +1,82 @@
+#include "tdist/core/net/socket_io.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+
+#include "tdist/core/error.h"
+
+namespace tdist::net {
+namespace {
+
+// Waits until `fd` is ready for `events`; TimeoutError once the deadline passed.
+void wait_ready(int fd, short events, Clock::time_point deadline, const std::string& what) {
+  for (;;) {
+    if (deadline != kNoDeadline && Clock::now() >= deadline) {
+      throw TimeoutError(what + ": timed out");
+    }
+    pollfd p{fd, events, 0};
+    int rc = ::poll(&p, 1, poll_ms(deadline));
+    if (rc > 0) return;
+    if (rc < 0 && errno != EINTR) throw NetworkError(what + ": poll: " + std::strerror(errno));
+  }
+}
+
+}  // namespace
+
+int poll_ms(Clock::time_point deadline) {
+  if (deadline == kNoDeadline) return -1;
+  const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+  if (left.count() <= 0) return 0;
+  return static_cast<int>(std::min<int64_t>((left.count() + 999) / 1000, 60000));
+}
+
+void read_exact(int fd, void* data, size_t size, Clock::time_point deadline,
+                const std::string& what) {
+  auto* p = static_cast<uint8_t*>(data);
+  while (size > 0) {
+    wait_ready(fd, POLLIN, deadline, what);
+    ssize_t n = ::recv(fd, p, size, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      size -= static_cast<size_t>(n);
+    } else if (n == 0) {
+      throw NetworkError(what + ": connection closed by the peer");
+    } else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) {
+      throw NetworkError(what + ": " + std::strerror(errno));
+    }
+  }
+}
+
+void write_all(int fd, const void* data, size_t size, Clock::time_point deadline,
+               const std::string& what) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (size > 0) {
+    ssize_t n = ::send(fd, p, size, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      size -= static_cast<size_t>(n);
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      wait_ready(fd, POLLOUT, deadline, what);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      throw NetworkError(what + ": " + std::strerror(errno));
+    }
+  }
+}
+
+void set_socket_timeouts(int fd, Millis timeout) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+}  // namespace tdist::net

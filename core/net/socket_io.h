@@ -1,0 +1,36 @@
+#pragma once
+// Blocking reads and writes of whole buffers on a socket with one deadline, the way every
+// connection of tdist (store, mesh, RPC) does them before it has its own I/O loop: during the
+// connection handshake (core/net/handshake.h) and in the store client.
+//
+// Each call polls before every recv/send and passes MSG_DONTWAIT, so it works on blocking and
+// non-blocking descriptors alike and honours the deadline however the peer trickles its bytes.
+// Errors: TimeoutError "<what>: timed out" when the deadline passes, NetworkError
+// "<what>: connection closed by the peer" on EOF and "<what>: <strerror>" on other failures.
+// Thread safety: none beyond the socket's own (one reader and one writer at a time).
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+#include "tdist/core/store.h"
+
+namespace tdist::net {
+
+using Clock = std::chrono::steady_clock;
+// No deadline: wait as long as it takes (or the socket's own SO_RCVTIMEO/SO_SNDTIMEO).
+constexpr Clock::time_point kNoDeadline = Clock::time_point::max();
+
+void read_exact(int fd, void* data, size_t size, Clock::time_point deadline,
+                const std::string& what);
+void write_all(int fd, const void* data, size_t size, Clock::time_point deadline,
+               const std::string& what);
+
+// SO_RCVTIMEO and SO_SNDTIMEO (0: none), for code that calls recv/send itself.
+void set_socket_timeouts(int fd, Millis timeout);
+
+// Milliseconds for poll() until `deadline`: -1 for kNoDeadline, 0 once it passed, else at
+// least 1 (rounded up) and at most one minute (callers loop).
+int poll_ms(Clock::time_point deadline);
+
+}  // namespace tdist::net
