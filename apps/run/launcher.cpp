@@ -19,6 +19,7 @@
 #include <fstream>
 #include <memory>
 
+#include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/token.h"
 
@@ -146,7 +147,7 @@ Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
 //                      runs; one warning names the ports that anyone who reaches them can use.
 void Launcher::prepare_token() {
   if (!config_.token_file.empty()) {
-    TDIST_CHECK_ARG(!std::getenv("TDIST_TOKEN") && !std::getenv("TDIST_TOKEN_FILE"),
+    TDIST_CHECK_ARG(!env::get("TDIST_TOKEN") && !env::get("TDIST_TOKEN_FILE"),
                     "--token-file ", config_.token_file, " and TDIST_TOKEN / TDIST_TOKEN_FILE "
                     "are both given; give only one");
     try {

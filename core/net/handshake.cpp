@@ -17,7 +17,17 @@ constexpr uint32_t kMagic = 0x53484454;  // "TDHS"
 constexpr uint16_t kVersion = 1;
 using Nonce = std::array<uint8_t, 32>;
 
+// OpenSSL frees its state in an atexit handler registered at its first use, so a handshake made
+// from an exit handler or static destructor registered before that (a store closed at exit)
+// would use freed state. tdist initialises it first, without that handler: the process's exit
+// frees the memory anyway.
+void init_crypto() {
+  static const bool ok = OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, nullptr) == 1;
+  TDIST_CHECK(ok, "OpenSSL could not be initialised");
+}
+
 Nonce random_nonce() {
+  init_crypto();
   Nonce n{};
   TDIST_CHECK(RAND_bytes(n.data(), static_cast<int>(n.size())) == 1, "RAND_bytes failed");
   return n;
@@ -89,6 +99,7 @@ const char* service_name(Service service) {
 }
 
 Digest hmac_sha256(const std::string& key, const uint8_t* data, size_t size) {
+  init_crypto();
   Digest out{};
   unsigned int len = 0;
   static const unsigned char kEmpty = 0;
