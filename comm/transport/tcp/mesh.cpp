@@ -7,10 +7,10 @@
 #include <cerrno>
 #include <cstring>
 
-#include "tdist/comm/transport/tcp/listener.h"
 #include "tdist/core/error.h"
 #include "tdist/core/hash.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/wire.h"
 
 namespace tdist::comm::tcp {
@@ -40,7 +40,7 @@ Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t token,
   conns_.resize(static_cast<size_t>(channels));
   for (auto& c : conns_) c.resize(static_cast<size_t>(size));
   if (size == 1) return;
-  Listener listener(local_address(store.server_host()), 0, 2 * size * channels + 16);
+  net::Listener listener(net::local_address(store.server_host()), 0, 2 * size * channels + 16);
   store.set(addr_key(rank), str(listener.host(), ":", listener.port()));
   connect_lower(store, token, deadline);
   accept_higher(token, deadline, listener);
@@ -65,7 +65,8 @@ void Mesh::connect_lower(Store& store, uint64_t token, Clock::time_point deadlin
     uint16_t port = 0;
     parse_host_port(store.get_string(addr_key(peer)), peer, host, port);
     for (int ch = 0; ch < channels_; ++ch) {
-      int fd = connect_to(host, port, deadline, str("rank ", peer));
+      int fd = net::connect_to(host, port, deadline, str("rank ", peer));
+      Connection::configure(fd);
       auto conn = std::make_unique<Connection>(fd, peer);
       Bytes hello;
       wire::Writer w(hello);
@@ -86,7 +87,7 @@ void Mesh::connect_lower(Store& store, uint64_t token, Clock::time_point deadlin
 // (one poll over the listener and the connections still saying hello), so a stranger that
 // connects and sends nothing (or trickles) holds up no one: it costs one connection until its own
 // 10 s pass, then one log line.
-void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& listener) {
+void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, net::Listener& listener) {
   struct Pending {
     std::unique_ptr<Connection> conn;
     uint8_t hello[kHelloBytes];
@@ -123,8 +124,8 @@ void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& l
       fds.push_back({p.conn->fd(), POLLIN, 0});
       wake = std::min(wake, p.until);
     }
-    int rc = ::poll(fds.data(), fds.size(), poll_timeout_ms(wake));
-    if (rc < 0 && errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", errno_text(errno));
+    int rc = ::poll(fds.data(), fds.size(), net::poll_timeout_ms(wake));
+    if (rc < 0 && errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", net::errno_text(errno));
     if (rc <= 0) continue;
     // Read what the connections sent, newest first (so erasing keeps the indices below valid).
     for (size_t i = pending.size(); i-- > 0;) {
@@ -161,8 +162,11 @@ void Mesh::accept_higher(uint64_t token, Clock::time_point deadline, Listener& l
     }
     if (fds[0].revents != 0) {
       int fd = listener.accept(Clock::now());
-      if (fd >= 0) pending.push_back({std::make_unique<Connection>(fd, -1), {}, 0,
-                                      Clock::now() + std::chrono::seconds(10)});
+      if (fd >= 0) {
+        Connection::configure(fd);
+        pending.push_back({std::make_unique<Connection>(fd, -1), {}, 0,
+                           Clock::now() + std::chrono::seconds(10)});
+      }
     }
   }
 }

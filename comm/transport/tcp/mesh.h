@@ -5,7 +5,7 @@
 //
 // Note [Mesh handshake]
 //   1. Every rank listens on local_address(store.server_host()):0 (an address its peers can
-//      reach; see listener.h) and publishes "host:port" under "addr/<rank>" in the
+//      reach; see core/net/address.h) and publishes "host:port" under "addr/<rank>" in the
 //      (group-prefixed) store.
 //   2. Rank r connects to every lower rank j, once per channel, and sends a 24-byte hello:
 //      u32 magic 'TDCM' | u16 version | u8 channel | u8 0 | u32 rank | u32 0 | u64 group token.
@@ -46,7 +46,7 @@ class Mesh {
 
  private:
   void connect_lower(Store& store, uint64_t token, Clock::time_point deadline);
-  void accept_higher(uint64_t token, Clock::time_point deadline, class Listener& listener);
+  void accept_higher(uint64_t token, Clock::time_point deadline, net::Listener& listener);
 
   const int rank_;
   const int size_;
