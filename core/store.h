@@ -64,7 +64,7 @@ class Store {
 
   // The host name or address this store's server is reached at (a TCPStore, or a store that
   // wraps one); empty when the store has no network server (HashStore, FileStore). A process
-  // group publishes the address of the interface that routes to it (comm/transport/tcp/listener.h).
+  // group publishes the address of the interface that routes to it (core/net/address.h).
   virtual std::string server_host() const { return {}; }
 
   Millis timeout() const { return Millis(timeout_ms_.load()); }

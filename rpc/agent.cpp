@@ -1,5 +1,5 @@
 // RpcAgent, part 1 of 4: its life (agent.h has the whole contract). Here: start() (check the
-// options, listen, join the group through the store: every worker publishes its name and
+// options, meet the store, listen, join the group through it: every worker publishes its name and
 // address under its incarnation's keys and waits for all), the name/rank directory, and the
 // end: shutdown() (Note [RPC graceful shutdown] in agent.h: store rounds of request counts until
 // two agree) and stop_everything(), which fails whatever is still pending, closes every
@@ -84,6 +84,7 @@ std::shared_ptr<RpcAgent> RpcAgent::start(const std::string& name, int rank, int
   a->rrefs_ = std::make_shared<detail::RRefContext>(weak, rank);
   a->pool_ = std::make_unique<detail::ThreadPool>(a->options_.num_worker_threads,
                                                   [weak] { detail::set_thread_agent(weak); });
+  a->open_store(world_size);
   a->listen();
   a->accept_thread_ = std::thread([raw = a.get()] { raw->accept_loop(); });
   a->timeout_thread_ = std::thread([raw = a.get()] { raw->timeout_loop(); });
@@ -94,10 +95,10 @@ std::shared_ptr<RpcAgent> RpcAgent::start(const std::string& name, int rank, int
     throw;
   }
   TDIST_LOG_INFO("rpc: worker '", name, "' (rank ", rank, " of ", world_size, ") listening on ",
-                 a->options_.listen_host, ":", a->port_,
+                 a->host_, ":", a->port_,
                  a->options_.token->empty() ? "" : " (token from " + a->token_source_ + ")");
   if (a->options_.token->empty()) {
-    TDIST_LOG_WARN("rpc: worker '", name, "': the RPC port ", a->options_.listen_host, ":",
+    TDIST_LOG_WARN("rpc: worker '", name, "': the RPC port ", a->host_, ":",
                    a->port_, " is unauthenticated: anyone who can reach it can call every "
                    "registered function (set TDIST_TOKEN or TDIST_TOKEN_FILE on every worker)");
   }
@@ -106,20 +107,26 @@ std::shared_ptr<RpcAgent> RpcAgent::start(const std::string& name, int rank, int
 
 RpcAgent::~RpcAgent() { stop_everything("agent destroyed"); }
 
-void RpcAgent::join_group(int world_size) {
-  const Millis timeout =
-      options_.rpc_timeout.count() > 0 ? options_.rpc_timeout : Store::kDefaultTimeout;
+// Before listen(): the store's host decides the address this worker listens on.
+void RpcAgent::open_store(int world_size) {
   if (options_.store) {
     store_ = options_.store;
   } else {
+    const Millis timeout =
+        options_.rpc_timeout.count() > 0 ? options_.rpc_timeout : Store::kDefaultTimeout;
     store_ = rendezvous(options_.init_method, self_.rank, world_size, timeout).store;
   }
+}
+
+void RpcAgent::join_group(int world_size) {
+  const Millis timeout =
+      options_.rpc_timeout.count() > 0 ? options_.rpc_timeout : Store::kDefaultTimeout;
   // The n-th init_rpc of each rank on one store uses keys of incarnation n, so a store that
   // served an earlier RPC group (same ranks) does not mix the two.
   const int64_t incarnation = store_->add(kPrefix + "incarnation/" + std::to_string(self_.rank), 1);
   store_prefix_ = kPrefix + std::to_string(incarnation) + "/";
   store_->set(store_prefix_ + "worker/" + std::to_string(self_.rank),
-              encode(self_.name, options_.listen_host, port_));
+              encode(self_.name, host_, port_));
   std::vector<std::string> keys;
   for (int r = 0; r < world_size; ++r) keys.push_back(store_prefix_ + "worker/" + std::to_string(r));
   try {
@@ -341,12 +348,9 @@ void RpcAgent::stop_everything(const std::string& reason) {
              std::make_exception_ptr(Error(str(p.what, " failed: worker '", self_.name,
                                                "' ", reason, " before it finished"))));
   }
-  if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);
+  if (listener_) listener_->shutdown();
   if (accept_thread_.joinable()) accept_thread_.join();
-  if (listen_fd_ >= 0) {
-    ::close(listen_fd_);
-    listen_fd_ = -1;
-  }
+  listener_.reset();
   std::vector<std::shared_ptr<detail::Connection>> conns;
   for (auto& p : peers_) {
     std::lock_guard<std::mutex> lock(p->mu);

@@ -68,6 +68,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "tdist/core/net/address.h"
 #include "tdist/core/serialize.h"
 #include "tdist/rpc/connection.h"
 #include "tdist/rpc/detail/thread_pool.h"
@@ -161,7 +162,9 @@ ResponseFn result_handler(Future<R> fut, std::weak_ptr<RRefContext> rrefs, Execu
 class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
                  private detail::ConnectionHandler {
  public:
-  // Starts a worker: listens, publishes its address and name in the store, and waits (up to
+  // Starts a worker: meets the others' store, listens (RpcOptions::listen_host, else the address
+  // net::local_address picks toward the store's host), publishes its address and name in the
+  // store, and waits (up to
   // rpc_timeout, or the store's timeout when that is 0) until all world_size workers have.
   // InvalidArgument for a bad rank, an empty or duplicate name.
   static std::shared_ptr<RpcAgent> start(const std::string& name, int rank, int world_size,
@@ -177,6 +180,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   // InvalidArgument for an unknown name or a rank out of range.
   const WorkerInfo& worker_info(const To& to) const;
   const std::vector<WorkerInfo>& workers() const { return workers_; }
+  // The address this worker listens on and published to the others.
+  const std::string& host() const { return host_; }
   uint16_t port() const { return port_; }
 
   // Calls (see rpc/api.h for the free-function forms).
@@ -263,6 +268,7 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   };
 
   RpcAgent(const std::string& name, int rank, int world_size, RpcOptions options);
+  void open_store(int world_size);
   void listen();
   void join_group(int world_size);
   void accept_loop();
@@ -311,7 +317,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   std::vector<WorkerInfo> workers_;
   std::vector<std::pair<std::string, uint16_t>> addresses_;
   std::map<std::string, int> rank_by_name_;
-  int listen_fd_ = -1;
+  std::unique_ptr<net::Listener> listener_;
+  std::string host_;
   uint16_t port_ = 0;
   detail::ConnectionOptions conn_options_;
   std::string token_source_;  // where options_.token came from (for the log)

@@ -1,12 +1,14 @@
 // RpcAgent, part 2 of 4: connections (agent.h has the whole contract; agent.cpp lists the parts).
 // Contract of this part:
-// - listen(): one listening socket on RpcOptions::listen_host:listen_port (any address family
-//   getaddrinfo gives; port 0 picks one, port() tells which). accept_loop() (its own thread)
+// - listen(): one listening socket (core/net/address.h Listener) on RpcOptions::listen_host, else
+//   on net::local_address(the store's host), at listen_port (port 0 picks one; host() and port()
+//   tell which: that is what the worker publishes). accept_loop() (its own thread)
 //   hands every accepted socket to a Connection, which runs the server side of the handshake on
 //   its reader thread (rpc/auth.h); finished incoming connections are reaped on the next accept.
 //   At most RpcOptions::max_pending_handshakes accepted connections are in their handshake: a
 //   new one closes the oldest, and each handshake has one deadline for all of it.
-// - connection_to(rank, deadline): the one outgoing connection to a peer, made on first use.
+// - connection_to(rank, deadline): the one outgoing connection to a peer, made on first use
+//   (net::connect_once: IPv4, IPv6 or a host name, each address it resolves to in turn).
 //   A connect or handshake that fails is retried with backoff (10 ms doubling to 1 s) until the
 //   deadline, except a refused handshake (ProtocolError: another token), which fails at once.
 //   Only the loss of an established connection marks the peer failed: later calls to it fail
@@ -16,10 +18,6 @@
 #include "tdist/rpc/agent.h"
 
 #include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,104 +30,29 @@ namespace tdist::rpc {
 
 using detail::remaining;
 
-namespace {
-
-struct AddrInfo {
-  addrinfo* list = nullptr;
-  ~AddrInfo() {
-    if (list) ::freeaddrinfo(list);
-  }
-};
-
-// A connected TCP socket to host:port within `timeout`; NetworkError naming `who` otherwise.
-int connect_tcp(const std::string& host, uint16_t port, Millis timeout, const std::string& who,
-                int buffer_bytes) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  AddrInfo ai;
-  int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &ai.list);
-  if (rc != 0) {
-    throw NetworkError(str("cannot resolve ", who, " at ", host, ": ", ::gai_strerror(rc)));
-  }
-  std::string last = "no address";
-  for (addrinfo* a = ai.list; a; a = a->ai_next) {
-    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
-    if (fd < 0) {
-      last = std::strerror(errno);
-      continue;
-    }
-    detail::set_socket_buffers(fd, buffer_bytes);
-    rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
-    if (rc != 0 && errno == EINPROGRESS) {
-      pollfd p{fd, POLLOUT, 0};
-      rc = ::poll(&p, 1, static_cast<int>(timeout.count() > 0 ? timeout.count() : -1));
-      if (rc == 0) {
-        last = str("timed out after ", timeout.count(), " ms");
-        ::close(fd);
-        continue;
-      }
-      int err = 0;
-      socklen_t len = sizeof(err);
-      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      rc = err == 0 ? 0 : -1;
-      errno = err;
-    }
-    if (rc != 0) {
-      last = std::strerror(errno);
-      ::close(fd);
-      continue;
-    }
-    int flags = ::fcntl(fd, F_GETFL);
-    ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
-    return fd;
-  }
-  throw NetworkError(str("cannot connect to ", who, " at ", host, ":", port, ": ", last));
-}
-
-}  // namespace
-
 void RpcAgent::listen() {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  AddrInfo ai;
-  int rc = ::getaddrinfo(options_.listen_host.c_str(), std::to_string(options_.listen_port).c_str(),
-                         &hints, &ai.list);
-  TDIST_CHECK_ARG(rc == 0, "cannot resolve listen_host '", options_.listen_host, "': ",
-                  ::gai_strerror(rc));
-  std::string last = "no address";
-  for (addrinfo* a = ai.list; a; a = a->ai_next) {
-    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    detail::set_socket_buffers(fd, options_.socket_buffer_bytes);  // accepted sockets inherit
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 512) == 0) {
-      sockaddr_storage ss{};
-      socklen_t len = sizeof(ss);
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
-      port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
-                                             : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-      listen_fd_ = fd;
-      return;
-    }
-    last = std::strerror(errno);
-    ::close(fd);
+  host_ = options_.listen_host.empty() ? net::local_address(store_->server_host())
+                                       : options_.listen_host;
+  const int buffer_bytes = options_.socket_buffer_bytes;
+  try {
+    // Accepted sockets inherit the listener's buffer sizes.
+    listener_ = std::make_unique<net::Listener>(
+        host_, options_.listen_port, 512,
+        [buffer_bytes](int fd) { detail::set_socket_buffers(fd, buffer_bytes); });
+  } catch (const NetworkError& e) {
+    throw NetworkError(str("worker '", self_.name, "': ", e.what()));
   }
-  throw NetworkError(str("worker '", self_.name, "' cannot listen on ", options_.listen_host, ":",
-                         options_.listen_port, ": ", last));
+  port_ = listener_->port();
 }
 
 void RpcAgent::accept_loop() {
   for (;;) {
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (stopped_.load()) return;
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno == EINVAL || errno == EBADF) return;  // the listener was shut down
-      TDIST_LOG_WARN("rpc: accept failed: ", std::strerror(errno));
+    int fd = -1;
+    try {
+      fd = listener_->accept(Clock::time_point::max());
+    } catch (const NetworkError& e) {
+      if (stopped_.load()) return;  // stop_everything() shut the listener down
+      TDIST_LOG_WARN("rpc: ", e.what());
       std::this_thread::sleep_for(Millis(10));
       continue;
     }
@@ -207,7 +130,11 @@ std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank, Clock::tim
 
 std::shared_ptr<detail::Connection> RpcAgent::connect(int rank, Millis timeout) {
   const auto& [host, port] = addresses_[rank];
-  int fd = connect_tcp(host, port, timeout, peer_name(rank), conn_options_.socket_buffer_bytes);
+  const int buffer_bytes = conn_options_.socket_buffer_bytes;
+  int fd = net::connect_once(
+      host, port, timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max(),
+      peer_name(rank), [buffer_bytes](int s) { detail::set_socket_buffers(s, buffer_bytes); });
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // the connection blocks
   detail::HandshakeOptions handshake = conn_options_.handshake;
   handshake.timeout = timeout;
   detail::HandshakeResult hs;

@@ -47,8 +47,10 @@ struct RpcOptions {
   // default): TDIST_TOKEN or TDIST_TOKEN_FILE (core/token.h). Empty, set or loaded: no
   // authentication, and the agent logs one warning naming its port.
   std::optional<std::string> token;
-  // Address this worker listens on and that it publishes to the others (port 0: any free port).
-  std::string listen_host = "127.0.0.1";
+  // Address this worker listens on and that it publishes to the others, used as given. Empty
+  // (the default): the one the collective mesh picks (core/net/address.h local_address, toward
+  // the store's host; TDIST_SOCKET_HOST or TDIST_SOCKET_IFNAME override it). Port 0: any free port.
+  std::string listen_host;
   uint16_t listen_port = 0;
   // Largest frame (header, arguments and tensors of one message) accepted from a peer.
   uint64_t max_frame_bytes = uint64_t{4} << 30;

@@ -11,6 +11,9 @@ rpc::RpcOptions worker_options(int store_port, int threads) {
   rpc::RpcOptions r;
   r.store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(store_port), false,
                                        std::chrono::seconds(60));
+  // Both workers are on this host and the bare TCP bound it is compared with runs on 127.0.0.1:
+  // keep the agents there too rather than on the address they would pick for other hosts.
+  r.listen_host = "127.0.0.1";
   r.num_worker_threads = threads;
   r.rpc_timeout = std::chrono::seconds(120);
   return r;

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "tdist/core/error.h"
+#include "tdist/core/net/address.h"
 
 namespace tdist::comm::detail {
 namespace {
@@ -310,10 +311,10 @@ void Exchange::wait_for_io() {
     poll_peers_.push_back(p);
   }
   for (;;) {
-    int rc = ::poll(pollfds_.data(), pollfds_.size(), tcp::poll_timeout_ms(deadline_));
+    int rc = ::poll(pollfds_.data(), pollfds_.size(), net::poll_timeout_ms(deadline_));
     if (rc > 0) break;
     if (rc < 0 && errno != EINTR) {
-      TDIST_THROW(NetworkError, where(), ": poll failed: ", tcp::errno_text(errno));
+      TDIST_THROW(NetworkError, where(), ": poll failed: ", net::errno_text(errno));
     }
     if (rc == 0 && Clock::now() >= deadline_) {
       for (size_t i = 0; i < poll_peers_.size(); ++i) peers_[poll_peers_[i]]->after_wait(0);
@@ -333,8 +334,8 @@ void Exchange::fail_closed(int peer, const char* direction, int err) {
                                      " exited, crashed or aborted)"
                     : err == EPROTO
                         ? "it published an impossible counter in the shared-memory ring (" +
-                              tcp::errno_text(err) + ")"
-                        : tcp::errno_text(err);
+                              net::errno_text(err) + ")"
+                        : net::errno_text(err);
   TDIST_THROW(NetworkError, where(), ": lost rank ", peer, " while ", direction, " it: ", cause,
               "; received ", r.moved, " of the ", r.posted, " bytes posted so far from it, sent ",
               s.moved, " of ", s.posted, " to it");

@@ -10,6 +10,7 @@
 
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/wire.h"
 
 namespace tdist::comm::detail {
@@ -43,7 +44,7 @@ P2PEngine::P2PEngine(std::vector<tcp::Connection*> peers, int rank,
                      std::function<void(std::exception_ptr)> on_fatal)
     : peers_(std::move(peers)), rank_(rank), on_fatal_(std::move(on_fatal)) {
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  TDIST_CHECK(wake_fd_ >= 0, "eventfd failed: ", tcp::errno_text(errno));
+  TDIST_CHECK(wake_fd_ >= 0, "eventfd failed: ", net::errno_text(errno));
   state_.resize(peers_.size());
   for (auto& st : state_) st.credit = kEagerCredit;
   discard_buf_.resize(64 * 1024);
@@ -192,7 +193,7 @@ bool P2PEngine::progress_send(int peer) {
   }
   long n = peers_[peer]->writev(iov, count);
   if (n == tcp::Connection::kError) {
-    lost_peer(peer, tcp::errno_text(errno));
+    lost_peer(peer, net::errno_text(errno));
     return true;
   }
   if (n <= 0) return false;
@@ -423,7 +424,7 @@ bool P2PEngine::progress_read(int peer) {
   }
   long n = peers_[peer]->readv(&iov, 1);
   if (n == tcp::Connection::kClosed || n == tcp::Connection::kError) {
-    lost_peer(peer, n == tcp::Connection::kError ? tcp::errno_text(errno)
+    lost_peer(peer, n == tcp::Connection::kError ? net::errno_text(errno)
                                                   : std::string("the connection was closed"));
     return true;
   }
@@ -619,9 +620,9 @@ void P2PEngine::loop() {
       if (!st.out.empty()) events |= POLLOUT;
       fds.push_back(pollfd{peers_[p]->fd(), events, 0});
     }
-    int rc = ::poll(fds.data(), fds.size(), tcp::poll_timeout_ms(next_deadline()));
+    int rc = ::poll(fds.data(), fds.size(), net::poll_timeout_ms(next_deadline()));
     if (rc < 0 && errno != EINTR) {
-      fatal(make_error<NetworkError>("rank ", rank_, ": poll failed: ", tcp::errno_text(errno)));
+      fatal(make_error<NetworkError>("rank ", rank_, ": poll failed: ", net::errno_text(errno)));
     }
     if (rc > 0 && (fds[0].revents & POLLIN)) {
       uint64_t v;

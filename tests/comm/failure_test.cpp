@@ -7,7 +7,7 @@
 
 #include <thread>
 
-#include "tdist/comm/transport/tcp/listener.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/logging.h"
 #include "tests/comm/comm_test_util.h"
 #include "tests/harness/expect.h"
@@ -118,7 +118,7 @@ TEST(Failure, AStrangerThatSaysNothingDoesNotHoldUpGroupCreation) {
   // The stranger connects as soon as rank 0 published its address, before rank 1 starts.
   const std::string addr = store->get_string("tdist/pg1/addr/0");
   const auto colon = addr.rfind(':');
-  int stranger = tcp::connect_to(addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
+  int stranger = net::connect_to(addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
                                  std::chrono::steady_clock::now() + std::chrono::seconds(5), "rank 0");
   std::this_thread::sleep_for(Millis(200));  // rank 0 accepts it before rank 1 connects
   auto pg = create_process_group(store, 1, 2, test::test_options(Millis(3000)));

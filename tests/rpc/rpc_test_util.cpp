@@ -150,6 +150,9 @@ Agents start_agents(int n, const std::function<RpcOptions(int rank)>& options_of
       try {
         RpcOptions options = options_of(i);
         options.store = a.store;
+        // Raw peers (raw_peer.h) reach the agents at 127.0.0.1; rpc_address_test.cpp tests
+        // the address an agent picks by itself.
+        if (options.listen_host.empty()) options.listen_host = "127.0.0.1";
         a.agents[i] = RpcAgent::start("w" + std::to_string(i), i, n, options);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);

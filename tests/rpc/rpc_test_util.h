@@ -92,7 +92,8 @@ struct Agents {
 };
 
 // Starts n agents named w0..w{n-1} (each start() on its own thread, as they wait for each
-// other), with `options` (its store is replaced by a fresh HashStore).
+// other), with `options` (its store is replaced by a fresh HashStore; an empty listen_host by
+// 127.0.0.1).
 Agents start_agents(int n, RpcOptions options = {});
 // The same with options per rank (their stores are replaced by one fresh HashStore).
 Agents start_agents(int n, const std::function<RpcOptions(int rank)>& options_of);

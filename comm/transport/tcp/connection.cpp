@@ -15,31 +15,8 @@
 
 namespace tdist::comm::tcp {
 
-std::string errno_text(int err) {
-  return str("errno ", err, " (", std::strerror(err), ")");
-}
-
-int poll_timeout_ms(Clock::time_point deadline) {
-  if (deadline == Clock::time_point::max()) return -1;
-  auto now = Clock::now();
-  if (deadline <= now) return 0;
-  auto us = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now).count();
-  long long ms = (us + 999) / 1000;
-  return ms > (1 << 30) ? (1 << 30) : static_cast<int>(ms);
-}
-
-short poll_one(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int rc = ::poll(&p, 1, poll_timeout_ms(deadline));
-    if (rc > 0) return p.revents;
-    if (rc == 0) {
-      if (Clock::now() >= deadline) return 0;
-      continue;
-    }
-    if (errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", errno_text(errno));
-  }
-}
+using net::errno_text;
+using net::poll_one;
 
 Connection::Connection(int fd, int peer_rank) : fd_(fd), peer_(peer_rank) {}
 

@@ -19,9 +19,11 @@
 #include <cstdint>
 #include <string>
 
+#include "tdist/core/net/address.h"
+
 namespace tdist::comm::tcp {
 
-using Clock = std::chrono::steady_clock;
+using Clock = net::Clock;
 
 class Connection {
  public:
@@ -60,16 +62,5 @@ class Connection {
   int peer_;
   std::atomic<bool> shut_down_{false};
 };
-
-// Waits until `fd` is ready for `events` (POLLIN/POLLOUT) or the deadline passes. Returns the
-// revents (0 on timeout). Retries on EINTR.
-short poll_one(int fd, short events, Clock::time_point deadline);
-
-// Milliseconds from now until `deadline` for poll(): 0 when past, -1 for time_point::max(),
-// rounded up so that a poll never returns just before the deadline.
-int poll_timeout_ms(Clock::time_point deadline);
-
-// "errno 104 (Connection reset by peer)".
-std::string errno_text(int err);
 
 }  // namespace tdist::comm::tcp

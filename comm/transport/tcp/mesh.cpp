@@ -7,10 +7,10 @@
 #include <cerrno>
 #include <cstring>
 
-#include "tdist/comm/transport/tcp/listener.h"
 #include "tdist/core/error.h"
 #include "tdist/core/hash.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/wire.h"
 
@@ -40,7 +40,7 @@ Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t group,
   conns_.resize(static_cast<size_t>(channels));
   for (auto& c : conns_) c.resize(static_cast<size_t>(size));
   if (size == 1) return;
-  Listener listener(local_address(store.server_host()), 0, 2 * size * channels + 16);
+  net::Listener listener(net::local_address(store.server_host()), 0, 2 * size * channels + 16);
   store.set(addr_key(rank), str(listener.host(), ":", listener.port()));
   connect_lower(store, group, token, deadline);
   accept_higher(group, token, deadline, listener);
@@ -66,7 +66,8 @@ void Mesh::connect_lower(Store& store, uint64_t group, const std::string& token,
     uint16_t port = 0;
     parse_host_port(store.get_string(addr_key(peer)), peer, host, port);
     for (int ch = 0; ch < channels_; ++ch) {
-      int fd = connect_to(host, port, deadline, str("rank ", peer));
+      int fd = net::connect_to(host, port, deadline, str("rank ", peer));
+      Connection::configure(fd);
       auto conn = std::make_unique<Connection>(fd, peer);
       Bytes fields;
       wire::Writer w(fields);
@@ -92,7 +93,7 @@ void Mesh::connect_lower(Store& store, uint64_t group, const std::string& token,
 // connects and sends nothing (or trickles) holds up no one: it costs one connection until its own
 // 10 s pass, then one log line.
 void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_point deadline,
-                         Listener& listener) {
+                         net::Listener& listener) {
   struct Pending {
     std::unique_ptr<Connection> conn;
     net::ServerHandshake handshake;
@@ -130,8 +131,8 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
       fds.push_back({p.conn->fd(), POLLIN, 0});
       wake = std::min(wake, p.until);
     }
-    int rc = ::poll(fds.data(), fds.size(), poll_timeout_ms(wake));
-    if (rc < 0 && errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", errno_text(errno));
+    int rc = ::poll(fds.data(), fds.size(), net::poll_timeout_ms(wake));
+    if (rc < 0 && errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", net::errno_text(errno));
     if (rc <= 0) continue;
     // Read what the connections sent, newest first (so erasing keeps the indices below valid).
     for (size_t i = pending.size(); i-- > 0;) {
@@ -181,6 +182,7 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
     if (fds[0].revents != 0) {
       int fd = listener.accept(Clock::now());
       if (fd >= 0) {
+        Connection::configure(fd);
         Pending p{std::make_unique<Connection>(fd, -1),
                   net::ServerHandshake(token, net::Service::kMesh),
                   Bytes(net::hello_bytes(kHelloFields)), 0, Clock::now() + kHelloTimeout};

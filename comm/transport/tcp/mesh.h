@@ -5,7 +5,7 @@
 //
 // Note [Mesh handshake]
 //   1. Every rank listens on local_address(store.server_host()):0 (an address its peers can
-//      reach; see listener.h) and publishes "host:port" under "addr/<rank>" in the
+//      reach; see core/net/address.h) and publishes "host:port" under "addr/<rank>" in the
 //      (group-prefixed) store.
 //   2. Rank r connects to every lower rank j, once per channel, and runs the client side of the
 //      connection handshake (service "mesh", Note [Connection handshake] in
@@ -57,7 +57,7 @@ class Mesh {
   void connect_lower(Store& store, uint64_t group, const std::string& token,
                      Clock::time_point deadline);
   void accept_higher(uint64_t group, const std::string& token, Clock::time_point deadline,
-                     class Listener& listener);
+                     net::Listener& listener);
 
   const int rank_;
   const int size_;

@@ -1,4 +1,4 @@
-#include "tdist/comm/transport/tcp/listener.h"
+#include "tdist/core/net/address.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -7,7 +7,6 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,92 +14,106 @@
 #include <cstring>
 #include <optional>
 #include <thread>
-#include <vector>
 
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 
-namespace tdist::comm::tcp {
+namespace tdist::net {
 namespace {
 
-// A socket address of either family, resolved from a literal or a host name.
-struct Address {
-  sockaddr_storage storage{};
-  socklen_t len = 0;
-  int family() const { return storage.ss_family; }
-  sockaddr* get() { return reinterpret_cast<sockaddr*>(&storage); }
-};
-
-// host:port as an address: IPv4 and IPv6 literals as they are, a host name as getaddrinfo's
-// first stream address of either family.
-Address make_address(const std::string& host, uint16_t port) {
+// An IPv4 or IPv6 literal as an address (port 0); nothing for anything else.
+std::optional<Address> parse_literal(const std::string& host) {
   Address a;
   auto* v4 = reinterpret_cast<sockaddr_in*>(&a.storage);
   auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
   if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
     v4->sin_family = AF_INET;
     a.len = sizeof(sockaddr_in);
-  } else if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    return a;
+  }
+  if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
     v6->sin6_family = AF_INET6;
     a.len = sizeof(sockaddr_in6);
+    return a;
+  }
+  return std::nullopt;
+}
+
+void set_port(Address& a, uint16_t port) {
+  if (a.family() == AF_INET) {
+    reinterpret_cast<sockaddr_in*>(&a.storage)->sin_port = htons(port);
+  } else {
+    reinterpret_cast<sockaddr_in6*>(&a.storage)->sin6_port = htons(port);
+  }
+}
+
+// resolve() without exceptions: false with `error` set when `host` does not resolve.
+bool resolve_into(const std::string& host, uint16_t port, std::vector<Address>& out,
+                  std::string& error) {
+  out.clear();
+  if (auto literal = parse_literal(host)) {
+    out.push_back(*literal);
   } else {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
     int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
-    if (rc != 0 || res == nullptr) {
-      TDIST_THROW(NetworkError, "cannot resolve host '", host, "': ", ::gai_strerror(rc));
+    if (rc != 0) {
+      error = str("cannot resolve host '", host, "': ", ::gai_strerror(rc));
+      return false;
     }
-    std::memcpy(&a.storage, res->ai_addr, res->ai_addrlen);
-    a.len = static_cast<socklen_t>(res->ai_addrlen);
+    for (addrinfo* r = res; r != nullptr; r = r->ai_next) {
+      if (r->ai_family != AF_INET && r->ai_family != AF_INET6) continue;
+      Address a;
+      std::memcpy(&a.storage, r->ai_addr, r->ai_addrlen);
+      a.len = static_cast<socklen_t>(r->ai_addrlen);
+      out.push_back(a);
+    }
     ::freeaddrinfo(res);
+    if (out.empty()) {
+      error = str("cannot resolve host '", host, "': it has no IP address");
+      return false;
+    }
   }
-  if (a.family() == AF_INET) {
-    v4->sin_port = htons(port);
-  } else {
-    v6->sin6_port = htons(port);
-  }
-  return a;
+  for (Address& a : out) set_port(a, port);
+  return true;
 }
 
-uint16_t port_of(const Address& a) {
-  return ntohs(a.family() == AF_INET ? reinterpret_cast<const sockaddr_in*>(&a.storage)->sin_port
-                                     : reinterpret_cast<const sockaddr_in6*>(&a.storage)->sin6_port);
-}
-
-bool is_loopback(const Address& a) {
-  if (a.family() == AF_INET) {
-    return (ntohl(reinterpret_cast<const sockaddr_in*>(&a.storage)->sin_addr.s_addr) >> 24) == 127;
+// One connect to each of `addresses` in turn before the deadline: the connected descriptor, or
+// -1 with `error` set to the last failure.
+int try_connect(const std::vector<Address>& addresses, Clock::time_point deadline,
+                const SocketSetup& setup, std::string& error) {
+  const auto start = Clock::now();
+  for (const Address& addr : addresses) {
+    int fd = ::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+      error = errno_text(errno);
+      continue;
+    }
+    if (setup) setup(fd);
+    int rc = ::connect(fd, addr.get(), addr.len);
+    if (rc != 0 && errno == EINPROGRESS) {
+      short ev = poll_one(fd, POLLOUT, deadline);
+      if (ev == 0) {
+        ::close(fd);
+        error = str("timed out after ",
+                    std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count(),
+                    " ms");
+        return -1;  // the deadline is spent for every address
+      }
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      rc = err == 0 ? 0 : -1;
+      errno = err;
+    }
+    if (rc == 0) return fd;
+    error = errno_text(errno);
+    ::close(fd);
   }
-  return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(&a.storage)->sin6_addr);
-}
-
-std::string text_of(const Address& a) {
-  char text[INET6_ADDRSTRLEN] = {0};
-  const void* bytes = a.family() == AF_INET
-                          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(&a.storage)->sin_addr)
-                          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(&a.storage)->sin6_addr);
-  ::inet_ntop(a.family(), bytes, text, sizeof(text));
-  return text;
-}
-
-// True for "localhost" and loopback literals of either family.
-bool is_loopback(const std::string& host) {
-  if (host == "localhost") return true;
-  Address a;
-  auto* v4 = reinterpret_cast<sockaddr_in*>(&a.storage);
-  auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
-  if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
-    a.storage.ss_family = AF_INET;
-    return is_loopback(a);
-  }
-  if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
-    a.storage.ss_family = AF_INET6;
-    return is_loopback(a);
-  }
-  return false;
+  return -1;
 }
 
 struct Interface {
@@ -131,11 +144,11 @@ std::vector<Interface> interfaces() {
     Address addr;
     if (a->ifa_addr->sa_family == AF_INET) {
       std::memcpy(&addr.storage, a->ifa_addr, sizeof(sockaddr_in));
-      if (it->address.empty()) it->address = text_of(addr);
+      if (it->address.empty()) it->address = addr.text();
     } else if (a->ifa_addr->sa_family == AF_INET6) {
       std::memcpy(&addr.storage, a->ifa_addr, sizeof(sockaddr_in6));
       const auto* v6 = reinterpret_cast<const sockaddr_in6*>(a->ifa_addr);
-      if (it->address6.empty() && !IN6_IS_ADDR_LINKLOCAL(&v6->sin6_addr)) it->address6 = text_of(addr);
+      if (it->address6.empty() && !IN6_IS_ADDR_LINKLOCAL(&v6->sin6_addr)) it->address6 = addr.text();
     }
   }
   ::freeifaddrs(list);
@@ -162,7 +175,7 @@ std::string interface_address(const char* var, const std::string& name) {
 std::optional<std::string> address_toward(const std::string& host) {
   Address remote;
   try {
-    remote = make_address(host, 9);
+    remote = resolve(host, 9).front();
   } catch (const NetworkError& e) {
     TDIST_LOG_DEBUG("not routing toward the store host: ", e.what());
     return std::nullopt;
@@ -174,18 +187,55 @@ std::optional<std::string> address_toward(const std::string& host) {
   bool ok = ::connect(fd, remote.get(), remote.len) == 0 &&
             ::getsockname(fd, local.get(), &local.len) == 0;
   ::close(fd);
-  if (!ok || is_loopback(local)) return std::nullopt;
-  return text_of(local);
+  if (!ok || local.is_loopback()) return std::nullopt;
+  return local.text();
 }
 
 }  // namespace
 
-Listener::Listener(const std::string& host, uint16_t port, int backlog) : host_(host) {
-  Address addr = make_address(host, port);
+uint16_t Address::port() const {
+  return ntohs(family() == AF_INET ? reinterpret_cast<const sockaddr_in*>(&storage)->sin_port
+                                   : reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_port);
+}
+
+bool Address::is_loopback() const {
+  if (family() == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(&storage)->sin_addr.s_addr) >> 24) == 127;
+  }
+  return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_addr);
+}
+
+std::string Address::text() const {
+  char text[INET6_ADDRSTRLEN] = {0};
+  const void* bytes =
+      family() == AF_INET
+          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(&storage)->sin_addr)
+          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_addr);
+  ::inet_ntop(family(), bytes, text, sizeof(text));
+  return text;
+}
+
+std::vector<Address> resolve(const std::string& host, uint16_t port) {
+  std::vector<Address> out;
+  std::string error;
+  if (!resolve_into(host, port, out, error)) TDIST_THROW(NetworkError, error);
+  return out;
+}
+
+bool is_loopback_host(const std::string& host) {
+  if (host == "localhost") return true;
+  auto literal = parse_literal(host);
+  return literal && literal->is_loopback();
+}
+
+Listener::Listener(const std::string& host, uint16_t port, int backlog, const SocketSetup& setup)
+    : host_(host) {
+  Address addr = resolve(host, port).front();
   fd_ = ::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd_ < 0) TDIST_THROW(NetworkError, "socket() failed: ", errno_text(errno));
   int one = 1;
   ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (setup) setup(fd_);
   if (::bind(fd_, addr.get(), addr.len) != 0 || ::listen(fd_, backlog) != 0) {
     int err = errno;
     ::close(fd_);
@@ -193,7 +243,7 @@ Listener::Listener(const std::string& host, uint16_t port, int backlog) : host_(
   }
   addr.len = sizeof(addr.storage);
   ::getsockname(fd_, addr.get(), &addr.len);
-  port_ = port_of(addr);
+  port_ = addr.port();
   ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL, 0) | O_NONBLOCK);
 }
 
@@ -201,13 +251,12 @@ Listener::~Listener() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+void Listener::shutdown() { ::shutdown(fd_, SHUT_RDWR); }
+
 int Listener::accept(Clock::time_point deadline) {
   for (;;) {
     int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd >= 0) {
-      Connection::configure(fd);
-      return fd;
-    }
+    if (fd >= 0) return fd;
     if (errno == EINTR || errno == ECONNABORTED) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       TDIST_THROW(NetworkError, "accept on ", host_, ":", port_, " failed: ", errno_text(errno));
@@ -226,7 +275,7 @@ std::string local_address(const std::string& store_host) {
       return address;
     }
   }
-  if (!store_host.empty() && !is_loopback(store_host)) {
+  if (!store_host.empty() && !is_loopback_host(store_host)) {
     if (auto address = address_toward(store_host)) {
       TDIST_LOG_DEBUG("publishing ", *address, " (the interface that routes to the store host ",
                       store_host, ")");
@@ -255,36 +304,55 @@ std::string local_address(const std::string& store_host) {
   return "127.0.0.1";
 }
 
+int connect_once(const std::string& host, uint16_t port, Clock::time_point deadline,
+                 const std::string& who, const SocketSetup& setup) {
+  std::vector<Address> addresses;
+  std::string error;
+  int fd = resolve_into(host, port, addresses, error) ? try_connect(addresses, deadline, setup, error)
+                                                     : -1;
+  if (fd < 0) TDIST_THROW(NetworkError, "cannot connect to ", who, " at ", host, ":", port, ": ", error);
+  return fd;
+}
+
 int connect_to(const std::string& host, uint16_t port, Clock::time_point deadline,
-               const std::string& who) {
-  Address addr = make_address(host, port);
+               const std::string& who, const SocketSetup& setup) {
+  const std::vector<Address> addresses = resolve(host, port);
   auto backoff = std::chrono::milliseconds(1);
-  int last_error = 0;
   for (;;) {
-    int fd = ::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) TDIST_THROW(NetworkError, "socket() failed: ", errno_text(errno));
-    int rc = ::connect(fd, addr.get(), addr.len);
-    if (rc != 0 && errno == EINPROGRESS) {
-      short ev = poll_one(fd, POLLOUT, deadline);
-      int err = 0;
-      socklen_t len = sizeof(err);
-      if (ev != 0) ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      rc = (ev != 0 && err == 0) ? 0 : -1;
-      errno = ev == 0 ? ETIMEDOUT : err;
-    }
-    if (rc == 0) {
-      Connection::configure(fd);
-      return fd;
-    }
-    last_error = errno;
-    ::close(fd);
+    std::string error;
+    int fd = try_connect(addresses, deadline, setup, error);
+    if (fd >= 0) return fd;
     if (Clock::now() + backoff >= deadline) {
       TDIST_THROW(TimeoutError, "timed out connecting to ", who, " at ", host, ":", port,
-                  " (last error: ", errno_text(last_error), ")");
+                  " (last error: ", error, ")");
     }
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(100));
   }
 }
 
-}  // namespace tdist::comm::tcp
+short poll_one(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int rc = ::poll(&p, 1, poll_timeout_ms(deadline));
+    if (rc > 0) return p.revents;
+    if (rc == 0) {
+      if (Clock::now() >= deadline) return 0;
+      continue;
+    }
+    if (errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", errno_text(errno));
+  }
+}
+
+int poll_timeout_ms(Clock::time_point deadline) {
+  if (deadline == Clock::time_point::max()) return -1;
+  auto now = Clock::now();
+  if (deadline <= now) return 0;
+  auto us = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now).count();
+  long long ms = (us + 999) / 1000;
+  return ms > (1 << 30) ? (1 << 30) : static_cast<int>(ms);
+}
+
+std::string errno_text(int err) { return str("errno ", err, " (", std::strerror(err), ")"); }
+
+}  // namespace tdist::net
