@@ -64,7 +64,8 @@ class TCPStoreServerImpl {
   // Called by connections, on the io thread.
   void handle_request(const std::shared_ptr<TCPStoreConnection>& conn, uint16_t code,
                       wire::Reader& body);
-  void on_connection_closed(TCPStoreConnection* conn, bool rejected);
+  void on_rejected_frame() { num_rejected_frames_.fetch_add(1); }
+  void on_connection_closed(TCPStoreConnection* conn);
   // Logs (the first ten, then one in a thousand) and counts a connection that failed the
   // handshake.
   void on_failed_handshake(const std::string& peer, const std::string& why);
@@ -435,12 +436,14 @@ void TCPStoreConnection::reject(const std::string& why) {
 void TCPStoreConnection::close(bool rejected) {
   if (closed_) return;
   closed_ = true;
+  // Counted before the socket closes: whoever sees the end of the stream also sees the count.
+  if (rejected) server_.on_rejected_frame();
   error_code ignored;
   socket_.shutdown(tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
   disarm_frame_deadline();
   out_.clear();
-  server_.on_connection_closed(this, rejected);
+  server_.on_connection_closed(this);
 }
 
 // ---- TCPStoreServerImpl -------------------------------------------------------------------------
@@ -577,9 +580,8 @@ void TCPStoreServerImpl::on_failed_handshake(const std::string& peer, const std:
   }
 }
 
-void TCPStoreServerImpl::on_connection_closed(TCPStoreConnection* conn, bool rejected) {
+void TCPStoreServerImpl::on_connection_closed(TCPStoreConnection* conn) {
   unpark(*conn);
-  if (rejected) num_rejected_frames_.fetch_add(1);
   auto it = std::find_if(connections_.begin(), connections_.end(),
                          [conn](const auto& c) { return c.get() == conn; });
   if (it != connections_.end()) {
