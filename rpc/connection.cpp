@@ -1,6 +1,5 @@
 #include "tdist/rpc/connection.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
 #include <netinet/in.h>
@@ -16,6 +15,7 @@
 
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/serialize.h"
 #include "tdist/rpc/detail/tensor_pool.h"
 
@@ -44,22 +44,11 @@ Connection::Connection(int fd, bool outgoing, const ConnectionOptions& options,
   set_socket_buffers(fd_, options_.socket_buffer_bytes);
   // The read buffer comes once the peer is authenticated (run()): an unauthenticated
   // connection costs a thread and a socket, not 256 KiB.
-  sockaddr_storage ss{};
-  socklen_t len = sizeof(ss);
-  char host[INET6_ADDRSTRLEN] = "?";
-  uint16_t port = 0;
-  if (::getpeername(fd_, reinterpret_cast<sockaddr*>(&ss), &len) == 0) {
-    if (ss.ss_family == AF_INET) {
-      const auto& a = reinterpret_cast<const sockaddr_in&>(ss);
-      ::inet_ntop(AF_INET, &a.sin_addr, host, sizeof(host));
-      port = ntohs(a.sin_port);
-    } else if (ss.ss_family == AF_INET6) {
-      const auto& a = reinterpret_cast<const sockaddr_in6&>(ss);
-      ::inet_ntop(AF_INET6, &a.sin6_addr, host, sizeof(host));
-      port = ntohs(a.sin6_port);
-    }
-  }
-  peer_address_ = str(host, ":", port);
+  net::Address peer;
+  peer.len = sizeof(peer.storage);
+  peer_address_ = ::getpeername(fd_, peer.get(), &peer.len) == 0
+                      ? net::host_port(peer.text(), peer.port())
+                      : std::string("an unknown address");
 }
 
 std::string Connection::peer() const {

@@ -1,7 +1,6 @@
 #include "apps/bench/bounds.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -21,6 +20,11 @@ namespace {
 
 std::runtime_error sys_error(const std::string& what) {
   return std::runtime_error(what + ": " + std::strerror(errno));
+}
+
+void set_no_delay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
 // What time_tcp() sends before each batch: the transfer size, the pattern and how many.
@@ -46,34 +50,12 @@ TcpLink::~TcpLink() {
 }
 
 TcpLink TcpLink::connect(const std::string& host, int port, double timeout_s) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-  if (rc != 0) throw std::runtime_error("cannot resolve " + host + ": " + ::gai_strerror(rc));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  for (;;) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) {
-      ::freeaddrinfo(res);
-      throw sys_error("socket");
-    }
-    if (::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
-      ::freeaddrinfo(res);
-      int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      return TcpLink(fd);
-    }
-    const int err = errno;
-    ::close(fd);
-    if (err != ECONNREFUSED || std::chrono::steady_clock::now() > deadline) {
-      ::freeaddrinfo(res);
-      errno = err;
-      throw sys_error("connect to " + host + ":" + std::to_string(port));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  const auto deadline = net::Clock::now() + std::chrono::duration_cast<net::Clock::duration>(
+                                                std::chrono::duration<double>(timeout_s));
+  const int fd = net::connect_to(host, static_cast<uint16_t>(port), deadline, "the bound's peer");
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL, 0) & ~O_NONBLOCK);  // send_all/recv_all block
+  set_no_delay(fd);
+  return TcpLink(fd);
 }
 
 void TcpLink::send_all(const void* data, size_t n) {
@@ -99,39 +81,12 @@ void TcpLink::recv_all(void* data, size_t n) {
   }
 }
 
-TcpListener::TcpListener(const std::string& host) {
-  fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd_ < 0) throw sys_error("socket");
-  int one = 1;
-  ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    ::close(fd_);
-    throw std::runtime_error("not an IPv4 address: " + host);
-  }
-  socklen_t len = sizeof(addr);
-  if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd_, 4) != 0 ||
-      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    ::close(fd_);
-    errno = err;
-    throw sys_error("listen on " + host);
-  }
-  port_ = ntohs(addr.sin_port);
-}
-
-TcpListener::~TcpListener() { ::close(fd_); }
+TcpListener::TcpListener(const std::string& host) : listener_(host, 0, 4) {}
 
 TcpLink TcpListener::accept() {
-  for (;;) {
-    const int fd = ::accept(fd_, nullptr, nullptr);
-    if (fd < 0 && errno == EINTR) continue;
-    if (fd < 0) throw sys_error("accept");
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    return TcpLink(fd);
-  }
+  const int fd = listener_.accept(net::kNoDeadline);
+  set_no_delay(fd);
+  return TcpLink(fd);
 }
 
 std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, int warmup, int iters) {

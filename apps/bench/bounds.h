@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "tdist/core/net/address.h"
+
 namespace tdist::bench {
 
 // Seconds of each of `iters` memcpy calls of `bytes` bytes between two buffers of this thread,
@@ -33,21 +35,17 @@ class TcpLink {
   int fd_;
 };
 
-// A listening TCP socket on `host` (an address; "0.0.0.0": every interface) and a port the
-// kernel picks. Closed on destruction.
+// A listening TCP socket on `host` (an address or host name; "0.0.0.0": every interface) and a
+// port the kernel picks. Closed on destruction.
 class TcpListener {
  public:
   explicit TcpListener(const std::string& host);
-  TcpListener(const TcpListener&) = delete;
-  TcpListener& operator=(const TcpListener&) = delete;
-  ~TcpListener();
 
-  int port() const { return port_; }
+  int port() const { return listener_.port(); }
   TcpLink accept();
 
  private:
-  int fd_ = -1;
-  int port_ = 0;
+  net::Listener listener_;
 };
 
 enum class TcpPattern {

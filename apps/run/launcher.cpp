@@ -1,8 +1,6 @@
 #include "apps/run/launcher.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netdb.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -21,6 +19,7 @@
 
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/token.h"
 
 namespace tdist::run {
@@ -173,8 +172,8 @@ void Launcher::prepare_token() {
     return;
   }
   const std::string store = config_.elastic.enabled
-                                ? str(config_.elastic.endpoint_host, ":", config_.elastic.endpoint_port)
-                                : str(config_.master_addr, ":", config_.master_port);
+                                ? net::host_port(config_.elastic.endpoint_host, config_.elastic.endpoint_port)
+                                : net::host_port(config_.master_addr, config_.master_port);
   std::fprintf(stderr,
                "tdist-run: warning: this multi-node job has no token (--token-file, or "
                "TDIST_TOKEN_FILE on every node): the store at %s and every worker's collective "
@@ -499,28 +498,6 @@ void Launcher::report_failure(const WorkerExit& e) const {
   write_all(STDERR_FILENO, msg);
 }
 
-int pick_free_port(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* res = nullptr;
-  int rc = ::getaddrinfo(host.c_str(), "0", &hints, &res);
-  if (rc != 0) TDIST_THROW(InvalidArgument, "cannot resolve '", host, "': ", gai_strerror(rc));
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
-  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  TDIST_CHECK(fd >= 0, "socket: ", std::strerror(errno));
-  if (::bind(fd, res->ai_addr, res->ai_addrlen) != 0) {
-    int err = errno;
-    ::close(fd);
-    TDIST_THROW(NetworkError, "cannot bind a port on '", host, "': ", std::strerror(err));
-  }
-  sockaddr_storage addr{};
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
-  return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-}
+int pick_free_port(const std::string& host) { return net::Listener(host, 0, 1).port(); }
 
 }  // namespace tdist::run

@@ -9,6 +9,7 @@
 #include "apps/run/launcher.h"
 #include "apps/run/rendezvous.h"
 #include "tdist/core/error.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/tcp_store.h"
 
 namespace tdist::run {
@@ -41,7 +42,7 @@ int Launcher::run_elastic() {
   rc.run_id = el.run_id;
   rc.min_nodes = el.min_nodes;
   rc.max_nodes = el.max_nodes;
-  rc.local_addr = el.local_addr.empty() ? local_address_towards(el.endpoint_host, el.endpoint_port)
+  rc.local_addr = el.local_addr.empty() ? net::source_address_toward(el.endpoint_host)
                                         : el.local_addr;
   rc.last_call = el.last_call;
   rc.join_timeout = el.join_timeout;
@@ -51,7 +52,7 @@ int Launcher::run_elastic() {
   rc.pick_master_port = [addr] { return pick_free_port(addr); };
   rc.interrupted = [this] { return signal_pending(); };
   ElasticRendezvous rdzv(store, rc);
-  note(str("elastic rendezvous '", el.run_id, "' at ", el.endpoint_host, ":", el.endpoint_port,
+  note(str("elastic rendezvous '", el.run_id, "' at ", net::host_port(el.endpoint_host, el.endpoint_port),
            server ? " (served by this node)" : "", ", nodes ", el.min_nodes, ":", el.max_nodes,
            ", this node ", addr));
 

@@ -1,8 +1,5 @@
 #include "apps/run/rendezvous.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -365,35 +362,6 @@ void ElasticRendezvous::wait_all_left(std::chrono::milliseconds limit) {
   while (read_count(key(round_.round, "left")) < expected() && Clock::now() < deadline) {
     std::this_thread::sleep_for(config_.poll_interval);
   }
-}
-
-std::string local_address_towards(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* res = nullptr;
-  int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-  if (rc != 0) TDIST_THROW(NetworkError, "cannot resolve '", host, "': ", gai_strerror(rc));
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
-  int fd = ::socket(res->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  TDIST_CHECK(fd >= 0, "socket: ", std::strerror(errno));
-  // connect() on a datagram socket only picks the route and the source address.
-  if (::connect(fd, res->ai_addr, res->ai_addrlen) != 0) {
-    int err = errno;
-    ::close(fd);
-    TDIST_THROW(NetworkError, "no route to '", host, "': ", std::strerror(err));
-  }
-  sockaddr_storage addr{};
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  char buf[INET6_ADDRSTRLEN] = {};
-  if (addr.ss_family == AF_INET6) {
-    ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr, buf, sizeof(buf));
-  } else {
-    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&addr)->sin_addr, buf, sizeof(buf));
-  }
-  return buf;
 }
 
 }  // namespace tdist::run

@@ -121,8 +121,5 @@ class ElasticRendezvous {
   std::vector<Clock::time_point> seen_at_;
 };
 
-// The address of this host's interface that routes to `host` (no packet is sent); "127.0.0.1"
-// for a loopback host. Throws NetworkError when `host` cannot be resolved or routed to.
-std::string local_address_towards(const std::string& host, int port);
 
 }  // namespace tdist::run

@@ -311,7 +311,7 @@ void Exchange::wait_for_io() {
     poll_peers_.push_back(p);
   }
   for (;;) {
-    int rc = ::poll(pollfds_.data(), pollfds_.size(), net::poll_timeout_ms(deadline_));
+    int rc = ::poll(pollfds_.data(), pollfds_.size(), net::poll_ms(deadline_));
     if (rc > 0) break;
     if (rc < 0 && errno != EINTR) {
       TDIST_THROW(NetworkError, where(), ": poll failed: ", net::errno_text(errno));

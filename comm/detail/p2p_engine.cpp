@@ -620,7 +620,7 @@ void P2PEngine::loop() {
       if (!st.out.empty()) events |= POLLOUT;
       fds.push_back(pollfd{peers_[p]->fd(), events, 0});
     }
-    int rc = ::poll(fds.data(), fds.size(), net::poll_timeout_ms(next_deadline()));
+    int rc = ::poll(fds.data(), fds.size(), net::poll_ms(next_deadline()));
     if (rc < 0 && errno != EINTR) {
       fatal(make_error<NetworkError>("rank ", rank_, ": poll failed: ", net::errno_text(errno)));
     }

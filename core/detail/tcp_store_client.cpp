@@ -1,7 +1,5 @@
 #include "tdist/core/detail/tcp_store_client.h"
 
-#include <fcntl.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -16,6 +14,7 @@
 #include "tdist/core/detail/store_util.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
 
@@ -27,71 +26,11 @@ using tcp_store::Command;
 
 constexpr size_t kMaxIdleSockets = 8;
 
-// Milliseconds left until `deadline` for poll(): -1 for none, 0 when passed.
-int poll_ms(Clock::time_point deadline) {
-  if (deadline == Clock::time_point::max()) return -1;
-  auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now()).count();
-  if (left <= 0) return 0;
-  return static_cast<int>(std::min<int64_t>(left + 1, 60000));
-}
-
-// Waits until `fd` is ready for `events`; false when the deadline passed first.
-bool wait_ready(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int ms = poll_ms(deadline);
-    int rc = ::poll(&p, 1, ms);
-    if (rc > 0) return true;
-    if (rc < 0 && errno != EINTR) {
-      throw NetworkError(str("poll() failed: ", std::strerror(errno)));
-    }
-    if (rc == 0 && Clock::now() >= deadline) return false;
-  }
-}
-
-void set_nonblocking(int fd) {
-  int flags = ::fcntl(fd, F_GETFL, 0);
-  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-}
-
 // An idle socket is usable when it has nothing to read: readable means EOF or junk.
 bool idle_socket_usable(int fd) {
   pollfd p{fd, POLLIN, 0};
   int rc = ::poll(&p, 1, 0);
   return rc == 0;
-}
-
-// One connect attempt to one address; the connected socket, or -1 with `error` set.
-int connect_once(const addrinfo* ai, Clock::time_point deadline, std::string& error) {
-  int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-  if (fd < 0) {
-    error = str("socket(): ", std::strerror(errno));
-    return -1;
-  }
-  set_nonblocking(fd);
-  int rc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
-  if (rc < 0 && errno == EINPROGRESS) {
-    // Bound one attempt so that a dropped SYN is retried rather than waited on for minutes.
-    auto attempt_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(2));
-    if (!wait_ready(fd, POLLOUT, attempt_deadline)) {
-      error = "connect attempt timed out";
-      ::close(fd);
-      return -1;
-    }
-    int err = 0;
-    socklen_t len = sizeof(err);
-    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    rc = err == 0 ? 0 : -1;
-    errno = err;
-  }
-  if (rc < 0) {
-    error = std::strerror(errno);
-    ::close(fd);
-    return -1;
-  }
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  return fd;
 }
 
 }  // namespace
@@ -100,9 +39,14 @@ TCPStoreClient::TCPStoreClient(std::string host, uint16_t port, Millis connect_t
                                std::string token)
     : host_(std::move(host)),
       port_(port),
-      address_(host_ + ":" + std::to_string(port_)),
+      address_(net::host_port(host_, port_)),
       connect_timeout_(connect_timeout),
       token_(std::move(token)) {
+  try {
+    net::resolve(host_, port_);  // a host that does not resolve fails at once, not at the timeout
+  } catch (const NetworkError& e) {
+    TDIST_THROW(NetworkError, "TCPStore: cannot connect to ", address_, ": ", e.what());
+  }
   idle_.push_back(connect(deadline_after(connect_timeout_), connect_timeout_));
 }
 
@@ -114,44 +58,34 @@ int TCPStoreClient::connect(Clock::time_point deadline, Millis limit) {
   std::string last_error = "no attempt made";
   auto backoff = Millis(10);
   for (;;) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    addrinfo* list = nullptr;
-    int gai = ::getaddrinfo(host_.c_str(), std::to_string(port_).c_str(), &hints, &list);
-    if (gai == EAI_NONAME) {
-      TDIST_THROW(NetworkError, "TCPStore: cannot connect to ", address_, ": unknown host '",
-                  host_, "'");
+    int fd = -1;
+    try {
+      // One attempt is bounded so that a dropped SYN is retried rather than waited on for minutes.
+      fd = net::connect_once(host_, port_, std::min(deadline, Clock::now() + std::chrono::seconds(2)),
+                             "the TCPStore");
+    } catch (const NetworkError& e) {
+      last_error = e.what();
     }
-    if (gai != 0) {
-      last_error = str("cannot resolve '", host_, "': ", ::gai_strerror(gai));
-    } else {
-      for (addrinfo* ai = list; ai != nullptr; ai = ai->ai_next) {
-        int fd = connect_once(ai, deadline, last_error);
-        if (fd < 0) continue;
-        try {
-          net::ClientHandshake handshake(token_, net::Service::kStore);
-          net::client_handshake(fd, handshake, {}, 0, deadline, "the TCPStore at " + address_);
-          ::freeaddrinfo(list);
-          return fd;
-        } catch (const ProtocolError&) {
-          ::close(fd);
-          ::freeaddrinfo(list);
-          throw;  // refused (another token) or not a store: retrying cannot help
-        } catch (const TimeoutError&) {
-          // Connected, but no handshake by the deadline: the server is there and does not
-          // answer (a stopped process, a full backlog that is never accepted).
-          ::close(fd);
-          ::freeaddrinfo(list);
-          TDIST_THROW(TimeoutError, "TCPStore at ", address_, ": no handshake within ",
-                      seconds_text(limit), " s (the server is unresponsive)");
-        } catch (const Error& e) {
-          ::close(fd);  // e.g. closed at accept (the server's connection limit): retry
-          last_error = e.what();
-        }
+    if (fd >= 0) {
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      try {
+        net::ClientHandshake handshake(token_, net::Service::kStore);
+        net::client_handshake(fd, handshake, {}, 0, deadline, "the TCPStore at " + address_);
+        return fd;
+      } catch (const ProtocolError&) {
+        ::close(fd);
+        throw;  // refused (another token) or not a store: retrying cannot help
+      } catch (const TimeoutError&) {
+        // Connected, but no handshake by the deadline: the server is there and does not
+        // answer (a stopped process, a full backlog that is never accepted).
+        ::close(fd);
+        TDIST_THROW(TimeoutError, "TCPStore at ", address_, ": no handshake within ",
+                    seconds_text(limit), " s (the server is unresponsive)");
+      } catch (const Error& e) {
+        ::close(fd);  // e.g. closed at accept (the server's connection limit): retry
+        last_error = e.what();
       }
-      ::freeaddrinfo(list);
     }
     auto now = Clock::now();
     if (now >= deadline) break;

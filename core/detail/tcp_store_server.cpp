@@ -21,6 +21,7 @@
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/core/token.h"
@@ -57,7 +58,7 @@ class TCPStoreServerImpl {
   int64_t num_rejected_frames() const { return num_rejected_frames_.load(); }
   int64_t num_refused_connections() const { return num_refused_connections_.load(); }
   int64_t num_failed_handshakes() const { return num_failed_handshakes_.load(); }
-  std::string address() const { return host_ + ":" + std::to_string(port_); }
+  std::string address() const { return net::host_port(host_, port_); }
   Millis frame_timeout() const { return frame_timeout_; }
   const std::string& token() const { return token_; }
 
@@ -147,7 +148,7 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
       : server_(server), socket_(std::move(socket)), frame_timer_(socket_.get_executor()) {
     error_code ec;
     auto ep = socket_.remote_endpoint(ec);
-    peer_ = ec ? std::string("unknown peer") : ep.address().to_string() + ":" + std::to_string(ep.port());
+    peer_ = ec ? std::string("unknown peer") : net::host_port(ep.address().to_string(), ep.port());
   }
 
   // Runs the server side of the connection handshake, then reads requests.
@@ -492,7 +493,7 @@ TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port, s
     acceptor_.listen(asio::socket_base::max_listen_connections);
     port_ = acceptor_.local_endpoint().port();
   } catch (const boost::system::system_error& e) {
-    TDIST_THROW(NetworkError, "TCPStore server cannot listen on ", host, ":", port, ": ",
+    TDIST_THROW(NetworkError, "TCPStore server cannot listen on ", net::host_port(host, port), ": ",
                 e.code().message());
   }
   start_accept();

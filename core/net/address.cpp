@@ -169,26 +169,16 @@ std::string interface_address(const char* var, const std::string& name) {
   return !it->address.empty() ? it->address : it->address6;
 }
 
-// The local address of the interface that routes to `host`: connect() a UDP socket (no packet
-// is sent) and read its local address. Nothing when `host` does not resolve or has no route,
-// or when the route is a loopback one (a host name that resolves to this host's own 127.0.1.1).
+// source_address_toward, or nothing when `host` does not resolve or has no route, or when the
+// route is a loopback one (a host name that resolves to this host's own 127.0.1.1).
 std::optional<std::string> address_toward(const std::string& host) {
-  Address remote;
   try {
-    remote = resolve(host, 9).front();
+    std::string local = source_address_toward(host);
+    if (!is_loopback_host(local)) return local;
   } catch (const NetworkError& e) {
     TDIST_LOG_DEBUG("not routing toward the store host: ", e.what());
-    return std::nullopt;
   }
-  int fd = ::socket(remote.family(), SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return std::nullopt;
-  Address local;
-  local.len = sizeof(local.storage);
-  bool ok = ::connect(fd, remote.get(), remote.len) == 0 &&
-            ::getsockname(fd, local.get(), &local.len) == 0;
-  ::close(fd);
-  if (!ok || local.is_loopback()) return std::nullopt;
-  return local.text();
+  return std::nullopt;
 }
 
 }  // namespace
@@ -222,6 +212,25 @@ std::vector<Address> resolve(const std::string& host, uint16_t port) {
   return out;
 }
 
+std::string source_address_toward(const std::string& host) {
+  // connect() on a datagram socket only picks the route and the source address: no packet.
+  const Address remote = resolve(host, 9).front();
+  int fd = ::socket(remote.family(), SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) TDIST_THROW(NetworkError, "socket() failed: ", errno_text(errno));
+  Address local;
+  local.len = sizeof(local.storage);
+  const bool ok = ::connect(fd, remote.get(), remote.len) == 0 &&
+                  ::getsockname(fd, local.get(), &local.len) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) TDIST_THROW(NetworkError, "no route to '", host, "': ", errno_text(err));
+  return local.text();
+}
+
+std::string host_port(const std::string& host, uint16_t port) {
+  return host.find(':') != std::string::npos ? str("[", host, "]:", port) : str(host, ":", port);
+}
+
 bool is_loopback_host(const std::string& host) {
   if (host == "localhost") return true;
   auto literal = parse_literal(host);
@@ -239,7 +248,7 @@ Listener::Listener(const std::string& host, uint16_t port, int backlog, const So
   if (::bind(fd_, addr.get(), addr.len) != 0 || ::listen(fd_, backlog) != 0) {
     int err = errno;
     ::close(fd_);
-    TDIST_THROW(NetworkError, "cannot listen on ", host, ":", port, ": ", errno_text(err));
+    TDIST_THROW(NetworkError, "cannot listen on ", host_port(host, port), ": ", errno_text(err));
   }
   addr.len = sizeof(addr.storage);
   ::getsockname(fd_, addr.get(), &addr.len);
@@ -259,7 +268,7 @@ int Listener::accept(Clock::time_point deadline) {
     if (fd >= 0) return fd;
     if (errno == EINTR || errno == ECONNABORTED) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      TDIST_THROW(NetworkError, "accept on ", host_, ":", port_, " failed: ", errno_text(errno));
+      TDIST_THROW(NetworkError, "accept on ", host_port(host_, port_), " failed: ", errno_text(errno));
     }
     if (poll_one(fd_, POLLIN, deadline) == 0) return -1;
   }
@@ -310,7 +319,7 @@ int connect_once(const std::string& host, uint16_t port, Clock::time_point deadl
   std::string error;
   int fd = resolve_into(host, port, addresses, error) ? try_connect(addresses, deadline, setup, error)
                                                      : -1;
-  if (fd < 0) TDIST_THROW(NetworkError, "cannot connect to ", who, " at ", host, ":", port, ": ", error);
+  if (fd < 0) TDIST_THROW(NetworkError, "cannot connect to ", who, " at ", host_port(host, port), ": ", error);
   return fd;
 }
 
@@ -323,36 +332,12 @@ int connect_to(const std::string& host, uint16_t port, Clock::time_point deadlin
     int fd = try_connect(addresses, deadline, setup, error);
     if (fd >= 0) return fd;
     if (Clock::now() + backoff >= deadline) {
-      TDIST_THROW(TimeoutError, "timed out connecting to ", who, " at ", host, ":", port,
+      TDIST_THROW(TimeoutError, "timed out connecting to ", who, " at ", host_port(host, port),
                   " (last error: ", error, ")");
     }
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(100));
   }
 }
-
-short poll_one(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int rc = ::poll(&p, 1, poll_timeout_ms(deadline));
-    if (rc > 0) return p.revents;
-    if (rc == 0) {
-      if (Clock::now() >= deadline) return 0;
-      continue;
-    }
-    if (errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", errno_text(errno));
-  }
-}
-
-int poll_timeout_ms(Clock::time_point deadline) {
-  if (deadline == Clock::time_point::max()) return -1;
-  auto now = Clock::now();
-  if (deadline <= now) return 0;
-  auto us = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now).count();
-  long long ms = (us + 999) / 1000;
-  return ms > (1 << 30) ? (1 << 30) : static_cast<int>(ms);
-}
-
-std::string errno_text(int err) { return str("errno ", err, " (", std::strerror(err), ")"); }
 
 }  // namespace tdist::net

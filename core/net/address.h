@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-namespace tdist::net {
+#include "tdist/core/net/socket_io.h"
 
-using Clock = std::chrono::steady_clock;
+namespace tdist::net {
 
 // Called on a fresh socket before it binds (Listener) or connects (connect_to).
 using SocketSetup = std::function<void(int fd)>;
@@ -38,6 +38,14 @@ struct Address {
 // getaddrinfo's stream addresses of either family (in its order). NetworkError naming the host
 // when it does not resolve.
 std::vector<Address> resolve(const std::string& host, uint16_t port);
+
+// The address of this host's interface that routes to `host` (loopback for a loopback host):
+// the source address the kernel picks, no packet is sent. NetworkError when `host` does not
+// resolve or has no route.
+std::string source_address_toward(const std::string& host);
+
+// "host:port" for messages and the store, with an IPv6 literal in brackets ("[fd00::1]:29500").
+std::string host_port(const std::string& host, uint16_t port);
 
 // True for "localhost" and loopback literals of either family (127.0.0.0/8, ::1).
 bool is_loopback_host(const std::string& host);
@@ -98,16 +106,5 @@ int connect_once(const std::string& host, uint16_t port, Clock::time_point deadl
 // once when `host` does not resolve.
 int connect_to(const std::string& host, uint16_t port, Clock::time_point deadline,
                const std::string& who, const SocketSetup& setup = {});
-
-// Waits until `fd` is ready for `events` (POLLIN/POLLOUT) or the deadline passes. Returns the
-// revents (0 on timeout). Retries on EINTR.
-short poll_one(int fd, short events, Clock::time_point deadline);
-
-// Milliseconds from now until `deadline` for poll(): 0 when past, -1 for time_point::max(),
-// rounded up so that a poll never returns just before the deadline.
-int poll_timeout_ms(Clock::time_point deadline);
-
-// "errno 104 (Connection reset by peer)".
-std::string errno_text(int err);
 
 }  // namespace tdist::net

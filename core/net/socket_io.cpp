@@ -16,15 +16,7 @@ namespace {
 
 // Waits until `fd` is ready for `events`; TimeoutError once the deadline passed.
 void wait_ready(int fd, short events, Clock::time_point deadline, const std::string& what) {
-  for (;;) {
-    if (deadline != kNoDeadline && Clock::now() >= deadline) {
-      throw TimeoutError(what + ": timed out");
-    }
-    pollfd p{fd, events, 0};
-    int rc = ::poll(&p, 1, poll_ms(deadline));
-    if (rc > 0) return;
-    if (rc < 0 && errno != EINTR) throw NetworkError(what + ": poll: " + std::strerror(errno));
-  }
+  if (poll_one(fd, events, deadline) == 0) throw TimeoutError(what + ": timed out");
 }
 
 }  // namespace
@@ -35,6 +27,21 @@ int poll_ms(Clock::time_point deadline) {
   if (left.count() <= 0) return 0;
   return static_cast<int>(std::min<int64_t>((left.count() + 999) / 1000, 60000));
 }
+
+short poll_one(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int rc = ::poll(&p, 1, poll_ms(deadline));
+    if (rc > 0) return p.revents;
+    if (rc == 0) {
+      if (Clock::now() >= deadline) return 0;
+      continue;
+    }
+    if (errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", errno_text(errno));
+  }
+}
+
+std::string errno_text(int err) { return str("errno ", err, " (", std::strerror(err), ")"); }
 
 void read_exact(int fd, void* data, size_t size, Clock::time_point deadline,
                 const std::string& what) {

@@ -30,7 +30,15 @@ void write_all(int fd, const void* data, size_t size, Clock::time_point deadline
 void set_socket_timeouts(int fd, Millis timeout);
 
 // Milliseconds for poll() until `deadline`: -1 for kNoDeadline, 0 once it passed, else at
-// least 1 (rounded up) and at most one minute (callers loop).
+// least 1 (rounded up, so that a poll never returns just before the deadline) and at most one
+// minute (callers loop).
 int poll_ms(Clock::time_point deadline);
+
+// Waits until `fd` is ready for `events` (POLLIN/POLLOUT) or the deadline passes. Returns the
+// revents (0 once the deadline passed). Retries on EINTR; NetworkError when poll fails.
+short poll_one(int fd, short events, Clock::time_point deadline);
+
+// "errno 104 (Connection reset by peer)".
+std::string errno_text(int err);
 
 }  // namespace tdist::net

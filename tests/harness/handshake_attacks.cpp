@@ -1,6 +1,6 @@
 #include "tests/harness/handshake_attacks.h"
 
-#include <netdb.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -8,6 +8,7 @@
 #include <cerrno>
 
 #include "tdist/core/error.h"
+#include "tdist/core/net/address.h"
 
 namespace tdist::test {
 namespace {
@@ -34,15 +35,8 @@ bool refused(int fd, const Bytes& hello) {
 }  // namespace
 
 int connect_to_port(const HandshakePort& p) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* list = nullptr;
-  TDIST_CHECK(::getaddrinfo(p.host.c_str(), std::to_string(p.port).c_str(), &hints, &list) == 0,
-              "cannot resolve ", p.host);
-  int fd = ::socket(list->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const int rc = fd < 0 ? -1 : ::connect(fd, list->ai_addr, list->ai_addrlen);
-  ::freeaddrinfo(list);
-  TDIST_CHECK(rc == 0, "cannot connect to ", p.host, ":", p.port);
+  const int fd = net::connect_once(p.host, p.port, soon(), "the port under test");
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL, 0) & ~O_NONBLOCK);  // the attacks block on recv
   net::set_socket_timeouts(fd, std::chrono::seconds(10));
   return fd;
 }

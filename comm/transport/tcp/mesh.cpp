@@ -131,7 +131,7 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
       fds.push_back({p.conn->fd(), POLLIN, 0});
       wake = std::min(wake, p.until);
     }
-    int rc = ::poll(fds.data(), fds.size(), net::poll_timeout_ms(wake));
+    int rc = ::poll(fds.data(), fds.size(), net::poll_ms(wake));
     if (rc < 0 && errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", net::errno_text(errno));
     if (rc <= 0) continue;
     // Read what the connections sent, newest first (so erasing keeps the indices below valid).
