@@ -524,6 +524,18 @@ TEST(TCPStore, ConnectTimeoutNamesTheAddress) {
   expect_contains(msg, "0.5 s");
 }
 
+// IPv6 addresses are bracketed in messages (a port after "::1:" would read as part of the
+// address); a host that does not resolve fails at once, even with no connect timeout (a retry
+// would wait forever).
+TEST(TCPStore, ConnectErrorsBracketIpv6AndUnknownHostsFailAtOnce) {
+  const uint16_t port = free_port();
+  std::string msg = expect_throw<NetworkError>([&] { TCPStore("::1", port, false, 300ms); });
+  expect_contains(msg, "[::1]:" + std::to_string(port));
+  msg = expect_throw<NetworkError>(
+      [&] { TCPStore("no-such-host.invalid", port, false, Store::kNoTimeout); });
+  expect_contains(msg, "cannot resolve host 'no-such-host.invalid'");
+}
+
 TEST(TCPStore, NumWorkersWaitsForEveryStore) {
   TCPStoreServer server("127.0.0.1", 0);
   constexpr int kWorkers = 3;
