@@ -11,6 +11,12 @@
 // true; with a timeout that passes first it throws TimeoutError (the operation itself keeps its
 // own deadline). result() gives the output tensors; future() completes with them (DDP's reducer
 // and comm hooks chain on it). Thread safe.
+//
+// A backend may give a Work a `run_here` hook: wait() with no timeout of its own calls it first,
+// and the backend runs the operation on the waiting thread when nothing is ahead of it (Note
+// [Waiter runs the operation] in comm/detail/ring_process_group.cpp). The hook is only called
+// while the operation is incomplete, so a Work that outlives its group (every pending operation
+// is failed when a group is destroyed) never calls into it.
 
 #include <ATen/core/Tensor.h>
 
@@ -75,9 +81,12 @@ class Work {
   std::exception_ptr exception() const { return future_->error(); }
   // See the class comment. Millis(-1): wait as long as the operation's own timeout allows.
   bool wait(Millis timeout = Millis(-1)) {
+    if (run_here_ && timeout.count() < 0 && !future_->completed()) run_here_();
     future_->wait(timeout);
     return true;
   }
+  // Set once, before the Work is handed out.
+  void set_run_here(std::function<void()> fn) { run_here_ = std::move(fn); }
   const std::vector<at::Tensor>& result() const { return future_->value(); }
   std::shared_ptr<Future> future() const { return future_; }
   // recv_any_source: the rank the message came from (valid once complete); -1 otherwise.
@@ -90,6 +99,7 @@ class Work {
   const std::string op_;
   const uint64_t seq_;
   const std::shared_ptr<Future> future_;
+  std::function<void()> run_here_;
 };
 
 }  // namespace tdist::comm

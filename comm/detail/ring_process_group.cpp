@@ -56,6 +56,7 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   auto debug = env::get("TDIST_DEBUG").value_or("OFF");
   debug_detail_ = debug == "DETAIL" || debug == "detail";
   const int spin_us = static_cast<int>(env::get_int("TDIST_SPIN_US", 0, 0, 1000000));
+  run_on_waiter_ = env::get_bool("TDIST_RUN_ON_WAITER", true);
 
   auto store = std::make_shared<PrefixStore>(prefix_, root_store_);
   const auto setup_deadline = deadline_after(opts_.timeout);
@@ -164,12 +165,39 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout
       queue_.push_back(std::move(op));
     }
   }
+  auto work = std::make_shared<Work>(name, seq, future);
   if (aborted) {
     future->set_error(aborted_error(name, seq));
   } else {
+    if (run_on_waiter_) work->set_run_here([this, seq] { run_here(seq); });
     cv_.notify_one();
   }
-  return std::make_shared<Work>(name, seq, future);
+  return work;
+}
+
+// Note [Waiter runs the operation]
+// A caller that waits on a collective as soon as it issued it (the blocking style of MPI and of
+// torch.distributed without async_op) would otherwise hand the operation to the worker thread
+// and sleep until the worker hands the result back: two thread wake-ups per operation, which on
+// a host with more runnable threads than cores cost more than a small collective itself. So
+// Work::wait() (without a timeout of its own) calls run_here(seq): when the operation is the
+// next one due (first in the queue, the worker idle), the waiting thread takes it and runs it
+// itself. Order is kept because only the first queued operation can be taken, and only one
+// thread runs operations at a time (running_); the worker waits while running_ is set. An
+// operation nobody waits for is run by the worker as before, so asynchronous use (issue,
+// do other work, wait later) makes progress. The exchange and scratch are used by whichever
+// thread holds running_. Continuations then run on the waiting thread. TDIST_RUN_ON_WAITER=0
+// turns it off (tdist-bench compares the two).
+void RingProcessGroup::run_here(uint64_t seq) {
+  std::unique_ptr<Op> op;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (running_ || stop_ || queue_.empty() || queue_.front()->seq != seq) return;
+    op = std::move(queue_.front());
+    queue_.pop_front();
+    running_ = true;
+  }
+  execute(*op);
 }
 
 void RingProcessGroup::worker_loop() {
@@ -177,7 +205,8 @@ void RingProcessGroup::worker_loop() {
     std::unique_ptr<Op> op;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      // Not while a waiter runs an operation (Note [Waiter runs the operation]).
+      cv_.wait(lock, [&] { return (stop_ && queue_.empty()) || (!queue_.empty() && !running_); });
       if (queue_.empty()) return;  // stop_
       op = std::move(queue_.front());
       queue_.pop_front();
@@ -187,12 +216,17 @@ void RingProcessGroup::worker_loop() {
   }
 }
 
+void RingProcessGroup::finish_running() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+  cv_.notify_one();  // the worker waits for running_ to clear when a waiter ran the operation
+}
+
 void RingProcessGroup::execute(Op& op) {
   if (aborted_.load()) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      running_ = false;
-    }
+    finish_running();
     op.future->set_error(aborted_error(op.name, op.seq));
     return;
   }
@@ -213,8 +247,7 @@ void RingProcessGroup::execute(Op& op) {
   {
     // Before completing: a caller that waited for this op may destroy the group at once, and
     // must not find it busy.
-    std::lock_guard<std::mutex> lock(mu_);
-    running_ = false;
+    finish_running();
   }
   try {
     if (error) {

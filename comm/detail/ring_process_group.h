@@ -4,7 +4,8 @@
 // Execution: each call validates its arguments on the caller's thread (InvalidArgument), takes a
 // sequence number and queues the operation; one worker thread per group runs the queue in order,
 // doing the socket I/O itself through an Exchange (no I/O thread in between), and completes the
-// Work's future (continuations run on the worker). send/recv go to the P2PEngine on their own
+// Work's future (continuations run on the worker), unless a caller that waits on the operation
+// runs it first on its own thread (Note [Waiter runs the operation] in ring_process_group.cpp). send/recv go to the P2PEngine on their own
 // channel and thread.
 //
 // Failure: a timeout or a broken connection in any operation aborts the group: the sockets are
@@ -21,6 +22,8 @@
 //   TDIST_TRANSPORT          auto (shared memory with same-host peers, else TCP) | tcp
 //   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 4 MiB)
 //   TDIST_DEBUG=DETAIL       fingerprint check before every collective
+//   TDIST_RUN_ON_WAITER      1 (default): Work::wait() runs the next due operation on the
+//                            waiting thread (Note [Waiter runs the operation]); 0: the worker only
 //
 // Thread safety: every public method may be called from any thread.
 
@@ -107,6 +110,8 @@ class RingProcessGroup final : public ProcessGroup {
   std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag, Millis timeout);
   void worker_loop();
   void execute(Op& op);
+  void run_here(uint64_t seq);  // Note [Waiter runs the operation]
+  void finish_running();
   void abort_with(std::exception_ptr cause);
   std::exception_ptr aborted_error(const char* name, uint64_t seq) const;
   Millis effective(Millis timeout) const { return timeout.count() < 0 ? opts_.timeout : timeout; }
@@ -124,10 +129,11 @@ class RingProcessGroup final : public ProcessGroup {
   std::string allreduce_algo_ = "auto";
   size_t small_allreduce_bytes_ = 64 * 1024;
   bool debug_detail_ = false;
+  bool run_on_waiter_ = true;
   std::unique_ptr<tcp::Mesh> mesh_;
   std::vector<std::unique_ptr<Channel>> channels_;  // collective channel per peer
-  std::unique_ptr<Exchange> exchange_;  // used by the worker thread only
-  algorithms::Scratch scratch_;         // used by the worker thread only
+  std::unique_ptr<Exchange> exchange_;  // used by the thread that set running_
+  algorithms::Scratch scratch_;         // used by the thread that set running_
   std::unique_ptr<P2PEngine> p2p_;
 
   std::atomic<bool> aborted_{false};
@@ -138,7 +144,7 @@ class RingProcessGroup final : public ProcessGroup {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Op>> queue_;  // guarded by mu_
   uint64_t next_seq_ = 0;                  // guarded by mu_
-  bool running_ = false;                   // guarded by mu_: the worker is executing an op
+  bool running_ = false;                   // guarded by mu_: an op is executing (worker or waiter)
   bool stop_ = false;                      // guarded by mu_
   std::exception_ptr abort_cause_;         // guarded by mu_
   std::thread worker_;
