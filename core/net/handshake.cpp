@@ -51,6 +51,17 @@ void seal(Bytes& msg, const std::string& token, const char* label, Service servi
   msg.insert(msg.end(), mac.begin(), mac.end());
 }
 
+// The magic, the fields and the MAC: the server's accept and the client's confirm.
+Bytes sealed_fields(const Bytes& fields, const std::string& token, const char* label,
+                    Service service, const Nonce& n1, const Nonce& n2) {
+  Bytes msg;
+  wire::Writer w(msg);
+  w.u32(kMagic);
+  w.raw(fields.data(), fields.size());
+  seal(msg, token, label, service, n1, &n2);
+  return msg;
+}
+
 bool sealed(const uint8_t* msg, size_t size, const std::string& token, const char* label,
             Service service, const Nonce& n1, const Nonce* n2) {
   const Digest expect = mac_of(token, label, service, msg, size - kMacBytes, n1, n2);
@@ -136,12 +147,7 @@ Bytes ServerHandshake::verify_hello(const uint8_t* msg, size_t size, size_t fiel
 
 Bytes ServerHandshake::accept(const Bytes& fields) const {
   TDIST_CHECK(hello_verified_, "handshake: accept() before the hello verified");
-  Bytes msg;
-  wire::Writer w(msg);
-  w.u32(kMagic);
-  w.raw(fields.data(), fields.size());
-  seal(msg, token_, "tdist-accept", service_, nonce_c_, &nonce_s_);
-  return msg;
+  return sealed_fields(fields, token_, "tdist-accept", service_, nonce_c_, nonce_s_);
 }
 
 Bytes ServerHandshake::verify_confirm(const uint8_t* msg, size_t size, size_t fields) const {
@@ -191,12 +197,7 @@ Bytes ClientHandshake::verify_accept(const uint8_t* msg, size_t size, size_t fie
 
 Bytes ClientHandshake::confirm(const Bytes& fields) const {
   TDIST_CHECK(challenge_seen_, "handshake: confirm() before the challenge");
-  Bytes msg;
-  wire::Writer w(msg);
-  w.u32(kMagic);
-  w.raw(fields.data(), fields.size());
-  seal(msg, token_, "tdist-confirm", service_, nonce_s_, &nonce_c_);
-  return msg;
+  return sealed_fields(fields, token_, "tdist-confirm", service_, nonce_s_, nonce_c_);
 }
 
 Bytes client_handshake(int fd, ClientHandshake& handshake, const Bytes& fields,
