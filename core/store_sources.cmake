@@ -5,6 +5,7 @@
 set(TDIST_CORE_STORE_SOURCES
   env.cpp
   net/address.cpp
+  net/frame.cpp
   net/handshake.cpp
   net/socket_io.cpp
   store.cpp

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "tdist/core/error.h"
+#include "tdist/core/net/frame.h"
 
 namespace tdist::rpc::detail {
 namespace {
@@ -42,9 +43,8 @@ const char* message_type_name(MessageType type) {
 
 void encode_header(const FrameHeader& h, uint8_t* out) {
   uint8_t* p = out;
-  put<uint32_t>(p, kMagic);
-  put<uint16_t>(p, kVersion);
-  put<uint16_t>(p, static_cast<uint16_t>(h.type));
+  net::encode_frame_prefix(kProtocol, static_cast<uint16_t>(h.type), p);
+  p += net::kFramePrefixBytes;
   put<uint32_t>(p, h.flags);
   put<uint32_t>(p, h.body_len);
   put<uint32_t>(p, h.meta_len);
@@ -54,18 +54,9 @@ void encode_header(const FrameHeader& h, uint8_t* out) {
 }
 
 FrameHeader decode_header(const uint8_t* in, uint64_t max_frame_bytes) {
-  const uint8_t* p = in;
-  auto magic = get<uint32_t>(p);
-  if (magic != kMagic) {
-    throw ProtocolError(str("bad frame magic 0x", std::hex, magic, " (expected 0x", kMagic, ")"));
-  }
-  auto version = get<uint16_t>(p);
-  if (version != kVersion) {
-    throw ProtocolError(str("unsupported RPC wire version ", version, " (this build speaks ",
-                            kVersion, ")"));
-  }
+  const uint16_t type = net::check_frame_prefix(in, kProtocol).code;
+  const uint8_t* p = in + net::kFramePrefixBytes;
   FrameHeader h;
-  auto type = get<uint16_t>(p);
   if (type == 0 || type > static_cast<uint16_t>(MessageType::kMaxType)) {
     throw ProtocolError(str("unknown message type ", type));
   }
@@ -78,9 +69,9 @@ FrameHeader decode_header(const uint8_t* in, uint64_t max_frame_bytes) {
   if (reserved != 0) throw ProtocolError("reserved frame header field is not zero");
   h.id = get<uint64_t>(p);
   h.length = get<uint64_t>(p);
-  if (h.length > max_frame_bytes) {
-    throw ProtocolError(str("frame of ", h.length, " bytes exceeds the maximum frame size of ",
-                            max_frame_bytes, " bytes"));
+  if (std::string problem = net::length_problem(h.length, max_frame_bytes, "frame");
+      !problem.empty()) {
+    throw ProtocolError(problem);
   }
   if (h.body_len > h.length || h.meta_len > h.body_len) {
     throw ProtocolError(str("inconsistent frame lengths: length ", h.length, ", body ",

@@ -7,6 +7,8 @@
 //
 //   header  u32 magic "TRPC" | u16 version | u16 type | u32 flags | u32 body_len | u32 meta_len |
 //           u32 reserved (0) | u64 id | u64 length            (little-endian)
+//           (the first 8 bytes are the prefix of every tdist frame: Note [Frame prefix] in
+//           core/net/frame.h)
 //   body    body_len bytes = payload (body_len - meta_len bytes) + tensor section (meta_len bytes)
 //   tensors length - body_len bytes: every tensor's bytes, in order, contiguous row-major
 //
@@ -38,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/core/net/frame.h"
 #include "tdist/core/store.h"
 #include "tdist/core/tensor_wire.h"
 
@@ -66,7 +69,8 @@ inline bool is_request(MessageType t) {
 
 constexpr uint32_t kMagic = 0x43505254;  // "TRPC"
 constexpr uint16_t kVersion = 1;
-constexpr size_t kHeaderSize = 40;
+constexpr net::FrameProtocol kProtocol{kMagic, kVersion, "tdist RPC"};
+constexpr size_t kHeaderSize = 40;  // the frame prefix (Note [Frame prefix]) and 32 more bytes
 
 constexpr uint32_t kFlagHasRRefs = 1u << 0;       // decode on a worker thread (runs the protocol)
 constexpr uint32_t kFlagRemoteTensors = 1u << 1;  // tensor bytes stay in the sender's memory

@@ -79,26 +79,6 @@ struct Row {
   double of_anchor = 0;     // busbw / the anchor's busbw
 };
 
-size_t parse_bytes(const std::string& text) {
-  TDIST_CHECK_ARG(!text.empty(), "empty size");
-  size_t mult = 1;
-  std::string num = text;
-  char last = static_cast<char>(std::toupper(text.back()));
-  if (last == 'K' || last == 'M' || last == 'G') {
-    mult = last == 'K' ? 1024 : last == 'M' ? 1024 * 1024 : 1024ull * 1024 * 1024;
-    num = text.substr(0, text.size() - 1);
-  }
-  size_t pos = 0;
-  unsigned long long v = 0;
-  try {
-    v = std::stoull(num, &pos);
-  } catch (...) {
-    pos = 0;
-  }
-  TDIST_CHECK_ARG(pos == num.size() && pos > 0, "size '", text, "' is not a number with an optional K/M/G suffix");
-  return static_cast<size_t>(v) * mult;
-}
-
 at::ScalarType parse_dtype(const std::string& s) {
   static const std::map<std::string, at::ScalarType> m = {
       {"float32", at::kFloat}, {"float", at::kFloat},   {"float64", at::kDouble},

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -117,6 +118,26 @@ void draw_plot(const std::string& python, const std::string& kind, const std::st
 
 void report_error(const char* name, const std::exception& e) {
   std::cerr << name << ": " << e.what() << std::endl;
+}
+
+size_t parse_bytes(const std::string& text) {
+  TDIST_CHECK_ARG(!text.empty(), "empty size");
+  size_t mult = 1;
+  std::string num = text;
+  char last = static_cast<char>(std::toupper(text.back()));
+  if (last == 'K' || last == 'M' || last == 'G') {
+    mult = last == 'K' ? 1024 : last == 'M' ? 1024 * 1024 : 1024ull * 1024 * 1024;
+    num = text.substr(0, text.size() - 1);
+  }
+  size_t pos = 0;
+  unsigned long long v = 0;
+  try {
+    v = std::stoull(num, &pos);
+  } catch (...) {
+    pos = 0;
+  }
+  TDIST_CHECK_ARG(pos == num.size() && pos > 0, "size '", text, "' is not a number with an optional K/M/G suffix");
+  return static_cast<size_t>(v) * mult;
 }
 
 }  // namespace tdist::bench

@@ -63,6 +63,10 @@ std::string find_script(const std::string& name);
 void draw_plot(const std::string& python, const std::string& kind, const std::string& json_path,
                const std::string& png);
 
+// A byte count with an optional K/M/G suffix (powers of 1024): "4K" is 4096. InvalidArgument
+// naming `text` when it is not one.
+size_t parse_bytes(const std::string& text);
+
 // Prints "<name>: <what>" on stderr.
 void report_error(const char* name, const std::exception& e);
 

@@ -22,6 +22,8 @@ const SelfContained kSelfContained[] = {
      tdist::bench::run_ddp_bench},
     {"rpc", "RPC latency, call rate and tensor echo: tdist vs torch.distributed.rpc",
      tdist::bench::run_rpc_bench},
+    {"net", "the I/O models (POSIX, poll, Boost.Asio) on the traffic of the mesh, RPC and the store",
+     tdist::bench::run_net_bench},
 };
 
 }  // namespace

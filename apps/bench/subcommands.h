@@ -5,6 +5,7 @@
 //   rpc         (rpc.cpp)         RPC round trip, async rate, tensor echo vs torch.distributed.rpc
 //   rpc --autograd (autograd.cpp) training over RPC with distributed autograd and the
 //                                 DistributedOptimizer vs torch.distributed.autograd
+//   net         (net.cpp)         POSIX, poll and Boost.Asio I/O on each stack's traffic
 // What they share is in common.h (all) and two_workers.h (rpc and autograd).
 #include <CLI/CLI.hpp>
 
@@ -19,5 +20,6 @@ int run_ddp_bench(int argc, char** argv);
 // Hands over to run_autograd_bench() when --autograd is among the arguments.
 int run_rpc_bench(int argc, char** argv);
 int run_autograd_bench(int argc, char** argv);
+int run_net_bench(int argc, char** argv);
 
 }  // namespace tdist::bench

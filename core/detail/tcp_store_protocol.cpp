@@ -26,30 +26,22 @@ bool is_known_command(uint16_t code) {
 }
 
 void encode_header(const Header& h, uint8_t* out) {
-  std::memcpy(out, &h.magic, 4);
-  std::memcpy(out + 4, &h.version, 2);
-  std::memcpy(out + 6, &h.code, 2);
-  std::memcpy(out + 8, &h.body_bytes, 8);
+  // The magic and version of `h`, not kProtocol's: tests write wrong ones on purpose.
+  net::encode_frame_prefix({h.magic, h.version, "the TCPStore protocol"}, h.code, out);
+  std::memcpy(out + net::kFramePrefixBytes, &h.body_bytes, 8);
 }
 
 Header decode_header(const uint8_t* in) {
-  Header h;
-  std::memcpy(&h.magic, in, 4);
-  std::memcpy(&h.version, in + 4, 2);
-  std::memcpy(&h.code, in + 6, 2);
-  std::memcpy(&h.body_bytes, in + 8, 8);
+  const net::FramePrefix p = net::decode_frame_prefix(in);
+  Header h{p.magic, p.version, p.code, 0};
+  std::memcpy(&h.body_bytes, in + net::kFramePrefixBytes, 8);
   return h;
 }
 
 std::string header_problem(const Header& h, uint64_t max_body) {
-  if (h.magic != kMagic) return str("bad magic 0x", std::hex, h.magic, " (expected 0x", kMagic, ")");
-  if (h.version != kVersion) {
-    return str("unsupported protocol version ", h.version, " (expected ", kVersion, ")");
-  }
-  if (h.body_bytes > max_body) {
-    return str("frame body of ", h.body_bytes, " bytes exceeds the limit of ", max_body);
-  }
-  return {};
+  std::string problem = net::frame_problem({h.magic, h.version, h.code}, kProtocol);
+  if (problem.empty()) problem = net::length_problem(h.body_bytes, max_body, "frame body");
+  return problem;
 }
 
 Bytes make_frame(uint16_t code, const Bytes& body) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/core/net/frame.h"
 #include "tdist/core/store.h"
 #include "tdist/core/wire.h"
 
@@ -13,7 +14,9 @@ namespace tdist::detail::tcp_store {
 
 constexpr uint32_t kMagic = 0x54534454;  // the bytes "TDST" read as a little-endian u32
 constexpr uint16_t kVersion = 1;
-constexpr size_t kHeaderBytes = 16;      // u32 magic | u16 version | u16 code | u64 body length
+constexpr net::FrameProtocol kProtocol{kMagic, kVersion, "the TCPStore protocol"};
+// The frame prefix (Note [Frame prefix] in core/net/frame.h), then the u64 body length.
+constexpr size_t kHeaderBytes = net::kFramePrefixBytes + 8;
 
 // Requests (the u16 code of a request frame).
 enum class Command : uint16_t {

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "tdist/core/error.h"
+#include "tdist/core/net/frame.h"
 #include "tdist/core/wire.h"
 
 namespace tdist::net {
@@ -15,6 +16,8 @@ namespace {
 
 constexpr uint32_t kMagic = 0x53484454;  // "TDHS"
 constexpr uint16_t kVersion = 1;
+// CHALLENGE and HELLO start with the frame prefix (Note [Frame prefix]); its code is the service.
+constexpr FrameProtocol kProtocol{kMagic, kVersion, "tdist's handshake"};
 using Nonce = std::array<uint8_t, 32>;
 
 // OpenSSL frees its state in an atexit handler registered at its first use, so a handshake made
@@ -74,22 +77,21 @@ void check_size(size_t size, size_t expected, const char* message) {
   }
 }
 
+void write_preamble(wire::Writer& w, Service service) {
+  uint8_t prefix[kFramePrefixBytes];
+  encode_frame_prefix(kProtocol, static_cast<uint16_t>(service), prefix);
+  w.raw(prefix, sizeof(prefix));
+}
+
 // Magic, version and service of a CHALLENGE or HELLO; ProtocolError naming what differs.
 void check_preamble(wire::Reader& r, Service service, const char* message) {
-  const uint32_t magic = r.u32();
-  if (magic != kMagic) {
-    TDIST_THROW(ProtocolError, "handshake: the ", message,
-                " is not tdist's (bad magic: the peer speaks another protocol)");
+  const FramePrefix prefix = decode_frame_prefix(r.raw(kFramePrefixBytes, "frame prefix"));
+  if (std::string problem = frame_problem(prefix, kProtocol); !problem.empty()) {
+    TDIST_THROW(ProtocolError, "handshake: the ", message, ": ", problem);
   }
-  const uint16_t version = r.u16();
-  if (version != kVersion) {
-    TDIST_THROW(ProtocolError, "handshake: the ", message, " has version ", version,
-                ", this build speaks ", kVersion);
-  }
-  const uint16_t theirs = r.u16();
-  if (theirs != static_cast<uint16_t>(service)) {
+  if (prefix.code != static_cast<uint16_t>(service)) {
     TDIST_THROW(ProtocolError, "handshake: the peer speaks to a ",
-                service_name(static_cast<Service>(theirs)), " port, this is a ",
+                service_name(static_cast<Service>(prefix.code)), " port, this is a ",
                 service_name(service), " port");
   }
 }
@@ -127,9 +129,7 @@ Digest hmac_sha256(const std::string& key, const uint8_t* data, size_t size) {
 ServerHandshake::ServerHandshake(std::string token, Service service)
     : token_(std::move(token)), service_(service), nonce_s_(random_nonce()) {
   wire::Writer w(challenge_);
-  w.u32(kMagic);
-  w.u16(kVersion);
-  w.u16(static_cast<uint16_t>(service_));
+  write_preamble(w, service_);
   w.raw(nonce_s_.data(), nonce_s_.size());
 }
 
@@ -174,9 +174,7 @@ Bytes ClientHandshake::hello(const uint8_t* challenge, size_t size, const Bytes&
   challenge_seen_ = true;
   Bytes msg;
   wire::Writer w(msg);
-  w.u32(kMagic);
-  w.u16(kVersion);
-  w.u16(static_cast<uint16_t>(service_));
+  write_preamble(w, service_);
   w.raw(nonce_c_.data(), nonce_c_.size());
   w.raw(fields.data(), fields.size());
   seal(msg, token_, "tdist-hello", service_, nonce_s_, nullptr);

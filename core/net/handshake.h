@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <string>
 
+#include "tdist/core/net/frame.h"
 #include "tdist/core/net/socket_io.h"
 #include "tdist/core/store.h"
 
@@ -48,10 +49,10 @@ const char* service_name(Service service);
 using Digest = std::array<uint8_t, 32>;
 Digest hmac_sha256(const std::string& key, const uint8_t* data, size_t size);
 
-constexpr size_t kChallengeBytes = 4 + 2 + 2 + 32;
+constexpr size_t kChallengeBytes = kFramePrefixBytes + 32;
 constexpr size_t kMacBytes = 32;
 // Sizes of the other messages for `fields` bytes of fields.
-constexpr size_t hello_bytes(size_t fields) { return 4 + 2 + 2 + 32 + fields + kMacBytes; }
+constexpr size_t hello_bytes(size_t fields) { return kFramePrefixBytes + 32 + fields + kMacBytes; }
 constexpr size_t accept_bytes(size_t fields) { return 4 + fields + kMacBytes; }
 constexpr size_t confirm_bytes(size_t fields) { return 4 + fields + kMacBytes; }
 

@@ -5,7 +5,7 @@
 # figure / bound, fails); bad flags exit 2 with the reason.
 #   bench_bounds_test.sh MODE <tdist-run> <tdist-bench> <python> <plot_bench.py>
 # MODE: collective-shm, collective-tcp, anchor-mpi (exit 77, ctest's skip, without mpirun),
-#       anchor-gloo, ddp, rpc, bad-flags, plot.
+#       anchor-gloo, ddp, rpc, net, bad-flags, plot.
 set -euo pipefail
 mode="$1"; run="$2"; bench="$3"; python="$4"; plot="$5"
 work="$(mktemp -d "${TMPDIR:-/tmp}/tdist-bench-bounds-XXXXXX")"
@@ -128,6 +128,28 @@ EOF
       --init-method "tcp://127.0.0.1:1?rank=0&world_size=1"
     expect_usage_error "--world-size" "$bench" ddp --world-size 1
     expect_usage_error "--bound-bytes" "$bench" rpc --bound-bytes 0
+    expect_usage_error "--small" "$bench" net --small 0
+    ;;
+  net)
+    # Every model on every shape, each figure positive and finite, the table the JSON's.
+    timeout 120 "$bench" net --rounds 1 --iters 50 --large 1M --large-iters 3 --clients 3 \
+      --requests 50 --json "$work/n.json" >"$work/n.out"
+    cat "$work/n.out"
+    "$python" - "$work/n.json" "$work/n.out" <<'EOF'
+import json, math, sys
+data, table = json.load(open(sys.argv[1])), open(sys.argv[2]).read().splitlines()
+models = ["posix", "poll", "asio", "asio-inline"]
+keys = ["pingpong_us", "stream_gbps", "requests_per_s"]
+assert sorted(data["models"]) == sorted(models), data["models"]
+assert table[0].split()[1:] == models, table[0]
+for i, k in enumerate(keys):
+    fields = table[1 + i].split()[-len(models):]
+    for m, f in zip(models, fields):
+        v = data["models"][m][k]
+        assert isinstance(v, float) and math.isfinite(v) and v > 0, (m, k, v)
+        assert abs(float(f) - v) <= 0.5 + 1e-6 * v, (m, k, f, v)  # printed with 0-2 decimals
+print("net table ok")
+EOF
     ;;
   plot)
     "$python" -c "import matplotlib" 2>/dev/null || { echo "SKIP: no matplotlib for $python"; exit 77; }
