@@ -9,8 +9,12 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 
+#include "tdist/core/detail/tcp_store_protocol.h"
 #include "tdist/core/env.h"
+#include "tdist/core/net/frame.h"
+#include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/rpc/auth.h"
 #include "tests/harness/memory.h"
@@ -234,6 +238,75 @@ TEST_F(RpcBadPeer, AWellFormedRawCallIsAnswered) {
   net::read_exact(fd, rb.data(), rb.size(), soon(), "test");
   EXPECT_EQ(decode<int64_t>(rb), 42);
   ::close(fd);
+}
+
+TEST(FramePrefix, EachProtocolNamesItselfWhenFedAnothersFrame) {
+  // The store, RPC and the handshake share their first 8 bytes (Note [Frame prefix]): a frame of
+  // one fed to another is told apart by its magic, a newer version by its version, and the
+  // wording is the same in all three.
+  using StoreHeader = tdist::detail::tcp_store::Header;
+  namespace store = tdist::detail::tcp_store;
+  uint8_t store_frame[store::kHeaderBytes];
+  store::encode_header(StoreHeader{store::kMagic, store::kVersion, 2, 5}, store_frame);
+  uint8_t rpc_frame[detail::kHeaderSize];
+  FrameHeader h;
+  h.type = MessageType::kCall;
+  h.length = 5;
+  h.body_len = 5;
+  detail::encode_header(h, rpc_frame);
+
+  const net::FramePrefix as_store = net::decode_frame_prefix(store_frame);
+  EXPECT_EQ(as_store.code, 2);
+  EXPECT_EQ(net::decode_frame_prefix(rpc_frame).code, static_cast<uint16_t>(MessageType::kCall));
+  EXPECT_EQ(store::header_problem(store::decode_header(store_frame), 1 << 20), "");
+  EXPECT_EQ(detail::decode_header(rpc_frame, 1 << 20).length, 5u);
+
+  // A store frame at an RPC port, an RPC frame at the store.
+  try {
+    detail::decode_header(store_frame, 1 << 20);
+    ADD_FAILURE() << "an RPC receiver decoded a store frame";
+  } catch (const ProtocolError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad magic 0x54534454 (expected 0x43505254: the peer "
+                                         "does not speak tdist RPC)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(store::header_problem(store::decode_header(rpc_frame), 1 << 20),
+            "bad magic 0x43505254 (expected 0x54534454: the peer does not speak the TCPStore "
+            "protocol)");
+
+  // A version this build does not speak, and a length over the limit, in the same words.
+  rpc_frame[4] = 9;
+  try {
+    detail::decode_header(rpc_frame, 1 << 20);
+    ADD_FAILURE() << "version 9 accepted";
+  } catch (const ProtocolError& e) {
+    EXPECT_NE(std::string(e.what()).find("unsupported protocol version 9 (tdist RPC here speaks 1)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(store::header_problem(StoreHeader{store::kMagic, 9, 2, 0}, 1 << 20),
+            "unsupported protocol version 9 (the TCPStore protocol here speaks 1)");
+  EXPECT_EQ(store::header_problem(StoreHeader{store::kMagic, store::kVersion, 2, 2048}, 1024),
+            "frame body of 2048 bytes exceeds the limit of 1024 bytes");
+
+  // The handshake's challenge carries the same prefix, the service as its code.
+  net::ServerHandshake server("t", net::Service::kRpc);
+  const net::FramePrefix challenge = net::decode_frame_prefix(server.challenge().data());
+  EXPECT_EQ(challenge.code, static_cast<uint16_t>(net::Service::kRpc));
+  Bytes not_a_challenge(net::kChallengeBytes, 0);
+  std::memcpy(not_a_challenge.data(), store_frame, sizeof(store_frame));
+  net::ClientHandshake client("t", net::Service::kRpc);
+  try {
+    client.hello(not_a_challenge.data(), not_a_challenge.size(), {});
+    ADD_FAILURE() << "a store frame passed for a challenge";
+  } catch (const ProtocolError& e) {
+    EXPECT_NE(std::string(e.what()).find("handshake: the challenge: bad magic 0x54534454 "
+                                         "(expected 0x53484454: the peer does not speak tdist's "
+                                         "handshake)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(RpcToken, MismatchedTokensFailCallsNotStartUp) {
