@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "apps/bench/bounds.h"
 #include "apps/bench/common.h"
 #include "apps/bench/subcommands.h"
 #include "tdist/core/error.h"
@@ -103,34 +104,15 @@ class Endpoint {
   virtual void recv(void* data, size_t n) = 0;
 };
 
+// Blocking calls: bounds.h's TcpLink, the plain TCP the other benchmarks measure their bound with.
 class PosixEndpoint : public Endpoint {
  public:
-  explicit PosixEndpoint(int fd) : fd_(fd) { set_blocking(fd_, true); }
-  ~PosixEndpoint() override { ::close(fd_); }
-  void send(const void* data, size_t n) override {
-    const auto* p = static_cast<const char*>(data);
-    while (n > 0) {
-      const ssize_t k = ::send(fd_, p, n, MSG_NOSIGNAL);
-      if (k < 0 && errno == EINTR) continue;
-      if (k <= 0) throw sys_error("send");
-      p += k;
-      n -= static_cast<size_t>(k);
-    }
-  }
-  void recv(void* data, size_t n) override {
-    auto* p = static_cast<char*>(data);
-    while (n > 0) {
-      const ssize_t k = ::recv(fd_, p, n, 0);
-      if (k < 0 && errno == EINTR) continue;
-      if (k == 0) throw std::runtime_error("recv: the peer closed the connection");
-      if (k < 0) throw sys_error("recv");
-      p += k;
-      n -= static_cast<size_t>(k);
-    }
-  }
+  explicit PosixEndpoint(int fd) : link_((set_blocking(fd, true), fd)) {}
+  void send(const void* data, size_t n) override { link_.send_all(data, n); }
+  void recv(void* data, size_t n) override { link_.recv_all(data, n); }
 
  private:
-  int fd_;
+  TcpLink link_;
 };
 
 class PollEndpoint : public Endpoint {
