@@ -107,6 +107,18 @@ int WorkAdapter::sourceRank() const {
 std::vector<at::Tensor> WorkAdapter::result() { return outputs_; }
 
 bool WorkAdapter::wait(std::chrono::milliseconds timeout) {
+  if (timeout == kC10dNoTimeout) {
+    // Each operation runs on this thread when it is next due and the progress thread is idle
+    // (Note [Waiter runs the operation] in comm/detail/ring_process_group.cpp); an error stops
+    // here and is done_'s, rethrown below.
+    for (const auto& w : works_) {
+      try {
+        w->wait();
+      } catch (...) {
+        break;
+      }
+    }
+  }
   try {
     done_->wait(timeout == kC10dNoTimeout ? comm::Millis(-1) : timeout);
   } catch (const TimeoutError&) {

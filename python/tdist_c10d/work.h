@@ -10,6 +10,9 @@
 // - wait(timeout) waits on the tdist future (so that a timeout given here applies; zero means
 //   "as long as the operation's own deadline allows", c10d's kNoTimeout), rethrows its error,
 //   then waits for the c10 future's completion, which the tdist callback performs at once.
+//   With kNoTimeout it first waits on each tdist Work in turn, so that the waiting thread runs
+//   an operation that is next due itself (Note [Waiter runs the operation]); waits on the
+//   c10 future (getFuture().wait(), DDP's reducer) leave it to the progress thread.
 // - Errors cross into torch as c10::DistBackendError (torch.distributed.DistBackendError in
 //   Python, a RuntimeError) carrying tdist's message, which names the rank, the operation, the
 //   peer and the sequence number.
