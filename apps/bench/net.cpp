@@ -253,7 +253,8 @@ double time_round_trip(const std::string& model, size_t bytes, int warmup, int i
 // The store's shape: `clients` blocking clients, one server of `model`; requests per second.
 class RequestServer {
  public:
-  RequestServer(const std::string& model, std::vector<int> fds) : model_(model), fds_(std::move(fds)) {}
+  RequestServer(const std::string& model, std::vector<int> fds)
+      : model_(model), fds_(std::move(fds)) {}
 
   // Serves every connection until its client closes it.
   void serve() {
@@ -421,7 +422,8 @@ int run_net_bench(int argc, char** argv) {
   app.add_option("--iters", o.iters, "ping-pongs timed per model")->check(CLI::Range(1, 1 << 24));
   app.add_option("--large-iters", o.large_iters, "stream rounds timed per model")
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--clients", o.clients, "connections of the request shape")->check(CLI::Range(1, 512));
+  app.add_option("--clients", o.clients, "connections of the request shape")
+      ->check(CLI::Range(1, 512));
   app.add_option("--requests", o.requests, "requests per client")->check(CLI::Range(1, 1 << 24));
   app.add_option("--rounds", o.rounds, "rounds, each running every model in turn (median)")
       ->check(CLI::Range(1, 1000));
@@ -435,7 +437,8 @@ int run_net_bench(int argc, char** argv) {
     o.small = parse_bytes(o.small_text);
     o.large = parse_bytes(o.large_text);
     for (size_t b : {o.small, o.large}) {
-      TDIST_CHECK_ARG(b >= 1 && b <= (size_t{1} << 30), "--small and --large take 1 byte to 1G, not ", b, " bytes");
+      TDIST_CHECK_ARG(b >= 1 && b <= (size_t{1} << 30),
+                      "--small and --large take 1 byte to 1G, not ", b, " bytes");
     }
     std::vector<json> rounds;
     for (int i = 0; i < o.rounds; ++i) rounds.push_back(measure_round(o));

@@ -28,8 +28,9 @@ case "$mode" in
     cp -n "$here/corpus/$corpus_name"/* "$work/"
     cd "$build"
     # -rss_limit_mb: an input that makes a decoder allocate what its bytes do not pay for fails.
+    # -error_exitcode: libFuzzer's own default for a finding is 77, which ctest reads as "skipped".
     "./fuzz_$target" -max_total_time="$seconds" -rss_limit_mb=1024 -timeout=10 \
-      -print_final_stats=1 "$work"
+      -error_exitcode=1 -print_final_stats=1 "$work"
     ;;
   *) echo "usage: run.sh build|run BUILD_DIR [TARGET SECONDS]" >&2; exit 2 ;;
 esac
