@@ -27,7 +27,7 @@ bool is_known_command(uint16_t code) {
 
 void encode_header(const Header& h, uint8_t* out) {
   // The magic and version of `h`, not kProtocol's: tests write wrong ones on purpose.
-  net::encode_frame_prefix({h.magic, h.version, "the TCPStore protocol"}, h.code, out);
+  net::encode_frame_prefix({h.magic, h.version, kProtocol.name}, h.code, out);
   std::memcpy(out + net::kFramePrefixBytes, &h.body_bytes, 8);
 }
 
