@@ -3,7 +3,6 @@
 // counted from /proc and /dev/shm. The first round warms up what lives for the whole process
 // (libtorch's thread pools, the logger); every later round must end where the first ended.
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -16,21 +15,10 @@
 #include <string>
 
 #include "tests/comm/comm_test_util.h"
+#include "tests/harness/proc_counts.h"
 
 namespace tdist::comm {
 namespace {
-
-int entries(const std::string& dir, const std::string& prefix = "") {
-  int n = 0;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name != "." && name != ".." && name.rfind(prefix, 0) == 0) ++n;
-    }
-    ::closedir(d);
-  }
-  return n;
-}
 
 struct Held {
   int threads = 0, fds = 0, shm_files = 0, shm_maps = 0;
@@ -46,9 +34,9 @@ std::ostream& operator<<(std::ostream& os, const Held& h) {
 
 Held held() {
   Held h;
-  h.threads = entries("/proc/self/task");
-  h.fds = entries("/proc/self/fd");
-  h.shm_files = entries("/dev/shm", "tdist-");
+  h.threads = tdist::test::thread_count();
+  h.fds = tdist::test::fd_count();
+  h.shm_files = tdist::test::dir_entries("/dev/shm", "tdist-");
   std::ifstream maps("/proc/self/maps");
   for (std::string line; std::getline(maps, line);) {
     if (line.find("/tdist-") != std::string::npos) ++h.shm_maps;

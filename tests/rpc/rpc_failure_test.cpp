@@ -18,6 +18,7 @@
 #include "tdist/core/tcp_store.h"
 #include "tdist/rpc/auth.h"
 #include "tests/harness/memory.h"
+#include "tests/harness/proc_counts.h"
 #include "tests/harness/process.h"
 #include "tests/rpc/raw_peer.h"
 #include "tests/rpc/rpc_test_util.h"
@@ -543,6 +544,42 @@ TEST(RpcKilledWorker, PendingCallsFailOnTheOthers) {
   EXPECT_TRUE(results[2].ok()) << results[2].describe() << "\n" << results[2].output;
   EXPECT_FALSE(results[1].exited) << results[1].describe();
 }
+
+// Nothing left behind by RPC: two agents that call each other, create and fetch RRefs and are
+// shut down, gracefully or not, leave this process with the threads and descriptors it had after
+// the first round (which warms up what lives for the whole process). A reader thread may still be
+// ending when shutdown() returns, so the counts get a bounded time to settle.
+void one_rpc_round(bool graceful) {
+  auto a = start_agents(2);
+  for (int i = 0; i < 20; ++i) {
+    const char* to = i % 2 ? "w0" : "w1";
+    EXPECT_EQ(a[i % 2]->rpc_sync<int64_t>(to, "add", int64_t{i}, int64_t{1}), i + 1);
+  }
+  {
+    RRef<Tracked> r = a[0]->remote<Tracked>("w1", "Tracked", int64_t{7});
+    EXPECT_EQ(r.to_here().id(), 7);
+  }  // the fork is deleted: the owner's value goes
+  shutdown_all(a, graceful);
+}
+
+void expect_rpc_leaves_nothing(bool graceful) {
+  one_rpc_round(graceful);
+  const int threads = tdist::test::thread_count(), fds = tdist::test::fd_count();
+  for (int round = 2; round <= 4; ++round) {
+    one_rpc_round(graceful);
+    const bool settled = eventually([&] {
+      return tdist::test::thread_count() == threads && tdist::test::fd_count() == fds;
+    }, 10s);
+    EXPECT_TRUE(settled) << "round " << round << ": " << tdist::test::thread_count()
+                         << " threads and " << tdist::test::fd_count()
+                         << " descriptors 10 s after shutdown, against " << threads << " and "
+                         << fds << " after the first round";
+  }
+}
+
+TEST(RpcLeaks, AGracefulShutdownLeavesNoThreadOrDescriptor) { expect_rpc_leaves_nothing(true); }
+
+TEST(RpcLeaks, AnAbruptShutdownLeavesNoThreadOrDescriptor) { expect_rpc_leaves_nothing(false); }
 
 }  // namespace
 }  // namespace tdist::rpc::test
