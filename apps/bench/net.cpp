@@ -296,6 +296,11 @@ class RequestServer {
     }
     std::vector<Conn> conns(fds_.size());
     size_t open = fds_.size();
+    auto drop = [&](size_t i) {  // the client closed its connection, or it failed
+      ::close(pfds[i].fd);
+      pfds[i].fd = -1;
+      --open;
+    };
     while (open > 0) {
       if (::poll(pfds.data(), pfds.size(), -1) < 0) {
         if (errno == EINTR) continue;
@@ -308,9 +313,7 @@ class RequestServer {
         if (!c.replying) {
           const ssize_t k = ::recv(fd, c.buf + c.got, kRequestBytes - c.got, 0);
           if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR)) {
-            ::close(fd);
-            pfds[i].fd = -1;
-            --open;
+            drop(i);
             continue;
           }
           if (k > 0) c.got += static_cast<size_t>(k);
@@ -320,9 +323,7 @@ class RequestServer {
         }
         const ssize_t k = ::send(fd, c.buf + c.sent, kRequestBytes - c.sent, MSG_NOSIGNAL);
         if (k < 0 && errno != EAGAIN && errno != EINTR) {
-          ::close(fd);
-          pfds[i].fd = -1;
-          --open;
+          drop(i);
           continue;
         }
         if (k > 0) c.sent += static_cast<size_t>(k);
