@@ -296,6 +296,19 @@ void Exchange::wait_for_io() {
   check_aborted();
   pollfds_.clear();
   poll_peers_.clear();
+  int waiting = 0, only = -1;
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_ || !(sends_[p].pending() || recv_ready(p))) continue;
+    ++waiting;
+    only = p;
+  }
+  if (waiting == 1 && wait_alone_ && peers_[only]->can_wait_alone()) {
+    // One peer to wait for (world 2, or a ring whose send has left): its own sleep, no poll.
+    if (!peers_[only]->wait_alone(recv_ready(only), sends_[only].pending(), deadline_)) {
+      fail_timeout();
+    }
+    return;
+  }
   for (int p = 0; p < size(); ++p) {
     if (p == rank_) continue;
     bool want_write = sends_[p].pending();

@@ -4,7 +4,8 @@
 // An algorithm posts sends and receives per peer (each peer's queue is a byte stream in posting
 // order), then calls run(), which moves bytes with non-blocking writev/readv on the caller's own
 // thread (no I/O thread, no hop per message) and waits in poll() only when no socket can make
-// progress, after an optional short spin. Every completed receive calls the algorithm's callback
+// progress, after an optional short spin (when a single shared-memory peer is all it waits for,
+// it sleeps on that channel's futex instead: Note [Shared-memory rings]). Every completed receive calls the algorithm's callback
 // with the item's cookie; the callback may post more sends and receives (this is how the ring
 // algorithms reduce chunk k while chunk k+1 is still arriving, and forward it at once).
 //
@@ -67,6 +68,8 @@ class Exchange {
 
   // Microseconds to keep retrying non-blocking I/O before sleeping in poll (TDIST_SPIN_US).
   void set_spin_us(int us) { spin_us_ = us; }
+  // Whether a lone shared-memory peer is waited for on its futex (TDIST_SHM_FUTEX) or polled.
+  void set_wait_alone(bool on) { wait_alone_ = on; }
 
   // "rank 0: allreduce (seq 7)" for error messages.
   std::string where() const;
@@ -121,6 +124,7 @@ class Exchange {
   Clock::time_point deadline_;
   Clock::time_point started_;
   int spin_us_ = 0;
+  bool wait_alone_ = true;
   std::vector<Queue> sends_;
   std::vector<Queue> recvs_;
   std::vector<iovec> iov_;

@@ -9,6 +9,8 @@
 #include <poll.h>
 #include <sys/uio.h>
 
+#include <chrono>
+
 namespace tdist::comm {
 
 class Channel {
@@ -29,6 +31,19 @@ class Channel {
   virtual bool prepare_wait(bool want_read, bool want_write, pollfd& pfd) = 0;
   // After poll reported `revents` on that descriptor.
   virtual void after_wait(short revents) = 0;
+
+  // Sleeping when this channel is the only one with transfers pending, without a descriptor:
+  // returns true once progress may be possible (or the channel failed or was shut down), false
+  // when `deadline` passed first. Channels whose wait is their descriptor (TCP) return false
+  // from can_wait_alone(); the engine polls them.
+  virtual bool can_wait_alone() const { return false; }
+  virtual bool wait_alone(bool want_read, bool want_write,
+                          std::chrono::steady_clock::time_point deadline) {
+    (void)want_read;
+    (void)want_write;
+    (void)deadline;
+    return true;
+  }
 
   virtual void shutdown() = 0;
 

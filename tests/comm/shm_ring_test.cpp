@@ -1,7 +1,8 @@
 // The shared-memory rings trust nothing in the segment (Note [Shared-memory rings]): the peer can
 // write every byte of it, so an impossible head or tail it publishes fails the channel with
 // EPROTO instead of handing out spans outside the ring, and rewriting our own counters in the
-// segment changes nothing we read or write.
+// segment changes nothing we read or write. A side that sleeps on its futex bell (wait_alone) is
+// woken by the peer's bytes through the bell, not the socket, and by a dead peer or a shutdown.
 
 #include <gtest/gtest.h>
 
@@ -9,9 +10,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "tdist/comm/transport/shm/shm_channel.h"
 #include "tdist/comm/transport/tcp/connection.h"
@@ -128,6 +132,89 @@ TEST(ShmRing, RewrittenOwnCountersInTheSegmentChangeNothing) {
   std::string big(kCapacity, 'x');
   EXPECT_EQ(write_bytes(*p.lower, big), static_cast<long>(kCapacity));
   EXPECT_EQ(write_bytes(*p.lower, "y"), 0);
+}
+
+using std::chrono::steady_clock;
+constexpr auto kLong = std::chrono::seconds(30);
+
+// Bytes waiting on a socket, without taking them.
+bool socket_holds_bytes(const tcp::Connection& c) {
+  char b;
+  return ::recv(c.fd(), &b, 1, MSG_PEEK | MSG_DONTWAIT) == 1;
+}
+
+// Starts upper->wait_alone(read) on another thread and returns once its flag is up.
+std::future<bool> sleep_reading(Pair& p, steady_clock::time_point deadline) {
+  auto f = std::async(std::launch::async,
+                      [&p, deadline] { return p.upper->wait_alone(true, false, deadline); });
+  while (p.headers[0].reader_waiting.load() == 0) std::this_thread::yield();
+  return f;
+}
+
+TEST(ShmRing, ASleeperIsWokenThroughItsBellNotTheSocket) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  auto woke = sleep_reading(p, steady_clock::now() + kLong);
+  EXPECT_EQ(p.headers[0].reader_waiting.load(), kWakeByBell);
+  const uint32_t bell = p.headers[0].bell.load();
+  ASSERT_EQ(write_bytes(*p.lower, "ding"), 4);
+  EXPECT_TRUE(woke.get());
+  EXPECT_NE(p.headers[0].bell.load(), bell);
+  EXPECT_FALSE(socket_holds_bytes(*p.upper_conn)) << "the writer rang the socket";
+  EXPECT_EQ(p.headers[0].reader_waiting.load(), 0u);
+  EXPECT_EQ(read_bytes(*p.upper, 16), "ding");
+}
+
+TEST(ShmRing, ASleepingWriterIsWokenWhenSpaceFrees) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  ASSERT_EQ(write_bytes(*p.lower, std::string(kCapacity, 'x')), static_cast<long>(kCapacity));
+  auto woke = std::async(std::launch::async, [&] {
+    return p.lower->wait_alone(false, true, steady_clock::now() + kLong);
+  });
+  while (p.headers[0].writer_waiting.load() == 0) std::this_thread::yield();
+  EXPECT_EQ(read_bytes(*p.upper, 100).size(), 100u);
+  EXPECT_TRUE(woke.get());
+  EXPECT_FALSE(socket_holds_bytes(*p.lower_conn));
+  EXPECT_EQ(write_bytes(*p.lower, std::string(200, 'y')), 100);
+}
+
+TEST(ShmRing, DataAlreadyThereMeansNoSleep) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  ASSERT_EQ(write_bytes(*p.lower, "x"), 1);
+  // A deadline in the past: only a wait that never sleeps can say "ready".
+  EXPECT_TRUE(p.upper->wait_alone(true, false, steady_clock::now() - std::chrono::seconds(1)));
+  EXPECT_EQ(p.headers[0].reader_waiting.load(), 0u);
+}
+
+TEST(ShmRing, ASleeperTimesOutAtItsDeadline) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  const auto deadline = steady_clock::now() + std::chrono::milliseconds(50);
+  EXPECT_FALSE(p.upper->wait_alone(true, false, deadline));
+  EXPECT_GE(steady_clock::now(), deadline);
+  EXPECT_EQ(p.headers[0].reader_waiting.load(), 0u);
+}
+
+TEST(ShmRing, ASleeperNoticesThePeerIsGone) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  auto woke = sleep_reading(p, steady_clock::now() + kLong);
+  p.lower_conn->shutdown();  // what a dead peer's kernel does to the socket; its bell stays silent
+  EXPECT_TRUE(woke.get());
+  char buf[8];
+  iovec iov{buf, sizeof(buf)};
+  EXPECT_EQ(p.upper->readv(&iov, 1), Channel::kClosed);
+}
+
+TEST(ShmRing, ShutdownWakesItsOwnSleeper) {
+  Pair p;
+  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  auto woke = sleep_reading(p, steady_clock::now() + kLong);
+  p.upper->shutdown();  // an abort, from another thread
+  EXPECT_EQ(woke.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_TRUE(woke.get());
 }
 
 }  // namespace

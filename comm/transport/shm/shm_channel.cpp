@@ -2,9 +2,12 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,7 +51,21 @@ size_t ring_copy(Direction dir, char* ring, size_t capacity, uint64_t start, con
   return moved;
 }
 constexpr size_t kHeaderBytes = 2 * sizeof(RingHeader);
+
+// The bell is shared between processes: no FUTEX_PRIVATE_FLAG.
+uint32_t* futex_word(std::atomic<uint32_t>& a) { return reinterpret_cast<uint32_t*>(&a); }
+
+void futex_wake(std::atomic<uint32_t>& bell) {
+  ::syscall(SYS_futex, futex_word(bell), FUTEX_WAKE, 1, nullptr, nullptr, 0);
 }
+
+// Sleeps while the bell still reads `seen`, at most `ns` nanoseconds (any wake-up is fine: the
+// caller re-checks).
+void futex_wait(std::atomic<uint32_t>& bell, uint32_t seen, int64_t ns) {
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  ::syscall(SYS_futex, futex_word(bell), FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+}  // namespace
 
 size_t segment_bytes(size_t capacity) { return kHeaderBytes + 2 * capacity; }
 
@@ -76,6 +93,7 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, size_t bytes) 
     headers[i].tail.store(0);
     headers[i].reader_waiting.store(0);
     headers[i].writer_waiting.store(0);
+    headers[i].bell.store(0);
   }
   return std::unique_ptr<Segment>(new Segment(static_cast<char*>(p), bytes));
 }
@@ -134,10 +152,21 @@ ShmChannel::ShmChannel(std::unique_ptr<Segment> segment, size_t capacity, bool i
   rx_data_ = is_lower ? second : first;
 }
 
-void ShmChannel::ring_doorbell() {
+void ShmChannel::wake_peer(uint32_t how) {
+  if (how == kWakeByBell) {
+    tx_->bell.fetch_add(1, std::memory_order_release);  // the peer's bell: in the ring it reads
+    futex_wake(tx_->bell);
+    return;
+  }
   char b = 1;
   iovec iov{&b, 1};
   conn_->writev(&iov, 1);  // a full socket already holds a wake-up; errors show up as EOF
+}
+
+void ShmChannel::shutdown() {
+  conn_->shutdown();
+  rx_->bell.fetch_add(1, std::memory_order_release);  // our own bell: a sleeper here wakes up
+  futex_wake(rx_->bell);
 }
 
 long ShmChannel::fail_protocol() {
@@ -179,7 +208,7 @@ long ShmChannel::writev(const iovec* iov, int count) {
   tx_head_ += moved;
   tx_->head.store(tx_head_, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (tx_->reader_waiting.load(std::memory_order_relaxed) != 0) ring_doorbell();
+  if (uint32_t how = tx_->reader_waiting.load(std::memory_order_relaxed)) wake_peer(how);
   return static_cast<long>(moved);
 }
 
@@ -210,29 +239,63 @@ void ShmChannel::consume(size_t n) {
   rx_tail_ += n;
   rx_->tail.store(rx_tail_, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (rx_->writer_waiting.load(std::memory_order_relaxed) != 0) ring_doorbell();
+  if (uint32_t how = rx_->writer_waiting.load(std::memory_order_relaxed)) wake_peer(how);
 }
 
-bool ShmChannel::prepare_wait(bool want_read, bool want_write, pollfd& pfd) {
-  if (want_read) rx_->reader_waiting.store(1, std::memory_order_relaxed);
-  if (want_write) tx_->writer_waiting.store(1, std::memory_order_relaxed);
+bool ShmChannel::announce_wait(bool want_read, bool want_write, uint32_t how) {
+  if (want_read) rx_->reader_waiting.store(how, std::memory_order_relaxed);
+  if (want_write) tx_->writer_waiting.store(how, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   // An impossible counter counts as ready: the next readv/writev reports it.
   bool ready = closed_ ||
                (want_read && rx_->head.load(std::memory_order_acquire) != rx_tail_) ||
                (want_write && tx_head_ - tx_->tail.load(std::memory_order_acquire) != capacity_);
-  if (ready) {
-    rx_->reader_waiting.store(0, std::memory_order_relaxed);
-    tx_->writer_waiting.store(0, std::memory_order_relaxed);
-    return false;
-  }
+  if (ready) clear_wait();
+  return ready;
+}
+
+void ShmChannel::clear_wait() {
+  rx_->reader_waiting.store(0, std::memory_order_relaxed);
+  tx_->writer_waiting.store(0, std::memory_order_relaxed);
+}
+
+bool ShmChannel::prepare_wait(bool want_read, bool want_write, pollfd& pfd) {
+  if (announce_wait(want_read, want_write, kWakeBySocket)) return false;
   pfd = pollfd{conn_->fd(), POLLIN, 0};
   return true;
 }
 
+bool ShmChannel::wait_alone(bool want_read, bool want_write,
+                            std::chrono::steady_clock::time_point deadline) {
+  using std::chrono::steady_clock;
+  // Read before the flags go up: a bump after this makes FUTEX_WAIT return at once.
+  const uint32_t seen = rx_->bell.load(std::memory_order_acquire);
+  if (announce_wait(want_read, want_write, kWakeByBell)) return true;
+  bool woken = false;
+  for (;;) {
+    const auto now = steady_clock::now();
+    if (now >= deadline) break;
+    const auto slice = std::min<steady_clock::duration>(deadline - now, kLivenessSlice);
+    futex_wait(rx_->bell, seen,
+               std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count());
+    if (rx_->bell.load(std::memory_order_acquire) != seen) {
+      woken = true;
+      break;
+    }
+    // A slice passed (or a signal came): has the peer gone? End-of-file is only on the socket.
+    pollfd pfd{conn_->fd(), POLLIN, 0};
+    if (::poll(&pfd, 1, 0) > 0) {
+      clear_wait();
+      after_wait(pfd.revents);
+      return true;
+    }
+  }
+  clear_wait();
+  return woken;
+}
+
 void ShmChannel::after_wait(short revents) {
-  rx_->reader_waiting.store(0, std::memory_order_relaxed);
-  tx_->writer_waiting.store(0, std::memory_order_relaxed);
+  clear_wait();
   if (revents == 0) return;
   char buf[256];
   for (;;) {

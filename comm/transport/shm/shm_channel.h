@@ -18,6 +18,17 @@
 //   after waking. The socket also carries liveness: end-of-file (the peer exited, crashed or
 //   aborted) makes reads fail once the ring is empty and writes fail at once.
 //
+//   When this channel is the only one a rank waits on (always at world 2, and in a ring whenever
+//   the send to the next rank has gone into its ring), the side sleeps on a futex instead of the
+//   socket (wait_alone): each side has a 32-bit bell in the ring it reads (RingHeader::bell); a
+//   waiting flag of kWakeByBell asks the peer to bump that bell and FUTEX_WAKE it instead of
+//   writing a byte. The sleeper reads the bell before setting its flags, so a bump between its
+//   re-check and its sleep makes FUTEX_WAIT return at once. A futex wake skips the socket's
+//   write, its poll wake-up and the drain: measured in docs/perf.md ("Sleeping on a futex").
+//   A futex does not see the socket, so the sleep is cut into slices of kLivenessSlice, after
+//   each of which the socket is polled once (a dead peer is noticed within a slice), and
+//   shutdown() rings this side's own bell (an abort wakes the sleeper at once).
+//
 //   The segment is writable by the peer, so nothing in it is trusted: each side keeps its own
 //   counter (head when sending, tail when receiving) in private memory and only publishes it,
 //   and checks every counter the peer publishes against it. A head more than `capacity` bytes
@@ -71,7 +82,14 @@ struct RingHeader {
   alignas(64) std::atomic<uint64_t> tail;
   alignas(64) std::atomic<uint32_t> reader_waiting;
   alignas(64) std::atomic<uint32_t> writer_waiting;
+  alignas(64) std::atomic<uint32_t> bell;  // futex word of this ring's reader (wait_alone)
 };
+
+// Values of reader_waiting / writer_waiting: how the waiting side wants to be woken.
+inline constexpr uint32_t kWakeBySocket = 1;
+inline constexpr uint32_t kWakeByBell = 2;
+// How long a futex sleep lasts before the socket is checked for a dead peer.
+inline constexpr std::chrono::milliseconds kLivenessSlice{10};
 
 // Bytes of a segment holding two rings of `capacity` bytes each.
 size_t segment_bytes(size_t capacity);
@@ -93,13 +111,21 @@ class ShmChannel final : public Channel {
   long readv(const iovec* iov, int count) override;
   bool prepare_wait(bool want_read, bool want_write, pollfd& pfd) override;
   void after_wait(short revents) override;
-  void shutdown() override { conn_->shutdown(); }
+  bool can_wait_alone() const override { return true; }
+  bool wait_alone(bool want_read, bool want_write,
+                  std::chrono::steady_clock::time_point deadline) override;
+  void shutdown() override;
   bool supports_peek() const override { return true; }
   long peek(iovec spans[2]) override;
   void consume(size_t n) override;
 
  private:
-  void ring_doorbell();
+  // Wakes the peer the way its waiting flag `how` asks (kWakeBySocket or kWakeByBell).
+  void wake_peer(uint32_t how);
+  // Sets the waiting flags to `how` and re-checks the counters (Note [Shared-memory rings]);
+  // true when progress is possible already (the flags are cleared again).
+  bool announce_wait(bool want_read, bool want_write, uint32_t how);
+  void clear_wait();
   // The bytes readable now (the peer's head against our tail) and the bytes free to write (the
   // peer's tail against our head); -1 after marking the channel failed when the peer's counter is
   // impossible (reads then keep failing).
