@@ -67,14 +67,7 @@ void one_round(Round round) {
 }
 
 void expect_nothing_left(Round round) {
-  one_round(round);
-  const Held after_first = held();
-  EXPECT_EQ(after_first.shm_files, 0) << after_first;
-  EXPECT_EQ(after_first.shm_maps, 0) << after_first;
-  for (int i = 2; i <= 4; ++i) {
-    one_round(round);
-    EXPECT_EQ(held(), after_first) << "round " << i;
-  }
+  expect_rounds_leave_nothing([&] { one_round(round); });
 }
 
 TEST(DDPLeaks, DDPDestroyedWithItsGroupLeavesNoThreadDescriptorOrSegment) {
