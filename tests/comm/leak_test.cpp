@@ -20,29 +20,7 @@
 namespace tdist::comm {
 namespace {
 
-struct Held {
-  int threads = 0, fds = 0, shm_files = 0, shm_maps = 0;
-  bool operator==(const Held& o) const {
-    return threads == o.threads && fds == o.fds && shm_files == o.shm_files && shm_maps == o.shm_maps;
-  }
-};
-
-std::ostream& operator<<(std::ostream& os, const Held& h) {
-  return os << h.threads << " threads, " << h.fds << " descriptors, " << h.shm_files
-            << " /dev/shm/tdist-* files, " << h.shm_maps << " tdist-* mappings";
-}
-
-Held held() {
-  Held h;
-  h.threads = tdist::test::thread_count();
-  h.fds = tdist::test::fd_count();
-  h.shm_files = tdist::test::dir_entries("/dev/shm", "tdist-");
-  std::ifstream maps("/proc/self/maps");
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find("/tdist-") != std::string::npos) ++h.shm_maps;
-  }
-  return h;
-}
+using tdist::test::held;
 
 // One group of 2 (shared memory and TCP between its ranks) doing a small and a large allreduce,
 // then destroyed; with `abort_it`, rank 1 aborts while rank 0 waits in an allreduce.
@@ -67,14 +45,7 @@ void one_group(bool abort_it) {
 }
 
 void expect_nothing_left(bool abort_it) {
-  one_group(abort_it);
-  const Held after_first = held();
-  EXPECT_EQ(after_first.shm_files, 0) << after_first;
-  EXPECT_EQ(after_first.shm_maps, 0) << after_first;
-  for (int round = 0; round < 3; ++round) {
-    one_group(abort_it);
-    EXPECT_EQ(held(), after_first) << "round " << round + 2;
-  }
+  tdist::test::expect_rounds_leave_nothing([&] { one_group(abort_it); });
 }
 
 TEST(Leaks, AGracefullyDestroyedGroupLeavesNoThreadDescriptorOrSegment) {

@@ -1,0 +1,328 @@
+// The RPC fault matrix (real processes): a worker dies by SIGKILL, SIGTERM or abort() (SIGABRT
+// sent with kill()) while the two others have work that it serves: calls (rpc_sync and
+// rpc_async), an RRef being created (remote() to it, then to_here()), RRefs being deleted (a fork
+// it holds of a survivor's RRef, and a survivor's fork of an RRef it owns), a distributed
+// backward that crosses it. The survivors must get an error that names the dead worker, from the
+// broken connection, within the bound below; then go on talking to each other and shut down
+// gracefully.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/prctl.h>
+
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include "tdist/autograd/context.h"
+#include "tdist/core/env.h"
+#include "tdist/core/tcp_store.h"
+#include "tdist/rpc/api.h"
+#include "tests/harness/process.h"
+#include "tests/rpc/rpc_test_util.h"
+
+namespace tdist::autograd::test {
+namespace {
+
+using namespace std::chrono_literals;
+using rpc::RRef;
+using rpc::test::Tracked;
+
+constexpr int kVictim = 1;
+constexpr Millis kRpcTimeout = 5s;
+// The bound on the survivors' error, from the moment a survivor tells the test it is ready (the
+// test strikes at once): the RPC timeout plus a slack for a loaded machine. The error must also
+// say that the connection was lost: a TimeoutError (a call that waited out kRpcTimeout because
+// the broken connection went unnoticed) fails the case even within the bound.
+constexpr Millis kBound = kRpcTimeout + 3s;
+
+using Clock = std::chrono::steady_clock;
+
+std::shared_ptr<Store> g_store;  // the child's store, for the functions the victim runs
+
+// Tells the test that the victim serves call `tag`, then blocks until the victim is killed.
+void serve(int64_t tag) {
+  g_store->set(str("served/", tag), "1");
+  std::this_thread::sleep_for(120s);
+}
+
+// x * 2 whose backward tells the test it runs, then blocks: the victim's part of a distributed
+// backward, struck while it runs.
+struct BlockInBackward : torch::autograd::Function<BlockInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
+    return x * 2;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    g_store->add("in_backward", 1);
+    std::this_thread::sleep_for(120s);
+    return {g[0] * 2};
+  }
+};
+
+void register_fault_functions() {
+  rpc::test::register_test_functions();
+  rpc::register_function("fm.serve", [](int64_t tag) {
+    serve(tag);
+    return tag;
+  });
+  rpc::register_function("fm.blocking_tracked", [](int64_t tag) {
+    serve(tag);
+    return Tracked(tag);
+  });
+  rpc::register_function("fm.blocking_stage",
+                         [](at::Tensor x) { return BlockInBackward::apply(x); });
+  rpc::register_function("fm.triple", [](at::Tensor x) { return x * 3; });
+}
+
+// Runs `op`, which must fail because the victim died: the error names it ('p1'), says that the
+// connection was lost, and comes within kBound of `t0`. Returns whether it did; prints why not.
+bool fails_naming_the_victim(int rank, const std::string& what, Clock::time_point t0,
+                             const std::function<void()>& op) {
+  try {
+    op();
+    std::fprintf(stderr, "rank %d: %s did not fail\n", rank, what.c_str());
+    return false;
+  } catch (const std::exception& e) {
+    const auto ms = std::chrono::duration_cast<Millis>(Clock::now() - t0).count();
+    const std::string msg = e.what();
+    std::fprintf(stderr, "rank %d: %s failed after %lld ms: %s\n", rank, what.c_str(),
+                 static_cast<long long>(ms), msg.c_str());
+    bool ok = true;
+    if (msg.find("'p1'") == std::string::npos) {
+      std::fprintf(stderr, "rank %d: FAIL: the error does not name p1\n", rank);
+      ok = false;
+    }
+    if (msg.find("lost") == std::string::npos) {
+      std::fprintf(stderr, "rank %d: FAIL: the error is not the lost connection\n", rank);
+      ok = false;
+    }
+    if (ms > kBound.count()) {
+      std::fprintf(stderr, "rank %d: FAIL: over the bound of %lld ms\n", rank,
+                   static_cast<long long>(kBound.count()));
+      ok = false;
+    }
+    return ok;
+  }
+}
+
+// The victim: reaches the phase, tells the test (ready/1) and waits to be struck.
+int victim(Store& store, const std::string& phase) {
+  // No core dump for abort(): writing one delays the close of the sockets by the dump's time.
+  ::prctl(PR_SET_DUMPABLE, 0);
+  if (phase == "call") {
+    store.wait({"served/0", "served/1", "served/20", "served/21"}, 60s);
+  } else if (phase == "remote") {
+    store.wait({"served/0", "served/20"}, 60s);
+  } else if (phase == "delete") {
+    // Both worker threads serve a blocked call: the deletion of the fork this worker holds (of
+    // p0's RRef) is posted and never sent, and p2's deletion of its fork waits, unanswered.
+    store.wait({"served/0", "served/20"}, 60s);
+    RRef<Tracked> held;
+    {
+      std::lock_guard<std::mutex> lock(rpc::test::held_mu());
+      auto& m = rpc::test::held_rrefs();
+      if (m.size() != 1) return 7;
+      held = std::move(m.begin()->second);
+      m.clear();
+    }
+  } else if (phase == "backward") {
+    const auto deadline = Clock::now() + 60s;
+    while (store.add("in_backward", 0) < 2) {
+      if (Clock::now() > deadline) return 8;
+      std::this_thread::sleep_for(5ms);
+    }
+  }
+  store.set("ready/1", "1");
+  std::this_thread::sleep_for(120s);  // struck here
+  return 3;
+}
+
+// A survivor's part of the phase: sets ready/<rank> (the test strikes once every worker has)
+// and checks what it had pending fails naming the victim. Returns 0 when all went as required.
+int survivor_phase(rpc::RpcAgent& agent, Store& store, const std::string& phase, int rank) {
+  const std::string ready = str("ready/", rank);
+  const int64_t tag = rank * 10;
+  Clock::time_point t0;
+  auto go = [&] {
+    t0 = Clock::now();
+    store.set(ready, "1");
+  };
+  bool ok = true;
+  if (phase == "call") {
+    auto pending = agent.rpc_async<int64_t>(kVictim, "fm.serve", tag);
+    go();
+    ok &= fails_naming_the_victim(rank, "rpc_sync", t0, [&] {
+      agent.rpc_sync<int64_t>(kVictim, "fm.serve", tag + 1);
+    });
+    ok &= fails_naming_the_victim(rank, "rpc_async", t0, [&] { pending.wait(); });
+  } else if (phase == "remote") {
+    RRef<Tracked> r = agent.remote<Tracked>(kVictim, "fm.blocking_tracked", tag);
+    go();
+    ok &= fails_naming_the_victim(rank, "to_here", t0, [&] { r.to_here(); });
+  } else if (phase == "delete") {
+    RRef<Tracked> mine;
+    if (rank == 0) {
+      // p0 owns an RRef whose only fork the victim holds.
+      agent.rpc_sync<void>(kVictim, "hold", rpc::make_rref(agent.shared_from_this(), Tracked(100)),
+                           std::string("k"));
+    } else {
+      // p2 holds a fork of an RRef the victim owns.
+      mine = agent.remote<Tracked>(kVictim, "Tracked", int64_t{200});
+      if (mine.to_here().id() != 200) return 20;
+    }
+    auto pending = agent.rpc_async<int64_t>(kVictim, "fm.serve", tag);
+    store.wait({"served/0", "served/20"}, 60s);
+    if (rank == 2) {
+      mine = RRef<Tracked>();  // its deletion goes to the victim, whose threads are all busy
+      if (!rpc::test::eventually([&] { return agent.num_pending() == 2; }, 10s)) return 21;
+    }
+    go();
+    ok &= fails_naming_the_victim(rank, "rpc_async", t0, [&] { pending.wait(); });
+    // The deletion pending at the dead owner failed with the connection, not at its timeout.
+    if (rank == 2 && !rpc::test::eventually([&] { return agent.num_pending() == 0; }, 1s)) {
+      std::fprintf(stderr, "rank 2: FAIL: %zu calls still pending\n", agent.num_pending());
+      ok = false;
+    }
+  } else if (phase == "backward") {
+    at::Tensor x = torch::randn({2, 3}, torch::kFloat64).requires_grad_(true);
+    Context ctx;
+    at::Tensor y = agent.rpc_sync<at::Tensor>(kVictim, "fm.blocking_stage", x);
+    go();
+    ok &= fails_naming_the_victim(rank, "backward", t0, [&] { backward(ctx.id(), {y.sum()}); });
+  } else {
+    return 22;
+  }
+  return ok ? 0 : 23;
+}
+
+// After the strike: calls to the victim fail at once, the survivors still call each other (a
+// distributed backward too), and shut down gracefully.
+int survivor_goes_on(rpc::RpcAgent& agent, Store& store, int rank) {
+  const int other = rank == 0 ? 2 : 0;
+  try {
+    agent.rpc_sync<int64_t>(kVictim, "add", int64_t{1}, int64_t{1});
+    return 30;
+  } catch (const NetworkError& e) {
+    if (std::string(e.what()).find("'p1'") == std::string::npos) return 31;
+  }
+  if (agent.rpc_sync<int64_t>(other, "add", int64_t{rank}, int64_t{1}) != rank + 1) return 32;
+  {
+    at::Tensor x = torch::ones({2, 3}, torch::kFloat64).requires_grad_(true);
+    Context ctx;
+    at::Tensor y = agent.rpc_sync<at::Tensor>(other, "fm.triple", x);
+    backward(ctx.id(), {y.sum()});
+    if (!torch::equal(get_gradients(ctx.id()).at(x), torch::full({2, 3}, 3.0, torch::kFloat64))) {
+      return 33;
+    }
+  }
+  store.set(str("done/", rank), "1");
+  store.wait({"done/0", "done/2"}, 60s);
+  try {
+    agent.shutdown(true);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: graceful shutdown failed: %s\n", rank, e.what());
+    return 34;
+  }
+  for (const auto& leak : agent.leaked_rrefs()) {
+    std::fprintf(stderr, "rank %d: leaked at shutdown: %s\n", rank, leak.c_str());
+  }
+  return 0;
+}
+
+TDIST_TEST_CHILD(rpc_fault_child) {
+  torch::set_num_threads(1);
+  register_fault_functions();
+  init();
+  const std::string phase = env::get("TDIST_TEST_PHASE").value_or("");
+  const auto port = static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535));
+  auto store = std::make_shared<TCPStore>("127.0.0.1", port, false, 60s);
+  g_store = store;
+  rpc::RpcOptions o;
+  o.store = store;
+  o.rpc_timeout = kRpcTimeout;
+  o.shutdown_timeout = 20s;  // a shutdown that waited for the dead worker fails, not hangs
+  // In "delete", two threads that both serve a blocked call leave none for RRef messages.
+  if (rank == kVictim && phase == "delete") o.num_worker_threads = 2;
+  auto agent = rpc::RpcAgent::start("p" + std::to_string(rank), rank, world_size, o);
+  rpc::set_current_agent(agent);
+  if (rank == kVictim) return victim(*store, phase);
+  if (int rc = survivor_phase(*agent, *store, phase, rank)) return rc;
+  const int rc = survivor_goes_on(*agent, *store, rank);
+  rpc::set_current_agent(nullptr);
+  return rc;
+}
+
+struct Fault {
+  std::string phase;
+  int sig;
+};
+
+std::string signal_name(int sig) {
+  return sig == SIGKILL ? "SIGKILL" : sig == SIGTERM ? "SIGTERM" : sig == SIGABRT ? "SIGABRT" : "?";
+}
+
+std::ostream& operator<<(std::ostream& os, const Fault& f) {
+  return os << f.phase << "_" << signal_name(f.sig);
+}
+
+// The lines in which a survivor reported its error and how long it took.
+std::string reported_errors(const std::string& output) {
+  std::istringstream in(output);
+  std::string out;
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(" failed after ") != std::string::npos) out += line + "\n";
+  }
+  return out;
+}
+
+class RpcFault : public ::testing::TestWithParam<Fault> {};
+
+TEST_P(RpcFault, SurvivorsGetAnErrorNamingTheDeadWorkerAndGoOn) {
+  const Fault f = GetParam();
+  TCPStore server("127.0.0.1", 0, true, 60s);
+  tdist::test::Processes procs("rpc_fault_child", 3,
+                               {{"MASTER_PORT", std::to_string(server.port())},
+                                {"TDIST_TEST_PHASE", f.phase}});
+  try {
+    server.wait({"ready/0", "ready/1", "ready/2"}, 60s);
+  } catch (const TimeoutError&) {
+    FAIL() << "the workers did not reach the phase:\n"
+           << tdist::test::Processes::failures(procs.wait_all(1s));
+  }
+  procs.kill(kVictim, f.sig);
+  auto results = procs.wait_all(60s);
+  for (int r : {0, 2}) {
+    EXPECT_TRUE(results[r].ok()) << results[r].describe() << "\n" << results[r].output;
+    std::cout << reported_errors(results[r].output);
+  }
+  EXPECT_FALSE(results[kVictim].exited) << results[kVictim].describe() << "\n"
+                                        << results[kVictim].output;
+  EXPECT_EQ(results[kVictim].signal, f.sig);
+  if (f.phase == "delete") {
+    // p2's deletion, pending at the victim, is reported naming it; p0 keeps the value whose
+    // fork the victim held, reported as leaked at shutdown.
+    const std::string& p2 = results[2].output;
+    EXPECT_NE(p2.find("RREF_USER_DELETE"), std::string::npos) << p2;
+    EXPECT_NE(p2.find("connection to worker 'p1' (rank 1) lost"), std::string::npos) << p2;
+    EXPECT_NE(results[0].output.find("leaked at shutdown: owned RRef"), std::string::npos)
+        << results[0].output;
+  }
+}
+
+std::vector<Fault> faults() {
+  std::vector<Fault> out;
+  for (const char* phase : {"call", "remote", "delete", "backward"}) {
+    for (int sig : {SIGKILL, SIGTERM, SIGABRT}) out.push_back({phase, sig});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, RpcFault, ::testing::ValuesIn(faults()),
+                         [](const auto& info) {
+                           std::ostringstream name;
+                           name << info.param;
+                           return name.str();
+                         });
+
+}  // namespace
+}  // namespace tdist::autograd::test
