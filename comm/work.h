@@ -12,11 +12,13 @@
 // own deadline). result() gives the output tensors; future() completes with them (DDP's reducer
 // and comm hooks chain on it). Thread safe.
 //
-// A backend may give a Work a `run_here` hook: wait() with no timeout of its own calls it first,
-// and the backend runs the operation on the waiting thread when nothing is ahead of it (Note
-// [Waiter runs the operation] in comm/detail/ring_process_group.cpp). The hook is only called
-// while the operation is incomplete, so a Work that outlives its group (every pending operation
-// is failed when a group is destroyed) never calls into it.
+// A backend may give a Work a progress hook (Note [Waiter runs the operation] in
+// comm/detail/ring_process_group.cpp): wait() with no timeout of its own calls it with
+// may_run_here=true, and the backend runs the operation on the waiting thread when nothing is
+// ahead of it; every other way of looking at the result (wait with a timeout, is_completed,
+// future, dropping the Work) calls it with false: the backend makes sure its worker runs the
+// operation. The hook is only called while the operation is incomplete, so a Work that outlives
+// its group (every pending operation is failed when a group is destroyed) never calls into it.
 
 #include <ATen/core/Tensor.h>
 
@@ -74,21 +76,30 @@ class Work {
  public:
   Work(std::string op, uint64_t seq, std::shared_ptr<Future> future)
       : op_(std::move(op)), seq_(seq), future_(std::move(future)) {}
-  virtual ~Work() = default;
+  virtual ~Work() { progress(false); }
 
-  bool is_completed() const { return future_->completed(); }
-  bool is_success() const { return future_->completed() && !future_->has_error(); }
-  std::exception_ptr exception() const { return future_->error(); }
+  bool is_completed() const {
+    progress(false);
+    return future_->completed();
+  }
+  bool is_success() const { return is_completed() && !future_->has_error(); }
+  std::exception_ptr exception() const {
+    progress(false);
+    return future_->error();
+  }
   // See the class comment. Millis(-1): wait as long as the operation's own timeout allows.
   bool wait(Millis timeout = Millis(-1)) {
-    if (run_here_ && timeout.count() < 0 && !future_->completed()) run_here_();
+    progress(timeout.count() < 0);
     future_->wait(timeout);
     return true;
   }
   // Set once, before the Work is handed out.
-  void set_run_here(std::function<void()> fn) { run_here_ = std::move(fn); }
+  void set_progress(std::function<void(bool may_run_here)> fn) { progress_ = std::move(fn); }
   const std::vector<at::Tensor>& result() const { return future_->value(); }
-  std::shared_ptr<Future> future() const { return future_; }
+  std::shared_ptr<Future> future() const {
+    progress(false);
+    return future_;
+  }
   // recv_any_source: the rank the message came from (valid once complete); -1 otherwise.
   virtual int source_rank() const { return -1; }
 
@@ -99,7 +110,11 @@ class Work {
   const std::string op_;
   const uint64_t seq_;
   const std::shared_ptr<Future> future_;
-  std::function<void()> run_here_;
+  void progress(bool may_run_here) const {
+    if (progress_ && !future_->completed()) progress_(may_run_here);
+  }
+
+  std::function<void(bool)> progress_;
 };
 
 }  // namespace tdist::comm

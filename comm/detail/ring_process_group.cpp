@@ -1,5 +1,7 @@
 #include "tdist/comm/detail/ring_process_group.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <set>
 
@@ -32,6 +34,28 @@ Clock::time_point deadline_after(Millis timeout) {
 
 }  // namespace
 
+namespace {
+// Note [Spin, then sleep]
+// A peer on this host usually answers within microseconds when it runs on a core of its own,
+// and a futex sleep plus wake-up costs several of them; so a rank spins (re-trying its
+// transfers, yielding the core between tries) for kSpinUs before it sleeps, but only when every
+// rank of the group on this host can have a core (ranks on the host <= the CPUs this process may
+// run on): oversubscribed, a spinning rank takes the core its peer needs to answer. Ranks on the
+// host: this one and its shared-memory peers. TDIST_SPIN_US overrides (0: never spin).
+constexpr int kSpinUs = 50;
+
+int default_spin_us(const std::vector<std::unique_ptr<Channel>>& channels) {
+  int local = 1;
+  for (const auto& c : channels) {
+    if (c && std::string(c->kind()) == "shm") ++local;
+  }
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int n = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  return local > 1 && local <= n ? kSpinUs : 0;
+}
+}  // namespace
+
 RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::string prefix, int rank,
                                    int size, Options opts)
     : root_store_(std::move(root_store)),
@@ -55,7 +79,6 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
                   "' is not one of auto, ring, recursive_doubling");
   auto debug = env::get("TDIST_DEBUG").value_or("OFF");
   debug_detail_ = debug == "DETAIL" || debug == "detail";
-  const int spin_us = static_cast<int>(env::get_int("TDIST_SPIN_US", 0, 0, 1000000));
   run_on_waiter_ = env::get_bool("TDIST_RUN_ON_WAITER", true);
 
   auto store = std::make_shared<PrefixStore>(prefix_, root_store_);
@@ -75,7 +98,9 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   std::vector<Channel*> peers;
   for (auto& c : channels_) peers.push_back(c.get());
   exchange_ = std::make_unique<Exchange>(peers, rank_, &aborted_);
-  exchange_->set_spin_us(spin_us);
+  exchange_->set_spin_us(static_cast<int>(
+      env::get_int("TDIST_SPIN_US", default_spin_us(channels_), 0, 1000000)));
+  exchange_->set_wait_alone(env::get_bool("TDIST_SHM_FUTEX", true));
   p2p_ = std::make_unique<P2PEngine>(mesh_->channel(1), rank_,
                                      [this](std::exception_ptr e) { abort_with(e); });
   worker_ = std::thread([this] { worker_loop(); });
@@ -133,8 +158,12 @@ void RingProcessGroup::abort_with(std::exception_ptr cause) {
   } catch (const std::exception& e) {
     TDIST_LOG_WARN("rank ", rank_, ": aborting the process group: ", e.what());
   }
-  // Wakes the worker (blocked in poll on these sockets) and tells every peer at once.
+  // Wakes the worker (blocked in poll on these sockets, or on a shared-memory channel's futex)
+  // and tells every peer at once.
   mesh_->shutdown_all();
+  for (auto& c : channels_) {
+    if (c) c->shutdown();
+  }
   p2p_->abort(cause);
   for (auto& op : pending) op->future->set_error(aborted_error(op->name, op->seq));
   cv_.notify_all();
@@ -144,12 +173,14 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout
                                                 Run run) {
   auto future = std::make_shared<Future>();
   auto op = std::make_unique<Op>();
+  op->enqueued = Clock::now();
+  const auto enqueued = op->enqueued;
   op->name = name;
   op->timeout = effective(timeout);
   op->future = future;
   op->run = std::move(run);
   uint64_t seq;
-  bool aborted;
+  bool aborted, tell = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     TDIST_CHECK(!stop_, "the process group is being destroyed");
@@ -162,16 +193,21 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout
         fp.seq = seq;
         op->fingerprint = std::move(fp);
       }
+      tell = op->worker_told = !lazy_;
       queue_.push_back(std::move(op));
     }
   }
   auto work = std::make_shared<Work>(name, seq, future);
   if (aborted) {
     future->set_error(aborted_error(name, seq));
-  } else {
-    if (run_on_waiter_) work->set_run_here([this, seq] { run_here(seq); });
-    cv_.notify_one();
+    return work;
   }
+  if (run_on_waiter_) {
+    work->set_progress([this, seq, enqueued](bool may_run_here) {
+      progress(seq, enqueued, may_run_here);
+    });
+  }
+  if (tell) cv_.notify_one();
   return work;
 }
 
@@ -180,36 +216,102 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout
 // torch.distributed without async_op) would otherwise hand the operation to the worker thread
 // and sleep until the worker hands the result back: two thread wake-ups per operation, which on
 // a host with more runnable threads than cores cost more than a small collective itself. So
-// Work::wait() (without a timeout of its own) calls run_here(seq): when the operation is the
-// next one due (first in the queue, the worker idle), the waiting thread takes it and runs it
-// itself. Order is kept because only the first queued operation can be taken, and only one
-// thread runs operations at a time (running_); the worker waits while running_ is set. An
-// operation nobody waits for is run by the worker as before, so asynchronous use (issue,
-// do other work, wait later) makes progress. The exchange and scratch are used by whichever
-// thread holds running_. Continuations then run on the waiting thread. TDIST_RUN_ON_WAITER=0
-// turns it off (tdist-bench compares the two).
-void RingProcessGroup::run_here(uint64_t seq) {
+// Work::wait() (without a timeout of its own) calls progress(seq, ..., true): when the operation
+// is the next one due (first in the queue, nothing running), the waiting thread takes it and
+// runs it itself. Order is kept because only the first queued operation can be taken, and only
+// one thread runs operations at a time (running_); the worker waits while running_ is set.
+// The exchange and scratch are used by whichever thread holds running_. Continuations then run
+// on the waiting thread.
+//
+// Waking the worker for each operation costs as much again (a futex wake on the caller, the
+// worker scheduled onto a core the peer ranks need, only to find the operation taken): measured
+// in docs/perf.md, a third of a 4 KiB allreduce. So the group learns the caller's style:
+//   - An operation whose wait() comes within kPromptWait of its issue is "waited promptly".
+//     After kPromptStreak such operations in a row the group turns lazy_: new operations are
+//     queued without waking the worker (worker_told = false), for their waiter to run.
+//   - Anything else is asynchronous use and turns lazy_ off at once, telling the worker of every
+//     operation it was not told of: a wait() that comes later than kPromptWait, and every other
+//     look at a pending operation (wait with a timeout, is_completed, future(): DDP's buckets
+//     and comm hooks, dropping the Work). A prompt wait() that cannot take its operation (another
+//     is ahead or running) tells the worker too.
+//   - While lazy_, the worker sleeps kLazyPickup at a time and runs an operation nobody has
+//     claimed for that long, turning lazy_ off (a caller that issued and then computed). After
+//     kLazyIdleRounds empty rounds it turns lazy_ off and sleeps until told, so an idle group
+//     does not keep waking.
+// So an operation nobody waits on still runs on the worker (asynchronous use progresses; at
+// worst kLazyPickup late, once, when a blocking caller turns asynchronous), and a blocking
+// caller pays neither wake-up. TDIST_RUN_ON_WAITER=0 turns all of it off (the worker runs
+// every operation; tdist-bench compares the two).
+namespace {
+constexpr auto kPromptWait = std::chrono::microseconds(100);
+constexpr int kPromptStreak = 2;
+constexpr auto kLazyPickup = std::chrono::milliseconds(5);
+constexpr int kLazyIdleRounds = 100;
+}  // namespace
+
+bool RingProcessGroup::tell_worker_locked() {
+  bool told = false;
+  for (auto& op : queue_) {
+    if (!op->worker_told) op->worker_told = told = true;
+  }
+  return told;
+}
+
+void RingProcessGroup::progress(uint64_t seq, Clock::time_point enqueued, bool may_run_here) {
   std::unique_ptr<Op> op;
+  bool tell = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (running_ || stop_ || queue_.empty() || queue_.front()->seq != seq) return;
-    op = std::move(queue_.front());
-    queue_.pop_front();
-    running_ = true;
+    if (may_run_here && Clock::now() - enqueued <= kPromptWait) {
+      if (++prompt_waits_ >= kPromptStreak) lazy_ = true;
+    } else {
+      lazy_ = false;
+      prompt_waits_ = 0;
+    }
+    if (may_run_here && !running_ && !stop_ && !queue_.empty() && queue_.front()->seq == seq) {
+      op = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;
+    }
+    // Outside lazy_ the worker knows every queued op; and if this one could not be taken here,
+    // the worker must run it (after those ahead of it).
+    if (!lazy_ || !op) tell = tell_worker_locked();
   }
-  execute(*op);
+  if (tell) cv_.notify_one();
+  if (op) execute(*op);
 }
 
 void RingProcessGroup::worker_loop() {
+  int idle_rounds = 0;
   for (;;) {
     std::unique_ptr<Op> op;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      // Not while a waiter runs an operation (Note [Waiter runs the operation]).
-      cv_.wait(lock, [&] { return (stop_ && queue_.empty()) || (!queue_.empty() && !running_); });
-      if (queue_.empty()) return;  // stop_
+      for (;;) {
+        if (stop_ && queue_.empty()) return;
+        // Not while a waiter runs an operation (Note [Waiter runs the operation]).
+        if (!queue_.empty() && !running_ &&
+            (queue_.front()->worker_told || Clock::now() - queue_.front()->enqueued >= kLazyPickup)) {
+          break;
+        }
+        if (!lazy_) {
+          cv_.wait(lock);
+          continue;
+        }
+        if (cv_.wait_for(lock, kLazyPickup) == std::cv_status::timeout && queue_.empty() &&
+            ++idle_rounds >= kLazyIdleRounds) {
+          lazy_ = false;
+          prompt_waits_ = 0;
+        }
+      }
+      idle_rounds = 0;
       op = std::move(queue_.front());
       queue_.pop_front();
+      if (!op->worker_told) {  // nobody claimed it within kLazyPickup: the caller is asynchronous
+        lazy_ = false;
+        prompt_waits_ = 0;
+        tell_worker_locked();
+      }
       running_ = true;
     }
     execute(*op);
@@ -217,11 +319,13 @@ void RingProcessGroup::worker_loop() {
 }
 
 void RingProcessGroup::finish_running() {
+  bool more;
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
+    more = !queue_.empty() && queue_.front()->worker_told;
   }
-  cv_.notify_one();  // the worker waits for running_ to clear when a waiter ran the operation
+  if (more) cv_.notify_one();  // the worker waits for running_ to clear when a waiter ran the operation
 }
 
 void RingProcessGroup::execute(Op& op) {

@@ -103,6 +103,8 @@ class RingProcessGroup final : public ProcessGroup {
     std::shared_ptr<Future> future;
     Fingerprint fingerprint;
     Run run;
+    Clock::time_point enqueued;
+    bool worker_told = false;  // guarded by mu_: the worker was notified of this op
   };
 
   // Queues a collective; returns its Work at once (already failed when the group is aborted).
@@ -110,7 +112,11 @@ class RingProcessGroup final : public ProcessGroup {
   std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag, Millis timeout);
   void worker_loop();
   void execute(Op& op);
-  void run_here(uint64_t seq);  // Note [Waiter runs the operation]
+  // Note [Waiter runs the operation]: the Work's progress hook.
+  void progress(uint64_t seq, Clock::time_point enqueued, bool may_run_here);
+  // Notifies the worker of every queued op it was not told of; call with mu_ held, then
+  // notify cv_ when it returns true.
+  bool tell_worker_locked();
   void finish_running();
   void abort_with(std::exception_ptr cause);
   std::exception_ptr aborted_error(const char* name, uint64_t seq) const;
@@ -145,6 +151,8 @@ class RingProcessGroup final : public ProcessGroup {
   std::deque<std::unique_ptr<Op>> queue_;  // guarded by mu_
   uint64_t next_seq_ = 0;                  // guarded by mu_
   bool running_ = false;                   // guarded by mu_: an op is executing (worker or waiter)
+  bool lazy_ = false;                      // guarded by mu_: new ops are left for their waiter
+  int prompt_waits_ = 0;                   // guarded by mu_: ops waited on promptly in a row
   bool stop_ = false;                      // guarded by mu_
   std::exception_ptr abort_cause_;         // guarded by mu_
   std::thread worker_;
