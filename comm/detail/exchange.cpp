@@ -14,6 +14,7 @@ namespace tdist::comm::detail {
 namespace {
 constexpr int kMaxIov = 64;
 constexpr size_t kBounceBytes = 256 * 1024;
+constexpr int kMaxSpinSkip = 63;
 }
 
 Exchange::Exchange(std::vector<Channel*> peers, int rank, const std::atomic<bool>* aborted)
@@ -273,10 +274,11 @@ void Exchange::run_impl(Callback cb, void* ctx) {
       continue;
     }
     if (progressed) {
+      if (spinning) spin_backoff_ = 0;  // the spin paid off
       spinning = false;
       continue;
     }
-    if (spin_us_ > 0) {
+    if (spin_us_ > 0 && spin_skip_ == 0) {
       auto now = Clock::now();
       if (!spinning) {
         spinning = true;
@@ -286,6 +288,12 @@ void Exchange::run_impl(Callback cb, void* ctx) {
         ::sched_yield();
         continue;
       }
+      // The peers answer slower than a spin lasts (large transfers, or a busy host): skip the
+      // spin of the next waits, twice as many each time it runs out again.
+      spin_backoff_ = std::min(2 * spin_backoff_ + 1, kMaxSpinSkip);
+      spin_skip_ = spin_backoff_;
+    } else if (spin_skip_ > 0) {
+      --spin_skip_;
     }
     spinning = false;
     wait_for_io();

@@ -124,6 +124,8 @@ class Exchange {
   Clock::time_point deadline_;
   Clock::time_point started_;
   int spin_us_ = 0;
+  int spin_skip_ = 0;     // waits left that sleep without spinning first
+  int spin_backoff_ = 0;  // spin_skip_ after the next spin that runs out
   bool wait_alone_ = true;
   std::vector<Queue> sends_;
   std::vector<Queue> recvs_;
