@@ -100,6 +100,10 @@ class Work {
     progress(false);
     return future_;
   }
+  // For adapters that pass each look of their own on through observe(): the future, without
+  // counting as a look at the operation.
+  std::shared_ptr<Future> future_unobserved() const { return future_; }
+  void observe() const { progress(false); }
   // recv_any_source: the rank the message came from (valid once complete); -1 otherwise.
   virtual int source_rank() const { return -1; }
 

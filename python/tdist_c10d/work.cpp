@@ -14,7 +14,7 @@ constexpr std::chrono::milliseconds kC10dNoTimeout{0};
 
 // Completes when every one of `works` has; fails with the first error seen.
 std::shared_ptr<comm::Future> join(const std::vector<std::shared_ptr<comm::Work>>& works) {
-  if (works.size() == 1) return works[0]->future();
+  if (works.size() == 1) return works[0]->future_unobserved();
   if (works.empty()) return comm::Future::completed({});
   struct State {
     std::mutex mu;
@@ -25,7 +25,7 @@ std::shared_ptr<comm::Future> join(const std::vector<std::shared_ptr<comm::Work>
   auto state = std::make_shared<State>();
   state->remaining = works.size();
   for (const auto& w : works) {
-    w->future()->add_callback([joint, state](comm::Future& f) {
+    w->future_unobserved()->add_callback([joint, state](comm::Future& f) {
       std::exception_ptr error;
       {
         std::lock_guard<std::mutex> lock(state->mu);
@@ -83,11 +83,22 @@ WorkAdapter::WorkAdapter(int rank, ::c10d::OpType op_type,
 
 WorkAdapter::~WorkAdapter() = default;
 
-bool WorkAdapter::isCompleted() { return future_->completed(); }
+void WorkAdapter::observe() const {
+  for (const auto& w : works_) w->observe();
+}
 
-bool WorkAdapter::isSuccess() const { return future_->completed() && !future_->hasError(); }
+bool WorkAdapter::isCompleted() {
+  observe();
+  return future_->completed();
+}
+
+bool WorkAdapter::isSuccess() const {
+  observe();
+  return future_->completed() && !future_->hasError();
+}
 
 std::exception_ptr WorkAdapter::exception() const {
+  observe();
   return future_->completed() ? future_->exception_ptr() : nullptr;
 }
 
@@ -107,7 +118,9 @@ int WorkAdapter::sourceRank() const {
 std::vector<at::Tensor> WorkAdapter::result() { return outputs_; }
 
 bool WorkAdapter::wait(std::chrono::milliseconds timeout) {
-  if (timeout == kC10dNoTimeout) {
+  if (timeout != kC10dNoTimeout) {
+    observe();
+  } else {
     // Each operation runs on this thread when it is next due and the progress thread is idle
     // (Note [Waiter runs the operation] in comm/detail/ring_process_group.cpp); an error stops
     // here and is done_'s, rethrown below.
@@ -138,7 +151,10 @@ bool WorkAdapter::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> WorkAdapter::getFuture() { return future_; }
+c10::intrusive_ptr<c10::ivalue::Future> WorkAdapter::getFuture() {
+  observe();
+  return future_;
+}
 
 std::string WorkAdapter::describe() const {
   std::string out = ::c10d::opTypeToString(opType_);

@@ -13,6 +13,10 @@
 //   With kNoTimeout it first waits on each tdist Work in turn, so that the waiting thread runs
 //   an operation that is next due itself (Note [Waiter runs the operation]); waits on the
 //   c10 future (getFuture().wait(), DDP's reducer) leave it to the progress thread.
+// - The adapter chains on the tdist futures without counting as a look at the operations
+//   (Work::future_unobserved), and passes on its own looks (isCompleted, isSuccess, exception,
+//   getFuture, wait with a timeout) through Work::observe(): so a Python caller that waits at
+//   once lets the group leave its worker asleep, as a C++ one does.
 // - Errors cross into torch as c10::DistBackendError (torch.distributed.DistBackendError in
 //   Python, a RuntimeError) carrying tdist's message, which names the rank, the operation, the
 //   peer and the sequence number.
@@ -63,6 +67,8 @@ class WorkAdapter : public ::c10d::Work {
  private:
   // "ALLREDUCE (allreduce, seq 7)": the c10d op and the tdist operation(s) behind it.
   std::string describe() const;
+  // Tells each operation's group that the operation is looked at (Work::observe).
+  void observe() const;
 
   // Constant after construction.
   const std::vector<std::shared_ptr<comm::Work>> works_;
