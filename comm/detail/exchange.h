@@ -5,9 +5,10 @@
 // order), then calls run(), which moves bytes with non-blocking writev/readv on the caller's own
 // thread (no I/O thread, no hop per message) and waits in poll() only when no socket can make
 // progress, after an optional short spin (when a single shared-memory peer is all it waits for,
-// it sleeps on that channel's futex instead: Note [Shared-memory rings]). Every completed receive calls the algorithm's callback
-// with the item's cookie; the callback may post more sends and receives (this is how the ring
-// algorithms reduce chunk k while chunk k+1 is still arriving, and forward it at once).
+// it sleeps on that channel's futex instead: Note [Shared-memory rings]). Every completed
+// receive calls the algorithm's callback with the item's cookie; the callback may post more
+// sends and receives (this is how the ring algorithms reduce chunk k while chunk k+1 is still
+// arriving, and forward it at once).
 //
 // Queues are vectors that keep their capacity across operations: no allocation per message
 // once a group has warmed up.

@@ -284,7 +284,8 @@ void RingProcessGroup::worker_loop() {
         if (stop_ && queue_.empty()) return;
         // Not while a waiter runs an operation (Note [Waiter runs the operation]).
         if (!queue_.empty() && !running_ &&
-            (queue_.front()->worker_told || Clock::now() - queue_.front()->enqueued >= kLazyPickup)) {
+            (queue_.front()->worker_told ||
+             Clock::now() - queue_.front()->enqueued >= kLazyPickup)) {
           break;
         }
         if (!lazy_) {
@@ -318,7 +319,8 @@ void RingProcessGroup::finish_running() {
     running_ = false;
     more = !queue_.empty() && queue_.front()->worker_told;
   }
-  if (more) cv_.notify_one();  // the worker waits for running_ to clear when a waiter ran the operation
+  // The worker waits for running_ to clear when a waiter ran the operation.
+  if (more) cv_.notify_one();
 }
 
 void RingProcessGroup::execute(Op& op) {
