@@ -285,8 +285,7 @@ bool ShmChannel::wait_alone(bool want_read, bool want_write,
     // A slice passed (or a signal came): has the peer gone? End-of-file is only on the socket.
     pollfd pfd{conn_->fd(), POLLIN, 0};
     if (::poll(&pfd, 1, 0) > 0) {
-      clear_wait();
-      after_wait(pfd.revents);
+      after_wait(pfd.revents);  // clears the flags too
       return true;
     }
   }
