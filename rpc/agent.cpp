@@ -33,6 +33,21 @@ const std::string kPrefix = "tdist_rpc/";
 constexpr Millis kDefaultHandshakeTimeout{10000};
 constexpr int64_t kDefaultMaxPendingHandshakes = 64;
 
+// Note [RPC waits spin first]
+// A small call's round trip crosses two sockets and two thread hand-offs: the server's reader
+// thread to a worker of the pool, and the client's reader thread to the caller waiting on the
+// future. Waking a sleeping thread through a condition variable costs several microseconds of
+// system call and scheduling, more on a virtual machine whose idle core must be woken too, so
+// each waiting side first keeps looking for a while, yielding the core between looks (on a
+// host with fewer cores than busy threads, the thread it waits for needs that core):
+// Future::wait for up to 50 us (rpc/future.h); one idle worker of the pool for up to spin_us
+// (default 50 us, rpc/detail/thread_pool.h); and each connection's reader, between frames, reads
+// without blocking for up to spin_us before it sleeps in recv (rpc/connection.cpp). A busy caller
+// keeps them looking between calls; an idle agent looks once per message and then sleeps, so it
+// burns no core. spin_us = 0 (TDIST_RPC_SPIN_US=0) restores the plain hand-offs (the future's
+// spin stays). Measured with tdist-bench rpc (docs/perf.md, "RPC waits spin first").
+constexpr int64_t kDefaultSpinUs = 50;
+
 }  // namespace
 
 RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions options)
@@ -61,6 +76,12 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
     options_.max_pending_handshakes = static_cast<int>(env::get_int(
         "TDIST_RPC_MAX_PENDING_HANDSHAKES", kDefaultMaxPendingHandshakes, 1, 1 << 20));
   }
+  TDIST_CHECK_ARG(options_.spin_us >= -1, "spin_us must be -1 (the default) or more, got ",
+                  options_.spin_us);
+  if (options_.spin_us == -1) {
+    options_.spin_us = static_cast<int>(env::get_int("TDIST_RPC_SPIN_US", kDefaultSpinUs, 0,
+                                                     1000000));
+  }
   const Millis hs_timeout = options_.handshake_timeout;
   conn_options_.max_frame_bytes = options_.max_frame_bytes;
   conn_options_.send_timeout = options_.rpc_timeout;
@@ -74,6 +95,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   conn_options_.handshake.fast_path = options_.same_host_fast_path;
   conn_options_.handshake.timeout = hs_timeout;
   conn_options_.socket_buffer_bytes = options_.socket_buffer_bytes;
+  conn_options_.spin = std::chrono::microseconds(options_.spin_us);
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<Peer>());
 }
 
@@ -82,8 +104,9 @@ std::shared_ptr<RpcAgent> RpcAgent::start(const std::string& name, int rank, int
   std::shared_ptr<RpcAgent> a(new RpcAgent(name, rank, world_size, std::move(options)));
   std::weak_ptr<RpcAgent> weak = a;
   a->rrefs_ = std::make_shared<detail::RRefContext>(weak, rank);
-  a->pool_ = std::make_unique<detail::ThreadPool>(a->options_.num_worker_threads,
-                                                  [weak] { detail::set_thread_agent(weak); });
+  a->pool_ = std::make_unique<detail::ThreadPool>(
+      a->options_.num_worker_threads, [weak] { detail::set_thread_agent(weak); },
+      std::chrono::microseconds(a->options_.spin_us));
   a->open_store(world_size);
   a->listen();
   a->accept_thread_ = std::thread([raw = a.get()] { raw->accept_loop(); });

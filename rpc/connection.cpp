@@ -158,6 +158,24 @@ void Connection::throw_read_error(ssize_t n) {
 }
 
 size_t Connection::fill(size_t want) {
+  if (between_frames_ && options_.spin.count() > 0) {
+    // The next frame often comes within microseconds (a reply to a small call): look for it
+    // without sleeping for a while (Note [RPC waits spin first] in rpc/agent.cpp).
+    const auto until = std::chrono::steady_clock::now() + options_.spin;
+    for (;;) {
+      ssize_t n = ::recv(fd_, in_.data() + in_end_, std::min(want, in_.size() - in_end_),
+                         MSG_DONTWAIT);
+      if (n > 0) {
+        between_frames_ = false;
+        return static_cast<size_t>(n);
+      }
+      if (n == 0 || (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) {
+        throw_read_error(n);
+      }
+      if (std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::yield();
+    }
+  }
   for (;;) {
     ssize_t n = ::recv(fd_, in_.data() + in_end_, std::min(want, in_.size() - in_end_), 0);
     if (n > 0) {

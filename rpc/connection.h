@@ -27,6 +27,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -61,6 +62,9 @@ struct ConnectionOptions {
   uint64_t remote_tensor_threshold = 256 << 10;  // fast path only for tensors at least this large
   HandshakeOptions handshake;                // incoming connections handshake on their thread
   int socket_buffer_bytes = 0;               // SO_SNDBUF / SO_RCVBUF; 0: the system's
+  // Between frames the reader keeps reading without blocking this long (yielding the core
+  // between tries) before it sleeps in recv (Note [RPC waits spin first] in rpc/agent.cpp).
+  std::chrono::microseconds spin{0};
 };
 
 // Sets a socket's send and receive buffer sizes (RpcOptions::socket_buffer_bytes); 0: no change.

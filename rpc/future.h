@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -92,12 +93,13 @@ class Future {
   // Blocks until done (timeout 0: no limit), then rethrows the stored error. TimeoutError when
   // the timeout passes first (the future stays pending).
   void wait(Millis timeout = Store::kNoTimeout) const {
-    // A reply to a small call usually lands within tens of microseconds: spin briefly before
+    // A reply to a small call usually lands within tens of microseconds: spin briefly, yielding
+    // the core to the threads that bring it (the reader, on a host with few cores), before
     // sleeping on the condition variable, whose wake-up costs about as much as the call.
     const auto spin_until = std::chrono::steady_clock::now() + kSpin;
     while (!state_->ready.load(std::memory_order_acquire) &&
            std::chrono::steady_clock::now() < spin_until) {
-      __builtin_ia32_pause();
+      std::this_thread::yield();
     }
     std::unique_lock<std::mutex> lock(state_->mu);
     if (timeout.count() > 0) {

@@ -67,6 +67,10 @@ struct RpcOptions {
   // oldest (so idle strangers cannot lock real peers out). 0: TDIST_RPC_MAX_PENDING_HANDSHAKES,
   // else 64.
   int max_pending_handshakes = 0;
+  // Microseconds an idle worker thread keeps looking for the next incoming call (yielding the
+  // core between looks) before it sleeps; one thread at a time. A small call then starts without
+  // a thread wake-up. -1: TDIST_RPC_SPIN_US, else 50; 0: never.
+  int spin_us = -1;
 };
 
 // Where a call goes: a worker name, a rank or a WorkerInfo.

@@ -10,8 +10,9 @@ thread_local const ThreadPool* tl_pool = nullptr;
 thread_local bool tl_released = false;
 }  // namespace
 
-ThreadPool::ThreadPool(int threads, std::function<void()> on_start)
-    : on_start_(std::move(on_start)) {
+ThreadPool::ThreadPool(int threads, std::function<void()> on_start,
+                       std::chrono::microseconds spin)
+    : on_start_(std::move(on_start)), spin_(spin) {
   TDIST_CHECK_ARG(threads > 0, "a thread pool needs at least one thread, got ", threads);
   threads_.reserve(threads);
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
@@ -30,7 +31,9 @@ bool ThreadPool::try_post(std::function<void()>&& task) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return false;
     tasks_.push_back(std::move(task));
-    wake = idle_ > 0;
+    queued_.store(true, std::memory_order_release);
+    // A spinning thread takes one task; any more need a sleeper.
+    wake = idle_ > 0 && (!spinning_ || tasks_.size() > 1);
   }
   if (wake) cv_.notify_one();
   return true;
@@ -42,6 +45,7 @@ void ThreadPool::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    stop_seen_.store(true, std::memory_order_release);
     threads.swap(threads_);
   }
   cv_.notify_all();
@@ -68,6 +72,17 @@ void ThreadPool::stop() {
   tl_released = true;
 }
 
+bool ThreadPool::spin_for_task() {
+  const auto until = std::chrono::steady_clock::now() + spin_;
+  for (;;) {
+    if (queued_.load(std::memory_order_acquire)) return true;
+    if (stop_seen_.load(std::memory_order_acquire) || std::chrono::steady_clock::now() >= until) {
+      return false;
+    }
+    std::this_thread::yield();
+  }
+}
+
 bool ThreadPool::in_pool_thread() const { return tl_pool == this; }
 
 void ThreadPool::run_task(std::function<void()>& task) {
@@ -86,7 +101,17 @@ void ThreadPool::run() {
   if (on_start_) on_start_();
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
+    bool spun = false;  // once per task: a spin that ran out sleeps next
     while (tasks_.empty() && !stopping_) {
+      if (spin_.count() > 0 && !spinning_ && !spun) {
+        spun = true;
+        spinning_ = true;
+        lock.unlock();
+        spin_for_task();
+        lock.lock();
+        spinning_ = false;
+        continue;  // looks again under the lock before it sleeps
+      }
       ++idle_;
       cv_.wait(lock);
       --idle_;
@@ -94,6 +119,7 @@ void ThreadPool::run() {
     if (tasks_.empty()) return;  // stopping and drained
     auto task = std::move(tasks_.front());
     tasks_.pop_front();
+    queued_.store(!tasks_.empty(), std::memory_order_release);
     lock.unlock();
     run_task(task);
     if (tl_released) return;  // this task stopped the pool: it may be destroyed already

@@ -1,8 +1,13 @@
-// detail::ThreadPool: stop() and destruction from one of the pool's own tasks, and an agent's
-// shutdown() called from one of its own worker threads.
+// detail::ThreadPool: stop() and destruction from one of the pool's own tasks, an agent's
+// shutdown() called from one of its own worker threads, the idle thread that spins for the next
+// task, and agents whose spinning waits end once they are idle.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <memory>
 
 #include "tdist/rpc/detail/thread_pool.h"
@@ -85,6 +90,79 @@ TEST(ThreadPoolStop, ShutdownFromTheAgentsOwnWorkerThreadIsRefused) {
   EXPECT_FALSE(a[1]->is_shut_down());
   EXPECT_EQ(a[0]->rpc_sync<int64_t>("w1", "add", int64_t{1}, int64_t{2}), 3);
   shutdown_all(a);
+}
+
+// A spinning thread takes one task: one posted meanwhile wakes a sleeping thread, so a task
+// that waits for the next one to run is never stuck behind it.
+TEST(ThreadPoolSpin, ATaskPostedWhileOneThreadSpinsWakesASleeper) {
+  for (int i = 0; i < 300; ++i) {
+    ThreadPool pool(2, nullptr, std::chrono::seconds(30));
+    // Let one thread spin and the other sleep.
+    std::this_thread::sleep_for(std::chrono::microseconds(200 + (i % 10) * 50));
+    std::atomic<bool> second_ran{false};
+    std::atomic<bool> first_saw{false};
+    pool.post([&] { first_saw = eventually([&] { return second_ran.load(); }, 10s); });
+    pool.post([&] { second_ran = true; });
+    ASSERT_TRUE(eventually([&] { return second_ran.load(); }, 15s)) << "round " << i;
+    ASSERT_TRUE(eventually([&] { return first_saw.load(); }, 15s)) << "round " << i;
+  }
+}
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         double(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+// The spin is bounded: an idle pool sleeps (it burns no core), and stop() ends a spin at once.
+TEST(ThreadPoolSpin, AnIdlePoolSleepsAndStopEndsASpin) {
+  {
+    ThreadPool pool(4, nullptr, std::chrono::milliseconds(2));
+    std::atomic<int> ran{0};
+    for (int i = 0; i < 10; ++i) pool.post([&] { ++ran; });
+    ASSERT_TRUE(eventually([&] { return ran.load() == 10; }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const double before = cpu_seconds();
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    // A thread spinning all along would have used about 0.5 s.
+    EXPECT_LT(cpu_seconds() - before, 0.2);
+  }
+  std::atomic<bool> stopped{false};
+  std::thread t([&] {
+    ThreadPool pool(2, nullptr, std::chrono::seconds(600));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    pool.stop();
+    stopped = true;
+  });
+  EXPECT_TRUE(eventually([&] { return stopped.load(); }, 60s)) << "stop() waited out a spin";
+  t.join();
+}
+
+// The agents' spinning waits end: two agents that just made many calls burn no core once idle;
+// a bad spin_us is refused.
+TEST(RpcSpin, IdleAgentsBurnNoCoreAndABadSpinIsRefused) {
+  register_test_functions();
+  RpcOptions o;
+  o.spin_us = 2000;  // long spins, so that one left running would show
+  auto a = start_agents(2, o);
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_EQ(a[0]->rpc_sync<int64_t>("w1", "add", int64_t{i}, int64_t{1}), i + 1);
+    ASSERT_EQ(a[1]->rpc_sync<int64_t>("w0", "add", int64_t{i}, int64_t{2}), i + 2);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const double before = cpu_seconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_LT(cpu_seconds() - before, 0.2);
+  shutdown_all(a);
+  RpcOptions bad;
+  bad.spin_us = -2;
+  try {
+    start_agents(1, bad);
+    ADD_FAILURE() << "spin_us -2 was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("spin_us"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
