@@ -26,16 +26,14 @@ void ThreadPool::post(std::function<void()> task) {
 }
 
 bool ThreadPool::try_post(std::function<void()>&& task) {
-  bool wake = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return false;
-    tasks_.push_back(std::move(task));
-    queued_.store(true, std::memory_order_release);
-    // A spinning thread takes one task; any more need a sleeper.
-    wake = idle_ > 0 && (!spinning_ || tasks_.size() > 1);
-  }
-  if (wake) cv_.notify_one();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return false;
+  tasks_.push_back(std::move(task));
+  queued_.store(true, std::memory_order_release);
+  // A spinning thread takes one task; any more need a sleeper. Notified under the lock: once it
+  // is released, the task may already have run and destroyed the pool (ThreadSanitizer saw
+  // notify_one() race with the condition variable's destruction in DestroyedFromItsOwnTask).
+  if (idle_ > 0 && (!spinning_ || tasks_.size() > 1)) cv_.notify_one();
   return true;
 }
 
