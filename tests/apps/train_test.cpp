@@ -254,9 +254,10 @@ off_t file_size(const std::string& path) {
 
 // Kills the writer of a checkpoint inside its write (Note [Checkpoint protocol] 2): watches the
 // checkpoint directory (inotify) for the writer's temporary file, checkpoint.pt.tmp.<pid>, and
-// when one appears while a complete checkpoint.pt exists, kills that pid (SIGKILL) at once. Once
-// the writer is dead, a temporary file still there shows that the kill came before the rename
-// (during the write, the fsync, or just before either); if the file is gone, the writer was
+// when one appears while a complete checkpoint.pt exists, kills that pid (SIGKILL) as soon as the
+// file has its first bytes (mid-write, usually). Once the writer is dead, a temporary file still
+// there shows that the kill came before the rename (during the write or the fsync); if the file
+// is gone, the writer was
 // quicker (renamed already) and the next write, after the launcher's restart, is tried. No hook
 // in tdist-train: the window is the real write, fsync and rename of a checkpoint of some
 // megabytes.
@@ -299,6 +300,9 @@ class CheckpointWriteStriker {
         if (file_size(complete) < 0) continue;  // the first write: nothing to fall back on
         if (out_.missed == 2) continue;  // tdist-run --max-restarts 2 allows no further kill
         const pid_t pid = static_cast<pid_t>(std::stol(name.substr(prefix.size())));
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+        while (file_size(tmp) == 0 && std::chrono::steady_clock::now() < give_up) {
+        }
         if (::kill(pid, SIGKILL) != 0) continue;
         // Dead (a zombie until the launcher reaps it, or gone): it renames nothing any more.
         for (int i = 0; i < 5000; ++i) {
