@@ -84,8 +84,9 @@ std::optional<int64_t> current_context();
 // finished. Must run on the worker that created the context. Without retain_graph, a second
 // backward of the same context fails (as torch's does); the graph itself is freed when the
 // context is. InvalidArgument for an unknown or released context, a context of another worker,
-// or a bad root (nothing changes then); Error naming the worker when one fails or cannot be
-// reached within the RPC timeout.
+// or a bad root (nothing changes then); Error naming the worker when one fails, of the kind of
+// the cause: NetworkError when its connection was lost, TimeoutError when it did not answer
+// within the RPC timeout.
 void backward(int64_t context_id, const std::vector<at::Tensor>& roots,
               bool retain_graph = false);
 

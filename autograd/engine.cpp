@@ -287,11 +287,20 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool ret
                     " already ran a backward without retain_graph; pass retain_graph = true to "
                     "the first one to run a second");
   }
+  // The error keeps its kind (a worker that stopped answering: TimeoutError; a lost connection:
+  // NetworkError), so callers can tell a hung worker from a dead one.
+  const auto failed = [&](const std::exception& e) {
+    return str("distributed backward of context ", context_id, " on worker '",
+               agent->info().name, "' failed: ", e.what());
+  };
   try {
     detail::propagate(*agent, context_id, detail::local_pass(st, edges, grads));
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(failed(e));
+  } catch (const NetworkError& e) {
+    throw NetworkError(failed(e));
   } catch (const std::exception& e) {
-    throw Error(str("distributed backward of context ", context_id, " on worker '",
-                    agent->info().name, "' failed: ", e.what()));
+    throw Error(failed(e));
   }
   if (!retain_graph) {
     std::lock_guard<std::mutex> lock(st->mu);

@@ -1,19 +1,25 @@
 // tdist-train as a user runs it: real processes, alone or under tdist-run, on synthetic data or
 // on small IDX files the tests write.
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "tests/harness/command.h"
@@ -231,6 +237,148 @@ TEST(TdistTrain, AKilledWorkerRestartsFromTheCheckpointAndEndsLikeAnUninterrupte
   auto sc = read_json(faulty + "/summary.json");
   EXPECT_EQ(sc["steps_run"], 0);
   EXPECT_EQ(sc["params_fnv1a64"], sa["params_fnv1a64"]);
+}
+
+// One process state letter from /proc/<pid>/stat ('T' stopped, 'Z' zombie), or 0 when it is gone.
+char process_state(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+}
+
+off_t file_size(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? st.st_size : -1;
+}
+
+// Kills the writer of a checkpoint inside its write (Note [Checkpoint protocol] 2): watches the
+// checkpoint directory (inotify) for the writer's temporary file, checkpoint.pt.tmp.<pid>, and
+// when one appears while a complete checkpoint.pt exists, kills that pid (SIGKILL) as soon as the
+// file has its first bytes (mid-write, usually). Once the writer is dead, a temporary file still
+// there shows that the kill came before the rename (during the write or the fsync); if the file
+// is gone, the writer was
+// quicker (renamed already) and the next write, after the launcher's restart, is tried. No hook
+// in tdist-train: the window is the real write, fsync and rename of a checkpoint of some
+// megabytes.
+struct Strike {
+  bool struck = false;        // the writer was killed inside its write
+  int missed = 0;             // writers killed after their rename
+  off_t tmp_bytes = -1;       // the temporary file's size once the writer was dead
+  off_t complete_bytes = -1;  // the complete checkpoint's size beside it
+};
+
+class CheckpointWriteStriker {
+ public:
+  // Fills `out`, which may be read once the striker is destroyed.
+  CheckpointWriteStriker(const std::string& dir, Strike& out) : dir_(dir), out_(out) {
+    fd_ = ::inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+    EXPECT_GE(fd_, 0);
+    EXPECT_GE(::inotify_add_watch(fd_, dir.c_str(), IN_CREATE), 0) << dir;
+    thread_ = std::thread([this] { watch(); });
+  }
+  ~CheckpointWriteStriker() {
+    done_ = true;
+    thread_.join();
+    ::close(fd_);
+  }
+
+ private:
+  void watch() {
+    const std::string prefix = std::string("checkpoint.pt.tmp.");
+    alignas(inotify_event) char buf[4096];
+    while (!done_ && !out_.struck) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      const ssize_t n = ::read(fd_, buf, sizeof(buf));
+      for (ssize_t at = 0; at < n && !out_.struck;) {
+        const auto* e = reinterpret_cast<const inotify_event*>(buf + at);
+        at += static_cast<ssize_t>(sizeof(inotify_event) + e->len);
+        const std::string name = e->len > 0 ? e->name : "";
+        if (name.rfind(prefix, 0) != 0) continue;
+        const std::string tmp = dir_ + "/" + name, complete = dir_ + "/checkpoint.pt";
+        if (file_size(complete) < 0) continue;  // the first write: nothing to fall back on
+        if (out_.missed == 2) continue;  // tdist-run --max-restarts 2 allows no further kill
+        const pid_t pid = static_cast<pid_t>(std::stol(name.substr(prefix.size())));
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+        while (file_size(tmp) == 0 && std::chrono::steady_clock::now() < give_up) {
+        }
+        if (::kill(pid, SIGKILL) != 0) continue;
+        // Dead (a zombie until the launcher reaps it, or gone): it renames nothing any more.
+        for (int i = 0; i < 5000; ++i) {
+          const char state = process_state(pid);
+          if (state == 'Z' || state == 'X' || state == 0) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        out_.tmp_bytes = file_size(tmp);
+        if (out_.tmp_bytes < 0) {
+          ++out_.missed;
+          continue;
+        }
+        out_.complete_bytes = file_size(complete);
+        out_.struck = true;
+      }
+    }
+  }
+
+  std::string dir_;
+  Strike& out_;
+  int fd_ = -1;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+// The writer (rank 0) is killed inside a checkpoint write: the complete checkpoint before it is
+// what the restart resumes from, the temporary file of the cut-off write is removed by the next
+// write, and the run ends as an uninterrupted one does.
+TEST(TdistTrain, AWriterKilledInsideACheckpointWriteLeavesTheLastCheckpointAndTheRunEndsTheSame) {
+  // A model of 1.9 M parameters: with Adam's two moments, a checkpoint of about 22 MB.
+  const auto args = [](const std::string& dir) {
+    auto a = resume_args(dir);
+    for (size_t i = 0; i + 1 < a.size(); ++i) {
+      if (a[i] == "--hidden") a[i + 1] = "1024";
+      if (a[i] == "--layers") a[i + 1] = "2";
+    }
+    return a;
+  };
+  const std::string clean = test::temp_dir();
+  auto a = train_under_run(2, {}, args(clean));
+  ASSERT_EQ(a.exit_code, 0) << a.describe();
+
+  const std::string faulty = test::temp_dir();
+  ::mkdir((faulty + "/ckpt").c_str(), 0755);
+  CommandResult b;
+  Strike strike;
+  {
+    CheckpointWriteStriker striker(faulty + "/ckpt", strike);
+    // A second restart in case the first kill came after the rename.
+    b = train_under_run(2, {"--max-restarts", "2", "--stop-grace", "2"}, args(faulty));
+  }
+  std::cout << "killed the writer with " << strike.tmp_bytes << " of " << strike.complete_bytes
+            << " bytes in its temporary file (" << strike.missed << " kills after the rename first)\n";
+  ASSERT_TRUE(strike.struck) << "no kill came before the rename (" << strike.missed << " after)\n"
+                             << b.describe();
+  ASSERT_EQ(b.exit_code, 0) << b.describe();
+  EXPECT_TRUE(contains(b.err, "restarting all workers (restart " + std::to_string(strike.missed + 1)))
+      << b.err;
+  // The restart resumed from the last complete checkpoint: it loaded, its fingerprint matched.
+  const std::regex resumed("resumed from " + faulty + "/ckpt/checkpoint.pt at step (\\d+)");
+  int resumed_at = -1;
+  for (auto it = std::sregex_iterator(b.out.begin(), b.out.end(), resumed);
+       it != std::sregex_iterator(); ++it) {
+    resumed_at = std::stoi((*it)[1]);  // the last restart's
+  }
+  EXPECT_TRUE(resumed_at == 10 || resumed_at == 20 || resumed_at == 30) << b.out;
+
+  auto sa = read_json(clean + "/summary.json");
+  auto sb = read_json(faulty + "/summary.json");
+  EXPECT_EQ(sb["resumed_from_step"], resumed_at);
+  EXPECT_EQ(sb["steps"], 40);
+  EXPECT_EQ(sa["params_fnv1a64"], sb["params_fnv1a64"]);
+  EXPECT_EQ(sa["accuracy"], sb["accuracy"]);
+  EXPECT_EQ(sa["final_loss"], sb["final_loss"]);
+  // The cut-off write's temporary file is gone: only the final checkpoint is left.
+  EXPECT_EQ(run_command({"ls", "-a", faulty + "/ckpt"}).out, ".\n..\ncheckpoint.pt\n");
 }
 
 // Note [Elastic resume]: a run killed at world size 3 resumes at world size 2 where its samples

@@ -5,8 +5,17 @@
 // backward that crosses it. The survivors must get an error that names the dead worker, from the
 // broken connection, within the bound below; then go on talking to each other and shut down
 // gracefully.
+//
+// A worker stopped (SIGSTOP) instead keeps its connections open: nothing tells the survivors,
+// so their calls to it end at their timeout (a TimeoutError naming it). Two rows, with a short
+// RPC timeout (each costs at least that): calls to a stopped worker that is then resumed
+// (SIGCONT; it answers again, the answers to the calls that timed out are dropped, all three shut
+// down gracefully), and a distributed backward through a stopped worker that is then killed
+// (SIGKILL, as tdist-run does to a worker that ignores its SIGTERM; the survivors go on as in
+// the rows above).
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <string.h>
 #include <sys/prctl.h>
 
 #include <cstdio>
@@ -34,15 +43,20 @@ constexpr Millis kRpcTimeout = 5s;
 // say that the connection was lost: a TimeoutError (a call that waited out kRpcTimeout because
 // the broken connection went unnoticed) fails the case even within the bound.
 constexpr Millis kBound = kRpcTimeout + 3s;
+// The rows with a stopped worker: their calls end only at the RPC timeout, so it is short, with
+// the same slack.
+constexpr Millis kStopRpcTimeout = 2s;
+constexpr Millis kStopBound = kStopRpcTimeout + 3s;
 
 using Clock = std::chrono::steady_clock;
 
 std::shared_ptr<Store> g_store;  // the child's store, for the functions the victim runs
 
-// Tells the test that the victim serves call `tag`, then blocks until the victim is killed.
+// Tells the test that the victim serves call `tag`, then blocks until the victim is killed or
+// the test releases it (a stopped victim that was resumed).
 void serve(int64_t tag) {
   g_store->set(str("served/", tag), "1");
-  std::this_thread::sleep_for(120s);
+  g_store->wait({"release"}, 120s);
 }
 
 // x * 2 whose backward tells the test it runs, then blocks: the victim's part of a distributed
@@ -74,10 +88,16 @@ void register_fault_functions() {
   rpc::register_function("fm.triple", [](at::Tensor x) { return x * 3; });
 }
 
-// Runs `op`, which must fail because the victim died: the error names it ('p1'), says that the
-// connection was lost, and comes within kBound of `t0`. Returns whether it did; prints why not.
+// What a survivor's pending work must end with: the lost connection (the victim died), or a
+// TimeoutError (the victim was stopped).
+enum class Expect { kLost, kTimeout };
+
+// Runs `op`, which must fail because of the victim: the error names it ('p1'), says that the
+// connection was lost (kLost; a TimeoutError fails the check) or is a TimeoutError (kTimeout),
+// and comes within the bound (kBound, kStopBound) of `t0`. Returns whether it did; prints why not.
 bool fails_naming_the_victim(int rank, const std::string& what, Clock::time_point t0,
-                             const std::function<void()>& op) {
+                             const std::function<void()>& op, Expect expect = Expect::kLost) {
+  const Millis bound = expect == Expect::kLost ? kBound : kStopBound;
   try {
     op();
     std::fprintf(stderr, "rank %d: %s did not fail\n", rank, what.c_str());
@@ -92,21 +112,29 @@ bool fails_naming_the_victim(int rank, const std::string& what, Clock::time_poin
       std::fprintf(stderr, "rank %d: FAIL: the error does not name p1\n", rank);
       ok = false;
     }
-    if (msg.find("lost") == std::string::npos) {
+    const bool timeout = dynamic_cast<const TimeoutError*>(&e) != nullptr;
+    if (expect == Expect::kLost && (timeout || msg.find("lost") == std::string::npos)) {
       std::fprintf(stderr, "rank %d: FAIL: the error is not the lost connection\n", rank);
       ok = false;
     }
-    if (ms > kBound.count()) {
+    if (expect == Expect::kTimeout && !timeout) {
+      std::fprintf(stderr, "rank %d: FAIL: the error is not a TimeoutError\n", rank);
+      ok = false;
+    }
+    if (ms > bound.count()) {
       std::fprintf(stderr, "rank %d: FAIL: over the bound of %lld ms\n", rank,
-                   static_cast<long long>(kBound.count()));
+                   static_cast<long long>(bound.count()));
       ok = false;
     }
     return ok;
   }
 }
 
-// The victim: reaches the phase, tells the test (ready/1) and waits to be struck.
-int victim(Store& store, const std::string& phase) {
+// The victim: reaches the phase, tells the test (ready/1) and waits to be struck. A victim that
+// is stopped and then resumed ("cont") goes on: once its blocked calls are released, it serves
+// the survivors again and shuts down gracefully with them.
+int victim(rpc::RpcAgent& agent, Store& store, const std::string& phase,
+           const std::string& after_stop) {
   // No core dump for abort(): writing one delays the close of the sockets by the dump's time.
   ::prctl(PR_SET_DUMPABLE, 0);
   if (phase == "call") {
@@ -133,13 +161,29 @@ int victim(Store& store, const std::string& phase) {
     }
   }
   store.set("ready/1", "1");
-  std::this_thread::sleep_for(120s);  // struck here
-  return 3;
+  if (after_stop != "cont") {
+    std::this_thread::sleep_for(120s);  // struck here
+    return 3;
+  }
+  // Stopped and resumed in here; the test then releases the calls it was serving.
+  store.wait({"done/0", "done/2"}, 60s);
+  try {
+    agent.shutdown(true);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank 1: graceful shutdown failed: %s\n", e.what());
+    return 4;
+  }
+  return 0;
 }
 
 // A survivor's part of the phase: sets ready/<rank> (the test strikes once every worker has)
 // and checks what it had pending fails naming the victim. Returns 0 when all went as required.
-int survivor_phase(rpc::RpcAgent& agent, Store& store, const std::string& phase, int rank) {
+// When the victim was stopped (`stopped`), what it had pending must time out, and the survivor
+// then tells the test (timed_out/<rank>) and waits for the victim to be resumed or killed
+// ("restruck") before it leaves the phase (a distributed autograd context ends with it, whose
+// release goes to the victim too).
+int survivor_phase(rpc::RpcAgent& agent, Store& store, const std::string& phase, int rank,
+                   bool stopped) {
   const std::string ready = str("ready/", rank);
   const int64_t tag = rank * 10;
   Clock::time_point t0;
@@ -147,14 +191,21 @@ int survivor_phase(rpc::RpcAgent& agent, Store& store, const std::string& phase,
     t0 = Clock::now();
     store.set(ready, "1");
   };
+  const Expect expect = stopped ? Expect::kTimeout : Expect::kLost;
+  auto after_the_error = [&] {
+    if (!stopped) return;
+    store.set(str("timed_out/", rank), "1");
+    store.wait({"restruck"}, 60s);
+  };
   bool ok = true;
   if (phase == "call") {
     auto pending = agent.rpc_async<int64_t>(kVictim, "fm.serve", tag);
     go();
-    ok &= fails_naming_the_victim(rank, "rpc_sync", t0, [&] {
-      agent.rpc_sync<int64_t>(kVictim, "fm.serve", tag + 1);
-    });
-    ok &= fails_naming_the_victim(rank, "rpc_async", t0, [&] { pending.wait(); });
+    ok &= fails_naming_the_victim(
+        rank, "rpc_sync", t0, [&] { agent.rpc_sync<int64_t>(kVictim, "fm.serve", tag + 1); },
+        expect);
+    ok &= fails_naming_the_victim(rank, "rpc_async", t0, [&] { pending.wait(); }, expect);
+    after_the_error();
   } else if (phase == "remote") {
     RRef<Tracked> r = agent.remote<Tracked>(kVictim, "fm.blocking_tracked", tag);
     go();
@@ -188,22 +239,29 @@ int survivor_phase(rpc::RpcAgent& agent, Store& store, const std::string& phase,
     Context ctx;
     at::Tensor y = agent.rpc_sync<at::Tensor>(kVictim, "fm.blocking_stage", x);
     go();
-    ok &= fails_naming_the_victim(rank, "backward", t0, [&] { backward(ctx.id(), {y.sum()}); });
+    ok &= fails_naming_the_victim(
+        rank, "backward", t0, [&] { backward(ctx.id(), {y.sum()}); }, expect);
+    after_the_error();
   } else {
     return 22;
   }
   return ok ? 0 : 23;
 }
 
-// After the strike: calls to the victim fail at once, the survivors still call each other (a
-// distributed backward too), and shut down gracefully.
-int survivor_goes_on(rpc::RpcAgent& agent, Store& store, int rank) {
+// After the strike: calls to the victim fail at once (or, when it was stopped and resumed,
+// succeed), the survivors still call each other (a distributed backward too), and shut down
+// gracefully.
+int survivor_goes_on(rpc::RpcAgent& agent, Store& store, int rank, bool victim_resumed) {
   const int other = rank == 0 ? 2 : 0;
-  try {
-    agent.rpc_sync<int64_t>(kVictim, "add", int64_t{1}, int64_t{1});
-    return 30;
-  } catch (const NetworkError& e) {
-    if (std::string(e.what()).find("'p1'") == std::string::npos) return 31;
+  if (victim_resumed) {
+    if (agent.rpc_sync<int64_t>(kVictim, "add", int64_t{rank}, int64_t{2}) != rank + 2) return 35;
+  } else {
+    try {
+      agent.rpc_sync<int64_t>(kVictim, "add", int64_t{1}, int64_t{1});
+      return 30;
+    } catch (const NetworkError& e) {
+      if (std::string(e.what()).find("'p1'") == std::string::npos) return 31;
+    }
   }
   if (agent.rpc_sync<int64_t>(other, "add", int64_t{rank}, int64_t{1}) != rank + 1) return 32;
   {
@@ -234,20 +292,23 @@ TDIST_TEST_CHILD(rpc_fault_child) {
   register_fault_functions();
   init();
   const std::string phase = env::get("TDIST_TEST_PHASE").value_or("");
+  // "cont" or "kill": the victim is stopped (SIGSTOP), then resumed or killed.
+  const std::string after_stop = env::get("TDIST_TEST_AFTER_STOP").value_or("");
+  const bool stopped = !after_stop.empty();
   const auto port = static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535));
   auto store = std::make_shared<TCPStore>("127.0.0.1", port, false, 60s);
   g_store = store;
   rpc::RpcOptions o;
   o.store = store;
-  o.rpc_timeout = kRpcTimeout;
+  o.rpc_timeout = stopped ? kStopRpcTimeout : kRpcTimeout;
   o.shutdown_timeout = 20s;  // a shutdown that waited for the dead worker fails, not hangs
   // In "delete", two threads that both serve a blocked call leave none for RRef messages.
   if (rank == kVictim && phase == "delete") o.num_worker_threads = 2;
   auto agent = rpc::RpcAgent::start("p" + std::to_string(rank), rank, world_size, o);
   rpc::set_current_agent(agent);
-  if (rank == kVictim) return victim(*store, phase);
-  if (int rc = survivor_phase(*agent, *store, phase, rank)) return rc;
-  const int rc = survivor_goes_on(*agent, *store, rank);
+  if (rank == kVictim) return victim(*agent, *store, phase, after_stop);
+  if (int rc = survivor_phase(*agent, *store, phase, rank, stopped)) return rc;
+  const int rc = survivor_goes_on(*agent, *store, rank, after_stop == "cont");
   rpc::set_current_agent(nullptr);
   return rc;
 }
@@ -255,14 +316,15 @@ TDIST_TEST_CHILD(rpc_fault_child) {
 struct Fault {
   std::string phase;
   int sig;
+  int then = 0;  // after SIGSTOP: SIGCONT or SIGKILL, once the survivors' calls timed out
 };
 
-std::string signal_name(int sig) {
-  return sig == SIGKILL ? "SIGKILL" : sig == SIGTERM ? "SIGTERM" : sig == SIGABRT ? "SIGABRT" : "?";
-}
+std::string signal_name(int sig) { return std::string("SIG") + ::sigabbrev_np(sig); }
 
 std::ostream& operator<<(std::ostream& os, const Fault& f) {
-  return os << f.phase << "_" << signal_name(f.sig);
+  os << f.phase << "_" << signal_name(f.sig);
+  if (f.then != 0) os << "_then_" << signal_name(f.then);
+  return os;
 }
 
 // The lines in which a survivor reported its error and how long it took.
@@ -280,9 +342,11 @@ class RpcFault : public ::testing::TestWithParam<Fault> {};
 TEST_P(RpcFault, SurvivorsGetAnErrorNamingTheDeadWorkerAndGoOn) {
   const Fault f = GetParam();
   TCPStore server("127.0.0.1", 0, true, 60s);
+  const std::string after_stop = f.then == SIGCONT ? "cont" : f.then == SIGKILL ? "kill" : "";
   tdist::test::Processes procs("rpc_fault_child", 3,
                                {{"MASTER_PORT", std::to_string(server.port())},
-                                {"TDIST_TEST_PHASE", f.phase}});
+                                {"TDIST_TEST_PHASE", f.phase},
+                                {"TDIST_TEST_AFTER_STOP", after_stop}});
   try {
     server.wait({"ready/0", "ready/1", "ready/2"}, 60s);
   } catch (const TimeoutError&) {
@@ -290,14 +354,35 @@ TEST_P(RpcFault, SurvivorsGetAnErrorNamingTheDeadWorkerAndGoOn) {
            << tdist::test::Processes::failures(procs.wait_all(1s));
   }
   procs.kill(kVictim, f.sig);
+  if (f.sig == SIGSTOP) {
+    // Once both survivors' calls timed out: resume the victim and release the calls it serves,
+    // or kill it (and wait until it is gone: its connections are closed then).
+    try {
+      server.wait({"timed_out/0", "timed_out/2"}, 60s);
+    } catch (const TimeoutError&) {
+      procs.kill(kVictim, SIGKILL);
+      FAIL() << "the survivors did not report their errors:\n"
+             << tdist::test::Processes::failures(procs.wait_all(1s));
+    }
+    procs.kill(kVictim, f.then);
+    if (f.then == SIGKILL) procs.wait(kVictim, 10s);
+    server.set("release", "1");
+    server.set("restruck", "1");
+  }
   auto results = procs.wait_all(60s);
   for (int r : {0, 2}) {
     EXPECT_TRUE(results[r].ok()) << results[r].describe() << "\n" << results[r].output;
     std::cout << reported_errors(results[r].output);
   }
-  EXPECT_FALSE(results[kVictim].exited) << results[kVictim].describe() << "\n"
-                                        << results[kVictim].output;
-  EXPECT_EQ(results[kVictim].signal, f.sig);
+  const int end_signal = f.sig == SIGSTOP ? f.then : f.sig;
+  if (end_signal == SIGCONT) {
+    EXPECT_TRUE(results[kVictim].ok()) << results[kVictim].describe() << "\n"
+                                       << results[kVictim].output;
+  } else {
+    EXPECT_FALSE(results[kVictim].exited) << results[kVictim].describe() << "\n"
+                                          << results[kVictim].output;
+    EXPECT_EQ(results[kVictim].signal, end_signal);
+  }
   if (f.phase == "delete") {
     // p2's deletion, pending at the victim, is reported naming it; p0 keeps the value whose
     // fork the victim held, reported as leaked at shutdown.
@@ -314,6 +399,8 @@ std::vector<Fault> faults() {
   for (const char* phase : {"call", "remote", "delete", "backward"}) {
     for (int sig : {SIGKILL, SIGTERM, SIGABRT}) out.push_back({phase, sig});
   }
+  out.push_back({"call", SIGSTOP, SIGCONT});
+  out.push_back({"backward", SIGSTOP, SIGKILL});
   return out;
 }
 
