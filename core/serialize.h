@@ -163,9 +163,25 @@ std::enable_if_t<std::is_arithmetic_v<T>> CEREAL_SAVE_FUNCTION_NAME(WireOutputAr
 }
 
 template <class C, class T>
-std::enable_if_t<std::is_arithmetic_v<T>> CEREAL_LOAD_FUNCTION_NAME(WireInputArchive<C>& ar,
-                                                                     T& t) {
+std::enable_if_t<std::is_arithmetic_v<T> && !std::is_same_v<T, bool>> CEREAL_LOAD_FUNCTION_NAME(
+    WireInputArchive<C>& ar, T& t) {
   ar.loadBinary(std::addressof(t), sizeof(t));
+}
+
+// A bool is one byte, 0 or 1: any other byte is refused (copied into a bool, it would be a value
+// the type cannot hold).
+template <class C>
+void CEREAL_LOAD_FUNCTION_NAME(WireInputArchive<C>& ar, bool& b) {
+  uint8_t byte = 0;
+  ar.loadBinary(&byte, 1);
+  if (byte > 1) throw ProtocolError(str("bool field holds ", int(byte), ", not 0 or 1"));
+  b = byte != 0;
+}
+
+// cereal reads an array of arithmetic values as raw bytes; bools one by one, as above.
+template <class C, size_t N>
+void CEREAL_LOAD_FUNCTION_NAME(WireInputArchive<C>& ar, std::array<bool, N>& a) {
+  for (bool& b : a) ar(b);
 }
 
 template <class C, class T>

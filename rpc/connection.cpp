@@ -247,44 +247,15 @@ void Connection::read_frames() {
       read(m.body.data() + got, chunk);
       got += chunk;
     }
-    TensorSection section;
-    if (h.meta_len > 0) {
-      section = decode<TensorSection>(m.body.data() + (h.body_len - h.meta_len), h.meta_len);
-      m.body.resize(h.body_len - h.meta_len);
-    }
+    TensorSection section = take_tensor_section(h, m.body);
     read_frame_tensors(h, m, section);
     handler_->on_message(self, std::move(m));
   }
 }
 
 void Connection::read_frame_tensors(const FrameHeader& h, Message& m, TensorSection& section) {
-  const uint64_t inline_total = h.length - h.body_len;
+  check_tensor_section(h, section, hs_.read_remote_tensors, options_.max_frame_bytes);
   const bool any_remote = !section.addresses.empty();
-  if (any_remote) {
-    if (section.addresses.size() != section.metas.size()) {
-      throw ProtocolError(str("tensor section has ", section.metas.size(), " tensors but ",
-                              section.addresses.size(), " addresses"));
-    }
-    if (!hs_.read_remote_tensors || !(h.flags & kFlagRemoteTensors)) {
-      throw ProtocolError("peer sent tensor addresses but the same-host fast path is off");
-    }
-  }
-  uint64_t inline_sum = 0;
-  uint64_t remote_sum = 0;
-  for (size_t i = 0; i < section.metas.size(); ++i) {
-    const bool remote = any_remote && section.addresses[i] != 0;
-    if (remote) {
-      validate_tensor_meta(section.metas[i], options_.max_frame_bytes - remote_sum);
-      remote_sum += section.metas[i].nbytes;
-    } else {
-      validate_tensor_meta(section.metas[i], inline_total - inline_sum);
-      inline_sum += section.metas[i].nbytes;
-    }
-  }
-  if (inline_sum != inline_total) {
-    throw ProtocolError(str("frame carries ", inline_total, " tensor bytes but its tensors need ",
-                            inline_sum));
-  }
   m.tensors.reserve(section.metas.size());
   for (size_t i = 0; i < section.metas.size(); ++i) {
     const TensorMeta& meta = section.metas[i];

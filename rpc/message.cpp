@@ -4,6 +4,7 @@
 
 #include "tdist/core/error.h"
 #include "tdist/core/net/frame.h"
+#include "tdist/core/serialize.h"
 
 namespace tdist::rpc::detail {
 namespace {
@@ -78,6 +79,46 @@ FrameHeader decode_header(const uint8_t* in, uint64_t max_frame_bytes) {
                             h.body_len, ", tensor section ", h.meta_len));
   }
   return h;
+}
+
+TensorSection take_tensor_section(const FrameHeader& h, Bytes& body) {
+  TensorSection section;
+  if (h.meta_len > 0) {
+    section = decode<TensorSection>(body.data() + (h.body_len - h.meta_len), h.meta_len);
+    body.resize(h.body_len - h.meta_len);
+  }
+  return section;
+}
+
+void check_tensor_section(const FrameHeader& h, const TensorSection& section, bool accept_remote,
+                          uint64_t max_frame_bytes) {
+  const uint64_t inline_total = h.length - h.body_len;
+  const bool any_remote = !section.addresses.empty();
+  if (any_remote) {
+    if (section.addresses.size() != section.metas.size()) {
+      throw ProtocolError(str("tensor section has ", section.metas.size(), " tensors but ",
+                              section.addresses.size(), " addresses"));
+    }
+    if (!accept_remote || !(h.flags & kFlagRemoteTensors)) {
+      throw ProtocolError("peer sent tensor addresses but the same-host fast path is off");
+    }
+  }
+  uint64_t inline_sum = 0;
+  uint64_t remote_sum = 0;
+  for (size_t i = 0; i < section.metas.size(); ++i) {
+    const bool remote = any_remote && section.addresses[i] != 0;
+    if (remote) {
+      validate_tensor_meta(section.metas[i], max_frame_bytes - remote_sum);
+      remote_sum += section.metas[i].nbytes;
+    } else {
+      validate_tensor_meta(section.metas[i], inline_total - inline_sum);
+      inline_sum += section.metas[i].nbytes;
+    }
+  }
+  if (inline_sum != inline_total) {
+    throw ProtocolError(str("frame carries ", inline_total, " tensor bytes but its tensors need ",
+                            inline_sum));
+  }
 }
 
 }  // namespace tdist::rpc::detail

@@ -100,6 +100,20 @@ struct TensorSection {
   }
 };
 
+// The tensor section at the end of a frame's body (its last h.meta_len bytes), decoded; `body`
+// keeps the payload only. An empty section when meta_len is 0. ProtocolError when it does not
+// decode within meta_len bytes. `body` holds the frame's h.body_len body bytes.
+TensorSection take_tensor_section(const FrameHeader& h, Bytes& body);
+
+// Checks a received tensor section against its frame header before any tensor is allocated
+// (Note [RPC wire format]): addresses, when there are any, one per tensor and only with
+// kFlagRemoteTensors and `accept_remote` (the same-host fast path is on); every TensorMeta
+// valid; the bytes of the tensors in the frame (address 0, or no addresses) adding up to exactly
+// h.length - h.body_len, those of the remote ones to at most max_frame_bytes. ProtocolError
+// otherwise.
+void check_tensor_section(const FrameHeader& h, const TensorSection& section, bool accept_remote,
+                          uint64_t max_frame_bytes);
+
 // A received message.
 struct Message {
   MessageType type = MessageType::kCall;

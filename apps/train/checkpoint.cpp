@@ -2,12 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
+#include <openssl/evp.h>
 #include <sys/stat.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -24,9 +26,11 @@ namespace {
 constexpr int64_t kNoCheckpoint = -1;
 constexpr int64_t kReadFailed = -2;
 // Note [Checkpoint protocol] 4: the file starts with kMagic (which also names the format
-// version), the fingerprint's length (u32, little endian) and the fingerprint; libtorch's
-// archive follows. The fingerprint is compared before libtorch parses anything.
-constexpr char kMagic[8] = {'T', 'D', 'C', 'K', 'P', 'T', '0', '3'};
+// version), the fingerprint's length (u64, little endian), the fingerprint and the SHA-256 of
+// libtorch's archive, which follows. The fingerprint and the digest are checked before libtorch
+// parses anything: a damaged or truncated archive never reaches its reader (which leaks on some
+// and throws what it likes on others).
+constexpr char kMagic[8] = {'T', 'D', 'C', 'K', 'P', 'T', '0', '4'};
 constexpr size_t kMaxFingerprint = 1 << 16;
 // Rank 0 broadcasts a checkpoint in pieces of this size: the other ranks' memory grows with
 // the bytes that arrived, never with a size rank 0 announced.
@@ -51,6 +55,17 @@ int64_t read_int(torch::serialize::InputArchive& ar, const char* key) {
   ar.read(key, v);
   TDIST_CHECK(v.isInt(), "checkpoint entry '", key, "' is not an integer");
   return v.toInt();
+}
+
+using Sha256 = std::array<uint8_t, 32>;
+
+Sha256 sha256(const void* data, size_t size) {
+  Sha256 out{};
+  unsigned int len = 0;
+  TDIST_CHECK(EVP_Digest(data, size, out.data(), &len, EVP_sha256(), nullptr) == 1 &&
+                  len == out.size(),
+              "SHA-256 failed");
+  return out;
 }
 
 double read_double(torch::serialize::InputArchive& ar, const char* key) {
@@ -87,14 +102,17 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   torch::serialize::OutputArchive optimizer_archive;
   optimizer.save(optimizer_archive);
   archive.write("optimizer", optimizer_archive);
-  std::ostringstream bytes;
+  std::ostringstream archive_bytes;
+  archive.save_to(archive_bytes);
+  const std::string body = archive_bytes.str();
   Bytes head;
   wire::Writer w(head);
   w.raw(kMagic, sizeof(kMagic));
   w.string(fingerprint);
-  bytes.write(reinterpret_cast<const char*>(head.data()), static_cast<std::streamsize>(head.size()));
-  archive.save_to(bytes);
-  const std::string data = bytes.str();
+  const Sha256 digest = sha256(body.data(), body.size());
+  w.raw(digest.data(), digest.size());
+  std::string data(head.begin(), head.end());
+  data += body;
 
   // Note [Checkpoint protocol] 2: temporary file, fsync, rename, fsync the directory.
   const std::string final_path = checkpoint_path(dir);
@@ -199,7 +217,16 @@ TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& mo
     throw InvalidArgument(str("the checkpoint belongs to a different run; resume needs the same ",
                               "settings.\n  checkpoint: ", saved, "\n  this run:   ", fingerprint));
   }
+  if (r.remaining() < sizeof(Sha256)) {
+    TDIST_THROW(Error, "the checkpoint is not readable: it ends inside its header");
+  }
+  const uint8_t* digest = r.raw(sizeof(Sha256), "archive digest");
   const size_t archive_at = bytes.size() - r.remaining();
+  const Sha256 actual = sha256(bytes.data() + archive_at, bytes.size() - archive_at);
+  if (std::memcmp(actual.data(), digest, actual.size()) != 0) {
+    TDIST_THROW(Error, "the checkpoint is not readable: its archive does not match the digest in ",
+                "its header (a damaged or truncated file)");
+  }
   torch::serialize::InputArchive archive;
   TrainState state;
   try {
@@ -218,8 +245,14 @@ TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& mo
     torch::serialize::InputArchive optimizer_archive;
     archive.read("optimizer", optimizer_archive);
     optimizer.load(optimizer_archive);
+  } catch (const Error&) {
+    throw;  // read_int / read_double: an entry of the wrong type
   } catch (const c10::Error& e) {
     TDIST_THROW(Error, "the checkpoint is not readable: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    // libtorch's archive reader throws more than c10::Error: torch::jit::ErrorReport for
+    // TorchScript it cannot parse, for one.
+    TDIST_THROW(Error, "the checkpoint is not readable: ", e.what());
   }
   return state;
 }

@@ -17,9 +17,10 @@
 //     seed, data): everything that must stay the same for the resumed run to continue where
 //     the interrupted one left off. A different fingerprint is refused with both shown. The
 //     world size is not part of it: a run may resume at another world size (Note [Elastic
-//     resume] in trainer.cpp). The file starts with a header (magic "TDCKPT03", the
-//     fingerprint as a u64 length and its bytes) before libtorch's archive, so the fingerprint
-//     is checked before libtorch parses any of the file.
+//     resume] in trainer.cpp). The file starts with a header (magic "TDCKPT04", the
+//     fingerprint as a u64 length and its bytes, the SHA-256 of the archive) before libtorch's
+//     archive, so the fingerprint is checked before libtorch parses any of the file, and a
+//     damaged or truncated archive is refused without libtorch ever reading it.
 //  5. The sampler position (epoch, samples of it consumed) and the step determine the next
 //     batch on every rank; with the RNG state restored, a run resumed at the same world size
 //     computes exactly the steps the interrupted one would have.
@@ -79,7 +80,7 @@ std::optional<std::vector<char>> share_checkpoint(comm::ProcessGroup& pg,
 
 // Loads the checkpoint into `model` and `optimizer` and returns the state (the caller restores
 // rng_state). Throws InvalidArgument when the fingerprint differs (nothing is changed then) and
-// Error when the bytes are not a checkpoint.
+// Error when the bytes are not a checkpoint, or not an intact one (its digest does not match).
 TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& model,
                            torch::optim::Optimizer& optimizer, const std::string& fingerprint);
 

@@ -169,16 +169,25 @@ at::Tensor read_idx_ubyte(const std::string& path, int ndim) {
   }
   const uint64_t header = 4 + dims_raw.size();
   // No IDX file here is larger than 2^40 bytes; the bound keeps the product from overflowing.
+  // It bounds the product of the non-zero dimensions: a zero does not make [0, 2^32-1, 2^32-1]
+  // a shape libtorch can make (its strides overflow int64).
   constexpr uint64_t kMaxElements = uint64_t{1} << 40;
   std::vector<int64_t> dims(static_cast<size_t>(ndim));
-  uint64_t elements = 1;
+  uint64_t nonzero = 1;
+  bool empty = false;
   for (int i = 0; i < ndim; ++i) {
     dims[i] = big_endian_u32(&dims_raw[4 * static_cast<size_t>(i)]);
-    if (dims[i] != 0 && elements > kMaxElements / static_cast<uint64_t>(dims[i])) {
-      throw DataError(str("'", path, "': its header declares more than 2^40 elements"));
+    if (dims[i] == 0) {
+      empty = true;
+      continue;
     }
-    elements *= static_cast<uint64_t>(dims[i]);
+    if (nonzero > kMaxElements / static_cast<uint64_t>(dims[i])) {
+      throw DataError(str("'", path, "': its header declares dimensions whose product exceeds ",
+                          "2^40"));
+    }
+    nonzero *= static_cast<uint64_t>(dims[i]);
   }
+  const uint64_t elements = empty ? 0 : nonzero;
   in->check_payload(header, elements);
   at::Tensor data = at::empty(dims, at::kByte);
   if (elements > 0 && !in->read(data.data_ptr<uint8_t>(), elements)) {

@@ -434,7 +434,19 @@ TEST(TdistTrain, ResumeRefusesACheckpointOfAnotherRun) {
   EXPECT_TRUE(contains(other.err, "the checkpoint belongs to a different run")) << other.err;
   EXPECT_TRUE(contains(other.err, "mlp 784-32-10")) << other.err;
 
-  // A damaged checkpoint is an error (exit 1), not a fresh start.
+  // A damaged checkpoint is an error (exit 1), not a fresh start: one flipped byte of the archive
+  // is caught by the digest in the header, before libtorch reads it.
+  {
+    std::ifstream in(dir + "/checkpoint.pt", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_GT(bytes.size(), 100u);
+    bytes[bytes.size() - 50] ^= 1;
+    std::ofstream(dir + "/checkpoint.pt", std::ios::trunc | std::ios::binary) << bytes;
+  }
+  auto flipped = train({"--hidden", "32", "--layers", "1", "--steps", "5", "--test-samples", "10",
+                        "--checkpoint-dir", dir, "--resume"});
+  EXPECT_EQ(flipped.exit_code, 1) << flipped.describe();
+  EXPECT_TRUE(contains(flipped.err, "does not match the digest in its header")) << flipped.err;
   std::ofstream(dir + "/checkpoint.pt", std::ios::trunc) << "not a checkpoint";
   auto damaged = train({"--hidden", "32", "--layers", "1", "--steps", "5", "--test-samples", "10",
                         "--checkpoint-dir", dir, "--resume"});
@@ -445,7 +457,7 @@ TEST(TdistTrain, ResumeRefusesACheckpointOfAnotherRun) {
   // bytes that are no archive at all is refused as another run's.
   {
     const std::string fingerprint = "another run's settings";
-    std::string forged = "TDCKPT03";
+    std::string forged = "TDCKPT04";
     for (int i = 0; i < 8; ++i) forged.push_back(static_cast<char>((fingerprint.size() >> (8 * i)) & 0xff));
     forged += fingerprint + "no libtorch archive follows";
     std::ofstream(dir + "/checkpoint.pt", std::ios::trunc | std::ios::binary) << forged;
