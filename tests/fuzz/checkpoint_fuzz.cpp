@@ -24,6 +24,7 @@
 
 #include "apps/train/checkpoint.h"
 #include "tdist/core/error.h"
+#include "tests/fuzz/fuzz_files.h"
 
 namespace {
 
@@ -48,15 +49,6 @@ struct Run {
   }
 };
 
-void write_file(const std::string& path, uint8_t first, const std::vector<char>& bytes) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f || std::fputc(first, f) == EOF ||
-      (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) ||
-      std::fclose(f) != 0) {
-    std::abort();
-  }
-}
-
 // Checkpoints of each optimizer, before any step (no optimizer state) and after one.
 void write_seeds(const std::string& out) {
   for (bool adam : {false, true}) {
@@ -74,8 +66,8 @@ void write_seeds(const std::string& out) {
       if (steps) state.rng_state = torch::ones({4}, torch::kByte);
       train::save_checkpoint(g_dir, *run.model, *run.optimizer, state, kFingerprint);
       auto bytes = train::read_checkpoint_file(g_dir);
-      write_file(out + "/" + (adam ? "adam" : "sgd") + "_step" + std::to_string(steps),
-                 adam ? 1 : 0, *bytes);
+      const std::string name = std::string(adam ? "adam" : "sgd") + "_step" + std::to_string(steps);
+      tdist::fuzz::write_seed(out + "/" + name, adam ? 1 : 0, *bytes);
     }
   }
 }
@@ -88,10 +80,7 @@ void write_seeds(const std::string& out) {
 extern "C" const char* __lsan_default_suppressions() { return "leak:libtorch_cpu.so\n"; }
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/tdist-checkpoint-fuzz-XXXXXX";
-  if (!::mkdtemp(templ.data())) std::abort();
-  g_dir = templ;
+  g_dir = tdist::fuzz::make_temp_dir("checkpoint");
   std::atexit([] {
     ::unlink(train::checkpoint_path(g_dir).c_str());
     ::rmdir(g_dir.c_str());

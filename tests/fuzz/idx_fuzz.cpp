@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "apps/train/idx.h"
+#include "tests/fuzz/fuzz_files.h"
 
 namespace {
 
@@ -47,10 +48,7 @@ std::vector<uint8_t> gzip(const uint8_t* data, size_t size) {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/tdist-idx-fuzz-XXXXXX";
-  if (!::mkdtemp(templ.data())) std::abort();
-  g_dir = templ;
+  g_dir = tdist::fuzz::make_temp_dir("idx");
   std::atexit([] {
     ::unlink((g_dir + "/data").c_str());
     ::unlink((g_dir + "/data.gz").c_str());

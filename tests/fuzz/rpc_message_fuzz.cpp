@@ -42,6 +42,7 @@
 #include "tdist/rpc/registry.h"
 #include "tdist/rpc/rref_context.h"
 #include "tdist/rpc/types.h"
+#include "tests/fuzz/fuzz_files.h"
 
 namespace {
 
@@ -305,13 +306,7 @@ detail::CallHeader method_header(const std::string& name) {
   return {name, m->signature.hash};
 }
 
-void write_seed(const std::string& path, uint8_t settings, const tdist::Bytes& bytes) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f || std::fputc(settings, f) == EOF ||
-      std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size() || std::fclose(f) != 0) {
-    std::abort();
-  }
-}
+using tdist::fuzz::write_seed;
 
 void write_seeds(const std::string& dir) {
   const rpc::RRefId rref{0, 7};

@@ -26,6 +26,7 @@
 #include "tdist/core/error.h"
 #include "tdist/core/serialize.h"
 #include "tdist/core/tensor_wire.h"
+#include "tests/fuzz/fuzz_files.h"
 
 namespace {
 
@@ -52,14 +53,7 @@ void round_trip(const uint8_t* data, size_t size) {
   }
 }
 
-void write_seed(const std::string& path, uint8_t mode, const tdist::Bytes& bytes) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f || std::fputc(mode, f) == EOF ||
-      (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) ||
-      std::fclose(f) != 0) {
-    std::abort();
-  }
-}
+using tdist::fuzz::write_seed;
 
 void write_seeds(const std::string& dir) {
   const at::Tensor matrix = at::arange(6, at::kFloat).reshape({2, 3});
