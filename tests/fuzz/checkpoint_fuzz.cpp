@@ -85,10 +85,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     ::unlink(train::checkpoint_path(g_dir).c_str());
     ::rmdir(g_dir.c_str());
   });
-  if (const char* seeds = std::getenv("TDIST_FUZZ_WRITE_SEEDS")) {
-    write_seeds(seeds);
-    std::exit(0);
-  }
+  tdist::fuzz::write_seeds_if_asked(write_seeds);
   return 0;
 }
 

@@ -21,6 +21,14 @@ void write_seed(const std::string& path, uint8_t first, const Bytes& bytes) {
   }
 }
 
+// When TDIST_FUZZ_WRITE_SEEDS names a directory: writes the target's seeds there and exits.
+inline void write_seeds_if_asked(void (*write_seeds)(const std::string& dir)) {
+  if (const char* dir = std::getenv("TDIST_FUZZ_WRITE_SEEDS")) {
+    write_seeds(dir);
+    std::exit(0);
+  }
+}
+
 // A fresh directory $TMPDIR/tdist-<name>-fuzz-XXXXXX (TMPDIR unset: /tmp); aborts on failure.
 inline std::string make_temp_dir(const std::string& name) {
   const char* tmp = std::getenv("TMPDIR");

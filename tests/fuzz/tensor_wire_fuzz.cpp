@@ -78,10 +78,7 @@ void write_seeds(const std::string& dir) {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  if (const char* seeds = std::getenv("TDIST_FUZZ_WRITE_SEEDS")) {
-    write_seeds(seeds);
-    std::exit(0);
-  }
+  tdist::fuzz::write_seeds_if_asked(write_seeds);
   return 0;
 }
 
