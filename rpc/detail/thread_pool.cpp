@@ -70,13 +70,10 @@ void ThreadPool::stop() {
   tl_released = true;
 }
 
-bool ThreadPool::spin_for_task() {
+void ThreadPool::spin_for_task() {
   const auto until = std::chrono::steady_clock::now() + spin_;
-  for (;;) {
-    if (queued_.load(std::memory_order_acquire)) return true;
-    if (stop_seen_.load(std::memory_order_acquire) || std::chrono::steady_clock::now() >= until) {
-      return false;
-    }
+  while (!queued_.load(std::memory_order_acquire) &&
+         !stop_seen_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {
     std::this_thread::yield();
   }
 }

@@ -47,8 +47,8 @@ class ThreadPool : public Executor {
   void run();
   static void run_task(std::function<void()>& task);
 
-  // Spins until a task is queued, the pool stops, or `spin_` passes; true when a task is queued.
-  bool spin_for_task();
+  // Spins until a task is queued, the pool stops, or `spin_` passes.
+  void spin_for_task();
 
   std::function<void()> on_start_;
   const std::chrono::microseconds spin_;
