@@ -111,8 +111,6 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   w.string(fingerprint);
   const Sha256 digest = sha256(body.data(), body.size());
   w.raw(digest.data(), digest.size());
-  std::string data(head.begin(), head.end());
-  data += body;
 
   // Note [Checkpoint protocol] 2: temporary file, fsync, rename, fsync the directory.
   const std::string final_path = checkpoint_path(dir);
@@ -128,7 +126,8 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) TDIST_THROW(Error, "cannot create '", tmp_path, "': ", std::strerror(errno));
   try {
-    write_all(fd, data.data(), data.size(), tmp_path);
+    write_all(fd, reinterpret_cast<const char*>(head.data()), head.size(), tmp_path);
+    write_all(fd, body.data(), body.size(), tmp_path);
     fsync_or_throw(fd, tmp_path);
   } catch (...) {
     ::close(fd);
