@@ -40,6 +40,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
     // The job's shared secret: every mesh connection passes the connection handshake with it
     // (core/net/handshake.h). Unset: TDIST_TOKEN / TDIST_TOKEN_FILE (core/token.h).
     std::optional<std::string> token;
+    // Ranks with equal host keys are one host: shared memory between them, and the hierarchical
+    // allreduce groups ranks by host. Unset: TDIST_HOST_ID, else the machine's boot id and this
+    // process's network namespace (Note [Host key], comm/transport/channels.h).
+    std::optional<std::string> host;
   };
 
   virtual ~ProcessGroup() = default;

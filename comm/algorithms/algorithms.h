@@ -55,9 +55,41 @@ inline size_t chunk_elems(const Context& c, size_t elem_size) {
   return n == 0 ? 1 : n;
 }
 
+// A ring over some of the group's ranks: position i is group rank ranks[i] (the group itself,
+// ranks 0..size-1, when ranks is null); this rank is at position `me`.
+struct RingView {
+  const int* ranks;
+  int size;
+  int me;
+  int rank_at(int pos) const { return ranks ? ranks[pos] : pos; }
+};
+
+// The ring allreduce's two phases over `ring` (Note [Streaming ring]), in place on `data` (count
+// elements, split into ring.size segments: segment g = [count*g/size, count*(g+1)/size)).
+// kReduceScatter leaves segment (me+1) % size fully reduced at position `me` (the rest is
+// partial); kAllgather starts from that state and sends each position's segment to all.
+enum class RingPhases { kBoth, kReduceScatter, kAllgather };
+void ring_phases(Context& c, const RingView& ring, char* data, size_t count, const ReduceSpec& rs,
+                 RingPhases phases);
+inline size_t ring_segment_begin(size_t count, int segment, int size) {
+  return count * static_cast<size_t>(segment) / static_cast<size_t>(size);
+}
+
 // In place on `data` (count elements). Bandwidth-optimal: reduce-scatter then allgather around
 // the ring, chunked so that chunk k is reduced and forwarded while chunk k+1 is in flight.
 void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs);
+
+// Ranks grouped by host (Note [Hierarchical allreduce]): every host has local.size() ranks.
+struct Hierarchy {
+  std::vector<int> local;  // this host's ranks, ascending
+  std::vector<int> cross;  // the rank at this rank's local position on every host, by host
+  int local_index;         // this rank's position in `local`
+  int host_index;          // this host's position in `cross`
+};
+// In place: reduce-scatter inside each host, allreduce of each segment across hosts, allgather
+// inside each host. Bit-identical results on every rank, like allreduce_ring.
+void allreduce_hierarchical(Context& c, const Hierarchy& h, char* data, size_t count,
+                            const ReduceSpec& rs);
 // In place. Latency-optimal for small buffers: log2(n) exchanges of the whole buffer;
 // non-powers of two fold the extra ranks in first and send them the result last.
 void allreduce_recursive_doubling(Context& c, char* data, size_t count, const ReduceSpec& rs);

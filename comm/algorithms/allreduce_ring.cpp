@@ -25,18 +25,19 @@ namespace {
 struct Cursor {
   int n, r;
   size_t count, chunk;
-  int phase = 0;  // 0: reduce-scatter, 1: allgather, 2: done
+  int phase;  // 0: reduce-scatter, 1: allgather
+  int end;    // the phase after the last one this call runs
   int step = 0;
   size_t off = 0;  // elements into the segment
 
   int seg() const { return ((phase == 0 ? r - step - 1 : r - step) % n + 2 * n) % n; }
-  size_t seg_begin(int g) const { return count * static_cast<size_t>(g) / static_cast<size_t>(n); }
+  size_t seg_begin(int g) const { return ring_segment_begin(count, g, n); }
   size_t seg_len(int g) const { return seg_begin(g + 1) - seg_begin(g); }
   size_t len() const { return std::min(chunk, seg_len(seg()) - off); }
-  bool done() const { return phase == 2; }
+  bool done() const { return phase >= end; }
   // Skips empty segments so that every position denotes a non-empty chunk.
   void settle() {
-    while (phase < 2 && off >= seg_len(seg())) {
+    while (phase < end && off >= seg_len(seg())) {
       off = 0;
       if (++step == n - 1) {
         step = 0;
@@ -52,22 +53,27 @@ struct Cursor {
 
 }  // namespace
 
-void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs) {
-  const int n = c.size;
+void ring_phases(Context& c, const RingView& ring, char* data, size_t count, const ReduceSpec& rs,
+                 RingPhases phases) {
+  const int n = ring.size;
   if (n == 1 || count == 0) return;
-  const int r = c.rank;
-  const int right = (r + 1) % n;
-  const int left = (r + n - 1) % n;
+  const int r = ring.me;
+  const int right = ring.rank_at((r + 1) % n);
+  const int left = ring.rank_at((r + n - 1) % n);
   const size_t es = rs.elem_size;
   const size_t chunk = chunk_elems(c, es);
+  const int first = phases == RingPhases::kAllgather ? 1 : 0;
+  const int end = phases == RingPhases::kReduceScatter ? 1 : 2;
 
-  // Reduce-scatter step 0 sends this rank's own segment r.
+  // The first step sends this rank's own segment r (reduce-scatter) or the segment it reduced,
+  // r + 1 (allgather).
   {
-    Cursor own{n, r, count, chunk};
-    c.ex.send(right, data + own.seg_begin(r) * es, own.seg_len(r) * es);
+    const Cursor own{n, r, count, chunk, first, end};
+    const int g = (r + first) % n;
+    c.ex.send(right, data + own.seg_begin(g) * es, own.seg_len(g) * es);
   }
   // Every incoming chunk, in stream order; the cookie is the index in that order.
-  Cursor post{n, r, count, chunk};
+  Cursor post{n, r, count, chunk, first, end};
   post.settle();
   for (uint64_t i = 0; !post.done(); ++i) {
     char* dst = data + (post.seg_begin(post.seg()) + post.off) * es;
@@ -78,15 +84,20 @@ void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs) 
     }
     post.advance();
   }
-  Cursor done{n, r, count, chunk};
+  Cursor done{n, r, count, chunk, first, end};
   done.settle();
   c.ex.run([&](int, uint64_t) {
-    // Completions arrive in posting order, so `done` walks the same sequence.
+    // Completions arrive in posting order, so `done` walks the same sequence. A chunk is
+    // forwarded unless it completed the last step of the last phase run.
     char* dst = data + (done.seg_begin(done.seg()) + done.off) * es;
-    if (done.phase == 0 || done.step < n - 2) c.ex.send(right, dst, done.len() * es);
+    if (done.step < n - 2 || done.phase + 1 < end) c.ex.send(right, dst, done.len() * es);
     done.advance();
   });
-  if (rs.op == ReduceOp::AVG) detail::divide_in_place(data, rs.dtype, count, n);
+}
+
+void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs) {
+  ring_phases(c, RingView{nullptr, c.size, c.rank}, data, count, rs, RingPhases::kBoth);
+  if (rs.op == ReduceOp::AVG && c.size > 1) detail::divide_in_place(data, rs.dtype, count, c.size);
 }
 
 }  // namespace tdist::comm::algorithms

@@ -47,6 +47,38 @@ int default_spin_us(const std::vector<std::unique_ptr<Channel>>& channels) {
   }
   return 0;
 }
+
+// The hosts of the group from every rank's host key, when each has the same number of ranks (at
+// least two) and there are at least two of them. Hosts are ordered by their lowest rank, so
+// every rank derives the same hierarchy.
+std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::string>& hosts, int rank) {
+  std::vector<std::vector<int>> groups;
+  std::vector<const std::string*> keys;
+  for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
+    size_t g = 0;
+    while (g < keys.size() && *keys[g] != hosts[r]) ++g;
+    if (g == keys.size()) {
+      keys.push_back(&hosts[r]);
+      groups.emplace_back();
+    }
+    groups[g].push_back(r);
+  }
+  const size_t per_host = groups[0].size();
+  if (groups.size() < 2 || per_host < 2) return std::nullopt;
+  for (const auto& g : groups) {
+    if (g.size() != per_host) return std::nullopt;
+  }
+  algorithms::Hierarchy h;
+  for (int g = 0; g < static_cast<int>(groups.size()); ++g) {
+    auto it = std::find(groups[g].begin(), groups[g].end(), rank);
+    if (it == groups[g].end()) continue;
+    h.local = groups[g];
+    h.host_index = g;
+    h.local_index = static_cast<int>(it - groups[g].begin());
+  }
+  for (const auto& g : groups) h.cross.push_back(g[static_cast<size_t>(h.local_index)]);
+  return h;
+}
 }  // namespace
 
 RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::string prefix, int rank,
@@ -67,9 +99,9 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
       int64_t(1) << 40));
   allreduce_algo_ = env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
   TDIST_CHECK_ARG(allreduce_algo_ == "auto" || allreduce_algo_ == "ring" ||
-                      allreduce_algo_ == "recursive_doubling",
+                      allreduce_algo_ == "recursive_doubling" || allreduce_algo_ == "hierarchical",
                   "TDIST_ALLREDUCE_ALGO='", allreduce_algo_,
-                  "' is not one of auto, ring, recursive_doubling");
+                  "' is not one of auto, ring, recursive_doubling, hierarchical");
   auto debug = env::get("TDIST_DEBUG").value_or("OFF");
   debug_detail_ = debug == "DETAIL" || debug == "detail";
   run_on_waiter_ = env::get_bool("TDIST_RUN_ON_WAITER", true);
@@ -87,7 +119,19 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   copts.shm_capacity = static_cast<size_t>(
       env::get_int("TDIST_SHM_BYTES", static_cast<int64_t>(copts.shm_capacity),
                    static_cast<int64_t>(shm::kMinCapacity), static_cast<int64_t>(shm::kMaxCapacity)));
-  channels_ = make_channels(*mesh_, 0, copts, setup_deadline);
+  if (opts_.host) {
+    copts.host = *opts_.host;
+  } else if (auto id = env::get("TDIST_HOST_ID")) {
+    copts.host = *id;
+  }
+  auto channels = make_channels(*mesh_, 0, copts, setup_deadline);
+  channels_ = std::move(channels.peers);
+  hierarchy_ = find_hierarchy(channels.hosts, rank_);
+  if (hierarchy_) {
+    TDIST_LOG_DEBUG("rank ", rank_, ": ", hierarchy_->cross.size(), " hosts of ",
+                    hierarchy_->local.size(), " ranks: hierarchical allreduce above ",
+                    small_allreduce_bytes_, " bytes");
+  }
   std::vector<Channel*> peers;
   for (auto& c : channels_) peers.push_back(c.get());
   exchange_ = std::make_unique<Exchange>(peers, rank_, &aborted_);

@@ -16,8 +16,12 @@
 //
 // Knobs read when the group is created (tests and benchmarks use them):
 //   TDIST_CHUNK_BYTES        pipelining chunk of the ring algorithms (default 256 KiB)
-//   TDIST_ALLREDUCE_ALGO     auto | ring | recursive_doubling (default auto)
+//   TDIST_ALLREDUCE_ALGO     auto | ring | recursive_doubling | hierarchical (default auto:
+//                            recursive doubling up to the small size, above it hierarchical
+//                            when the group spans hosts of equal rank counts, else ring;
+//                            hierarchical where the group has no such hosts runs the ring)
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
+//   TDIST_HOST_ID            this rank's host key when Options::host is unset (Note [Host key])
 //   TDIST_SPIN_US            microseconds to poll sockets before sleeping (default 0)
 //   TDIST_TRANSPORT          auto (shared memory with same-host peers, else TCP) | tcp
 //   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 4 MiB)
@@ -33,6 +37,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -58,6 +63,9 @@ class RingProcessGroup final : public ProcessGroup {
   int size() const override { return size_; }
   std::string backend_name() const override { return "ring"; }
   const Options& options() const override { return opts_; }
+  // The group's hosts when the hierarchical allreduce can run (Note [Hierarchical allreduce]);
+  // null otherwise.
+  const algorithms::Hierarchy* hierarchy() const { return hierarchy_ ? &*hierarchy_ : nullptr; }
 
   std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
   std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;
@@ -138,6 +146,7 @@ class RingProcessGroup final : public ProcessGroup {
   bool run_on_waiter_ = true;
   std::unique_ptr<tcp::Mesh> mesh_;
   std::vector<std::unique_ptr<Channel>> channels_;  // collective channel per peer
+  std::optional<algorithms::Hierarchy> hierarchy_;
   std::unique_ptr<Exchange> exchange_;  // used by the thread that set running_
   algorithms::Scratch scratch_;         // used by the thread that set running_
   std::unique_ptr<P2PEngine> p2p_;

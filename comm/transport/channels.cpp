@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <climits>
+#include <fstream>
 #include <random>
 
 #include "tdist/comm/transport/shm/shm_channel.h"
@@ -15,6 +17,7 @@ namespace {
 
 constexpr uint32_t kMagic = 0x48534454;  // "TDSH"
 constexpr uint32_t kMaxName = 255;
+constexpr uint32_t kMaxHost = 255;
 
 std::string fresh_name(int lower, int higher) {
   std::random_device rd;
@@ -22,14 +25,53 @@ std::string fresh_name(int lower, int higher) {
   return str("/tdist-", ::getpid(), "-", lower, "-", higher, "-", std::hex, r);
 }
 
+void append_host(Bytes& msg, const std::string& host) {
+  wire::Writer w(msg);
+  w.u32(static_cast<uint32_t>(host.size()));
+  w.raw(host.data(), host.size());
+}
+
+std::string read_host(tcp::Connection* conn, int me, int peer,
+                      std::chrono::steady_clock::time_point deadline) {
+  uint8_t head[4];
+  conn->read_all(head, sizeof(head), deadline, "the peer's host key");
+  wire::Reader r(head, sizeof(head));
+  const uint32_t len = r.u32();
+  if (len == 0 || len > kMaxHost) {
+    TDIST_THROW(ProtocolError, "rank ", me, ": bad host key length ", len, " from rank ", peer);
+  }
+  std::string host(len, '\0');
+  conn->read_all(host.data(), len, deadline, "the peer's host key");
+  return host;
+}
+
 }  // namespace
 
-std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel,
-                                                    const ChannelOptions& opts,
-                                                    std::chrono::steady_clock::time_point deadline) {
+std::string host_key() {
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  if (boot.empty()) {
+    char name[HOST_NAME_MAX + 1] = {};
+    ::gethostname(name, sizeof(name) - 1);
+    boot = name;
+  }
+  char ns[64] = {};
+  const ssize_t len = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
+  return boot + "/" + (len > 0 ? std::string(ns, static_cast<size_t>(len)) : std::string());
+}
+
+Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
+                       std::chrono::steady_clock::time_point deadline) {
   const int n = mesh.size();
   const int me = mesh.rank();
-  std::vector<std::unique_ptr<Channel>> out(static_cast<size_t>(n));
+  TDIST_CHECK_ARG(!opts.host.empty() && opts.host.size() <= kMaxHost, "the host key must have 1 to ",
+                  kMaxHost, " bytes, got ", opts.host.size());
+  Channels result;
+  auto& out = result.peers;
+  out.resize(static_cast<size_t>(n));
+  result.hosts.resize(static_cast<size_t>(n));
+  result.hosts[me] = opts.host;
   std::vector<std::unique_ptr<shm::Segment>> segments(static_cast<size_t>(n));
   std::vector<std::string> names(static_cast<size_t>(n));
   const size_t bytes = shm::segment_bytes(opts.shm_capacity);
@@ -57,6 +99,7 @@ std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel
     w.u64(opts.shm_capacity);
     w.u32(static_cast<uint32_t>(names[p].size()));
     w.raw(names[p].data(), names[p].size());
+    append_host(msg, opts.host);
     mesh.get(channel, p)->write_all(msg.data(), msg.size(), deadline, "the shared-memory offer");
   }
   // 2. Answers to the lower ranks.
@@ -74,10 +117,14 @@ std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel
     }
     std::string name(len, '\0');
     if (len > 0) conn->read_all(name.data(), len, deadline, "the shared-memory offer");
+    result.hosts[p] = read_host(conn, me, p, deadline);
     std::unique_ptr<shm::Segment> seg;
-    if (len > 0 && opts.allow_shm) seg = shm::Segment::open(name, shm::segment_bytes(capacity));
-    uint8_t answer = seg ? 1 : 0;
-    conn->write_all(&answer, 1, deadline, "the shared-memory answer");
+    if (len > 0 && opts.allow_shm && result.hosts[p] == opts.host) {
+      seg = shm::Segment::open(name, shm::segment_bytes(capacity));
+    }
+    Bytes reply{static_cast<uint8_t>(seg ? 1 : 0)};
+    append_host(reply, opts.host);
+    conn->write_all(reply.data(), reply.size(), deadline, "the shared-memory answer");
     if (seg) {
       out[p] = std::make_unique<shm::ShmChannel>(std::move(seg), capacity, false, conn);
     }
@@ -87,6 +134,7 @@ std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel
     auto* conn = mesh.get(channel, p);
     uint8_t answer = 0;
     conn->read_all(&answer, 1, deadline, "the shared-memory answer");
+    result.hosts[p] = read_host(conn, me, p, deadline);
     if (!names[p].empty()) shm::Segment::unlink(names[p]);
     names[p].clear();
     if (answer == 1 && segments[p]) {
@@ -105,7 +153,7 @@ std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel
   }
   TDIST_LOG_DEBUG("rank ", me, ": collective channels: ", shm_peers, " shared memory, ",
                   n - 1 - shm_peers, " tcp");
-  return out;
+  return result;
 }
 
 }  // namespace tdist::comm

@@ -1,7 +1,16 @@
 #pragma once
 // The collective channels of a group: to every peer, a shared-memory channel when the two
-// ranks can map one segment (same host, shared memory available, allowed on both sides),
-// otherwise the TCP connection itself.
+// ranks are on one host (same host key, below) and can map one segment (shared memory available,
+// allowed on both sides), otherwise the TCP connection itself. Every rank also learns every
+// peer's host key, from which the group finds its hosts (the hierarchical allreduce).
+//
+// Note [Host key]
+//   Two ranks are on one host when they run on the same kernel instance (its boot id) in the
+//   same network namespace. The boot id alone is not enough: "hosts" made of network namespaces
+//   (tests, containers) share the kernel and usually /dev/shm, yet their traffic between each
+//   other crosses a (virtual) link like real hosts', and that is what the algorithms must see.
+//   ProcessGroup::Options::host or TDIST_HOST_ID replace the key (ranks with equal keys are one
+//   host).
 //
 // Note [Shared-memory negotiation]
 //   Runs once on each pair's collective TCP connection, right after the mesh is built and
@@ -17,6 +26,7 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "tdist/comm/transport/channel.h"
@@ -24,14 +34,22 @@
 
 namespace tdist::comm {
 
+// This process's host key: boot id and network namespace (Note [Host key]).
+std::string host_key();
+
 struct ChannelOptions {
   bool allow_shm = true;       // TDIST_TRANSPORT != "tcp"
   size_t shm_capacity = 4 << 20;  // bytes per direction (TDIST_SHM_BYTES)
+  std::string host = host_key();  // this rank's host key (Note [Host key]); at most 255 bytes
 };
 
-// Channels indexed by rank (nullptr at this rank). Blocks until negotiated or the deadline.
-std::vector<std::unique_ptr<Channel>> make_channels(tcp::Mesh& mesh, int channel,
-                                                    const ChannelOptions& opts,
-                                                    std::chrono::steady_clock::time_point deadline);
+struct Channels {
+  std::vector<std::unique_ptr<Channel>> peers;  // by rank; nullptr at this rank
+  std::vector<std::string> hosts;               // every rank's host key, this rank's included
+};
+
+// Blocks until negotiated or the deadline.
+Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
+                       std::chrono::steady_clock::time_point deadline);
 
 }  // namespace tdist::comm

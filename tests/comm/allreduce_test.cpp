@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "tdist/comm/detail/ring_process_group.h"
 #include "tests/comm/comm_test_util.h"
 
 namespace tdist::comm {
@@ -21,11 +22,14 @@ class AllreduceTest : public ::testing::TestWithParam<std::tuple<int, const char
   std::unique_ptr<tdist::test::EnvGuard> transport_;
 };
 
-void check_every_op_and_dtype(int world, const std::string& algo) {
+// `hosts`: rank r's host key is hosts[r] (Options::host); empty: the real one.
+void check_every_op_and_dtype(int world, const std::string& algo, const std::string& hosts = "") {
   tdist::test::EnvGuard env(
       tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", algo}, {"TDIST_CHUNK_BYTES", std::string("24")}});
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
-    auto pg = create_process_group(store, rank, world, test::test_options());
+    auto opts = test::test_options();
+    if (!hosts.empty()) opts.host = std::string(1, hosts[rank]);
+    auto pg = create_process_group(store, rank, world, opts);
     for (int64_t n : {0, 1, 13, 301}) {
       for (auto t : test::all_dtypes()) {
         for (auto op : test::all_ops()) {
@@ -157,6 +161,78 @@ TEST(AllreduceShm, TinyOddRingWrapsAndSplitsElements) {
       ASSERT_TRUE(torch::equal(y, torch::full({3001}, 6.0)));
     }
   });
+}
+
+// Ranks given host keys by a layout ("abab": ranks 0 and 2 on host a, 1 and 3 on host b), so that
+// the hierarchical allreduce runs between thread ranks; the second parameter says whether the
+// layout allows it (every host the same number of ranks, at least two, and two hosts or more).
+class HierarchicalAllreduceTest : public ::testing::TestWithParam<std::tuple<const char*, bool>> {
+ protected:
+  std::string layout() const { return std::get<0>(GetParam()); }
+  int world() const { return static_cast<int>(layout().size()); }
+  bool expected() const { return std::get<1>(GetParam()); }
+};
+
+TEST_P(HierarchicalAllreduceTest, EveryOpAndDtype) {
+  check_every_op_and_dtype(world(), "hierarchical", layout());
+}
+
+// Default chunking and the automatic choice: above the small size the hierarchy runs when the
+// layout allows it; every rank ends with the same bits, close to the float64 sum.
+TEST_P(HierarchicalAllreduceTest, AutoChoiceLargeBufferSameBitsEverywhere) {
+  const int world = this->world();
+  const int64_t n = 300007;
+  std::vector<at::Tensor> results(world);
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", std::string("auto")}});
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto opts = test::test_options();
+    opts.host = std::string(1, layout()[rank]);
+    auto pg = create_process_group(store, rank, world, opts);
+    auto* ring = dynamic_cast<detail::RingProcessGroup*>(pg.get());
+    ASSERT_NE(ring, nullptr);
+    const auto* h = ring->hierarchy();
+    ASSERT_EQ(h != nullptr, expected());
+    if (h) {
+      EXPECT_EQ(static_cast<int>(h->local.size() * h->cross.size()), world);
+      EXPECT_EQ(h->local[h->local_index], rank);
+      EXPECT_EQ(h->cross[h->host_index], rank);
+      for (int r : h->local) EXPECT_EQ(layout()[r], layout()[rank]);
+    }
+    torch::manual_seed(rank);
+    auto x = torch::randn({n}, torch::kFloat);
+    std::vector<at::Tensor> inputs;
+    for (int r = 0; r < world; ++r) inputs.push_back(torch::empty_like(x));
+    pg->allgather(inputs, x)->wait();
+    pg->allreduce(x)->wait();
+    results[rank] = x;
+    auto want = torch::stack(inputs).to(torch::kDouble).sum(0).to(torch::kFloat);
+    EXPECT_TRUE(torch::allclose(x, want, 1e-4, 1e-4));
+  });
+  for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(results[0], results[r])) << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, HierarchicalAllreduceTest,
+                         ::testing::Values(std::make_tuple("aabb", true),
+                                           std::make_tuple("abab", true),
+                                           std::make_tuple("aaabbb", true),
+                                           std::make_tuple("abcabc", true),
+                                           std::make_tuple("aabbb", false),
+                                           std::make_tuple("ab", false),
+                                           std::make_tuple("aaaa", false)));
+
+TEST(HostKey, EmptyOrLongerThan255BytesIsRefused) {
+  for (const std::string& bad : {std::string(), std::string(256, 'h')}) {
+    tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+      auto opts = test::test_options(Millis(5000));
+      opts.host = rank == 0 ? bad : std::string("ok");
+      if (rank == 0) {
+        EXPECT_THROW(create_process_group(store, rank, 2, opts), InvalidArgument);
+      } else {
+        // The peer's group fails at its deadline or when rank 0's connection closes.
+        EXPECT_ANY_THROW(create_process_group(store, rank, 2, opts));
+      }
+    });
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, AllreduceTest,
