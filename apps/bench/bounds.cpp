@@ -126,10 +126,4 @@ void serve_tcp_bounds(TcpLink& link) {
   }
 }
 
-std::string host_name() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0) throw sys_error("gethostname");
-  return buf;
-}
-
 }  // namespace tdist::bench

@@ -60,7 +60,4 @@ std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, in
 // The other end of time_tcp(): answers its batches until the link is closed, then returns.
 void serve_tcp_bounds(TcpLink& link);
 
-// This host's name (gethostname).
-std::string host_name();
-
 }  // namespace tdist::bench

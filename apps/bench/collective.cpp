@@ -37,6 +37,8 @@
 #include "apps/bench/bounds.h"
 #include "apps/bench/common.h"
 #include "tdist/comm/process_group.h"
+#include "tdist/comm/transport/channels.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/rendezvous.h"
@@ -249,31 +251,49 @@ class Case {
 // another library. Every rank calls it; rows are filled on rank 0.
 //
 // Note [Collective bounds]
-//   Shared memory (every rank on one host, TDIST_TRANSPORT not "tcp"): the bandwidth of one
-//   thread's memcpy of the row's size on rank 0 (a ring step moves each byte at least once
-//   through memory; busbw counts each byte once). TCP: a plain TCP stream of the row's size from
-//   rank 0 to rank 1 (loopback on one host, rank 1's host name otherwise), each transfer
-//   acknowledged by one byte. Both: --warmup untimed, --iters timed, the median.
+//   Hosts are told apart by the host key the process group uses (comm/transport/channels.h:
+//   boot id and network namespace, or TDIST_HOST_ID). Shared memory (every rank on one host,
+//   TDIST_TRANSPORT not "tcp"): the bandwidth of one thread's memcpy of the row's size on rank 0
+//   (a ring step moves each byte at least once through memory; busbw counts each byte once).
+//   TCP: a plain TCP stream of the row's size from rank 0 to the first rank on another host
+//   (rank 1 over 127.0.0.1 when every rank is on one host), each transfer acknowledged by one
+//   byte. With H hosts of several ranks each, the link is what bounds: each host must send at
+//   least (H-1)/H of the data through it (allreduce twice that), while busbw counts (n-1)/n (twice
+//   that), so the bound is the stream's bandwidth times (n-1)/n * H/(H-1) for allreduce, allgather
+//   and reduce_scatter; other ops keep the stream's. Both: --warmup untimed, --iters timed, the
+//   median.
 void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
                                std::vector<Row>& rows, std::string* bound_name) {
   const std::string prefix = "tdist-bench/collective/";
-  store.set(prefix + "host/" + std::to_string(rank), host_name());
+  store.set(prefix + "host/" + std::to_string(rank), comm::host_key());
   if (rank == 0) {
-    bool one_host = true;
-    for (int r = 1; r < n; ++r) one_host = one_host && store.get_string(prefix + "host/" + std::to_string(r)) == host_name();
+    std::vector<std::string> hosts{comm::host_key()};
+    int peer = n >= 2 ? 1 : -1;
+    for (int r = 1; r < n; ++r) hosts.push_back(store.get_string(prefix + "host/" + std::to_string(r)));
+    for (int r = n - 1; r >= 1; --r) {
+      if (hosts[r] != hosts[0]) peer = r;  // ends at the lowest rank on another host
+    }
+    std::vector<std::string> distinct = hosts;
+    std::sort(distinct.begin(), distinct.end());
+    const int num_hosts = static_cast<int>(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
+    const bool one_host = num_hosts == 1;
     const char* transport = std::getenv("TDIST_TRANSPORT");
     const bool tcp = n >= 2 && (!one_host || (transport && std::string(transport) == "tcp"));
-    store.set(prefix + "transport", tcp ? (one_host ? "tcp 127.0.0.1" : "tcp") : "shm");
+    store.set(prefix + "bound-peer", std::to_string(tcp ? peer : -1));
     if (tcp) {
-      const std::string peer = store.get_string(prefix + "tcp-peer");
-      const auto colon = peer.rfind(':');
-      TcpLink link = TcpLink::connect(one_host ? "127.0.0.1" : peer.substr(0, colon),
-                                      std::stoi(peer.substr(colon + 1)));
+      const std::string addr = store.get_string(prefix + "tcp-peer");
+      const auto colon = addr.rfind(':');
+      TcpLink link = TcpLink::connect(one_host ? "127.0.0.1" : addr.substr(0, colon),
+                                      std::stoi(addr.substr(colon + 1)));
+      const bool shared_link = num_hosts >= 2 && num_hosts < n &&
+                               (cfg.op == "allreduce" || cfg.op == "allgather" || cfg.op == "reduce_scatter");
+      const double factor = shared_link ? (n - 1.0) / n * num_hosts / (num_hosts - 1.0) : 1.0;
       for (auto& row : rows) {
         const double s = median(time_tcp(link, TcpPattern::kStream, row.bytes, cfg.warmup, cfg.iters));
-        row.bound = row.bytes / s / 1e9;
+        row.bound = row.bytes / s / 1e9 * factor;
       }
-      *bound_name = std::string("plain TCP stream rank 0 -> rank 1") + (one_host ? " (127.0.0.1)" : "");
+      *bound_name = str("plain TCP stream rank 0 -> rank ", peer, one_host ? " (127.0.0.1)" : "",
+                        shared_link ? str(" x ", factor, " (", num_hosts, " hosts share their links)") : "");
     } else {
       for (auto& row : rows) row.bound = row.bytes / median(time_memcpy(row.bytes, cfg.warmup, cfg.iters)) / 1e9;
       *bound_name = "single-thread memcpy";
@@ -292,9 +312,9 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
     }
     store.set(prefix + "done", "1");
   } else {
-    if (rank == 1 && store.get_string(prefix + "transport").rfind("tcp", 0) == 0) {
+    if (std::stoi(store.get_string(prefix + "bound-peer")) == rank) {
       TcpListener listener("0.0.0.0");
-      store.set(prefix + "tcp-peer", host_name() + ":" + std::to_string(listener.port()));
+      store.set(prefix + "tcp-peer", net::local_address(store.server_host()) + ":" + std::to_string(listener.port()));
       TcpLink link = listener.accept();
       serve_tcp_bounds(link);
     }

@@ -34,7 +34,8 @@
 
 namespace tdist::comm {
 
-// This process's host key: boot id and network namespace (Note [Host key]).
+// This process's host key: TDIST_HOST_ID when set, else the boot id and the network namespace
+// (Note [Host key]).
 std::string host_key();
 
 struct ChannelOptions {
