@@ -4,9 +4,8 @@
 # No packet says so (no reset, no FIN): each worker must fail with a timeout error naming the
 # operation and the peer within its --timeout plus a slack, and each launcher must exit non-zero,
 # never hang. Exits 77 (ctest: skipped) with the reason when namespaces cannot be made.
-# TDIST_TRANSPORT=tcp: namespace "hosts" share one /dev/shm, which real hosts do not, so without
-# it the two workers would move their gradients through shared memory (and wake each other on a
-# futex) and never notice the link.
+# The two workers talk over the link although namespace "hosts" share one /dev/shm: ranks in
+# different network namespaces are different hosts to tdist (Note [Host key]).
 #   link_down_test.sh <tdist-run> <tdist-train>
 set -uo pipefail
 run="$1"; train="$2"
@@ -16,7 +15,7 @@ fail() { echo "FAIL: $*"; for f in "$work"/*; do echo "--- $f"; cat "$f"; done; 
 
 pids=()
 for h in 1 2; do
-  OMP_NUM_THREADS=1 TDIST_TRANSPORT=tcp TDIST_TRAIN_STEP_SLEEP_MS=10 timeout -k 5 120 \
+  OMP_NUM_THREADS=1 TDIST_TRAIN_STEP_SLEEP_MS=10 timeout -k 5 120 \
     ip netns exec "${id}h$h" \
     "$run" --nnodes 2 --node-rank $(( h - 1 )) --nproc-per-node 1 --master-addr "$net.1" \
     --master-port 29733 --stop-grace 2 \
