@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
-# The unit tests of core, comm, rpc and ddp under AddressSanitizer and UBSan (ctest Sanitize.*;
-# docs/reliability.md "Sanitizers"), in a build directory of their own:
-#   sanitize.sh build SOURCE_DIR BUILD_DIR   configure with the asan preset's flags and build
-#                                            the four test programs
-#   sanitize.sh run BUILD_DIR MODULE         run tests/MODULE/tdist_MODULE_tests whole
-# A sanitizer report fails the run (ASan stops at its first; UBSan is told to).
+# Unit tests under a sanitizer (ctest Sanitize.*; docs/reliability.md "Sanitizers"), in a build
+# directory of their own:
+#   sanitize.sh build asan|tsan SOURCE_DIR BUILD_DIR   configure with the preset's flags and build
+#                                                      the test programs (asan: core, comm, rpc,
+#                                                      ddp; tsan: comm, rpc)
+#   sanitize.sh run asan|tsan BUILD_DIR MODULE         run tests/MODULE/tdist_MODULE_tests whole
+# A sanitizer report fails the run (ASan and TSan stop at their first; UBSan is told to).
 set -euo pipefail
-mode=$1
+mode=$1 kind=$2
+case "$kind" in
+  # Keep the flags in step with the asan and tsan presets (CMakePresets.json).
+  asan) type=Debug flags="-fsanitize=address,undefined -fno-omit-frame-pointer"
+        targets=(tdist_core_tests tdist_comm_tests tdist_rpc_tests tdist_ddp_tests) ;;
+  tsan) type=None flags="-fsanitize=thread -O1 -g1 -fno-omit-frame-pointer"
+        targets=(tdist_comm_tests tdist_rpc_tests) ;;
+  *) echo "unknown sanitizer '$kind' (asan or tsan)" >&2; exit 2 ;;
+esac
 case "$mode" in
   build)
-    # Keep the flags in step with the asan preset (CMakePresets.json).
-    cmake -S "$2" -B "$3" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
-      "-DCMAKE_CXX_FLAGS=-fsanitize=address,undefined -fno-omit-frame-pointer" \
+    cmake -S "$3" -B "$4" -G Ninja -DCMAKE_BUILD_TYPE=$type "-DCMAKE_CXX_FLAGS=$flags" \
       -DTDIST_SANITIZER_BUILD=ON >/dev/null
-    cmake --build "$3" -j "${JOBS:-$(nproc)}" --target tdist_core_tests tdist_comm_tests \
-      tdist_rpc_tests tdist_ddp_tests
+    cmake --build "$4" -j "${JOBS:-$(nproc)}" --target "${targets[@]}"
     ;;
   run)
     # Leaks are not checked: libtorch keeps allocations for the life of the process.
     export ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+    export TSAN_OPTIONS="suppressions=$(cd "$(dirname "$0")" && pwd)/tsan.supp:halt_on_error=1${TSAN_OPTIONS:+:$TSAN_OPTIONS}"
     export OMP_NUM_THREADS=1
-    exec "$2/tests/$3/tdist_$3_tests"
+    exec "$3/tests/$4/tdist_$4_tests"
     ;;
-  *) echo "usage: sanitize.sh build SOURCE_DIR BUILD_DIR | run BUILD_DIR MODULE" >&2; exit 2 ;;
+  *) echo "usage: sanitize.sh build asan|tsan SOURCE_DIR BUILD_DIR | run asan|tsan BUILD_DIR MODULE" >&2; exit 2 ;;
 esac
