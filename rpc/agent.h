@@ -294,6 +294,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
                  const std::string& reason) override;
 
   // Request handlers (worker threads; request_handlers.cpp).
+  // pool_->try_post with the agent kept alive until the task ends (agent_dispatch.cpp).
+  bool post_to_pool(std::function<void()> task);
   void handle_request(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
   void handle_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
   void handle_remote_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);

@@ -11,6 +11,8 @@
 //   reader thread.
 // - post_work(): work on the pool that keeps the agent busy (not idle()) until it returns; none
 //   runs once the agent is stopping.
+// - Every task on the pool keeps the agent alive until it ends (post_to_pool), so dropping the
+//   agent's last reference inside a handler is safe.
 #include "tdist/rpc/agent.h"
 
 #include "tdist/core/logging.h"
@@ -38,7 +40,14 @@ void RpcAgent::post_work(std::function<void()> fn) {
     }
     done();
   };
-  if (!pool_->try_post(std::move(task))) done();
+  if (!post_to_pool(std::move(task))) done();
+}
+
+// Each task holds the agent until it is done with it: a handler that drops the agent's last
+// other reference then destroys it when the pool releases the task (on the agent's own worker
+// thread, which ThreadPool::stop allows), not while the task still uses it.
+bool RpcAgent::post_to_pool(std::function<void()> task) {
+  return pool_->try_post([self = weak_from_this().lock(), task = std::move(task)] { task(); });
 }
 
 void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
@@ -48,7 +57,7 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
       std::lock_guard<std::mutex> lock(pending_mu_);
       ++processing_;
     }
-    bool posted = pool_->try_post([this, conn, m = std::move(msg)]() mutable {
+    bool posted = post_to_pool([this, conn, m = std::move(msg)]() mutable {
       std::shared_ptr<void> autograd_scope;  // see rpc/autograd_hooks.h
       bool ok = true;
       if (m.flags & detail::kFlagAutograd) {
@@ -128,7 +137,7 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
   }
   if (p.on_pool || (msg.flags & detail::kFlagHasRRefs)) {
     auto shared = std::make_shared<std::pair<Pending, Message>>(std::move(p), std::move(msg));
-    bool posted = pool_->try_post([this, shared, error] {
+    bool posted = post_to_pool([this, shared, error] {
       complete(shared->first, &shared->second, error);
     });
     if (!posted) complete(shared->first, &shared->second, error);

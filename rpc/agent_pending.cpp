@@ -142,7 +142,7 @@ void RpcAgent::fail_pending_to(int rank, const std::string& reason) {
     auto err = std::make_exception_ptr(
         NetworkError(str(p.what, " failed: connection to ", peer_name(rank), " lost: ", reason)));
     auto shared = std::make_shared<Pending>(std::move(p));
-    if (!pool_->try_post([this, shared, err] { complete(*shared, nullptr, err); })) {
+    if (!post_to_pool([this, shared, err] { complete(*shared, nullptr, err); })) {
       complete(*shared, nullptr, err);
     }
   }

@@ -42,6 +42,12 @@ void OwnerRRef::set_error(std::exception_ptr e) {
   for (auto& w : waiters) w();
 }
 
+void OwnerRRef::drop_waiters() {
+  std::vector<std::function<void()>> waiters;
+  std::lock_guard<std::mutex> lock(mu_);
+  waiters.swap(waiters_);  // destroyed after the lock is released (declared before it)
+}
+
 const TypeInfo* OwnerRRef::type() const {
   std::lock_guard<std::mutex> lock(mu_);
   return ready_ && value_.type ? value_.type : type_;
@@ -108,6 +114,11 @@ std::exception_ptr UserRRef::creation_error() const {
 
 RRefContext::RRefContext(std::weak_ptr<RpcAgent> agent, int rank)
     : agent_(std::move(agent)), rank_(rank) {}
+
+RRefContext::~RRefContext() {
+  for (auto& [id, owner] : owners_) owner->drop_waiters();
+  for (auto& [id, u] : unborn_) u.owner->drop_waiters();
+}
 
 GloballyUniqueId RRefContext::new_id() { return GloballyUniqueId{rank_, next_id_.fetch_add(1)}; }
 

@@ -151,6 +151,10 @@ class OwnerRRef : public RRefBase {
   AnyValue wait(Millis timeout) const;
   // The value or error, once ready.
   AnyValue value() const;
+  // Forgets the waiters without running them (their context is going away). A waiter may hold
+  // this OwnerRRef itself (a method call waiting for its target), so without this a value that
+  // never came would keep the two, and what the waiter holds, alive for ever.
+  void drop_waiters();
 
  private:
   mutable std::mutex mu_;
@@ -189,6 +193,8 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   static constexpr size_t kMaxParkedPerPeer = 256;
 
   RRefContext(std::weak_ptr<RpcAgent> agent, int rank);
+  // Drops the waiters of every owner still without a value (OwnerRRef::drop_waiters).
+  ~RRefContext();
 
   int rank() const { return rank_; }
   std::shared_ptr<RpcAgent> agent() const { return agent_.lock(); }

@@ -7,18 +7,26 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace tdist::fuzz {
 
-// Writes `first` (the target's selector byte) and then `bytes` to `path`; aborts on failure.
+// Writes `bytes` to `path`; aborts on failure.
 template <class Bytes>
-void write_seed(const std::string& path, uint8_t first, const Bytes& bytes) {
+void write_seed(const std::string& path, const Bytes& bytes) {
   FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f || std::fputc(first, f) == EOF ||
-      (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) ||
+  if (!f || (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) ||
       std::fclose(f) != 0) {
     std::abort();
   }
+}
+
+// Writes `first` (the target's selector byte) and then `bytes` to `path`.
+template <class Bytes>
+void write_seed(const std::string& path, uint8_t first, const Bytes& bytes) {
+  std::vector<uint8_t> all{first};
+  all.insert(all.end(), bytes.begin(), bytes.end());
+  write_seed(path, all);
 }
 
 // When TDIST_FUZZ_WRITE_SEEDS names a directory: writes the target's seeds there and exits.

@@ -43,6 +43,7 @@
 #include "tdist/rpc/rref_context.h"
 #include "tdist/rpc/types.h"
 #include "tests/fuzz/fuzz_files.h"
+#include "tests/fuzz/rpc_frames.h"
 
 namespace {
 
@@ -248,62 +249,10 @@ void read_frame(const uint8_t* hdr, Stream& in, bool accept_remote, unsigned res
 
 // --- The seed corpus ---------------------------------------------------------------------
 
-// A frame as Connection::frame lays it out: header, payload + tensor section, tensor bytes (or,
-// with `addresses`, the tensors' addresses in the sender's memory instead of their bytes).
-tdist::Bytes frame(MessageType type, uint32_t flags, uint64_t id, const tdist::Bytes& payload,
-                   const std::vector<at::Tensor>& tensors, bool addresses = false) {
-  detail::TensorSection section;
-  tdist::Bytes tensor_bytes;
-  for (const at::Tensor& t : tensors) {
-    const at::Tensor c = tdist::contiguous_values(t);
-    section.metas.push_back(tdist::describe_tensor(c));
-    if (addresses) {
-      section.addresses.push_back(0x7f0000001000 + 4096 * section.addresses.size());
-    } else {
-      const auto* p = static_cast<const uint8_t*>(c.data_ptr());
-      tensor_bytes.insert(tensor_bytes.end(), p, p + c.nbytes());
-    }
-  }
-  const tdist::Bytes meta = tensors.empty() ? tdist::Bytes() : tdist::encode(section);
-  FrameHeader h;
-  h.type = type;
-  h.flags = flags | (addresses ? detail::kFlagRemoteTensors : 0);
-  h.id = id;
-  h.meta_len = static_cast<uint32_t>(meta.size());
-  h.body_len = static_cast<uint32_t>(payload.size() + meta.size());
-  h.length = h.body_len + tensor_bytes.size();
-  tdist::Bytes out(detail::kHeaderSize);
-  detail::encode_header(h, out.data());
-  out.insert(out.end(), payload.begin(), payload.end());
-  out.insert(out.end(), meta.begin(), meta.end());
-  out.insert(out.end(), tensor_bytes.begin(), tensor_bytes.end());
-  return out;
-}
-
-// agent.h's encode_message: fields without a context, then arguments with RPC's context.
-template <class... A>
-tdist::Bytes payload(const tdist::Bytes& fields, std::vector<at::Tensor>& tensors,
-                     const A&... args) {
-  tdist::Bytes body = fields;
-  detail::SendContext sc;
-  sc.tensors = &tensors;
-  if constexpr (sizeof...(A) > 0) {
-    detail::ArgOutputArchive ar(body, sc);
-    ar(args...);
-  }
-  return body;
-}
-
-detail::CallHeader call_header(const std::string& name) {
-  auto fn = rpc::registry().find_function(name);
-  if (!fn) std::abort();
-  return {name, fn->signature.hash};
-}
-
+using tdist::fuzz::rpc_payload;
+detail::CallHeader call_header(const std::string& name) { return tdist::fuzz::rpc_call_header(name); }
 detail::CallHeader method_header(const std::string& name) {
-  auto m = rpc::registry().find_method(detail::type_info_of<Counter>().hash, name);
-  if (!m) std::abort();
-  return {name, m->signature.hash};
+  return tdist::fuzz::rpc_method_header<Counter>(name);
 }
 
 using tdist::fuzz::write_seed;
@@ -316,50 +265,50 @@ void write_seeds(const std::string& dir) {
   std::vector<at::Tensor> ts;
   auto call = [&](const std::string& file, MessageType type, const tdist::Bytes& body,
                   uint8_t settings = 0, bool addresses = false) {
-    write_seed(dir + "/" + file, settings, frame(type, 0, 5, body, ts, addresses));
+    write_seed(dir + "/" + file, settings, tdist::fuzz::rpc_frame(type, 0, 5, body, ts, addresses));
     ts.clear();
   };
-  call("call_add", MessageType::kCall, payload(tdist::encode(call_header("add")), ts, int64_t{1}, int64_t{2}));
+  call("call_add", MessageType::kCall, rpc_payload(tdist::encode(call_header("add")), ts, int64_t{1}, int64_t{2}));
   call("call_tensors", MessageType::kCall,
-       payload(tdist::encode(call_header("tensors")), ts, a, std::vector<at::Tensor>{b, a.t()},
+       rpc_payload(tdist::encode(call_header("tensors")), ts, a, std::vector<at::Tensor>{b, a.t()},
                std::optional<at::Tensor>(at::Tensor())));
   call("call_tensors_remote", MessageType::kCall,
-       payload(tdist::encode(call_header("tensors")), ts, a, std::vector<at::Tensor>{b},
+       rpc_payload(tdist::encode(call_header("tensors")), ts, a, std::vector<at::Tensor>{b},
                std::optional<at::Tensor>()),
        1, true);
   call("call_strings", MessageType::kCall,
-       payload(tdist::encode(call_header("strings")), ts, std::string("s"),
+       rpc_payload(tdist::encode(call_header("strings")), ts, std::string("s"),
                std::map<std::string, double>{{"x", 1.5}}, std::set<std::string>{"k"},
                std::vector<std::pair<int32_t, std::string>>{{1, "one"}}));
   call("call_named", MessageType::kCall,
-       payload(tdist::encode(call_header("named")), ts, std::map<std::string, at::Tensor>{{"w", a}},
+       rpc_payload(tdist::encode(call_header("named")), ts, std::map<std::string, at::Tensor>{{"w", a}},
                std::array<int64_t, 3>{1, 2, 3}, std::vector<bool>{true, false},
                std::array<bool, 2>{false, true}));
   call("call_fork", MessageType::kCall,
-       payload(tdist::encode(call_header("fork")), ts,
+       rpc_payload(tdist::encode(call_header("fork")), ts,
                detail::ForkData{0, rref, fork, 2, 99, "int64"}, int64_t{4}));
-  call("call_nothing", MessageType::kCall, payload(tdist::encode(call_header("nothing")), ts));
+  call("call_nothing", MessageType::kCall, rpc_payload(tdist::encode(call_header("nothing")), ts));
   call("remote_call", MessageType::kRemoteCall,
-       payload(tdist::encode(call_header("Counter"), rref, fork), ts, int64_t{5}));
+       rpc_payload(tdist::encode(call_header("Counter"), rref, fork), ts, int64_t{5}));
   call("rref_fetch", MessageType::kRRefFetch,
-       payload(tdist::encode(rref, uint64_t{42}, std::string("int64")), ts));
+       rpc_payload(tdist::encode(rref, uint64_t{42}, std::string("int64")), ts));
   call("method_call", MessageType::kRRefMethodCall,
-       payload(tdist::encode(method_header("add"), rref, rpc::ForkId{}), ts, int64_t{3}));
+       rpc_payload(tdist::encode(method_header("add"), rref, rpc::ForkId{}), ts, int64_t{3}));
   call("method_remote", MessageType::kRRefMethodRemote,
-       payload(tdist::encode(method_header("scale"), rref, fork, rpc::RRefId{1, 9}, rpc::ForkId{1, 10}),
+       rpc_payload(tdist::encode(method_header("scale"), rref, fork, rpc::RRefId{1, 9}, rpc::ForkId{1, 10}),
                ts, std::vector<at::Tensor>{a}, 2.0));
   call("fork_request", MessageType::kRRefForkRequest, tdist::encode(rref, fork));
   call("user_delete", MessageType::kRRefUserDelete, tdist::encode(rref, fork));
   call("child_accept", MessageType::kRRefChildAccept, tdist::encode(fork));
-  call("response_void", MessageType::kResponse, payload({}, ts), 0 << 1);
-  call("response_int", MessageType::kResponse, payload({}, ts, int64_t{3}), 1 << 1);
+  call("response_void", MessageType::kResponse, rpc_payload({}, ts), 0 << 1);
+  call("response_int", MessageType::kResponse, rpc_payload({}, ts, int64_t{3}), 1 << 1);
   call("response_tensors", MessageType::kResponse,
-       payload({}, ts, std::vector<at::Tensor>{a, b}), 3 << 1);
+       rpc_payload({}, ts, std::vector<at::Tensor>{a, b}), 3 << 1);
   call("response_tuple", MessageType::kResponse,
-       payload({}, ts, std::make_tuple(a, std::vector<at::Tensor>{b}, std::optional<at::Tensor>(a))),
+       rpc_payload({}, ts, std::make_tuple(a, std::vector<at::Tensor>{b}, std::optional<at::Tensor>(a))),
        4 << 1);
   call("response_rref", MessageType::kResponse,
-       payload({}, ts, detail::ForkData{0, rref, fork, 0, 99, "int64"}), 6 << 1);
+       rpc_payload({}, ts, detail::ForkData{0, rref, fork, 0, 99, "int64"}), 6 << 1);
   call("response_remote_call", MessageType::kResponse, tdist::encode(std::string()), 7 << 1);
   call("error", MessageType::kError, tdist::encode(detail::ErrorBody{"boom", "worker1"}));
   call("tensor_release", MessageType::kTensorRelease, {});

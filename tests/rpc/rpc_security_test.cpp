@@ -332,6 +332,27 @@ TEST(RpcRRefSecurity, BogusFetchesAreBoundedAndCreateNoOwners) {
 
 // ---- 4. connection limits -------------------------------------------------------------------
 
+// A method call waiting for an RRef whose creating call has not come holds its target and the
+// connection it will answer on. When the agent goes first, the wait goes with it: before, the
+// waiter held the target that held the waiter, so both (and the connection's buffer) were kept
+// for ever (found by fuzz_rpc_agent's leak check).
+TEST(RpcRRefSecurity, AMethodCallWaitingForAnUnbornRRefIsFreedWithTheAgent) {
+  RpcOptions o;
+  o.rpc_timeout = 30s;  // the placeholder does not expire during the test
+  auto a = start_agents(2, o);
+  const RRefId never{0, 123456789};  // "made by w0", which never creates it
+  auto m = detail::encode_message(MessageType::kRRefMethodCall, &a[0]->rref_context(), 1,
+                                  std::make_tuple(detail::CallHeader{"add", 0}, never, ForkId{}));
+  a[0]->send_request(1, std::move(m), 2s, [](detail::Message*, std::exception_ptr) {},
+                     "method call on an unborn RRef");
+  ASSERT_TRUE(eventually([&] { return a[1]->rref_context().num_unborn() == 1; }));
+  std::weak_ptr<detail::OwnerRRef> placeholder = a[1]->rref_context().find_owner(never, nullptr, 0);
+  ASSERT_FALSE(placeholder.expired());
+  shutdown_all(a, false);
+  a.agents.clear();
+  EXPECT_TRUE(eventually([&] { return placeholder.expired(); }, 5s));
+}
+
 TEST(RpcConnectionLimits, ATricklingClientIsDroppedAtTheHandshakeDeadline) {
   RpcOptions o = with_token();
   o.handshake_timeout = 500ms;

@@ -1,0 +1,244 @@
+// Fuzzes two running RPC workers through a socket, as a peer that passed the handshake would: the
+// RRef protocol and the calls behind the ids the decoders accept (rpc/rref_context.h,
+// rpc/request_handlers.cpp, agent_dispatch.cpp, agent_pending.cpp), which the rpc_message target
+// does not reach. Workers p0 and p1 (ranks 0 and 1 of 2, threads of this process, one in-process
+// TCPStore) run for the whole campaign. Each input is a stream of RPC frames sent to p0 on a
+// fresh connection that authenticated as rank 1 (so p0 takes it for p1: its RRef messages act on
+// p1's forks, and what p0 sends p1 in turn reaches the real p1), then half-closed; p0's replies
+// are read until it closes the connection or 100 ms pass. Every 64 inputs and at the end, the
+// real p1 must still be served by p0: a call, an RRef created, fetched, called and dropped. A
+// worker that crashes, wedges or trips a sanitizer is a finding, as is memory the inputs do not
+// pay for (run.sh's RSS limit). Tensor addresses (the same-host fast path) are refused here: the
+// connection comes from p0's own process, which the fast path never trusts.
+//
+// TDIST_FUZZ_WRITE_SEEDS=<dir> fuzz_rpc_agent writes the seed corpus (frame sequences: a call, an
+// RRef's whole life, forks, stray responses and errors) into <dir> and exits.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sum.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tdist/core/logging.h"
+#include "tdist/core/tcp_store.h"
+#include "tdist/rpc/agent.h"
+#include "tdist/rpc/auth.h"
+#include "tdist/rpc/rref.h"
+#include "tests/fuzz/fuzz_files.h"
+#include "tests/fuzz/rpc_frames.h"
+
+namespace {
+
+namespace rpc = tdist::rpc;
+namespace detail = tdist::rpc::detail;
+using detail::MessageType;
+
+struct Counter {
+  int64_t value = 0;
+  explicit Counter(int64_t v = 0) : value(v) {}
+  int64_t add(int64_t d) { return value += d; }
+  at::Tensor scaled(at::Tensor t) { return t.mul(static_cast<double>(value)); }
+  template <class Archive>
+  void serialize(Archive& ar) {  // to_here() copies it
+    ar(value);
+  }
+};
+
+void register_functions() {
+  rpc::register_function("add", [](int64_t a, int64_t b) { return a + b; });
+  rpc::register_function("sum", [](at::Tensor t, std::vector<at::Tensor> ts) {
+    for (const auto& x : ts) t = t.add(x.sum());
+    return t;
+  });
+  // Takes an RRef: loading it runs the RRef protocol (a fork of a value p1 or p0 owns).
+  rpc::register_function("peek", [](rpc::RRef<Counter> r) { return int64_t{r.owner()}; });
+  rpc::register_class<Counter>("Counter")
+      .constructor<int64_t>()
+      .method("add", &Counter::add)
+      .method("scaled", &Counter::scaled);
+}
+
+tdist::TCPStoreServer* g_server = nullptr;
+std::shared_ptr<rpc::RpcAgent> g_p0, g_p1;
+
+// A connection to p0. libFuzzer's timer signal can interrupt a connect (EINTR): a fresh socket
+// then tries again, for 10 s before p0 counts as dead.
+int connect_to_p0() {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(g_p0->port());
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) std::abort();
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) return fd;
+    const int err = errno;
+    ::close(fd);
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::fprintf(stderr, "p0 stopped accepting connections: %s\n", std::strerror(err));
+      std::abort();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(err == EINTR ? 0 : 10));
+  }
+}
+
+void send_and_drain(const uint8_t* data, size_t size) {
+  const int fd = connect_to_p0();
+  detail::HandshakeOptions ho;
+  ho.my_rank = 1;
+  ho.world_size = 2;
+  ho.fast_path = false;
+  ho.timeout = tdist::Millis(10000);
+  try {
+    detail::client_handshake(fd, ho, 0);
+  } catch (const tdist::Error& e) {
+    std::fprintf(stderr, "p0 refused an honest handshake: %s\n", e.what());
+    std::abort();
+  }
+  for (size_t done = 0; done < size;) {
+    const ssize_t n = ::send(fd, data + done, size - done, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // p0 closed the connection (a bad frame): fine
+    done += static_cast<size_t>(n);
+  }
+  ::shutdown(fd, SHUT_WR);
+  uint8_t buf[4096];
+  pollfd p{fd, POLLIN, 0};
+  for (;;) {
+    const int ready = ::poll(&p, 1, 100);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) break;
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+  }
+  ::close(fd);
+}
+
+// The real p1 is still served by p0, through calls and the RRef protocol.
+void expect_served() {
+  try {
+    if (g_p1->rpc_sync<int64_t>(0, "add", int64_t{2}, int64_t{3}) != 5) std::abort();
+    rpc::RRef<Counter> c = g_p1->remote<Counter>(0, "Counter", int64_t{10});
+    if (c.rpc_sync<int64_t>("add", int64_t{1}) != 11) std::abort();
+    if (c.to_here().value != 11) std::abort();
+    if (g_p1->rpc_sync<int64_t>(0, "peek", c) != 0) std::abort();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "p0 no longer serves p1: %s\n", e.what());
+    std::abort();
+  }
+}
+
+// --- The seed corpus ---------------------------------------------------------------------
+
+using tdist::fuzz::rpc_call_header;
+using tdist::fuzz::rpc_frame;
+using tdist::fuzz::rpc_payload;
+
+void write_seeds(const std::string& dir) {
+  using Frames = std::vector<tdist::Bytes>;
+  auto seed = [&](const std::string& name, const Frames& frames) {
+    tdist::Bytes all;
+    for (const auto& f : frames) all.insert(all.end(), f.begin(), f.end());
+    tdist::fuzz::write_seed(dir + "/" + name, all);
+  };
+  std::vector<at::Tensor> ts;
+  auto frame = [&](MessageType type, uint64_t id, const tdist::Bytes& body) {
+    tdist::Bytes f = rpc_frame(type, 0, id, body, ts);
+    ts.clear();
+    return f;
+  };
+  const auto counter = tdist::fuzz::rpc_method_header<Counter>;
+  // p1's ids: RRef (1, n) created by p1, its forks (1, m).
+  const rpc::RRefId rref{1, 1000};
+  const rpc::ForkId fork{1, 1001};
+  const at::Tensor a = at::arange(6, at::kFloat).reshape({2, 3});
+  seed("call_add", {frame(MessageType::kCall, 1,
+                          rpc_payload(tdist::encode(rpc_call_header("add")), ts, int64_t{1}, int64_t{2}))});
+  seed("call_sum", {frame(MessageType::kCall, 2,
+                          rpc_payload(tdist::encode(rpc_call_header("sum")), ts, a,
+                                      std::vector<at::Tensor>{a, a}))});
+  const tdist::Bytes create = frame(
+      MessageType::kRemoteCall, 3,
+      rpc_payload(tdist::encode(rpc_call_header("Counter"), rref, fork), ts, int64_t{5}));
+  const tdist::Bytes fetch =
+      frame(MessageType::kRRefFetch, 4,
+            rpc_payload(tdist::encode(rref, detail::type_info_of<Counter>().hash, std::string("Counter")), ts));
+  const tdist::Bytes method = frame(
+      MessageType::kRRefMethodCall, 5,
+      rpc_payload(tdist::encode(counter("add"), rref, rpc::ForkId{}), ts, int64_t{3}));
+  const tdist::Bytes method_remote = frame(
+      MessageType::kRRefMethodRemote, 6,
+      rpc_payload(tdist::encode(counter("scaled"), rref, rpc::ForkId{}, rpc::RRefId{1, 1002},
+                                rpc::ForkId{1, 1003}),
+                  ts, a));
+  const tdist::Bytes fork_request =
+      frame(MessageType::kRRefForkRequest, 7, tdist::encode(rref, rpc::ForkId{1, 1004}));
+  const tdist::Bytes child_accept =
+      frame(MessageType::kRRefChildAccept, 8, tdist::encode(rpc::ForkId{1, 1004}));
+  const tdist::Bytes user_delete = frame(MessageType::kRRefUserDelete, 9, tdist::encode(rref, fork));
+  const tdist::Bytes peek = frame(
+      MessageType::kCall, 10,
+      rpc_payload(tdist::encode(rpc_call_header("peek")), ts,
+                  detail::ForkData{0, rref, rpc::ForkId{1, 1005}, 1, detail::type_info_of<Counter>().hash,
+                                   "Counter"}));
+  seed("rref_life", {create, fetch, method, method_remote, fork_request, child_accept, user_delete});
+  seed("rref_delete_first", {create, user_delete, fetch, method});
+  seed("rref_twice", {create, create, user_delete, user_delete});
+  seed("rref_fork_only", {fork_request, child_accept, fork_request});
+  seed("rref_as_argument", {create, peek, user_delete});
+  seed("stray_response", {frame(MessageType::kResponse, 77, rpc_payload({}, ts, int64_t{3})),
+                          frame(MessageType::kError, 78, tdist::encode(detail::ErrorBody{"boom", "p1"})),
+                          frame(MessageType::kTensorRelease, 0, {})});
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  register_functions();
+  tdist::fuzz::write_seeds_if_asked(write_seeds);
+  ::unsetenv("TDIST_TOKEN");
+  ::unsetenv("TDIST_TOKEN_FILE");
+  tdist::set_log_level(tdist::LogLevel::kOff);
+  g_server = new tdist::TCPStoreServer("127.0.0.1", 0);
+  auto start = [](int rank) {
+    rpc::RpcOptions o;
+    o.store = std::make_shared<tdist::TCPStore>("127.0.0.1", g_server->port(), false,
+                                                std::chrono::seconds(30));
+    o.listen_host = "127.0.0.1";
+    o.rpc_timeout = tdist::Millis(5000);
+    o.num_worker_threads = 4;
+    return rpc::RpcAgent::start("p" + std::to_string(rank), rank, 2, o);
+  };
+  std::thread t([&] { g_p1 = start(1); });
+  g_p0 = start(0);
+  t.join();
+  expect_served();
+  // No shutdown at exit: the workers' threads end with the process.
+  std::atexit([] { expect_served(); });
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static uint64_t runs = 0;
+  send_and_drain(data, size);
+  if (++runs % 64 == 0) expect_served();
+  return 0;
+}
