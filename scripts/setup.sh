@@ -15,7 +15,7 @@ DEB_PACKAGES=(
   python3 python3-dev python3-pip python3-venv
   libboost-dev libcereal-dev libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libssl-dev libgtest-dev libgmock-dev libbenchmark-dev
-  iproute2 nftables openmpi-bin libopenmpi-dev
+  iproute2 openmpi-bin libopenmpi-dev
   zlib1g-dev dataset-fashion-mnist
   clang libclang-rt-14-dev
 )
