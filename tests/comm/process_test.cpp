@@ -156,6 +156,32 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
   }
 }
 
+// Rendezvous with a rank that dies inside it: rank 1 creates the group at once and is struck
+// once it has published its address (it then waits for rank 0's); ranks 0 and 2 start creating
+// theirs after the strike ("go"), with a timeout of TDIST_TEST_OP_TIMEOUT_MS. Each must fail
+// with an error of the group's creation that names rank 1.
+TDIST_TEST_CHILD(comm_rendezvous_child) {
+  torch::set_num_threads(1);
+  const Millis timeout(env::get_int("TDIST_TEST_OP_TIMEOUT_MS", 3000, 1, 600000));
+  auto store = child_store();
+  if (rank == 1) {
+    create_process_group(store, rank, world_size, test::test_options(Millis(120000)));
+    return 3;  // struck before it ends
+  }
+  store->wait({"go"}, Millis(60000));
+  try {
+    create_process_group(store, rank, world_size, test::test_options(timeout));
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    std::cerr << "rank " << rank << ": " << msg << std::endl;
+    const bool creating = msg.find("creating the process group") != std::string::npos;
+    const bool names_1 = msg.find("rank 1") != std::string::npos ||
+                         msg.find("rank(s) 1") != std::string::npos;
+    return creating && names_1 ? 0 : 13;
+  }
+  return 12;
+}
+
 class ProcessTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(ProcessTest, CollectivesOverTCPStore) {
@@ -223,6 +249,38 @@ TEST_P(ProcessFailure, SurvivorsGetAnErrorNamingTheLostPeerWithinTheBound) {
   EXPECT_FALSE(struck_result.exited) << struck_result.describe();
   EXPECT_EQ(struck_result.signal, f.sig == SIGSTOP ? SIGKILL : f.sig);
 }
+
+// A rank dies inside the rendezvous (SIGKILL, SIGTERM, abort()): the others' group creation
+// fails naming it within their timeout (3 s) plus 10 s.
+class RendezvousFailure : public ::testing::TestWithParam<int> {};
+
+TEST_P(RendezvousFailure, OthersFailNamingTheDeadRank) {
+  const int sig = GetParam();
+  const Millis timeout(3000);
+  TCPStoreServer server("127.0.0.1", 0);
+  TCPStore store("127.0.0.1", server.port(), false, Millis(60000));
+  tdist::test::Processes procs("comm_rendezvous_child", 3,
+                               {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
+                                {"TDIST_TEST_OP_TIMEOUT_MS", std::to_string(timeout.count())}});
+  store.wait({"tdist/pg1/addr/1"}, Millis(60000));  // rank 1 published its address
+  procs.kill(1, sig);
+  auto struck_result = procs.wait(1, Millis(10000));
+  EXPECT_FALSE(struck_result.exited) << struck_result.describe();
+  EXPECT_EQ(struck_result.signal, sig);
+  const auto struck = std::chrono::steady_clock::now();
+  store.set("go", "1");
+  const Millis bound = timeout + Millis(10000);
+  for (int r : {0, 2}) {
+    auto result = procs.wait(r, bound + Millis(20000));
+    EXPECT_TRUE(result.ok()) << result.describe() << "\n" << result.output;
+    std::cout << result.output;
+  }
+  const auto took = std::chrono::steady_clock::now() - struck;
+  EXPECT_LT(took, bound) << std::chrono::duration_cast<Millis>(took).count() << " ms";
+}
+
+INSTANTIATE_TEST_SUITE_P(Signals, RendezvousFailure, ::testing::Values(SIGKILL, SIGTERM, SIGABRT),
+                         [](const auto& info) { return std::string(::sigabbrev_np(info.param)); });
 
 std::vector<Fault> faults() {
   std::vector<Fault> out;

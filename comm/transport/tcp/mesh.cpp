@@ -66,7 +66,15 @@ void Mesh::connect_lower(Store& store, uint64_t group, const std::string& token,
     uint16_t port = 0;
     parse_host_port(store.get_string(addr_key(peer)), peer, host, port);
     for (int ch = 0; ch < channels_; ++ch) {
-      int fd = net::connect_to(host, port, deadline, str("rank ", peer));
+      int fd = -1;
+      try {
+        fd = net::connect_to(host, port, deadline, str("rank ", peer));
+      } catch (const TimeoutError& e) {
+        TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
+                    e.what());
+      } catch (const NetworkError& e) {
+        TDIST_THROW(NetworkError, "rank ", rank_, ": creating the process group: ", e.what());
+      }
       Connection::configure(fd);
       auto conn = std::make_unique<Connection>(fd, peer);
       Bytes fields;
