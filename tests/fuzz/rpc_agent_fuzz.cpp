@@ -8,16 +8,26 @@
 // are read until it closes the connection or 100 ms pass. Every 64 inputs and at the end, the
 // real p1 must still be served by p0: a call, an RRef created, fetched, called and dropped. A
 // worker that crashes, wedges or trips a sanitizer is a finding, as is memory the inputs do not
-// pay for (run.sh's RSS limit). Tensor addresses (the same-host fast path) are refused here: the
-// connection comes from p0's own process, which the fast path never trusts.
+// pay for (run.sh's RSS limit).
+//
+// Input: byte 0 selects the sender. Even: this process, without the same-host fast path (p0
+// refuses tensor addresses from it; it would never trust its own process anyway). Odd: a child
+// process forked before the workers started, which asks for the fast path with its own pid, so
+// p0 reads the tensors whose addresses the frames give straight from the child's memory
+// (process_vm_readv): the child maps 64 KiB at kChildBuffer, where the seeds' addresses point,
+// and anything else is what the kernel says it is. The rest of the input is the frames.
 //
 // TDIST_FUZZ_WRITE_SEEDS=<dir> fuzz_rpc_agent writes the seed corpus (frame sequences: a call, an
 // RRef's whole life, forks, stray responses and errors) into <dir> and exits.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
@@ -49,10 +59,15 @@ namespace rpc = tdist::rpc;
 namespace detail = tdist::rpc::detail;
 using detail::MessageType;
 
+// Registered functions get the inputs' numbers: they wrap instead of overflowing.
+int64_t wrapping_add(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+}
+
 struct Counter {
   int64_t value = 0;
   explicit Counter(int64_t v = 0) : value(v) {}
-  int64_t add(int64_t d) { return value += d; }
+  int64_t add(int64_t d) { return value = wrapping_add(value, d); }
   at::Tensor scaled(at::Tensor t) { return t.mul(static_cast<double>(value)); }
   template <class Archive>
   void serialize(Archive& ar) {  // to_here() copies it
@@ -61,7 +76,7 @@ struct Counter {
 };
 
 void register_functions() {
-  rpc::register_function("add", [](int64_t a, int64_t b) { return a + b; });
+  rpc::register_function("add", [](int64_t a, int64_t b) { return wrapping_add(a, b); });
   rpc::register_function("sum", [](at::Tensor t, std::vector<at::Tensor> ts) {
     for (const auto& x : ts) t = t.add(x.sum());
     return t;
@@ -77,12 +92,12 @@ void register_functions() {
 tdist::TCPStoreServer* g_server = nullptr;
 std::shared_ptr<rpc::RpcAgent> g_p0, g_p1;
 
-// A connection to p0. libFuzzer's timer signal can interrupt a connect (EINTR): a fresh socket
-// then tries again, for 10 s before p0 counts as dead.
-int connect_to_p0() {
+// A connection to p0 from this process. libFuzzer's timer signal can interrupt a connect
+// (EINTR): a fresh socket then tries again, for 10 s before p0 counts as dead.
+int connect_to_p0(uint16_t port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_port = htons(g_p0->port());
+  a.sin_port = htons(port);
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   for (;;) {
@@ -99,12 +114,13 @@ int connect_to_p0() {
   }
 }
 
-void send_and_drain(const uint8_t* data, size_t size) {
-  const int fd = connect_to_p0();
+// One input's frames on a fresh connection that authenticated as rank 1; then its replies.
+void send_and_drain(uint16_t port, bool fast_path, const uint8_t* data, size_t size) {
+  const int fd = connect_to_p0(port);
   detail::HandshakeOptions ho;
   ho.my_rank = 1;
   ho.world_size = 2;
-  ho.fast_path = false;
+  ho.fast_path = fast_path;
   ho.timeout = tdist::Millis(10000);
   try {
     detail::client_handshake(fd, ho, 0);
@@ -132,6 +148,67 @@ void send_and_drain(const uint8_t* data, size_t size) {
   ::close(fd);
 }
 
+// The same-host peer: a child process that sends the inputs it is handed on its own connections
+// with the fast path on. Messages on the socket pair: p0's port (2 bytes) first, then one input
+// each, each answered with one byte once its connection is done.
+constexpr uintptr_t kChildBuffer = 0x7f0000001000;
+constexpr size_t kChildBufferBytes = 64 << 10;
+constexpr size_t kMaxInput = 64 << 10;  // within a socket pair's default buffer
+int g_child = -1;  // the parent's end of the socket pair
+
+[[noreturn]] void child_main(int sock) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  void* buffer = ::mmap(reinterpret_cast<void*>(kChildBuffer), kChildBufferBytes,
+                        PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE,
+                        -1, 0);
+  if (buffer != MAP_FAILED) {
+    for (size_t i = 0; i < kChildBufferBytes; ++i) static_cast<uint8_t*>(buffer)[i] = uint8_t(i * 7);
+  }
+  uint16_t port = 0;
+  if (::recv(sock, &port, sizeof(port), 0) != sizeof(port)) ::_exit(0);
+  std::vector<uint8_t> input(kMaxInput);
+  for (;;) {
+    const ssize_t n = ::recv(sock, input.data(), input.size(), 0);
+    if (n <= 0) ::_exit(0);  // the fuzzer is gone
+    send_and_drain(port, true, input.data(), static_cast<size_t>(n));
+    const uint8_t done = 1;
+    if (::send(sock, &done, 1, MSG_NOSIGNAL) != 1) ::_exit(0);
+  }
+}
+
+void start_child() {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) != 0) std::abort();
+  const int buffer = static_cast<int>(2 * kMaxInput);
+  for (int fd : sv) {
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
+  }
+  const pid_t pid = ::fork();
+  if (pid < 0) std::abort();
+  if (pid == 0) {
+    ::close(sv[0]);
+    child_main(sv[1]);
+  }
+  ::close(sv[1]);
+  g_child = sv[0];
+}
+
+void send_from_child(const uint8_t* data, size_t size) {
+  if (size > kMaxInput) size = kMaxInput;
+  if (::send(g_child, data, size, MSG_NOSIGNAL) != static_cast<ssize_t>(size)) {
+    std::perror("handing an input to the same-host peer");
+    std::abort();
+  }
+  uint8_t done = 0;
+  while (::recv(g_child, &done, 1, 0) < 0 && errno == EINTR) {
+  }
+  if (done != 1) {
+    std::fprintf(stderr, "the same-host peer died\n");
+    std::abort();
+  }
+}
+
 // The real p1 is still served by p0, through calls and the RRef protocol.
 void expect_served() {
   try {
@@ -154,14 +231,14 @@ using tdist::fuzz::rpc_payload;
 
 void write_seeds(const std::string& dir) {
   using Frames = std::vector<tdist::Bytes>;
-  auto seed = [&](const std::string& name, const Frames& frames) {
+  auto seed = [&](const std::string& name, const Frames& frames, uint8_t sender = 0) {
     tdist::Bytes all;
     for (const auto& f : frames) all.insert(all.end(), f.begin(), f.end());
-    tdist::fuzz::write_seed(dir + "/" + name, all);
+    tdist::fuzz::write_seed(dir + "/" + name, sender, all);
   };
   std::vector<at::Tensor> ts;
-  auto frame = [&](MessageType type, uint64_t id, const tdist::Bytes& body) {
-    tdist::Bytes f = rpc_frame(type, 0, id, body, ts);
+  auto frame = [&](MessageType type, uint64_t id, const tdist::Bytes& body, bool addresses = false) {
+    tdist::Bytes f = rpc_frame(type, 0, id, body, ts, addresses);
     ts.clear();
     return f;
   };
@@ -175,6 +252,14 @@ void write_seeds(const std::string& dir) {
   seed("call_sum", {frame(MessageType::kCall, 2,
                           rpc_payload(tdist::encode(rpc_call_header("sum")), ts, a,
                                       std::vector<at::Tensor>{a, a}))});
+  // Tensors by address in the child's buffer (rpc_frame places them at kChildBuffer + 4 KiB
+  // steps), large enough that the receiver reads them rather than asking for bytes.
+  const at::Tensor big = at::arange(2048, at::kFloat);
+  seed("call_sum_addresses",
+       {frame(MessageType::kCall, 11,
+              rpc_payload(tdist::encode(rpc_call_header("sum")), ts, big, std::vector<at::Tensor>{big}),
+              true)},
+       1);
   const tdist::Bytes create = frame(
       MessageType::kRemoteCall, 3,
       rpc_payload(tdist::encode(rpc_call_header("Counter"), rref, fork), ts, int64_t{5}));
@@ -214,6 +299,7 @@ void write_seeds(const std::string& dir) {
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   register_functions();
   tdist::fuzz::write_seeds_if_asked(write_seeds);
+  start_child();  // before any thread: a fork copies only the calling one
   ::unsetenv("TDIST_TOKEN");
   ::unsetenv("TDIST_TOKEN_FILE");
   tdist::set_log_level(tdist::LogLevel::kOff);
@@ -230,6 +316,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   std::thread t([&] { g_p1 = start(1); });
   g_p0 = start(0);
   t.join();
+  const uint16_t port = g_p0->port();
+  if (::send(g_child, &port, sizeof(port), MSG_NOSIGNAL) != sizeof(port)) std::abort();
   expect_served();
   // No shutdown at exit: the workers' threads end with the process.
   std::atexit([] { expect_served(); });
@@ -238,7 +326,12 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static uint64_t runs = 0;
-  send_and_drain(data, size);
+  if (size == 0) return 0;
+  if (data[0] & 1) {
+    send_from_child(data + 1, size - 1);
+  } else {
+    send_and_drain(g_p0->port(), false, data + 1, size - 1);
+  }
   if (++runs % 64 == 0) expect_served();
   return 0;
 }
