@@ -1,28 +1,12 @@
 // Distributed autograd's side of rpc/autograd_hooks.h: what a message sent or received inside a
-// context records (Note [Distributed backward] in engine.cpp).
-//
-// Note [Autograd frame header]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A frame with kFlagAutograd starts its payload with (little-endian)
-//
-//   i64 context_id | i64 message_id | u32 count | count x u32 tensor index
-//
-// context_id: the context the message belongs to (> 0, its creator's rank in the top 16 bits).
-// message_id: the sender's autograd message id of its SendRpcBackward, or -1 when no tensor of
-// the message requires grad (count == 0). The indices, strictly increasing and below the
-// message's tensor count, name the tensors that required grad on the sender; the receiver
-// gives exactly those a RecvRpcBackward. Requests of the call types (CALL, REMOTE_CALL,
-// RREF_FETCH, RREF_METHOD_CALL/REMOTE) made inside a context always carry the header, so that
-// the callee runs in the context and its nested calls and its result are recorded; a response
-// carries it only when its result holds tensors that require grad. Anything else is refused
-// (ProtocolError) before a handler runs.
+// context records (Note [Distributed backward] in engine.cpp), and the header that carries it
+// (Note [Autograd frame header] in detail/header.h).
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <cstring>
-
 #include "tdist/autograd/detail/container.h"
 #include "tdist/autograd/detail/functions.h"
+#include "tdist/autograd/detail/header.h"
 #include "tdist/core/error.h"
 #include "tdist/rpc/agent.h"
 #include "tdist/rpc/autograd_hooks.h"
@@ -33,14 +17,6 @@ namespace {
 using rpc::detail::Message;
 using rpc::detail::MessageType;
 using rpc::detail::OutMessage;
-
-constexpr size_t kFixedHeader = 8 + 8 + 4;
-
-struct Header {
-  int64_t context_id = 0;
-  int64_t message_id = -1;
-  std::vector<uint32_t> indices;
-};
 
 bool carries_context(MessageType t) {
   switch (t) {
@@ -53,50 +29,6 @@ bool carries_context(MessageType t) {
     default:
       return false;
   }
-}
-
-void prepend_header(OutMessage& m, const Header& h) {
-  Bytes head(kFixedHeader + 4 * h.indices.size());
-  uint8_t* p = head.data();
-  const uint32_t count = static_cast<uint32_t>(h.indices.size());
-  std::memcpy(p, &h.context_id, 8);
-  std::memcpy(p + 8, &h.message_id, 8);
-  std::memcpy(p + 16, &count, 4);
-  if (count) std::memcpy(p + kFixedHeader, h.indices.data(), 4 * count);
-  m.body.insert(m.body.begin(), head.begin(), head.end());
-  m.flags |= rpc::detail::kFlagAutograd;
-}
-
-// Reads and strips the header; ProtocolError for anything inconsistent.
-Header take_header(Message& m, int world_size) {
-  if (m.body.size() < kFixedHeader) {
-    throw ProtocolError(str("autograd header truncated: ", m.body.size(), " bytes"));
-  }
-  Header h;
-  uint32_t count = 0;
-  std::memcpy(&h.context_id, m.body.data(), 8);
-  std::memcpy(&h.message_id, m.body.data() + 8, 8);
-  std::memcpy(&count, m.body.data() + 16, 4);
-  if (h.context_id <= 0 || context_creator(h.context_id) >= world_size) {
-    throw ProtocolError(str("bad distributed autograd context id ", h.context_id));
-  }
-  if (count > m.tensors.size() || m.body.size() - kFixedHeader < 4 * size_t{count}) {
-    throw ProtocolError(str("autograd header names ", count, " tensors; the message carries ",
-                            m.tensors.size()));
-  }
-  if ((count > 0) != (h.message_id >= 0)) {
-    throw ProtocolError(str("autograd header: message id ", h.message_id, " with ", count,
-                            " tensors that require grad"));
-  }
-  h.indices.resize(count);
-  if (count) std::memcpy(h.indices.data(), m.body.data() + kFixedHeader, 4 * size_t{count});
-  for (size_t i = 0; i < h.indices.size(); ++i) {
-    if (h.indices[i] >= m.tensors.size() || (i > 0 && h.indices[i] <= h.indices[i - 1])) {
-      throw ProtocolError("autograd header: tensor indices out of range or not increasing");
-    }
-  }
-  m.body.erase(m.body.begin(), m.body.begin() + static_cast<std::ptrdiff_t>(kFixedHeader + 4 * count));
-  return h;
 }
 
 // Records a SendRpcBackward for the tensors of `m` that require grad; fills h.

@@ -6,8 +6,8 @@
 // check per message).
 //
 // A frame that carries autograd information has kFlagAutograd set and its payload starts with a
-// header that only the hooks write and read (Note [Autograd frame header] in autograd/hooks.cpp);
-// the hooks strip it before the agent's handlers read the payload.
+// header that only the hooks write and read (Note [Autograd frame header] in
+// autograd/detail/header.h); the hooks strip it before the agent's handlers read the payload.
 //
 // Thread safety: the hooks are called from callers' threads, worker threads and connection
 // reader threads at once; an implementation must be thread safe. Hooks may throw: on the send

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tdist/autograd/context.h"
+#include "tdist/autograd/detail/header.h"  // context ids: kContextRankShift, context_creator
 
 namespace tdist::rpc {
 class RpcAgent;
@@ -23,12 +24,6 @@ class RpcAgent;
 namespace tdist::autograd::detail {
 
 struct SendRpcBackward;
-
-// The creator's rank sits in the top 16 bits of a context id.
-constexpr int kContextRankShift = 48;
-inline int context_creator(int64_t context_id) {
-  return static_cast<int>(context_id >> kContextRankShift);
-}
 
 // One context on one worker.
 struct ContextState {

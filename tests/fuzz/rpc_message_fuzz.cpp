@@ -243,7 +243,8 @@ void read_frame(const uint8_t* hdr, Stream& in, bool accept_remote, unsigned res
     }
   }
   // A frame with kFlagAutograd starts with distributed autograd's header, which the hooks strip
-  // (autograd/hooks.cpp); the payload after it is read the same way.
+  // (autograd/hooks.cpp; the autograd_header target fuzzes that); the payload after it is read
+  // the same way.
   decode_payload(m, result_type);
 }
 
