@@ -52,9 +52,9 @@ start_link() {  # DELAY_MS LOSS: the forwarder, and each host's link bridged to 
     ip -n "${id}hub" link set "br$i" up
   done
 }
-stop_link() {  # prints the forwarder's counts
+stop_link() {  # sets link_counts to the forwarder's counts (not in a subshell: it waits for it)
   kill -TERM "$fwd_pid"; wait "$fwd_pid" 2>/dev/null; fwd_pid=""
-  grep -oE "forwarded [0-9]+ dropped [0-9]+" "$work/link.out"
+  link_counts=$(grep -oE "forwarded [0-9]+ dropped [0-9]+" "$work/link.out")
 }
 
 port=29933
@@ -81,12 +81,12 @@ start_link 0 0
 t0=$(date +%s%N)
 clean=$(train_once clean) || exit 1
 t1=$(date +%s%N)
-clean_counts=$(stop_link)
+stop_link; clean_counts=$link_counts
 start_link 10 0.01
 t2=$(date +%s%N)
 impaired=$(train_once impaired) || exit 1
 t3=$(date +%s%N)
-impaired_counts=$(stop_link)
+stop_link; impaired_counts=$link_counts
 echo "plain link: $(( (t1 - t0) / 1000000 )) ms ($clean_counts); 10 ms each way and 1% loss: $(( (t3 - t2) / 1000000 )) ms ($impaired_counts)"
 dropped=$(awk '{print $4}' <<<"$impaired_counts")
 (( ${dropped:-0} > 0 )) || fail "the forwarder dropped no frame"

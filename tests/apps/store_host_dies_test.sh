@@ -12,18 +12,8 @@ source "$(dirname "$0")/../harness/netns_hosts.sh"
 netns_test_begin tds 221 2
 fail() { echo "FAIL: $*"; for f in "$work"/*; do echo "--- $f"; cat "$f"; done; exit 1; }
 
-pids=()
-for h in 1 2; do
-  OMP_NUM_THREADS=1 TDIST_TRAIN_STEP_SLEEP_MS=10 timeout -k 5 120 \
-    ip netns exec "${id}h$h" \
-    "$run" --nnodes 2 --node-rank $(( h - 1 )) --nproc-per-node 1 --master-addr "$net.1" \
-    --master-port 29833 --stop-grace 2 \
-    "$train" --steps 100000 --hidden 32 --layers 1 --train-samples 2000 --test-samples 100 \
-    --threads 1 --timeout 3 --progress log --log-every 10 >"$work/node$h.out" 2>"$work/node$h.err" &
-  pids+=($!)
-done
-for (( i = 0; i < 600; i++ )); do grep -q "\] step 30/" "$work/node1.out" && break; sleep 0.1; done
-grep -q "\] step 30/" "$work/node1.out" || fail "training never reached step 30"
+netns_train_two_nodes "$run" "$train" 29833
+pids=("${train_pids[@]}")
 
 ip netns pids "${id}h1" | xargs -r kill -9
 killed=$(date +%s%N)

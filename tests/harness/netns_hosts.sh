@@ -11,6 +11,11 @@
 #                          what a test script does first: sets id (TAG + the script's pid), net
 #                          (10.SUBNET.x, x from the pid) and work (a temporary directory), traps
 #                          the clean-up of both, and makes N hosts
+#   netns_train_two_nodes RUN TRAIN PORT
+#                          one tdist-run per host of hosts 1 and 2 (2 nodes x 1 worker of
+#                          tdist-train --timeout 3, the store at host 1's PORT) in the background,
+#                          output in $work/node<h>.{out,err}, pids in train_pids; returns once
+#                          host 1 logged step 30 (exits 1 when it does not within 60 s)
 netns_ids=()
 netns_cleanup() {
   for ns in "${netns_ids[@]}"; do
@@ -49,4 +54,20 @@ netns_test_begin() {
   work=$(mktemp -d)
   trap 'netns_cleanup; rm -rf "$work"' EXIT
   netns_hosts "$id" "$net" "$3"
+}
+
+netns_train_two_nodes() {
+  local run=$1 train=$2 port=$3 h i
+  train_pids=()
+  for h in 1 2; do
+    OMP_NUM_THREADS=1 TDIST_TRAIN_STEP_SLEEP_MS=10 timeout -k 5 120 \
+      ip netns exec "${id}h$h" \
+      "$run" --nnodes 2 --node-rank $(( h - 1 )) --nproc-per-node 1 --master-addr "$net.1" \
+      --master-port "$port" --stop-grace 2 \
+      "$train" --steps 100000 --hidden 32 --layers 1 --train-samples 2000 --test-samples 100 \
+      --threads 1 --timeout 3 --progress log --log-every 10 >"$work/node$h.out" 2>"$work/node$h.err" &
+    train_pids+=($!)
+  done
+  for (( i = 0; i < 600; i++ )); do grep -q "\] step 30/" "$work/node1.out" && return 0; sleep 0.1; done
+  echo "FAIL: training never reached step 30"; cat "$work"/node*; exit 1
 }
