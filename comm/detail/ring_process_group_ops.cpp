@@ -114,13 +114,12 @@ algo::ReduceSpec RingProcessGroup::reduce_spec(const at::Tensor& t, ReduceOp op)
 void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count,
                                       const algo::ReduceSpec& rs) const {
   bool small = count * rs.elem_size <= small_allreduce_bytes_ || count < static_cast<size_t>(size_);
-  if (hierarchy_ && (allreduce_algo_ == "hierarchical" || (allreduce_algo_ == "auto" && !small))) {
-    algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
-  } else if (allreduce_algo_ == "ring" || allreduce_algo_ == "hierarchical" ||
-             (allreduce_algo_ == "auto" && !small)) {
-    algo::allreduce_ring(c, data, count, rs);
-  } else {
+  if (allreduce_algo_ == "recursive_doubling" || (allreduce_algo_ == "auto" && small)) {
     algo::allreduce_recursive_doubling(c, data, count, rs);
+  } else if (hierarchy_ && allreduce_algo_ != "ring") {
+    algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
+  } else {
+    algo::allreduce_ring(c, data, count, rs);
   }
 }
 
