@@ -268,11 +268,11 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
   store.set(prefix + "host/" + std::to_string(rank), comm::host_key());
   if (rank == 0) {
     std::vector<std::string> hosts{comm::host_key()};
-    int peer = n >= 2 ? 1 : -1;
     for (int r = 1; r < n; ++r) hosts.push_back(store.get_string(prefix + "host/" + std::to_string(r)));
-    for (int r = n - 1; r >= 1; --r) {
-      if (hosts[r] != hosts[0]) peer = r;  // ends at the lowest rank on another host
-    }
+    // The lowest rank on another host, else rank 1.
+    const auto other = std::find_if(hosts.begin() + 1, hosts.end(),
+                                    [&](const std::string& h) { return h != hosts[0]; });
+    const int peer = other != hosts.end() ? static_cast<int>(other - hosts.begin()) : (n >= 2 ? 1 : -1);
     std::vector<std::string> distinct = hosts;
     std::sort(distinct.begin(), distinct.end());
     const int num_hosts = static_cast<int>(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
