@@ -51,6 +51,7 @@
 #include "tdist/rpc/auth.h"
 #include "tdist/rpc/rref.h"
 #include "tests/fuzz/fuzz_files.h"
+#include "tests/fuzz/fuzz_socket.h"
 #include "tests/fuzz/rpc_frames.h"
 
 namespace {
@@ -92,31 +93,9 @@ void register_functions() {
 tdist::TCPStoreServer* g_server = nullptr;
 std::shared_ptr<rpc::RpcAgent> g_p0, g_p1;
 
-// A connection to p0 from this process. libFuzzer's timer signal can interrupt a connect
-// (EINTR): a fresh socket then tries again, for 10 s before p0 counts as dead.
-int connect_to_p0(uint16_t port) {
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  for (;;) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) std::abort();
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) return fd;
-    const int err = errno;
-    ::close(fd);
-    if (std::chrono::steady_clock::now() >= deadline) {
-      std::fprintf(stderr, "p0 stopped accepting connections: %s\n", std::strerror(err));
-      std::abort();
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(err == EINTR ? 0 : 10));
-  }
-}
-
 // One input's frames on a fresh connection that authenticated as rank 1; then its replies.
-void send_and_drain(uint16_t port, bool fast_path, const uint8_t* data, size_t size) {
-  const int fd = connect_to_p0(port);
+void send_input(uint16_t port, bool fast_path, const uint8_t* data, size_t size) {
+  const int fd = tdist::fuzz::connect_loopback(port, "p0");
   detail::HandshakeOptions ho;
   ho.my_rank = 1;
   ho.world_size = 2;
@@ -128,24 +107,7 @@ void send_and_drain(uint16_t port, bool fast_path, const uint8_t* data, size_t s
     std::fprintf(stderr, "p0 refused an honest handshake: %s\n", e.what());
     std::abort();
   }
-  for (size_t done = 0; done < size;) {
-    const ssize_t n = ::send(fd, data + done, size - done, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;  // p0 closed the connection (a bad frame): fine
-    done += static_cast<size_t>(n);
-  }
-  ::shutdown(fd, SHUT_WR);
-  uint8_t buf[4096];
-  pollfd p{fd, POLLIN, 0};
-  for (;;) {
-    const int ready = ::poll(&p, 1, 100);
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) break;
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-  }
-  ::close(fd);
+  tdist::fuzz::send_and_drain(fd, data, size);
 }
 
 // The same-host peer: a child process that sends the inputs it is handed on its own connections
@@ -170,7 +132,7 @@ int g_child = -1;  // the parent's end of the socket pair
   for (;;) {
     const ssize_t n = ::recv(sock, input.data(), input.size(), 0);
     if (n <= 0) ::_exit(0);  // the fuzzer is gone
-    send_and_drain(port, true, input.data(), static_cast<size_t>(n));
+    send_input(port, true, input.data(), static_cast<size_t>(n));
     const uint8_t done = 1;
     if (::send(sock, &done, 1, MSG_NOSIGNAL) != 1) ::_exit(0);
   }
@@ -330,7 +292,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (data[0] & 1) {
     send_from_child(data + 1, size - 1);
   } else {
-    send_and_drain(g_p0->port(), false, data + 1, size - 1);
+    send_input(g_p0->port(), false, data + 1, size - 1);
   }
   if (++runs % 64 == 0) expect_served();
   return 0;

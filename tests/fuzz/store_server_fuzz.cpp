@@ -24,40 +24,14 @@
 #include "tdist/core/logging.h"
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
+#include "tests/fuzz/fuzz_socket.h"
 
 namespace {
 
 tdist::TCPStoreServer* g_server = nullptr;
 
-// A connection to the server. A connect that fails is retried for 10 s before the server counts
-// as dead: a campaign makes about a thousand connections a second, and on a loaded machine one
-// connect once failed while the server was fine (the error was not printed then; it is now).
-int connect_to_server() {
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(g_server->port());
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  auto pause = std::chrono::milliseconds(1);
-  for (;;) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) std::abort();
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) return fd;
-    const int err = errno;
-    ::close(fd);
-    std::fprintf(stderr, "connect to the store server failed (%s); retrying\n", std::strerror(err));
-    if (std::chrono::steady_clock::now() >= deadline) {
-      std::fprintf(stderr, "the store server stopped accepting connections: %s\n",
-                   std::strerror(err));
-      std::abort();
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(100));
-  }
-}
-
-void send_and_drain(const uint8_t* data, size_t size) {
-  const int fd = connect_to_server();
+void send_input(const uint8_t* data, size_t size) {
+  const int fd = tdist::fuzz::connect_loopback(g_server->port(), "the store server");
   if (size > 0 && data[0] % 2 == 0) {
     try {
       tdist::net::ClientHandshake handshake("", tdist::net::Service::kStore);
@@ -70,17 +44,7 @@ void send_and_drain(const uint8_t* data, size_t size) {
     ++data;
     --size;
   }
-  for (size_t done = 0; done < size;) {
-    ssize_t n = ::send(fd, data + done, size - done, MSG_NOSIGNAL);
-    if (n <= 0) break;  // the server closed the connection (a bad frame): fine
-    done += static_cast<size_t>(n);
-  }
-  ::shutdown(fd, SHUT_WR);
-  uint8_t buf[4096];
-  pollfd p{fd, POLLIN, 0};
-  while (::poll(&p, 1, 100) > 0 && ::recv(fd, buf, sizeof(buf), 0) > 0) {
-  }
-  ::close(fd);
+  tdist::fuzz::send_and_drain(fd, data, size);
 }
 
 void expect_served() {
@@ -106,7 +70,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static uint64_t runs = 0;
-  send_and_drain(data, size);
+  send_input(data, size);
   if (++runs % 64 == 0) expect_served();
   return 0;
 }
