@@ -111,6 +111,17 @@ TEST(ThreadPoolStop, AnAgentReleasedInsideItsOwnHandlerIsDestroyedAfterTheTask) 
     // The answer may be lost with the agent's connections: either ending is fine.
   }
   EXPECT_TRUE(eventually([&] { return w1.expired(); }, 10s));
+  // The count reaches zero before the destructor closes the agent's connections: a call sent
+  // in between may still be served. Once one fails, the worker is gone for good.
+  auto call_fails = [&] {
+    try {
+      a[0]->rpc_sync<int64_t>("w1", "add", Timeout{Millis(5000)}, int64_t{1}, int64_t{2});
+      return false;
+    } catch (const std::exception&) {
+      return true;
+    }
+  };
+  EXPECT_TRUE(eventually(call_fails, 10s));
   EXPECT_THROW(a[0]->rpc_sync<int64_t>("w1", "add", int64_t{1}, int64_t{2}), NetworkError);
   a[0]->shutdown(false);
 }
