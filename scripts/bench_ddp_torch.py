@@ -35,7 +35,8 @@ def worker(rank, args, port, queue):
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(
-        make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_cap_mb)
+        make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_cap_mb,
+        gradient_as_bucket_view=args.gradient_as_bucket_view)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(100 + rank)
     xs = [torch.randn(args.batch, 784, generator=gen) for _ in range(4)]
@@ -80,6 +81,7 @@ def main():
     p.add_argument("--layers", type=int, default=3, help="hidden layers")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args()

@@ -42,6 +42,7 @@ struct Config {
   int layers = 3;
   double lr = 0.01;
   double bucket_cap_mb = 25.0;
+  bool bucket_view = false;  // DDPOptions::gradient_as_bucket_view
   int threads = 1;
   int rounds = 3;
   bool compare_torch = true;
@@ -109,6 +110,7 @@ Result run_ddp(const Config& c, std::shared_ptr<comm::ProcessGroup> pg) {
   auto model = make_model(c);
   ddp::DDPOptions opts;
   opts.bucket_cap_mb = c.bucket_cap_mb;
+  opts.gradient_as_bucket_view = c.bucket_view;
   ddp::DistributedDataParallel<torch::nn::Sequential> ddp_model(model, pg, opts);
   auto sync = [&] { pg->barrier()->wait(); };
   return train(c, pg->rank(), pg->size(), ddp_model.parameters(),
@@ -206,7 +208,8 @@ Result run_torch_world(const Config& c) {
   cmd << c.python << " " << c.torch_script << " --world-size " << c.world_size << " --iters "
       << c.iters << " --warmup " << c.warmup << " --batch " << c.batch << " --hidden " << c.hidden
       << " --layers " << c.layers << " --lr " << c.lr << " --bucket-cap-mb " << c.bucket_cap_mb
-      << " --threads " << c.threads << " 2>&1";
+      << (c.bucket_view ? " --gradient-as-bucket-view" : "") << " --threads " << c.threads
+      << " 2>&1";
   int rc = 0;
   const std::string out = capture_output(cmd.str(), &rc);
   std::string line;
@@ -255,6 +258,8 @@ int run_ddp_bench(int argc, char** argv) {
   app.add_option("--layers", c.layers, "hidden layers")->check(CLI::Range(1, 64));
   app.add_option("--lr", c.lr, "SGD learning rate");
   app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "DDP bucket_cap_mb")->check(CLI::PositiveNumber);
+  app.add_flag("--gradient-as-bucket-view", c.bucket_view,
+               "DDP gradient_as_bucket_view: .grad is a view of its bucket (no copy in or out)");
   app.add_option("--threads", c.threads, "intra-op threads per rank")->check(CLI::Range(1, 256));
   app.add_option("--rounds", c.rounds, "alternating rounds; medians are reported")
       ->check(CLI::Range(1, 100));
@@ -279,7 +284,8 @@ int run_ddp_bench(int argc, char** argv) {
     std::cout << "model MLP 784-" << c.hidden << "x" << c.layers << "-10, batch " << c.batch
               << " per rank, SGD, " << c.iters << " timed iterations (+" << c.warmup
               << " warm-up), " << c.threads << " thread(s) per rank, median of " << c.rounds
-              << " rounds (alternating which side runs first)\n"
+              << " rounds (alternating which side runs first)"
+              << (c.bucket_view ? ", gradients as bucket views" : "") << "\n"
               << "bound: N independent plain-libtorch processes training at the same time (no "
                  "communication); world 1: plain libtorch\n\n";
     std::cout << std::left << std::setw(7) << "world" << std::setw(34) << "implementation"
@@ -289,7 +295,8 @@ int run_ddp_bench(int argc, char** argv) {
       return nlohmann::json{{"samples_per_s", r.samples_per_s}, {"iter_ms", r.iter_ms}};
     };
     nlohmann::json report{{"hidden", c.hidden}, {"layers", c.layers}, {"batch", c.batch},
-                          {"iters", c.iters}, {"rounds", c.rounds}, {"worlds", nlohmann::json::array()}};
+                          {"gradient_as_bucket_view", c.bucket_view}, {"iters", c.iters},
+                          {"rounds", c.rounds}, {"worlds", nlohmann::json::array()}};
     // The target of the issue on DDP against the bound, by world size (none for the others).
     auto target_of = [](int world) { return world == 1 ? 0.98 : world == 2 ? 0.9 : world == 4 ? 0.8 : 0; };
     auto bound_ratio = [&](int world, const Result& ours, const Result& bound) {
