@@ -1,9 +1,12 @@
 // create_process_group: backend selection ("ring", "cpu:ring,cuda:nccl") and the group's store
 // prefix. The name-to-factory map is explicit (no static registration).
 
+#include <algorithm>
 #include <map>
 #include <sstream>
+#include <vector>
 
+#include "tdist/comm/detail/device_dispatch.h"
 #include "tdist/comm/detail/ring_process_group.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
@@ -11,27 +14,30 @@
 namespace tdist::comm {
 namespace {
 
-using Factory = std::shared_ptr<ProcessGroup> (*)(std::shared_ptr<Store>, std::string, int, int,
-                                                  const ProcessGroup::Options&);
-
 std::shared_ptr<ProcessGroup> make_ring(std::shared_ptr<Store> store, std::string prefix, int rank,
                                         int size, const ProcessGroup::Options& opts) {
   return std::make_shared<detail::RingProcessGroup>(std::move(store), std::move(prefix), rank, size,
                                                     opts);
 }
 
-// Backends per device type. "nccl" exists only in CUDA builds of tdist.
-const std::map<std::string, std::map<std::string, Factory>>& backends() {
-  static const std::map<std::string, std::map<std::string, Factory>> table = {
-      {"cpu", {{"ring", &make_ring}}},
-      {"cuda", {}},
+// Backends per device type (Note [Device dispatch] in comm/detail/device_dispatch.h): the ring
+// serves CUDA tensors too (staged through host memory); "nccl" is loaded when a group asks for it.
+const std::map<std::string, std::vector<std::string>>& backends() {
+  static const std::map<std::string, std::vector<std::string>> table = {
+      {"cpu", {"ring"}},
+      {"cuda", {"ring", "nccl"}},
   };
   return table;
 }
 
+bool known(const std::string& device, const std::string& name) {
+  const auto& names = backends().at(device);
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
 std::string known_names() {
-  return "'ring' (all devices) or 'cpu:ring' (per device type; this build has no CUDA backend, "
-         "so 'cuda:nccl' is unavailable)";
+  return "'ring' (all devices) or per device type 'cpu:ring', 'cpu:ring,cuda:ring', "
+         "'cpu:ring,cuda:nccl'";
 }
 
 // Parses the backend string into device type -> backend name and checks every entry.
@@ -39,7 +45,7 @@ std::map<std::string, std::string> parse_backend(const std::string& spec) {
   std::map<std::string, std::string> out;
   TDIST_CHECK_ARG(!spec.empty(), "empty backend name; expected ", known_names());
   if (spec.find(':') == std::string::npos) {
-    TDIST_CHECK_ARG(backends().at("cpu").count(spec) != 0, "unknown backend '", spec,
+    TDIST_CHECK_ARG(known("cpu", spec), "unknown backend '", spec,
                     "'; expected ", known_names());
     out["cpu"] = spec;
     return out;
@@ -55,9 +61,8 @@ std::map<std::string, std::string> parse_backend(const std::string& spec) {
     auto dev = backends().find(device);
     TDIST_CHECK_ARG(dev != backends().end(), "unknown device type '", device, "' in backend '",
                     spec, "'; expected cpu or cuda");
-    TDIST_CHECK_ARG(dev->second.count(name) != 0, "backend '", name, "' is not available for ",
-                    device, " in this build (backend string '", spec, "'); expected ",
-                    known_names());
+    TDIST_CHECK_ARG(known(device, name), "backend '", name, "' is not available for ", device,
+                    " (backend string '", spec, "'); expected ", known_names());
     TDIST_CHECK_ARG(out.count(device) == 0, "device type '", device, "' appears twice in '", spec,
                     "'");
     out[device] = name;
@@ -79,8 +84,21 @@ std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store,
   // ranks (as in c10d), so the n-th group of every rank gets the same prefix.
   int64_t generation = store->add(str("tdist/pg_generation/rank", rank), 1);
   std::string prefix = str("tdist/pg", generation);
-  return backends().at("cpu").at(chosen.at("cpu"))(std::move(store), std::move(prefix), rank, size,
-                                                  opts);
+  auto cuda = chosen.find("cuda");
+  if (cuda == chosen.end() || cuda->second == "ring") {
+    return make_ring(std::move(store), std::move(prefix), rank, size, opts);
+  }
+  detail::BackendFactory make_nccl = detail::load_nccl_backend();
+  auto cpu_group = make_ring(store, prefix, rank, size, opts);
+  std::shared_ptr<ProcessGroup> cuda_group;
+  try {
+    cuda_group = make_nccl(std::move(store), prefix + "/nccl", rank, size, opts);
+  } catch (const std::exception& e) {
+    TDIST_THROW(InvalidArgument, "backend '", opts.backend, "': the nccl backend cannot start on ",
+                "rank ", rank, ": ", e.what());
+  }
+  return std::make_shared<detail::DispatchProcessGroup>(std::move(cpu_group), std::move(cuda_group),
+                                                        opts);
 }
 
 }  // namespace tdist::comm

@@ -8,7 +8,7 @@
 //
 // Work: one operation in flight. wait(timeout) blocks until the operation finished, rethrows its
 // error (an Error naming the rank, the operation, the peer and the sequence number), and returns
-// true; with a timeout that passes first it throws TimeoutError (the operation itself keeps its
+// true (a CUDA backend's Work: see wait()); with a timeout that passes first it throws TimeoutError (the operation itself keeps its
 // own deadline). result() gives the output tensors; future() completes with them (DDP's reducer
 // and comm hooks chain on it). Thread safe.
 //
@@ -88,11 +88,16 @@ class Work {
     return future_->error();
   }
   // See the class comment. Millis(-1): wait as long as the operation's own timeout allows.
-  bool wait(Millis timeout = Millis(-1)) {
+  // A CUDA backend's Work (NCCL) overrides it with c10d's stream semantics: the caller's current
+  // CUDA stream waits for the operation, the CPU does not (synchronize() blocks the CPU).
+  virtual bool wait(Millis timeout = Millis(-1)) {
     progress(timeout.count() < 0);
     future_->wait(timeout);
     return true;
   }
+  // Blocks the calling thread until the operation finished (on the device too) and rethrows its
+  // error. For CPU operations, and CUDA tensors staged through the CPU backend, it is wait().
+  virtual void synchronize() { wait(); }
   // Set once, before the Work is handed out.
   void set_progress(std::function<void(bool may_run_here)> fn) { progress_ = std::move(fn); }
   const std::vector<at::Tensor>& result() const { return future_->value(); }

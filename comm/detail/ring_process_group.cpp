@@ -1,4 +1,5 @@
 #include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/comm/detail/staging.h"
 
 #include <algorithm>
 #include <set>
@@ -403,10 +404,7 @@ void RingProcessGroup::execute(Op& op) {
 std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor, int peer,
                                                  int tag, Millis timeout) {
   const char* name = is_send ? "send" : (peer < 0 ? "recv_any_source" : "recv");
-  TDIST_CHECK_ARG(tensor.defined(), name, ": the tensor is undefined");
-  TDIST_CHECK_ARG(tensor.device().is_cpu(), name, ": the ring backend serves CPU tensors, got a ",
-                  tensor.device().str(), " tensor");
-  TDIST_CHECK_ARG(tensor.layout() == c10::kStrided, name, ": sparse tensors are not supported");
+  check_stageable(tensor, name, "the tensor");
   if (peer >= 0 || is_send) {
     TDIST_CHECK_ARG(peer >= 0 && peer < size_, name, ": peer rank ", peer, " is not in [0, ",
                     size_, ")");
@@ -420,11 +418,11 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
     future->set_error(aborted_error(name, seq));
     return work;
   }
-  at::Tensor buffer = contiguous_values(tensor);  // copied back into `tensor` after a recv
+  at::Tensor buffer = host_values(tensor);  // copied back into `tensor` after a recv
   auto deadline = deadline_after(effective(timeout));
   std::weak_ptr<RecvWork> weak = work;
   auto done = [tensor, buffer, future, weak, is_send](int source, std::exception_ptr error) {
-    if (!error && !buffer.is_same(tensor)) {
+    if (!error && !is_send && !buffer.is_same(tensor)) {
       try {
         tensor.copy_(buffer);
       } catch (...) {

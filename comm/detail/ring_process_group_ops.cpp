@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/comm/detail/staging.h"
 #include "tdist/core/error.h"
 #include "tdist/core/tensor_wire.h"
 
@@ -17,12 +18,7 @@ namespace algo = tdist::comm::algorithms;
 using Value = Future::Value;
 
 void check_tensor(const at::Tensor& t, const char* op, const char* what) {
-  TDIST_CHECK_ARG(t.defined(), op, ": ", what, " is undefined");
-  TDIST_CHECK_ARG(t.device().is_cpu(), op, ": ", what, " is a ", t.device().str(),
-                  " tensor; the ring backend serves CPU tensors (a CUDA backend is chosen with "
-                  "'cpu:ring,cuda:nccl' in a CUDA build)");
-  TDIST_CHECK_ARG(t.layout() == c10::kStrided, op, ": ", what, " is sparse; only dense tensors "
-                  "are supported");
+  check_stageable(t, op, what);
 }
 
 void check_like(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* what,
@@ -43,13 +39,14 @@ void check_root(int root, int size, const char* op) {
   TDIST_CHECK_ARG(root >= 0 && root < size, op, ": root ", root, " is not in [0, ", size, ")");
 }
 
-// A contiguous working view of a tensor: the tensor itself, or a contiguous copy of its values
-// made now (snapshotting a non-contiguous input, or resolving a conjugate or negative view) that
-// write_back() copies into the original (copy_ honours the original's conjugate/negative bit).
+// A contiguous working view of a tensor in host memory: the tensor itself, or a contiguous copy of
+// its values made now (snapshotting a non-contiguous input, resolving a conjugate or negative
+// view, or staging a CUDA tensor: Note [Staging device tensors]) that write_back() copies into
+// the original (copy_ honours the original's conjugate/negative bit).
 struct Contig {
   at::Tensor orig;
   at::Tensor work;
-  explicit Contig(const at::Tensor& t) : orig(t), work(contiguous_values(t)) {}
+  explicit Contig(const at::Tensor& t) : orig(t), work(host_values(t)) {}
   char* data() const { return static_cast<char*>(work.data_ptr()); }
   size_t bytes() const { return static_cast<size_t>(work.numel()) * work.element_size(); }
   void write_back() const {
@@ -146,7 +143,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
                     "allreduce_coalesced: tensor ", i, " has dtype ", tensors[i].scalar_type(),
                     " but tensor 0 has ", tensors[0].scalar_type());
     shapes.push_back(tensors[i].sizes().vec());
-    flat_parts.push_back(contiguous_values(tensors[i]).reshape({-1}));
+    flat_parts.push_back(host_values(tensors[i]).reshape({-1}));
   }
   auto rs = reduce_spec(tensors[0], opts.op);
   at::Tensor flat = at::cat(flat_parts);

@@ -1,0 +1,85 @@
+#pragma once
+// Note [Device dispatch]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A backend string names a backend per device type: "ring" serves every device (CUDA tensors
+// staged through host memory, Note [Staging device tensors]); "cpu:ring,cuda:nccl" sends the
+// operations on CUDA tensors to NCCL and the rest to the ring. The NCCL backend lives in its own
+// library, libtdist_comm_nccl.so (built when the CUDA toolkit and NCCL are found), which
+// create_process_group loads (dlopen, next to libtdist_comm.so, else by the loader's search
+// path) only when a backend string names it, so programs that never ask for NCCL never load
+// libtorch_cuda. Both backends of a group are created together, on every rank, under the
+// group's store prefix. DispatchProcessGroup routes each operation by its tensors' device: all
+// CUDA goes to the CUDA backend, anything else to the CPU backend; an operation mixing CUDA and
+// CPU tensors is refused (InvalidArgument). barrier() runs on the CPU backend (it orders the
+// ranks' CPUs; a CUDA Work's wait orders the streams). Each backend keeps its own order, so the
+// rule that every rank issues the operations of a group in one order holds per backend.
+
+#include <memory>
+#include <string>
+
+#include "tdist/comm/process_group.h"
+
+namespace tdist::comm::detail {
+
+using BackendFactory = std::shared_ptr<ProcessGroup> (*)(std::shared_ptr<Store> store,
+                                                         std::string prefix, int rank, int size,
+                                                         const ProcessGroup::Options& opts);
+
+// The NCCL backend's factory from libtdist_comm_nccl.so; throws InvalidArgument saying why when
+// the library is missing or cannot be loaded (no CUDA build, no libtorch_cuda).
+BackendFactory load_nccl_backend();
+
+class DispatchProcessGroup : public ProcessGroup {
+ public:
+  DispatchProcessGroup(std::shared_ptr<ProcessGroup> cpu, std::shared_ptr<ProcessGroup> cuda,
+                       Options opts);
+
+  int rank() const override { return cpu_->rank(); }
+  int size() const override { return cpu_->size(); }
+  std::string backend_name() const override;
+  const Options& options() const override { return opts_; }
+
+  std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
+  std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;
+  std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> tensors,
+                                            const AllreduceCoalescedOptions& opts) override;
+  std::shared_ptr<Work> reduce(at::Tensor tensor, const ReduceOptions& opts) override;
+  std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                  const AllgatherOptions& opts) override;
+  std::shared_ptr<Work> allgather_into_tensor(at::Tensor output, at::Tensor input,
+                                              const AllgatherOptions& opts) override;
+  std::shared_ptr<Work> gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                               const GatherOptions& opts) override;
+  std::shared_ptr<Work> scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                const ScatterOptions& opts) override;
+  std::shared_ptr<Work> reduce_scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                       const ReduceScatterOptions& opts) override;
+  std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                              const ReduceScatterOptions& opts) override;
+  std::shared_ptr<Work> alltoall_base(at::Tensor output, at::Tensor input,
+                                      std::vector<int64_t> output_splits,
+                                      std::vector<int64_t> input_splits,
+                                      const AllToAllOptions& opts) override;
+  std::shared_ptr<Work> alltoall(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                                 const AllToAllOptions& opts) override;
+  std::shared_ptr<Work> barrier(const BarrierOptions& opts) override;
+  std::shared_ptr<Work> send(at::Tensor tensor, int dst, int tag,
+                             const SendRecvOptions& opts) override;
+  std::shared_ptr<Work> recv(at::Tensor tensor, int src, int tag,
+                             const SendRecvOptions& opts) override;
+  std::shared_ptr<Work> recv_any_source(at::Tensor tensor, int tag,
+                                        const SendRecvOptions& opts) override;
+  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
+  void abort() override;
+
+ private:
+  // The backend for an operation on `tensors` (Note [Device dispatch]).
+  ProcessGroup& route(const char* op, std::initializer_list<const std::vector<at::Tensor>*> tensors);
+
+  // Constant after construction.
+  const std::shared_ptr<ProcessGroup> cpu_;
+  const std::shared_ptr<ProcessGroup> cuda_;
+  const Options opts_;
+};
+
+}  // namespace tdist::comm::detail

@@ -1,0 +1,407 @@
+#include "tdist/comm/nccl/nccl_process_group.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include <algorithm>
+
+#include "tdist/comm/detail/device_dispatch.h"
+#include "tdist/comm/nccl/c10d_store.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/prefix_store.h"
+
+namespace tdist::comm::nccl {
+namespace {
+
+::c10d::ReduceOp c10d_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: return ::c10d::ReduceOp::SUM;
+    case ReduceOp::AVG: return ::c10d::ReduceOp::AVG;
+    case ReduceOp::PRODUCT: return ::c10d::ReduceOp::PRODUCT;
+    case ReduceOp::MIN: return ::c10d::ReduceOp::MIN;
+    case ReduceOp::MAX: return ::c10d::ReduceOp::MAX;
+    case ReduceOp::BAND: return ::c10d::ReduceOp::BAND;
+    case ReduceOp::BOR: return ::c10d::ReduceOp::BOR;
+    case ReduceOp::BXOR: return ::c10d::ReduceOp::BXOR;
+  }
+  TDIST_THROW(InvalidArgument, "unknown reduce op ", static_cast<int>(op));
+}
+
+void check_cuda(const at::Tensor& t, const char* op, const char* what) {
+  TDIST_CHECK_ARG(t.defined(), op, ": ", what, " is undefined");
+  TDIST_CHECK_ARG(t.is_cuda(), op, ": ", what, " is a ", t.device().str(),
+                  " tensor; the nccl backend serves CUDA tensors");
+}
+
+}  // namespace
+
+NcclProcessGroup::NcclProcessGroup(std::shared_ptr<Store> store, std::string prefix, int rank,
+                                   int size, const Options& opts)
+    : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), size_(size), opts_(opts) {
+  auto c10d_opts = ::c10d::ProcessGroupNCCL::Options::create();
+  c10d_opts->timeout = opts_.timeout;
+  auto scoped = std::make_shared<PrefixStore>(prefix_ + "/", store_);
+  pg_ = c10::make_intrusive<::c10d::ProcessGroupNCCL>(
+      c10::make_intrusive<C10dStore>(scoped, opts_.timeout), rank_, size_, c10d_opts);
+  completer_ = std::thread([this] { complete_loop(); });
+}
+
+NcclProcessGroup::~NcclProcessGroup() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  completer_.join();
+  try {
+    pg_->shutdown();
+  } catch (const std::exception& e) {
+    TDIST_LOG_WARN("rank ", rank_, ": shutting the NCCL group down: ", e.what());
+  }
+}
+
+std::chrono::milliseconds NcclProcessGroup::timeout_of(Millis t) const {
+  return t.count() < 0 ? opts_.timeout : t;
+}
+
+namespace {
+
+// Note [NCCL works]: wait() is c10d's stream wait; synchronize() and future() see the device
+// finish (the group's completion thread).
+class NcclWork : public Work {
+ public:
+  NcclWork(std::string op, uint64_t seq, std::shared_ptr<Future> future,
+           c10::intrusive_ptr<::c10d::Work> work, int rank)
+      : Work(std::move(op), seq, std::move(future)), work_(std::move(work)), rank_(rank) {}
+
+  bool wait(Millis timeout) override {
+    try {
+      work_->wait(timeout.count() < 0 ? std::chrono::milliseconds(0) : timeout);
+    } catch (const std::exception& e) {
+      TDIST_THROW(Error, "rank ", rank_, ": ", op(), " (seq ", sequence_number(),
+                  ") through NCCL failed: ", e.what());
+    }
+    return true;
+  }
+  void synchronize() override { future_unobserved()->wait(); }
+
+ private:
+  const c10::intrusive_ptr<::c10d::Work> work_;
+  const int rank_;
+};
+
+}  // namespace
+
+std::shared_ptr<Work> NcclProcessGroup::issue(
+    const std::string& op, std::vector<at::Tensor> outputs,
+    const std::function<c10::intrusive_ptr<::c10d::Work>()>& call) {
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seq = next_seq_++;
+  }
+  auto future = std::make_shared<Future>();
+  c10::intrusive_ptr<::c10d::Work> work;
+  try {
+    work = call();
+  } catch (const tdist::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TDIST_THROW(Error, "rank ", rank_, ": ", op, " (seq ", seq, ") through NCCL failed: ",
+                e.what());
+  }
+  auto ours = std::make_shared<NcclWork>(op, seq, future, work, rank_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back(Pending{op, seq, work, std::move(outputs), future});
+  }
+  cv_.notify_all();
+  return ours;
+}
+
+void NcclProcessGroup::complete_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+    if (stopping_) break;
+    // Operations finish in the order they were issued on the NCCL stream: look at the oldest.
+    Pending& p = pending_.front();
+    bool done = false;
+    std::exception_ptr error;
+    lock.unlock();
+    try {
+      done = p.work->isCompleted();
+      if (done) error = p.work->exception();
+    } catch (...) {
+      done = true;
+      error = std::current_exception();
+    }
+    lock.lock();
+    if (!done) {
+      cv_.wait_for(lock, std::chrono::microseconds(50));
+      continue;
+    }
+    Pending finished = std::move(pending_.front());
+    pending_.pop_front();
+    lock.unlock();
+    if (error) {
+      std::string what = "unknown error";
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      finished.future->set_error(std::make_exception_ptr(
+          Error(str("rank ", rank_, ": ", finished.op, " (seq ", finished.seq,
+                    ") through NCCL failed: ", what))));
+    } else {
+      finished.future->set_value(std::move(finished.outputs));
+    }
+    lock.lock();
+  }
+  // Destroyed with operations pending: they fail rather than leave their waiters hanging.
+  while (!pending_.empty()) {
+    Pending p = std::move(pending_.front());
+    pending_.pop_front();
+    p.future->set_error(std::make_exception_ptr(
+        Error(str("rank ", rank_, ": ", p.op, " (seq ", p.seq, "): the NCCL group was destroyed "
+                  "before the operation finished"))));
+  }
+}
+
+std::shared_ptr<Work> NcclProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
+  check_cuda(tensor, "broadcast", "the tensor");
+  TDIST_CHECK_ARG(opts.root >= 0 && opts.root < size_, "broadcast: root ", opts.root,
+                  " is not in [0, ", size_, ")");
+  return issue("broadcast", {tensor}, [&] {
+    std::vector<at::Tensor> ts{tensor};
+    ::c10d::BroadcastOptions o;
+    o.rootRank = opts.root;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->broadcast(ts, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::allreduce(at::Tensor tensor, const AllreduceOptions& opts) {
+  check_cuda(tensor, "allreduce", "the tensor");
+  return issue("allreduce", {tensor}, [&] {
+    std::vector<at::Tensor> ts{tensor};
+    ::c10d::AllreduceOptions o;
+    o.reduceOp = c10d_op(opts.op);
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->allreduce(ts, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::allreduce_coalesced(std::vector<at::Tensor> tensors,
+                                                            const AllreduceCoalescedOptions& opts) {
+  TDIST_CHECK_ARG(!tensors.empty(), "allreduce_coalesced: no tensors given");
+  for (const auto& t : tensors) check_cuda(t, "allreduce_coalesced", "a tensor");
+  return issue("allreduce_coalesced", tensors, [&] {
+    ::c10d::AllreduceCoalescedOptions o;
+    o.reduceOp = c10d_op(opts.op);
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->allreduce_coalesced(tensors, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::reduce(at::Tensor tensor, const ReduceOptions& opts) {
+  check_cuda(tensor, "reduce", "the tensor");
+  TDIST_CHECK_ARG(opts.root >= 0 && opts.root < size_, "reduce: root ", opts.root,
+                  " is not in [0, ", size_, ")");
+  return issue("reduce", {tensor}, [&] {
+    std::vector<at::Tensor> ts{tensor};
+    ::c10d::ReduceOptions o;
+    o.reduceOp = c10d_op(opts.op);
+    o.rootRank = opts.root;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->reduce(ts, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::allgather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                                  const AllgatherOptions& opts) {
+  check_cuda(input, "allgather", "the input");
+  for (const auto& t : outputs) check_cuda(t, "allgather", "an output");
+  return issue("allgather", outputs, [&] {
+    std::vector<std::vector<at::Tensor>> outs{outputs};
+    std::vector<at::Tensor> ins{input};
+    ::c10d::AllgatherOptions o;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->allgather(outs, ins, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::allgather_into_tensor(at::Tensor output, at::Tensor input,
+                                                              const AllgatherOptions& opts) {
+  check_cuda(input, "allgather_into_tensor", "the input");
+  check_cuda(output, "allgather_into_tensor", "the output");
+  return issue("allgather_into_tensor", {output}, [&] {
+    ::c10d::AllgatherOptions o;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->_allgather_base(output, input, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                               const GatherOptions& opts) {
+  check_cuda(input, "gather", "the input");
+  for (const auto& t : outputs) check_cuda(t, "gather", "an output");
+  return issue("gather", outputs, [&] {
+    std::vector<std::vector<at::Tensor>> outs;
+    if (rank_ == opts.root) outs.push_back(outputs);
+    std::vector<at::Tensor> ins{input};
+    ::c10d::GatherOptions o;
+    o.rootRank = opts.root;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->gather(outs, ins, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                                const ScatterOptions& opts) {
+  check_cuda(output, "scatter", "the output");
+  for (const auto& t : inputs) check_cuda(t, "scatter", "an input");
+  return issue("scatter", {output}, [&] {
+    std::vector<at::Tensor> outs{output};
+    std::vector<std::vector<at::Tensor>> ins;
+    if (rank_ == opts.root) ins.push_back(inputs);
+    ::c10d::ScatterOptions o;
+    o.rootRank = opts.root;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->scatter(outs, ins, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::reduce_scatter(at::Tensor output,
+                                                       std::vector<at::Tensor> inputs,
+                                                       const ReduceScatterOptions& opts) {
+  check_cuda(output, "reduce_scatter", "the output");
+  for (const auto& t : inputs) check_cuda(t, "reduce_scatter", "an input");
+  return issue("reduce_scatter", {output}, [&] {
+    std::vector<at::Tensor> outs{output};
+    std::vector<std::vector<at::Tensor>> ins{inputs};
+    ::c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d_op(opts.op);
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->reduce_scatter(outs, ins, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                                              const ReduceScatterOptions& opts) {
+  check_cuda(output, "reduce_scatter_tensor", "the output");
+  check_cuda(input, "reduce_scatter_tensor", "the input");
+  return issue("reduce_scatter_tensor", {output}, [&] {
+    ::c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d_op(opts.op);
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->_reduce_scatter_base(output, input, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::alltoall_base(at::Tensor output, at::Tensor input,
+                                                      std::vector<int64_t> output_splits,
+                                                      std::vector<int64_t> input_splits,
+                                                      const AllToAllOptions& opts) {
+  check_cuda(output, "alltoall_base", "the output");
+  check_cuda(input, "alltoall_base", "the input");
+  return issue("alltoall_base", {output}, [&] {
+    ::c10d::AllToAllOptions o;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->alltoall_base(output, input, output_splits, input_splits, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::alltoall(std::vector<at::Tensor> outputs,
+                                                 std::vector<at::Tensor> inputs,
+                                                 const AllToAllOptions& opts) {
+  for (const auto& t : outputs) check_cuda(t, "alltoall", "an output");
+  for (const auto& t : inputs) check_cuda(t, "alltoall", "an input");
+  return issue("alltoall", outputs, [&] {
+    ::c10d::AllToAllOptions o;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->alltoall(outputs, inputs, o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::barrier(const BarrierOptions& opts) {
+  return issue("barrier", {}, [&] {
+    ::c10d::BarrierOptions o;
+    o.timeout = timeout_of(opts.timeout);
+    return pg_->barrier(o);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::send(at::Tensor tensor, int dst, int tag,
+                                             const SendRecvOptions&) {
+  check_cuda(tensor, "send", "the tensor");
+  TDIST_CHECK_ARG(dst >= 0 && dst < size_ && dst != rank_, "send: peer rank ", dst,
+                  " is not another rank of [0, ", size_, ")");
+  return issue("send", {tensor}, [&] {
+    std::vector<at::Tensor> ts{tensor};
+    return pg_->send(ts, dst, tag);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::recv(at::Tensor tensor, int src, int tag,
+                                             const SendRecvOptions&) {
+  check_cuda(tensor, "recv", "the tensor");
+  TDIST_CHECK_ARG(src >= 0 && src < size_ && src != rank_, "recv: peer rank ", src,
+                  " is not another rank of [0, ", size_, ")");
+  return issue("recv", {tensor}, [&] {
+    std::vector<at::Tensor> ts{tensor};
+    return pg_->recv(ts, src, tag);
+  });
+}
+
+std::shared_ptr<Work> NcclProcessGroup::recv_any_source(at::Tensor, int, const SendRecvOptions&) {
+  TDIST_THROW(InvalidArgument, "recv_any_source: NCCL cannot receive from any source; name the "
+              "source rank, or use a CPU tensor (the ring backend serves it)");
+}
+
+std::shared_ptr<ProcessGroup> NcclProcessGroup::new_group(std::vector<int> ranks,
+                                                          const Options& opts) {
+  std::sort(ranks.begin(), ranks.end());
+  TDIST_CHECK_ARG(!ranks.empty() && std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end() &&
+                      ranks.front() >= 0 && ranks.back() < size_,
+                  "new_group: ranks must be distinct ranks of [0, ", size_, ")");
+  uint64_t n;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    n = subgroups_++;  // every rank calls new_group in the same order: the same n everywhere
+  }
+  auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (me == ranks.end()) return nullptr;
+  return std::make_shared<NcclProcessGroup>(store_, str(prefix_, "/sub", n),
+                                            static_cast<int>(me - ranks.begin()),
+                                            static_cast<int>(ranks.size()), opts);
+}
+
+void NcclProcessGroup::abort() {
+  pg_->abort();
+  std::deque<Pending> failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed.swap(pending_);
+  }
+  for (auto& p : failed) {
+    p.future->set_error(std::make_exception_ptr(Error(
+        str("rank ", rank_, ": ", p.op, " (seq ", p.seq, "): the NCCL group was aborted"))));
+  }
+}
+
+}  // namespace tdist::comm::nccl
+
+// The entry point create_process_group looks up after loading this library (dlsym).
+extern "C" __attribute__((visibility("default"))) tdist::comm::detail::BackendFactory
+tdist_comm_nccl_factory() {
+  return [](std::shared_ptr<tdist::Store> store, std::string prefix, int rank, int size,
+            const tdist::comm::ProcessGroup::Options& opts)
+             -> std::shared_ptr<tdist::comm::ProcessGroup> {
+    return std::make_shared<tdist::comm::nccl::NcclProcessGroup>(std::move(store),
+                                                                 std::move(prefix), rank, size,
+                                                                 opts);
+  };
+}

@@ -1,0 +1,123 @@
+#pragma once
+// NcclProcessGroup: tdist's ProcessGroup for CUDA tensors, built on PyTorch's own
+// c10d::ProcessGroupNCCL (from libtorch_cuda), so its watchdog, stream semantics, communicator
+// abort and caching-allocator safety are the ones PyTorch users already trust. Lives in its own
+// library (libtdist_comm_nccl.so), which create_process_group loads when a backend string names
+// "cuda:nccl" (Note [Device dispatch] in comm/detail/device_dispatch.h), so programs without GPUs
+// never load libtorch_cuda.
+//
+// Note [NCCL works]
+// ~~~~~~~~~~~~~~~~~
+// - Issuing an operation enqueues it on ProcessGroupNCCL's NCCL stream (after the caller's
+//   current stream, as c10d does) and returns at once.
+// - Work::wait() is c10d's: the caller's current CUDA stream waits for the operation; the CPU
+//   does not block. Work::synchronize() blocks the CPU until the device finished it.
+// - Work::future() completes when the device finished the operation (not when it was enqueued):
+//   a completion thread of the group polls each pending c10d work's isCompleted() (a CUDA event
+//   query), so a continuation (DDP's buckets, comm hooks) may read the results on any stream.
+// - A failure (NCCL's asynchronous errors, or the c10d watchdog's timeout, which aborts the
+//   communicator) fails the future with an Error naming this rank, the operation and its
+//   sequence number. By default PyTorch then also ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING,
+//   its default 3); set it to 0 or 1 to keep the process and see the error instead.
+// - abort() aborts the NCCL communicators and fails every pending Work.
+//
+// Thread safety: as ProcessGroup's. Operations must be issued in the same order on every rank.
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include "tdist/comm/process_group.h"
+
+namespace c10d {
+class ProcessGroupNCCL;
+class Work;
+}  // namespace c10d
+
+namespace tdist::comm::nccl {
+
+class NcclProcessGroup : public ProcessGroup {
+ public:
+  // `store` is used under `prefix` only; opts.timeout becomes c10d's operation timeout.
+  NcclProcessGroup(std::shared_ptr<Store> store, std::string prefix, int rank, int size,
+                   const Options& opts);
+  ~NcclProcessGroup() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend_name() const override { return "nccl"; }
+  const Options& options() const override { return opts_; }
+
+  std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
+  std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;
+  std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> tensors,
+                                            const AllreduceCoalescedOptions& opts) override;
+  std::shared_ptr<Work> reduce(at::Tensor tensor, const ReduceOptions& opts) override;
+  std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                  const AllgatherOptions& opts) override;
+  std::shared_ptr<Work> allgather_into_tensor(at::Tensor output, at::Tensor input,
+                                              const AllgatherOptions& opts) override;
+  std::shared_ptr<Work> gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                               const GatherOptions& opts) override;
+  std::shared_ptr<Work> scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                const ScatterOptions& opts) override;
+  std::shared_ptr<Work> reduce_scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                       const ReduceScatterOptions& opts) override;
+  std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                              const ReduceScatterOptions& opts) override;
+  std::shared_ptr<Work> alltoall_base(at::Tensor output, at::Tensor input,
+                                      std::vector<int64_t> output_splits,
+                                      std::vector<int64_t> input_splits,
+                                      const AllToAllOptions& opts) override;
+  std::shared_ptr<Work> alltoall(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                                 const AllToAllOptions& opts) override;
+  std::shared_ptr<Work> barrier(const BarrierOptions& opts) override;
+  std::shared_ptr<Work> send(at::Tensor tensor, int dst, int tag,
+                             const SendRecvOptions& opts) override;
+  std::shared_ptr<Work> recv(at::Tensor tensor, int src, int tag,
+                             const SendRecvOptions& opts) override;
+  std::shared_ptr<Work> recv_any_source(at::Tensor tensor, int tag,
+                                        const SendRecvOptions& opts) override;
+  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
+  void abort() override;
+
+ private:
+  struct Pending {
+    std::string op;
+    uint64_t seq;
+    c10::intrusive_ptr<::c10d::Work> work;
+    std::vector<at::Tensor> outputs;
+    std::shared_ptr<Future> future;
+  };
+  // Wraps the c10d work of operation `op` (checks and c10d's own exceptions become tdist errors
+  // naming the rank, the operation and the sequence number) and hands it to the completion thread.
+  std::shared_ptr<Work> issue(const std::string& op, std::vector<at::Tensor> outputs,
+                              const std::function<c10::intrusive_ptr<::c10d::Work>()>& call);
+  std::chrono::milliseconds timeout_of(Millis t) const;
+  void complete_loop();
+
+  // Constant after construction.
+  const std::shared_ptr<Store> store_;
+  const std::string prefix_;
+  const int rank_;
+  const int size_;
+  const Options opts_;
+  c10::intrusive_ptr<::c10d::ProcessGroupNCCL> pg_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_;  // guarded by mu_
+  uint64_t next_seq_ = 0;        // guarded by mu_
+  uint64_t subgroups_ = 0;       // guarded by mu_
+  bool stopping_ = false;        // guarded by mu_
+  std::thread completer_;
+};
+
+}  // namespace tdist::comm::nccl

@@ -1,0 +1,248 @@
+// CUDA tensors through tdist::comm (issue 12): the ring backend staging them through host memory
+// (Note [Staging device tensors]), the NCCL backend built on PyTorch's ProcessGroupNCCL (Note
+// [NCCL works]) and the per-device dispatch (Note [Device dispatch]). The C10dStore and backend
+// string tests run everywhere; the others need a GPU and skip, saying so, where none is visible.
+
+#include <c10/core/DeviceGuard.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <string>
+
+#include "tdist/comm/nccl/c10d_store.h"
+#include "tdist/core/tcp_store.h"
+#include "tests/comm/comm_test_util.h"
+
+namespace tdist::comm {
+namespace {
+
+using tdist::test::spawn;
+using test::test_options;
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+#define SKIP_WITHOUT_GPUS(n)                                                             \
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < (n))                 \
+  GTEST_SKIP() << "needs " << (n) << " visible GPU(s); " << int(torch::cuda::device_count()) \
+               << " visible"
+
+// ProcessGroupNCCL exchanges its NCCL ids through this adapter: every c10d call against a real
+// TCPStore server, including the timeouts.
+TEST(C10dStore, ServesC10dCallsOverATcpStore) {
+  TCPStoreOptions server;
+  server.is_server = true;
+  auto host = std::make_shared<TCPStore>(server);
+  TCPStoreOptions client;
+  client.port = host->port();
+  auto store = c10::make_intrusive<nccl::C10dStore>(std::make_shared<TCPStore>(client),
+                                                    std::chrono::milliseconds(300));
+  store->set("a", std::vector<uint8_t>{1, 2, 3});
+  EXPECT_EQ(store->get("a"), (std::vector<uint8_t>{1, 2, 3}));
+  EXPECT_EQ(host->get("a"), (Bytes{1, 2, 3}));  // the same key, unprefixed
+  EXPECT_EQ(store->add("n", 5), 5);
+  EXPECT_EQ(store->add("n", -2), 3);
+  EXPECT_EQ(store->compareSet("c", {}, {7}), (std::vector<uint8_t>{7}));
+  EXPECT_EQ(store->compareSet("c", {8}, {9}), (std::vector<uint8_t>{7}));
+  EXPECT_EQ(store->compareSet("c", {7}, {9}), (std::vector<uint8_t>{9}));
+  EXPECT_TRUE(store->check({"a", "n"}));
+  EXPECT_FALSE(store->check({"a", "missing"}));
+  EXPECT_EQ(store->getNumKeys(), host->num_keys());
+  EXPECT_TRUE(store->deleteKey("a"));
+  EXPECT_FALSE(store->deleteKey("a"));
+  // get of a missing key and wait time out after the store's timeout (or the one given).
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(store->get("missing"), TimeoutError);
+  EXPECT_THROW(store->wait({"missing"}), TimeoutError);
+  EXPECT_THROW(store->wait({"missing"}, std::chrono::milliseconds(100)), TimeoutError);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  store->setTimeout(std::chrono::milliseconds(5000));
+  auto copy = store->clone();
+  EXPECT_EQ(copy->getTimeout(), std::chrono::milliseconds(5000));
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    host->set("late", "x");
+  });
+  EXPECT_EQ(copy->get("late"), (std::vector<uint8_t>{'x'}));  // blocks until it is set
+  late.join();
+}
+
+TEST(DeviceDispatch, BackendStrings) {
+  auto store = std::make_shared<HashStore>();
+  ProcessGroup::Options o;
+  o.backend = "cpu:ring,cuda:ring";  // CUDA tensors staged through the ring
+  EXPECT_EQ(create_process_group(store, 0, 1, o)->backend_name(), "ring");
+  o.backend = "cuda:ring";
+  EXPECT_THROW(create_process_group(store, 0, 1, o), InvalidArgument);  // no CPU backend
+  o.backend = "cpu:ring,cuda:gloo";
+  EXPECT_THROW(create_process_group(store, 0, 1, o), InvalidArgument);
+  o.backend = "cpu:ring,cuda:nccl";
+  if (torch::cuda::is_available()) {
+    auto pg = create_process_group(store, 0, 1, o);
+    EXPECT_EQ(pg->backend_name(), "cpu:ring,cuda:nccl");
+    auto x = torch::ones({4});
+    pg->allreduce(x)->wait();  // CPU tensors still go through the ring
+    EXPECT_TRUE(torch::equal(x, torch::ones({4})));
+    EXPECT_THROW(pg->allgather({torch::ones({4})}, torch::ones({4}, torch::kCUDA)),
+                 InvalidArgument);  // mixes devices
+  } else {
+    // Without a GPU ProcessGroupNCCL refuses to start: the error says which backend and why.
+    try {
+      create_process_group(store, 0, 1, o);
+      ADD_FAILURE() << "cuda:nccl started without a GPU";
+    } catch (const InvalidArgument& e) {
+      EXPECT_TRUE(contains(e.what(), "nccl backend")) << e.what();
+    }
+  }
+}
+
+// Every operation of the ring backend on CUDA tensors, several ranks sharing GPU 0, against the
+// same operation on CPU tensors.
+void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
+  const int r = pg->rank(), n = pg->size();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  auto input = [&](int rank, int64_t len) { return torch::arange(len, torch::kFloat) + rank * 100; };
+  // allreduce, every op on floats and ints, and a non-contiguous tensor.
+  for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
+    auto x = input(r, 1000).to(torch::kCUDA);
+    AllreduceOptions ao;
+    ao.op = op;
+    pg->allreduce(x, ao)->wait();
+    std::vector<at::Tensor> all;
+    for (int k = 0; k < n; ++k) all.push_back(input(k, 1000));
+    EXPECT_TRUE(x.is_cuda());
+    EXPECT_TRUE(torch::allclose(x.cpu(), test::reference(all, op))) << to_string(op);
+  }
+  auto ints = torch::full({3, 5}, r + 1, torch::kInt).to(torch::kCUDA).t();  // non-contiguous
+  pg->allreduce(ints)->wait();
+  EXPECT_TRUE(torch::equal(ints.cpu(), torch::full({5, 3}, n * (n + 1) / 2, torch::kInt)));
+  // broadcast
+  auto b = input(r, 77).to(torch::kCUDA);
+  BroadcastOptions bo;
+  bo.root = n - 1;
+  pg->broadcast(b, bo)->wait();
+  EXPECT_TRUE(torch::equal(b.cpu(), input(n - 1, 77)));
+  // allgather and allgather_into_tensor
+  std::vector<at::Tensor> outs;
+  for (int k = 0; k < n; ++k) outs.push_back(torch::empty({33}, cuda));
+  pg->allgather(outs, input(r, 33).to(torch::kCUDA))->wait();
+  auto flat = torch::empty({33 * n}, cuda);
+  pg->allgather_into_tensor(flat, input(r, 33).to(torch::kCUDA))->wait();
+  for (int k = 0; k < n; ++k) {
+    EXPECT_TRUE(torch::equal(outs[k].cpu(), input(k, 33)));
+    EXPECT_TRUE(torch::equal(flat.narrow(0, 33 * k, 33).cpu(), input(k, 33)));
+  }
+  // reduce_scatter_tensor: block r of the sum
+  auto rs = torch::empty({10}, cuda);
+  pg->reduce_scatter_tensor(rs, input(r, 10 * n).to(torch::kCUDA))->wait();
+  at::Tensor expect = torch::zeros({10 * n});
+  for (int k = 0; k < n; ++k) expect += input(k, 10 * n);
+  EXPECT_TRUE(torch::equal(rs.cpu(), expect.narrow(0, 10 * r, 10)));
+  // alltoall_base, equal splits
+  auto a_out = torch::empty({4 * n}, cuda);
+  pg->alltoall_base(a_out, input(r, 4 * n).to(torch::kCUDA), {}, {})->wait();
+  for (int k = 0; k < n; ++k) {
+    EXPECT_TRUE(torch::equal(a_out.narrow(0, 4 * k, 4).cpu(), input(k, 4 * n).narrow(0, 4 * r, 4)));
+  }
+  // gather and scatter to and from the last rank
+  std::vector<at::Tensor> g;
+  if (r == n - 1) {
+    for (int k = 0; k < n; ++k) g.push_back(torch::empty({9}, cuda));
+  }
+  GatherOptions go;
+  go.root = n - 1;
+  pg->gather(g, input(r, 9).to(torch::kCUDA), go)->wait();
+  for (int k = 0; k < static_cast<int>(g.size()); ++k) EXPECT_TRUE(torch::equal(g[k].cpu(), input(k, 9)));
+  std::vector<at::Tensor> s;
+  if (r == n - 1) {
+    for (int k = 0; k < n; ++k) s.push_back(input(k, 6).to(torch::kCUDA));
+  }
+  auto s_out = torch::empty({6}, cuda);
+  ScatterOptions so;
+  so.root = n - 1;
+  pg->scatter(s_out, s, so)->wait();
+  EXPECT_TRUE(torch::equal(s_out.cpu(), input(r, 6)));
+  // send/recv around the ring, a CUDA tensor one way and a CPU tensor the other
+  auto to = (r + 1) % n, from = (r + n - 1) % n;
+  auto got = torch::empty({50}, cuda);
+  auto rw = pg->recv(got, from);
+  pg->send(input(r, 50).to(torch::kCUDA), to)->wait();
+  rw->wait();
+  EXPECT_TRUE(torch::equal(got.cpu(), input(from, 50)));
+  // allreduce_coalesced
+  std::vector<at::Tensor> parts{input(r, 5).to(torch::kCUDA), input(r, 7).to(torch::kCUDA)};
+  pg->allreduce_coalesced(parts)->wait();
+  at::Tensor s5 = torch::zeros({5}), s7 = torch::zeros({7});
+  for (int k = 0; k < n; ++k) {
+    s5 += input(k, 5);
+    s7 += input(k, 7);
+  }
+  EXPECT_TRUE(torch::equal(parts[0].cpu(), s5));
+  EXPECT_TRUE(torch::equal(parts[1].cpu(), s7));
+}
+
+TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
+  SKIP_WITHOUT_GPUS(1);
+  for (int n : {2, 4}) {
+    spawn(n, [&](int rank, std::shared_ptr<Store> store) {
+      c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));
+      check_ops_on_cuda(create_process_group(store, rank, n, test_options()));
+    });
+  }
+}
+
+// A CPU tensor on one rank meets a CUDA tensor on the other (the fingerprint is dtype and shape).
+TEST(RingOnCuda, ACpuRankAndACudaRankReduceTogether) {
+  SKIP_WITHOUT_GPUS(1);
+  spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test_options());
+    auto x = torch::full({100}, rank + 1.0);
+    if (rank == 1) x = x.to(torch::kCUDA);
+    pg->allreduce(x)->wait();
+    EXPECT_TRUE(torch::equal(x.cpu(), torch::full({100}, 3.0)));
+  });
+}
+
+// NCCL through the dispatch: one rank per GPU (NCCL refuses two ranks on one GPU).
+TEST(NcclBackend, EveryOpAgainstTheRingOnOneRankPerGpu) {
+  SKIP_WITHOUT_GPUS(1);
+  const int n = std::min<int>(2, static_cast<int>(torch::cuda::device_count()));
+  spawn(n, [&](int rank, std::shared_ptr<Store> store) {
+    c10::DeviceGuard on(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank)));
+    auto o = test_options();
+    o.backend = "cpu:ring,cuda:nccl";
+    auto pg = create_process_group(store, rank, n, o);
+    ASSERT_EQ(pg->backend_name(), "cpu:ring,cuda:nccl");
+    auto x = (torch::arange(1 << 20, torch::kFloat) + rank).to(torch::Device(torch::kCUDA, rank));
+    auto w = pg->allreduce(x);
+    w->wait();  // the current stream waits: the kernel below reads the result without a host sync
+    auto doubled = x * 2;
+    at::Tensor expect = torch::zeros({1 << 20});
+    for (int k = 0; k < n; ++k) expect += torch::arange(1 << 20, torch::kFloat) + k;
+    EXPECT_TRUE(torch::equal(doubled.cpu(), expect * 2));
+    w->synchronize();
+    EXPECT_TRUE(w->future()->completed());
+    auto g = torch::empty({n, 8}, x.options());
+    pg->allgather_into_tensor(g, torch::full({8}, rank + 1.0, x.options()))->wait();
+    for (int k = 0; k < n; ++k) EXPECT_TRUE(torch::equal(g[k].cpu(), torch::full({8}, k + 1.0)));
+    auto b = torch::full({16}, rank + 1.0, x.options());
+    pg->broadcast(b)->wait();
+    EXPECT_TRUE(torch::equal(b.cpu(), torch::ones({16})));
+    auto rs = torch::empty({4}, x.options());
+    pg->reduce_scatter_tensor(rs, torch::ones({4 * n}, x.options()))->wait();
+    EXPECT_TRUE(torch::equal(rs.cpu(), torch::full({4}, static_cast<float>(n))));
+    pg->barrier()->wait();
+    std::atomic<bool> ran{false};
+    pg->allreduce(x)->future()->then([&](Future& f) {
+      ran = true;
+      return f.value();
+    })->wait();
+    EXPECT_TRUE(ran.load());
+  });
+}
+
+}  // namespace
+}  // namespace tdist::comm
