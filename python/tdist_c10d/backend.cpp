@@ -46,9 +46,9 @@ comm::ReduceOp to_tdist(const ::c10d::ReduceOp& op, const char* name) {
 
 void check_tensor(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.defined(), "tdist: ", op, " got an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), "tdist: ", op, " got a tensor on ", t.device(),
-              "; the tdist backend serves CPU tensors (pick a backend per device for the others, "
-              "e.g. init_process_group(\"cpu:tdist,cuda:nccl\"))");
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "tdist: ", op, " got a tensor on ",
+              t.device(), "; the tdist backend serves CPU and CUDA tensors (CUDA staged through "
+              "host memory; for NCCL on CUDA: init_process_group(\"cpu:tdist,cuda:nccl\"))");
   TORCH_CHECK(t.layout() == at::kStrided, "tdist: ", op,
               " supports dense (strided) tensors only, got layout ", t.layout());
 }

@@ -1,5 +1,5 @@
 // The Python module `tdist_c10d`: importing it registers tdist as the torch.distributed backend
-// "tdist" (for CPU tensors), so that
+// "tdist" (for CPU and CUDA tensors, CUDA staged through host memory), so that
 //
 //   import torch.distributed as dist, tdist_c10d
 //   dist.init_process_group("tdist", ...)            # or "cpu:tdist,cuda:nccl"
@@ -87,7 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tdist::c10d_backend;
   m.doc() =
       "tdist as a torch.distributed backend. Importing this module registers the backend "
-      "\"tdist\" for CPU tensors: dist.init_process_group(\"tdist\", ...), "
+      "\"tdist\" for CPU and CUDA tensors: dist.init_process_group(\"tdist\", ...), "
       "dist.new_group(backend=\"tdist\"), or per device: \"cpu:tdist,cuda:nccl\".";
 
   auto dist = py::module_::import("torch.distributed");
@@ -118,6 +118,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::list devices;
   devices.append("cpu");
+  devices.append("cuda");  // staged through host memory (Note [Staging device tensors])
   dist.attr("Backend").attr("register_backend")(kBackendName, m.attr("_create_backend"),
                                                 py::arg("extended_api") = true,
                                                 py::arg("devices") = devices);

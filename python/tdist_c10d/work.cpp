@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 
@@ -59,6 +60,19 @@ std::exception_ptr to_c10_error(std::exception_ptr error) {
   }
 }
 
+// The CUDA devices of `ts`: a future whose value holds CUDA tensors must name them (c10's
+// Future then records an event per device when it completes, and its users' streams wait on it;
+// the staged results are already on the device by then: Note [Staging device tensors]).
+std::vector<c10::Device> cuda_devices(const std::vector<at::Tensor>& ts) {
+  std::vector<c10::Device> out;
+  for (const auto& t : ts) {
+    if (t.defined() && t.is_cuda() && std::find(out.begin(), out.end(), t.device()) == out.end()) {
+      out.push_back(t.device());
+    }
+  }
+  return out;
+}
+
 WorkAdapter::WorkAdapter(int rank, ::c10d::OpType op_type,
                          std::vector<std::shared_ptr<comm::Work>> works,
                          std::vector<at::Tensor> outputs, std::vector<at::Tensor> keep_alive,
@@ -69,7 +83,7 @@ WorkAdapter::WorkAdapter(int rank, ::c10d::OpType op_type,
       source_rank_(source_rank),
       done_(join(works_)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {
+          c10::ListType::create(c10::TensorType::get()), cuda_devices(outputs_))) {
   // See Note [Work and future adaptation]. The callback may run right here if done_ already is.
   done_->add_callback([future = future_, outputs = outputs_,
                        keep_alive = std::move(keep_alive)](comm::Future& f) {
