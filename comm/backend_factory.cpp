@@ -1,6 +1,8 @@
 // create_process_group: backend selection ("ring", "cpu:ring,cuda:nccl") and the group's store
 // prefix. The name-to-factory map is explicit (no static registration).
 
+#include <ATen/Context.h>
+
 #include <algorithm>
 #include <map>
 #include <sstream>
@@ -9,7 +11,9 @@
 #include "tdist/comm/detail/device_dispatch.h"
 #include "tdist/comm/detail/ring_process_group.h"
 #include "tdist/comm/process_group.h"
+#include "tdist/core/env.h"
 #include "tdist/core/error.h"
+#include "tdist/core/logging.h"
 
 namespace tdist::comm {
 namespace {
@@ -36,7 +40,7 @@ bool known(const std::string& device, const std::string& name) {
 }
 
 std::string known_names() {
-  return "'ring' (all devices) or per device type 'cpu:ring', 'cpu:ring,cuda:ring', "
+  return "'auto', 'ring' (all devices) or per device type 'cpu:ring', 'cpu:ring,cuda:ring', "
          "'cpu:ring,cuda:nccl'";
 }
 
@@ -71,6 +75,23 @@ std::map<std::string, std::string> parse_backend(const std::string& spec) {
   return out;
 }
 
+// "auto" (the default): NCCL for CUDA tensors when this process sees a GPU and the NCCL backend
+// loads, as c10d does (unless TDIST_CUDA_BACKEND=ring); else the ring for every device.
+std::string resolve_auto(int rank) {
+  const std::string cuda = env::get("TDIST_CUDA_BACKEND").value_or("nccl");
+  TDIST_CHECK_ARG(cuda == "nccl" || cuda == "ring", "TDIST_CUDA_BACKEND must be nccl or ring, got '",
+                  cuda, "'");
+  if (cuda == "ring" || !at::hasCUDA()) return "ring";
+  try {
+    detail::load_nccl_backend();
+    return "cpu:ring,cuda:nccl";
+  } catch (const std::exception& e) {
+    TDIST_LOG_WARN("rank ", rank, ": a GPU is visible but the NCCL backend is not available, so "
+                   "CUDA tensors are staged through the ring backend: ", e.what());
+    return "ring";
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store, int rank, int size,
@@ -79,6 +100,7 @@ std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store,
   TDIST_CHECK_ARG(size >= 1, "create_process_group: world size must be >= 1, got ", size);
   TDIST_CHECK_ARG(rank >= 0 && rank < size, "create_process_group: rank ", rank,
                   " is not in [0, ", size, ")");
+  if (opts.backend == "auto") opts.backend = resolve_auto(rank);
   auto chosen = parse_backend(opts.backend);
   // Every rank counts the groups it created on this store; creation order matches across
   // ranks (as in c10d), so the n-th group of every rank gets the same prefix.

@@ -3,10 +3,10 @@
 // ProcessGroup). Every operation returns a Work at once and runs asynchronously; operations of one
 // group run in the order they were issued, which must be the same on every rank (as in c10d).
 //
-// Tensors are CPU tensors (a backend for CUDA tensors is selected per device type; see
-// create_process_group). In-place operations (allreduce, broadcast, reduce, send/recv buffers)
-// write into the tensors passed; the caller keeps them alive and untouched until the Work
-// completes. Inputs may be non-contiguous (they are copied) unless documented otherwise.
+// Tensors are CPU or CUDA tensors (a backend is selected per device type; see Options::backend).
+// In-place operations (allreduce, broadcast, reduce, send/recv buffers) write into the tensors
+// passed; the caller keeps them alive and untouched until the Work completes. Inputs may be
+// non-contiguous (they are copied) unless documented otherwise.
 //
 // Failure: every operation has a deadline (its options' timeout, else the group's). A dead peer,
 // a broken connection or a deadline fails the Work on every rank that can see it, with an Error
@@ -35,8 +35,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   struct Options {
     // Default deadline of every operation (c10d's default is 30 minutes).
     Millis timeout = Millis(30 * 60 * 1000);
-    // "ring" (CPU over TCP) for every device, or per device type: "cpu:ring,cuda:nccl".
-    std::string backend = "ring";
+    // Per device type (Note [Device dispatch], comm/detail/device_dispatch.h): "ring" for every
+    // device (CUDA tensors staged through host memory), "cpu:ring,cuda:nccl", or "auto": the
+    // latter when this process sees a GPU and the NCCL backend loads, else "ring"
+    // (TDIST_CUDA_BACKEND=ring keeps CUDA tensors on the ring, e.g. for ranks sharing a GPU).
+    std::string backend = "auto";
     // The job's shared secret: every mesh connection passes the connection handshake with it
     // (core/net/handshake.h). Unset: TDIST_TOKEN / TDIST_TOKEN_FILE (core/token.h).
     std::optional<std::string> token;

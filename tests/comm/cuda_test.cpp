@@ -73,6 +73,17 @@ TEST(C10dStore, ServesC10dCallsOverATcpStore) {
 TEST(DeviceDispatch, BackendStrings) {
   auto store = std::make_shared<HashStore>();
   ProcessGroup::Options o;
+  EXPECT_EQ(o.backend, "auto");
+  EXPECT_EQ(create_process_group(store, 0, 1, o)->backend_name(),
+            torch::cuda::is_available() ? "cpu:ring,cuda:nccl" : "ring");
+  {
+    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_CUDA_BACKEND", "ring"}});
+    EXPECT_EQ(create_process_group(store, 0, 1, o)->backend_name(), "ring");
+  }
+  {
+    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_CUDA_BACKEND", "gloo"}});
+    EXPECT_THROW(create_process_group(store, 0, 1, o), InvalidArgument);
+  }
   o.backend = "cpu:ring,cuda:ring";  // CUDA tensors staged through the ring
   EXPECT_EQ(create_process_group(store, 0, 1, o)->backend_name(), "ring");
   o.backend = "cuda:ring";

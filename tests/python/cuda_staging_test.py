@@ -1,9 +1,10 @@
-"""init_process_group("tdist") on CUDA tensors: the tdist backend stages them through host memory,
-so several ranks may share one GPU (NCCL refuses that). Collectives against the CPU result, and
-PyTorch's DDP on a CUDA model over "tdist" against the same model trained on one process. Needs
-a GPU: without one it prints why and exits 77, which ctest reports as skipped.
+"""init_process_group("tdist") on CUDA tensors, both ways tdist serves them: through tdist's NCCL
+backend (the default where a GPU is visible; one rank per GPU) and staged through host memory
+(TDIST_CUDA_BACKEND=ring; two ranks sharing GPU 0, which NCCL refuses). Collectives against the
+CPU result, and PyTorch's DDP on a CUDA model over "tdist" against the same model trained on one
+process. Needs a GPU: without one it prints why and exits 77, which ctest reports as skipped.
 
-  cuda_staging_test.py    2 ranks, both on GPU 0
+  cuda_staging_test.py
 """
 
 import argparse
@@ -32,6 +33,8 @@ def child(rank, world_size):
     import torch.distributed as dist
     import tdist_c10d
     torch.set_num_threads(1)
+    if os.environ.get("TDIST_CUDA_BACKEND") != "ring":
+        torch.cuda.set_device(rank)  # NCCL: one GPU per rank
     dist.init_process_group("tdist", init_method="env://", timeout=datetime.timedelta(seconds=60))
     backend = dist.group.WORLD._get_backend(torch.device("cuda"))
     check(isinstance(backend, tdist_c10d.TdistBackend), "CUDA backend", type(backend))
@@ -89,8 +92,11 @@ def main():
         print("SKIPPED: no CUDA device here (torch.cuda.is_available() is False); CUDA tensors "
               "through the tdist backend need a GPU")
         sys.exit(harness.SKIP)
-    harness.run_ranks(os.path.abspath(__file__), 2, [], timeout=120,
-                      what="tdist on CUDA tensors, 2 ranks on one GPU")
+    nccl = min(2, torch.cuda.device_count())
+    harness.run_ranks(os.path.abspath(__file__), nccl, [], timeout=120,
+                      what="tdist on CUDA tensors through its NCCL backend, %d rank(s)" % nccl)
+    harness.run_ranks(os.path.abspath(__file__), 2, [], env={"TDIST_CUDA_BACKEND": "ring"},
+                      timeout=120, what="tdist on CUDA tensors staged, 2 ranks on one GPU")
 
 
 if __name__ == "__main__":
