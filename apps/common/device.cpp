@@ -13,8 +13,8 @@ namespace {
 // dlopen's error for libtorch_cuda, or "" once it is loaded.
 const std::string& load_torch_cuda() {
   static const std::string error = [] {
-    // The name first (the executable's run path holds libtorch's directory), then the file this
-    // build was linked against.
+    // The name first (the executable's run path holds libtorch's directory), then the file
+    // CMake found beside the libtorch this build uses (cmake/TdistTorch.cmake).
     std::string err;
     for (const char* path : {"libtorch_cuda.so",
 #ifdef TDIST_TORCH_CUDA_LIBRARY
