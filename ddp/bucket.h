@@ -39,9 +39,10 @@ struct Bucket {
   // Per iteration:
   size_t pending = 0;                       // gradients not yet ready
   std::shared_ptr<comm::Future> future;     // the comm hook's future once launched
+  std::shared_ptr<comm::Work> work;         // off the CPU: the allreduce's (Note [DDP bucketing] 10)
   int64_t launch_us = 0;                    // trace: when the hook was called
 
-  // Allocates `buffer` (zeros) and `views` for `params`.
+  // Allocates `buffer` (zeros, with the parameters' dtype and device) and `views` for `params`.
   void allocate(const std::vector<at::Tensor>& all_params);
   size_t bytes() const;
 };

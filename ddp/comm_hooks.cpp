@@ -167,12 +167,13 @@ class PowerSGD {
     }
     if (st.qs.size() != matrices.size() || !opts_.warm_start) {
       st.qs.clear();
-      // The same seed on every rank gives every rank the same initial Q.
+      // The same seed on every rank gives every rank the same initial Q, drawn on the host
+      // whatever the gradients' device (the same Q on every device) and moved to theirs.
       at::Generator gen = at::detail::createCPUGenerator(opts_.seed + static_cast<uint64_t>(iter_));
       for (const at::Tensor& mat : matrices) {
         int64_t r = std::min<int64_t>({opts_.matrix_approximation_rank, mat.size(0), mat.size(1)});
         at::Tensor q = at::randn({mat.size(1), r}, gen, at::TensorOptions().dtype(at::kFloat))
-                           .to(mat.scalar_type());
+                           .to(mat.device(), mat.scalar_type());
         orthonormalize_columns(q);
         st.qs.push_back(q);
       }

@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
@@ -148,13 +149,18 @@ void broadcast_coalesced(comm::ProcessGroup& pg, const std::vector<at::Tensor>& 
   comm::BroadcastOptions opts;
   opts.root = root;
   opts.timeout = timeout;
-  // Group by dtype (in first-appearance order, the same on every rank), then chunk.
+  // Group by device and dtype (in first-appearance order: the same on every rank whose model
+  // is laid out alike, rank r's GPU in place of rank 0's), then chunk: a flat buffer lives on
+  // one device.
   std::vector<std::vector<at::Tensor>> groups;
-  std::map<at::ScalarType, size_t> group_of;
+  std::map<std::tuple<int, int, int>, size_t> group_of;
   for (const auto& t : tensors) {
-    auto it = group_of.find(t.scalar_type());
+    const auto key = std::make_tuple(static_cast<int>(t.device().type()),
+                                     static_cast<int>(t.device().index()),
+                                     static_cast<int>(t.scalar_type()));
+    auto it = group_of.find(key);
     if (it == group_of.end()) {
-      it = group_of.emplace(t.scalar_type(), groups.size()).first;
+      it = group_of.emplace(key, groups.size()).first;
       groups.emplace_back();
     }
     groups[it->second].push_back(t);

@@ -36,8 +36,8 @@ TensorSignature signature_of(std::string kind, std::string name, const at::Tenso
 void verify_same_across_ranks(comm::ProcessGroup& pg, const std::vector<TensorSignature>& mine,
                               std::chrono::milliseconds timeout);
 
-// Overwrites `tensors` on every rank with root's values (coalesced: one broadcast per dtype and
-// chunk of at most 64 MiB). Runs under NoGradGuard, so parameters may be passed.
+// Overwrites `tensors` on every rank with root's values (coalesced: one broadcast per device,
+// dtype and chunk of at most 64 MiB). Runs under NoGradGuard, so parameters may be passed.
 void broadcast_coalesced(comm::ProcessGroup& pg, const std::vector<at::Tensor>& tensors, int root,
                          std::chrono::milliseconds timeout);
 

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <sstream>
 #include <unordered_set>
 
@@ -55,6 +56,15 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   for (size_t i = 0; i < params_.size(); ++i) {
     TDIST_CHECK_ARG(params_[i].requires_grad() && params_[i].is_leaf(), "DDP: parameter ",
                     names_[i], " must be a leaf that requires grad");
+  }
+  for (const at::Tensor& p : params_) {
+    const bool known = std::any_of(divisors_.begin(), divisors_.end(),
+                                   [&](const auto& d) { return d.first == p.device(); });
+    if (!known) {
+      const auto options = at::TensorOptions().dtype(at::kDouble).device(p.device());
+      divisors_.emplace_back(p.device(),
+                             at::scalar_tensor(static_cast<double>(pg_->size()), options));
+    }
   }
   std::vector<size_t> order(params_.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
@@ -114,6 +124,7 @@ void Reducer::reset_iteration() {
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
     b.future.reset();
+    b.work.reset();
   }
 }
 
@@ -263,12 +274,12 @@ void Reducer::mark_ready(size_t index, bool used) {
       if (!grad.defined()) {
         view.zero_();
       } else if (opts_.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr()) {
-        if (divide) view.div_(pg_->size());
+        if (divide) view.div_(world_divisor(view.device()));
       } else {
         // Without bucket views, or a new gradient (first backward, zero_grad(set_to_none)) that
         // moves into the bucket.
         if (divide) {
-          at::div_out(view, grad, world_scalar());
+          at::div_out(view, grad, world_divisor(view.device()));
         } else {
           view.copy_(grad);
         }
@@ -309,9 +320,11 @@ void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
       }
       const bool builtin = default_hook_;
       lock.unlock();
-      auto future = launch_bucket(b, view, builtin);
+      std::shared_ptr<comm::Work> work;
+      auto future = launch_bucket(b, view, builtin, &work);
       lock.lock();
       buckets_[b].future = std::move(future);
+      buckets_[b].work = std::move(work);
       add_trace(b);
     } else if (track_used_ && next_launch_ == buckets_.size() && !used_map_.defined()) {
       // Note [DDP bucketing] 5: every parameter was marked, so the map is complete.
@@ -330,12 +343,15 @@ void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
 
 // Called without mu_. The hook's or the collective's error becomes the bucket's failed future,
 // reported (with the bucket) at the end of backward.
-std::shared_ptr<comm::Future> Reducer::launch_bucket(size_t b, GradBucket& view, bool builtin) {
+std::shared_ptr<comm::Future> Reducer::launch_bucket(size_t b, GradBucket& view, bool builtin,
+                                                     std::shared_ptr<comm::Work>* work) {
   try {
     std::shared_ptr<comm::Future> future;
     if (builtin) {
       comm::AllreduceOptions aopts;  // SUM of quotients (Note [DDP bucketing] 6)
-      future = pg_->allreduce(view.buffer(), aopts)->future();
+      auto w = pg_->allreduce(view.buffer(), aopts);
+      future = w->future();
+      if (!view.buffer().is_cpu()) *work = std::move(w);  // Note [DDP bucketing] 10
     } else {
       future = hook_(view);  // hook_ does not change during an iteration
     }
@@ -397,9 +413,11 @@ void Reducer::finalize() {
   TDIST_CHECK(!track_used_ || used_future_ != nullptr, "DDP: the used map was not launched");
   // Wait without mu_ (a hook's continuation may query the Reducer).
   std::vector<std::shared_ptr<comm::Future>> futures;
+  std::vector<std::shared_ptr<comm::Work>> device_works;  // Note [DDP bucketing] 10
   std::vector<size_t> sizes;
   for (const Bucket& bucket : buckets_) {
     futures.push_back(bucket.future);
+    if (bucket.work) device_works.push_back(bucket.work);
     sizes.push_back(bucket.params.size());
   }
   const auto used_future = used_future_;
@@ -443,6 +461,9 @@ void Reducer::finalize() {
                   "failed: ", e.what());
     }
   }
+  // Note [DDP bucketing] 10: the current streams wait for the collectives (their futures
+  // completed, so this does not block the host).
+  for (const auto& work : device_works) work->wait();
   lock.lock();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
@@ -482,8 +503,12 @@ void Reducer::finalize() {
 
 bool Reducer::passthrough() const { return default_hook_ && pg_->size() == 1; }
 
-at::Tensor Reducer::world_scalar() const {
-  return at::scalar_tensor(static_cast<double>(pg_->size()), at::kDouble);
+const at::Tensor& Reducer::world_divisor(const at::Device& device) const {
+  for (const auto& [d, divisor] : divisors_) {
+    if (d == device) return divisor;
+  }
+  TDIST_THROW(Error, "DDP: no world-size divisor for device ", device.str(),
+              " (a parameter moved to another device after DDP was built?)");
 }
 
 void Reducer::write_back(const std::vector<bool>& global_unused) {

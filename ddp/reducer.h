@@ -51,6 +51,19 @@
 //     an iteration captures it, and marking (2) and the write-back (4) read and write the
 //     gradient through it, so the optimizer stepping that context sees the averages. The
 //     parameters that (5) marks at forward time are read from .grad (usually undefined: zeros).
+// 10. Devices. A bucket takes its parameters' dtype and device (assign_buckets never mixes
+//     devices in one bucket), and so do its views and the gradients written back. The divisor of
+//     (6) is a 0-dim tensor on the bucket's device, made at construction: CUDA divides by a host
+//     scalar by multiplying with its reciprocal, which for a world that is not a power of two can
+//     differ from the quotient in the last bit. The rebuild order (6) and the used map (5) are
+//     host tensors on every rank whatever the parameters' device, so a group that routes
+//     collectives by device (cpu:ring,cuda:nccl) sends them over its CPU backend on every rank
+//     alike. The Work of a CUDA collective has stream semantics (wait() makes the current stream
+//     wait for it, without blocking the host): finalize runs on the streams that called backward
+//     (the engine runs final callbacks there) and, after the futures completed, calls the
+//     built-in allreduce's Work::wait() for every bucket not on the CPU, so the write-back and
+//     the optimizer see the reduced buckets. A registered comm hook returns only a future: for a
+//     CUDA bucket its completion must mean that its value is ready for the current stream.
 //
 // Thread safety: the engine calls hooks on the thread running backward (or several, one per
 // device); all state is guarded by mu_, which is never held while a comm hook runs, a collective
@@ -120,12 +133,15 @@ class Reducer {
   void autograd_hook(size_t index);
   void mark_ready(size_t index, bool used);
   void launch_ready(std::unique_lock<std::mutex>& lock);
-  std::shared_ptr<comm::Future> launch_bucket(size_t b, GradBucket& view, bool builtin);
+  // The built-in allreduce's Work of a bucket not on the CPU goes to *work (else it stays null).
+  std::shared_ptr<comm::Future> launch_bucket(size_t b, GradBucket& view, bool builtin,
+                                              std::shared_ptr<comm::Work>* work);
   std::shared_ptr<comm::Future> launch_used_map(const at::Tensor& used);
   void finalize();
   void write_back(const std::vector<bool>& global_unused);
   bool passthrough() const;
-  at::Tensor world_scalar() const;  // the world size as a CPU double scalar (for div_out)
+  // The world size as a 0-dim double tensor on `device` (Note [DDP bucketing] 10).
+  const at::Tensor& world_divisor(const at::Device& device) const;
   void add_trace(size_t b);
   void build_buckets(const std::vector<size_t>& order);
   void rebuild_buckets();
@@ -140,6 +156,8 @@ class Reducer {
   const std::shared_ptr<comm::ProcessGroup> pg_;
   const DDPOptions opts_;
   const std::shared_ptr<Trace> trace_;
+  // world_divisor() of each device that holds a parameter.
+  std::vector<std::pair<at::Device, at::Tensor>> divisors_;
   // The gradient accumulators (the parameters hold them weakly; the hooks live on them).
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;

@@ -5,6 +5,7 @@
 //   tdist-run --nproc-per-node 4 tdist-bench collective --op allreduce --min-bytes 4K
 //       [--max-bytes 64M] [--iters 20] [--warmup 5] [--dtype float32] [--redop sum] [--json FILE]
 //       [--anchor none|mpi|gloo] [--plot FILE.png] [--python python3]
+//       [--device cpu|cuda] [--group-backend ring|cpu:ring,cuda:nccl]
 //
 // The table is printed by rank 0 once every size, the bounds and the anchor are measured.
 // Sizes follow nccl-tests: "bytes" is the buffer of allreduce/broadcast/reduce, the whole
@@ -15,11 +16,17 @@
 // (broadcast, reduce). --backend gloo is not available from C++ here (libtorch's Gloo headers
 // are not installed with the wheel): --anchor gloo (and scripts/bench_gloo.py, every op and
 // world size in rounds) runs torch.distributed's Gloo in the same run.
+//
+// --device cuda puts the buffers on GPU LOCAL_RANK (apps/common/device.h) and each timed
+// iteration ends with torch::cuda::synchronize(), so its time includes the GPU's work (a
+// backend's copies through host memory, NCCL's kernels). The anchors run on CPU tensors only, so
+// --anchor refuses --device cuda; the bound stays the host transport's (Note [Collective bounds]).
 
 #include "apps/bench/subcommands.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/cuda.h>
 
 #include <nlohmann/json.hpp>
 
@@ -34,6 +41,7 @@
 #include <vector>
 
 #include "apps/bench/anchors.h"
+#include "apps/common/device.h"
 #include "apps/bench/bounds.h"
 #include "apps/bench/common.h"
 #include "tdist/comm/process_group.h"
@@ -65,6 +73,8 @@ struct Config {
   std::string anchor = "none";
   std::string python = "python3";
   std::string plot;
+  std::string device = "cpu";
+  std::string group_backend = "ring";
 };
 
 struct Row {
@@ -109,10 +119,12 @@ double bus_factor(const std::string& op, int n) {
 // One size of one collective: buffers, the operation, and the check of its result.
 class Case {
  public:
-  Case(ProcessGroup& pg, const Config& cfg, at::ScalarType dtype, ReduceOp redop, int64_t count)
-      : pg_(pg), cfg_(cfg), dtype_(dtype), redop_(redop), n_(pg.size()), r_(pg.rank()), count_(count) {
+  Case(ProcessGroup& pg, const Config& cfg, at::ScalarType dtype, ReduceOp redop, int64_t count,
+       c10::Device device)
+      : pg_(pg), cfg_(cfg), dtype_(dtype), redop_(redop), n_(pg.size()), r_(pg.rank()), count_(count),
+        device_(device) {
     const auto& op = cfg.op;
-    auto opts = at::TensorOptions().dtype(dtype);
+    auto opts = at::TensorOptions().dtype(dtype).device(device);
     int64_t block = count / n_;
     if (op == "allreduce" || op == "broadcast" || op == "reduce") {
       a_ = at::empty({count}, opts);
@@ -181,6 +193,8 @@ class Case {
       w = pg_.barrier();
     }
     w->wait();
+    // A GPU's work may still be queued after wait() (stream semantics): the time includes it.
+    if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
   }
 
   // Elements that differ from the expected result on this rank.
@@ -232,7 +246,7 @@ class Case {
       for (int s = 0; s < n_; ++s) parts.push_back(input_of(s, block * n_).narrow(0, r_ * block, block));
       want = at::cat(parts);
     }
-    auto diff = at::abs(got.to(at::kDouble) - want) > 1e-3 * (at::abs(want) + 1);
+    auto diff = at::abs(got.to(at::kCPU).to(at::kDouble) - want) > 1e-3 * (at::abs(want) + 1);
     return diff.sum().item<int64_t>();
   }
 
@@ -243,6 +257,7 @@ class Case {
   ReduceOp redop_;
   int n_, r_;
   int64_t count_;
+  c10::Device device_;
   at::Tensor a_, b_;
 };
 
@@ -325,10 +340,10 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
 void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name) {
   const bool per_rank_blocks = cfg.op != "allreduce" && cfg.op != "broadcast" && cfg.op != "reduce";
   const bool anchor = cfg.anchor != "none";
-  std::printf("# tdist-bench collective: op %s, backend %s (ring), world size %d, dtype %s, "
-              "redop %s, iters %d, warmup %d\n",
-              cfg.op.c_str(), cfg.backend.c_str(), n, cfg.dtype.c_str(), cfg.redop.c_str(),
-              cfg.iters, cfg.warmup);
+  std::printf("# tdist-bench collective: op %s, backend %s (%s), device %s, world size %d, "
+              "dtype %s, redop %s, iters %d, warmup %d\n",
+              cfg.op.c_str(), cfg.backend.c_str(), cfg.group_backend.c_str(), cfg.device.c_str(), n,
+              cfg.dtype.c_str(), cfg.redop.c_str(), cfg.iters, cfg.warmup);
   std::printf("# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
               anchor ? ("; anchor: " + std::string(cfg.anchor == "mpi" ? "Open MPI (mpirun)" : "torch.distributed gloo") +
                         ", same op and sizes, float32 sum, median of --iters").c_str() : "");
@@ -350,7 +365,8 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const st
 void write_json(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name,
                 const std::string& path) {
   nlohmann::json j{{"op", cfg.op},       {"backend", cfg.backend}, {"world_size", n},
-                   {"dtype", cfg.dtype}, {"bound", bound_name},    {"anchor", cfg.anchor}};
+                   {"dtype", cfg.dtype}, {"bound", bound_name},    {"anchor", cfg.anchor},
+                   {"device", cfg.device}, {"group_backend", cfg.group_backend}};
   j["rows"] = nlohmann::json::array();
   for (const auto& r : rows) {
     nlohmann::json row{{"bytes", r.bytes},         {"time_us", r.time_us},  {"algbw_gbs", r.algbw},
@@ -380,11 +396,17 @@ int run_collective(const Config& cfg) {
   TDIST_CHECK_ARG(min_b <= max_b, "--min-bytes is larger than --max-bytes");
   const auto dtype = parse_dtype(cfg.dtype);
   const auto redop = parse_redop(cfg.redop);
+  TDIST_CHECK_ARG(cfg.device == "cpu" || cfg.anchor == "none", "--anchor ", cfg.anchor,
+                  " times CPU tensors only and cannot run with --device ", cfg.device,
+                  ": drop --anchor, or use --device cpu");
   check_anchor(cfg.anchor, cfg.dtype, cfg.redop);
+  // Before anything else asks libtorch about CUDA (apps/common/device.h).
+  const c10::Device device = apps::resolve_device("--device", cfg.device);
   at::set_num_threads(1);
 
   ProcessGroup::Options opts;
   opts.timeout = Millis(300000);
+  opts.backend = cfg.group_backend;
   auto rdzv = rendezvous(cfg.init_method, -1, -1, opts.timeout);
   auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, opts);
   set_log_rank(pg->rank());
@@ -402,7 +424,7 @@ int run_collective(const Config& cfg) {
     int64_t count = static_cast<int64_t>(bytes / esize);
     if (per_rank_blocks) count = count / n * n;
     const size_t real_bytes = static_cast<size_t>(count) * esize;
-    Case c(*pg, cfg, dtype, redop, count);
+    Case c(*pg, cfg, dtype, redop, count, device);
     for (int i = 0; i < cfg.warmup; ++i) c.run();
     auto times = at::empty({cfg.iters}, at::kDouble);
     auto* t = times.data_ptr<double>();
@@ -468,6 +490,15 @@ void add_collective_command(CLI::App& app) {
       ->check(CLI::IsMember({"none", "mpi", "gloo"}))
       ->capture_default_str();
   sub->add_option("--python", cfg->python, "Python with torch and matplotlib (gloo anchor, --plot)")
+      ->capture_default_str();
+  sub->add_option("--device", cfg->device,
+                  "where the buffers live: cpu, or cuda (GPU LOCAL_RANK; times include the GPU's "
+                  "work; no --anchor)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  sub->add_option("--group-backend", cfg->group_backend,
+                  "the process group's backend: ring, or one per device type, e.g. "
+                  "cpu:ring,cuda:nccl (docs/comm.md)")
       ->capture_default_str();
   sub->add_option("--plot", cfg->plot,
                   "draw busbw against the bound and the anchor to this PNG (rank 0; the JSON "

@@ -199,7 +199,8 @@ std::optional<std::vector<char>> share_checkpoint(comm::ProcessGroup& pg,
 }
 
 TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& model,
-                           torch::optim::Optimizer& optimizer, const std::string& fingerprint) {
+                           torch::optim::Optimizer& optimizer, const std::string& fingerprint,
+                           c10::Device device) {
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   wire::Reader r(data, bytes.size());
   std::string saved;
@@ -229,7 +230,9 @@ TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& mo
   torch::serialize::InputArchive archive;
   TrainState state;
   try {
-    archive.load_from(bytes.data() + archive_at, bytes.size() - archive_at);
+    // Every tensor onto the model's device: a parameter read onto another device would replace
+    // the module's (InputArchive moves a parameter to the device it was read on).
+    archive.load_from(bytes.data() + archive_at, bytes.size() - archive_at, device);
     state.step = read_int(archive, "step");
     state.epoch = read_int(archive, "epoch");
     state.epoch_position = read_int(archive, "epoch_position");
@@ -237,7 +240,7 @@ TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& mo
     state.last_loss = read_double(archive, "last_loss");
     state.last_train_accuracy = read_double(archive, "last_train_accuracy");
     at::Tensor rng;
-    if (archive.try_read("rng_state", rng)) state.rng_state = rng;
+    if (archive.try_read("rng_state", rng)) state.rng_state = rng.to(at::kCPU);
     torch::serialize::InputArchive model_archive;
     archive.read("model", model_archive);
     model.load(model_archive);

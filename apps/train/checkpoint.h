@@ -28,6 +28,7 @@
 // Plain functions, blocking (file I/O; share_checkpoint is a collective).
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <chrono>
 #include <cstdint>
@@ -79,9 +80,12 @@ std::optional<std::vector<char>> share_checkpoint(comm::ProcessGroup& pg,
                                                   std::chrono::milliseconds timeout);
 
 // Loads the checkpoint into `model` and `optimizer` and returns the state (the caller restores
-// rng_state). Throws InvalidArgument when the fingerprint differs (nothing is changed then) and
-// Error when the bytes are not a checkpoint, or not an intact one (its digest does not match).
+// rng_state). The model's and the optimizer's tensors are read onto `device` (the model's), so a
+// checkpoint written on one device resumes on another; rng_state stays on the host. Throws
+// InvalidArgument when the fingerprint differs (nothing is changed then) and Error when the
+// bytes are not a checkpoint, or not an intact one (its digest does not match).
 TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& model,
-                           torch::optim::Optimizer& optimizer, const std::string& fingerprint);
+                           torch::optim::Optimizer& optimizer, const std::string& fingerprint,
+                           c10::Device device = c10::Device(c10::kCPU));
 
 }  // namespace tdist::train

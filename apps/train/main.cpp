@@ -10,6 +10,7 @@
 
 #include <iostream>
 
+#include "apps/common/device.h"
 #include "apps/train/idx.h"
 #include "apps/train/trainer.h"
 #include "tdist/core/error.h"
@@ -69,6 +70,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1024));
   train->add_option("--timeout", o.timeout_s, "seconds any collective may take")
       ->check(CLI::Range(0.1, 86400.0));
+  std::string device = "cpu";
+  train->add_option("--device", device,
+                    "cpu, cuda (GPU LOCAL_RANK) or auto (cuda when a GPU is visible, else cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  train->add_option("--group-backend", o.group_backend,
+                    "the process group's backend: ring, or one per device type, e.g. "
+                    "cpu:ring,cuda:nccl (docs/comm.md)");
 
   auto* ddp = app.add_option_group("DDP");
   ddp->add_option("--bucket-cap-mb", o.ddp.bucket_cap_mb, "gradient bucket size (MiB)")
@@ -127,6 +135,8 @@ int main(int argc, char** argv) {
     }
     if (epochs->count() == 0 && steps->count() == 0) o.epochs = 1;
     tdist::train::validate(o);
+    // Before anything else asks libtorch about CUDA (apps/common/device.h).
+    o.device = tdist::apps::resolve_device("--device", device);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {

@@ -47,6 +47,7 @@ std::chrono::milliseconds timeout_of(const TrainOptions& o) {
 std::shared_ptr<comm::ProcessGroup> make_group(const TrainOptions& o) {
   comm::ProcessGroup::Options popts;
   popts.timeout = timeout_of(o);
+  popts.backend = o.group_backend;
   const bool launched = env::get("RANK") || (env::get("SLURM_PROCID") && env::get("SLURM_NTASKS")) ||
                         env::get("OMPI_COMM_WORLD_RANK");
   if (!launched) return comm::create_process_group(std::make_shared<HashStore>(), 0, 1, popts);
@@ -123,11 +124,11 @@ std::string fingerprint(const TrainOptions& o, int64_t train_size) {
 }
 
 // FNV-1a over the bytes of every parameter, in order: equal iff the parameters are bit-equal
-// (up to hash collisions).
+// (up to hash collisions). Parameters on a GPU are hashed from a host copy.
 uint64_t params_hash(const std::vector<at::Tensor>& params) {
   uint64_t h = kFnv1aOffset;
   for (const auto& p : params) {
-    at::Tensor c = p.detach().contiguous();
+    at::Tensor c = p.detach().to(at::kCPU).contiguous();
     h = fnv1a64(c.data_ptr(), c.nbytes(), h);
   }
   return h;
@@ -156,9 +157,10 @@ struct EvalResult {
   int64_t samples = 0;
 };
 
-// Collective: each rank classifies the test samples r, r + world, ...; the counts are summed.
+// Collective: each rank classifies the test samples r, r + world, ...; the counts are summed
+// (on the host: the counts are a CPU tensor whatever `device` the model is on).
 EvalResult evaluate(torch::nn::Sequential& model, const Dataset& test, comm::ProcessGroup& pg,
-                    int64_t batch_size, std::chrono::milliseconds timeout) {
+                    int64_t batch_size, std::chrono::milliseconds timeout, c10::Device device) {
   torch::NoGradGuard no_grad;
   model->eval();
   int64_t correct = 0, total = 0;
@@ -166,7 +168,11 @@ EvalResult evaluate(torch::nn::Sequential& model, const Dataset& test, comm::Pro
   auto flush = [&] {
     if (idx.empty()) return;
     Batch b = test.get(idx);
-    correct += model->forward(b.images).argmax(1).eq(b.labels).sum().item<int64_t>();
+    correct += model->forward(b.images.to(device))
+                   .argmax(1)
+                   .eq(b.labels.to(device))
+                   .sum()
+                   .item<int64_t>();
     total += static_cast<int64_t>(idx.size());
     idx.clear();
   };
@@ -360,13 +366,17 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   }
   total_steps_ = planned_steps();
 
+  // The model is initialised on the host and then moved: the same seed gives the same initial
+  // parameters on every device.
   torch::manual_seed(o.seed);
   model_ = build_model(o.model);
+  model_->to(o.device);
   optimizer_ = make_optimizer(o, model_->parameters());
   fingerprint_ = fingerprint(o, data_.train->size());
   num_params_ = count_parameters(*model_);
   progress_->note(str("tdist-train: ", describe_model(o.model), " (", num_params_, " parameters) on ",
-                      data_.description, "; world size ", world_, ", batch ", o.batch_size,
+                      data_.description, "; world size ", world_, " on ", o.device.str(),
+                      ", batch ", o.batch_size,
                       " per rank, ", o.optimizer, " lr ", o.lr > 0 ? o.lr : default_lr(o.optimizer),
                       "; ", steps_per_epoch_, " steps per epoch, ", total_steps_, " steps"));
   failure_ = FailureInjection::from_env(rank_, world_);
@@ -387,7 +397,7 @@ void Trainer::resume() {
     progress_->note(str("no checkpoint in ", o_.checkpoint_dir, ": starting from step 0"));
     return;
   }
-  state_ = load_checkpoint(*shared, *model_, *optimizer_, fingerprint_);
+  state_ = load_checkpoint(*shared, *model_, *optimizer_, fingerprint_, o_.device);
   const int64_t n = data_.train->size();
   if (state_.step < 0 || state_.epoch < 0 || state_.epoch_position < 0 ||
       state_.epoch_position > n) {
@@ -455,6 +465,8 @@ void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
   const auto t0 = Clock::now();
   Batch batch = data_.train->get(
       sampler_->step_indices(epoch_order, state_.epoch_position, o_.batch_size));
+  batch.images = batch.images.to(o_.device);
+  batch.labels = batch.labels.to(o_.device);
   const auto t1 = Clock::now();
   optimizer_->zero_grad();
   at::Tensor logits = (*ddp_model_)(batch.images);
@@ -523,7 +535,7 @@ void Trainer::report_window(int64_t epoch) {
 }
 
 EvalResult Trainer::evaluate_now() {
-  EvalResult e = evaluate(model_, *data_.test, *pg_, o_.eval_batch_size, timeout_);
+  EvalResult e = evaluate(model_, *data_.test, *pg_, o_.eval_batch_size, timeout_, o_.device);
   progress_->evaluation(state_.step, e.accuracy, e.samples);
   return e;
 }
@@ -558,6 +570,7 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
           : std::nan("");
   nlohmann::json s = {
       {"world_size", world_},
+      {"device", o_.device.str()},
       {"params", num_params_},
       {"model", describe_model(o_.model)},
       {"dataset", data_.description},

@@ -7,6 +7,8 @@
 // point, the evaluation's allreduce at each evaluation, and the checkpoint broadcast on resume.
 // Blocking; returns when training is done.
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <string>
 
@@ -31,6 +33,12 @@ struct TrainOptions {
   std::string comm_hook = "allreduce";  // allreduce, fp16, bf16, powersgd
   int powersgd_rank = 1;
   double timeout_s = 300;         // of every collective (process group and DDP)
+  // Where the model, its gradients, the optimizer state and the batches live (--device, resolved
+  // by apps/common/device.h before run_training).
+  c10::Device device = c10::Device(c10::kCPU);
+  // The process group's backend (comm::ProcessGroup::Options::backend): "ring", or one per
+  // device type such as "cpu:ring,cuda:nccl".
+  std::string group_backend = "ring";
   int threads = 0;                // intra-op threads (0: libtorch's default / OMP_NUM_THREADS)
   int64_t log_every = 10;
   int64_t eval_every = 0;         // 0: evaluate at the end only

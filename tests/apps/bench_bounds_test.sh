@@ -128,6 +128,13 @@ EOF
     expect_usage_error "--anchor: foo not in {none,mpi,gloo}" "$bench" collective --anchor foo
     expect_usage_error "measures float32 sum only" "$bench" collective --anchor mpi --dtype int32 \
       --init-method "tcp://127.0.0.1:1?rank=0&world_size=1"
+    # --device cuda: the anchors time CPU tensors only; without a visible GPU (all hidden here),
+    # a clear refusal before any rendezvous.
+    expect_usage_error "--anchor mpi times CPU tensors only and cannot run with --device cuda" \
+      "$bench" collective --anchor mpi --device cuda --init-method "tcp://127.0.0.1:1?rank=0&world_size=1"
+    expect_usage_error "--device cuda: " env CUDA_VISIBLE_DEVICES= "$bench" collective --device cuda \
+      --init-method "tcp://127.0.0.1:1?rank=0&world_size=1"
+    expect_usage_error "--device: gpu not in {cpu,cuda}" "$bench" collective --device gpu
     expect_usage_error "--world-size" "$bench" ddp --world-size 1
     expect_usage_error "--bound-bytes" "$bench" rpc --bound-bytes 0
     expect_usage_error "--small" "$bench" net --small 0

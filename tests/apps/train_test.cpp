@@ -708,6 +708,51 @@ TEST(TdistTrain, AMissingDataDirectoryIsAClearErrorOnEveryRank) {
   EXPECT_TRUE(contains(launched.err, "/no/such/mnist")) << launched.err;
 }
 
+// --device: with every GPU hidden (CUDA_VISIBLE_DEVICES empty, so this holds on any machine),
+// cuda fails at start naming the flag and auto trains on the CPU, ending where --device cpu ends.
+// Where a GPU is visible, auto trains on it.
+TEST(TdistTrain, DeviceCudaNeedsAVisibleGpuAndAutoFallsBackToTheCpu) {
+  const std::string dir = test::temp_dir();
+  const std::vector<std::string> args = {"--steps", "12", "--hidden", "32", "--layers", "1",
+                                         "--test-samples", "200", "--progress", "none"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = args;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const auto no_gpu = with_timeout(60, {{"CUDA_VISIBLE_DEVICES", ""}});
+
+  auto cuda = train(with({"--device", "cuda"}), no_gpu);
+  EXPECT_EQ(cuda.exit_code, 2) << cuda.describe();
+  EXPECT_TRUE(contains(cuda.err, "--device cuda: ")) << cuda.err;
+  EXPECT_TRUE(contains(cuda.err, "no GPU is visible") || contains(cuda.err, "has no CUDA"))
+      << cuda.err;
+  EXPECT_FALSE(contains(cuda.out, "trained")) << "it trained: " << cuda.out;
+
+  auto cpu = train(with({"--device", "cpu", "--summary", dir + "/cpu.json"}));
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.describe();
+  auto autod = train(with({"--device", "auto", "--summary", dir + "/auto.json"}), no_gpu);
+  ASSERT_EQ(autod.exit_code, 0) << autod.describe();
+  EXPECT_EQ(read_json(dir + "/cpu.json")["device"], "cpu");
+  EXPECT_EQ(read_json(dir + "/auto.json")["device"], "cpu");
+  auto cpu_hash = final_hashes(cpu.out);
+  ASSERT_EQ(cpu_hash.size(), 1u) << cpu.out;
+  EXPECT_EQ(final_hashes(autod.out), cpu_hash) << autod.out;
+  EXPECT_EQ(read_json(dir + "/auto.json")["final_loss"], read_json(dir + "/cpu.json")["final_loss"]);
+
+  // Nothing hidden: auto takes a GPU where one is visible (then the run trains on it).
+  auto seen = train(with({"--device", "auto", "--summary", dir + "/seen.json"}));
+  ASSERT_EQ(seen.exit_code, 0) << seen.describe();
+  const std::string device = read_json(dir + "/seen.json")["device"];
+  if (device == "cpu") {
+    auto again = train(with({"--device", "cuda"}));
+    EXPECT_EQ(again.exit_code, 2) << again.describe();
+  } else {
+    EXPECT_EQ(device, "cuda:0");
+    EXPECT_EQ(final_hashes(seen.out).size(), 1u) << seen.out;
+  }
+}
+
 TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
   struct Case {
     std::vector<std::string> args;
@@ -727,6 +772,7 @@ TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--dataset", "synthetic", "--data-dir", "/tmp"}, "--data-dir"},
       {{"--progress", "fancy"}, "--progress"},
       {{"--comm-hook", "zip"}, "--comm-hook"},
+      {{"--device", "tpu"}, "--device"},
       {{"--no-such-flag"}, "--no-such-flag"},
       {{"--train-samples", "10", "--batch-size", "64", "--steps", "1"}, "fewer than one step needs"},
   };
