@@ -5,7 +5,7 @@
 //   tdist-run --nproc-per-node 4 tdist-bench collective --op allreduce --min-bytes 4K
 //       [--max-bytes 64M] [--iters 20] [--warmup 5] [--dtype float32] [--redop sum] [--json FILE]
 //       [--anchor none|mpi|gloo] [--plot FILE.png] [--python python3]
-//       [--device cpu|cuda] [--group-backend ring|cpu:ring,cuda:nccl]
+//       [--device cpu|cuda] [--group-backend auto|ring|cpu:ring,cuda:nccl]
 //
 // The table is printed by rank 0 once every size, the bounds and the anchor are measured.
 // Sizes follow nccl-tests: "bytes" is the buffer of allreduce/broadcast/reduce, the whole
@@ -74,7 +74,7 @@ struct Config {
   std::string python = "python3";
   std::string plot;
   std::string device = "cpu";
-  std::string group_backend = "ring";
+  std::string group_backend = "auto";
 };
 
 struct Row {
@@ -497,8 +497,9 @@ void add_collective_command(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   sub->add_option("--group-backend", cfg->group_backend,
-                  "the process group's backend: ring, or one per device type, e.g. "
-                  "cpu:ring,cuda:nccl (docs/comm.md)")
+                  "the process group's backend: auto (NCCL for CUDA tensors where a GPU is "
+                  "visible, else ring), ring, or one per device type, e.g. cpu:ring,cuda:nccl "
+                  "(docs/comm.md)")
       ->capture_default_str();
   sub->add_option("--plot", cfg->plot,
                   "draw busbw against the bound and the anchor to this PNG (rank 0; the JSON "

@@ -75,8 +75,9 @@ int main(int argc, char** argv) {
                     "cpu, cuda (GPU LOCAL_RANK) or auto (cuda when a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   train->add_option("--group-backend", o.group_backend,
-                    "the process group's backend: ring, or one per device type, e.g. "
-                    "cpu:ring,cuda:nccl (docs/comm.md)");
+                    "the process group's backend: auto (NCCL for CUDA tensors where a GPU is "
+                    "visible, else ring), ring, or one per device type, e.g. cpu:ring,cuda:nccl "
+                    "(docs/comm.md)");
 
   auto* ddp = app.add_option_group("DDP");
   ddp->add_option("--bucket-cap-mb", o.ddp.bucket_cap_mb, "gradient bucket size (MiB)")

@@ -38,7 +38,7 @@ struct TrainOptions {
   c10::Device device = c10::Device(c10::kCPU);
   // The process group's backend (comm::ProcessGroup::Options::backend): "ring", or one per
   // device type such as "cpu:ring,cuda:nccl".
-  std::string group_backend = "ring";
+  std::string group_backend = "auto";
   int threads = 0;                // intra-op threads (0: libtorch's default / OMP_NUM_THREADS)
   int64_t log_every = 10;
   int64_t eval_every = 0;         // 0: evaluate at the end only
