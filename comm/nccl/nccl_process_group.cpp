@@ -27,6 +27,11 @@ namespace {
   TDIST_THROW(InvalidArgument, "unknown reduce op ", static_cast<int>(op));
 }
 
+// The error of an operation (Note [NCCL works]): names the rank, the operation and its number.
+Error op_error(int rank, const std::string& op, uint64_t seq, const std::string& what) {
+  return Error(str("rank ", rank, ": ", op, " (seq ", seq, ") through NCCL: ", what));
+}
+
 void check_cuda(const at::Tensor& t, const char* op, const char* what) {
   TDIST_CHECK_ARG(t.defined(), op, ": ", what, " is undefined");
   TDIST_CHECK_ARG(t.is_cuda(), op, ": ", what, " is a ", t.device().str(),
@@ -78,8 +83,7 @@ class NcclWork : public Work {
     try {
       work_->wait(timeout.count() < 0 ? std::chrono::milliseconds(0) : timeout);
     } catch (const std::exception& e) {
-      TDIST_THROW(Error, "rank ", rank_, ": ", op(), " (seq ", sequence_number(),
-                  ") through NCCL failed: ", e.what());
+      throw op_error(rank_, op(), sequence_number(), str("failed: ", e.what()));
     }
     return true;
   }
@@ -107,8 +111,7 @@ std::shared_ptr<Work> NcclProcessGroup::issue(
   } catch (const tdist::Error&) {
     throw;
   } catch (const std::exception& e) {
-    TDIST_THROW(Error, "rank ", rank_, ": ", op, " (seq ", seq, ") through NCCL failed: ",
-                e.what());
+    throw op_error(rank_, op, seq, str("failed: ", e.what()));
   }
   auto ours = std::make_shared<NcclWork>(op, seq, future, work, rank_);
   {
@@ -125,18 +128,21 @@ void NcclProcessGroup::complete_loop() {
     cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
     if (stopping_) break;
     // Operations finish in the order they were issued on the NCCL stream: look at the oldest.
-    Pending& p = pending_.front();
+    // Unlocked while c10d is asked; abort() may fail and remove it meanwhile.
+    const uint64_t seq = pending_.front().seq;
+    const auto work = pending_.front().work;
     bool done = false;
     std::exception_ptr error;
     lock.unlock();
     try {
-      done = p.work->isCompleted();
-      if (done) error = p.work->exception();
+      done = work->isCompleted();
+      if (done) error = work->exception();
     } catch (...) {
       done = true;
       error = std::current_exception();
     }
     lock.lock();
+    if (pending_.empty() || pending_.front().seq != seq) continue;
     if (!done) {
       cv_.wait_for(lock, std::chrono::microseconds(50));
       continue;
@@ -152,9 +158,8 @@ void NcclProcessGroup::complete_loop() {
         what = e.what();
       } catch (...) {
       }
-      finished.future->set_error(std::make_exception_ptr(
-          Error(str("rank ", rank_, ": ", finished.op, " (seq ", finished.seq,
-                    ") through NCCL failed: ", what))));
+      finished.future->set_error(
+          std::make_exception_ptr(op_error(rank_, finished.op, finished.seq, "failed: " + what)));
     } else {
       finished.future->set_value(std::move(finished.outputs));
     }
@@ -164,9 +169,8 @@ void NcclProcessGroup::complete_loop() {
   while (!pending_.empty()) {
     Pending p = std::move(pending_.front());
     pending_.pop_front();
-    p.future->set_error(std::make_exception_ptr(
-        Error(str("rank ", rank_, ": ", p.op, " (seq ", p.seq, "): the NCCL group was destroyed "
-                  "before the operation finished"))));
+    p.future->set_error(std::make_exception_ptr(op_error(
+        rank_, p.op, p.seq, "the group was destroyed before the operation finished")));
   }
 }
 
@@ -387,8 +391,8 @@ void NcclProcessGroup::abort() {
     failed.swap(pending_);
   }
   for (auto& p : failed) {
-    p.future->set_error(std::make_exception_ptr(Error(
-        str("rank ", rank_, ": ", p.op, " (seq ", p.seq, "): the NCCL group was aborted"))));
+    p.future->set_error(
+        std::make_exception_ptr(op_error(rank_, p.op, p.seq, "the group was aborted")));
   }
 }
 
