@@ -8,9 +8,9 @@
 //
 // Work: one operation in flight. wait(timeout) blocks until the operation finished, rethrows its
 // error (an Error naming the rank, the operation, the peer and the sequence number), and returns
-// true (a CUDA backend's Work: see wait()); with a timeout that passes first it throws TimeoutError (the operation itself keeps its
-// own deadline). result() gives the output tensors; future() completes with them (DDP's reducer
-// and comm hooks chain on it). Thread safe.
+// true (a CUDA backend's Work: see wait()); with a timeout that passes first it throws
+// TimeoutError (the operation itself keeps its own deadline). result() gives the output
+// tensors; future() completes with them (DDP's reducer and comm hooks chain on it). Thread safe.
 //
 // A backend may give a Work a progress hook (Note [Waiter runs the operation] in
 // comm/detail/ring_process_group.cpp): wait() with no timeout of its own calls it with

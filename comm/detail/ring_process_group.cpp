@@ -1,9 +1,9 @@
 #include "tdist/comm/detail/ring_process_group.h"
-#include "tdist/comm/detail/staging.h"
 
 #include <algorithm>
 #include <set>
 
+#include "tdist/comm/detail/staging.h"
 #include "tdist/comm/transport/shm/shm_channel.h"
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
