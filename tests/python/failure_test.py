@@ -11,6 +11,13 @@
   failure_test.py --scenario absent   2 ranks; rank 1 never joins new_group(backend="tdist"); rank
                                       0's new_group must raise within its timeout, naming the
                                       group's creation.
+  failure_test.py --scenario killed-nccl
+                                      2 ranks, one GPU each, "tdist" on CUDA tensors (its NCCL
+                                      backend, PyTorch's ProcessGroupNCCL): rank 1 is SIGKILLed
+                                      in the middle of an all_reduce; rank 0's future must fail
+                                      within the group timeout (c10d's watchdog aborts the
+                                      communicator; TORCH_NCCL_ASYNC_ERROR_HANDLING=2 keeps the
+                                      process to report it). Skipped without two GPUs.
   failure_test.py --scenario token    2 ranks with the same TDIST_TOKEN make a tdist group and
                                       all_reduce; then each sets a token of its own and
                                       new_group(backend="tdist") must raise on both within its
@@ -40,7 +47,7 @@ VICTIM = 2
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--child", action="store_true")
-    p.add_argument("--scenario", choices=["killed", "stopped", "absent", "token"], required=True)
+    p.add_argument("--scenario", choices=["killed", "stopped", "absent", "token", "killed-nccl"], required=True)
     return p.parse_args()
 
 
@@ -144,9 +151,40 @@ def token(rank, world_size):
               "the error came after %.1f s, past the %s timeout" % (elapsed, short))
 
 
+def dead_nccl_peer(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    import tdist_c10d  # noqa: F401
+    torch.set_num_threads(1)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("tdist", init_method="env://", timeout=GROUP_TIMEOUT)
+    t = torch.ones(1 << 20, device="cuda")
+    for _ in range(3):
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank == 1:
+        dist.all_reduce(t, async_op=True)  # in flight on both ranks when this one dies
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            dist.all_reduce(t, async_op=True).get_future().wait()  # done on the device, or failed
+        raise AssertionError("all_reduce kept succeeding with rank 1 gone")
+    except RuntimeError as e:
+        elapsed = time.monotonic() - start
+        print("rank 0: all_reduce raised %s after %.1f s: %s" % (
+            type(e).__name__, elapsed, str(e).splitlines()[0]))
+        check("NCCL" in str(e), "the error does not name NCCL:", e)
+        check(elapsed <= (GROUP_TIMEOUT + GRACE).total_seconds(),
+              "the error came after %.1f s, past the %s timeout" % (elapsed, GROUP_TIMEOUT))
+    print("rank 0: survived rank 1's death on NCCL")
+
+
 def child(rank, world_size):
     args = parse()
-    if args.scenario == "absent":
+    if args.scenario == "killed-nccl":
+        dead_nccl_peer(rank, world_size)
+    elif args.scenario == "absent":
         absent(rank, world_size)
     elif args.scenario == "token":
         token(rank, world_size)
@@ -159,6 +197,20 @@ def main():
     if args.child:
         harness.child_main(child)
     script = os.path.abspath(__file__)
+    if args.scenario == "killed-nccl":
+        import torch
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+            print("SKIPPED: needs two visible GPUs (NCCL: one per rank); %d visible" % (
+                torch.cuda.device_count() if torch.cuda.is_available() else 0))
+            sys.exit(harness.SKIP)
+        with harness.Ranks(script, 2, ["--scenario", "killed-nccl"],
+                           {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}) as ranks:
+            results = ranks.wait_all(timeout=90)
+        victim = results.pop(1)
+        if victim.returncode != -signal.SIGKILL:
+            raise SystemExit("FAILED: rank 1 should have died of SIGKILL\n%s" % victim.describe())
+        harness.check_all_succeeded(results, "rank 0 after rank 1 was killed mid-all_reduce on NCCL")
+        return
     if args.scenario == "absent":
         harness.run_ranks(script, 2, ["--scenario", "absent"], timeout=60,
                           what="new_group with a rank that never joins")
