@@ -100,7 +100,8 @@ std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store,
   TDIST_CHECK_ARG(size >= 1, "create_process_group: world size must be >= 1, got ", size);
   TDIST_CHECK_ARG(rank >= 0 && rank < size, "create_process_group: rank ", rank,
                   " is not in [0, ", size, ")");
-  if (opts.backend == "auto") opts.backend = resolve_auto(rank);
+  const bool automatic = opts.backend == "auto";
+  if (automatic) opts.backend = resolve_auto(rank);
   auto chosen = parse_backend(opts.backend);
   // Every rank counts the groups it created on this store; creation order matches across
   // ranks (as in c10d), so the n-th group of every rank gets the same prefix.
@@ -116,6 +117,11 @@ std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store,
   try {
     cuda_group = make_nccl(std::move(store), prefix + "/nccl", rank, size, opts);
   } catch (const std::exception& e) {
+    if (automatic) {  // the ring serves CUDA tensors too
+      TDIST_LOG_WARN("rank ", rank, ": the nccl backend cannot start, so CUDA tensors are staged "
+                     "through the ring backend: ", e.what());
+      return cpu_group;
+    }
     TDIST_THROW(InvalidArgument, "backend '", opts.backend, "': the nccl backend cannot start on ",
                 "rank ", rank, ": ", e.what());
   }
