@@ -17,13 +17,9 @@ namespace {
 namespace algo = tdist::comm::algorithms;
 using Value = Future::Value;
 
-void check_tensor(const at::Tensor& t, const char* op, const char* what) {
-  check_stageable(t, op, what);
-}
-
 void check_like(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* what,
                 size_t index) {
-  check_tensor(t, op, what);
+  check_stageable(t, op, what);
   TDIST_CHECK_ARG(t.scalar_type() == ref.scalar_type(), op, ": ", what, "[", index, "] has dtype ",
                   t.scalar_type(), " but ", ref.scalar_type(), " is expected");
   TDIST_CHECK_ARG(t.sizes() == ref.sizes(), op, ": ", what, "[", index, "] has shape ", t.sizes(),
@@ -121,7 +117,7 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
 }
 
 std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const AllreduceOptions& opts) {
-  check_tensor(tensor, "allreduce", "the tensor");
+  check_stageable(tensor, "allreduce", "the tensor");
   auto rs = reduce_spec(tensor, opts.op);
   Contig buf(tensor);
   return enqueue("allreduce", opts.timeout, fingerprint(&tensor, int(opts.op)),
@@ -138,7 +134,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
   std::vector<std::vector<int64_t>> shapes;
   std::vector<at::Tensor> flat_parts;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    check_tensor(tensors[i], "allreduce_coalesced", "a tensor");
+    check_stageable(tensors[i], "allreduce_coalesced", "a tensor");
     TDIST_CHECK_ARG(tensors[i].scalar_type() == tensors[0].scalar_type(),
                     "allreduce_coalesced: tensor ", i, " has dtype ", tensors[i].scalar_type(),
                     " but tensor 0 has ", tensors[0].scalar_type());
@@ -161,7 +157,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
 }
 
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
-  check_tensor(tensor, "broadcast", "the tensor");
+  check_stageable(tensor, "broadcast", "the tensor");
   check_root(opts.root, size_, "broadcast");
   Contig buf(tensor);
   const int root = opts.root;
@@ -174,7 +170,7 @@ std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const Broad
 }
 
 std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOptions& opts) {
-  check_tensor(tensor, "reduce", "the tensor");
+  check_stageable(tensor, "reduce", "the tensor");
   check_root(opts.root, size_, "reduce");
   auto rs = reduce_spec(tensor, opts.op);
   Contig buf(tensor);
@@ -189,7 +185,7 @@ std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOp
 
 std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> outputs, at::Tensor input,
                                                   const AllgatherOptions& opts) {
-  check_tensor(input, "allgather", "the input");
+  check_stageable(input, "allgather", "the input");
   check_count(outputs.size(), size_, "allgather", "output tensors");
   for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
   Contig in(input);
@@ -207,8 +203,8 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
 
 std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output, at::Tensor input,
                                                               const AllgatherOptions& opts) {
-  check_tensor(input, "allgather_into_tensor", "the input");
-  check_tensor(output, "allgather_into_tensor", "the output");
+  check_stageable(input, "allgather_into_tensor", "the input");
+  check_stageable(output, "allgather_into_tensor", "the output");
   TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "allgather_into_tensor: output dtype ",
                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
@@ -229,7 +225,7 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
 
 std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
                                                const GatherOptions& opts) {
-  check_tensor(input, "gather", "the input");
+  check_stageable(input, "gather", "the input");
   check_root(opts.root, size_, "gather");
   const int root = opts.root;
   if (rank_ == root) {
@@ -254,7 +250,7 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
 
 std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
                                                 const ScatterOptions& opts) {
-  check_tensor(output, "scatter", "the output");
+  check_stageable(output, "scatter", "the output");
   check_root(opts.root, size_, "scatter");
   const int root = opts.root;
   if (rank_ == root) {
@@ -280,7 +276,7 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
 std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
                                                        std::vector<at::Tensor> inputs,
                                                        const ReduceScatterOptions& opts) {
-  check_tensor(output, "reduce_scatter", "the output");
+  check_stageable(output, "reduce_scatter", "the output");
   check_count(inputs.size(), size_, "reduce_scatter", "input tensors");
   for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "reduce_scatter", "inputs", i);
   auto rs = reduce_spec(output, opts.op);
@@ -298,8 +294,8 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
 
 std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input,
                                                               const ReduceScatterOptions& opts) {
-  check_tensor(output, "reduce_scatter_tensor", "the output");
-  check_tensor(input, "reduce_scatter_tensor", "the input");
+  check_stageable(output, "reduce_scatter_tensor", "the output");
+  check_stageable(input, "reduce_scatter_tensor", "the input");
   TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "reduce_scatter_tensor: output dtype ",
                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TDIST_CHECK_ARG(input.numel() == output.numel() * size_, "reduce_scatter_tensor: the input has ",
@@ -321,8 +317,8 @@ std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Ten
                                                       std::vector<int64_t> output_splits,
                                                       std::vector<int64_t> input_splits,
                                                       const AllToAllOptions& opts) {
-  check_tensor(output, "alltoall_base", "the output");
-  check_tensor(input, "alltoall_base", "the input");
+  check_stageable(output, "alltoall_base", "the output");
+  check_stageable(input, "alltoall_base", "the input");
   TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "alltoall_base: output dtype ",
                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
   const bool equal = output_splits.empty() && input_splits.empty();
@@ -365,8 +361,8 @@ std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs
   check_count(outputs.size(), size_, "alltoall", "output tensors");
   check_count(inputs.size(), size_, "alltoall", "input tensors");
   for (size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(inputs[i], "alltoall", "an input");
-    check_tensor(outputs[i], "alltoall", "an output");
+    check_stageable(inputs[i], "alltoall", "an input");
+    check_stageable(outputs[i], "alltoall", "an output");
     TDIST_CHECK_ARG(inputs[i].scalar_type() == inputs[0].scalar_type() &&
                         outputs[i].scalar_type() == inputs[0].scalar_type(),
                     "alltoall: every input and output must have dtype ", inputs[0].scalar_type());
