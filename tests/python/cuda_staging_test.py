@@ -87,11 +87,8 @@ def main():
     args = parse()
     if args.child:
         harness.child_main(child)
+    harness.skip_without_gpus(1, "CUDA tensors through the tdist backend")
     import torch
-    if not torch.cuda.is_available():
-        print("SKIPPED: no CUDA device here (torch.cuda.is_available() is False); CUDA tensors "
-              "through the tdist backend need a GPU")
-        sys.exit(harness.SKIP)
     nccl = min(2, torch.cuda.device_count())
     harness.run_ranks(os.path.abspath(__file__), nccl, [], timeout=120,
                       what="tdist on CUDA tensors through its NCCL backend, %d rank(s)" % nccl)

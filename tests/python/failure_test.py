@@ -198,11 +198,7 @@ def main():
         harness.child_main(child)
     script = os.path.abspath(__file__)
     if args.scenario == "killed-nccl":
-        import torch
-        if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-            print("SKIPPED: needs two visible GPUs (NCCL: one per rank); %d visible" % (
-                torch.cuda.device_count() if torch.cuda.is_available() else 0))
-            sys.exit(harness.SKIP)
+        harness.skip_without_gpus(2, "a killed rank on NCCL (one GPU per rank)")
         with harness.Ranks(script, 2, ["--scenario", "killed-nccl"],
                            {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}) as ranks:
             results = ranks.wait_all(timeout=90)

@@ -117,6 +117,19 @@ def check_all_succeeded(results, what):
     print("PASSED: %s" % what)
 
 
+def skip_without_gpus(count, what):
+    """Exits with SKIP, saying why, unless torch sees `count` GPUs and has NCCL (`what` needs them)."""
+    import torch
+    import torch.distributed as dist
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen < count:
+        print("SKIPPED: %s needs %d visible GPU(s); %d visible" % (what, count, seen))
+        sys.exit(SKIP)
+    if not dist.is_nccl_available():
+        print("SKIPPED: this torch has no NCCL (%s)" % what)
+        sys.exit(SKIP)
+
+
 def run_ranks(script, world_size, args=(), env=None, timeout=90, what=None):
     """Runs `script --child args` as `world_size` ranks; fails (SystemExit) unless all exit 0."""
     what = what or "%s %s on %d ranks" % (os.path.basename(script), " ".join(map(str, args)),

@@ -61,15 +61,8 @@ def main():
     args = parse()
     if args.child:
         harness.child_main(child)
+    harness.skip_without_gpus(1, "the cpu:tdist,cuda:nccl case")
     import torch
-    import torch.distributed as dist
-    if not torch.cuda.is_available():
-        print("SKIPPED: no CUDA device here (torch.cuda.is_available() is False); the "
-              "cpu:tdist,cuda:nccl case needs a GPU")
-        sys.exit(harness.SKIP)
-    if not dist.is_nccl_available():
-        print("SKIPPED: this torch has no NCCL")
-        sys.exit(harness.SKIP)
     world_size = min(2, torch.cuda.device_count())
     harness.run_ranks(os.path.abspath(__file__), world_size, [], timeout=120,
                       what="cpu:tdist,cuda:nccl on %d rank(s)" % world_size)
