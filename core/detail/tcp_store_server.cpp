@@ -546,9 +546,11 @@ void TCPStoreServerImpl::on_accept(const error_code& ec, tcp::socket socket) {
   }
   if (connections_.size() >= max_connections_) {
     // Over the cap: closed at once (the peer sees end-of-file), logged once per refusal burst.
+    // Counted before the close, so a peer that saw the end-of-file finds it counted.
+    const int64_t refused = num_refused_connections_.fetch_add(1);
     error_code ignored;
     socket.close(ignored);
-    if (num_refused_connections_.fetch_add(1) % 1000 == 0) {
+    if (refused % 1000 == 0) {
       TDIST_LOG_ERROR("TCPStore server ", address(), ": refusing connections beyond the limit of ",
                       max_connections_, " (TDIST_STORE_MAX_CONNECTIONS); ",
                       num_refused_connections_.load(), " refused so far");
