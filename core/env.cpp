@@ -98,6 +98,10 @@ DistEnv read_with(const Names& n) {
 
 }  // namespace
 
+bool has_dist_env() {
+  return get("RANK") || (get("SLURM_PROCID") && get("SLURM_NTASKS")) || get("OMPI_COMM_WORLD_RANK");
+}
+
 DistEnv read_dist_env() {
   if (get("RANK")) return read_with(kTorchrun);
   if (get("SLURM_PROCID") && get("SLURM_NTASKS")) return read_with(kSlurm);

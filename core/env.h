@@ -41,6 +41,8 @@ struct DistEnv {
   std::string source;  // "env", "slurm" or "openmpi": where rank and size came from
 };
 DistEnv read_dist_env();
+// True when a launcher's variables are there for read_dist_env (RANK, Slurm's or Open MPI's).
+bool has_dist_env();
 
 // MASTER_ADDR and MASTER_PORT (1..65535). When unset inside a Slurm job, MASTER_ADDR defaults to
 // the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST) and MASTER_PORT to

@@ -31,9 +31,7 @@ const std::string& load_torch_cuda() {
 }
 
 int local_rank() {
-  const bool launched = env::get("RANK") || (env::get("SLURM_PROCID") && env::get("SLURM_NTASKS")) ||
-                        env::get("OMPI_COMM_WORLD_RANK");
-  if (launched) return env::read_dist_env().local_rank;
+  if (env::has_dist_env()) return env::read_dist_env().local_rank;
   return static_cast<int>(env::get_int("LOCAL_RANK", 0, 0, 1 << 20));
 }
 

@@ -48,9 +48,9 @@ std::shared_ptr<comm::ProcessGroup> make_group(const TrainOptions& o) {
   comm::ProcessGroup::Options popts;
   popts.timeout = timeout_of(o);
   popts.backend = o.group_backend;
-  const bool launched = env::get("RANK") || (env::get("SLURM_PROCID") && env::get("SLURM_NTASKS")) ||
-                        env::get("OMPI_COMM_WORLD_RANK");
-  if (!launched) return comm::create_process_group(std::make_shared<HashStore>(), 0, 1, popts);
+  if (!env::has_dist_env()) {
+    return comm::create_process_group(std::make_shared<HashStore>(), 0, 1, popts);
+  }
   return comm::create_process_group("env://", -1, -1, popts);
 }
 
