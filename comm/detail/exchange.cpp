@@ -15,7 +15,17 @@ namespace {
 constexpr int kMaxIov = 64;
 constexpr size_t kBounceBytes = 256 * 1024;
 constexpr int kMaxSpinSkip = 63;
+
+// A hint to the core that this is a spin-wait loop (it saves power and, with hyper-threads, lets
+// the sibling run).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
 }
+}  // namespace
 
 Exchange::Exchange(std::vector<Channel*> peers, int rank, const std::atomic<bool>* aborted)
     : peers_(std::move(peers)), rank_(rank), aborted_(aborted) {
@@ -250,7 +260,9 @@ void Exchange::run_impl(Callback cb, void* ctx) {
   check_aborted();
   const int n = size();
   Clock::time_point spin_until{};
+  Clock::time_point busy_until{};
   bool spinning = false;
+  bool busy = false;  // this spin's tries pause instead of yielding (until busy_until)
   for (;;) {
     bool pending = false;
     bool progressed = false;
@@ -275,7 +287,8 @@ void Exchange::run_impl(Callback cb, void* ctx) {
     }
     if (progressed) {
       if (spinning) spin_backoff_ = 0;  // the spin paid off
-      spinning = false;
+      if (busy) busy_backoff_ = 0;      // and within the busy poll
+      spinning = busy = false;
       continue;
     }
     if (spin_us_ > 0 && spin_skip_ == 0) {
@@ -283,9 +296,24 @@ void Exchange::run_impl(Callback cb, void* ctx) {
       if (!spinning) {
         spinning = true;
         spin_until = now + std::chrono::microseconds(spin_us_);
+        busy_until = now + std::chrono::nanoseconds(busy_poll_ns_);
+        busy = busy_poll_ns_ > 0 && busy_skip_ == 0;
+        if (busy_skip_ > 0) --busy_skip_;
       }
       if (now < spin_until && now < deadline_) {
-        ::sched_yield();
+        check_aborted();
+        if (busy && now >= busy_until) {
+          // No answer within the busy poll: yield from here on, and busy-poll fewer of the next
+          // spins (one in 2, 4, ... 64), so that a peer that needs this core gets it.
+          busy = false;
+          busy_backoff_ = std::min(2 * busy_backoff_ + 1, kMaxSpinSkip);
+          busy_skip_ = busy_backoff_;
+        }
+        if (busy) {
+          cpu_relax();
+        } else {
+          ::sched_yield();
+        }
         continue;
       }
       // The peers answer slower than a spin lasts (large transfers, or a busy host): skip the
@@ -295,7 +323,7 @@ void Exchange::run_impl(Callback cb, void* ctx) {
     } else if (spin_skip_ > 0) {
       --spin_skip_;
     }
-    spinning = false;
+    spinning = busy = false;
     wait_for_io();
   }
 }

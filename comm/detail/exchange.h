@@ -69,6 +69,9 @@ class Exchange {
 
   // Microseconds to keep retrying non-blocking I/O before sleeping in poll (TDIST_SPIN_US).
   void set_spin_us(int us) { spin_us_ = us; }
+  // Nanoseconds at the start of each spin that re-try without yielding the core (a CPU pause
+  // between tries instead): Note [Spin, then sleep] in ring_process_group.cpp.
+  void set_busy_poll_ns(int ns) { busy_poll_ns_ = ns; }
   // Whether a lone shared-memory peer is waited for on its futex (TDIST_SHM_FUTEX) or polled.
   void set_wait_alone(bool on) { wait_alone_ = on; }
 
@@ -125,8 +128,11 @@ class Exchange {
   Clock::time_point deadline_;
   Clock::time_point started_;
   int spin_us_ = 0;
+  int busy_poll_ns_ = 0;
   int spin_skip_ = 0;     // waits left that sleep without spinning first
   int spin_backoff_ = 0;  // spin_skip_ after the next spin that runs out
+  int busy_skip_ = 0;     // spins left that yield from their start (no busy poll)
+  int busy_backoff_ = 0;  // busy_skip_ after the next busy poll that runs out
   bool wait_alone_ = true;
   std::vector<Queue> sends_;
   std::vector<Queue> recvs_;

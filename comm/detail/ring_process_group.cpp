@@ -1,5 +1,7 @@
 #include "tdist/comm/detail/ring_process_group.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <set>
 
@@ -40,13 +42,34 @@ Clock::time_point deadline_after(Millis timeout) {
 // wait for slow peers (large transfers, DDP waiting on computation) soon stop spinning. Measured
 // in docs/perf.md: at world 4 on 2 cores, spinning halves a 4 KiB allreduce and changes neither
 // larger ones nor DDP's throughput. TDIST_SPIN_US overrides (0: never spin).
+// A yield is a system call, and it is most of what a rank waiting on an idle peer pays per try:
+// when every rank of this host can have a core of its own (no more ranks on the host than CPUs
+// this process may run on), the first kBusyPollNs of each spin re-try with only a CPU pause
+// between tries (no core is wanted by anyone else then), which halved a 4 KiB allreduce and a
+// barrier at world 2 on 2 cores. With more ranks than cores it would keep a peer that has work
+// off the core, which made world 4 on 2 cores slower, so there every try yields as before. The
+// scheduler may still put two ranks on one core (seen about once in 15 runs at world 2 on 2
+// cores); a busy poll that runs out therefore makes the next 1, 3, 7 ... 63 spins yield from
+// their start, like the spin's own back-off, and such a run costs what yielding alone costs.
+// TDIST_BUSY_POLL_NS overrides (0: always yield).
 constexpr int kSpinUs = 50;
+constexpr int kBusyPollNs = 2000;
 
 int default_spin_us(const std::vector<std::unique_ptr<Channel>>& channels) {
   for (const auto& c : channels) {
     if (c && std::string(c->kind()) == "shm") return kSpinUs;
   }
   return 0;
+}
+
+// kBusyPollNs when this host's ranks (those with this rank's host key) fit on the CPUs this
+// process may run on, else 0 (Note [Spin, then sleep]).
+int default_busy_poll_ns(const std::vector<std::string>& hosts, int rank) {
+  const auto local = std::count(hosts.begin(), hosts.end(), hosts[rank]);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 0;
+  return local <= CPU_COUNT(&set) ? kBusyPollNs : 0;
 }
 
 // The hosts of the group from every rank's host key, when each has the same number of ranks (at
@@ -134,6 +157,8 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   exchange_ = std::make_unique<Exchange>(peers, rank_, &aborted_);
   exchange_->set_spin_us(static_cast<int>(
       env::get_int("TDIST_SPIN_US", default_spin_us(channels_), 0, 1000000)));
+  exchange_->set_busy_poll_ns(static_cast<int>(env::get_int(
+      "TDIST_BUSY_POLL_NS", default_busy_poll_ns(channels.hosts, rank_), 0, 1000000000)));
   exchange_->set_wait_alone(env::get_bool("TDIST_SHM_FUTEX", true));
   p2p_ = std::make_unique<P2PEngine>(mesh_->channel(1), rank_,
                                      [this](std::exception_ptr e) { abort_with(e); });

@@ -81,6 +81,41 @@ TEST(Failure, AbortFailsPendingWorkOnEveryRankAndDestroyDoesNotHang) {
   });
 }
 
+// Spinning (Note [Spin, then sleep]) never outlasts an operation's deadline or an abort: with a
+// one-second spin that busy-polls throughout, a 200 ms timeout and an abort 200 ms into an
+// operation both fail it well before the spin would have ended.
+TEST(Failure, ABusyPollingSpinEndsAtTheDeadlineAndOnAbort) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_SPIN_US", std::string("1000000")},
+                                                 {"TDIST_BUSY_POLL_NS", std::string("1000000000")}});
+  using Clock = std::chrono::steady_clock;
+  for (bool abort : {false, true}) {
+    tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, 2, test::test_options());
+      pg->barrier()->wait();
+      if (rank == 0) {
+        AllreduceOptions o;
+        if (!abort) o.timeout = Millis(200);
+        auto start = Clock::now();
+        auto w = pg->allreduce(torch::ones({1000}), o);  // rank 1 never joins
+        std::thread aborter;
+        if (abort) {
+          aborter = std::thread([&] {
+            std::this_thread::sleep_for(Millis(200));
+            pg->abort();
+          });
+        }
+        std::string msg = message_of(w);
+        if (aborter.joinable()) aborter.join();
+        EXPECT_TRUE(contains(msg, abort ? "aborted" : "Timed out")) << msg;
+        auto ms = std::chrono::duration_cast<Millis>(Clock::now() - start).count();
+        EXPECT_LT(ms, 900) << msg;
+        store->set("checked", "1");
+      }
+      store->wait({"checked"});  // rank 1's group lives until then: its end would fail rank 0
+    });
+  }
+}
+
 TEST(Failure, DestroyingWithPendingWorkFailsItWithoutHanging) {
   tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, 2, test::test_options());
