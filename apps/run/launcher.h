@@ -59,6 +59,9 @@ struct LaunchConfig {
   ElasticOptions elastic;
   // --token-file: the job's shared secret, a file every node has (core/token.h's rules).
   std::string token_file;
+  // --cpu-bind core: local rank r runs on the r-th CPU the launcher may run on (Note [Binding
+  // workers to cores]); more workers per node than such CPUs is refused.
+  bool bind_cores = false;
 };
 
 // How a worker ended.
@@ -135,6 +138,7 @@ class Launcher {
   void report_failure(const WorkerExit& e) const;
 
   LaunchConfig config_;
+  std::vector<int> cpus_;  // with bind_cores: the CPUs the launcher may run on, in order
   int signal_fd_ = -1;
   std::vector<std::unique_ptr<Worker>> workers_;  // of the current attempt
   int restart_count_ = 0;

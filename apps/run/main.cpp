@@ -168,6 +168,11 @@ int main(int argc, char** argv) {
                  "3 both (default)")
       ->check(CLI::Range(0, 3));
   app.add_flag("--no-tee", no_tee, "with --log-dir: do not also print worker output (--tee 0)");
+  std::string cpu_bind = "none";
+  app.add_option("--cpu-bind,--cpu_bind", cpu_bind,
+                 "none (default), or core: local rank r runs on the r-th CPU this launcher may "
+                 "run on (at most that many workers per node)")
+      ->check(CLI::IsMember({"none", "core"}));
   app.add_option("--token-file", cfg.token_file,
                  "the job's shared secret (every node has the file; readable by its owner only); "
                  "without one a single-node job makes its own and a multi-node job has none");
@@ -229,6 +234,7 @@ int main(int argc, char** argv) {
     if (no_tee && cfg.log_dir.empty()) throw CLI::ValidationError("--no-tee", "needs --log-dir");
     if (tee >= 0 && cfg.log_dir.empty()) throw CLI::ValidationError("--tee", "needs --log-dir");
     if (no_tee && tee > 0) throw CLI::ValidationError("--no-tee", "contradicts --tee " + std::to_string(tee));
+    cfg.bind_cores = cpu_bind == "core";
     cfg.tee = no_tee ? 0 : tee >= 0 ? tee : tdist::run::kTeeStdout | tdist::run::kTeeStderr;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);

@@ -22,9 +22,12 @@
 //                            hierarchical where the group has no such hosts runs the ring)
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
 //   TDIST_HOST_ID            this rank's host key when Options::host is unset (Note [Host key])
-//   TDIST_SPIN_US            microseconds to poll sockets before sleeping (default 0)
+//   TDIST_SPIN_US            microseconds to re-try transfers before sleeping (default 50 with
+//                            shared-memory peers, else 0: Note [Spin, then sleep])
+//   TDIST_BUSY_POLL_NS       nanoseconds of each spin that re-try without yielding (default
+//                            2000 when the host's ranks fit on this process's CPUs, else 0)
 //   TDIST_TRANSPORT          auto (shared memory with same-host peers, else TCP) | tcp
-//   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 4 MiB)
+//   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 2 MiB)
 //   TDIST_DEBUG=DETAIL       fingerprint check before every collective
 //   TDIST_RUN_ON_WAITER      1 (default): Work::wait() runs the next due operation on the
 //                            waiting thread (Note [Waiter runs the operation]); 0: the worker only

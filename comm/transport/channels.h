@@ -40,7 +40,9 @@ std::string host_key();
 
 struct ChannelOptions {
   bool allow_shm = true;       // TDIST_TRANSPORT != "tcp"
-  size_t shm_capacity = 4 << 20;  // bytes per direction (TDIST_SHM_BYTES)
+  // Bytes per direction (TDIST_SHM_BYTES). 2 MiB rather than 4: what a sender writes is more
+  // often still in the caches when its peer reads it (docs/perf.md, "Ring size").
+  size_t shm_capacity = 2 << 20;
   std::string host = host_key();  // this rank's host key (Note [Host key]); at most 255 bytes
 };
 

@@ -1,5 +1,6 @@
 // tdist-run as a user runs it: real worker processes (small shell scripts), real signals.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -307,6 +308,7 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--nproc-per-node", "2"}, "no program"},
       {{"--log-dir", "/tmp", "--tee", "4", "true"}, "--tee"},
       {{"--tee", "1", "true"}, "--tee: needs --log-dir"},
+      {{"--cpu-bind", "socket", "true"}, "--cpu-bind"},
       {{"--nnodes", "1:4", "true"}, "needs --rdzv-endpoint HOST:PORT"},
       {{"--nnodes", "3:2", "--rdzv-endpoint", "127.0.0.1:1234", "true"}, "MIN:MAX"},
       {{"--nnodes", "x", "true"}, "--nnodes"},
@@ -323,6 +325,42 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
     EXPECT_EQ(r.exit_code, 2) << c.args[0] << ": " << r.describe();
     EXPECT_TRUE(contains(r.err, c.message)) << "'" << c.message << "' not in: " << r.err;
   }
+}
+
+// Note [Binding workers to cores]: each local rank runs on its own CPU of the launcher's mask,
+// and more workers than those CPUs is refused before any starts.
+TEST(TdistRun, CpuBindCoreGivesEachLocalRankACpuOfItsOwn) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  }
+  if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs, this process may use " << cpus.size();
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--cpu-bind", "core", "sh",
+                   "-c", "grep Cpus_allowed_list /proc/self/status"},
+                  with_timeout(60));
+  ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
+  std::regex line(R"(\[rank (\d)\] Cpus_allowed_list:\s*(\S+))");
+  std::map<int, std::string> seen;
+  std::istringstream in(r.out);
+  for (std::string l; std::getline(in, l);) {
+    std::smatch m;
+    if (std::regex_match(l, m, line)) seen[std::stoi(m[1])] = m[2];
+  }
+  EXPECT_EQ(seen, (std::map<int, std::string>{{0, std::to_string(cpus[0])},
+                                              {1, std::to_string(cpus[1])}}))
+      << r.describe();
+
+  const std::string too_many = std::to_string(cpus.size() + 1);
+  auto refused = launch({"--nproc-per-node", too_many, "--master-port", "0", "--cpu-bind", "core",
+                         "sh", "-c", "echo started"},
+                        with_timeout(60));
+  EXPECT_EQ(refused.exit_code, 2) << refused.describe();
+  EXPECT_TRUE(contains(refused.err, "--cpu-bind core: " + too_many + " workers per node"))
+      << refused.err;
+  EXPECT_FALSE(contains(refused.out, "started")) << "no worker starts: " << refused.out;
 }
 
 TEST(TdistRun, AMissingProgramIsAWorkerFailure) {
