@@ -37,6 +37,16 @@ void on_signal(int sig) {
   errno = saved;
 }
 
+// In a forked worker before exec: writes `what`, errno's text and a newline to stderr (with write
+// alone: the launcher may run threads) and exits 127.
+[[noreturn]] void child_fail(const std::string& what, int err) {
+  const char* why = std::strerror(err);
+  [[maybe_unused]] ssize_t n1 = ::write(STDERR_FILENO, what.data(), what.size());
+  [[maybe_unused]] ssize_t n2 = ::write(STDERR_FILENO, why, std::strlen(why));
+  [[maybe_unused]] ssize_t n3 = ::write(STDERR_FILENO, "\n", 1);
+  _exit(127);
+}
+
 // Installs the forwarding handlers for the lifetime of one run().
 class SignalForwarding {
  public:
@@ -373,18 +383,10 @@ void Launcher::spawn(Worker& w, const Assignment& a) {
     sigprocmask(SIG_SETMASK, &none, nullptr);
     signal(SIGPIPE, SIG_DFL);
     if (config_.bind_cores && ::sched_setaffinity(0, sizeof(cpu), &cpu) != 0) {
-      const char* why = std::strerror(errno);
-      [[maybe_unused]] ssize_t n1 = ::write(STDERR_FILENO, cannot_bind.data(), cannot_bind.size());
-      [[maybe_unused]] ssize_t n2 = ::write(STDERR_FILENO, why, std::strlen(why));
-      [[maybe_unused]] ssize_t n3 = ::write(STDERR_FILENO, "\n", 1);
-      _exit(127);
+      child_fail(cannot_bind, errno);
     }
     ::execvpe(argv[0], argv.data(), envp.data());
-    const char* why = std::strerror(errno);
-    [[maybe_unused]] ssize_t n1 = ::write(STDERR_FILENO, cannot_exec.data(), cannot_exec.size());
-    [[maybe_unused]] ssize_t n2 = ::write(STDERR_FILENO, why, std::strlen(why));
-    [[maybe_unused]] ssize_t n3 = ::write(STDERR_FILENO, "\n", 1);
-    _exit(127);
+    child_fail(cannot_exec, errno);
   }
   w.pid = pid;
   w.exit.pid = pid;
