@@ -1,5 +1,7 @@
 #include "tdist/core/env.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cctype>
 #include <charconv>
@@ -208,6 +210,17 @@ std::optional<SlurmStep> read_slurm_step() {
   s.first_host = expand_slurm_nodelist(*list, 1).front();
   s.port = slurm_default_port(get_int("SLURM_JOB_ID", 0, 0, INT64_MAX));
   return s;
+}
+
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
 }
 
 }  // namespace tdist::env

@@ -44,6 +44,10 @@ DistEnv read_dist_env();
 // True when a launcher's variables are there for read_dist_env (RANK, Slurm's or Open MPI's).
 bool has_dist_env();
 
+// The CPUs this process may run on (its affinity mask), in increasing order; empty when the mask
+// cannot be read.
+std::vector<int> allowed_cpus();
+
 // MASTER_ADDR and MASTER_PORT (1..65535). When unset inside a Slurm job, MASTER_ADDR defaults to
 // the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST) and MASTER_PORT to
 // slurm_default_port(SLURM_JOB_ID), so that `srun tdist-train` needs no variable of its own.

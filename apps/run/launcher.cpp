@@ -141,13 +141,7 @@ Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
                   config_.master_port, " is not in [0, 65535]");
   TDIST_CHECK_ARG(config_.max_restarts >= 0, "--max-restarts must be >= 0");
   if (config_.bind_cores) {
-    cpu_set_t allowed;
-    CPU_ZERO(&allowed);
-    TDIST_CHECK(::sched_getaffinity(0, sizeof(allowed), &allowed) == 0, "sched_getaffinity: ",
-                std::strerror(errno));
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if (CPU_ISSET(c, &allowed)) cpus_.push_back(c);
-    }
+    cpus_ = env::allowed_cpus();
     TDIST_CHECK_ARG(config_.nproc_per_node <= static_cast<int>(cpus_.size()),
                     "--cpu-bind core: ", config_.nproc_per_node,
                     " workers per node, but the launcher may run on only ", cpus_.size(),

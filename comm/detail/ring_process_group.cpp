@@ -1,7 +1,5 @@
 #include "tdist/comm/detail/ring_process_group.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <set>
 
@@ -66,10 +64,7 @@ int default_spin_us(const std::vector<std::unique_ptr<Channel>>& channels) {
 // process may run on, else 0 (Note [Spin, then sleep]).
 int default_busy_poll_ns(const std::vector<std::string>& hosts, int rank) {
   const auto local = std::count(hosts.begin(), hosts.end(), hosts[rank]);
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 0;
-  return local <= CPU_COUNT(&set) ? kBusyPollNs : 0;
+  return static_cast<size_t>(local) <= env::allowed_cpus().size() ? kBusyPollNs : 0;
 }
 
 // The hosts of the group from every rank's host key, when each has the same number of ranks (at

@@ -1,6 +1,5 @@
 // tdist-run as a user runs it: real worker processes (small shell scripts), real signals.
 #include <gtest/gtest.h>
-#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +10,7 @@
 #include <sstream>
 #include <thread>
 
+#include "tdist/core/env.h"
 #include "tests/harness/command.h"
 #include "tests/harness/process.h"
 
@@ -330,13 +330,7 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
 // Note [Binding workers to cores]: each local rank runs on its own CPU of the launcher's mask,
 // and more workers than those CPUs is refused before any starts.
 TEST(TdistRun, CpuBindCoreGivesEachLocalRankACpuOfItsOwn) {
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  ASSERT_EQ(::sched_getaffinity(0, sizeof(allowed), &allowed), 0);
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
-  }
+  const std::vector<int> cpus = env::allowed_cpus();
   if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs, this process may use " << cpus.size();
   auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--cpu-bind", "core", "sh",
                    "-c", "grep Cpus_allowed_list /proc/self/status"},
