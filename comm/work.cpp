@@ -48,7 +48,7 @@ void Future::set_error(std::exception_ptr error) {
 }
 
 void Future::finish(std::unique_lock<std::mutex>& lock) {
-  done_ = true;
+  done_.store(true, std::memory_order_release);
   auto callbacks = std::move(callbacks_);
   callbacks_.clear();
   lock.unlock();
@@ -57,10 +57,7 @@ void Future::finish(std::unique_lock<std::mutex>& lock) {
   for (auto& cb : callbacks) cb(*this);
 }
 
-bool Future::completed() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return done_;
-}
+bool Future::completed() const { return done_.load(std::memory_order_acquire); }
 
 bool Future::has_error() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -73,10 +70,15 @@ std::exception_ptr Future::error() const {
 }
 
 const Future::Value& Future::wait(Millis timeout) {
+  // value_ and error_ are constant once done_ is set (with release, after them).
+  if (done_.load(std::memory_order_acquire)) {
+    if (error_) std::rethrow_exception(error_);
+    return value_;
+  }
   std::unique_lock<std::mutex> lock(mu_);
   if (timeout.count() < 0) {
-    cv_.wait(lock, [&] { return done_; });
-  } else if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
+    cv_.wait(lock, [&] { return done_.load(); });
+  } else if (!cv_.wait_for(lock, timeout, [&] { return done_.load(); })) {
     TDIST_THROW(TimeoutError, "timed out after ", timeout.count(),
                 " ms waiting for the operation to complete (it keeps running until its own "
                 "deadline)");

@@ -22,6 +22,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -66,7 +67,7 @@ class Future : public std::enable_shared_from_this<Future> {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;                                   // guarded by mu_
+  std::atomic<bool> done_{false};                       // set under mu_; read without it
   Value value_;                                         // guarded by mu_; constant once done_
   std::exception_ptr error_;                            // guarded by mu_; constant once done_
   std::vector<std::function<void(Future&)>> callbacks_; // guarded by mu_

@@ -83,8 +83,8 @@ void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs);
 struct Hierarchy {
   std::vector<int> local;  // this host's ranks, ascending
   std::vector<int> cross;  // the rank at this rank's local position on every host, by host
-  int local_index;         // this rank's position in `local`
-  int host_index;          // this host's position in `cross`
+  int local_index = 0;     // this rank's position in `local`
+  int host_index = 0;      // this host's position in `cross`
 };
 // In place: reduce-scatter inside each host, allreduce of each segment across hosts, allgather
 // inside each host. Bit-identical results on every rank, like allreduce_ring.

@@ -38,11 +38,12 @@ Exchange::Exchange(std::vector<Channel*> peers, int rank, const std::atomic<bool
 
 std::string Exchange::where() const { return str("rank ", rank_, ": ", op_, " (seq ", seq_, ")"); }
 
-void Exchange::begin(const char* op, uint64_t seq, Clock::time_point deadline) {
+void Exchange::begin(const char* op, uint64_t seq, Clock::time_point now,
+                     Clock::time_point deadline) {
   op_ = op;
   seq_ = seq;
   deadline_ = deadline;
-  started_ = Clock::now();
+  started_ = now;
   bounce_left_ = 0;
   for (auto* qs : {&sends_, &recvs_}) {
     for (auto& q : *qs) {

@@ -42,8 +42,8 @@ class Exchange {
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(peers_.size()); }
 
-  // Starts an operation: clears the queues and sets what errors will name.
-  void begin(const char* op, uint64_t seq, Clock::time_point deadline);
+  // Starts an operation at `now`: clears the queues and sets what errors will name.
+  void begin(const char* op, uint64_t seq, Clock::time_point now, Clock::time_point deadline);
   const char* op() const { return op_; }
   uint64_t seq() const { return seq_; }
 

@@ -23,8 +23,7 @@ class RecvWork : public Work {
   std::atomic<int> source_{-1};
 };
 
-Clock::time_point deadline_after(Millis timeout) {
-  auto now = Clock::now();
+Clock::time_point deadline_after(Millis timeout, Clock::time_point now = Clock::now()) {
   if (timeout > std::chrono::duration_cast<Millis>(Clock::time_point::max() - now)) {
     return Clock::time_point::max();
   }
@@ -228,7 +227,6 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout
   auto future = std::make_shared<Future>();
   auto op = std::make_unique<Op>();
   op->enqueued = Clock::now();
-  const auto enqueued = op->enqueued;
   op->name = name;
   op->timeout = effective(timeout);
   op->future = future;
@@ -257,9 +255,8 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout
     return work;
   }
   if (run_on_waiter_) {
-    work->set_progress([this, seq, enqueued](bool may_run_here) {
-      progress(seq, enqueued, may_run_here);
-    });
+    // Two words, so std::function keeps them inline (no allocation per operation).
+    work->set_progress([this, seq](bool may_run_here) { progress(seq, may_run_here); });
   }
   if (tell) cv_.notify_one();
   return work;
@@ -280,7 +277,8 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout
 // Waking the worker for each operation costs as much again (a futex wake on the caller, the
 // worker scheduled onto a core the peer ranks need, only to find the operation taken): measured
 // in docs/perf.md, a third of a 4 KiB allreduce. So the group learns the caller's style:
-//   - An operation whose wait() comes within kPromptWait of its issue is "waited promptly".
+//   - An operation whose wait() comes within kPromptWait of its issue, while it is still queued,
+//     is "waited promptly".
 //     After kPromptStreak such operations in a row the group turns lazy_: new operations are
 //     queued without waking the worker (worker_told = false), for their waiter to run.
 //   - Anything else is asynchronous use and turns lazy_ off at once, telling the worker of every
@@ -311,12 +309,23 @@ bool RingProcessGroup::tell_worker_locked() {
   return told;
 }
 
-void RingProcessGroup::progress(uint64_t seq, Clock::time_point enqueued, bool may_run_here) {
+void RingProcessGroup::progress(uint64_t seq, bool may_run_here) {
   std::unique_ptr<Op> op;
   bool tell = false;
+  Clock::time_point now;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (may_run_here && Clock::now() - enqueued <= kPromptWait) {
+    // An operation no longer queued was taken by the worker: not a prompt wait.
+    bool prompt = false;
+    if (may_run_here) {
+      for (const auto& queued : queue_) {
+        if (queued->seq != seq) continue;
+        now = Clock::now();
+        prompt = now - queued->enqueued <= kPromptWait;
+        break;
+      }
+    }
+    if (prompt) {
       if (++prompt_waits_ >= kPromptStreak) lazy_ = true;
     } else {
       lazy_ = false;
@@ -332,7 +341,7 @@ void RingProcessGroup::progress(uint64_t seq, Clock::time_point enqueued, bool m
     if (!lazy_ || !op) tell = tell_worker_locked();
   }
   if (tell) cv_.notify_one();
-  if (op) execute(*op);
+  if (op) execute(*op, now);
 }
 
 void RingProcessGroup::worker_loop() {
@@ -369,7 +378,7 @@ void RingProcessGroup::worker_loop() {
       }
       running_ = true;
     }
-    execute(*op);
+    execute(*op, Clock::now());
   }
 }
 
@@ -384,7 +393,7 @@ void RingProcessGroup::finish_running() {
   if (more) cv_.notify_one();
 }
 
-void RingProcessGroup::execute(Op& op) {
+void RingProcessGroup::execute(Op& op, Clock::time_point now) {
   if (aborted_.load()) {
     finish_running();
     op.future->set_error(aborted_error(op.name, op.seq));
@@ -393,7 +402,7 @@ void RingProcessGroup::execute(Op& op) {
   Future::Value value;
   std::exception_ptr error;
   try {
-    exchange_->begin(op.name, op.seq, deadline_after(op.timeout));
+    exchange_->begin(op.name, op.seq, now, deadline_after(op.timeout, now));
     if (debug_detail_) check_fingerprints(*exchange_, op.fingerprint);
     algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_};
     value = op.run(ctx);

@@ -122,9 +122,10 @@ class RingProcessGroup final : public ProcessGroup {
   std::shared_ptr<Work> enqueue(const char* name, Millis timeout, Fingerprint fp, Run run);
   std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag, Millis timeout);
   void worker_loop();
-  void execute(Op& op);
+  // `now`: when the operation starts (its deadline counts from it).
+  void execute(Op& op, Clock::time_point now);
   // Note [Waiter runs the operation]: the Work's progress hook.
-  void progress(uint64_t seq, Clock::time_point enqueued, bool may_run_here);
+  void progress(uint64_t seq, bool may_run_here);
   // Notifies the worker of every queued op it was not told of; call with mu_ held, then
   // notify cv_ when it returns true.
   bool tell_worker_locked();

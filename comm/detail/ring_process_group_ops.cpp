@@ -57,9 +57,12 @@ std::vector<Contig> contig_all(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
-Fingerprint fingerprint(const at::Tensor* t, int redop = -1, int root = -1,
+// Empty unless `on` (TDIST_DEBUG=DETAIL): the check is all that reads it, and building it costs
+// an allocation per shape on every operation.
+Fingerprint fingerprint(bool on, const at::Tensor* t, int redop = -1, int root = -1,
                         std::vector<std::vector<int64_t>> shapes = {}) {
   Fingerprint f;
+  if (!on) return f;
   if (t != nullptr) {
     f.dtype = static_cast<int32_t>(t->scalar_type());
     if (shapes.empty()) shapes.push_back(t->sizes().vec());
@@ -120,7 +123,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const Allre
   check_stageable(tensor, "allreduce", "the tensor");
   auto rs = reduce_spec(tensor, opts.op);
   Contig buf(tensor);
-  return enqueue("allreduce", opts.timeout, fingerprint(&tensor, int(opts.op)),
+  return enqueue("allreduce", opts.timeout, fingerprint(debug_detail_, &tensor, int(opts.op)),
                  [this, buf, rs](algo::Context& c) {
                    allreduce_flat(c, buf.data(), buf.work.numel(), rs);
                    buf.write_back();
@@ -144,7 +147,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
   auto rs = reduce_spec(tensors[0], opts.op);
   at::Tensor flat = at::cat(flat_parts);
   return enqueue("allreduce_coalesced", opts.timeout,
-                 fingerprint(&tensors[0], int(opts.op), -1, shapes),
+                 fingerprint(debug_detail_, &tensors[0], int(opts.op), -1, shapes),
                  [this, tensors, flat, rs](algo::Context& c) {
                    allreduce_flat(c, static_cast<char*>(flat.data_ptr()), flat.numel(), rs);
                    int64_t off = 0;
@@ -161,7 +164,7 @@ std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const Broad
   check_root(opts.root, size_, "broadcast");
   Contig buf(tensor);
   const int root = opts.root;
-  return enqueue("broadcast", opts.timeout, fingerprint(&tensor, -1, root),
+  return enqueue("broadcast", opts.timeout, fingerprint(debug_detail_, &tensor, -1, root),
                  [this, buf, root](algo::Context& c) {
                    algo::broadcast_pipelined(c, buf.data(), buf.bytes(), root);
                    if (rank_ != root) buf.write_back();
@@ -175,7 +178,7 @@ std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOp
   auto rs = reduce_spec(tensor, opts.op);
   Contig buf(tensor);
   const int root = opts.root;
-  return enqueue("reduce", opts.timeout, fingerprint(&tensor, int(opts.op), root),
+  return enqueue("reduce", opts.timeout, fingerprint(debug_detail_, &tensor, int(opts.op), root),
                  [this, buf, rs, root](algo::Context& c) {
                    algo::reduce_chain(c, buf.data(), buf.data(), buf.work.numel(), rs, root);
                    if (rank_ == root) buf.write_back();
@@ -190,7 +193,7 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
   for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
   Contig in(input);
   auto outs = contig_all(outputs);
-  return enqueue("allgather", opts.timeout, fingerprint(&input),
+  return enqueue("allgather", opts.timeout, fingerprint(debug_detail_, &input),
                  [this, in, outs, outputs](algo::Context& c) {
                    std::vector<char*> blocks;
                    for (const auto& o : outs) blocks.push_back(o.data());
@@ -211,7 +214,7 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
                   output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
   Contig in(input);
   Contig out(output);
-  return enqueue("allgather_into_tensor", opts.timeout, fingerprint(&input),
+  return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
                  [this, in, out](algo::Context& c) {
                    const size_t b = in.bytes();
                    std::vector<char*> blocks;
@@ -237,7 +240,7 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
   }
   Contig in(input);
   auto outs = contig_all(outputs);
-  return enqueue("gather", opts.timeout, fingerprint(&input, -1, root),
+  return enqueue("gather", opts.timeout, fingerprint(debug_detail_, &input, -1, root),
                  [this, in, outs, outputs, root](algo::Context& c) {
                    std::vector<char*> blocks;
                    for (const auto& o : outs) blocks.push_back(o.data());
@@ -262,7 +265,7 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
   }
   Contig out(output);
   auto ins = contig_all(inputs);
-  return enqueue("scatter", opts.timeout, fingerprint(&output, -1, root),
+  return enqueue("scatter", opts.timeout, fingerprint(debug_detail_, &output, -1, root),
                  [this, out, ins, root](algo::Context& c) {
                    std::vector<const char*> blocks;
                    for (const auto& i : ins) blocks.push_back(i.data());
@@ -282,7 +285,7 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
   auto rs = reduce_spec(output, opts.op);
   Contig out(output);
   auto ins = contig_all(inputs);
-  return enqueue("reduce_scatter", opts.timeout, fingerprint(&output, int(opts.op)),
+  return enqueue("reduce_scatter", opts.timeout, fingerprint(debug_detail_, &output, int(opts.op)),
                  [out, ins, rs](algo::Context& c) {
                    std::vector<const char*> blocks;
                    for (const auto& i : ins) blocks.push_back(i.data());
@@ -303,7 +306,8 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
   auto rs = reduce_spec(output, opts.op);
   Contig out(output);
   Contig in(input);
-  return enqueue("reduce_scatter_tensor", opts.timeout, fingerprint(&output, int(opts.op)),
+  return enqueue("reduce_scatter_tensor", opts.timeout,
+                 fingerprint(debug_detail_, &output, int(opts.op)),
                  [this, out, in, rs](algo::Context& c) {
                    std::vector<const char*> blocks;
                    for (int i = 0; i < size_; ++i) blocks.push_back(in.data() + i * out.bytes());
@@ -340,7 +344,8 @@ std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Ten
   Contig in(input);
   Contig out(output);
   // With explicit splits the shapes legitimately differ between ranks: compare the dtype only.
-  auto fp = equal ? fingerprint(&input) : fingerprint(&input, -1, -1, {{}});
+  auto fp = equal ? fingerprint(debug_detail_, &input)
+                  : fingerprint(debug_detail_, &input, -1, -1, {{}});
   return enqueue("alltoall_base", opts.timeout, fp,
                  [in, out, send_bytes, recv_bytes, send_off, recv_off](algo::Context& c) {
                    std::vector<const char*> send;
@@ -372,7 +377,7 @@ std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs
                   outputs[rank_].numel());
   auto ins = contig_all(inputs);
   auto outs = contig_all(outputs);
-  Fingerprint fp = fingerprint(&inputs[0], -1, -1, {{}});
+  Fingerprint fp = fingerprint(debug_detail_, &inputs[0], -1, -1, {{}});
   return enqueue("alltoall", opts.timeout, fp, [ins, outs, outputs](algo::Context& c) {
     std::vector<const char*> send;
     std::vector<char*> recv;
@@ -390,7 +395,7 @@ std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs
 }
 
 std::shared_ptr<Work> RingProcessGroup::barrier(const BarrierOptions& opts) {
-  return enqueue("barrier", opts.timeout, fingerprint(nullptr, -1, -1, {}),
+  return enqueue("barrier", opts.timeout, fingerprint(debug_detail_, nullptr, -1, -1, {}),
                  [](algo::Context& c) {
                    algo::barrier_dissemination(c);
                    return Value{};
