@@ -100,6 +100,8 @@ std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store,
   TDIST_CHECK_ARG(size >= 1, "create_process_group: world size must be >= 1, got ", size);
   TDIST_CHECK_ARG(rank >= 0 && rank < size, "create_process_group: rank ", rank,
                   " is not in [0, ", size, ")");
+  TDIST_CHECK_ARG(!opts.device_id || *opts.device_id >= 0,
+                  "create_process_group: device_id must be >= 0, got ", opts.device_id.value_or(0));
   const bool automatic = opts.backend == "auto";
   if (automatic) opts.backend = resolve_auto(rank);
   auto chosen = parse_backend(opts.backend);

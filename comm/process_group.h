@@ -47,6 +47,13 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
     // allreduce groups ranks by host. Unset: TDIST_HOST_ID, else the machine's boot id and this
     // process's network namespace (Note [Host key], comm/transport/channels.h).
     std::optional<std::string> host;
+    // The CUDA device this rank uses (c10d's device_id). Set, the NCCL backend connects when the
+    // group is created instead of at its first operation, and a new_group whose options name
+    // the same device gets a communicator split from this group's (ncclCommSplit: no new NCCL
+    // bootstrap through the store; Note [Split communicators] in comm/nccl/nccl_process_group.h).
+    // Unset, each NCCL communicator is created at its first operation. The ring backend does
+    // not use it. Must be >= 0.
+    std::optional<int> device_id;
   };
 
   virtual ~ProcessGroup() = default;

@@ -1,5 +1,6 @@
 #include "tdist/comm/nccl/nccl_process_group.h"
 
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <algorithm>
@@ -38,18 +39,51 @@ void check_cuda(const at::Tensor& t, const char* op, const char* what) {
                   " tensor; the nccl backend serves CUDA tensors");
 }
 
+// Note [Split communicators]: the member colour of a split (one subgroup per ncclCommSplit).
+constexpr int kMemberColor = 0;
+
+at::Device bound_device(int id) { return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id)); }
+
 }  // namespace
+
+struct NcclProcessGroup::SplitFrom {
+  c10::intrusive_ptr<::c10d::ProcessGroupNCCL> parent;
+  std::vector<uint64_t> ranks;  // the subgroup's ranks in the parent
+};
 
 NcclProcessGroup::NcclProcessGroup(std::shared_ptr<Store> store, std::string prefix, int rank,
                                    int size, const Options& opts)
+    : NcclProcessGroup(std::move(store), std::move(prefix), rank, size, opts, nullptr) {}
+
+NcclProcessGroup::NcclProcessGroup(std::shared_ptr<Store> store, std::string prefix, int rank,
+                                   int size, const Options& opts, const SplitFrom* split)
     : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), size_(size), opts_(opts) {
   auto c10d_opts = ::c10d::ProcessGroupNCCL::Options::create();
   c10d_opts->timeout = opts_.timeout;
+  if (split != nullptr) {
+    c10d_opts->split_from = split->parent;
+    c10d_opts->split_color = kMemberColor;
+    c10d_opts->global_ranks_in_group = split->ranks;
+  }
+  if (opts_.device_id) {
+    const int devices = static_cast<int>(c10::cuda::device_count());
+    TDIST_CHECK_ARG(*opts_.device_id >= 0 && *opts_.device_id < devices, "rank ", rank_,
+                    ": device_id ", *opts_.device_id, " is not a visible GPU (", devices,
+                    " visible)");
+  }
   auto scoped = std::make_shared<PrefixStore>(prefix_ + "/", store_);
   pg_ = c10::make_intrusive<::c10d::ProcessGroupNCCL>(
       c10::make_intrusive<C10dStore>(scoped, opts_.timeout), rank_, size_, c10d_opts);
+  if (opts_.device_id) {
+    // Collective over the group's ranks; for a split, over the parent's (Note [Split
+    // communicators]).
+    pg_->setBoundDeviceId(bound_device(*opts_.device_id));
+    pg_->eagerConnectSingleDevice(bound_device(*opts_.device_id));
+  }
   completer_ = std::thread([this] { complete_loop(); });
 }
+
+uint64_t NcclProcessGroup::comm_split_count() const { return pg_->getCommSplitCounter(); }
 
 NcclProcessGroup::~NcclProcessGroup() {
   {
@@ -377,10 +411,20 @@ std::shared_ptr<ProcessGroup> NcclProcessGroup::new_group(std::vector<int> ranks
     n = subgroups_++;  // every rank calls new_group in the same order: the same n everywhere
   }
   auto me = std::find(ranks.begin(), ranks.end(), rank_);
-  if (me == ranks.end()) return nullptr;
-  return std::make_shared<NcclProcessGroup>(store_, str(prefix_, "/sub", n),
-                                            static_cast<int>(me - ranks.begin()),
-                                            static_cast<int>(ranks.size()), opts);
+  // Note [Split communicators]: the same decision on every rank.
+  const bool split = opts_.device_id && opts.device_id == opts_.device_id;
+  if (me == ranks.end()) {
+    if (split) pg_->performNocolorSplit(bound_device(*opts_.device_id));
+    return nullptr;
+  }
+  const int rank = static_cast<int>(me - ranks.begin());
+  const int size = static_cast<int>(ranks.size());
+  if (!split) {
+    return std::make_shared<NcclProcessGroup>(store_, str(prefix_, "/sub", n), rank, size, opts);
+  }
+  SplitFrom from{pg_, std::vector<uint64_t>(ranks.begin(), ranks.end())};
+  return std::shared_ptr<NcclProcessGroup>(
+      new NcclProcessGroup(store_, str(prefix_, "/sub", n), rank, size, opts, &from));
 }
 
 void NcclProcessGroup::abort() {

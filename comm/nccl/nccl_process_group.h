@@ -21,6 +21,19 @@
 //   its default 3); set it to 0 or 1 to keep the process and see the error instead.
 // - abort() aborts the NCCL communicators and fails every pending Work.
 //
+// Note [Split communicators]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With Options::device_id set the group is bound to that device (c10d's bound device id) and
+// connects at once (eagerConnectSingleDevice). new_group then splits the subgroup's communicator
+// from this group's, as c10d does for a group created with a device_id: ncclCommSplit reuses the
+// parent's connections instead of a new bootstrap through the store. The split is collective
+// over every rank of the parent, and all of them call new_group (ProcessGroup's contract): a
+// member creates its subgroup with c10d's split_from and connects it, a non-member takes part
+// with no colour (performNocolorSplit). Both sides decide from the same inputs (the parent's
+// device_id and the subgroup's options, which every rank passes alike), so they never disagree
+// about whether a split happens. Without device_id, or when the subgroup names another device,
+// the subgroup gets its own communicator at its first operation, as before.
+//
 // Thread safety: as ProcessGroup's. Operations must be issued in the same order on every rank.
 
 #include <condition_variable>
@@ -88,7 +101,14 @@ class NcclProcessGroup : public ProcessGroup {
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
   void abort() override;
 
+  // How many communicators were split from this group's (Note [Split communicators]).
+  uint64_t comm_split_count() const;
+
  private:
+  struct SplitFrom;  // the parent of a split subgroup (nccl_process_group.cpp)
+  NcclProcessGroup(std::shared_ptr<Store> store, std::string prefix, int rank, int size,
+                   const Options& opts, const SplitFrom* split);
+
   struct Pending {
     std::string op;
     uint64_t seq;

@@ -9,9 +9,11 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <numeric>
 #include <string>
 
 #include "tdist/comm/nccl/c10d_store.h"
+#include "tdist/comm/nccl/nccl_process_group.h"
 #include "tdist/core/tcp_store.h"
 #include "tests/comm/comm_test_util.h"
 
@@ -214,6 +216,69 @@ TEST(RingOnCuda, ACpuRankAndACudaRankReduceTogether) {
     if (rank == 1) x = x.to(torch::kCUDA);
     pg->allreduce(x)->wait();
     EXPECT_TRUE(torch::equal(x.cpu(), torch::full({100}, 3.0)));
+  });
+}
+
+// Options::device_id: checked before any backend starts, and by the NCCL backend against the
+// visible GPUs (here, without a GPU, every id is refused with the count it saw).
+TEST(DeviceDispatch, ABadDeviceIdIsRefusedSayingWhy) {
+  auto store = std::make_shared<HashStore>();
+  ProcessGroup::Options o;
+  o.device_id = -1;
+  try {
+    create_process_group(store, 0, 1, o);
+    ADD_FAILURE() << "device_id -1 was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_TRUE(contains(e.what(), "device_id must be >= 0, got -1")) << e.what();
+  }
+  o.backend = "cpu:ring,cuda:nccl";
+  o.device_id = static_cast<int>(torch::cuda::device_count());  // one past the last GPU
+  try {
+    create_process_group(store, 0, 1, o);
+    ADD_FAILURE() << "device_id " << *o.device_id << " was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_TRUE(contains(e.what(), "is not a visible GPU")) << e.what();
+  }
+  o.backend = "ring";  // the ring does not use the device
+  EXPECT_EQ(create_process_group(store, 0, 1, o)->backend_name(), "ring");
+}
+
+// Note [Split communicators]: with a device_id the subgroup's communicator is split from the
+// parent's (the parent counts the split), and collectives on it give the right results; without
+// one the subgroup bootstraps its own and nothing is split.
+TEST(NcclBackend, NewGroupSplitsTheBoundParentsCommunicator) {
+  SKIP_WITHOUT_GPUS(1);
+  const int n = std::min<int>(2, static_cast<int>(torch::cuda::device_count()));
+  spawn(n, [&](int rank, std::shared_ptr<Store> store) {
+    c10::DeviceGuard on(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank)));
+    const auto dev = torch::Device(torch::kCUDA, rank);
+    auto o = test_options();
+    o.device_id = rank;
+    std::vector<int> everyone(n);
+    std::iota(everyone.begin(), everyone.end(), 0);
+    nccl::NcclProcessGroup bound(store, "bound", rank, n, o);
+    auto all = bound.new_group(everyone, o);
+    ASSERT_NE(all, nullptr);
+    auto x = torch::full({1024}, rank + 1.0, dev);
+    all->allreduce(x)->synchronize();
+    EXPECT_TRUE(torch::equal(x.cpu(), torch::full({1024}, n * (n + 1) / 2.0)));
+    EXPECT_EQ(bound.comm_split_count(), 1u);
+    // Only the last rank: the others take part in the split with no colour and get no group.
+    auto last = bound.new_group({n - 1}, o);
+    EXPECT_EQ(last == nullptr, rank != n - 1);
+    if (last) {
+      auto y = torch::full({16}, 5.0, dev);
+      last->allreduce(y)->synchronize();
+      EXPECT_TRUE(torch::equal(y.cpu(), torch::full({16}, 5.0)));
+    }
+    // No device_id: the subgroup makes its own communicator at its first operation.
+    auto lazy_opts = test_options();
+    nccl::NcclProcessGroup lazy(store, "lazy", rank, n, lazy_opts);
+    auto sub = lazy.new_group(everyone, lazy_opts);
+    auto z = torch::ones({8}, dev);
+    sub->allreduce(z)->synchronize();
+    EXPECT_TRUE(torch::equal(z.cpu(), torch::full({8}, static_cast<float>(n))));
+    EXPECT_EQ(lazy.comm_split_count(), 0u);
   });
 }
 
