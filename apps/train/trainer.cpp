@@ -48,6 +48,8 @@ std::shared_ptr<comm::ProcessGroup> make_group(const TrainOptions& o) {
   comm::ProcessGroup::Options popts;
   popts.timeout = timeout_of(o);
   popts.backend = o.group_backend;
+  // On a GPU the NCCL group is bound to it and connects now, as c10d's device_id does.
+  if (o.device.is_cuda() && o.device.has_index()) popts.device_id = o.device.index();
   if (!env::has_dist_env()) {
     return comm::create_process_group(std::make_shared<HashStore>(), 0, 1, popts);
   }
