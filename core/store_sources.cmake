@@ -15,4 +15,5 @@ set(TDIST_CORE_STORE_SOURCES
   detail/store_util.cpp
   detail/tcp_store_client.cpp
   detail/tcp_store_protocol.cpp
-  detail/tcp_store_server.cpp)
+  detail/tcp_store_server.cpp
+  detail/tcp_store_server_requests.cpp)
