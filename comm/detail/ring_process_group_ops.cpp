@@ -141,7 +141,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
     TDIST_CHECK_ARG(tensors[i].scalar_type() == tensors[0].scalar_type(),
                     "allreduce_coalesced: tensor ", i, " has dtype ", tensors[i].scalar_type(),
                     " but tensor 0 has ", tensors[0].scalar_type());
-    shapes.push_back(tensors[i].sizes().vec());
+    if (debug_detail_) shapes.push_back(tensors[i].sizes().vec());  // for the fingerprint only
     flat_parts.push_back(host_values(tensors[i]).reshape({-1}));
   }
   auto rs = reduce_spec(tensors[0], opts.op);
