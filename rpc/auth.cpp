@@ -1,10 +1,6 @@
 #include "tdist/rpc/auth.h"
 
-#include <errno.h>
-#include <sys/uio.h>
 #include <unistd.h>
-
-#include <cstring>
 
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
@@ -30,22 +26,6 @@ bool may_read_peer(bool fast_path, bool peer_wants, int fd, pid_t pid, const std
 }
 
 }  // namespace
-
-void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) {
-  auto* dst = static_cast<uint8_t*>(out);
-  size_t done = 0;
-  while (done < size) {
-    struct iovec local = {dst + done, size - done};
-    struct iovec remote = {reinterpret_cast<void*>(address + done), size - done};
-    ssize_t n = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      throw NetworkError(str("cannot read ", size, " bytes of process ", pid,
-                             " memory: ", n < 0 ? std::strerror(errno) : "nothing read"));
-    }
-    done += static_cast<size_t>(n);
-  }
-}
 
 HandshakeResult server_handshake(int fd, const HandshakeOptions& o) {
   const auto deadline = net::Clock::now() + o.timeout;

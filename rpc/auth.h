@@ -55,8 +55,4 @@ HandshakeResult server_handshake(int fd, const HandshakeOptions& options);
 // The connecting side; `expected_peer` is the rank it meant to reach (for error messages).
 HandshakeResult client_handshake(int fd, const HandshakeOptions& options, int expected_peer);
 
-// Reads `size` bytes of process `pid` at `address` into `out` (process_vm_readv). Throws
-// NetworkError when the kernel refuses or the range is not mapped.
-void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size);
-
 }  // namespace tdist::rpc::detail

@@ -16,6 +16,7 @@
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/net/address.h"
+#include "tdist/core/process_memory.h"
 #include "tdist/core/serialize.h"
 #include "tdist/rpc/detail/tensor_pool.h"
 

@@ -1,0 +1,42 @@
+#pragma once
+// Reading another local process's memory (process_vm_readv): one copy from the sender's memory
+// straight into ours, for the same-host paths of RPC (large tensors) and of the collectives
+// (Note [Single-copy collectives] in comm/algorithms/algorithms.h).
+//
+// The kernel lets us read a process when we may ptrace it: the same user and, under Yama's
+// ptrace_scope 1, only a descendant, or a process that named us; containers often forbid it.
+// A peer's pid is also only meaningful in our own PID namespace. So neither side assumes it
+// works: the reader checks by reading the peer's canary (ProcessCanary: a random value at an
+// address the peer announced) and compares it with the value the peer announced. Only a
+// reader that found the right value uses the path; anyone else falls back to copying through
+// sockets or shared memory.
+//
+// Thread safety: every function may be called from any thread.
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tdist {
+
+// Reads `size` bytes of process `pid` at `address` into `out`. Throws NetworkError (naming
+// the pid and the kernel's reason) when the kernel refuses or the range is not mapped.
+void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size);
+// The same without throwing: 0 when every byte was read, else the errno that stopped it
+// (ESRCH: no such process; EFAULT: not mapped or a short read; EPERM: not allowed).
+int try_read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) noexcept;
+
+// This process's canary: a random 64-bit value (never 0), fixed for the process's life, and
+// its address.
+struct ProcessCanary {
+  uint64_t address;
+  uint64_t value;
+};
+ProcessCanary process_canary();
+
+// Whether process `pid` can be read here and is the process that announced `canary`: reads the
+// canary's address and compares. Never throws.
+bool can_read_process(pid_t pid, const ProcessCanary& canary);
+
+}  // namespace tdist
