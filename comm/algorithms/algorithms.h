@@ -8,6 +8,7 @@
 // alltoall, whose sizes are per pair; see alltoall_pairwise.cpp).
 
 #include <c10/core/ScalarType.h>
+#include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -40,6 +41,9 @@ struct Context {
   int size;
   size_t chunk_bytes;  // pipelining granularity (TDIST_CHUNK_BYTES)
   Scratch& scratch;
+  // By rank: the process whose memory the single-copy algorithms read (Note [Single-copy
+  // collectives]); null when the group does not use them.
+  const std::vector<pid_t>* pids = nullptr;
 };
 
 struct ReduceSpec {
@@ -96,6 +100,32 @@ void allreduce_recursive_doubling(Context& c, char* data, size_t count, const Re
 
 // `bytes` of `data` from root to every rank, along a chain, chunked and pipelined.
 void broadcast_pipelined(Context& c, char* data, size_t bytes, int root);
+
+// Note [Single-copy collectives]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Through a shared-memory ring every byte is copied twice: by the sender into the ring and by
+// the receiver out of it. When all of a group's ranks are processes of one host that may read
+// each other's memory (checked at set-up on each peer's canary: core/process_memory.h, Note
+// [Shared-memory negotiation] in transport/channels.h), a large allgather or broadcast copies
+// each byte once instead: every rank tells the ranks that need its data where that data is
+// (an 8-byte address over the collective channel), each of them copies it straight into its
+// own output with process_vm_readv, and each then tells the owner it is done (one byte), so no
+// rank returns (and lets its caller reuse the buffer) while a peer may still be reading it.
+// No rank waits for another between the address and the done message: a rank whose peers are
+// descheduled (four ranks on two cores) still copies at once, and the copies of all ranks run
+// in parallel. Open MPI's shared-memory transport does the same (CMA).
+// The group uses it when every rank allows it (TDIST_SINGLE_COPY, default on) and can read
+// every peer: allgathers from world 3 with blocks of at least TDIST_SINGLE_COPY_BYTES (default
+// 256 KiB) and world-2 broadcasts of at least 8x that (RingProcessGroup::broadcast_bytes says
+// why those). At set-up every rank sends every peer its threshold (the largest value, when
+// disabled or a peer is unreadable) and the group takes the largest, so ranks with different
+// settings still agree. A peer that dies mid-copy makes the read fail (ESRCH), an error that
+// names the rank; a peer that stops is noticed at the done message's deadline.
+
+// Broadcast by single copy: every non-root reads `bytes` at the root's `data`.
+void broadcast_single_copy(Context& c, char* data, size_t bytes, int root);
+// Allgather by single copy: every rank reads blocks[i] from rank i's blocks[i].
+void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes);
 
 // Reduces every rank's `input` into `output` on root along a chain ending at root, chunked and
 // pipelined. `output` is used on root only (it may alias `input`); non-root inputs are unchanged.

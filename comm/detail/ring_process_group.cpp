@@ -1,5 +1,7 @@
 #include "tdist/comm/detail/ring_process_group.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <set>
 
@@ -97,6 +99,21 @@ std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::strin
   for (const auto& g : groups) h.cross.push_back(g[static_cast<size_t>(h.local_index)]);
   return h;
 }
+
+// The group's single-copy threshold (Note [Single-copy collectives] in algorithms.h), agreed
+// before any operation: every rank sends its own (kNoSingleCopy when it may not or cannot read
+// every peer) to every peer, and all take the largest.
+uint64_t agree_single_copy_bytes(Exchange& ex, uint64_t mine, Clock::time_point deadline) {
+  ex.begin("process group set-up", 0, Clock::now(), deadline);
+  std::vector<uint64_t> theirs(static_cast<size_t>(ex.size()), mine);
+  for (int p = 0; p < ex.size(); ++p) {
+    if (p == ex.rank()) continue;
+    ex.send(p, &mine, sizeof(mine));
+    ex.recv(p, &theirs[p], sizeof(uint64_t));
+  }
+  ex.run();
+  return *std::max_element(theirs.begin(), theirs.end());
+}
 }  // namespace
 
 RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::string prefix, int rank,
@@ -154,6 +171,18 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   exchange_->set_busy_poll_ns(static_cast<int>(env::get_int(
       "TDIST_BUSY_POLL_NS", default_busy_poll_ns(channels.hosts, rank_), 0, 1000000000)));
   exchange_->set_wait_alone(env::get_bool("TDIST_SHM_FUTEX", true));
+  if (size_ > 1) {
+    bool readable = env::get_bool("TDIST_SINGLE_COPY", true);
+    for (int p = 0; p < size_; ++p) readable = readable && (p == rank_ || channels.readable_pids[p]);
+    const auto threshold = static_cast<uint64_t>(env::get_int(
+        "TDIST_SINGLE_COPY_BYTES", static_cast<int64_t>(kDefaultSingleCopyBytes), 1, int64_t(1) << 62));
+    single_copy_bytes_ =
+        agree_single_copy_bytes(*exchange_, readable ? threshold : kNoSingleCopy, setup_deadline);
+    if (single_copy_bytes_ != kNoSingleCopy) {
+      peer_pids_ = channels.readable_pids;
+      peer_pids_[rank_] = ::getpid();
+    }
+  }
   p2p_ = std::make_unique<P2PEngine>(mesh_->channel(1), rank_,
                                      [this](std::exception_ptr e) { abort_with(e); });
   worker_ = std::thread([this] { worker_loop(); });
@@ -404,7 +433,7 @@ void RingProcessGroup::execute(Op& op, Clock::time_point now) {
   try {
     exchange_->begin(op.name, op.seq, now, deadline_after(op.timeout, now));
     if (debug_detail_) check_fingerprints(*exchange_, op.fingerprint);
-    algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_};
+    algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_, &peer_pids_};
     value = op.run(ctx);
   } catch (const MismatchError&) {
     error = std::current_exception();

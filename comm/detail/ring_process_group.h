@@ -28,6 +28,11 @@
 //                            2000 when the host's ranks fit on this process's CPUs, else 0)
 //   TDIST_TRANSPORT          auto (shared memory with same-host peers, else TCP) | tcp
 //   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 2 MiB)
+//   TDIST_SINGLE_COPY        1 (default) | 0: large allgathers and broadcasts read the peers'
+//                            memory when every rank may (Note [Single-copy collectives])
+//   TDIST_SINGLE_COPY_BYTES  allgather blocks from this many bytes (world 3 and more),
+//                            broadcasts from 8x as many (world 2); default 256 KiB; the group
+//                            takes the largest of its ranks' values
 //   TDIST_DEBUG=DETAIL       fingerprint check before every collective
 //   TDIST_RUN_ON_WAITER      1 (default): Work::wait() runs the next due operation on the
 //                            waiting thread (Note [Waiter runs the operation]); 0: the worker only
@@ -69,6 +74,10 @@ class RingProcessGroup final : public ProcessGroup {
   // The group's hosts when the hierarchical allreduce can run (Note [Hierarchical allreduce]);
   // null otherwise.
   const algorithms::Hierarchy* hierarchy() const { return hierarchy_ ? &*hierarchy_ : nullptr; }
+  // The group's single-copy threshold (Note [Single-copy collectives]); kNoSingleCopy when the
+  // group does not use it.
+  uint64_t single_copy_bytes() const { return single_copy_bytes_; }
+  static constexpr uint64_t kNoSingleCopy = UINT64_MAX;
 
   std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
   std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;
@@ -136,6 +145,13 @@ class RingProcessGroup final : public ProcessGroup {
   algorithms::ReduceSpec reduce_spec(const at::Tensor& t, ReduceOp op) const;
   void allreduce_flat(algorithms::Context& c, char* data, size_t count,
                       const algorithms::ReduceSpec& rs) const;
+  // Single copy from a size on (Note [Single-copy collectives]), else the pipelined chain / ring.
+  void broadcast_bytes(algorithms::Context& c, char* data, size_t bytes, int root) const;
+  void allgather_blocks(algorithms::Context& c, const std::vector<char*>& blocks,
+                        size_t block_bytes) const;
+
+  static constexpr uint64_t kDefaultSingleCopyBytes = 256 << 10;
+  static constexpr uint64_t kSingleCopyBroadcastFactor = 8;
 
   // Constant after construction.
   const std::shared_ptr<Store> root_store_;
@@ -151,6 +167,11 @@ class RingProcessGroup final : public ProcessGroup {
   std::unique_ptr<tcp::Mesh> mesh_;
   std::vector<std::unique_ptr<Channel>> channels_;  // collective channel per peer
   std::optional<algorithms::Hierarchy> hierarchy_;
+  // Allgather blocks and broadcasts of at least this many bytes are copied once, straight from
+  // the owner's memory (Note [Single-copy collectives]): the group's agreed threshold, or
+  // kNoSingleCopy. peer_pids_: every rank's process when it is not kNoSingleCopy.
+  uint64_t single_copy_bytes_ = kNoSingleCopy;
+  std::vector<pid_t> peer_pids_;
   std::unique_ptr<Exchange> exchange_;  // used by the thread that set running_
   algorithms::Scratch scratch_;         // used by the thread that set running_
   std::unique_ptr<P2PEngine> p2p_;

@@ -159,6 +159,28 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
                  });
 }
 
+// Where each path wins on the 2-core machine (docs/perf.md, "Single-copy collectives"): a
+// world-2 broadcast from 8x the threshold (below it the ring's copies stay in the caches and
+// win); with more ranks, the others all reading the root at once lost to the chain. An allgather
+// from world 3, where the ring forwards blocks through other ranks (each forward a wait for a
+// rank that may not be running); at world 2 the ring forwards nothing and was as fast.
+void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t bytes, int root) const {
+  if (size_ == 2 && bytes / kSingleCopyBroadcastFactor >= single_copy_bytes_) {
+    algo::broadcast_single_copy(c, data, bytes, root);
+  } else {
+    algo::broadcast_pipelined(c, data, bytes, root);
+  }
+}
+
+void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char*>& blocks,
+                                        size_t block_bytes) const {
+  if (size_ >= 3 && block_bytes >= single_copy_bytes_) {
+    algo::allgather_single_copy(c, blocks, block_bytes);
+  } else {
+    algo::allgather_ring(c, blocks, block_bytes);
+  }
+}
+
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
   check_stageable(tensor, "broadcast", "the tensor");
   check_root(opts.root, size_, "broadcast");
@@ -166,7 +188,7 @@ std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const Broad
   const int root = opts.root;
   return enqueue("broadcast", opts.timeout, fingerprint(debug_detail_, &tensor, -1, root),
                  [this, buf, root](algo::Context& c) {
-                   algo::broadcast_pipelined(c, buf.data(), buf.bytes(), root);
+                   broadcast_bytes(c, buf.data(), buf.bytes(), root);
                    if (rank_ != root) buf.write_back();
                    return Value{buf.orig};
                  });
@@ -198,7 +220,7 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
                    std::vector<char*> blocks;
                    for (const auto& o : outs) blocks.push_back(o.data());
                    if (in.bytes() > 0) std::memmove(blocks[rank_], in.data(), in.bytes());
-                   algo::allgather_ring(c, blocks, in.bytes());
+                   allgather_blocks(c, blocks, in.bytes());
                    for (const auto& o : outs) o.write_back();
                    return outputs;
                  });
@@ -219,8 +241,10 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
                    const size_t b = in.bytes();
                    std::vector<char*> blocks;
                    for (int i = 0; i < size_; ++i) blocks.push_back(out.data() + i * b);
-                   if (b > 0) std::memmove(blocks[rank_], in.data(), b);
-                   algo::allgather_ring(c, blocks, b);
+                   if (b > 0 && blocks[rank_] != in.data()) {  // else in place already
+                     std::memmove(blocks[rank_], in.data(), b);
+                   }
+                   allgather_blocks(c, blocks, b);
                    out.write_back();
                    return Value{out.orig};
                  });

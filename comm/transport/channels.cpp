@@ -11,6 +11,7 @@
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/process_memory.h"
 #include "tdist/core/wire.h"
 
 namespace tdist::comm {
@@ -46,6 +47,28 @@ std::string read_host(tcp::Connection* conn, int me, int peer,
   return host;
 }
 
+// This process's pid and canary (Note [Single-copy collectives] in comm/algorithms/algorithms.h).
+void append_memory(Bytes& msg) {
+  const ProcessCanary canary = process_canary();
+  wire::Writer w(msg);
+  w.u32(static_cast<uint32_t>(::getpid()));
+  w.u64(canary.address);
+  w.u64(canary.value);
+}
+
+// Reads the peer's pid and canary; returns its pid when this process can read the peer's
+// memory (checked on the canary), else 0.
+pid_t read_memory(tcp::Connection* conn, std::chrono::steady_clock::time_point deadline) {
+  uint8_t fields[4 + 8 + 8];
+  conn->read_all(fields, sizeof(fields), deadline, "the peer's process");
+  wire::Reader r(fields, sizeof(fields));
+  const auto pid = static_cast<pid_t>(r.u32());
+  ProcessCanary canary;
+  canary.address = r.u64();
+  canary.value = r.u64();
+  return can_read_process(pid, canary) ? pid : 0;
+}
+
 }  // namespace
 
 std::string host_key() {
@@ -74,6 +97,7 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
   out.resize(static_cast<size_t>(n));
   result.hosts.resize(static_cast<size_t>(n));
   result.hosts[me] = opts.host;
+  result.readable_pids.assign(static_cast<size_t>(n), 0);
   std::vector<std::unique_ptr<shm::Segment>> segments(static_cast<size_t>(n));
   std::vector<std::string> names(static_cast<size_t>(n));
   const size_t bytes = shm::segment_bytes(opts.shm_capacity);
@@ -102,6 +126,7 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
     w.u32(static_cast<uint32_t>(names[p].size()));
     w.raw(names[p].data(), names[p].size());
     append_host(msg, opts.host);
+    append_memory(msg);
     mesh.get(channel, p)->write_all(msg.data(), msg.size(), deadline, "the shared-memory offer");
   }
   // 2. Answers to the lower ranks.
@@ -120,15 +145,18 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
     std::string name(len, '\0');
     if (len > 0) conn->read_all(name.data(), len, deadline, "the shared-memory offer");
     result.hosts[p] = read_host(conn, me, p, deadline);
+    const pid_t pid = read_memory(conn, deadline);
     std::unique_ptr<shm::Segment> seg;
     if (len > 0 && opts.allow_shm && result.hosts[p] == opts.host) {
       seg = shm::Segment::open(name, shm::segment_bytes(capacity));
     }
     Bytes reply{static_cast<uint8_t>(seg ? 1 : 0)};
     append_host(reply, opts.host);
+    append_memory(reply);
     conn->write_all(reply.data(), reply.size(), deadline, "the shared-memory answer");
     if (seg) {
       out[p] = std::make_unique<shm::ShmChannel>(std::move(seg), capacity, false, conn);
+      result.readable_pids[p] = pid;
     }
   }
   // 3. The higher ranks' answers.
@@ -137,11 +165,13 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
     uint8_t answer = 0;
     conn->read_all(&answer, 1, deadline, "the shared-memory answer");
     result.hosts[p] = read_host(conn, me, p, deadline);
+    const pid_t pid = read_memory(conn, deadline);
     if (!names[p].empty()) shm::Segment::unlink(names[p]);
     names[p].clear();
     if (answer == 1 && segments[p]) {
       out[p] = std::make_unique<shm::ShmChannel>(std::move(segments[p]), opts.shm_capacity, true,
                                                  conn);
+      result.readable_pids[p] = pid;
     }
   }
   int shm_peers = 0;

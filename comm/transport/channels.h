@@ -16,13 +16,19 @@
 //   Runs once on each pair's collective TCP connection, right after the mesh is built and
 //   before any collective byte. The lower rank creates a segment under a fresh random name and
 //   sends  u32 magic 'TDSH' | u64 ring capacity | u32 name length | name  (length 0: no offer,
-//   because it is disallowed or creation failed). The higher rank opens and maps it and answers
-//   one byte: 1 accepted, 0 refused. The lower rank unlinks the name after the answer (so no
-//   name outlives the setup, even if a rank dies later). Both then use shared memory if and only
-//   if the answer was 1. Writes are tiny and never block, and every rank first writes all its
-//   offers, then answers the lower ranks, then reads its answers, so no rank waits in a cycle.
+//   because it is disallowed or creation failed) | u32 host key length | host key | process.
+//   The higher rank opens and maps it and answers one byte: 1 accepted, 0 refused, then its own
+//   host key and process. `process` is u32 pid | u64 canary address | u64 canary value
+//   (core/process_memory.h): each side checks whether it can read the other's memory (Note
+//   [Single-copy collectives] in comm/algorithms/algorithms.h). The lower rank unlinks the name
+//   after the answer (so no name outlives the setup, even if a rank dies later). Both then use
+//   shared memory if and only if the answer was 1. Writes are tiny and never block, and every
+//   rank first writes all its offers, then answers the lower ranks, then reads its answers, so
+//   no rank waits in a cycle.
 //
 // Thread safety: called once by the thread that creates the group.
+
+#include <sys/types.h>
 
 #include <chrono>
 #include <memory>
@@ -49,6 +55,9 @@ struct ChannelOptions {
 struct Channels {
   std::vector<std::unique_ptr<Channel>> peers;  // by rank; nullptr at this rank
   std::vector<std::string> hosts;               // every rank's host key, this rank's included
+  // By rank: the pid of a shared-memory peer whose memory this process can read (checked on
+  // its canary), else 0.
+  std::vector<pid_t> readable_pids;
 };
 
 // Blocks until negotiated or the deadline.

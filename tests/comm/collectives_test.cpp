@@ -4,28 +4,49 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "tdist/comm/detail/ring_process_group.h"
 #include "tests/comm/comm_test_util.h"
 
 namespace tdist::comm {
 namespace {
 
-// Parameters: world size and transport ("auto": shared memory, "tcp": loopback TCP).
+// Parameters: world size and transport ("auto": shared memory, "tcp": loopback TCP,
+// "single_copy": shared memory with every allgather (from world 3) and broadcast (world 2) read
+// straight from the peer's memory, Note [Single-copy collectives]).
 class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, const char*>> {
  protected:
   // Runs fn(rank, pg) on every rank with a small chunk size.
   template <typename F>
   void run(F fn, const char* chunk = "40") {
     const int world = this->world();
+    const bool single_copy = transport() == "single_copy";
     tdist::test::EnvGuard env(tdist::test::EnvVars{
         {"TDIST_CHUNK_BYTES", std::string(chunk)},
-        {"TDIST_TRANSPORT", std::string(std::get<1>(GetParam()))}});
+        {"TDIST_TRANSPORT", single_copy ? std::string("auto") : transport()},
+        {"TDIST_SINGLE_COPY", std::nullopt},
+        {"TDIST_SINGLE_COPY_BYTES",
+         single_copy ? std::optional<std::string>("1") : std::nullopt}});
     tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
       auto pg = create_process_group(store, rank, world, test::test_options());
       fn(rank, *pg);
     });
   }
   int world() const { return std::get<0>(GetParam()); }
+  std::string transport() const { return std::get<1>(GetParam()); }
 };
+
+// The threshold every rank of the group agreed on: one byte when asked for, the default over
+// shared memory, none over TCP (no rank can be read); a group of one has no peer to read.
+TEST_P(CollectivesTest, SingleCopyIsAgreedFromTheTransport) {
+  run([&](int, ProcessGroup& pg) {
+    auto* ring = dynamic_cast<detail::RingProcessGroup*>(&pg);
+    ASSERT_NE(ring, nullptr);
+    uint64_t want = detail::RingProcessGroup::kNoSingleCopy;
+    if (world() > 1 && transport() == "single_copy") want = 1;
+    if (world() > 1 && transport() == "auto") want = 256 << 10;
+    EXPECT_EQ(ring->single_copy_bytes(), want);
+  });
+}
 
 const std::vector<c10::ScalarType> kSomeDtypes = {torch::kFloat, torch::kLong, torch::kHalf,
                                                   torch::kBFloat16, torch::kUInt8, torch::kBool,
@@ -85,10 +106,15 @@ TEST_P(CollectivesTest, AllgatherListAndFlat) {
         pg.allgather(outs, in)->wait();
         auto flat = torch::empty({world() * n}, t);
         pg.allgather_into_tensor(flat, in)->wait();
+        // In place: the input is this rank's block of the output.
+        auto in_place = torch::empty({world() * n}, t);
+        in_place.narrow(0, rank * n, n).copy_(in);
+        pg.allgather_into_tensor(in_place, in_place.narrow(0, rank * n, n))->wait();
         for (int r = 0; r < world(); ++r) {
           auto want = test::make_input(t, ReduceOp::SUM, n, r);
           ASSERT_TRUE(test::same(outs[r], want));
           ASSERT_TRUE(test::same(flat.narrow(0, r * n, n), want));
+          ASSERT_TRUE(test::same(in_place.narrow(0, r * n, n), want));
         }
       }
     }
@@ -263,7 +289,7 @@ TEST_P(CollectivesTest, NewGroupHasItsOwnSequenceAndConnections) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 7),
-                                            ::testing::Values("auto", "tcp")));
+                                            ::testing::Values("auto", "tcp", "single_copy")));
 
 }  // namespace
 }  // namespace tdist::comm

@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "tdist/comm/detail/ring_process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/tcp_store.h"
 #include "tests/comm/comm_test_util.h"
@@ -91,6 +92,57 @@ TDIST_TEST_CHILD(comm_env_init_child) {
 
 // Allreduces of 1 MiB in a loop until one fails; exits 0 when the failure names this rank, the
 // operation, its sequence number and a peer.
+// Processes that read each other's memory (Note [Single-copy collectives]). TDIST_TEST_SC_MODE:
+// "all": every rank asks for single copy from one byte; "max": rank 1 asks from 4096 bytes and
+// the group must take the largest; "off": the last rank disables it, so no rank may use it.
+// Allgathers (in place and not) and broadcasts of several sizes from every root must be right
+// either way, and so must every other collective.
+TDIST_TEST_CHILD(comm_single_copy_child) {
+  torch::set_num_threads(1);
+  const std::string mode = env::get("TDIST_TEST_SC_MODE").value_or("all");
+  ::setenv("TDIST_SINGLE_COPY_BYTES", mode == "max" && rank == 1 ? "4096" : "1", 1);
+  if (mode == "off" && rank == world_size - 1) ::setenv("TDIST_SINGLE_COPY", "0", 1);
+  auto pg = create_process_group(child_store(), rank, world_size, test::test_options());
+  auto* ring = dynamic_cast<detail::RingProcessGroup*>(pg.get());
+  if (ring == nullptr) return 30;
+  const uint64_t want = mode == "all"   ? 1
+                        : mode == "max" ? 4096
+                                        : detail::RingProcessGroup::kNoSingleCopy;
+  if (ring->single_copy_bytes() != want) {
+    std::cerr << "rank " << rank << ": single-copy threshold " << ring->single_copy_bytes()
+              << ", expected " << want << std::endl;
+    return 31;
+  }
+  int bad = 0;
+  for (int64_t n : {1, 1000, 300000}) {
+    auto in = torch::arange(n, torch::kDouble) + rank * 1e6;
+    auto flat = torch::empty({n * world_size}, torch::kDouble);
+    pg->allgather_into_tensor(flat, in)->wait();
+    auto in_place = torch::zeros({n * world_size}, torch::kDouble);
+    in_place.narrow(0, rank * n, n).copy_(in);
+    pg->allgather_into_tensor(in_place, in_place.narrow(0, rank * n, n))->wait();
+    for (int r = 0; r < world_size; ++r) {
+      auto block = torch::arange(n, torch::kDouble) + r * 1e6;
+      if (!torch::equal(flat.narrow(0, r * n, n), block) ||
+          !torch::equal(in_place.narrow(0, r * n, n), block)) {
+        std::cerr << "rank " << rank << ": wrong allgather block " << r << " of " << n << std::endl;
+        ++bad;
+      }
+    }
+    for (int root = 0; root < world_size; ++root) {
+      auto x = rank == root ? torch::arange(n, torch::kLong) * (root + 1) : torch::zeros({n}, torch::kLong);
+      BroadcastOptions o;
+      o.root = root;
+      pg->broadcast(x, o)->wait();
+      if (!torch::equal(x, torch::arange(n, torch::kLong) * (root + 1))) {
+        std::cerr << "rank " << rank << ": wrong broadcast of " << n << " from " << root << std::endl;
+        ++bad;
+      }
+    }
+  }
+  return bad + run_collectives(*pg);
+}
+
 // One round of TDIST_TEST_OP on every rank (the fault matrix's operations below).
 void run_op(ProcessGroup& pg, const std::string& op, const at::Tensor& x) {
   const int world = pg.size(), rank = pg.rank();
@@ -192,6 +244,25 @@ TEST_P(ProcessTest, CollectivesOverTCPStore) {
   EXPECT_EQ(tdist::test::Processes::failures(results), "");
 }
 
+class SingleCopyProcesses : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
+
+TEST_P(SingleCopyProcesses, ResultsAreRightAndTheRanksAgree) {
+  TCPStoreServer server("127.0.0.1", 0);
+  tdist::test::Processes procs("comm_single_copy_child", std::get<0>(GetParam()),
+                               {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
+                                {"TDIST_TRANSPORT", "auto"},
+                                {"TDIST_TEST_SC_MODE", std::get<1>(GetParam())}});
+  auto results = procs.wait_all(Millis(90000));
+  EXPECT_EQ(tdist::test::Processes::failures(results), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SingleCopyProcesses,
+                         ::testing::Values(std::make_tuple(2, "all"), std::make_tuple(3, "all"),
+                                           std::make_tuple(4, "all"), std::make_tuple(3, "max"),
+                                           std::make_tuple(3, "off")),
+                         [](const auto& info) {
+                           return str("world", std::get<0>(info.param), "_", std::get<1>(info.param));
+                         });
 
 // env://: rank 0's process hosts the TCPStore on MASTER_PORT.
 TEST(ProcessTest, EnvInitMethod) {
@@ -292,6 +363,10 @@ std::vector<Fault> faults() {
     for (int sig : {SIGKILL, SIGTERM, SIGABRT, SIGSTOP}) out.push_back({"allreduce", sig, transport});
   }
   out.erase(out.begin() + 7);  // allreduce SIGKILL auto is in the first list already
+  // At world 3 the allgathers of run_op (768 KiB blocks) read the peers' memory (Note
+  // [Single-copy collectives]): a stopped rank is still readable, so only its missing "done"
+  // message can end them.
+  out.push_back({"allgather", SIGSTOP, "auto"});
   return out;
 }
 
