@@ -80,7 +80,10 @@ def gloo_worker(args):
         a = b = None
         if args.op in ("allreduce", "broadcast", "reduce"):
             a = torch.empty(count)
-        elif args.op in ("allgather", "gather"):
+        elif args.op == "allgather":  # in place, as tdist-bench and the Open MPI anchor
+            b = torch.empty(block * n)
+            a = b.narrow(0, r * block, block)
+        elif args.op == "gather":
             a, b = torch.empty(block), torch.empty(block * n)
         elif args.op in ("reduce_scatter", "scatter"):
             a, b = torch.empty(block * n), torch.empty(block)
@@ -88,10 +91,10 @@ def gloo_worker(args):
             a, b = torch.empty(block * n), torch.empty(block * n)
 
         def fill():
+            if b is not None:  # first: an allgather's input is part of it
+                b.zero_()
             if a is not None:
                 a.copy_(inp(r, a.numel()))
-            if b is not None:
-                b.zero_()
 
         def run():
             op = args.op

@@ -10,10 +10,11 @@
 // The table is printed by rank 0 once every size, the bounds and the anchor are measured.
 // Sizes follow nccl-tests: "bytes" is the buffer of allreduce/broadcast/reduce, the whole
 // gathered buffer of allgather/gather, the whole input of reduce_scatter/scatter and each
-// rank's buffer of alltoall. Time per iteration is the slowest rank's (max over ranks of the
-// iteration's time), the row shows the median over iterations. busbw = algbw times
-// 2(n-1)/n (allreduce), (n-1)/n (allgather, reduce_scatter, alltoall, gather, scatter), 1
-// (broadcast, reduce). --backend gloo is not available from C++ here (libtorch's Gloo headers
+// rank's buffer of alltoall; allgather runs in place (the input is this rank's block of the
+// output), as Open MPI's and Gloo's anchors do. Time per iteration is the slowest rank's (max
+// over ranks of the iteration's time), the row shows the median over iterations. busbw = algbw
+// times 2(n-1)/n (allreduce), (n-1)/n (allgather, reduce_scatter, alltoall, gather, scatter),
+// 1 (broadcast, reduce). --backend gloo is not available from C++ here (libtorch's Gloo headers
 // are not installed with the wheel): --anchor gloo (and scripts/bench_gloo.py, every op and
 // world size in rounds) runs torch.distributed's Gloo in the same run.
 //
@@ -128,7 +129,12 @@ class Case {
     int64_t block = count / n_;
     if (op == "allreduce" || op == "broadcast" || op == "reduce") {
       a_ = at::empty({count}, opts);
-    } else if (op == "allgather" || op == "gather") {
+    } else if (op == "allgather") {
+      // In place, as the Open MPI anchor (MPI_IN_PLACE): the input is this rank's block of the
+      // output.
+      b_ = at::empty({block * n_}, opts);
+      a_ = b_.narrow(0, r_ * block, block);
+    } else if (op == "gather") {
       a_ = at::empty({block}, opts);
       b_ = at::empty({block * n_}, opts);
     } else if (op == "reduce_scatter" || op == "scatter") {
@@ -149,8 +155,8 @@ class Case {
   void fill() {
     if (!a_.defined()) return;
     auto idx = at::arange(a_.numel(), at::kLong);
+    if (b_.defined()) b_.zero_();  // first: an allgather's input is part of it
     a_.copy_(((idx + r_ * 3) % 5 + 1).to(dtype_));
-    if (b_.defined()) b_.zero_();
   }
 
   void run() {
