@@ -26,6 +26,31 @@ void read_peer(Context& c, int peer, uint64_t address, char* out, size_t bytes) 
   }
 }
 
+// Sends this rank's address of `data` to every peer and receives theirs (by rank).
+std::vector<uint64_t> exchange_addresses(Context& c, const char* data) {
+  const uint64_t mine = reinterpret_cast<uint64_t>(data);
+  std::vector<uint64_t> addresses(static_cast<size_t>(c.size));
+  for (int p = 0; p < c.size; ++p) {
+    if (p == c.rank) continue;
+    c.ex.send(p, &mine, sizeof(mine));
+    c.ex.recv(p, &addresses[p], sizeof(uint64_t));
+  }
+  c.ex.run();
+  return addresses;
+}
+
+// One byte to every peer and one from each: every rank has passed this point.
+void all_passed(Context& c) {
+  const uint8_t mine = 1;
+  std::vector<uint8_t> theirs(static_cast<size_t>(c.size));
+  for (int p = 0; p < c.size; ++p) {
+    if (p == c.rank) continue;
+    c.ex.send(p, &mine, 1);
+    c.ex.recv(p, &theirs[p], 1);
+  }
+  c.ex.run();
+}
+
 }  // namespace
 
 void broadcast_single_copy(Context& c, char* data, size_t bytes, int root) {
@@ -55,27 +80,13 @@ void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t 
   const int n = c.size;
   const int r = c.rank;
   if (n == 1 || block_bytes == 0) return;
-  const uint64_t mine = reinterpret_cast<uint64_t>(blocks[r]);
-  std::vector<uint64_t> addresses(static_cast<size_t>(n));
-  for (int p = 0; p < n; ++p) {
-    if (p == r) continue;
-    c.ex.send(p, &mine, sizeof(mine));
-    c.ex.recv(p, &addresses[p], sizeof(uint64_t));
-  }
-  c.ex.run();
+  const std::vector<uint64_t> addresses = exchange_addresses(c, blocks[r]);
   // Each rank starts with its right neighbour, so the ranks do not all read one rank at once.
   for (int s = 1; s < n; ++s) {
     const int p = (r + s) % n;
     read_peer(c, p, addresses[p], blocks[p], block_bytes);
   }
-  const uint8_t done = 1;
-  std::vector<uint8_t> theirs(static_cast<size_t>(n));
-  for (int p = 0; p < n; ++p) {
-    if (p == r) continue;
-    c.ex.send(p, &done, 1);
-    c.ex.recv(p, &theirs[p], 1);
-  }
-  c.ex.run();
+  all_passed(c);
 }
 
 }  // namespace tdist::comm::algorithms
