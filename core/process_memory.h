@@ -1,5 +1,5 @@
 #pragma once
-// Reading another local process's memory (process_vm_readv): one copy from the sender's memory
+// Reading (and writing) another local process's memory (process_vm_readv): one copy from the sender's memory
 // straight into ours, for the same-host paths of RPC (large tensors) and of the collectives
 // (Note [Single-copy collectives] in comm/algorithms/algorithms.h).
 //
@@ -26,6 +26,10 @@ void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size);
 // The same without throwing: 0 when every byte was read, else the errno that stopped it
 // (ESRCH: no such process; EFAULT: not mapped or a short read; EPERM: not allowed).
 int try_read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) noexcept;
+
+// Writes `size` bytes of `in` into process `pid` at `address` (process_vm_writev; the kernel
+// allows it exactly when it allows reading). 0 when every byte was written, else the errno.
+int try_write_process_memory(pid_t pid, uint64_t address, const void* in, size_t size) noexcept;
 
 // This process's canary: a random 64-bit value (never 0), fixed for the process's life, and
 // its address.

@@ -111,6 +111,11 @@ void broadcast_pipelined(Context& c, char* data, size_t bytes, int root);
 // (an 8-byte address over the collective channel), each of them copies it straight into its
 // own output with process_vm_readv, and each then tells the owner it is done (one byte), so no
 // rank returns (and lets its caller reuse the buffer) while a peer may still be reading it.
+// The world-2 broadcast splits the copy: the root writes half into its peer (process_vm_writev,
+// which the kernel allows exactly when it allows reading) while the peer reads the other half.
+// The address message carries the size too: ranks that called the operation with different
+// sizes all fail it (MismatchError; the group stays usable) before any memory is touched, so no
+// rank ever writes past the end of a peer's buffer or reads past the end of a peer's data.
 // No rank waits for another between the address and the done message: a rank whose peers are
 // descheduled (four ranks on two cores) still copies at once, and the copies of all ranks run
 // in parallel. Open MPI's shared-memory transport does the same (CMA).
@@ -122,7 +127,8 @@ void broadcast_pipelined(Context& c, char* data, size_t bytes, int root);
 // settings still agree. A peer that dies mid-copy makes the read fail (ESRCH), an error that
 // names the rank; a peer that stops is noticed at the done message's deadline.
 
-// Broadcast by single copy: every non-root reads `bytes` at the root's `data`.
+// Broadcast by single copy between two ranks: the root writes the first half of `data` into
+// the other rank's, which reads the second half (both cores copy at once).
 void broadcast_single_copy(Context& c, char* data, size_t bytes, int root);
 // Allgather by single copy: every rank reads blocks[i] from rank i's blocks[i].
 void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes);

@@ -6,36 +6,62 @@
 #include <cstring>
 
 #include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/detail/fingerprint.h"
 #include "tdist/core/error.h"
 #include "tdist/core/process_memory.h"
 
 namespace tdist::comm::algorithms {
 namespace {
 
+// Throws for a failed read or write of `bytes` of `peer`'s memory (`err`: the errno).
+void check_moved(Context& c, int err, int peer, const char* verb, size_t bytes) {
+  if (err == 0) return;
+  if (err == ESRCH) {
+    throw NetworkError(str(c.ex.where(), ": lost rank ", peer, ": its process is gone (", verb,
+                           " ", bytes, " bytes of its memory)"));
+  }
+  throw NetworkError(str(c.ex.where(), ": ", verb, " ", bytes, " bytes of the memory of rank ", peer,
+                         " failed: ", std::strerror(err)));
+}
+
 // Copies `bytes` of `peer`'s memory at `address` into `out`.
 void read_peer(Context& c, int peer, uint64_t address, char* out, size_t bytes) {
   TDIST_CHECK(c.pids != nullptr, c.ex.where(), ": single-copy read without peer processes");
-  const int err = try_read_process_memory((*c.pids)[peer], address, out, bytes);
-  if (err == ESRCH) {
-    throw NetworkError(str(c.ex.where(), ": lost rank ", peer, ": its process is gone (reading ",
-                           bytes, " bytes from its memory)"));
-  }
-  if (err != 0) {
-    throw NetworkError(str(c.ex.where(), ": reading ", bytes, " bytes from the memory of rank ",
-                           peer, " failed: ", std::strerror(err)));
-  }
+  check_moved(c, try_read_process_memory((*c.pids)[peer], address, out, bytes), peer, "reading",
+              bytes);
 }
 
-// Sends this rank's address of `data` to every peer and receives theirs (by rank).
-std::vector<uint64_t> exchange_addresses(Context& c, const char* data) {
-  const uint64_t mine = reinterpret_cast<uint64_t>(data);
+// Copies `bytes` at `in` into `peer`'s memory at `address`.
+void write_peer(Context& c, int peer, uint64_t address, const char* in, size_t bytes) {
+  TDIST_CHECK(c.pids != nullptr, c.ex.where(), ": single-copy write without peer processes");
+  check_moved(c, try_write_process_memory((*c.pids)[peer], address, in, bytes), peer, "writing",
+              bytes);
+}
+
+// Sends `bytes` at `data` (where and how many) to every peer and returns their addresses by
+// rank. Every rank must announce the same size: when the ranks called the operation with
+// different sizes, every rank sees at least one other size and fails the operation here with
+// MismatchError, before any byte of anyone's memory is touched. All of them stop at the same
+// point of the byte streams, so the group stays usable (as after a fingerprint mismatch).
+std::vector<uint64_t> exchange_addresses(Context& c, const char* data, size_t bytes) {
+  const uint64_t mine[2] = {reinterpret_cast<uint64_t>(data), bytes};
+  std::vector<uint64_t> theirs(2 * static_cast<size_t>(c.size));
+  for (int p = 0; p < c.size; ++p) {
+    if (p == c.rank) continue;
+    c.ex.send(p, mine, sizeof(mine));
+    c.ex.recv(p, &theirs[2 * p], sizeof(mine));
+  }
+  c.ex.run();
   std::vector<uint64_t> addresses(static_cast<size_t>(c.size));
   for (int p = 0; p < c.size; ++p) {
     if (p == c.rank) continue;
-    c.ex.send(p, &mine, sizeof(mine));
-    c.ex.recv(p, &addresses[p], sizeof(uint64_t));
+    if (theirs[2 * p + 1] != bytes) {
+      throw detail::MismatchError(str(c.ex.where(), ": rank ", p, " called it with ",
+                                      theirs[2 * p + 1], " bytes per rank, this rank with ",
+                                      bytes));
+    }
+    addresses[p] = theirs[2 * p];
   }
-  c.ex.run();
   return addresses;
 }
 
@@ -54,33 +80,25 @@ void all_passed(Context& c) {
 }  // namespace
 
 void broadcast_single_copy(Context& c, char* data, size_t bytes, int root) {
-  const int n = c.size;
-  if (n == 1 || bytes == 0) return;
+  TDIST_CHECK(c.size == 2, c.ex.where(), ": the single-copy broadcast is for two ranks");
+  if (bytes == 0) return;
+  const int peer = 1 - c.rank;
+  const std::vector<uint64_t> addresses = exchange_addresses(c, data, bytes);
+  // Both copy: the root writes the first half into the other rank, which reads the second.
+  const size_t half = (bytes / 2) & ~size_t{4095};
   if (c.rank == root) {
-    const uint64_t address = reinterpret_cast<uint64_t>(data);
-    std::vector<uint8_t> done(static_cast<size_t>(n));
-    for (int p = 0; p < n; ++p) {
-      if (p == root) continue;
-      c.ex.send(p, &address, sizeof(address));
-      c.ex.recv(p, &done[p], 1);
-    }
-    c.ex.run();
-    return;
+    write_peer(c, peer, addresses[peer], data, half);
+  } else {
+    read_peer(c, root, addresses[root] + half, data + half, bytes - half);
   }
-  uint64_t address = 0;
-  c.ex.recv(root, &address, sizeof(address));
-  c.ex.run();
-  read_peer(c, root, address, data, bytes);
-  const uint8_t done = 1;
-  c.ex.send(root, &done, 1);
-  c.ex.run();
+  all_passed(c);
 }
 
 void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes) {
   const int n = c.size;
   const int r = c.rank;
   if (n == 1 || block_bytes == 0) return;
-  const std::vector<uint64_t> addresses = exchange_addresses(c, blocks[r]);
+  const std::vector<uint64_t> addresses = exchange_addresses(c, blocks[r], block_bytes);
   // Each rank starts with its right neighbour, so the ranks do not all read one rank at once.
   for (int s = 1; s < n; ++s) {
     const int p = (r + s) % n;

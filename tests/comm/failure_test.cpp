@@ -251,6 +251,32 @@ TEST(Failure, FingerprintMismatchNamesRanksAndFields) {
   });
 }
 
+// Single-copy operations (Note [Single-copy collectives]) announce their size with their
+// address: ranks that disagree all fail before any memory is read or written, and the group
+// stays usable. Without the check, the world-2 broadcast's root would write past the end of
+// the smaller peer's tensor.
+TEST(Failure, SingleCopyRanksWithDifferentSizesFailAndKeepTheGroup) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_SINGLE_COPY_BYTES", std::string("1")},
+                                                 {"TDIST_TRANSPORT", std::string("auto")}});
+  for (int world : {2, 3}) {
+    tdist::test::spawn(world, [world](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, world, test::test_options());
+      const int64_t n = rank == 0 ? 12000 : 4000;  // the root's half would overrun the others'
+      auto x = torch::full({n}, double(rank));
+      auto guard = torch::full({8}, -1.0);  // allocated after x: a write past x may land here
+      auto w = world == 2 ? pg->broadcast(x) : pg->allgather_into_tensor(torch::empty({world * n}), x);
+      const std::string msg = message_of(w);
+      EXPECT_TRUE(contains(msg, "bytes per rank, this rank with")) << msg;
+      EXPECT_THROW(std::rethrow_exception(w->exception()), InvalidArgument);
+      EXPECT_TRUE(torch::equal(x, torch::full({n}, double(rank))));  // untouched
+      EXPECT_TRUE(torch::equal(guard, torch::full({8}, -1.0)));
+      auto y = torch::ones({4});
+      pg->allreduce(y)->wait();
+      EXPECT_TRUE(torch::equal(y, torch::full({4}, double(world))));
+    });
+  }
+}
+
 TEST(Failure, BadArgumentsThrowInvalidArgumentAndChangeNothing) {
   tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, 2, test::test_options());

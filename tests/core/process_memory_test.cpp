@@ -36,6 +36,19 @@ TEST(ProcessMemory, ReadsThisProcessAndTheCanaryMatches) {
   EXPECT_TRUE(can_read_process(::getpid(), c));
 }
 
+TEST(ProcessMemory, WritesThisProcessAndFailsOnADeadOne) {
+  std::vector<char> src(1 << 20, 'x');
+  std::vector<char> dst(src.size(), 'o');
+  ASSERT_EQ(try_write_process_memory(::getpid(), reinterpret_cast<uint64_t>(dst.data()),
+                                     src.data(), src.size()),
+            0);
+  EXPECT_EQ(dst, src);
+  EXPECT_EQ(try_write_process_memory(dead_pid(), reinterpret_cast<uint64_t>(dst.data()),
+                                     src.data(), 8),
+            ESRCH);
+  EXPECT_EQ(try_write_process_memory(::getpid(), 0, src.data(), 8), EFAULT);
+}
+
 TEST(ProcessMemory, AWrongValueOrProcessFailsTheCanaryCheck) {
   const ProcessCanary c = process_canary();
   EXPECT_FALSE(can_read_process(::getpid(), ProcessCanary{c.address, c.value + 1}));
