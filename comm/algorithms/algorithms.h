@@ -121,8 +121,8 @@ void broadcast_pipelined(Context& c, char* data, size_t bytes, int root);
 // in parallel. Open MPI's shared-memory transport does the same (CMA).
 // The group uses it when every rank allows it (TDIST_SINGLE_COPY, default on) and can read
 // every peer: allgathers from world 3 with blocks of at least TDIST_SINGLE_COPY_BYTES (default
-// 256 KiB) and world-2 broadcasts of at least 8x that (RingProcessGroup::broadcast_bytes says
-// why those). At set-up every rank sends every peer its threshold (the largest value, when
+// 256 KiB) and world-2 broadcasts of at least as many bytes (RingProcessGroup::broadcast_bytes
+// says why those). At set-up every rank sends every peer its threshold (the largest value, when
 // disabled or a peer is unreadable) and the group takes the largest, so ranks with different
 // settings still agree. A peer that dies mid-copy makes the read fail (ESRCH), an error that
 // names the rank; a peer that stops is noticed at the done message's deadline.

@@ -30,9 +30,9 @@
 //   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 2 MiB)
 //   TDIST_SINGLE_COPY        1 (default) | 0: large allgathers and broadcasts read the peers'
 //                            memory when every rank may (Note [Single-copy collectives])
-//   TDIST_SINGLE_COPY_BYTES  allgather blocks from this many bytes (world 3 and more),
-//                            broadcasts from 8x as many (world 2); default 256 KiB; the group
-//                            takes the largest of its ranks' values
+//   TDIST_SINGLE_COPY_BYTES  allgather blocks (world 3 and more) and broadcasts (world 2) from
+//                            this many bytes (default 256 KiB); the group takes the largest
+//                            of its ranks' values
 //   TDIST_DEBUG=DETAIL       fingerprint check before every collective
 //   TDIST_RUN_ON_WAITER      1 (default): Work::wait() runs the next due operation on the
 //                            waiting thread (Note [Waiter runs the operation]); 0: the worker only
@@ -151,7 +151,6 @@ class RingProcessGroup final : public ProcessGroup {
                         size_t block_bytes) const;
 
   static constexpr uint64_t kDefaultSingleCopyBytes = 256 << 10;
-  static constexpr uint64_t kSingleCopyBroadcastFactor = 8;
 
   // Constant after construction.
   const std::shared_ptr<Store> root_store_;

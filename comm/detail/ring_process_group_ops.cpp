@@ -160,12 +160,12 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
 }
 
 // Where each path wins on the 2-core machine (docs/perf.md, "Single-copy collectives"): a
-// world-2 broadcast from 8x the threshold (below it the ring's copies stay in the caches and
-// win); with more ranks, the others all reading the root at once lost to the chain. An allgather
-// from world 3, where the ring forwards blocks through other ranks (each forward a wait for a
-// rank that may not be running); at world 2 the ring forwards nothing and was as fast.
+// world-2 broadcast, where both ranks copy half; with more ranks, the others all reading the
+// root at once lost to the chain. An allgather from world 3, where the ring forwards blocks
+// through other ranks (each forward a wait for a rank that may not be running); at world 2 the
+// ring forwards nothing and was as fast.
 void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t bytes, int root) const {
-  if (size_ == 2 && bytes / kSingleCopyBroadcastFactor >= single_copy_bytes_) {
+  if (size_ == 2 && bytes >= single_copy_bytes_) {
     algo::broadcast_single_copy(c, data, bytes, root);
   } else {
     algo::broadcast_pipelined(c, data, bytes, root);
