@@ -24,16 +24,22 @@ void check_moved(Context& c, int err, int peer, const char* verb, size_t bytes) 
                          " failed: ", std::strerror(err)));
 }
 
+// The group runs these algorithms only when it knows every rank's process.
+void check_peer_processes(const Context& c) {
+  TDIST_CHECK(c.pids != nullptr && c.pids->size() == static_cast<size_t>(c.size), c.ex.where(),
+              ": a single-copy algorithm in a group that does not use them");
+}
+
 // Copies `bytes` of `peer`'s memory at `address` into `out`.
 void read_peer(Context& c, int peer, uint64_t address, char* out, size_t bytes) {
-  TDIST_CHECK(c.pids != nullptr, c.ex.where(), ": single-copy read without peer processes");
+  check_peer_processes(c);
   check_moved(c, try_read_process_memory((*c.pids)[peer], address, out, bytes), peer, "reading",
               bytes);
 }
 
 // Copies `bytes` at `in` into `peer`'s memory at `address`.
 void write_peer(Context& c, int peer, uint64_t address, const char* in, size_t bytes) {
-  TDIST_CHECK(c.pids != nullptr, c.ex.where(), ": single-copy write without peer processes");
+  check_peer_processes(c);
   check_moved(c, try_write_process_memory((*c.pids)[peer], address, in, bytes), peer, "writing",
               bytes);
 }
