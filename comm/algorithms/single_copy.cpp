@@ -20,8 +20,8 @@ void check_moved(Context& c, int err, int peer, const char* verb, size_t bytes) 
     throw NetworkError(str(c.ex.where(), ": lost rank ", peer, ": its process is gone (", verb,
                            " ", bytes, " bytes of its memory)"));
   }
-  throw NetworkError(str(c.ex.where(), ": ", verb, " ", bytes, " bytes of the memory of rank ", peer,
-                         " failed: ", std::strerror(err)));
+  throw NetworkError(str(c.ex.where(), ": ", verb, " ", bytes, " bytes of the memory of rank ",
+                         peer, " failed: ", std::strerror(err)));
 }
 
 // The group runs these algorithms only when it knows every rank's process.

@@ -173,9 +173,12 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   exchange_->set_wait_alone(env::get_bool("TDIST_SHM_FUTEX", true));
   if (size_ > 1) {
     bool readable = env::get_bool("TDIST_SINGLE_COPY", true);
-    for (int p = 0; p < size_; ++p) readable = readable && (p == rank_ || channels.readable_pids[p]);
-    const auto threshold = static_cast<uint64_t>(env::get_int(
-        "TDIST_SINGLE_COPY_BYTES", static_cast<int64_t>(kDefaultSingleCopyBytes), 1, int64_t(1) << 62));
+    for (int p = 0; p < size_; ++p) {
+      readable = readable && (p == rank_ || channels.readable_pids[p] != 0);
+    }
+    const auto threshold = static_cast<uint64_t>(
+        env::get_int("TDIST_SINGLE_COPY_BYTES", static_cast<int64_t>(kDefaultSingleCopyBytes), 1,
+                     int64_t(1) << 62));
     single_copy_bytes_ =
         agree_single_copy_bytes(*exchange_, readable ? threshold : kNoSingleCopy, setup_deadline);
     if (single_copy_bytes_ != kNoSingleCopy) {

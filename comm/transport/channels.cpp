@@ -56,17 +56,24 @@ void append_memory(Bytes& msg) {
   w.u64(canary.value);
 }
 
-// Reads the peer's pid and canary; returns its pid when this process can read the peer's
-// memory (checked on the canary), else 0.
-pid_t read_memory(tcp::Connection* conn, std::chrono::steady_clock::time_point deadline) {
+// What append_memory() sent.
+struct PeerProcess {
+  pid_t pid = 0;
+  ProcessCanary canary{};
+  // The pid when this process can read the peer's memory (checked on its canary), else 0.
+  // Called for shared-memory peers only: another host's pid names nobody here.
+  pid_t readable_pid() const { return can_read_process(pid, canary) ? pid : 0; }
+};
+
+PeerProcess read_memory(tcp::Connection* conn, std::chrono::steady_clock::time_point deadline) {
   uint8_t fields[4 + 8 + 8];
   conn->read_all(fields, sizeof(fields), deadline, "the peer's process");
   wire::Reader r(fields, sizeof(fields));
-  const auto pid = static_cast<pid_t>(r.u32());
-  ProcessCanary canary;
-  canary.address = r.u64();
-  canary.value = r.u64();
-  return can_read_process(pid, canary) ? pid : 0;
+  PeerProcess peer;
+  peer.pid = static_cast<pid_t>(r.u32());
+  peer.canary.address = r.u64();
+  peer.canary.value = r.u64();
+  return peer;
 }
 
 }  // namespace
@@ -145,7 +152,7 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
     std::string name(len, '\0');
     if (len > 0) conn->read_all(name.data(), len, deadline, "the shared-memory offer");
     result.hosts[p] = read_host(conn, me, p, deadline);
-    const pid_t pid = read_memory(conn, deadline);
+    const PeerProcess process = read_memory(conn, deadline);
     std::unique_ptr<shm::Segment> seg;
     if (len > 0 && opts.allow_shm && result.hosts[p] == opts.host) {
       seg = shm::Segment::open(name, shm::segment_bytes(capacity));
@@ -156,7 +163,7 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
     conn->write_all(reply.data(), reply.size(), deadline, "the shared-memory answer");
     if (seg) {
       out[p] = std::make_unique<shm::ShmChannel>(std::move(seg), capacity, false, conn);
-      result.readable_pids[p] = pid;
+      result.readable_pids[p] = process.readable_pid();
     }
   }
   // 3. The higher ranks' answers.
@@ -165,13 +172,13 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
     uint8_t answer = 0;
     conn->read_all(&answer, 1, deadline, "the shared-memory answer");
     result.hosts[p] = read_host(conn, me, p, deadline);
-    const pid_t pid = read_memory(conn, deadline);
+    const PeerProcess process = read_memory(conn, deadline);
     if (!names[p].empty()) shm::Segment::unlink(names[p]);
     names[p].clear();
     if (answer == 1 && segments[p]) {
       out[p] = std::make_unique<shm::ShmChannel>(std::move(segments[p]), opts.shm_capacity, true,
                                                  conn);
-      result.readable_pids[p] = pid;
+      result.readable_pids[p] = process.readable_pid();
     }
   }
   int shm_peers = 0;

@@ -264,7 +264,8 @@ TEST(Failure, SingleCopyRanksWithDifferentSizesFailAndKeepTheGroup) {
       const int64_t n = rank == 0 ? 12000 : 4000;  // the root's half would overrun the others'
       auto x = torch::full({n}, double(rank));
       auto guard = torch::full({8}, -1.0);  // allocated after x: a write past x may land here
-      auto w = world == 2 ? pg->broadcast(x) : pg->allgather_into_tensor(torch::empty({world * n}), x);
+      auto w = world == 2 ? pg->broadcast(x)
+                          : pg->allgather_into_tensor(torch::empty({world * n}), x);
       const std::string msg = message_of(w);
       EXPECT_TRUE(contains(msg, "bytes per rank, this rank with")) << msg;
       EXPECT_THROW(std::rethrow_exception(w->exception()), InvalidArgument);

@@ -130,12 +130,14 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
       }
     }
     for (int root = 0; root < world_size; ++root) {
-      auto x = rank == root ? torch::arange(n, torch::kLong) * (root + 1) : torch::zeros({n}, torch::kLong);
+      auto x = rank == root ? torch::arange(n, torch::kLong) * (root + 1)
+                            : torch::zeros({n}, torch::kLong);
       BroadcastOptions o;
       o.root = root;
       pg->broadcast(x, o)->wait();
       if (!torch::equal(x, torch::arange(n, torch::kLong) * (root + 1))) {
-        std::cerr << "rank " << rank << ": wrong broadcast of " << n << " from " << root << std::endl;
+        std::cerr << "rank " << rank << ": wrong broadcast of " << n << " from " << root
+                  << std::endl;
         ++bad;
       }
     }
@@ -261,7 +263,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, SingleCopyProcesses,
                                            std::make_tuple(4, "all"), std::make_tuple(3, "max"),
                                            std::make_tuple(3, "off")),
                          [](const auto& info) {
-                           return str("world", std::get<0>(info.param), "_", std::get<1>(info.param));
+                           return str("world", std::get<0>(info.param), "_",
+                                      std::get<1>(info.param));
                          });
 
 // env://: rank 0's process hosts the TCPStore on MASTER_PORT.
