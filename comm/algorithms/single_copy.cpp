@@ -52,12 +52,7 @@ void write_peer(Context& c, int peer, uint64_t address, const char* in, size_t b
 std::vector<uint64_t> exchange_addresses(Context& c, const char* data, size_t bytes) {
   const uint64_t mine[2] = {reinterpret_cast<uint64_t>(data), bytes};
   std::vector<uint64_t> theirs(2 * static_cast<size_t>(c.size));
-  for (int p = 0; p < c.size; ++p) {
-    if (p == c.rank) continue;
-    c.ex.send(p, mine, sizeof(mine));
-    c.ex.recv(p, &theirs[2 * p], sizeof(mine));
-  }
-  c.ex.run();
+  c.ex.swap_with_all(mine, theirs.data(), sizeof(mine));
   std::vector<uint64_t> addresses(static_cast<size_t>(c.size));
   for (int p = 0; p < c.size; ++p) {
     if (p == c.rank) continue;
@@ -75,12 +70,7 @@ std::vector<uint64_t> exchange_addresses(Context& c, const char* data, size_t by
 void all_passed(Context& c) {
   const uint8_t mine = 1;
   std::vector<uint8_t> theirs(static_cast<size_t>(c.size));
-  for (int p = 0; p < c.size; ++p) {
-    if (p == c.rank) continue;
-    c.ex.send(p, &mine, 1);
-    c.ex.recv(p, &theirs[p], 1);
-  }
-  c.ex.run();
+  c.ex.swap_with_all(&mine, theirs.data(), 1);
 }
 
 }  // namespace

@@ -68,6 +68,15 @@ void Exchange::recv(int peer, void* data, size_t n, uint64_t cookie) {
   q.posted += n;
 }
 
+void Exchange::swap_with_all(const void* mine, void* theirs, size_t n) {
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_) continue;
+    send(p, mine, n);
+    recv(p, static_cast<char*>(theirs) + static_cast<size_t>(p) * n, n);
+  }
+  run();
+}
+
 void Exchange::recv_reduce(int peer, void* out, const void* other, size_t n, ReduceFn fn,
                            size_t elem, uint64_t cookie, int gate_peer, uint64_t gate_bytes) {
   auto& q = recvs_[peer];

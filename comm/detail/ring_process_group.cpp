@@ -106,12 +106,7 @@ std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::strin
 uint64_t agree_single_copy_bytes(Exchange& ex, uint64_t mine, Clock::time_point deadline) {
   ex.begin("process group set-up", 0, Clock::now(), deadline);
   std::vector<uint64_t> theirs(static_cast<size_t>(ex.size()), mine);
-  for (int p = 0; p < ex.size(); ++p) {
-    if (p == ex.rank()) continue;
-    ex.send(p, &mine, sizeof(mine));
-    ex.recv(p, &theirs[p], sizeof(uint64_t));
-  }
-  ex.run();
+  ex.swap_with_all(&mine, theirs.data(), sizeof(mine));
   return *std::max_element(theirs.begin(), theirs.end());
 }
 }  // namespace
