@@ -47,6 +47,7 @@ constexpr int64_t kDefaultMaxPendingHandshakes = 64;
 // burns no core. spin_us = 0 (TDIST_RPC_SPIN_US=0) restores the plain hand-offs (the future's
 // spin stays). Measured with tdist-bench rpc (docs/perf.md, "RPC waits spin first").
 constexpr int64_t kDefaultSpinUs = 50;
+constexpr int64_t kDefaultShmBytes = int64_t{256} << 20;  // Note [RPC shared-memory slots]
 
 }  // namespace
 
@@ -96,6 +97,12 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   conn_options_.handshake.timeout = hs_timeout;
   conn_options_.socket_buffer_bytes = options_.socket_buffer_bytes;
   conn_options_.spin = std::chrono::microseconds(options_.spin_us);
+  TDIST_CHECK_ARG(options_.shm_bytes >= -1, "shm_bytes must be -1 (the default) or more, got ",
+                  options_.shm_bytes);
+  if (options_.shm_bytes == -1) {
+    options_.shm_bytes = env::get_int("TDIST_RPC_SHM_BYTES", kDefaultShmBytes, 0, INT64_MAX);
+  }
+  conn_options_.shm_bytes = static_cast<uint64_t>(options_.shm_bytes);
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<Peer>());
 }
 

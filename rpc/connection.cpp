@@ -39,7 +39,12 @@ void set_socket_buffers(int fd, int bytes) {
 
 Connection::Connection(int fd, bool outgoing, const ConnectionOptions& options,
                        ConnectionHandler* handler, Executor* executor)
-    : fd_(fd), outgoing_(outgoing), options_(options), handler_(handler), executor_(executor) {
+    : fd_(fd),
+      outgoing_(outgoing),
+      options_(options),
+      handler_(handler),
+      executor_(executor),
+      slots_(options.shm_bytes) {
   int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   set_socket_buffers(fd_, options_.socket_buffer_bytes);
@@ -234,6 +239,11 @@ void Connection::read_frames() {
       release(h.id);
       continue;
     }
+    if (h.type == MessageType::kShmRelease) {
+      if (h.length != 0) throw ProtocolError("SHM_RELEASE frame with a body");
+      slots_.release(h.id);
+      continue;
+    }
     Message m;
     m.type = h.type;
     m.flags = h.flags;
@@ -256,28 +266,45 @@ void Connection::read_frames() {
 
 void Connection::read_frame_tensors(const FrameHeader& h, Message& m, TensorSection& section) {
   check_tensor_section(h, section, hs_.read_remote_tensors, options_.max_frame_bytes);
+  for (uint64_t tag : section.retired) mappings_.retire(tag);
   const bool any_remote = !section.addresses.empty();
+  const pid_t pid = hs_.peer_pid;
+  auto read_remote = [&](const TensorMeta& meta, uint64_t src) {
+    at::Tensor t = empty_for_receive(meta);
+    if (meta.nbytes) {
+      auto* dst = static_cast<uint8_t*>(t.data_ptr());
+      parallel_copy(meta.nbytes, [&](uint64_t off, uint64_t n) {
+        read_process_memory(pid, src + off, dst + off, n);
+      });
+    }
+    return t;
+  };
+  bool any_read = false;  // a tensor read from the sender's own memory: TENSOR_RELEASE
   m.tensors.reserve(section.metas.size());
   for (size_t i = 0; i < section.metas.size(); ++i) {
     const TensorMeta& meta = section.metas[i];
     if (any_remote && section.addresses[i] != 0) {
-      at::Tensor t = empty_for_receive(meta);
-      if (meta.nbytes) {
-        auto* dst = static_cast<uint8_t*>(t.data_ptr());
-        const uint64_t src = section.addresses[i];
-        const pid_t pid = hs_.peer_pid;
-        parallel_copy(meta.nbytes, [&](uint64_t off, uint64_t n) {
-          read_process_memory(pid, src + off, dst + off, n);
-        });
+      const ShmRef* slot =
+          !section.shm.empty() && section.shm[i].tag != 0 ? &section.shm[i] : nullptr;
+      std::optional<at::Tensor> t;
+      if (slot) t = mappings_.tensor(pid, *slot, meta, releases_);
+      if (t) {
+        m.tensors.push_back(std::move(*t));
+        continue;
       }
-      m.tensors.push_back(std::move(t));
+      m.tensors.push_back(read_remote(meta, section.addresses[i]));
+      if (slot) {
+        releases_->push(slot->tag);  // read out of the slot: the sender may reuse it
+      } else {
+        any_read = true;
+      }
     } else {
       // Its storage grows as its bytes arrive (rpc/detail/tensor_pool.h): the frame's length
       // was checked against the tensors' sizes, but it is only the peer's word.
       m.tensors.push_back(receive_tensor(meta, [this](void* dst, size_t n) { read(dst, n); }));
     }
   }
-  if (any_remote) {
+  if (any_read) {
     // The sender holds those tensors until it hears that we are done with its memory.
     std::weak_ptr<Connection> weak = weak_from_this();
     uint64_t id = h.id;
@@ -310,21 +337,42 @@ void Connection::frame(OutMessage& m) {
   std::vector<at::Tensor> wire;
   std::vector<at::Tensor> remote;
   uint64_t inline_bytes = 0;
+  // Slots filled for this frame go back to free if it throws before it is queued.
+  struct Unput {
+    ShmSlots& slots;
+    std::vector<uint64_t> tags;
+    bool framed = false;
+    ~Unput() {
+      if (!framed) {
+        for (uint64_t tag : tags) slots.release(tag);
+      }
+    }
+  } unput{slots_, {}};
   section.metas.reserve(m.tensors.size());
   for (auto& t : m.tensors) {
     at::Tensor c = contiguous_values(t);  // resolves conjugate / negative views
     TensorMeta meta = describe_tensor(c);
     const bool is_remote = hs_.send_remote_tensors && meta.nbytes >= options_.remote_tensor_threshold;
-    section.addresses.push_back(is_remote ? reinterpret_cast<uint64_t>(c.data_ptr()) : 0);
-    if (is_remote) {
+    std::optional<ShmSlots::Put> slot;
+    if (is_remote && options_.shm_bytes > 0) {
+      slot = slots_.put(c.data_ptr(), meta.nbytes, section.retired);
+    }
+    section.shm.push_back(slot ? slot->ref : ShmRef{});
+    if (slot) {
+      section.addresses.push_back(slot->address);
+      unput.tags.push_back(slot->ref.tag);
+    } else if (is_remote) {
+      section.addresses.push_back(reinterpret_cast<uint64_t>(c.data_ptr()));
       remote.push_back(std::move(c));
     } else {
+      section.addresses.push_back(0);
       inline_bytes += meta.nbytes;
       if (meta.nbytes) wire.push_back(std::move(c));
     }
     section.metas.push_back(std::move(meta));
   }
-  if (remote.empty()) section.addresses.clear();
+  if (unput.tags.empty()) section.shm.clear();
+  if (remote.empty() && unput.tags.empty() && section.retired.empty()) section.addresses.clear();
   const size_t payload = m.body.size();
   if (!section.metas.empty()) {
     BytesOutputArchive ar(m.body);
@@ -335,7 +383,7 @@ void Connection::frame(OutMessage& m) {
                   " bytes (without tensors) exceeds 4 GiB");
   FrameHeader h;
   h.type = m.type;
-  h.flags = m.flags | (remote.empty() ? 0 : kFlagRemoteTensors);
+  h.flags = m.flags | (section.addresses.empty() ? 0 : kFlagRemoteTensors);
   h.body_len = static_cast<uint32_t>(body_len);
   h.meta_len = static_cast<uint32_t>(body_len - payload);
   h.id = m.id;
@@ -344,8 +392,9 @@ void Connection::frame(OutMessage& m) {
                   " bytes exceeds the maximum frame size of ", options_.max_frame_bytes,
                   " bytes (RpcOptions::max_frame_bytes)");
   encode_header(h, m.header.data());
+  unput.framed = true;
   m.tensor_bytes = inline_bytes;
-  m.remote_tensors = !remote.empty();
+  m.remote_tensors = !section.addresses.empty();
   m.tensors = std::move(wire);
   if (!remote.empty()) {
     std::lock_guard<std::mutex> lock(retained_mu_);
@@ -372,6 +421,7 @@ void Connection::send(OutMessage&& m) {
     batch.swap(queue_);
     lock.unlock();
     try {
+      add_slot_releases(batch);
       write_batch(batch);
     } catch (const std::exception& e) {
       lock.lock();
@@ -385,6 +435,19 @@ void Connection::send(OutMessage&& m) {
     lock.lock();
   }
   writing_ = false;
+}
+
+void Connection::add_slot_releases(std::deque<OutMessage>& batch) {
+  for (uint64_t tag : releases_->take()) {
+    OutMessage rel;
+    rel.type = MessageType::kShmRelease;
+    rel.id = tag;
+    FrameHeader h;
+    h.type = rel.type;
+    h.id = tag;
+    encode_header(h, rel.header.data());
+    batch.push_back(std::move(rel));
+  }
 }
 
 void Connection::write_batch(std::deque<OutMessage>& batch) {

@@ -3,9 +3,12 @@
 //
 // Reading: one thread per connection reads frames (Note [RPC wire format]) through a small
 // buffer; a large body or tensor is read straight into its destination (a tensor's own storage),
-// so large tensors are never copied on the way in. With the same-host fast path the bytes of a
-// large tensor are read from the sender's memory instead (process_vm_readv, one copy), and a
-// TENSOR_RELEASE frame then lets the sender drop its reference. Each complete frame goes to the
+// so large tensors are never copied on the way in. With the same-host fast path a large tensor
+// is the sender's shared-memory slot, mapped (Note [RPC shared-memory slots] in
+// rpc/detail/shm_tensors.h: the slot's release goes out with the next frame written after the
+// tensor dies), or, when there is no slot, its bytes are read from the sender's memory
+// (process_vm_readv, one copy) and a TENSOR_RELEASE frame then lets the sender drop its
+// reference. Each complete frame goes to the
 // handler; the reader never runs user code and never writes (it posts what must be sent).
 // An incoming connection's thread runs the server handshake first and gets its read buffer
 // only once the peer authenticated. Between frames the reader waits without limit; once a
@@ -37,6 +40,7 @@
 #include <vector>
 
 #include "tdist/rpc/auth.h"
+#include "tdist/rpc/detail/shm_tensors.h"
 #include "tdist/rpc/future.h"
 #include "tdist/rpc/message.h"
 
@@ -60,6 +64,9 @@ struct ConnectionOptions {
   // (TimeoutError naming the peer, the connection closes); between frames no limit. 0: none.
   Millis frame_timeout{0};
   uint64_t remote_tensor_threshold = 256 << 10;  // fast path only for tensors at least this large
+  // Shared-memory slots of the fast path, at most this many bytes on one connection (Note [RPC
+  // shared-memory slots] in rpc/detail/shm_tensors.h); 0: process_vm_readv only.
+  uint64_t shm_bytes = uint64_t{256} << 20;
   HandshakeOptions handshake;                // incoming connections handshake on their thread
   int socket_buffer_bytes = 0;               // SO_SNDBUF / SO_RCVBUF; 0: the system's
   // Between frames the reader keeps reading without blocking this long (yielding the core
@@ -97,6 +104,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   int peer_rank() const { return peer_rank_.load(); }
   bool closed() const;
   bool finished() const { return finished_.load(); }  // the reader thread has returned
+  // The same-host fast path's shared-memory slots (tests look at them).
+  const ShmSlots& shm_slots() const { return slots_; }
   std::string close_reason() const;
 
  private:
@@ -108,6 +117,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void frame(OutMessage& m);
   void write_batch(std::deque<OutMessage>& batch);
   void release(uint64_t id);
+  // SHM_RELEASE frames for the slots whose received tensors died, onto `batch`.
+  void add_slot_releases(std::deque<OutMessage>& batch);
 
   // Buffered reads.
   void read(void* dst, size_t size);
@@ -145,6 +156,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::mutex retained_mu_;
   // Tensors whose bytes the peer reads from our memory, by frame id, until TENSOR_RELEASE.
   std::unordered_map<uint64_t, std::vector<at::Tensor>> retained_;  // guarded by retained_mu_
+
+  // Note [RPC shared-memory slots]: ours (sending), our mappings of the peer's (reader thread),
+  // and the peer's slots that our received tensors no longer use (sent with our next write).
+  ShmSlots slots_;
+  ShmMappings mappings_;
+  const std::shared_ptr<ReleaseQueue> releases_ = std::make_shared<ReleaseQueue>();
 };
 
 }  // namespace tdist::rpc::detail

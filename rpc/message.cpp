@@ -38,6 +38,7 @@ const char* message_type_name(MessageType type) {
     case MessageType::kRRefUserDelete: return "RREF_USER_DELETE";
     case MessageType::kRRefChildAccept: return "RREF_CHILD_ACCEPT";
     case MessageType::kTensorRelease: return "TENSOR_RELEASE";
+    case MessageType::kShmRelease: return "SHM_RELEASE";
   }
   return "UNKNOWN";
 }
@@ -101,6 +102,22 @@ void check_tensor_section(const FrameHeader& h, const TensorSection& section, bo
     }
     if (!accept_remote || !(h.flags & kFlagRemoteTensors)) {
       throw ProtocolError("peer sent tensor addresses but the same-host fast path is off");
+    }
+  }
+  if (!section.shm.empty() || !section.retired.empty()) {
+    if (!any_remote) throw ProtocolError("peer named shared-memory slots without addresses");
+    if (!section.shm.empty() && section.shm.size() != section.metas.size()) {
+      throw ProtocolError(str("tensor section has ", section.metas.size(), " tensors but ",
+                              section.shm.size(), " slot names"));
+    }
+    if (section.retired.size() > kMaxRetired) {
+      throw ProtocolError(str("peer retired ", section.retired.size(),
+                              " shared-memory slots in one frame"));
+    }
+    for (size_t i = 0; i < section.shm.size(); ++i) {
+      if (section.shm[i].tag != 0 && section.addresses[i] == 0) {
+        throw ProtocolError("peer named a shared-memory slot for a tensor in the frame");
+      }
     }
   }
   uint64_t inline_sum = 0;

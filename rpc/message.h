@@ -19,7 +19,8 @@
 // payload starts with distributed autograd's header (rpc/autograd_hooks.h), stripped on receipt. The tensor section
 // is a cereal TensorSection: one TensorMeta per tensor and, with kFlagRemoteTensors, the address
 // of each tensor's bytes in the sender's memory instead of bytes in the frame (same-host fast
-// path, see connection.h).
+// path, see connection.h), the shared-memory slot that holds each such tensor (if any) and the
+// slots the sender retired (Note [RPC shared-memory slots] in rpc/detail/shm_tensors.h).
 //
 // A receiver checks, before it allocates or reads anything that depends on them: the magic, the
 // version, a known type, length <= the maximum frame size, meta_len <= body_len <= length,
@@ -31,7 +32,8 @@
 // what it announced.
 //
 // `id` pairs a response (kResponse / kError) with its request. Every other type but
-// kTensorRelease is a request and gets exactly one response.
+// kTensorRelease and kShmRelease (no body; `id` names a frame or a slot) is a request and gets
+// exactly one response.
 
 #include <ATen/core/Tensor.h>
 
@@ -58,13 +60,14 @@ enum class MessageType : uint16_t {
   kRRefUserDelete = 9,   // a user tells the owner that a fork is gone
   kRRefChildAccept = 10, // a child tells its parent that the owner knows it
   kTensorRelease = 11,   // the receiver has read the sender's remote tensors of frame `id`
-  kMaxType = 11,
+  kShmRelease = 12,      // the receiver is done with the sender's shared-memory slot `id`
+  kMaxType = 12,
 };
 
 const char* message_type_name(MessageType type);
 inline bool is_request(MessageType t) {
   return t != MessageType::kResponse && t != MessageType::kError &&
-         t != MessageType::kTensorRelease;
+         t != MessageType::kTensorRelease && t != MessageType::kShmRelease;
 }
 
 constexpr uint32_t kMagic = 0x43505254;  // "TRPC"
@@ -90,13 +93,28 @@ void encode_header(const FrameHeader& h, uint8_t* out /* kHeaderSize bytes */);
 // Validates everything the header alone can tell (see the Note); ProtocolError otherwise.
 FrameHeader decode_header(const uint8_t* in /* kHeaderSize bytes */, uint64_t max_frame_bytes);
 
-struct TensorSection {
-  std::vector<TensorMeta> metas;
-  std::vector<uint64_t> addresses;  // kFlagRemoteTensors only
+// A shared-memory slot's name in a frame (Note [RPC shared-memory slots] in
+// rpc/detail/shm_tensors.h): the memfd's descriptor number in the sender and the slot's tag;
+// tag 0: this tensor is not in a slot.
+struct ShmRef {
+  int32_t fd = -1;
+  uint64_t tag = 0;
 
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(metas, addresses);
+    ar(fd, tag);
+  }
+};
+
+struct TensorSection {
+  std::vector<TensorMeta> metas;
+  std::vector<uint64_t> addresses;  // kFlagRemoteTensors only
+  std::vector<ShmRef> shm;          // kFlagRemoteTensors only: one per tensor, or none
+  std::vector<uint64_t> retired;    // kFlagRemoteTensors only: slots the sender dropped
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(metas, addresses, shm, retired);
   }
 };
 
@@ -107,12 +125,14 @@ TensorSection take_tensor_section(const FrameHeader& h, Bytes& body);
 
 // Checks a received tensor section against its frame header before any tensor is allocated
 // (Note [RPC wire format]): addresses, when there are any, one per tensor and only with
-// kFlagRemoteTensors and `accept_remote` (the same-host fast path is on); every TensorMeta
+// kFlagRemoteTensors and `accept_remote` (the same-host fast path is on); slot names likewise,
+// each slot tensor with an address, and at most kMaxRetired retired slots; every TensorMeta
 // valid; the bytes of the tensors in the frame (address 0, or no addresses) adding up to exactly
 // h.length - h.body_len, those of the remote ones to at most max_frame_bytes. ProtocolError
 // otherwise.
 void check_tensor_section(const FrameHeader& h, const TensorSection& section, bool accept_remote,
                           uint64_t max_frame_bytes);
+constexpr size_t kMaxRetired = 4096;
 
 // A received message.
 struct Message {

@@ -54,9 +54,15 @@ struct RpcOptions {
   uint16_t listen_port = 0;
   // Largest frame (header, arguments and tensors of one message) accepted from a peer.
   uint64_t max_frame_bytes = uint64_t{4} << 30;
-  // Same-host peers read large tensors straight from the sender's memory (Linux
-  // process_vm_readv) when the kernel allows it; off sends every byte through the socket.
+  // Same-host peers pass large tensors through shared memory (the sender copies a tensor into
+  // a shared slot, the receiver uses it in place) or read them straight from the sender's
+  // memory (Linux process_vm_readv) when the kernel allows it; off sends every byte through
+  // the socket.
   bool same_host_fast_path = true;
+  // Bytes of shared-memory slots one connection's sender may hold (rpc/detail/shm_tensors.h);
+  // beyond it large tensors go by process_vm_readv. -1: TDIST_RPC_SHM_BYTES, else 256 MiB;
+  // 0: never.
+  int64_t shm_bytes = -1;
   // SO_SNDBUF and SO_RCVBUF of every connection in bytes (the kernel may round them); 0 keeps
   // the system's defaults. Small buffers make writers block early (tests use that).
   int socket_buffer_bytes = 0;

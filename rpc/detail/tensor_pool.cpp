@@ -183,6 +183,10 @@ at::Tensor empty_for_receive(const TensorMeta& meta) {
                    meta);
 }
 
+at::Tensor tensor_on_data(c10::DataPtr data, const TensorMeta& meta) {
+  return tensor_on(storage_of(std::move(data), meta.nbytes), meta);
+}
+
 at::Tensor receive_tensor(const TensorMeta& meta,
                           const std::function<void(void* dst, size_t size)>& read) {
   const uint64_t n = meta.nbytes;

@@ -23,6 +23,7 @@
 // Thread safety: both may be called from any thread.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
 
 #include <cstdint>
 #include <functional>
@@ -37,6 +38,10 @@ constexpr uint64_t kMaxCachedBytes = uint64_t{256} << 20;
 constexpr uint64_t kFirstReceiveChunk = uint64_t{1} << 20;
 
 at::Tensor empty_for_receive(const TensorMeta& meta);
+
+// A tensor of `meta` whose storage is `data` (meta.nbytes bytes): ordinary resizable CPU storage,
+// growing into the cache above (rpc/detail/shm_tensors.h puts received slots in it).
+at::Tensor tensor_on_data(c10::DataPtr data, const TensorMeta& meta);
 
 at::Tensor receive_tensor(const TensorMeta& meta,
                           const std::function<void(void* dst, size_t size)>& read);

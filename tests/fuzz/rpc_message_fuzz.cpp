@@ -207,6 +207,7 @@ void decode_payload(Message& msg, unsigned result_type) {
       (void)tdist::decode<detail::ErrorBody>(msg.body);
       break;
     case MessageType::kTensorRelease:
+    case MessageType::kShmRelease:
       break;
   }
 }
@@ -214,8 +215,8 @@ void decode_payload(Message& msg, unsigned result_type) {
 // connection.cpp's read_frames and read_frame_tensors, for one frame.
 void read_frame(const uint8_t* hdr, Stream& in, bool accept_remote, unsigned result_type) {
   const FrameHeader h = detail::decode_header(hdr, kMaxFrameBytes);
-  if (h.type == MessageType::kTensorRelease) {
-    if (h.length != 0) throw tdist::ProtocolError("TENSOR_RELEASE frame with a body");
+  if (h.type == MessageType::kTensorRelease || h.type == MessageType::kShmRelease) {
+    if (h.length != 0) throw tdist::ProtocolError("release frame with a body");
     return;
   }
   Message m;
@@ -313,6 +314,7 @@ void write_seeds(const std::string& dir) {
   call("response_remote_call", MessageType::kResponse, tdist::encode(std::string()), 7 << 1);
   call("error", MessageType::kError, tdist::encode(detail::ErrorBody{"boom", "worker1"}));
   call("tensor_release", MessageType::kTensorRelease, {});
+  call("shm_release", MessageType::kShmRelease, {});
 }
 
 }  // namespace

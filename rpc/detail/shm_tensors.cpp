@@ -1,0 +1,242 @@
+#include "tdist/rpc/detail/shm_tensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/rpc/detail/tensor_pool.h"
+
+namespace tdist::rpc::detail {
+namespace {
+
+constexpr uint64_t kSlotMagic = 0x4655424d48534454;  // "TDSHMBUF"
+constexpr char kMemfdName[] = "tdist-rpc-slot";
+
+struct Header {
+  uint64_t magic;
+  uint64_t tag;
+  uint64_t capacity;
+};
+
+uint64_t new_tag() {
+  uint64_t tag = 0;
+  while (tag == 0) {
+    if (::getrandom(&tag, sizeof(tag), 0) != sizeof(tag)) tag = 0;
+  }
+  return tag;
+}
+
+uint64_t page_rounded(uint64_t n) {
+  static const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return (n + page - 1) / page * page;
+}
+
+struct Hold {
+  std::shared_ptr<ShmMappings::Mapping> mapping;
+  std::weak_ptr<ReleaseQueue> releases;
+  uint64_t tag;
+};
+
+void drop_hold(void* ctx) {
+  auto* h = static_cast<Hold*>(ctx);
+  if (auto q = h->releases.lock()) q->push(h->tag);
+  delete h;
+}
+
+}  // namespace
+
+struct ShmMappings::Mapping {
+  void* base = nullptr;
+  size_t length = 0;
+  uint64_t capacity = 0;  // from the header, checked against length when mapped
+  ~Mapping() {
+    if (base) ::munmap(base, length);
+  }
+};
+
+void ReleaseQueue::push(uint64_t tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tags_.push_back(tag);
+}
+
+std::vector<uint64_t> ReleaseQueue::take() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::move(tags_);
+}
+
+ShmSlots::~ShmSlots() {
+  for (auto& [tag, s] : slots_) destroy(s);
+}
+
+void ShmSlots::destroy(Slot& s) {
+  if (s.base) ::munmap(s.base, s.mapped);
+  if (s.fd >= 0) ::close(s.fd);
+  s.base = nullptr;
+  s.fd = -1;
+}
+
+bool ShmSlots::make_room(uint64_t mapped, std::vector<uint64_t>& retired) {
+  while (held_ + mapped > cap_) {
+    auto oldest = slots_.end();
+    for (auto it = slots_.begin(); it != slots_.end(); ++it) {
+      if (!it->second.busy && (oldest == slots_.end() || it->second.last_use < oldest->second.last_use)) {
+        oldest = it;
+      }
+    }
+    if (oldest == slots_.end()) return false;
+    held_ -= oldest->second.mapped;
+    retired.push_back(oldest->first);
+    destroy(oldest->second);
+    slots_.erase(oldest);
+  }
+  return true;
+}
+
+std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes,
+                                           std::vector<uint64_t>& retired) {
+  uint8_t* data = nullptr;
+  Put out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot* best = nullptr;
+    uint64_t best_tag = 0;
+    for (auto& [tag, s] : slots_) {
+      if (!s.busy && s.capacity >= bytes && s.capacity / 2 <= bytes &&
+          (!best || s.capacity < best->capacity)) {
+        best = &s;
+        best_tag = tag;
+      }
+    }
+    if (!best) {
+      const uint64_t capacity = page_rounded(bytes);
+      const uint64_t mapped = kShmHeaderBytes + capacity;
+      if (!make_room(mapped, retired)) return std::nullopt;
+      Slot s;
+      s.capacity = capacity;
+      s.mapped = mapped;
+      s.fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
+      if (s.fd < 0) return std::nullopt;
+      // fallocate reserves the pages now: no shared memory left is an error here, not a SIGBUS
+      // in the copy below.
+      void* p = MAP_FAILED;
+      if (::ftruncate(s.fd, static_cast<off_t>(mapped)) == 0 &&
+          ::fallocate(s.fd, 0, 0, static_cast<off_t>(mapped)) == 0) {
+        p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, s.fd, 0);
+      }
+      if (p == MAP_FAILED) {
+        TDIST_LOG_DEBUG("rpc: no shared-memory slot of ", mapped, " bytes: ", std::strerror(errno));
+        destroy(s);
+        return std::nullopt;
+      }
+      s.base = static_cast<uint8_t*>(p);
+      best_tag = new_tag();
+      const Header h{kSlotMagic, best_tag, capacity};
+      std::memcpy(s.base, &h, sizeof(h));
+      held_ += mapped;
+      best = &slots_.emplace(best_tag, s).first->second;
+    }
+    best->busy = true;
+    best->last_use = ++clock_;
+    data = best->base + kShmHeaderBytes;
+    out.ref.fd = best->fd;
+    out.ref.tag = best_tag;
+    out.address = reinterpret_cast<uint64_t>(data);
+  }
+  // Busy: nobody else touches it until the receiver releases it.
+  if (bytes) {
+    parallel_copy(bytes, [&](uint64_t off, uint64_t n) {
+      std::memcpy(data + off, static_cast<const uint8_t*>(src) + off, n);
+    });
+  }
+  return out;
+}
+
+bool ShmSlots::release(uint64_t tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(tag);
+  if (it == slots_.end() || !it->second.busy) return false;
+  it->second.busy = false;
+  return true;
+}
+
+uint64_t ShmSlots::bytes_held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_;
+}
+
+size_t ShmSlots::busy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [tag, s] : slots_) n += s.busy ? 1 : 0;
+  return n;
+}
+
+std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
+                                              const TensorMeta& meta,
+                                              const std::shared_ptr<ReleaseQueue>& releases) {
+  if (disabled_) return std::nullopt;
+  auto it = maps_.find(ref.tag);
+  if (it == maps_.end()) {
+    if (maps_.size() >= kMaxShmMappings) {
+      throw ProtocolError(str("peer names more than ", kMaxShmMappings,
+                              " shared-memory slots at once"));
+    }
+    const std::string path = str("/proc/", pid, "/fd/", ref.fd);
+    char target[256] = {};
+    const ssize_t n = ::readlink(path.c_str(), target, sizeof(target) - 1);
+    const int fd = n > 0 ? ::open(path.c_str(), O_RDWR | O_CLOEXEC) : -1;
+    if (fd < 0) {
+      TDIST_LOG_DEBUG("rpc: cannot open the peer's shared-memory slot ", path, ": ",
+                      std::strerror(errno), "; reading its tensors with process_vm_readv");
+      disabled_ = true;
+      return std::nullopt;
+    }
+    const std::string expected = str("/memfd:", kMemfdName);
+    struct stat st {};
+    const bool is_slot = std::strncmp(target, expected.c_str(), expected.size()) == 0 &&
+                         ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+                         static_cast<uint64_t>(st.st_size) >= kShmHeaderBytes;
+    if (!is_slot) {
+      ::close(fd);
+      throw ProtocolError(str("peer named descriptor ", ref.fd, " (", target,
+                              ") as a shared-memory slot"));
+    }
+    auto m = std::make_shared<Mapping>();
+    m->length = static_cast<size_t>(st.st_size);
+    void* p = ::mmap(nullptr, m->length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) {
+      TDIST_LOG_DEBUG("rpc: cannot map the peer's shared-memory slot ", path, ": ",
+                      std::strerror(errno), "; reading its tensors with process_vm_readv");
+      disabled_ = true;
+      return std::nullopt;
+    }
+    m->base = p;
+    Header h{};
+    std::memcpy(&h, p, sizeof(h));
+    if (h.magic != kSlotMagic || h.tag != ref.tag || h.capacity > m->length - kShmHeaderBytes) {
+      throw ProtocolError(str("peer's shared-memory slot ", ref.fd, " has a header that does not "
+                              "match the frame (tag, magic or capacity)"));
+    }
+    m->capacity = h.capacity;
+    it = maps_.emplace(ref.tag, std::move(m)).first;
+  }
+  const auto& m = it->second;
+  if (meta.nbytes > m->capacity) {
+    throw ProtocolError(str("peer put a tensor of ", meta.nbytes, " bytes in a shared-memory "
+                            "slot of ", m->capacity));
+  }
+  auto* hold = new Hold{m, releases, ref.tag};
+  c10::DataPtr data(static_cast<uint8_t*>(m->base) + kShmHeaderBytes, hold, &drop_hold,
+                    c10::Device(c10::DeviceType::CPU));
+  return tensor_on_data(std::move(data), meta);
+}
+
+}  // namespace tdist::rpc::detail

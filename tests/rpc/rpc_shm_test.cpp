@@ -1,0 +1,378 @@
+// Large tensors between two worker processes of one host through shared-memory slots (Note [RPC
+// shared-memory slots] in rpc/detail/shm_tensors.h): this process is worker 0, a child process
+// worker 1. What the tests look at is what the kernel shows: which mapping a received tensor's
+// bytes live in (/proc/self/maps) and how many slot descriptors a process holds (/proc/self/fd).
+
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <dirent.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include "tdist/core/env.h"
+#include "tdist/core/serialize.h"
+#include "tdist/core/tcp_store.h"
+#include "tdist/rpc/detail/shm_tensors.h"
+#include "tests/harness/process.h"
+#include "tests/rpc/raw_peer.h"
+#include "tests/rpc/rpc_test_util.h"
+
+namespace tdist::rpc::test {
+namespace {
+
+using detail::FrameHeader;
+using detail::MessageType;
+
+constexpr char kSlotName[] = "/memfd:tdist-rpc-slot";
+
+// The path of the mapping that holds address p in this process ("" if none).
+std::string mapping_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) != 2 || a < lo || a >= hi) continue;
+    const auto slash = line.find('/');
+    return slash == std::string::npos ? std::string() : line.substr(slash);
+  }
+  return {};
+}
+
+bool in_slot(const at::Tensor& t) { return mapping_of(t.data_ptr()).rfind(kSlotName, 0) == 0; }
+
+// Slot descriptors this process holds (its own slots, as a sender).
+int64_t slot_fds() {
+  int64_t n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d)) {
+    char target[256] = {};
+    const std::string path = std::string("/proc/self/fd/") + e->d_name;
+    if (::readlink(path.c_str(), target, sizeof(target) - 1) > 0 &&
+        std::strncmp(target, kSlotName, std::strlen(kSlotName)) == 0) {
+      ++n;
+    }
+  }
+  ::closedir(d);
+  return n;
+}
+
+std::mutex kept_mu;
+std::vector<at::Tensor> kept;
+
+void register_shm_functions() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    register_test_functions();
+    register_function("in_slot", [](at::Tensor t) { return in_slot(t); });
+    register_function("slot_fds", [] { return slot_fds(); });
+    // Keeps the tensor (its slot stays busy) and returns its sum.
+    register_function("keep", [](at::Tensor t) {
+      std::lock_guard<std::mutex> lock(kept_mu);
+      kept.push_back(t);
+      return t.to(at::kDouble).sum().item<double>();
+    });
+    register_function("tensor_and_text",
+                      [](at::Tensor t, std::string s) { return t.numel() + static_cast<int64_t>(s.size()); });
+    register_function("drop_kept", [] {
+      std::lock_guard<std::mutex> lock(kept_mu);
+      auto n = static_cast<int64_t>(kept.size());
+      kept.clear();
+      return n;
+    });
+  });
+}
+
+RpcOptions options(std::shared_ptr<Store> store) {
+  RpcOptions o;
+  o.store = std::move(store);
+  o.rpc_timeout = 60s;
+  o.listen_host = "127.0.0.1";
+  return o;
+}
+
+// Worker 1: serves until worker 0 says it is done.
+TDIST_TEST_CHILD(rpc_shm_peer) {
+  torch::set_num_threads(1);
+  register_shm_functions();
+  const auto port = static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535));
+  auto store = std::make_shared<TCPStore>("127.0.0.1", port, false, 60s);
+  auto agent = RpcAgent::start("w1", 1, 2, options(store));
+  store->wait({"shm/done"}, 120s);
+  agent->shutdown(true);
+  return 0;
+}
+
+class RpcSharedMemory : public ::testing::Test {
+ protected:
+  // Worker 1 in a child process (its environment: `env`), worker 0 here with `shm_bytes` and
+  // what `adjust` changes.
+  void start(std::map<std::string, std::string> env = {}, int64_t shm_bytes = -1,
+             const std::function<void(RpcOptions&)>& adjust = {}) {
+    register_shm_functions();
+    store_ = std::make_shared<TCPStore>("127.0.0.1", 0, true, 60s);
+    env["MASTER_PORT"] = std::to_string(store_->port());
+    peer_ = std::make_unique<tdist::test::Processes>("rpc_shm_peer", 1, env);
+    auto o = options(store_);
+    o.shm_bytes = shm_bytes;
+    if (adjust) adjust(o);
+    agent_ = RpcAgent::start("w0", 0, 2, o);
+  }
+  void finish() {
+    store_->set("shm/done", "1");
+    agent_->shutdown(true);
+    auto r = peer_->wait_all(60s);
+    EXPECT_TRUE(r[0].ok()) << r[0].describe() << "\n" << r[0].output;
+  }
+  at::Tensor echo(const at::Tensor& t) { return agent_->rpc_sync<at::Tensor>("w1", "echo", t); }
+  bool peer_got_it_in_a_slot(const at::Tensor& t) {
+    return agent_->rpc_sync<bool>("w1", "in_slot", t);
+  }
+  int64_t peer_slot_fds() { return agent_->rpc_sync<int64_t>("w1", "slot_fds"); }
+
+  std::shared_ptr<TCPStore> store_;
+  std::unique_ptr<tdist::test::Processes> peer_;
+  std::shared_ptr<RpcAgent> agent_;
+};
+
+TEST_F(RpcSharedMemory, LargeTensorsArriveInSlotsBothWaysAndComeBackEqual) {
+  start();
+  for (auto dtype : {at::kFloat, at::kDouble, at::kLong, at::kByte, at::kBool, at::kComplexFloat}) {
+    // The threshold (256 KiB) exactly, an odd size above it, and 16 MiB.
+    for (int64_t bytes : {int64_t{256} << 10, (int64_t{1} << 20) + 16, int64_t{16} << 20}) {
+      const int64_t n = bytes / c10::elementSize(dtype);
+      at::Tensor t = dtype == at::kBool ? at::rand({n}) > 0.5
+                                        : (at::rand({n}, at::kDouble) * 100).to(dtype);
+      at::Tensor back = echo(t);
+      ASSERT_TRUE(back.equal(t)) << dtype << " " << bytes;
+      EXPECT_TRUE(in_slot(back)) << dtype << " " << bytes << ": " << mapping_of(back.data_ptr());
+      EXPECT_TRUE(peer_got_it_in_a_slot(t)) << dtype << " " << bytes;
+    }
+  }
+  // A view with an offset, a transposed (non-contiguous) one and a conjugate one travel as the
+  // values they show.
+  at::Tensor m = at::rand({1024, 512});
+  for (const at::Tensor& v : {m.narrow(0, 100, 600), m.t(), at::rand({1 << 17}, at::kComplexFloat).conj()}) {
+    at::Tensor back = echo(v);
+    EXPECT_TRUE(back.equal(v.resolve_conj().contiguous()));
+    EXPECT_TRUE(in_slot(back));
+  }
+  // Small tensors stay in the frame; several large ones in one message get one slot each.
+  at::Tensor small = at::rand({100});
+  EXPECT_TRUE(echo(small).equal(small));
+  EXPECT_FALSE(in_slot(echo(small)));
+  std::vector<at::Tensor> several{at::rand({1 << 18}), small, at::rand({1 << 19}), at::rand({1 << 18})};
+  auto back = agent_->rpc_sync<std::vector<at::Tensor>>("w1", "echo_tensors", several);
+  ASSERT_EQ(back.size(), several.size());
+  for (size_t i = 0; i < several.size(); ++i) {
+    EXPECT_TRUE(back[i].equal(several[i])) << i;
+    EXPECT_EQ(in_slot(back[i]), i != 1) << i;
+  }
+  EXPECT_NE(back[0].data_ptr(), back[2].data_ptr());
+  finish();
+}
+
+TEST_F(RpcSharedMemory, SlotsAreReleasedAndReused) {
+  start();
+  at::Tensor t = at::rand({1 << 20});  // 4 MiB
+  for (int i = 0; i < 60; ++i) {
+    at::Tensor back = echo(t + i);
+    ASSERT_TRUE(back.equal(t + i)) << i;
+  }
+  // Each side needs a slot for the message in flight and one its peer still holds until the next
+  // frame carries the release: a few, not one per call.
+  EXPECT_LE(slot_fds(), 3);
+  EXPECT_LE(peer_slot_fds(), 3);
+  EXPECT_GE(slot_fds(), 1);
+  finish();
+}
+
+TEST_F(RpcSharedMemory, AMessageThatCannotBeSentFreesItsSlots) {
+  // Frames of at most 8 MiB: a 4 MiB tensor in a slot with 9 MiB of text cannot go. The slot
+  // its tensor was copied into is free again, so the next calls need no other.
+  start({}, -1, [](RpcOptions& o) { o.max_frame_bytes = 8 << 20; });
+  at::Tensor t = at::rand({1 << 20});
+  EXPECT_THROW(agent_->rpc_sync<int64_t>("w1", "tensor_and_text", t, std::string(9 << 20, 'x')),
+               InvalidArgument);
+  EXPECT_EQ(slot_fds(), 1);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "tensor_and_text", t, std::string("y")), (1 << 20) + 1);
+  }
+  EXPECT_EQ(slot_fds(), 2);  // the one above, and one more while the peer holds the first
+  finish();
+}
+
+TEST_F(RpcSharedMemory, AReceivedTensorIsTheUsersToChangeAndOutlivesItsSender) {
+  start();
+  at::Tensor t = at::rand({1 << 20});
+  at::Tensor a = echo(t);
+  ASSERT_TRUE(in_slot(a));
+  a.add_(1);  // in place, in the slot: the peer does not reuse a slot we still hold
+  at::Tensor b = echo(t);
+  EXPECT_NE(a.data_ptr(), b.data_ptr());
+  EXPECT_TRUE(b.equal(t));
+  EXPECT_TRUE(a.equal(t + 1));
+  // Growing it copies it out of the slot.
+  a.resize_({2 << 20});
+  EXPECT_FALSE(in_slot(a));
+  EXPECT_TRUE(a.narrow(0, 0, 1 << 20).equal(t + 1));
+  // The sender's process ends: what we received stays readable and writable.
+  finish();
+  EXPECT_TRUE(in_slot(b));
+  EXPECT_TRUE(b.equal(t));
+  b.mul_(2);
+  EXPECT_TRUE(b.equal(t * 2));
+}
+
+TEST_F(RpcSharedMemory, SlotsHeldByTheReceiverAndAFullCapFallBackToProcessVmReadv) {
+  // Our slots may hold 6 MiB and a bit: three 2 MiB tensors that the peer keeps fill them, the
+  // next ones go by process_vm_readv. All arrive whole.
+  start({}, (int64_t{6} << 20) + (int64_t{64} << 10));
+  std::vector<at::Tensor> sent;
+  for (int i = 0; i < 5; ++i) {
+    sent.push_back(at::rand({1 << 19}));
+    EXPECT_EQ(agent_->rpc_sync<double>("w1", "keep", sent.back()),
+              sent.back().to(at::kDouble).sum().item<double>()) << i;
+    EXPECT_LE(slot_fds(), 3) << i;
+  }
+  EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "drop_kept"), 5);
+  // Released (with the peer's next frame) and reused, and other sizes: the least recently used
+  // free slots are retired to make room, and the peer drops its mappings of them.
+  for (int i = 0; i < 12; ++i) {
+    at::Tensor t = at::rand({(i % 3 + 1) << 18});  // 1, 2, 3 MiB
+    at::Tensor back = echo(t);
+    ASSERT_TRUE(back.equal(t)) << i;
+    EXPECT_TRUE(in_slot(back)) << i;
+    EXPECT_LE(slot_fds(), 5) << i;  // the cap over the smallest slot
+  }
+  finish();
+}
+
+TEST_F(RpcSharedMemory, ZeroBytesOfSlotsMeansProcessVmReadvOnly) {
+  start({{"TDIST_RPC_SHM_BYTES", "0"}}, 0);
+  at::Tensor t = at::rand({1 << 20});
+  for (int i = 0; i < 3; ++i) {
+    at::Tensor back = echo(t);
+    EXPECT_TRUE(back.equal(t));
+    EXPECT_FALSE(in_slot(back));
+    EXPECT_FALSE(peer_got_it_in_a_slot(t));
+  }
+  EXPECT_EQ(slot_fds(), 0);
+  EXPECT_EQ(peer_slot_fds(), 0);
+  finish();
+}
+
+TEST(RpcSharedMemoryChecks, SlotNamesInAFrameAreChecked) {
+  auto check = [](detail::TensorSection s, uint32_t flags) {
+    FrameHeader h;
+    h.flags = flags;
+    h.length = h.body_len = 0;
+    detail::check_tensor_section(h, s, true, uint64_t{1} << 32);
+  };
+  const TensorMeta meta{static_cast<int8_t>(c10::ScalarType::Float), {1 << 18}, uint64_t{1} << 20};
+  detail::TensorSection ok;
+  ok.metas = {meta};
+  ok.addresses = {4096};
+  ok.shm = {{5, 77}};
+  EXPECT_NO_THROW(check(ok, detail::kFlagRemoteTensors));
+  auto bad = ok;
+  bad.addresses.clear();  // slot names without addresses
+  EXPECT_THROW(check(bad, detail::kFlagRemoteTensors), ProtocolError);
+  bad = ok;
+  bad.shm.push_back({6, 78});  // more names than tensors
+  EXPECT_THROW(check(bad, detail::kFlagRemoteTensors), ProtocolError);
+  bad = ok;
+  bad.addresses = {0};  // a slot tensor whose bytes are said to be in the frame
+  EXPECT_THROW(check(bad, detail::kFlagRemoteTensors), ProtocolError);
+  bad = ok;
+  bad.retired.assign(detail::kMaxRetired + 1, 9);
+  EXPECT_THROW(check(bad, detail::kFlagRemoteTensors), ProtocolError);
+  EXPECT_THROW(check(ok, 0), ProtocolError);  // without the remote-tensors flag
+}
+
+// The sender side alone: slots are made, reused by size, retired least recently used first to
+// stay under the cap, and refused when every slot is busy.
+TEST(RpcSharedMemoryChecks, SlotsStayUnderTheCap) {
+  const uint64_t mib = uint64_t{1} << 20;
+  detail::ShmSlots slots(3 * (mib + detail::kShmHeaderBytes));
+  std::vector<uint8_t> src(mib, 7);
+  std::vector<uint64_t> retired;
+  auto a = slots.put(src.data(), mib, retired);
+  auto b = slots.put(src.data(), mib, retired);
+  ASSERT_TRUE(a && b);
+  EXPECT_NE(a->ref.tag, b->ref.tag);
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(a->address), src.data(), mib), 0);
+  EXPECT_TRUE(slots.release(a->ref.tag));
+  EXPECT_FALSE(slots.release(a->ref.tag));  // twice: ignored
+  auto c = slots.put(src.data(), mib - 100, retired);  // reuses a's slot
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->ref.tag, a->ref.tag);
+  auto d = slots.put(src.data(), mib, retired);
+  ASSERT_TRUE(d);
+  EXPECT_FALSE(slots.put(src.data(), mib, retired));  // three busy slots fill the cap
+  EXPECT_TRUE(retired.empty());
+  EXPECT_TRUE(slots.release(b->ref.tag));
+  EXPECT_TRUE(slots.release(d->ref.tag));
+  auto e = slots.put(src.data(), 2 * mib, retired);  // retires b's then d's slot (b is older)
+  ASSERT_TRUE(e);
+  EXPECT_EQ(retired, (std::vector<uint64_t>{b->ref.tag, d->ref.tag}));
+  EXPECT_EQ(slots.busy(), 2u);
+  EXPECT_LE(slots.bytes_held(), 3 * (mib + detail::kShmHeaderBytes));
+}
+
+// A peer that names, as a slot, a descriptor that is not one: the receiving worker closes the
+// connection and goes on serving. The raw peer runs in a child process (the fast path is for
+// other processes); exit 0 when the worker closed the connection for each lie.
+TDIST_TEST_CHILD(rpc_lying_slot_peer) {
+  const auto port = static_cast<uint16_t>(env::require_int("AGENT_PORT", 1, 65535));
+  std::vector<uint8_t> buf(1 << 20, 1);
+  // An ordinary file, and a memfd named like a slot whose header is not a slot's.
+  char path[] = "/tmp/tdist-rpc-shm-test-XXXXXX";
+  const int file = ::mkstemp(path);
+  ::unlink(path);
+  if (::ftruncate(file, 2 << 20) != 0) return 5;
+  const int fake = ::memfd_create("tdist-rpc-slot", MFD_CLOEXEC);
+  if (::ftruncate(fake, 2 << 20) != 0) return 6;
+  for (int fd : {file, fake}) {
+    int sock = connect_raw(port);
+    if (!forged_handshake(sock, "", 0, ::getpid())) return 3;  // not granted the fast path
+    detail::TensorSection s;
+    s.metas = {TensorMeta{static_cast<int8_t>(c10::ScalarType::Byte), {1 << 20}, 1u << 20}};
+    s.addresses = {reinterpret_cast<uint64_t>(buf.data())};
+    s.shm = {{fd, 12345}};
+    std::vector<uint8_t> body;
+    FrameHeader h = add_call(1, &body);
+    const Bytes section = encode(s);
+    h.flags |= detail::kFlagRemoteTensors;
+    h.meta_len = static_cast<uint32_t>(section.size());
+    body.insert(body.end(), section.begin(), section.end());
+    h.body_len = static_cast<uint32_t>(body.size());
+    h.length = body.size();
+    auto bytes = header_bytes(h);
+    bytes.insert(bytes.end(), body.begin(), body.end());
+    send_bytes(sock, bytes.data(), bytes.size());
+    if (!closed_by_peer(sock)) return 4;
+    ::close(sock);
+  }
+  return 0;
+}
+
+TEST(RpcSharedMemoryChecks, ADescriptorThatIsNotASlotClosesTheConnection) {
+  register_shm_functions();
+  auto a = start_agents(2);
+  tdist::test::Processes child("rpc_lying_slot_peer", 1,
+                               {{"AGENT_PORT", std::to_string(a[1]->port())}});
+  auto r = child.wait_all(60s);
+  EXPECT_TRUE(r[0].ok()) << r[0].describe() << "\n" << r[0].output;
+  EXPECT_EQ(a[0]->rpc_sync<int64_t>("w1", "add", int64_t{2}, int64_t{3}), 5);
+  shutdown_all(a);
+}
+
+}  // namespace
+}  // namespace tdist::rpc::test
