@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -32,6 +33,8 @@ uint64_t new_tag() {
   }
   return tag;
 }
+
+std::atomic<int64_t> g_process_slots{0};
 
 uint64_t page_rounded(uint64_t n) {
   static const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
@@ -75,15 +78,24 @@ ShmSlots::~ShmSlots() {
   for (auto& [tag, s] : slots_) destroy(s);
 }
 
+int64_t ShmSlots::process_slots() { return g_process_slots.load(); }
+
 void ShmSlots::destroy(Slot& s) {
   if (s.base) ::munmap(s.base, s.mapped);
-  if (s.fd >= 0) ::close(s.fd);
+  if (s.fd >= 0) {
+    ::close(s.fd);
+    g_process_slots.fetch_sub(1);
+  }
   s.base = nullptr;
   s.fd = -1;
 }
 
 bool ShmSlots::make_room(uint64_t mapped, std::vector<uint64_t>& retired) {
-  while (held_ + mapped > cap_) {
+  for (;;) {
+    if (held_ + mapped <= cap_) {
+      if (g_process_slots.fetch_add(1) < kMaxProcessSlots) return true;  // reserved
+      g_process_slots.fetch_sub(1);
+    }
     auto oldest = slots_.end();
     for (auto it = slots_.begin(); it != slots_.end(); ++it) {
       if (!it->second.busy && (oldest == slots_.end() || it->second.last_use < oldest->second.last_use)) {
@@ -96,7 +108,6 @@ bool ShmSlots::make_room(uint64_t mapped, std::vector<uint64_t>& retired) {
     destroy(oldest->second);
     slots_.erase(oldest);
   }
-  return true;
 }
 
 std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes,
@@ -122,7 +133,10 @@ std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes,
       s.capacity = capacity;
       s.mapped = mapped;
       s.fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
-      if (s.fd < 0) return std::nullopt;
+      if (s.fd < 0) {
+        g_process_slots.fetch_sub(1);
+        return std::nullopt;
+      }
       // fallocate reserves the pages now: no shared memory left is an error here, not a SIGBUS
       // in the copy below.
       void* p = MAP_FAILED;

@@ -19,8 +19,11 @@
 //
 // - Slots are reused by size (a free slot of at least the size and at most twice it), mapped on
 //   both sides for their life, so a steady exchange of same-sized tensors maps and faults nothing.
-// - A sender's slots on one connection hold at most a cap of bytes (RpcOptions::shm_bytes); to
-//   make room it retires its least recently used free slots and names them in the next frame's
+// - A sender's slots on one connection hold at most a cap of bytes (RpcOptions::shm_bytes), and
+//   a process holds at most kMaxProcessSlots slots in all (each keeps a descriptor open until
+//   it is retired: the receiver opens it through /proc when it first sees the slot, so slots
+//   must not eat the descriptors that sockets need); to make room a sender retires its least
+//   recently used free slots and names them in the next frame's
 //   section (TensorSection::retired), and the receiver drops its mappings of them (tensors still
 //   in one keep it mapped). When no room can be made, memfd_create or fallocate fail (no shared
 //   memory left: fallocate reserves the pages, so a full tmpfs is an error here, never a SIGBUS
@@ -84,6 +87,8 @@ class ShmSlots {
 
   uint64_t bytes_held() const;
   size_t busy() const;
+  // Slots of every connection of this process.
+  static int64_t process_slots();
 
  private:
   struct Slot {
@@ -94,7 +99,8 @@ class ShmSlots {
     bool busy = false;
     uint64_t last_use = 0;
   };
-  // Room for a new slot of `mapped` bytes; false if the busy slots alone leave none.
+  // Room for a new slot of `mapped` bytes, with one of the process's kMaxProcessSlots reserved
+  // for it (destroy() gives it back); false if the busy slots alone leave none.
   bool make_room(uint64_t mapped, std::vector<uint64_t>& retired);
   static void destroy(Slot& s);
 
@@ -126,6 +132,8 @@ class ShmMappings {
 
 // Bytes of the header page in front of a slot's data.
 constexpr uint64_t kShmHeaderBytes = 4096;
+// Slots (and so descriptors) of all the connections of one process, at most.
+constexpr int64_t kMaxProcessSlots = 128;
 // At most this many slots of one peer mapped at once (a peer naming more is a ProtocolError).
 constexpr size_t kMaxShmMappings = 4096;
 

@@ -301,7 +301,7 @@ TEST(RpcSharedMemoryChecks, SlotNamesInAFrameAreChecked) {
 TEST(RpcSharedMemoryChecks, SlotsStayUnderTheCap) {
   const uint64_t mib = uint64_t{1} << 20;
   detail::ShmSlots slots(3 * (mib + detail::kShmHeaderBytes));
-  std::vector<uint8_t> src(mib, 7);
+  std::vector<uint8_t> src(2 * mib, 7);
   std::vector<uint64_t> retired;
   auto a = slots.put(src.data(), mib, retired);
   auto b = slots.put(src.data(), mib, retired);
@@ -324,6 +324,35 @@ TEST(RpcSharedMemoryChecks, SlotsStayUnderTheCap) {
   EXPECT_EQ(retired, (std::vector<uint64_t>{b->ref.tag, d->ref.tag}));
   EXPECT_EQ(slots.busy(), 2u);
   EXPECT_LE(slots.bytes_held(), 3 * (mib + detail::kShmHeaderBytes));
+}
+
+// Each slot keeps a descriptor open: all the connections of a process together hold at most
+// kMaxProcessSlots, and a connection makes room by retiring its own free slots only.
+TEST(RpcSharedMemoryChecks, SlotsOfAllConnectionsStayUnderTheProcessBudget) {
+  const int64_t before = detail::ShmSlots::process_slots();
+  const uint64_t page = 4096;
+  std::vector<uint8_t> src(3 * page, 1);
+  std::vector<uint64_t> retired;
+  {
+    detail::ShmSlots a(uint64_t{1} << 30), b(uint64_t{1} << 30);
+    std::vector<uint64_t> tags;
+    while (auto p = a.put(src.data(), page, retired)) {
+      tags.push_back(p->ref.tag);
+      if (tags.size() > 1000) break;
+    }
+    EXPECT_EQ(before + static_cast<int64_t>(tags.size()), detail::kMaxProcessSlots);
+    EXPECT_EQ(detail::ShmSlots::process_slots(), detail::kMaxProcessSlots);
+    EXPECT_FALSE(b.put(src.data(), page, retired));
+    ASSERT_TRUE(a.release(tags[0]));
+    ASSERT_TRUE(a.release(tags[1]));
+    EXPECT_FALSE(b.put(src.data(), page, retired));  // a's free slots are not b's to retire
+    EXPECT_TRUE(retired.empty());
+    auto c = a.put(src.data(), 3 * page, retired);  // no free slot fits: the oldest free goes
+    ASSERT_TRUE(c);
+    EXPECT_EQ(retired, std::vector<uint64_t>{tags[0]});
+    EXPECT_EQ(detail::ShmSlots::process_slots(), detail::kMaxProcessSlots);
+  }
+  EXPECT_EQ(detail::ShmSlots::process_slots(), before);
 }
 
 // A peer that names, as a slot, a descriptor that is not one: the receiving worker closes the
