@@ -104,8 +104,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   int peer_rank() const { return peer_rank_.load(); }
   bool closed() const;
   bool finished() const { return finished_.load(); }  // the reader thread has returned
-  // The same-host fast path's shared-memory slots (tests look at them).
-  const ShmSlots& shm_slots() const { return slots_; }
   std::string close_reason() const;
 
  private:

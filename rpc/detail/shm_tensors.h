@@ -115,13 +115,11 @@ class ShmSlots {
 class ShmMappings {
  public:
   // A tensor of `meta` in the peer's slot `ref`, whose storage queues `ref.tag` on `releases`
-  // when it dies; nullptr when the slot cannot be opened or mapped (the caller falls back).
+  // when it dies; nullopt when the slot cannot be opened or mapped (the caller falls back).
   // ProtocolError when the slot's header contradicts the frame.
   std::optional<at::Tensor> tensor(pid_t pid, const ShmRef& ref, const TensorMeta& meta,
                                    const std::shared_ptr<ReleaseQueue>& releases);
   void retire(uint64_t tag) { maps_.erase(tag); }
-  bool disabled() const { return disabled_; }
-  size_t size() const { return maps_.size(); }
 
   struct Mapping;
 
