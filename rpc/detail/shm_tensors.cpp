@@ -204,23 +204,31 @@ std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
     }
     const std::string path = str("/proc/", pid, "/fd/", ref.fd);
     char target[256] = {};
-    const ssize_t n = ::readlink(path.c_str(), target, sizeof(target) - 1);
-    const int fd = n > 0 ? ::open(path.c_str(), O_RDWR | O_CLOEXEC) : -1;
+    if (::readlink(path.c_str(), target, sizeof(target) - 1) <= 0) {
+      TDIST_LOG_DEBUG("rpc: cannot see the peer's shared-memory slot ", path, ": ",
+                      std::strerror(errno), "; reading its tensors with process_vm_readv");
+      disabled_ = true;
+      return std::nullopt;
+    }
+    // Only a memfd of our name is opened at all (nothing with side effects on open).
+    const std::string expected = str("/memfd:", kMemfdName);
+    if (std::strncmp(target, expected.c_str(), expected.size()) != 0) {
+      throw ProtocolError(str("peer named descriptor ", ref.fd, " (", target,
+                              ") as a shared-memory slot"));
+    }
+    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) {
       TDIST_LOG_DEBUG("rpc: cannot open the peer's shared-memory slot ", path, ": ",
                       std::strerror(errno), "; reading its tensors with process_vm_readv");
       disabled_ = true;
       return std::nullopt;
     }
-    const std::string expected = str("/memfd:", kMemfdName);
     struct stat st {};
-    const bool is_slot = std::strncmp(target, expected.c_str(), expected.size()) == 0 &&
-                         ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-                         static_cast<uint64_t>(st.st_size) >= kShmHeaderBytes;
-    if (!is_slot) {
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+        static_cast<uint64_t>(st.st_size) < kShmHeaderBytes) {
       ::close(fd);
       throw ProtocolError(str("peer named descriptor ", ref.fd, " (", target,
-                              ") as a shared-memory slot"));
+                              ") as a shared-memory slot: not one"));
     }
     auto m = std::make_shared<Mapping>();
     m->length = static_cast<size_t>(st.st_size);
