@@ -36,11 +36,6 @@ uint64_t new_tag() {
 
 std::atomic<int64_t> g_process_slots{0};
 
-uint64_t page_rounded(uint64_t n) {
-  static const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  return (n + page - 1) / page * page;
-}
-
 struct Hold {
   std::shared_ptr<ShmMappings::Mapping> mapping;
   std::weak_ptr<ReleaseQueue> releases;

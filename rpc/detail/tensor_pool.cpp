@@ -161,11 +161,6 @@ c10::Storage storage_of(c10::DataPtr data, size_t nbytes) {
                       /*resizable=*/true);
 }
 
-size_t page_rounded(uint64_t n) {
-  static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  return static_cast<size_t>((n + page - 1) / page * page);
-}
-
 void* map_or_throw(void* old, size_t old_len, size_t len) {
   void* p = old ? ::mremap(old, old_len, len, MREMAP_MAYMOVE)
                 : ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -174,6 +169,11 @@ void* map_or_throw(void* old, size_t old_len, size_t len) {
 }
 
 }  // namespace
+
+size_t page_rounded(uint64_t n) {
+  static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return static_cast<size_t>((n + page - 1) / page * page);
+}
 
 at::Tensor empty_for_receive(const TensorMeta& meta) {
   const auto dtype = static_cast<c10::ScalarType>(meta.dtype);

@@ -37,6 +37,9 @@ constexpr uint64_t kMaxCachedBytes = uint64_t{256} << 20;
 
 constexpr uint64_t kFirstReceiveChunk = uint64_t{1} << 20;
 
+// n rounded up to whole pages.
+size_t page_rounded(uint64_t n);
+
 at::Tensor empty_for_receive(const TensorMeta& meta);
 
 // A tensor of `meta` whose storage is `data` (meta.nbytes bytes): ordinary resizable CPU storage,
