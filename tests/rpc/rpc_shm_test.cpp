@@ -78,6 +78,7 @@ void register_shm_functions() {
       kept.push_back(t);
       return t.to(at::kDouble).sum().item<double>();
     });
+    register_function("total", [](at::Tensor t) { return t.to(at::kDouble).sum().item<double>(); });
     register_function("tensor_and_text",
                       [](at::Tensor t, std::string s) { return t.numel() + static_cast<int64_t>(s.size()); });
     register_function("drop_kept", [] {
@@ -390,6 +391,53 @@ TDIST_TEST_CHILD(rpc_lying_slot_peer) {
     ::close(sock);
   }
   return 0;
+}
+
+// A slot the receiver cannot see (here: a descriptor the sender does not have, as when /proc
+// hides other processes): the worker reads the tensor from the address the frame also gives,
+// answers, and releases the slot with its answer. Exit 0 when all of that happened.
+TDIST_TEST_CHILD(rpc_unseen_slot_peer) {
+  const auto port = static_cast<uint16_t>(env::require_int("AGENT_PORT", 1, 65535));
+  int sock = connect_raw(port);
+  if (!forged_handshake(sock, "", 0, ::getpid())) return 3;
+  at::Tensor t = at::arange(1 << 18, at::kFloat);  // 1 MiB
+  detail::OutMessage m = detail::encode_message(
+      MessageType::kCall, nullptr, 1,
+      std::make_tuple(detail::CallHeader{"total", signature_of<double, at::Tensor>().hash}), t);
+  detail::TensorSection s;
+  s.metas = {describe_tensor(t)};
+  s.addresses = {reinterpret_cast<uint64_t>(t.data_ptr())};
+  s.shm = {{987654, 4242}};
+  const size_t payload = m.body.size();
+  const Bytes section = encode(s);
+  m.body.insert(m.body.end(), section.begin(), section.end());
+  FrameHeader h;
+  h.type = MessageType::kCall;
+  h.flags = detail::kFlagRemoteTensors;
+  h.id = 7;
+  h.body_len = static_cast<uint32_t>(m.body.size());
+  h.meta_len = static_cast<uint32_t>(m.body.size() - payload);
+  h.length = m.body.size();
+  send_frame(sock, h, m.body);
+  std::vector<uint8_t> body;
+  FrameHeader r = read_frame(sock, &body);
+  if (r.type != MessageType::kResponse || r.id != 7) return 4;
+  const double want = t.to(at::kDouble).sum().item<double>();
+  if (decode<double>(body) != want) return 5;
+  r = read_frame(sock, &body);
+  if (r.type != MessageType::kShmRelease || r.id != 4242 || r.length != 0) return 6;
+  ::close(sock);
+  return 0;
+}
+
+TEST(RpcSharedMemoryChecks, ASlotTheReceiverCannotSeeIsReadFromTheSendersMemory) {
+  register_shm_functions();
+  auto a = start_agents(2);
+  tdist::test::Processes child("rpc_unseen_slot_peer", 1,
+                               {{"AGENT_PORT", std::to_string(a[1]->port())}});
+  auto r = child.wait_all(60s);
+  EXPECT_TRUE(r[0].ok()) << r[0].describe() << "\n" << r[0].output;
+  shutdown_all(a);
 }
 
 TEST(RpcSharedMemoryChecks, ADescriptorThatIsNotASlotClosesTheConnection) {
