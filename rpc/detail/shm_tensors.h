@@ -31,8 +31,9 @@
 // - A receiver that cannot open or map a slot (a /proc that hides other processes) reads that
 //   tensor with process_vm_readv from the address the frame also gives and releases the slot at
 //   once; it stops trying slots on that connection.
-// - A header that does not match what the frame says (wrong magic, tag or too small) is a
-//   ProtocolError: the connection closes.
+// - A descriptor that /proc does not name as a memfd of tdist's slot name (checked before it is
+//   opened), or a slot whose header does not match what the frame says (wrong magic, tag or
+//   too small), is a ProtocolError: the connection closes.
 // - When a connection closes the sender unmaps and closes its slots; a received tensor stays
 //   valid (its mapping is held by the tensor), whatever happens to the sender afterwards.
 // - A received tensor's storage is ordinary resizable CPU storage: growing it copies it out of
