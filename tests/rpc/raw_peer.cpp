@@ -1,5 +1,7 @@
 #include "tests/rpc/raw_peer.h"
 
+#include <gtest/gtest.h>
+
 #include <errno.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -13,6 +15,7 @@
 #include "tdist/core/serialize.h"
 #include "tdist/core/wire.h"
 #include "tdist/rpc/signature.h"
+#include "tests/harness/process.h"
 
 namespace tdist::rpc::test {
 
@@ -99,6 +102,12 @@ detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body) {
   body->resize(h.length);
   net::read_exact(fd, body->data(), body->size(), soon(), "test frame");
   return h;
+}
+
+void expect_raw_peer_passes(const std::string& child, uint16_t port) {
+  tdist::test::Processes peer(child, 1, {{"AGENT_PORT", std::to_string(port)}});
+  auto r = peer.wait_all(std::chrono::seconds(60));
+  EXPECT_TRUE(r[0].ok()) << r[0].describe() << "\n" << r[0].output;
 }
 
 detail::FrameHeader add_call(uint64_t id, std::vector<uint8_t>* body) {

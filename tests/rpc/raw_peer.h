@@ -38,6 +38,10 @@ bool forged_handshake(int fd, const std::string& token, int rank, pid_t pid);
 // body in `body`.
 detail::FrameHeader add_call(uint64_t id, std::vector<uint8_t>* body);
 
+// Runs the raw peer `child` (a TDIST_TEST_CHILD of this binary) in a process of its own with
+// AGENT_PORT=port, and expects it to exit 0 within 60 s (its output goes into the failure).
+void expect_raw_peer_passes(const std::string& child, uint16_t port);
+
 // Sends a frame and reads the next frame back (its header and its body + tensor bytes).
 void send_frame(int fd, detail::FrameHeader h, const std::vector<uint8_t>& body);
 detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body);

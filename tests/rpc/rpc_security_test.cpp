@@ -133,10 +133,7 @@ TDIST_TEST_CHILD(rpc_honest_fast_path) {
 TEST(RpcFastPath, ARealLocalPeerGetsIt) {
   register_probe();
   auto a = start_agents(2, with_token());
-  tdist::test::Processes child("rpc_honest_fast_path", 1,
-                               {{"AGENT_PORT", std::to_string(a[1]->port())}});
-  auto r = child.wait_all(60s);
-  EXPECT_TRUE(r[0].ok()) << r[0].describe() << "\n" << r[0].output;
+  expect_raw_peer_passes("rpc_honest_fast_path", a[1]->port());
   shutdown_all(a);
 }
 

@@ -433,20 +433,14 @@ TDIST_TEST_CHILD(rpc_unseen_slot_peer) {
 TEST(RpcSharedMemoryChecks, ASlotTheReceiverCannotSeeIsReadFromTheSendersMemory) {
   register_shm_functions();
   auto a = start_agents(2);
-  tdist::test::Processes child("rpc_unseen_slot_peer", 1,
-                               {{"AGENT_PORT", std::to_string(a[1]->port())}});
-  auto r = child.wait_all(60s);
-  EXPECT_TRUE(r[0].ok()) << r[0].describe() << "\n" << r[0].output;
+  expect_raw_peer_passes("rpc_unseen_slot_peer", a[1]->port());
   shutdown_all(a);
 }
 
 TEST(RpcSharedMemoryChecks, ADescriptorThatIsNotASlotClosesTheConnection) {
   register_shm_functions();
   auto a = start_agents(2);
-  tdist::test::Processes child("rpc_lying_slot_peer", 1,
-                               {{"AGENT_PORT", std::to_string(a[1]->port())}});
-  auto r = child.wait_all(60s);
-  EXPECT_TRUE(r[0].ok()) << r[0].describe() << "\n" << r[0].output;
+  expect_raw_peer_passes("rpc_lying_slot_peer", a[1]->port());
   EXPECT_EQ(a[0]->rpc_sync<int64_t>("w1", "add", int64_t{2}, int64_t{3}), 5);
   shutdown_all(a);
 }
