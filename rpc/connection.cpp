@@ -337,17 +337,20 @@ void Connection::frame(OutMessage& m) {
   std::vector<at::Tensor> wire;
   std::vector<at::Tensor> remote;
   uint64_t inline_bytes = 0;
-  // Slots filled for this frame go back to free if it throws before it is queued.
+  // Slots filled for this frame go back to free if it throws before it is queued, and the
+  // retired slots it was to name wait for the next frame.
   struct Unput {
     ShmSlots& slots;
+    const std::vector<uint64_t>& retired;
     std::vector<uint64_t> tags;
     bool framed = false;
     ~Unput() {
       if (!framed) {
         for (uint64_t tag : tags) slots.release(tag);
+        slots.untake_retired(retired);
       }
     }
-  } unput{slots_, {}};
+  } unput{slots_, section.retired, {}};
   section.metas.reserve(m.tensors.size());
   for (auto& t : m.tensors) {
     at::Tensor c = contiguous_values(t);  // resolves conjugate / negative views
@@ -355,7 +358,7 @@ void Connection::frame(OutMessage& m) {
     const bool is_remote = hs_.send_remote_tensors && meta.nbytes >= options_.remote_tensor_threshold;
     std::optional<ShmSlots::Put> slot;
     if (is_remote && options_.shm_bytes > 0) {
-      slot = slots_.put(c.data_ptr(), meta.nbytes, section.retired);
+      slot = slots_.put(c.data_ptr(), meta.nbytes);
     }
     section.shm.push_back(slot ? slot->ref : ShmRef{});
     if (slot) {
@@ -371,6 +374,7 @@ void Connection::frame(OutMessage& m) {
     }
     section.metas.push_back(std::move(meta));
   }
+  if (!section.metas.empty()) section.retired = slots_.take_retired(kMaxRetired);
   if (unput.tags.empty()) section.shm.clear();
   if (remote.empty() && unput.tags.empty() && section.retired.empty()) section.addresses.clear();
   const size_t payload = m.body.size();

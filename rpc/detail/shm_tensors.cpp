@@ -85,7 +85,7 @@ void ShmSlots::destroy(Slot& s) {
   s.fd = -1;
 }
 
-bool ShmSlots::make_room(uint64_t mapped, std::vector<uint64_t>& retired) {
+bool ShmSlots::make_room(uint64_t mapped) {
   for (;;) {
     if (held_ + mapped <= cap_) {
       if (g_process_slots.fetch_add(1) < kMaxProcessSlots) return true;  // reserved
@@ -99,14 +99,13 @@ bool ShmSlots::make_room(uint64_t mapped, std::vector<uint64_t>& retired) {
     }
     if (oldest == slots_.end()) return false;
     held_ -= oldest->second.mapped;
-    retired.push_back(oldest->first);
+    retired_.push_back(oldest->first);
     destroy(oldest->second);
     slots_.erase(oldest);
   }
 }
 
-std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes,
-                                           std::vector<uint64_t>& retired) {
+std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes) {
   uint8_t* data = nullptr;
   Put out;
   {
@@ -123,7 +122,7 @@ std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes,
     if (!best) {
       const uint64_t capacity = page_rounded(bytes);
       const uint64_t mapped = kShmHeaderBytes + capacity;
-      if (!make_room(mapped, retired)) return std::nullopt;
+      if (!make_room(mapped)) return std::nullopt;
       Slot s;
       s.capacity = capacity;
       s.mapped = mapped;
@@ -173,6 +172,19 @@ bool ShmSlots::release(uint64_t tag) {
   if (it == slots_.end() || !it->second.busy) return false;
   it->second.busy = false;
   return true;
+}
+
+std::vector<uint64_t> ShmSlots::take_retired(size_t max) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (retired_.size() <= max) return std::move(retired_);
+  std::vector<uint64_t> out(retired_.begin(), retired_.begin() + static_cast<ptrdiff_t>(max));
+  retired_.erase(retired_.begin(), retired_.begin() + static_cast<ptrdiff_t>(max));
+  return out;
+}
+
+void ShmSlots::untake_retired(const std::vector<uint64_t>& tags) {
+  std::lock_guard<std::mutex> lock(mu_);
+  retired_.insert(retired_.end(), tags.begin(), tags.end());
 }
 
 uint64_t ShmSlots::bytes_held() const {

@@ -23,9 +23,9 @@
 //   a process holds at most kMaxProcessSlots slots in all (each keeps a descriptor open until
 //   it is retired: the receiver opens it through /proc when it first sees the slot, so slots
 //   must not eat the descriptors that sockets need); to make room a sender retires its least
-//   recently used free slots and names them in the next frame's
-//   section (TensorSection::retired), and the receiver drops its mappings of them (tensors still
-//   in one keep it mapped). When no room can be made, memfd_create or fallocate fail (no shared
+//   recently used free slots and names them in the tensor section of the next frame that has
+//   one (TensorSection::retired; a frame that fails to be built leaves them to the one after),
+//   and the receiver drops its mappings of them (tensors still in one keep it mapped). When no room can be made, memfd_create or fallocate fail (no shared
 //   memory left: fallocate reserves the pages, so a full tmpfs is an error here, never a SIGBUS
 //   later), the tensor goes by process_vm_readv as before.
 // - A receiver that cannot open or map a slot (a /proc that hides other processes) reads that
@@ -80,9 +80,14 @@ class ShmSlots {
     uint64_t address = 0;  // of the bytes in this process (the receiver's fallback)
   };
   // Copies `bytes` bytes of `src` into a free slot (made if needed) and marks it busy; nullopt
-  // when no slot can be had (see the Note). Tags of slots retired to make room are appended to
-  // `retired`.
-  std::optional<Put> put(const void* src, uint64_t bytes, std::vector<uint64_t>& retired);
+  // when no slot can be had (see the Note). Slots retired to make room wait in take_retired()
+  // for a frame to name them.
+  std::optional<Put> put(const void* src, uint64_t bytes);
+  // Tags of retired slots the receiver was not yet told of, at most `max` (the rest stay), for
+  // the frame being built; a frame that then fails hands them back with untake_retired(), so a
+  // receiver is never left holding the mapping of a slot nobody will name again.
+  std::vector<uint64_t> take_retired(size_t max);
+  void untake_retired(const std::vector<uint64_t>& tags);
   // The receiver is done with slot `tag`; unknown or free tags are ignored (false).
   bool release(uint64_t tag);
 
@@ -102,7 +107,7 @@ class ShmSlots {
   };
   // Room for a new slot of `mapped` bytes, with one of the process's kMaxProcessSlots reserved
   // for it (destroy() gives it back); false if the busy slots alone leave none.
-  bool make_room(uint64_t mapped, std::vector<uint64_t>& retired);
+  bool make_room(uint64_t mapped);
   static void destroy(Slot& s);
 
   const uint64_t cap_;
@@ -110,6 +115,7 @@ class ShmSlots {
   std::unordered_map<uint64_t, Slot> slots_;  // by tag; guarded by mu_
   uint64_t held_ = 0;                         // guarded by mu_
   uint64_t clock_ = 0;                        // guarded by mu_
+  std::vector<uint64_t> retired_;             // not yet named in a frame; guarded by mu_
 };
 
 // The receiving side's mappings of one connection's peer slots. Reader thread only.

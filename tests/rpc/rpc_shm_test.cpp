@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <dirent.h>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 #include "tdist/core/env.h"
@@ -63,6 +65,35 @@ int64_t slot_fds() {
   return n;
 }
 
+// Peers' slots this process has mapped: slot mappings in /proc/self/maps whose inode is not one
+// of this process's own slot descriptors, counted once each.
+int64_t peer_slot_mappings() {
+  std::set<ino_t> own, theirs;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d)) {
+    char target[256] = {};
+    const std::string path = std::string("/proc/self/fd/") + e->d_name;
+    struct stat st {};
+    if (::readlink(path.c_str(), target, sizeof(target) - 1) > 0 &&
+        std::strncmp(target, kSlotName, std::strlen(kSlotName)) == 0 &&
+        ::stat(path.c_str(), &st) == 0) {
+      own.insert(st.st_ino);
+    }
+  }
+  ::closedir(d);
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    unsigned long inode = 0;
+    if (line.find(kSlotName) == std::string::npos ||
+        std::sscanf(line.c_str(), "%*s %*s %*s %*s %lu", &inode) != 1) {
+      continue;
+    }
+    if (!own.count(static_cast<ino_t>(inode))) theirs.insert(static_cast<ino_t>(inode));
+  }
+  return static_cast<int64_t>(theirs.size());
+}
+
 std::mutex kept_mu;
 std::vector<at::Tensor> kept;
 
@@ -72,6 +103,7 @@ void register_shm_functions() {
     register_test_functions();
     register_function("in_slot", [](at::Tensor t) { return in_slot(t); });
     register_function("slot_fds", [] { return slot_fds(); });
+    register_function("peer_slot_mappings", [] { return peer_slot_mappings(); });
     // Keeps the tensor (its slot stays busy) and returns its sum.
     register_function("keep", [](at::Tensor t) {
       std::lock_guard<std::mutex> lock(kept_mu);
@@ -209,6 +241,26 @@ TEST_F(RpcSharedMemory, AMessageThatCannotBeSentFreesItsSlots) {
   finish();
 }
 
+TEST_F(RpcSharedMemory, SlotsRetiredForAMessageThatCannotBeSentAreNamedByTheNextOne) {
+  // Our slots may hold 4 MiB and a bit, frames at most 8 MiB. A 2 MiB echo leaves a free slot
+  // of ours that the peer has mapped; a 3 MiB tensor retires it to make room, in a message that
+  // cannot go (9 MiB of text). The next message names the retired slot, so the peer unmaps it:
+  // it holds one mapping of our slots, not two.
+  start({}, (int64_t{4} << 20) + (int64_t{64} << 10),
+        [](RpcOptions& o) { o.max_frame_bytes = 8 << 20; });
+  at::Tensor two = at::rand({1 << 19});
+  ASSERT_TRUE(echo(two).equal(two));
+  EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "peer_slot_mappings"), 1);
+  at::Tensor three = at::rand({3 << 18});
+  EXPECT_THROW(agent_->rpc_sync<int64_t>("w1", "tensor_and_text", three, std::string(9 << 20, 'x')),
+               InvalidArgument);
+  EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "tensor_and_text", three, std::string("y")),
+            (3 << 18) + 1);
+  EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "peer_slot_mappings"), 1);
+  EXPECT_EQ(slot_fds(), 1);
+  finish();
+}
+
 TEST_F(RpcSharedMemory, AReceivedTensorIsTheUsersToChangeAndOutlivesItsSender) {
   start();
   at::Tensor t = at::rand({1 << 20});
@@ -303,26 +355,29 @@ TEST(RpcSharedMemoryChecks, SlotsStayUnderTheCap) {
   const uint64_t mib = uint64_t{1} << 20;
   detail::ShmSlots slots(3 * (mib + detail::kShmHeaderBytes));
   std::vector<uint8_t> src(2 * mib, 7);
-  std::vector<uint64_t> retired;
-  auto a = slots.put(src.data(), mib, retired);
-  auto b = slots.put(src.data(), mib, retired);
+  auto a = slots.put(src.data(), mib);
+  auto b = slots.put(src.data(), mib);
   ASSERT_TRUE(a && b);
   EXPECT_NE(a->ref.tag, b->ref.tag);
   EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(a->address), src.data(), mib), 0);
   EXPECT_TRUE(slots.release(a->ref.tag));
   EXPECT_FALSE(slots.release(a->ref.tag));  // twice: ignored
-  auto c = slots.put(src.data(), mib - 100, retired);  // reuses a's slot
+  auto c = slots.put(src.data(), mib - 100);  // reuses a's slot
   ASSERT_TRUE(c);
   EXPECT_EQ(c->ref.tag, a->ref.tag);
-  auto d = slots.put(src.data(), mib, retired);
+  auto d = slots.put(src.data(), mib);
   ASSERT_TRUE(d);
-  EXPECT_FALSE(slots.put(src.data(), mib, retired));  // three busy slots fill the cap
-  EXPECT_TRUE(retired.empty());
+  EXPECT_FALSE(slots.put(src.data(), mib));  // three busy slots fill the cap
+  EXPECT_TRUE(slots.take_retired(100).empty());
   EXPECT_TRUE(slots.release(b->ref.tag));
   EXPECT_TRUE(slots.release(d->ref.tag));
-  auto e = slots.put(src.data(), 2 * mib, retired);  // retires b's then d's slot (b is older)
+  auto e = slots.put(src.data(), 2 * mib);  // retires b's then d's slot (b is older)
   ASSERT_TRUE(e);
-  EXPECT_EQ(retired, (std::vector<uint64_t>{b->ref.tag, d->ref.tag}));
+  EXPECT_EQ(slots.take_retired(1), std::vector<uint64_t>{b->ref.tag});  // at most one at a time
+  EXPECT_EQ(slots.take_retired(100), std::vector<uint64_t>{d->ref.tag});
+  slots.untake_retired({d->ref.tag});  // a frame that failed: named by the next one
+  EXPECT_EQ(slots.take_retired(100), std::vector<uint64_t>{d->ref.tag});
+  EXPECT_TRUE(slots.take_retired(100).empty());
   EXPECT_EQ(slots.busy(), 2u);
   EXPECT_LE(slots.bytes_held(), 3 * (mib + detail::kShmHeaderBytes));
 }
@@ -333,24 +388,24 @@ TEST(RpcSharedMemoryChecks, SlotsOfAllConnectionsStayUnderTheProcessBudget) {
   const int64_t before = detail::ShmSlots::process_slots();
   const uint64_t page = 4096;
   std::vector<uint8_t> src(3 * page, 1);
-  std::vector<uint64_t> retired;
   {
     detail::ShmSlots a(uint64_t{1} << 30), b(uint64_t{1} << 30);
     std::vector<uint64_t> tags;
-    while (auto p = a.put(src.data(), page, retired)) {
+    while (auto p = a.put(src.data(), page)) {
       tags.push_back(p->ref.tag);
       if (tags.size() > 1000) break;
     }
     EXPECT_EQ(before + static_cast<int64_t>(tags.size()), detail::kMaxProcessSlots);
     EXPECT_EQ(detail::ShmSlots::process_slots(), detail::kMaxProcessSlots);
-    EXPECT_FALSE(b.put(src.data(), page, retired));
+    EXPECT_FALSE(b.put(src.data(), page));
     ASSERT_TRUE(a.release(tags[0]));
     ASSERT_TRUE(a.release(tags[1]));
-    EXPECT_FALSE(b.put(src.data(), page, retired));  // a's free slots are not b's to retire
-    EXPECT_TRUE(retired.empty());
-    auto c = a.put(src.data(), 3 * page, retired);  // no free slot fits: the oldest free goes
+    EXPECT_FALSE(b.put(src.data(), page));  // a's free slots are not b's to retire
+    EXPECT_TRUE(a.take_retired(100).empty());
+    EXPECT_TRUE(b.take_retired(100).empty());
+    auto c = a.put(src.data(), 3 * page);  // no free slot fits: the oldest free goes
     ASSERT_TRUE(c);
-    EXPECT_EQ(retired, std::vector<uint64_t>{tags[0]});
+    EXPECT_EQ(a.take_retired(100), std::vector<uint64_t>{tags[0]});
     EXPECT_EQ(detail::ShmSlots::process_slots(), detail::kMaxProcessSlots);
   }
   EXPECT_EQ(detail::ShmSlots::process_slots(), before);
