@@ -49,26 +49,9 @@ std::string mapping_of(const void* p) {
 
 bool in_slot(const at::Tensor& t) { return mapping_of(t.data_ptr()).rfind(kSlotName, 0) == 0; }
 
-// Slot descriptors this process holds (its own slots, as a sender).
-int64_t slot_fds() {
-  int64_t n = 0;
-  DIR* d = ::opendir("/proc/self/fd");
-  while (dirent* e = ::readdir(d)) {
-    char target[256] = {};
-    const std::string path = std::string("/proc/self/fd/") + e->d_name;
-    if (::readlink(path.c_str(), target, sizeof(target) - 1) > 0 &&
-        std::strncmp(target, kSlotName, std::strlen(kSlotName)) == 0) {
-      ++n;
-    }
-  }
-  ::closedir(d);
-  return n;
-}
-
-// Peers' slots this process has mapped: slot mappings in /proc/self/maps whose inode is not one
-// of this process's own slot descriptors, counted once each.
-int64_t peer_slot_mappings() {
-  std::set<ino_t> own, theirs;
+// The inodes of the slot descriptors this process holds (its own slots, as a sender).
+std::set<ino_t> own_slots() {
+  std::set<ino_t> own;
   DIR* d = ::opendir("/proc/self/fd");
   while (dirent* e = ::readdir(d)) {
     char target[256] = {};
@@ -81,6 +64,16 @@ int64_t peer_slot_mappings() {
     }
   }
   ::closedir(d);
+  return own;
+}
+
+int64_t slot_fds() { return static_cast<int64_t>(own_slots().size()); }
+
+// Peers' slots this process has mapped: slot mappings in /proc/self/maps whose inode is not one
+// of its own slots', counted once each.
+int64_t peer_slot_mappings() {
+  const std::set<ino_t> own = own_slots();
+  std::set<ino_t> theirs;
   std::ifstream maps("/proc/self/maps");
   std::string line;
   while (std::getline(maps, line)) {
