@@ -17,8 +17,10 @@
 namespace tdist::rpc::detail {
 namespace {
 
-constexpr uint64_t kSlotMagic = 0x4655424d48534454;  // "TDSHMBUF"
 constexpr char kMemfdName[] = "tdist-rpc-slot";
+// A slot can neither shrink nor grow: a peer that could shrink one after we mapped it would turn
+// our next touch of a received tensor into SIGBUS.
+constexpr int kSlotSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 struct Header {
   uint64_t magic;
@@ -126,7 +128,7 @@ std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes) {
       Slot s;
       s.capacity = capacity;
       s.mapped = mapped;
-      s.fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
+      s.fd = ::memfd_create(kMemfdName, MFD_CLOEXEC | MFD_ALLOW_SEALING);
       if (s.fd < 0) {
         g_process_slots.fetch_sub(1);
         return std::nullopt;
@@ -135,7 +137,8 @@ std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes) {
       // in the copy below.
       void* p = MAP_FAILED;
       if (::ftruncate(s.fd, static_cast<off_t>(mapped)) == 0 &&
-          ::fallocate(s.fd, 0, 0, static_cast<off_t>(mapped)) == 0) {
+          ::fallocate(s.fd, 0, 0, static_cast<off_t>(mapped)) == 0 &&
+          ::fcntl(s.fd, F_ADD_SEALS, kSlotSeals) == 0) {
         p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, s.fd, 0);
       }
       if (p == MAP_FAILED) {
@@ -145,7 +148,7 @@ std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes) {
       }
       s.base = static_cast<uint8_t*>(p);
       best_tag = new_tag();
-      const Header h{kSlotMagic, best_tag, capacity};
+      const Header h{kShmSlotMagic, best_tag, capacity};
       std::memcpy(s.base, &h, sizeof(h));
       held_ += mapped;
       best = &slots_.emplace(best_tag, s).first->second;
@@ -237,6 +240,12 @@ std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
       throw ProtocolError(str("peer named descriptor ", ref.fd, " (", target,
                               ") as a shared-memory slot: not one"));
     }
+    const int seals = ::fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & kSlotSeals) != kSlotSeals) {
+      ::close(fd);
+      throw ProtocolError(str("peer named descriptor ", ref.fd, " (", target,
+                              ") as a shared-memory slot: it is not sealed against resizing"));
+    }
     auto m = std::make_shared<Mapping>();
     m->length = static_cast<size_t>(st.st_size);
     void* p = ::mmap(nullptr, m->length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
@@ -250,7 +259,7 @@ std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
     m->base = p;
     Header h{};
     std::memcpy(&h, p, sizeof(h));
-    if (h.magic != kSlotMagic || h.tag != ref.tag || h.capacity > m->length - kShmHeaderBytes) {
+    if (h.magic != kShmSlotMagic || h.tag != ref.tag || h.capacity > m->length - kShmHeaderBytes) {
       throw ProtocolError(str("peer's shared-memory slot ", ref.fd, " has a header that does not "
                               "match the frame (tag, magic or capacity)"));
     }

@@ -32,8 +32,10 @@
 //   tensor with process_vm_readv from the address the frame also gives and releases the slot at
 //   once; it stops trying slots on that connection.
 // - A descriptor that /proc does not name as a memfd of tdist's slot name (checked before it is
-//   opened), or a slot whose header does not match what the frame says (wrong magic, tag or
-//   too small), is a ProtocolError: the connection closes.
+//   opened), a slot not sealed against shrinking and growing (F_SEAL_SHRINK, F_SEAL_GROW: a
+//   slot that shrank under our mapping would make the receiver's next touch of it SIGBUS), or a
+//   slot whose header does not match what the frame says (wrong magic, tag or too small), is a
+//   ProtocolError: the connection closes.
 // - When a connection closes the sender unmaps and closes its slots; a received tensor stays
 //   valid (its mapping is held by the tensor), whatever happens to the sender afterwards.
 // - A received tensor's storage is ordinary resizable CPU storage: growing it copies it out of
@@ -135,6 +137,8 @@ class ShmMappings {
   bool disabled_ = false;
 };
 
+// The first word of a slot's header page ("TDSHMBUF"); the slot's tag and capacity follow.
+constexpr uint64_t kShmSlotMagic = 0x4655424d48534454;
 // Bytes of the header page in front of a slot's data.
 constexpr uint64_t kShmHeaderBytes = 4096;
 // Slots (and so descriptors) of all the connections of one process, at most.

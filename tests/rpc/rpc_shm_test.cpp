@@ -410,14 +410,21 @@ TEST(RpcSharedMemoryChecks, SlotsOfAllConnectionsStayUnderTheProcessBudget) {
 TDIST_TEST_CHILD(rpc_lying_slot_peer) {
   const auto port = static_cast<uint16_t>(env::require_int("AGENT_PORT", 1, 65535));
   std::vector<uint8_t> buf(1 << 20, 1);
-  // An ordinary file, and a memfd named like a slot whose header is not a slot's.
+  // An ordinary file, a memfd named like a slot whose header is not a slot's, and one whose
+  // header is right but that could still shrink under the receiver's mapping (no seals).
   char path[] = "/tmp/tdist-rpc-shm-test-XXXXXX";
   const int file = ::mkstemp(path);
   ::unlink(path);
   if (::ftruncate(file, 2 << 20) != 0) return 5;
   const int fake = ::memfd_create("tdist-rpc-slot", MFD_CLOEXEC);
   if (::ftruncate(fake, 2 << 20) != 0) return 6;
-  for (int fd : {file, fake}) {
+  const int unsealed = ::memfd_create("tdist-rpc-slot", MFD_CLOEXEC);
+  const uint64_t header[3] = {detail::kShmSlotMagic, 12345, 1 << 20};
+  if (::ftruncate(unsealed, detail::kShmHeaderBytes + (1 << 20)) != 0 ||
+      ::pwrite(unsealed, header, sizeof(header), 0) != sizeof(header)) {
+    return 7;
+  }
+  for (int fd : {file, fake, unsealed}) {
     int sock = connect_raw(port);
     if (!forged_handshake(sock, "", 0, ::getpid())) return 3;  // not granted the fast path
     detail::TensorSection s;
