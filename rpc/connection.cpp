@@ -398,7 +398,6 @@ void Connection::frame(OutMessage& m) {
   encode_header(h, m.header.data());
   unput.framed = true;
   m.tensor_bytes = inline_bytes;
-  m.remote_tensors = !section.addresses.empty();
   m.tensors = std::move(wire);
   if (!remote.empty()) {
     std::lock_guard<std::mutex> lock(retained_mu_);

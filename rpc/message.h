@@ -155,7 +155,6 @@ struct OutMessage {
   // Filled by the connection when it frames the message.
   std::array<uint8_t, kHeaderSize> header{};
   uint64_t tensor_bytes = 0;
-  bool remote_tensors = false;
 };
 
 // Fields of the various messages (at the start of the payload, written without a context).
