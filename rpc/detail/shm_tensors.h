@@ -25,9 +25,10 @@
 //   must not eat the descriptors that sockets need); to make room a sender retires its least
 //   recently used free slots and names them in the tensor section of the next frame that has
 //   one (TensorSection::retired; a frame that fails to be built leaves them to the one after),
-//   and the receiver drops its mappings of them (tensors still in one keep it mapped). When no room can be made, memfd_create or fallocate fail (no shared
-//   memory left: fallocate reserves the pages, so a full tmpfs is an error here, never a SIGBUS
-//   later), the tensor goes by process_vm_readv as before.
+//   and the receiver drops its mappings of them (tensors still in one keep it mapped). When no
+//   room can be made, memfd_create or fallocate fail (no shared memory left: fallocate reserves
+//   the pages, so a full tmpfs is an error here, never a SIGBUS later), the tensor goes by
+//   process_vm_readv as before.
 // - A receiver that cannot open or map a slot (a /proc that hides other processes) reads that
 //   tensor with process_vm_readv from the address the frame also gives and releases the slot at
 //   once; it stops trying slots on that connection.
