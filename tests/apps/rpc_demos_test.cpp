@@ -135,7 +135,9 @@ TEST(RpcPsAutogradDemo, ThreeTrainersTrainAnMlpOnSyntheticData) {
 // over 85 runs on the 2-core machine, four of them below 80% (asynchronous SGD: the result
 // depends on how the two trainers' steps interleave, and an unlucky last few steps cost 2-4
 // points; one of those runs failed the 2-point margin this test first had). Seeds 2 and 3 gave
-// differences of 1.7 and 0.5 points. A demo that loses or corrupts updates lands far lower.
+// differences of 1.7 and 0.5 points. A demo whose updates are wrong or not applied lands far
+// lower (untrained: about 10%); one that lost half of them would not (tdist-train after 300
+// steps: 78.81%), and the synthetic test above does not catch that either.
 TEST(RpcPsAutogradDemo, MatchesTdistTrainOnFashionMnist) {
   struct stat st {};
   if (::stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st) != 0) {
