@@ -104,6 +104,16 @@ detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body) {
   return h;
 }
 
+void add_tensor_section(detail::FrameHeader& h, std::vector<uint8_t>& body,
+                        const detail::TensorSection& section) {
+  const Bytes bytes = encode(section);
+  body.insert(body.end(), bytes.begin(), bytes.end());
+  h.flags |= detail::kFlagRemoteTensors;
+  h.meta_len = static_cast<uint32_t>(bytes.size());
+  h.body_len = static_cast<uint32_t>(body.size());
+  h.length = body.size();
+}
+
 void expect_raw_peer_passes(const std::string& child, uint16_t port) {
   tdist::test::Processes peer(child, 1, {{"AGENT_PORT", std::to_string(port)}});
   auto r = peer.wait_all(std::chrono::seconds(60));

@@ -42,6 +42,12 @@ detail::FrameHeader add_call(uint64_t id, std::vector<uint8_t>* body);
 // AGENT_PORT=port, and expects it to exit 0 within 60 s (its output goes into the failure).
 void expect_raw_peer_passes(const std::string& child, uint16_t port);
 
+// Appends `section` to `body` as the frame's tensor section and sets h's lengths (no tensor bytes
+// follow the body) and kFlagRemoteTensors: a frame whose tensors the receiver is to read from the
+// sender's memory or slots, as the same-host fast path sends them.
+void add_tensor_section(detail::FrameHeader& h, std::vector<uint8_t>& body,
+                        const detail::TensorSection& section);
+
 // Sends a frame and reads the next frame back (its header and its body + tensor bytes).
 void send_frame(int fd, detail::FrameHeader h, const std::vector<uint8_t>& body);
 detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body);

@@ -84,18 +84,10 @@ TDIST_TEST_CHILD(rpc_forged_pid) {
   detail::TensorSection section;
   section.metas.push_back(describe_tensor(t));
   section.addresses.push_back(address);
-  const size_t payload = m.body.size();
-  {
-    BytesOutputArchive ar(m.body);
-    ar(section);
-  }
   FrameHeader h;
   h.type = MessageType::kCall;
-  h.flags = detail::kFlagRemoteTensors;
-  h.body_len = static_cast<uint32_t>(m.body.size());
-  h.meta_len = static_cast<uint32_t>(m.body.size() - payload);
   h.id = 1;
-  h.length = m.body.size();
+  add_tensor_section(h, m.body, section);
   send_frame(fd, h, m.body);
   if (!closed_by_peer(fd)) return 1;
   return believed ? 2 : 0;
