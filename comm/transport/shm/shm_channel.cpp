@@ -2,12 +2,10 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <linux/futex.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +15,7 @@
 #include <cstring>
 #include <new>
 
+#include "tdist/core/futex.h"
 #include "tdist/core/logging.h"
 
 namespace tdist::comm::shm {
@@ -52,19 +51,6 @@ size_t ring_copy(Direction dir, char* ring, size_t capacity, uint64_t start, con
 }
 constexpr size_t kHeaderBytes = 2 * sizeof(RingHeader);
 
-// The bell is shared between processes: no FUTEX_PRIVATE_FLAG.
-uint32_t* futex_word(std::atomic<uint32_t>& a) { return reinterpret_cast<uint32_t*>(&a); }
-
-void futex_wake(std::atomic<uint32_t>& bell) {
-  ::syscall(SYS_futex, futex_word(bell), FUTEX_WAKE, 1, nullptr, nullptr, 0);
-}
-
-// Sleeps while the bell still reads `seen`, at most `ns` nanoseconds (any wake-up is fine: the
-// caller re-checks).
-void futex_wait(std::atomic<uint32_t>& bell, uint32_t seen, int64_t ns) {
-  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-  ::syscall(SYS_futex, futex_word(bell), FUTEX_WAIT, seen, &ts, nullptr, 0);
-}
 }  // namespace
 
 size_t segment_bytes(size_t capacity) { return kHeaderBytes + 2 * capacity; }
@@ -155,7 +141,7 @@ ShmChannel::ShmChannel(std::unique_ptr<Segment> segment, size_t capacity, bool i
 void ShmChannel::wake_peer(uint32_t how) {
   if (how == kWakeByBell) {
     tx_->bell.fetch_add(1, std::memory_order_release);  // the peer's bell: in the ring it reads
-    futex_wake(tx_->bell);
+    futex::wake(tx_->bell);
     return;
   }
   char b = 1;
@@ -166,7 +152,7 @@ void ShmChannel::wake_peer(uint32_t how) {
 void ShmChannel::shutdown() {
   conn_->shutdown();
   rx_->bell.fetch_add(1, std::memory_order_release);  // our own bell: a sleeper here wakes up
-  futex_wake(rx_->bell);
+  futex::wake(rx_->bell);
 }
 
 long ShmChannel::fail_protocol() {
@@ -276,7 +262,7 @@ bool ShmChannel::wait_alone(bool want_read, bool want_write,
     const auto now = steady_clock::now();
     if (now >= deadline) break;
     const auto slice = std::min<steady_clock::duration>(deadline - now, kLivenessSlice);
-    futex_wait(rx_->bell, seen,
+    futex::wait(rx_->bell, seen,
                std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count());
     if (rx_->bell.load(std::memory_order_acquire) != seen) {
       woken = true;
