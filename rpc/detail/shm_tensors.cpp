@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>
@@ -18,23 +19,15 @@ namespace tdist::rpc::detail {
 namespace {
 
 constexpr char kMemfdName[] = "tdist-rpc-slot";
-// A slot can neither shrink nor grow: a peer that could shrink one after we mapped it would turn
-// our next touch of a received tensor into SIGBUS.
-constexpr int kSlotSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+// A slot or stream can neither shrink nor grow: a peer that could shrink one after we mapped it
+// would turn our next touch of it into SIGBUS.
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 struct Header {
   uint64_t magic;
   uint64_t tag;
   uint64_t capacity;
 };
-
-uint64_t new_tag() {
-  uint64_t tag = 0;
-  while (tag == 0) {
-    if (::getrandom(&tag, sizeof(tag), 0) != sizeof(tag)) tag = 0;
-  }
-  return tag;
-}
 
 std::atomic<int64_t> g_process_slots{0};
 
@@ -69,6 +62,82 @@ void ReleaseQueue::push(uint64_t tag) {
 std::vector<uint64_t> ReleaseQueue::take() {
   std::lock_guard<std::mutex> lock(mu_);
   return std::move(tags_);
+}
+
+uint64_t new_shm_tag() {
+  uint64_t tag = 0;
+  while (tag == 0) {
+    if (::getrandom(&tag, sizeof(tag), 0) != sizeof(tag)) tag = 0;
+  }
+  return tag;
+}
+
+std::optional<SealedMemfd> create_sealed_memfd(const char* name, uint64_t bytes) {
+  SealedMemfd m;
+  m.fd = ::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (m.fd < 0) return std::nullopt;
+  // fallocate reserves the pages now: no shared memory left is an error here, not a SIGBUS at
+  // the first touch.
+  void* p = MAP_FAILED;
+  if (::ftruncate(m.fd, static_cast<off_t>(bytes)) == 0 &&
+      ::fallocate(m.fd, 0, 0, static_cast<off_t>(bytes)) == 0 &&
+      ::fcntl(m.fd, F_ADD_SEALS, kSeals) == 0) {
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, m.fd, 0);
+  }
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    ::close(m.fd);
+    errno = err;
+    return std::nullopt;
+  }
+  m.base = static_cast<uint8_t*>(p);
+  m.bytes = bytes;
+  return m;
+}
+
+std::optional<PeerMapping> map_peer_memfd(pid_t pid, int fd, const char* name, const char* what,
+                                          uint64_t min_bytes, std::string* why) {
+  const std::string path = str("/proc/", pid, "/fd/", fd);
+  char target[256] = {};
+  if (::readlink(path.c_str(), target, sizeof(target) - 1) <= 0) {
+    *why = str("cannot see the peer's ", what, " ", path, ": ", std::strerror(errno));
+    return std::nullopt;
+  }
+  // Only a memfd of our name is opened at all (nothing with side effects on open).
+  const std::string expected = str("/memfd:", name);
+  if (std::strncmp(target, expected.c_str(), expected.size()) != 0) {
+    throw ProtocolError(str("peer named descriptor ", fd, " (", target, ") as a ", what));
+  }
+  const int opened = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (opened < 0) {
+    *why = str("cannot open the peer's ", what, " ", path, ": ", std::strerror(errno));
+    return std::nullopt;
+  }
+  struct stat st {};
+  if (::fstat(opened, &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<uint64_t>(st.st_size) < std::max<uint64_t>(min_bytes, 1)) {
+    ::close(opened);
+    throw ProtocolError(str("peer named descriptor ", fd, " (", target, ") as a ", what,
+                            ": not one"));
+  }
+  const int seals = ::fcntl(opened, F_GET_SEALS);
+  if (seals < 0 || (seals & kSeals) != kSeals) {
+    ::close(opened);
+    throw ProtocolError(str("peer named descriptor ", fd, " (", target, ") as a ", what,
+                            ": it is not sealed against resizing"));
+  }
+  PeerMapping m;
+  m.length = static_cast<size_t>(st.st_size);
+  void* p =
+      ::mmap(nullptr, m.length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, opened, 0);
+  const int err = errno;
+  ::close(opened);
+  if (p == MAP_FAILED) {
+    *why = str("cannot map the peer's ", what, " ", path, ": ", std::strerror(err));
+    return std::nullopt;
+  }
+  m.base = p;
+  return m;
 }
 
 ShmSlots::~ShmSlots() {
@@ -128,26 +197,15 @@ std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes) {
       Slot s;
       s.capacity = capacity;
       s.mapped = mapped;
-      s.fd = ::memfd_create(kMemfdName, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-      if (s.fd < 0) {
+      std::optional<SealedMemfd> m = create_sealed_memfd(kMemfdName, mapped);
+      if (!m) {
+        TDIST_LOG_DEBUG("rpc: no shared-memory slot of ", mapped, " bytes: ", std::strerror(errno));
         g_process_slots.fetch_sub(1);
         return std::nullopt;
       }
-      // fallocate reserves the pages now: no shared memory left is an error here, not a SIGBUS
-      // in the copy below.
-      void* p = MAP_FAILED;
-      if (::ftruncate(s.fd, static_cast<off_t>(mapped)) == 0 &&
-          ::fallocate(s.fd, 0, 0, static_cast<off_t>(mapped)) == 0 &&
-          ::fcntl(s.fd, F_ADD_SEALS, kSlotSeals) == 0) {
-        p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, s.fd, 0);
-      }
-      if (p == MAP_FAILED) {
-        TDIST_LOG_DEBUG("rpc: no shared-memory slot of ", mapped, " bytes: ", std::strerror(errno));
-        destroy(s);
-        return std::nullopt;
-      }
-      s.base = static_cast<uint8_t*>(p);
-      best_tag = new_tag();
+      s.fd = m->fd;
+      s.base = m->base;
+      best_tag = new_shm_tag();
       const Header h{kShmSlotMagic, best_tag, capacity};
       std::memcpy(s.base, &h, sizeof(h));
       held_ += mapped;
@@ -212,53 +270,19 @@ std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
       throw ProtocolError(str("peer names more than ", kMaxShmMappings,
                               " shared-memory slots at once"));
     }
-    const std::string path = str("/proc/", pid, "/fd/", ref.fd);
-    char target[256] = {};
-    if (::readlink(path.c_str(), target, sizeof(target) - 1) <= 0) {
-      TDIST_LOG_DEBUG("rpc: cannot see the peer's shared-memory slot ", path, ": ",
-                      std::strerror(errno), "; reading its tensors with process_vm_readv");
+    std::string why;
+    std::optional<PeerMapping> p = map_peer_memfd(pid, ref.fd, kMemfdName, "shared-memory slot",
+                                                   kShmHeaderBytes, &why);
+    if (!p) {
+      TDIST_LOG_DEBUG("rpc: ", why, "; reading its tensors with process_vm_readv");
       disabled_ = true;
       return std::nullopt;
-    }
-    // Only a memfd of our name is opened at all (nothing with side effects on open).
-    const std::string expected = str("/memfd:", kMemfdName);
-    if (std::strncmp(target, expected.c_str(), expected.size()) != 0) {
-      throw ProtocolError(str("peer named descriptor ", ref.fd, " (", target,
-                              ") as a shared-memory slot"));
-    }
-    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) {
-      TDIST_LOG_DEBUG("rpc: cannot open the peer's shared-memory slot ", path, ": ",
-                      std::strerror(errno), "; reading its tensors with process_vm_readv");
-      disabled_ = true;
-      return std::nullopt;
-    }
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
-        static_cast<uint64_t>(st.st_size) < kShmHeaderBytes) {
-      ::close(fd);
-      throw ProtocolError(str("peer named descriptor ", ref.fd, " (", target,
-                              ") as a shared-memory slot: not one"));
-    }
-    const int seals = ::fcntl(fd, F_GET_SEALS);
-    if (seals < 0 || (seals & kSlotSeals) != kSlotSeals) {
-      ::close(fd);
-      throw ProtocolError(str("peer named descriptor ", ref.fd, " (", target,
-                              ") as a shared-memory slot: it is not sealed against resizing"));
     }
     auto m = std::make_shared<Mapping>();
-    m->length = static_cast<size_t>(st.st_size);
-    void* p = ::mmap(nullptr, m->length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    ::close(fd);
-    if (p == MAP_FAILED) {
-      TDIST_LOG_DEBUG("rpc: cannot map the peer's shared-memory slot ", path, ": ",
-                      std::strerror(errno), "; reading its tensors with process_vm_readv");
-      disabled_ = true;
-      return std::nullopt;
-    }
-    m->base = p;
+    m->base = p->base;
+    m->length = p->length;
     Header h{};
-    std::memcpy(&h, p, sizeof(h));
+    std::memcpy(&h, m->base, sizeof(h));
     if (h.magic != kShmSlotMagic || h.tag != ref.tag || h.capacity > m->length - kShmHeaderBytes) {
       throw ProtocolError(str("peer's shared-memory slot ", ref.fd, " has a header that does not "
                               "match the frame (tag, magic or capacity)"));

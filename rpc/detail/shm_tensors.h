@@ -50,6 +50,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -137,6 +138,30 @@ class ShmMappings {
   std::unordered_map<uint64_t, std::shared_ptr<Mapping>> maps_;
   bool disabled_ = false;
 };
+
+// A random non-zero 64-bit tag naming a slot or a stream.
+uint64_t new_shm_tag();
+
+// A memfd made by this process, sealed against resizing (F_SEAL_SHRINK | F_SEAL_GROW |
+// F_SEAL_SEAL), its pages reserved (fallocate) and mapped read-write: the memory of slots and of
+// frame streams (rpc/detail/shm_stream.h). nullopt, errno set, when no shared memory can be had.
+struct SealedMemfd {
+  int fd = -1;
+  uint8_t* base = nullptr;
+  uint64_t bytes = 0;
+};
+std::optional<SealedMemfd> create_sealed_memfd(const char* name, uint64_t bytes);
+
+// The peer's memfd `fd`, opened through /proc/<pid>/fd and mapped read-write (the caller
+// unmaps it). nullopt when /proc does not let us see, open or map it (`why` says why; the caller
+// falls back); ProtocolError when the descriptor is not a memfd named `name` of at least
+// `min_bytes` bytes sealed against resizing (`what` names it in the message).
+struct PeerMapping {
+  void* base = nullptr;
+  size_t length = 0;
+};
+std::optional<PeerMapping> map_peer_memfd(pid_t pid, int fd, const char* name, const char* what,
+                                          uint64_t min_bytes, std::string* why);
 
 // The first word of a slot's header page ("TDSHMBUF"); the slot's tag and capacity follow.
 constexpr uint64_t kShmSlotMagic = 0x4655424d48534454;
