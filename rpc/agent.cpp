@@ -48,6 +48,7 @@ constexpr int64_t kDefaultMaxPendingHandshakes = 64;
 // spin stays). Measured with tdist-bench rpc (docs/perf.md, "RPC waits spin first").
 constexpr int64_t kDefaultSpinUs = 50;
 constexpr int64_t kDefaultShmBytes = int64_t{256} << 20;  // Note [RPC shared-memory slots]
+constexpr int64_t kDefaultStreamBytes = int64_t{256} << 10;  // Note [RPC shared-memory frame streams]
 
 }  // namespace
 
@@ -103,6 +104,18 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
     options_.shm_bytes = env::get_int("TDIST_RPC_SHM_BYTES", kDefaultShmBytes, 0, INT64_MAX);
   }
   conn_options_.shm_bytes = static_cast<uint64_t>(options_.shm_bytes);
+  TDIST_CHECK_ARG(options_.stream_bytes == -1 || options_.stream_bytes == 0 ||
+                      (options_.stream_bytes >= static_cast<int64_t>(detail::kMinStreamBytes) &&
+                       options_.stream_bytes <= static_cast<int64_t>(detail::kMaxStreamBytes)),
+                  "stream_bytes must be -1 (the default), 0 (off) or from ",
+                  detail::kMinStreamBytes, " to ", detail::kMaxStreamBytes, ", got ",
+                  options_.stream_bytes);
+  if (options_.stream_bytes == -1) {
+    const int64_t bytes = env::get_int("TDIST_RPC_STREAM_BYTES", kDefaultStreamBytes, 0,
+                                       static_cast<int64_t>(detail::kMaxStreamBytes));
+    options_.stream_bytes = bytes == 0 ? 0 : std::max<int64_t>(bytes, detail::kMinStreamBytes);
+  }
+  conn_options_.stream_bytes = static_cast<uint64_t>(options_.stream_bytes);
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<Peer>());
 }
 

@@ -4,6 +4,7 @@
 #include <limits.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -11,7 +12,9 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <optional>
 
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
@@ -114,9 +117,13 @@ void Connection::close(const std::string& reason) {
     closed_ = true;
     close_reason_ = reason;
   }
+  closing_ = true;
   // shutdown() (not close()) wakes the reader blocked in recv and a writer blocked in sendmsg;
-  // the descriptor is closed by the destructor once nobody uses it.
+  // the descriptor is closed by the destructor once nobody uses it. A side sleeping on a
+  // shared-memory ring does not see the socket: its futex is rung.
   ::shutdown(fd_, SHUT_RDWR);
+  if (ShmStream* rx = rx_active_.load()) rx->wake_self();
+  if (tx_state_.load() >= kOffered) tx_stream_->wake_self();
 }
 
 void Connection::run() {
@@ -163,36 +170,86 @@ void Connection::throw_read_error(ssize_t n) {
   throw NetworkError(str("reading from ", peer(), ": ", std::strerror(errno)));
 }
 
-size_t Connection::fill(size_t want) {
+size_t Connection::receive(void* dst, size_t n) {
   if (between_frames_ && options_.spin.count() > 0) {
     // The next frame often comes within microseconds (a reply to a small call): look for it
     // without sleeping for a while (Note [RPC waits spin first] in rpc/agent.cpp).
     const auto until = std::chrono::steady_clock::now() + options_.spin;
     for (;;) {
-      ssize_t n = ::recv(fd_, in_.data() + in_end_, std::min(want, in_.size() - in_end_),
-                         MSG_DONTWAIT);
-      if (n > 0) {
-        between_frames_ = false;
-        return static_cast<size_t>(n);
+      ssize_t k = 0;
+      if (ShmStream* rx = rx_active_.load(std::memory_order_relaxed)) {
+        k = static_cast<ssize_t>(rx->read_some(dst, n));
+      } else {
+        k = ::recv(fd_, dst, n, MSG_DONTWAIT);
+        if (k == 0 || (k < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) {
+          throw_read_error(k);
+        }
       }
-      if (n == 0 || (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) {
-        throw_read_error(n);
+      if (k > 0) {
+        between_frames_ = false;
+        return static_cast<size_t>(k);
       }
       if (std::chrono::steady_clock::now() >= until) break;
       std::this_thread::yield();
     }
   }
+  if (rx_active_.load(std::memory_order_relaxed)) return receive_stream(dst, n);
   for (;;) {
-    ssize_t n = ::recv(fd_, in_.data() + in_end_, std::min(want, in_.size() - in_end_), 0);
-    if (n > 0) {
+    ssize_t k = ::recv(fd_, dst, n, 0);
+    if (k > 0) {
       between_frames_ = false;
-      return static_cast<size_t>(n);
+      return static_cast<size_t>(k);
     }
-    if (n < 0 && errno == EINTR) continue;
+    if (k < 0 && errno == EINTR) continue;
     // SO_RCVTIMEO passed: fine while no byte of the next frame has come (an idle peer).
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && between_frames_) continue;
-    throw_read_error(n);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && between_frames_) continue;
+    throw_read_error(k);
   }
+}
+
+size_t Connection::receive_stream(void* dst, size_t n) {
+  ShmStream* rx = rx_active_.load(std::memory_order_relaxed);
+  // Between frames the reader waits without limit; inside one each wait is bounded (as
+  // SO_RCVTIMEO bounds recv).
+  const bool bounded = !between_frames_ && options_.frame_timeout.count() > 0;
+  const auto deadline = std::chrono::steady_clock::now() + options_.frame_timeout;
+  for (;;) {
+    size_t k = rx->read_some(dst, n);
+    if (k == 0) k = check_socket_after_switch(dst, n);
+    if (k > 0) {
+      between_frames_ = false;
+      return k;
+    }
+    std::chrono::nanoseconds wait = kStreamLivenessSlice;
+    if (bounded) {
+      const auto left = deadline - std::chrono::steady_clock::now();
+      if (left <= left.zero()) {
+        errno = EAGAIN;
+        throw_read_error(-1);
+      }
+      wait = std::min<std::chrono::nanoseconds>(wait, left);
+    }
+    rx->wait(wait.count());
+  }
+}
+
+size_t Connection::check_socket_after_switch(void* dst, size_t n) {
+  uint8_t byte = 0;
+  const ssize_t r = ::recv(fd_, &byte, 1, MSG_DONTWAIT);
+  if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+  if (r > 0) {
+    throw ProtocolError(str(peer(), " wrote to its socket after it moved its frames to shared "
+                            "memory"));
+  }
+  // End-of-file or an error: what the peer wrote into the ring before it went is still read.
+  const int err = errno;
+  if (size_t k = rx_active_.load(std::memory_order_relaxed)->read_some(dst, n)) return k;
+  errno = err;
+  throw_read_error(r);
+}
+
+size_t Connection::fill(size_t want) {
+  return receive(in_.data() + in_end_, std::min(want, in_.size() - in_end_));
 }
 
 void Connection::read(void* dst, size_t size) {
@@ -207,13 +264,9 @@ void Connection::read(void* dst, size_t size) {
   if (size >= in_.size() / 2) {
     // Large: straight into the destination, no staging copy.
     while (size > 0) {
-      ssize_t n = ::recv(fd_, d, size, 0);
-      if (n > 0) {
-        d += n;
-        size -= static_cast<size_t>(n);
-      } else if (n == 0 || errno != EINTR) {
-        throw_read_error(n);
-      }
+      k = receive(d, size);
+      d += k;
+      size -= k;
     }
     return;
   }
@@ -242,6 +295,16 @@ void Connection::read_frames() {
     if (h.type == MessageType::kShmRelease) {
       if (h.length != 0) throw ProtocolError("SHM_RELEASE frame with a body");
       slots_.release(h.id);
+      continue;
+    }
+    if (h.type == MessageType::kStreamOffer || h.type == MessageType::kStreamAccept ||
+        h.type == MessageType::kStreamSwitch) {
+      Bytes body;
+      if (h.length == h.body_len && h.body_len <= kMaxStreamOfferBytes) {
+        body.resize(h.body_len);
+        read(body.data(), body.size());
+      }
+      on_stream_frame(h, body);  // checks the frame's shape first
       continue;
     }
     Message m;
@@ -304,22 +367,57 @@ void Connection::read_frame_tensors(const FrameHeader& h, Message& m, TensorSect
       m.tensors.push_back(receive_tensor(meta, [this](void* dst, size_t n) { read(dst, n); }));
     }
   }
-  if (any_read) {
-    // The sender holds those tensors until it hears that we are done with its memory.
-    std::weak_ptr<Connection> weak = weak_from_this();
-    uint64_t id = h.id;
-    executor_->post([weak, id] {
-      if (auto c = weak.lock()) {
-        OutMessage rel;
-        rel.type = MessageType::kTensorRelease;
-        rel.id = id;
-        try {
-          c->send(std::move(rel));
-        } catch (const std::exception&) {
-          // Closed: the sender dropped its references with the connection.
-        }
+  // The sender holds those tensors until it hears that we are done with its memory.
+  if (any_read) post_control(MessageType::kTensorRelease, h.id);
+}
+
+void Connection::post_control(MessageType type, uint64_t id) {
+  std::weak_ptr<Connection> weak = weak_from_this();
+  executor_->post([weak, type, id] {
+    if (auto c = weak.lock()) {
+      OutMessage m;
+      m.type = type;
+      m.id = id;
+      try {
+        c->send(std::move(m));
+      } catch (const std::exception&) {
+        // Closed: the peer dropped what the frame was about with the connection.
       }
-    });
+    }
+  });
+}
+
+void Connection::on_stream_frame(const FrameHeader& h, const Bytes& body) {
+  const StreamOffer offer = check_stream_frame(h, body);
+  if (h.type == MessageType::kStreamOffer) {
+    if (!hs_.read_remote_tensors) {
+      throw ProtocolError(str(peer(), " offered a shared-memory stream without the same-host "
+                              "fast path"));
+    }
+    if (rx_stream_) throw ProtocolError(str(peer(), " offered a second shared-memory stream"));
+    std::string why;
+    rx_stream_ = ShmStream::open(hs_.peer_pid, offer.fd, h.id, offer.capacity, &why);
+    if (!rx_stream_) {
+      TDIST_LOG_DEBUG("rpc: frames from ", peer(), " stay on TCP: ", why);
+      return;
+    }
+    post_control(MessageType::kStreamAccept, h.id);
+  } else if (h.type == MessageType::kStreamAccept) {
+    int offered = kOffered;
+    if (tx_state_.load() != kOffered || tx_stream_->tag() != h.id ||
+        !tx_state_.compare_exchange_strong(offered, kAccepted)) {
+      throw ProtocolError(str(peer(), " accepted a shared-memory stream it was not offered"));
+    }
+  } else {
+    if (!rx_stream_ || rx_stream_->tag() != h.id || rx_active_.load()) {
+      throw ProtocolError(str(peer(), " switched to a shared-memory stream that was not "
+                              "accepted"));
+    }
+    if (in_pos_ != in_end_) {
+      throw ProtocolError(str(peer(), " wrote to its socket after it moved its frames to shared "
+                              "memory"));
+    }
+    rx_active_ = rx_stream_.get();
   }
 }
 
@@ -425,6 +523,7 @@ void Connection::send(OutMessage&& m) {
     lock.unlock();
     try {
       add_slot_releases(batch);
+      offer_stream(batch);
       write_batch(batch);
     } catch (const std::exception& e) {
       lock.lock();
@@ -453,7 +552,85 @@ void Connection::add_slot_releases(std::deque<OutMessage>& batch) {
   }
 }
 
+void Connection::offer_stream(std::deque<OutMessage>& batch) {
+  if (tx_state_.load(std::memory_order_relaxed) != kNone) return;
+  if (!hs_.send_remote_tensors || options_.stream_bytes == 0) {
+    tx_state_ = kNever;
+    return;
+  }
+  tx_stream_ = ShmStream::create(options_.stream_bytes);
+  if (!tx_stream_) {
+    TDIST_LOG_DEBUG("rpc: frames to ", peer(), " stay on TCP: no shared-memory stream of ",
+                    options_.stream_bytes, " bytes: ", std::strerror(errno));
+    tx_state_ = kNever;
+    return;
+  }
+  OutMessage offer;
+  offer.type = MessageType::kStreamOffer;
+  offer.id = tx_stream_->tag();
+  offer.body = encode(StreamOffer{tx_stream_->fd(), tx_stream_->capacity()});
+  frame(offer);
+  batch.push_front(std::move(offer));
+  tx_state_ = kOffered;
+}
+
+void Connection::switch_to_stream() {
+  FrameHeader h;
+  h.type = MessageType::kStreamSwitch;
+  h.id = tx_stream_->tag();
+  std::array<uint8_t, kHeaderSize> header{};
+  encode_header(h, header.data());
+  std::vector<struct iovec> iov{{header.data(), header.size()}};
+  write_socket(iov);
+  tx_state_ = kStreaming;
+  tx_stream_->close_fd();  // the peer has mapped it
+}
+
+void Connection::check_writable_socket() {
+  if (closing_.load()) {
+    throw NetworkError(str("connection to worker rank ", peer_rank(), " is closed: ",
+                           close_reason()));
+  }
+  struct pollfd p {fd_, POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+    throw NetworkError(str("sending to worker rank ", peer_rank(), ": the peer closed the "
+                           "connection"));
+  }
+}
+
+void Connection::write_stream(const std::vector<struct iovec>& iov) {
+  for (const auto& v : iov) {
+    const auto* p = static_cast<const uint8_t*>(v.iov_base);
+    size_t left = v.iov_len;
+    // As SO_SNDTIMEO: the send timeout bounds each stall, not the whole write.
+    std::optional<std::chrono::steady_clock::time_point> stalled_until;
+    while (left > 0) {
+      if (size_t k = tx_stream_->write_some(p, left)) {
+        p += k;
+        left -= k;
+        stalled_until.reset();
+        continue;
+      }
+      check_writable_socket();
+      std::chrono::nanoseconds wait = kStreamLivenessSlice;
+      if (options_.send_timeout.count() > 0) {
+        const auto now = std::chrono::steady_clock::now();
+        if (!stalled_until) stalled_until = now + options_.send_timeout;
+        if (now >= *stalled_until) throw_send_timeout();
+        wait = std::min<std::chrono::nanoseconds>(wait, *stalled_until - now);
+      }
+      tx_stream_->wait(wait.count());
+    }
+  }
+}
+
+void Connection::throw_send_timeout() const {
+  throw TimeoutError(str("sending to worker rank ", peer_rank(), " timed out after ",
+                         options_.send_timeout.count(), " ms (the worker stopped reading)"));
+}
+
 void Connection::write_batch(std::deque<OutMessage>& batch) {
+  if (tx_state_.load(std::memory_order_relaxed) == kAccepted) switch_to_stream();
   std::vector<struct iovec> iov;
   iov.reserve(batch.size() * 3);
   for (auto& m : batch) {
@@ -461,6 +638,14 @@ void Connection::write_batch(std::deque<OutMessage>& batch) {
     if (!m.body.empty()) iov.push_back({m.body.data(), m.body.size()});
     for (auto& t : m.tensors) iov.push_back({t.data_ptr(), t.nbytes()});
   }
+  if (tx_state_.load(std::memory_order_relaxed) == kStreaming) {
+    write_stream(iov);
+  } else {
+    write_socket(iov);
+  }
+}
+
+void Connection::write_socket(std::vector<struct iovec>& iov) {
   size_t idx = 0;
   while (idx < iov.size()) {
     struct msghdr mh {};
@@ -469,10 +654,7 @@ void Connection::write_batch(std::deque<OutMessage>& batch) {
     ssize_t n = ::sendmsg(fd_, &mh, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        throw TimeoutError(str("sending to worker rank ", peer_rank(), " timed out after ",
-                               options_.send_timeout.count(), " ms (the worker stopped reading)"));
-      }
+      if (errno == EAGAIN || errno == EWOULDBLOCK) throw_send_timeout();
       throw NetworkError(str("sending to worker rank ", peer_rank(), ": ", std::strerror(errno)));
     }
     auto left = static_cast<size_t>(n);

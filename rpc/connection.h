@@ -20,6 +20,11 @@
 // senders combine: the thread that finds the connection idle writes everything queued meanwhile
 // in one batch (many small messages cost one system call), the others return at once.
 //
+// Same host: once the handshake enabled the same-host fast path, each direction moves its frames
+// through a shared-memory ring instead of the socket (Note [RPC shared-memory frame streams] in
+// rpc/detail/shm_stream.h); the socket then only tells that the peer is gone. What is said here
+// of reads and writes holds for the ring as for the socket.
+//
 // A read or write error, EOF, a malformed frame or close() closes the connection; the handler
 // then hears on_closed() once, from the reader thread. send() on a closed connection throws
 // NetworkError with the reason; send() on any connection's reader thread throws Error (a
@@ -28,6 +33,7 @@
 // joins their reader threads (join()) before dropping them.
 
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include <atomic>
 #include <chrono>
@@ -40,6 +46,7 @@
 #include <vector>
 
 #include "tdist/rpc/auth.h"
+#include "tdist/rpc/detail/shm_stream.h"
 #include "tdist/rpc/detail/shm_tensors.h"
 #include "tdist/rpc/future.h"
 #include "tdist/rpc/message.h"
@@ -72,6 +79,9 @@ struct ConnectionOptions {
   // Between frames the reader keeps reading without blocking this long (yielding the core
   // between tries) before it sleeps in recv (Note [RPC waits spin first] in rpc/agent.cpp).
   std::chrono::microseconds spin{0};
+  // Bytes of the shared-memory ring of each direction on the same host (Note [RPC shared-memory
+  // frame streams]); 0: frames stay on the socket.
+  uint64_t stream_bytes = uint64_t{256} << 10;
 };
 
 // Sets a socket's send and receive buffer sizes (RpcOptions::socket_buffer_bytes); 0: no change.
@@ -103,6 +113,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool first_stray_response() { return !stray_logged_.exchange(true); }
   int peer_rank() const { return peer_rank_.load(); }
   bool closed() const;
+  // Whether this side writes, and reads, its frames through a shared-memory ring now.
+  bool writes_stream() const { return tx_state_.load() == kStreaming; }
+  bool reads_stream() const { return rx_active_.load() != nullptr; }
   bool finished() const { return finished_.load(); }  // the reader thread has returned
   std::string close_reason() const;
 
@@ -118,9 +131,29 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // SHM_RELEASE frames for the slots whose received tensors died, onto `batch`.
   void add_slot_releases(std::deque<OutMessage>& batch);
 
+  // The stream frames (Note [RPC shared-memory frame streams]), on the reader thread.
+  void on_stream_frame(const FrameHeader& h, const Bytes& body);
+  // Posts a body-less frame for a worker thread to send (the reader never writes).
+  void post_control(MessageType type, uint64_t id);
+  // On the writing thread: offers a ring once, and switches to it once accepted.
+  void offer_stream(std::deque<OutMessage>& batch);
+  void switch_to_stream();
+  void write_stream(const std::vector<struct iovec>& iov);
+  void write_socket(std::vector<struct iovec>& iov);
+  [[noreturn]] void throw_send_timeout() const;
+  // Throws once the peer's end of the socket is gone or close() was called (stream writes).
+  void check_writable_socket();
+
   // Buffered reads.
   void read(void* dst, size_t size);
   size_t fill(size_t want);
+  // At least one byte and at most `n` of the incoming stream (ring or socket) into `dst`,
+  // waiting as the Note says (between frames without limit, inside one within frame_timeout).
+  size_t receive(void* dst, size_t n);
+  size_t receive_stream(void* dst, size_t n);
+  // After the switch the socket carries nothing: EOF there throws once the ring is empty
+  // (returns the bytes still in it), a byte is a ProtocolError.
+  size_t check_socket_after_switch(void* dst, size_t n);
   [[noreturn]] void throw_read_error(ssize_t n);
   void set_timeout(int option, Millis timeout);
 
@@ -160,6 +193,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
   ShmSlots slots_;
   ShmMappings mappings_;
   const std::shared_ptr<ReleaseQueue> releases_ = std::make_shared<ReleaseQueue>();
+
+  // Note [RPC shared-memory frame streams]. Sending: the ring is made by the writing thread
+  // before tx_state_ leaves kNone and kept until destruction; the reader thread moves the state
+  // from kOffered to kAccepted.
+  enum TxState : int { kNone, kNever, kOffered, kAccepted, kStreaming };
+  std::atomic<int> tx_state_{kNone};
+  std::unique_ptr<ShmStream> tx_stream_;
+  // Receiving (reader thread): the peer's ring, mapped at its offer, read from its switch on.
+  std::unique_ptr<ShmStream> rx_stream_;
+  std::atomic<ShmStream*> rx_active_{nullptr};
+  std::atomic<bool> closing_{false};  // close() was called (wakes stream waits)
 };
 
 }  // namespace tdist::rpc::detail

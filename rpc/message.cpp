@@ -39,6 +39,9 @@ const char* message_type_name(MessageType type) {
     case MessageType::kRRefChildAccept: return "RREF_CHILD_ACCEPT";
     case MessageType::kTensorRelease: return "TENSOR_RELEASE";
     case MessageType::kShmRelease: return "SHM_RELEASE";
+    case MessageType::kStreamOffer: return "STREAM_OFFER";
+    case MessageType::kStreamAccept: return "STREAM_ACCEPT";
+    case MessageType::kStreamSwitch: return "STREAM_SWITCH";
   }
   return "UNKNOWN";
 }
@@ -136,6 +139,19 @@ void check_tensor_section(const FrameHeader& h, const TensorSection& section, bo
     throw ProtocolError(str("frame carries ", inline_total, " tensor bytes but its tensors need ",
                             inline_sum));
   }
+}
+
+StreamOffer check_stream_frame(const FrameHeader& h, const Bytes& body) {
+  const char* name = message_type_name(h.type);
+  if (h.type != MessageType::kStreamOffer) {
+    if (h.length != 0) throw ProtocolError(str(name, " frame with a body"));
+    return {};
+  }
+  if (h.meta_len != 0 || h.length != h.body_len || h.body_len > kMaxStreamOfferBytes) {
+    throw ProtocolError(str(name, " frame of ", h.length, " bytes (body ", h.body_len,
+                            ", tensor section ", h.meta_len, ")"));
+  }
+  return decode<StreamOffer>(body);
 }
 
 }  // namespace tdist::rpc::detail

@@ -32,8 +32,8 @@
 // what it announced.
 //
 // `id` pairs a response (kResponse / kError) with its request. Every other type but
-// kTensorRelease and kShmRelease (no body; `id` names a frame or a slot) is a request and gets
-// exactly one response.
+// kTensorRelease, kShmRelease (no body; `id` names a frame or a slot) and the three stream
+// frames (the connection's own, `id` names a ring) is a request and gets exactly one response.
 
 #include <ATen/core/Tensor.h>
 
@@ -61,13 +61,23 @@ enum class MessageType : uint16_t {
   kRRefChildAccept = 10, // a child tells its parent that the owner knows it
   kTensorRelease = 11,   // the receiver has read the sender's remote tensors of frame `id`
   kShmRelease = 12,      // the receiver is done with the sender's shared-memory slot `id`
-  kMaxType = 12,
+  // Frames leave TCP for a shared-memory ring (Note [RPC shared-memory frame streams] in
+  // rpc/detail/shm_stream.h); `id` is the ring's tag.
+  kStreamOffer = 13,     // body: StreamOffer
+  kStreamAccept = 14,    // the offer's receiver mapped the ring
+  kStreamSwitch = 15,    // the last frame of the socket: the rest come through the ring
+  kMaxType = 15,
 };
 
 const char* message_type_name(MessageType type);
+// Frames the connection handles itself: never handed to the agent.
+inline bool is_connection_frame(MessageType t) {
+  return t == MessageType::kTensorRelease || t == MessageType::kShmRelease ||
+         t == MessageType::kStreamOffer || t == MessageType::kStreamAccept ||
+         t == MessageType::kStreamSwitch;
+}
 inline bool is_request(MessageType t) {
-  return t != MessageType::kResponse && t != MessageType::kError &&
-         t != MessageType::kTensorRelease && t != MessageType::kShmRelease;
+  return t != MessageType::kResponse && t != MessageType::kError && !is_connection_frame(t);
 }
 
 constexpr uint32_t kMagic = 0x43505254;  // "TRPC"
@@ -105,6 +115,23 @@ struct ShmRef {
     ar(fd, tag);
   }
 };
+
+// The body of kStreamOffer: the ring's memfd descriptor number in the sender and its capacity.
+struct StreamOffer {
+  int32_t fd = -1;
+  uint64_t capacity = 0;
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(fd, capacity);
+  }
+};
+
+// Checks the shape of a kStreamOffer, kStreamAccept or kStreamSwitch frame (only the offer has a
+// body, of at most kMaxStreamOfferBytes, no tensors) and decodes the offer's body (`body`: its
+// h.body_len bytes; empty for the others). ProtocolError otherwise.
+StreamOffer check_stream_frame(const FrameHeader& h, const Bytes& body);
+constexpr uint32_t kMaxStreamOfferBytes = 64;
 
 struct TensorSection {
   std::vector<TensorMeta> metas;

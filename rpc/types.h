@@ -63,6 +63,10 @@ struct RpcOptions {
   // beyond it large tensors go by process_vm_readv. -1: TDIST_RPC_SHM_BYTES, else 256 MiB;
   // 0: never.
   int64_t shm_bytes = -1;
+  // Bytes of the shared-memory ring that carries each direction's frames between the workers of
+  // one host instead of TCP (rpc/detail/shm_stream.h); needs the same-host fast path.
+  // -1: TDIST_RPC_STREAM_BYTES, else 256 KiB; 0: frames stay on TCP.
+  int64_t stream_bytes = -1;
   // SO_SNDBUF and SO_RCVBUF of every connection in bytes (the kernel may round them); 0 keeps
   // the system's defaults. Small buffers make writers block early (tests use that).
   int socket_buffer_bytes = 0;

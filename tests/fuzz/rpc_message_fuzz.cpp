@@ -208,6 +208,9 @@ void decode_payload(Message& msg, unsigned result_type) {
       break;
     case MessageType::kTensorRelease:
     case MessageType::kShmRelease:
+    case MessageType::kStreamOffer:
+    case MessageType::kStreamAccept:
+    case MessageType::kStreamSwitch:
       break;
   }
 }
@@ -217,6 +220,16 @@ void read_frame(const uint8_t* hdr, Stream& in, bool accept_remote, unsigned res
   const FrameHeader h = detail::decode_header(hdr, kMaxFrameBytes);
   if (h.type == MessageType::kTensorRelease || h.type == MessageType::kShmRelease) {
     if (h.length != 0) throw tdist::ProtocolError("release frame with a body");
+    return;
+  }
+  if (h.type == MessageType::kStreamOffer || h.type == MessageType::kStreamAccept ||
+      h.type == MessageType::kStreamSwitch) {
+    tdist::Bytes body;
+    if (h.length == h.body_len && h.body_len <= detail::kMaxStreamOfferBytes) {
+      body.resize(h.body_len);
+      in.read(body.data(), h.body_len);
+    }
+    (void)detail::check_stream_frame(h, body);
     return;
   }
   Message m;
@@ -315,6 +328,8 @@ void write_seeds(const std::string& dir) {
   call("error", MessageType::kError, tdist::encode(detail::ErrorBody{"boom", "worker1"}));
   call("tensor_release", MessageType::kTensorRelease, {});
   call("shm_release", MessageType::kShmRelease, {});
+  call("stream_offer", MessageType::kStreamOffer, tdist::encode(detail::StreamOffer{7, 1 << 20}));
+  call("stream_switch", MessageType::kStreamSwitch, {});
 }
 
 }  // namespace

@@ -95,13 +95,15 @@ void send_frame(int fd, detail::FrameHeader h, const std::vector<uint8_t>& body)
   net::write_all(fd, b.data(), b.size(), soon(), "test frame");
 }
 
-detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body) {
-  uint8_t hdr[detail::kHeaderSize];
-  net::read_exact(fd, hdr, sizeof(hdr), soon(), "test frame");
-  detail::FrameHeader h = detail::decode_header(hdr, uint64_t{1} << 30);
-  body->resize(h.length);
-  net::read_exact(fd, body->data(), body->size(), soon(), "test frame");
-  return h;
+detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body, bool skip_offers) {
+  for (;;) {
+    uint8_t hdr[detail::kHeaderSize];
+    net::read_exact(fd, hdr, sizeof(hdr), soon(), "test frame");
+    detail::FrameHeader h = detail::decode_header(hdr, uint64_t{1} << 30);
+    body->resize(h.length);
+    net::read_exact(fd, body->data(), body->size(), soon(), "test frame");
+    if (!skip_offers || h.type != detail::MessageType::kStreamOffer) return h;
+  }
 }
 
 void add_tensor_section(detail::FrameHeader& h, std::vector<uint8_t>& body,

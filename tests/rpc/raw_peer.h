@@ -48,8 +48,11 @@ void expect_raw_peer_passes(const std::string& child, uint16_t port);
 void add_tensor_section(detail::FrameHeader& h, std::vector<uint8_t>& body,
                         const detail::TensorSection& section);
 
-// Sends a frame and reads the next frame back (its header and its body + tensor bytes).
+// Sends a frame and reads the next frame back (its header and its body + tensor bytes). A worker
+// that granted us the fast path offers its shared-memory stream first (Note [RPC shared-memory
+// frame streams]); read_frame skips the offer unless told not to, so the worker keeps writing to
+// the socket (a raw peer never accepts).
 void send_frame(int fd, detail::FrameHeader h, const std::vector<uint8_t>& body);
-detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body);
+detail::FrameHeader read_frame(int fd, std::vector<uint8_t>* body, bool skip_offers = true);
 
 }  // namespace tdist::rpc::test

@@ -9,17 +9,21 @@
 #include <unistd.h>
 
 #include <dirent.h>
+#include <signal.h>
 
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "tdist/core/env.h"
 #include "tdist/core/serialize.h"
 #include "tdist/core/tcp_store.h"
+#include "tdist/rpc/detail/shm_stream.h"
 #include "tdist/rpc/detail/shm_tensors.h"
 #include "tests/harness/process.h"
 #include "tests/rpc/raw_peer.h"
@@ -32,6 +36,7 @@ using detail::FrameHeader;
 using detail::MessageType;
 
 constexpr char kSlotName[] = "/memfd:tdist-rpc-slot";
+constexpr char kStreamName[] = "/memfd:tdist-rpc-stream";
 
 // The path of the mapping that holds address p in this process ("" if none).
 std::string mapping_of(const void* p) {
@@ -49,8 +54,9 @@ std::string mapping_of(const void* p) {
 
 bool in_slot(const at::Tensor& t) { return mapping_of(t.data_ptr()).rfind(kSlotName, 0) == 0; }
 
-// The inodes of the slot descriptors this process holds (its own slots, as a sender).
-std::set<ino_t> own_slots() {
+// The inodes of the descriptors this process holds whose target starts with `name` (its own
+// slots or streams, as a sender).
+std::set<ino_t> own_fds(const char* name) {
   std::set<ino_t> own;
   DIR* d = ::opendir("/proc/self/fd");
   while (dirent* e = ::readdir(d)) {
@@ -58,7 +64,7 @@ std::set<ino_t> own_slots() {
     const std::string path = std::string("/proc/self/fd/") + e->d_name;
     struct stat st {};
     if (::readlink(path.c_str(), target, sizeof(target) - 1) > 0 &&
-        std::strncmp(target, kSlotName, std::strlen(kSlotName)) == 0 &&
+        std::strncmp(target, name, std::strlen(name)) == 0 &&
         ::stat(path.c_str(), &st) == 0) {
       own.insert(st.st_ino);
     }
@@ -67,25 +73,36 @@ std::set<ino_t> own_slots() {
   return own;
 }
 
-int64_t slot_fds() { return static_cast<int64_t>(own_slots().size()); }
+int64_t slot_fds() { return static_cast<int64_t>(own_fds(kSlotName).size()); }
+int64_t stream_fds() { return static_cast<int64_t>(own_fds(kStreamName).size()); }
 
-// Peers' slots this process has mapped: slot mappings in /proc/self/maps whose inode is not one
-// of its own slots', counted once each.
-int64_t peer_slot_mappings() {
-  const std::set<ino_t> own = own_slots();
-  std::set<ino_t> theirs;
+// The inodes of the mappings in /proc/self/maps whose path starts with `name`.
+std::set<ino_t> mapped(const char* name) {
+  std::set<ino_t> out;
   std::ifstream maps("/proc/self/maps");
   std::string line;
   while (std::getline(maps, line)) {
     unsigned long inode = 0;
-    if (line.find(kSlotName) == std::string::npos ||
+    if (line.find(name) == std::string::npos ||
         std::sscanf(line.c_str(), "%*s %*s %*s %*s %lu", &inode) != 1) {
       continue;
     }
-    if (!own.count(static_cast<ino_t>(inode))) theirs.insert(static_cast<ino_t>(inode));
+    out.insert(static_cast<ino_t>(inode));
   }
-  return static_cast<int64_t>(theirs.size());
+  return out;
 }
+
+// Peers' slots this process has mapped: slot mappings whose inode is not one of its own slots',
+// counted once each.
+int64_t peer_slot_mappings() {
+  const std::set<ino_t> own = own_fds(kSlotName);
+  int64_t n = 0;
+  for (ino_t inode : mapped(kSlotName)) n += own.count(inode) ? 0 : 1;
+  return n;
+}
+
+// Shared-memory frame streams this process has mapped (its own rings and its peers').
+int64_t stream_mappings() { return static_cast<int64_t>(mapped(kStreamName).size()); }
 
 std::mutex kept_mu;
 std::vector<at::Tensor> kept;
@@ -97,6 +114,9 @@ void register_shm_functions() {
     register_function("in_slot", [](at::Tensor t) { return in_slot(t); });
     register_function("slot_fds", [] { return slot_fds(); });
     register_function("peer_slot_mappings", [] { return peer_slot_mappings(); });
+    register_function("stream_fds", [] { return stream_fds(); });
+    register_function("stream_mappings", [] { return stream_mappings(); });
+    register_function("echo_text", [](std::string s) { return s; });
     // Keeps the tensor (its slot stays busy) and returns its sum.
     register_function("keep", [](at::Tensor t) {
       std::lock_guard<std::mutex> lock(kept_mu);
@@ -312,6 +332,174 @@ TEST_F(RpcSharedMemory, ZeroBytesOfSlotsMeansProcessVmReadvOnly) {
   EXPECT_EQ(slot_fds(), 0);
   EXPECT_EQ(peer_slot_fds(), 0);
   finish();
+}
+
+// ---- frames through shared-memory rings (Note [RPC shared-memory frame streams]) -------------
+
+// Calls of every size through rings of 4 KiB, the smallest: nearly every frame wraps around the
+// ring, and a frame larger than the ring goes through it in pieces while the reader empties it.
+// Four threads call at once, so writers of one connection take turns at the ring.
+TEST_F(RpcSharedMemory, FramesBetweenWorkersOfOneHostGoThroughSharedMemoryRings) {
+  start({{"TDIST_RPC_STREAM_BYTES", "4096"}}, -1, [](RpcOptions& o) { o.stream_bytes = 4096; });
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{4055}, size_t{4096}, size_t{4097},
+                       size_t{100000}, size_t{3} << 20}) {
+    std::string text(bytes, 'a');
+    for (size_t i = 0; i < bytes; ++i) text[i] = static_cast<char>('a' + i % 23);
+    ASSERT_EQ(agent_->rpc_sync<std::string>("w1", "echo_text", text), text) << bytes;
+  }
+  // Tensors in the frame (below the slots' threshold) and in slots.
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{50000}, int64_t{1} << 20}) {
+    at::Tensor t = at::rand({n});
+    ASSERT_TRUE(echo(t).equal(t)) << n;
+  }
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&, k] {
+      for (int64_t i = 0; i < 200; ++i) {
+        const std::string text(static_cast<size_t>((i * 977 + k * 131) % 9000), static_cast<char>('A' + k));
+        if (agent_->rpc_sync<std::string>("w1", "echo_text", text) != text) ++wrong;
+        if (agent_->rpc_sync<int64_t>("w1", "add", i, int64_t{k}) != i + k) ++wrong;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  // Each side made a ring for what it sends and mapped its peer's; the descriptor of a ring is
+  // closed once its reader accepted it and the writer switched, so none is left open.
+  EXPECT_GE(stream_mappings(), 2);
+  EXPECT_GE(agent_->rpc_sync<int64_t>("w1", "stream_mappings"), 2);
+  EXPECT_EQ(stream_fds(), 0);
+  EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "stream_fds"), 0);
+  finish();
+}
+
+TEST_F(RpcSharedMemory, ZeroStreamBytesKeepsFramesOnTcp) {
+  start({{"TDIST_RPC_STREAM_BYTES", "0"}}, -1, [](RpcOptions& o) { o.stream_bytes = 0; });
+  for (int64_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "add", i, int64_t{1}), i + 1);
+  }
+  EXPECT_EQ(stream_mappings(), 0);
+  EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "stream_mappings"), 0);
+  finish();
+}
+
+// A peer that stops (SIGSTOP) reads nothing: a message larger than the ring fills it and the
+// writer gives up after the send timeout (the RPC timeout), as it does on a full socket.
+TEST_F(RpcSharedMemory, AWriterOfAFullRingTimesOutWhenThePeerStopsReading) {
+  start({{"TDIST_RPC_STREAM_BYTES", "4096"}}, -1, [](RpcOptions& o) {
+    o.stream_bytes = 4096;
+    o.rpc_timeout = 2s;
+  });
+  ASSERT_EQ(agent_->rpc_sync<int64_t>("w1", "add", int64_t{1}, int64_t{2}), 3);
+  peer_->kill(0, SIGSTOP);
+  EXPECT_THROW(agent_->rpc_sync<std::string>("w1", "echo_text", std::string(1 << 20, 'x')),
+               TimeoutError);
+  peer_->kill(0, SIGKILL);
+  agent_->shutdown(false);
+  peer_->wait_all(60s);
+}
+
+// A raw peer in a child process offers shared-memory streams that lie, and one that does not;
+// exit 0 when the worker closed the connection for each lie and answered the honest stream.
+TDIST_TEST_CHILD(rpc_lying_stream_peer) {
+  const auto port = static_cast<uint16_t>(env::require_int("AGENT_PORT", 1, 65535));
+  auto connect = [&] {
+    const int sock = connect_raw(port);
+    return forged_handshake(sock, "", 0, ::getpid()) ? sock : -1;
+  };
+  auto offer = [](int sock, int fd, uint64_t tag, uint64_t capacity) {
+    FrameHeader h;
+    h.type = MessageType::kStreamOffer;
+    h.id = tag;
+    const Bytes body = encode(detail::StreamOffer{fd, capacity});
+    h.body_len = static_cast<uint32_t>(body.size());
+    h.length = body.size();
+    send_frame(sock, h, body);
+  };
+  auto control = [](int sock, MessageType type, uint64_t id) {
+    FrameHeader h;
+    h.type = type;
+    h.id = id;
+    send_frame(sock, h, {});
+  };
+  // Offers the ring, waits for its acceptance and switches to it.
+  auto switch_to = [&](int sock, detail::ShmStream& ring) {
+    offer(sock, ring.fd(), ring.tag(), ring.capacity());
+    std::vector<uint8_t> body;
+    const FrameHeader a = read_frame(sock, &body);
+    if (a.type != MessageType::kStreamAccept || a.id != ring.tag()) return false;
+    control(sock, MessageType::kStreamSwitch, ring.tag());
+    return true;
+  };
+  auto write_all = [](detail::ShmStream& ring, const std::vector<uint8_t>& bytes) {
+    for (size_t done = 0; done < bytes.size();) {
+      done += ring.write_some(bytes.data() + done, bytes.size() - done);
+    }
+  };
+  const int slot_named = ::memfd_create("tdist-rpc-slot", MFD_CLOEXEC);
+  if (::ftruncate(slot_named, 1 << 20) != 0) return 2;
+  struct Lie {
+    const char* what;
+    std::function<void(int sock, detail::ShmStream& ring)> tell;
+  };
+  const std::vector<Lie> lies{
+      {"a descriptor that is not a stream",
+       [&](int sock, detail::ShmStream&) { offer(sock, slot_named, 1, 4096); }},
+      {"a capacity below the smallest",
+       [&](int sock, detail::ShmStream& ring) { offer(sock, ring.fd(), ring.tag(), 100); }},
+      {"a tag that is not the ring's",
+       [&](int sock, detail::ShmStream& ring) { offer(sock, ring.fd(), ring.tag() + 1, 4096); }},
+      {"a switch to a ring never offered",
+       [&](int sock, detail::ShmStream& ring) { control(sock, MessageType::kStreamSwitch, ring.tag()); }},
+      {"an acceptance of a ring never offered",
+       [&](int sock, detail::ShmStream&) { control(sock, MessageType::kStreamAccept, 99); }},
+      {"a head beyond the ring",
+       [&](int sock, detail::ShmStream& ring) {
+         if (!switch_to(sock, ring)) return;
+         ring.shared()->head.store(ring.capacity() + 1);
+         ring.shared()->reader_bell.fetch_add(1);
+       }},
+      {"a byte on the socket after the switch",
+       [&](int sock, detail::ShmStream& ring) {
+         if (!switch_to(sock, ring)) return;
+         send_bytes(sock, "x", 1);
+       }},
+  };
+  for (const Lie& lie : lies) {
+    const int sock = connect();
+    if (sock < 0) return 3;  // not granted the fast path
+    auto ring = detail::ShmStream::create(4096);
+    if (!ring) return 4;
+    lie.tell(sock, *ring);
+    if (!closed_by_peer(sock)) {
+      std::fprintf(stderr, "the worker kept the connection after %s\n", lie.what);
+      return 5;
+    }
+    ::close(sock);
+  }
+  // The honest stream: a call written into the ring is answered (on the socket: a raw peer
+  // never accepts the worker's own offer).
+  const int sock = connect();
+  auto ring = detail::ShmStream::create(4096);
+  if (sock < 0 || !ring || !switch_to(sock, *ring)) return 6;
+  std::vector<uint8_t> body;
+  const FrameHeader call = add_call(7, &body);
+  std::vector<uint8_t> bytes = header_bytes(call);
+  bytes.insert(bytes.end(), body.begin(), body.end());
+  write_all(*ring, bytes);
+  const FrameHeader r = read_frame(sock, &body);
+  if (r.type != MessageType::kResponse || r.id != 7 || decode<int64_t>(body) != 42) return 7;
+  ::close(sock);
+  return 0;
+}
+
+TEST(RpcSharedMemoryChecks, StreamOffersAndSwitchesThatLieCloseTheConnection) {
+  register_shm_functions();
+  auto a = start_agents(2);
+  expect_raw_peer_passes("rpc_lying_stream_peer", a[1]->port());
+  EXPECT_EQ(a[0]->rpc_sync<int64_t>("w1", "add", int64_t{2}, int64_t{3}), 5);
+  shutdown_all(a);
 }
 
 TEST(RpcSharedMemoryChecks, SlotNamesInAFrameAreChecked) {
