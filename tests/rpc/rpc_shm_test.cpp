@@ -460,6 +460,14 @@ TDIST_TEST_CHILD(rpc_lying_stream_peer) {
          ring.shared()->head.store(ring.capacity() + 1);
          ring.shared()->reader_bell.fetch_add(1);
        }},
+      {"half a frame in the ring, then nothing (the RPC timeout, 2 s, passes)",
+       [&](int sock, detail::ShmStream& ring) {
+         if (!switch_to(sock, ring)) return;
+         std::vector<uint8_t> body;
+         std::vector<uint8_t> half = header_bytes(add_call(3, &body));
+         half.resize(half.size() / 2);
+         write_all(ring, half);
+       }},
       {"a byte on the socket after the switch",
        [&](int sock, detail::ShmStream& ring) {
          if (!switch_to(sock, ring)) return;
@@ -496,7 +504,9 @@ TDIST_TEST_CHILD(rpc_lying_stream_peer) {
 
 TEST(RpcSharedMemoryChecks, StreamOffersAndSwitchesThatLieCloseTheConnection) {
   register_shm_functions();
-  auto a = start_agents(2);
+  RpcOptions o;
+  o.rpc_timeout = 2s;
+  auto a = start_agents(2, o);
   expect_raw_peer_passes("rpc_lying_stream_peer", a[1]->port());
   EXPECT_EQ(a[0]->rpc_sync<int64_t>("w1", "add", int64_t{2}, int64_t{3}), 5);
   shutdown_all(a);
