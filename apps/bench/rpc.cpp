@@ -7,6 +7,8 @@
 // Then, unless --no-torch, the same three through torch.distributed.rpc (TensorPipe) by running
 // scripts/bench_rpc_torch.py, and the ratios against the targets of the RPC issue; and the round
 // trip and the echo against their bounds (Note [RPC bounds]), measured in each round.
+#include <unistd.h>
+
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -23,6 +25,7 @@
 #include "apps/bench/subcommands.h"
 #include "apps/bench/two_workers.h"
 #include "tdist/rpc/api.h"
+#include "tdist/rpc/detail/shm_stream.h"
 
 namespace tdist::bench {
 namespace {
@@ -83,6 +86,53 @@ int run_server(const Options& o) {
 //   ways, as the echo), and one thread's memcpy of them (the same-host fast path reads the
 //   tensor straight from the sender's memory: at best one copy each way, so the echo's GB/s
 //   counting both ways is at most memcpy's).
+//   On one host a connection's frames leave TCP for shared-memory rings (Note [RPC shared-memory
+//   frame streams]), so the round trip has a second bound: the same ping-pong through two such
+//   rings (rpc::detail::ShmStream, one per direction) between two threads of this process, each
+//   looking for its message as a connection's reader does between frames (no sleep, yielding
+//   the core between looks).
+
+// Round trips of `bytes` through two shared-memory rings, in seconds each.
+std::vector<double> time_ring_pingpong(size_t bytes, int warmup, int iters) {
+  using rpc::detail::ShmStream;
+  constexpr uint64_t kCapacity = 256 << 10;
+  auto open_own = [](const ShmStream& w) {
+    std::string why;
+    auto r = ShmStream::open(::getpid(), w.fd(), w.tag(), w.capacity(), &why);
+    if (!r) throw std::runtime_error("cannot map a shared-memory ring: " + why);
+    return r;
+  };
+  auto there = ShmStream::create(kCapacity), back = ShmStream::create(kCapacity);
+  if (!there || !back) throw std::runtime_error("no shared memory for the ring ping-pong");
+  auto there_in = open_own(*there), back_in = open_own(*back);
+  std::vector<uint8_t> out(bytes, 1), in(bytes);
+  auto move = [](ShmStream& s, uint8_t* p, size_t n, bool write) {
+    while (n > 0) {
+      const size_t k = write ? s.write_some(p, n) : s.read_some(p, n);
+      if (k == 0) std::this_thread::yield();
+      p += k;
+      n -= k;
+    }
+  };
+  const int total = warmup + iters;
+  std::thread echo([&] {
+    std::vector<uint8_t> buf(bytes);
+    for (int i = 0; i < total; ++i) {
+      move(*there_in, buf.data(), bytes, false);
+      move(*back, buf.data(), bytes, true);
+    }
+  });
+  std::vector<double> times;
+  for (int i = 0; i < total; ++i) {
+    const auto t0 = Clock::now();
+    move(*there, out.data(), bytes, true);
+    move(*back_in, in.data(), bytes, false);
+    if (i >= warmup) times.push_back(seconds_since(t0));
+  }
+  echo.join();
+  return times;
+}
+
 void measure_bounds(const Options& o, json& r) {
   TcpListener listener("127.0.0.1");
   std::thread server([&listener] {
@@ -108,6 +158,8 @@ void measure_bounds(const Options& o, json& r) {
     throw;
   }
   server.join();
+  r["ring_pingpong_us"] =
+      median(time_ring_pingpong(static_cast<size_t>(o.bound_bytes), o.warmup, o.rtt_iters)) * 1e6;
   r["memcpy_gbps"] = static_cast<double>(echo_bytes) / median(time_memcpy(echo_bytes, 3, o.echo_iters)) / 1e9;
 }
 
@@ -164,18 +216,22 @@ bool print_bounds(const json& ours, json& result) {
   const double rtt = ours["rtt_us"].get<double>(), pp = ours["pingpong_us"].get<double>();
   const double echo = ours["echo_gbps"].get<double>();
   const double tcp = ours["echo_tcp_gbps"].get<double>(), mem = ours["memcpy_gbps"].get<double>();
+  const double ring = ours["ring_pingpong_us"].get<double>();
   const bool rtt_met = rtt <= 15, echo_met = echo / mem >= 0.8;
   std::printf("\nagainst the bounds (medians of the rounds):\n");
   std::printf("%-28s %10.2f  bound: TCP ping-pong of %lld bytes %8.2f us  bound/ours %.3f "
               "(target: round trip <= 15 us: %s)\n",
               "rpc_sync round trip (us)", rtt, ours["pingpong_bytes"].get<long long>(), pp, pp / rtt,
               rtt_met ? "met" : "NOT MET");
+  std::printf("%-28s %10s  bound: shared-memory ring ping-pong %8.2f us  bound/ours %.3f\n", "",
+              "", ring, ring / rtt);
   std::printf("%-28s %10.2f  bound: memcpy %8.2f GB/s  ours/bound %.3f (target >= 0.80: %s); "
               "TCP ping-pong %.2f GB/s, ours/TCP %.3f\n",
               "tensor echo (GB/s)", echo, mem, echo / mem, echo_met ? "met" : "NOT MET", tcp,
               echo / tcp);
   result["bounds"] = {{"rtt_over_pingpong", rtt / pp},
                       {"pingpong_over_rtt", pp / rtt},
+                      {"ring_pingpong_over_rtt", ring / rtt},
                       {"echo_over_memcpy", echo / mem},
                       {"echo_over_tcp", echo / tcp}};
   result["met"]["rtt_bound"] = rtt_met;
@@ -245,7 +301,7 @@ int run_rpc_bench(int argc, char** argv) {
     };
     // Ours also carries the bounds of its rounds (measure_bounds), PyTorch's does not.
     json ours = median_of(our_runs, {"rtt_us", "async_calls_s", "echo_gbps", "pingpong_us",
-                                     "echo_tcp_gbps", "memcpy_gbps"});
+                                     "ring_pingpong_us", "echo_tcp_gbps", "memcpy_gbps"});
     json result{{"tdist", ours}};
     json theirs;
     if (o.torch) {
