@@ -400,6 +400,39 @@ TEST_F(RpcSharedMemory, AWriterOfAFullRingTimesOutWhenThePeerStopsReading) {
   peer_->wait_all(60s);
 }
 
+// One ring, both ends in this process: bytes come out in order across the wrap-around, a full
+// ring takes nothing more, and counters the peer could not have published are refused.
+TEST(RpcSharedMemoryChecks, StreamRingsWrapAroundAndRefuseImpossibleCounters) {
+  auto w = detail::ShmStream::create(detail::kMinStreamBytes);
+  ASSERT_TRUE(w);
+  std::string why;
+  auto r = detail::ShmStream::open(::getpid(), w->fd(), w->tag(), w->capacity(), &why);
+  ASSERT_TRUE(r) << why;
+  EXPECT_THROW(detail::ShmStream::open(::getpid(), w->fd(), w->tag() + 1, w->capacity(), &why),
+               ProtocolError);
+  std::vector<uint8_t> in(3000), out(3000);
+  for (int i = 0; i < 10; ++i) {  // 30000 bytes through 4096: the ring wraps seven times
+    for (size_t k = 0; k < in.size(); ++k) in[k] = static_cast<uint8_t>(i * 31 + k);
+    ASSERT_EQ(w->write_some(in.data(), in.size()), in.size());
+    EXPECT_EQ(r->read_some(out.data(), 1000), 1000u);
+    EXPECT_EQ(r->read_some(out.data() + 1000, out.size()), 2000u);
+    EXPECT_EQ(out, in) << i;
+    EXPECT_EQ(r->read_some(out.data(), 1), 0u);
+  }
+  EXPECT_EQ(w->write_some(in.data(), in.size()), in.size());
+  EXPECT_EQ(w->write_some(in.data(), in.size()), 4096u - 3000u);  // full
+  EXPECT_EQ(w->write_some(in.data(), 1), 0u);
+  r->wait(0);  // looks, does not sleep
+  // A reader's tail ahead of what was written, a writer's head beyond a ring's worth.
+  auto& shared = *w->shared();
+  const uint64_t head = shared.head.load();
+  shared.tail.store(head + 1);
+  EXPECT_THROW(w->write_some(in.data(), 1), ProtocolError);
+  shared.head.store(head + 5000);
+  EXPECT_THROW(r->read_some(out.data(), 1), ProtocolError);
+  EXPECT_THROW(detail::ShmStream::open(::getpid(), w->fd(), w->tag(), 100, &why), ProtocolError);
+}
+
 // A raw peer in a child process offers shared-memory streams that lie, and one that does not;
 // exit 0 when the worker closed the connection for each lie and answered the honest stream.
 TDIST_TEST_CHILD(rpc_lying_stream_peer) {
