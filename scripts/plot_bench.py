@@ -119,10 +119,16 @@ def plot_rpc(plt, data, title):
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
     labels = ["tdist", f"TCP ping-pong\n{ours.get('pingpong_bytes', '?')} B (bound)"]
     values = [ours["rtt_us"], ours["pingpong_us"]]
+    colors = ["C0", "0.6"]
+    if "ring_pingpong_us" in ours:  # JSON written before the frame streams has no ring bound
+        labels.append("shm ring\nping-pong (bound)")
+        values.append(ours["ring_pingpong_us"])
+        colors.append("0.8")
     if theirs:
         labels.append("torch.distributed\n.rpc")
         values.append(theirs["rtt_us"])
-    left.bar(labels, values, color=["C0", "0.6", "C1"][:len(values)])
+        colors.append("C1")
+    left.bar(labels, values, color=colors)
     left.set_ylabel("us (lower is better)")
     left.set_title("rpc_sync round trip")
     labels = ["tdist", "memcpy\n(bound)", "TCP\nping-pong"]
