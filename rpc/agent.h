@@ -342,6 +342,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   std::unordered_map<uint64_t, Pending> pending_;                 // guarded by pending_mu_
   std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;    // guarded by pending_mu_
   std::multimap<Clock::time_point, std::function<void()>> timers_;  // guarded by pending_mu_
+  // When timeout_loop wakes up next by itself (max: only when notified; min: it is awake).
+  Clock::time_point timeout_wakes_at_ = Clock::time_point::min();  // guarded by pending_mu_
   int64_t processing_ = 0;                                        // guarded by pending_mu_
   bool stopping_ = false;                                         // guarded by pending_mu_
 

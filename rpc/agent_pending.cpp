@@ -10,7 +10,12 @@
 //   (complete()), so idle() (no call pending, nothing processing) is never true in between;
 //   wait_idle() is what graceful shutdown waits on.
 // - timeout_loop() (its own thread) fails calls whose deadline passed and posts the timers of
-//   schedule() when they are due; it sleeps until the earliest of both.
+//   schedule() when they are due; it sleeps until the earliest of both. A new deadline or timer
+//   wakes it only when it comes before the thread's next wake-up (timeout_wakes_at_): the
+//   deadline of a call that completed is not taken out of its sleep, so in a run of calls one
+//   after another each call's deadline comes after the one the thread sleeps until, and no call
+//   pays for waking it (a futex wake and a thread switch per call, a fifth of a small call's
+//   round trip on two cores).
 // Guarded by pending_mu_: pending_, deadlines_, timers_, processing_, stopping_.
 #include "tdist/rpc/agent.h"
 
@@ -45,14 +50,11 @@ void RpcAgent::send_request(int to, detail::OutMessage&& m, Millis timeout,
       complete(p, nullptr, err);
       return;
     }
-    bool earliest = false;
-    if (p.has_deadline) {
-      earliest = deadlines_.empty() || p.deadline < deadlines_.begin()->first;
-      deadlines_.emplace(p.deadline, id);
-    }
+    const bool wake = p.has_deadline && p.deadline < timeout_wakes_at_;
+    if (p.has_deadline) deadlines_.emplace(p.deadline, id);
     pending_.emplace(id, std::move(p));
     sent_.fetch_add(1);
-    if (earliest) timeout_cv_.notify_one();
+    if (wake) timeout_cv_.notify_one();
   }
   try {
     if (auto* hooks = detail::autograd_hooks()) hooks->on_send_request(*this, to, m);
@@ -103,9 +105,8 @@ void RpcAgent::schedule(Clock::time_point when, std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lock(pending_mu_);
     if (stopping_) return;
-    const bool earliest = timers_.empty() || when < timers_.begin()->first;
     timers_.emplace(when, std::move(fn));
-    if (!earliest) return;
+    if (when >= timeout_wakes_at_) return;
   }
   timeout_cv_.notify_one();
 }
@@ -150,6 +151,15 @@ void RpcAgent::fail_pending_to(int rank, const std::string& reason) {
 
 void RpcAgent::timeout_loop() {
   std::unique_lock<std::mutex> lock(pending_mu_);
+  auto sleep_until = [&](Clock::time_point until) {
+    timeout_wakes_at_ = until;
+    if (until == Clock::time_point::max()) {
+      timeout_cv_.wait(lock);
+    } else {
+      timeout_cv_.wait_until(lock, until);
+    }
+    timeout_wakes_at_ = Clock::time_point::min();  // awake: it looks at everything before sleeping
+  };
   while (!stopping_) {
     if (!timers_.empty() && timers_.begin()->first <= Clock::now()) {
       auto fn = std::move(timers_.begin()->second);
@@ -160,18 +170,14 @@ void RpcAgent::timeout_loop() {
       continue;
     }
     if (deadlines_.empty()) {
-      if (timers_.empty()) {
-        timeout_cv_.wait(lock);
-      } else {
-        timeout_cv_.wait_until(lock, timers_.begin()->first);
-      }
+      sleep_until(timers_.empty() ? Clock::time_point::max() : timers_.begin()->first);
       continue;
     }
     auto [deadline, id] = *deadlines_.begin();
     if (Clock::now() < deadline) {
       auto until = deadline;
       if (!timers_.empty()) until = std::min(until, timers_.begin()->first);
-      timeout_cv_.wait_until(lock, until);
+      sleep_until(until);
       continue;
     }
     deadlines_.erase(deadlines_.begin());
