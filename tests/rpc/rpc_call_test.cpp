@@ -164,6 +164,20 @@ TEST_P(RpcCall, PerCallTimeout) {
   EXPECT_EQ(a_[0]->rpc_sync<int64_t>("w1", "sleep_ms", Timeout{0ms}, int64_t{20}), 20);
 }
 
+// A call that completes leaves the timeout thread asleep until that call's deadline (the agents'
+// default timeout, a minute away): a later call with a shorter timeout must wake it, and so must
+// one made while a call with a longer timeout is pending. Were either not woken, the call would
+// return its value after the sleep instead of failing.
+TEST_P(RpcCall, AShorterTimeoutWakesTheTimeoutThread) {
+  EXPECT_EQ(a_[0]->rpc_sync<int64_t>("w1", "add", int64_t{1}, int64_t{2}), 3);
+  auto f = a_[0]->rpc_async<int64_t>("w1", "sleep_ms", Timeout{100ms}, int64_t{2000});
+  EXPECT_THROW(f.wait(), TimeoutError);
+  auto slow = a_[0]->rpc_async<int64_t>("w1", "sleep_ms", Timeout{30s}, int64_t{2000});
+  auto g = a_[0]->rpc_async<int64_t>("w1", "sleep_ms", Timeout{100ms}, int64_t{2000});
+  EXPECT_THROW(g.wait(), TimeoutError);
+  EXPECT_EQ(slow.value(), 2000);
+}
+
 TEST_P(RpcCall, ManyOutstandingCallsFromSeveralThreads) {
   constexpr int kThreads = 4;
   constexpr int kCalls = 1500;
