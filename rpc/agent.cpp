@@ -42,7 +42,9 @@ constexpr int64_t kDefaultMaxPendingHandshakes = 64;
 // host with fewer cores than busy threads, the thread it waits for needs that core):
 // Future::wait for up to 50 us (rpc/future.h); one idle worker of the pool for up to spin_us
 // (default 50 us, rpc/detail/thread_pool.h); and each connection's reader, between frames, reads
-// without blocking for up to spin_us before it sleeps in recv (rpc/connection.cpp). A busy caller
+// without blocking for up to spin_us before it sleeps in recv, or, once frames come through a
+// shared-memory ring, looks at the ring before it sleeps on its futex (rpc/connection.cpp,
+// Note [RPC shared-memory frame streams]). A busy caller
 // keeps them looking between calls; an idle agent looks once per message and then sleeps, so it
 // burns no core. spin_us = 0 (TDIST_RPC_SPIN_US=0) restores the plain hand-offs (the future's
 // spin stays). Measured with tdist-bench rpc (docs/perf.md, "RPC waits spin first").
