@@ -15,6 +15,21 @@ namespace {
 
 constexpr char kMemfdName[] = "tdist-rpc-stream";
 
+// Makes the sleeper on `bell` look again.
+void ring_bell(std::atomic<uint32_t>& bell) {
+  bell.fetch_add(1, std::memory_order_release);
+  futex::wake(bell);
+}
+
+// Publishes our counter and wakes the other side when it sleeps (its waiting flag is set): the
+// fence pairs with the one in ShmStream::wait, so one of the two sides always sees the other.
+void publish(std::atomic<uint64_t>& counter, uint64_t value, std::atomic<uint32_t>& waiting,
+             std::atomic<uint32_t>& bell) {
+  counter.store(value, std::memory_order_release);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (waiting.load(std::memory_order_relaxed) != 0) ring_bell(bell);
+}
+
 }  // namespace
 
 static_assert(sizeof(ShmStream::Shared) <= kStreamDataOffset);
@@ -91,35 +106,32 @@ uint64_t ShmStream::writable() {
 size_t ShmStream::write_some(const void* src, size_t n) {
   const size_t k = static_cast<size_t>(std::min<uint64_t>(n, writable()));
   if (k == 0) return 0;
-  const size_t pos = static_cast<size_t>(head_ % capacity_);
-  const size_t first = std::min(k, static_cast<size_t>(capacity_) - pos);
-  std::memcpy(data_ + pos, src, first);
-  if (k > first) std::memcpy(data_, static_cast<const uint8_t*>(src) + first, k - first);
+  copy_ring(true, head_, const_cast<void*>(src), k);  // only read
   head_ += k;
-  shared_->head.store(head_, std::memory_order_release);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (shared_->reader_waiting.load(std::memory_order_relaxed) != 0) {
-    shared_->reader_bell.fetch_add(1, std::memory_order_release);
-    futex::wake(shared_->reader_bell);
-  }
+  publish(shared_->head, head_, shared_->reader_waiting, shared_->reader_bell);
   return k;
 }
 
 size_t ShmStream::read_some(void* dst, size_t n) {
   const size_t k = static_cast<size_t>(std::min<uint64_t>(n, readable()));
   if (k == 0) return 0;
-  const size_t pos = static_cast<size_t>(tail_ % capacity_);
-  const size_t first = std::min(k, static_cast<size_t>(capacity_) - pos);
-  std::memcpy(dst, data_ + pos, first);
-  if (k > first) std::memcpy(static_cast<uint8_t*>(dst) + first, data_, k - first);
+  copy_ring(false, tail_, dst, k);
   tail_ += k;
-  shared_->tail.store(tail_, std::memory_order_release);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (shared_->writer_waiting.load(std::memory_order_relaxed) != 0) {
-    shared_->writer_bell.fetch_add(1, std::memory_order_release);
-    futex::wake(shared_->writer_bell);
-  }
+  publish(shared_->tail, tail_, shared_->writer_waiting, shared_->writer_bell);
   return k;
+}
+
+void ShmStream::copy_ring(bool into, uint64_t at, void* user_bytes, size_t k) {
+  auto* user = static_cast<uint8_t*>(user_bytes);
+  const size_t pos = static_cast<size_t>(at % capacity_);
+  const size_t first = std::min(k, static_cast<size_t>(capacity_) - pos);
+  if (into) {
+    std::memcpy(data_ + pos, user, first);
+    std::memcpy(data_, user + first, k - first);
+  } else {
+    std::memcpy(user, data_ + pos, first);
+    std::memcpy(user + first, data_, k - first);
+  }
 }
 
 void ShmStream::wait(int64_t ns) {
@@ -134,10 +146,6 @@ void ShmStream::wait(int64_t ns) {
   waiting.store(0, std::memory_order_relaxed);
 }
 
-void ShmStream::wake_self() {
-  std::atomic<uint32_t>& bell = writer_ ? shared_->writer_bell : shared_->reader_bell;
-  bell.fetch_add(1, std::memory_order_release);
-  futex::wake(bell);
-}
+void ShmStream::wake_self() { ring_bell(writer_ ? shared_->writer_bell : shared_->reader_bell); }
 
 }  // namespace tdist::rpc::detail

@@ -109,6 +109,8 @@ class ShmStream {
 
  private:
   ShmStream(bool writer, void* base, size_t length, int fd, uint64_t tag, uint64_t capacity);
+  // Copies `k` bytes between the ring at stream offset `at` (wrapping at the end) and `user`.
+  void copy_ring(bool into, uint64_t at, void* user, size_t k);
   uint64_t readable();  // reader: bytes the peer published beyond our tail
   uint64_t writable();  // writer: room the peer freed behind our head
 
