@@ -213,6 +213,7 @@ size_t Connection::receive_stream(void* dst, size_t n) {
   // SO_RCVTIMEO bounds recv).
   const bool bounded = !between_frames_ && options_.frame_timeout.count() > 0;
   const auto deadline = std::chrono::steady_clock::now() + options_.frame_timeout;
+  std::chrono::nanoseconds slice = kStreamLivenessSlice;
   for (;;) {
     size_t k = rx->read_some(dst, n);
     if (k == 0) k = check_socket_after_switch(dst, n);
@@ -220,7 +221,9 @@ size_t Connection::receive_stream(void* dst, size_t n) {
       between_frames_ = false;
       return k;
     }
-    std::chrono::nanoseconds wait = kStreamLivenessSlice;
+    std::chrono::nanoseconds wait = slice;
+    // An idle connection looks at its socket less and less often (kStreamIdleSlice at most).
+    slice = std::min<std::chrono::nanoseconds>(2 * slice, kStreamIdleSlice);
     if (bounded) {
       const auto left = deadline - std::chrono::steady_clock::now();
       if (left <= left.zero()) {

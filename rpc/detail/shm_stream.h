@@ -31,7 +31,9 @@
 //   is set (Dekker, as Note [Shared-memory rings] in comm/transport/shm/shm_channel.h). A sleep
 //   lasts at most kStreamLivenessSlice, after which the socket is polled: end-of-file there (the
 //   peer exited, crashed or closed) ends the stream once the ring is drained, and close() wakes
-//   its own side's sleepers at once. The frame timeout and the send timeout bound the waits as
+//   its own side's sleepers at once. A reader that stays idle doubles its slice up to
+//   kStreamIdleSlice, so an idle worker with many peers wakes a few times a second per
+//   connection, and a peer's death is seen within that slice. The frame timeout and the send timeout bound the waits as
 //   they bound recv and sendmsg.
 // - The ring is writable by the peer, so nothing in it is trusted: each side keeps its own
 //   counter privately and checks the peer's against it (a head more than `capacity` ahead of our
@@ -58,8 +60,10 @@ constexpr uint64_t kMaxStreamBytes = uint64_t{64} << 20;
 // The first word of a ring's header page ("TDRPCSTR") and where its data starts.
 constexpr uint64_t kStreamMagic = 0x5254534350524454;
 constexpr uint64_t kStreamDataOffset = 4096;
-// How long a sleep on a stream lasts before the socket is looked at for a dead peer.
+// How long a sleep on a stream lasts before the socket is looked at for a dead peer; a reader
+// that keeps finding nothing doubles it, up to kStreamIdleSlice.
 constexpr std::chrono::milliseconds kStreamLivenessSlice{10};
+constexpr std::chrono::milliseconds kStreamIdleSlice{160};
 
 class ShmStream {
  public:

@@ -117,6 +117,7 @@ void register_shm_functions() {
     register_function("stream_fds", [] { return stream_fds(); });
     register_function("stream_mappings", [] { return stream_mappings(); });
     register_function("echo_text", [](std::string s) { return s; });
+    register_function("cpu_seconds", [] { return cpu_seconds(); });
     // Keeps the tensor (its slot stays busy) and returns its sum.
     register_function("keep", [](at::Tensor t) {
       std::lock_guard<std::mutex> lock(kept_mu);
@@ -385,6 +386,24 @@ TEST_F(RpcSharedMemory, ZeroStreamBytesKeepsFramesOnTcp) {
   }
   EXPECT_EQ(stream_mappings(), 0);
   EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "stream_mappings"), 0);
+  finish();
+}
+
+// Readers of rings sleep once idle: after calls both ways (every ring of both workers in use,
+// their readers spinning between frames), neither process burns a core.
+TEST_F(RpcSharedMemory, IdleWorkersReadingRingsBurnNoCore) {
+  start({{"TDIST_RPC_SPIN_US", "2000"}}, -1, [](RpcOptions& o) { o.spin_us = 2000; });
+  for (int64_t i = 0; i < 200; ++i) {
+    ASSERT_EQ(agent_->rpc_sync<int64_t>("w1", "add", i, int64_t{1}), i + 1);
+    ASSERT_EQ(agent_->rpc_sync<int64_t>("w1", "relay", std::string("w0"), i), (i + 1) * 10);
+  }
+  std::this_thread::sleep_for(50ms);
+  const double ours = cpu_seconds();
+  const double theirs = agent_->rpc_sync<double>("w1", "cpu_seconds");
+  std::this_thread::sleep_for(1s);
+  EXPECT_LT(cpu_seconds() - ours, 0.2);
+  EXPECT_LT(agent_->rpc_sync<double>("w1", "cpu_seconds") - theirs, 0.2);
+  EXPECT_GE(stream_mappings(), 4);  // both connections, both ways
   finish();
 }
 

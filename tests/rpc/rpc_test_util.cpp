@@ -1,5 +1,7 @@
 #include "tests/rpc/rpc_test_util.h"
 
+#include <sys/resource.h>
+
 #include <exception>
 #include <stdexcept>
 
@@ -181,6 +183,13 @@ void shutdown_all(Agents& a, bool graceful) {
   }
   for (auto& t : threads) t.join();
   if (first) std::rethrow_exception(first);
+}
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         double(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
 }
 
 }  // namespace tdist::rpc::test

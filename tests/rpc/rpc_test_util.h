@@ -115,4 +115,7 @@ bool eventually(Pred pred, std::chrono::milliseconds timeout = 20s) {
 std::map<std::string, RRef<Tracked>>& held_rrefs();
 std::mutex& held_mu();
 
+// User and system CPU seconds this process has used so far.
+double cpu_seconds();
+
 }  // namespace tdist::rpc::test

@@ -3,8 +3,6 @@
 // task, and agents whose spinning waits end once they are idle.
 #include <gtest/gtest.h>
 
-#include <sys/resource.h>
-
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -140,13 +138,6 @@ TEST(ThreadPoolSpin, ATaskPostedWhileOneThreadSpinsWakesASleeper) {
     ASSERT_TRUE(eventually([&] { return second_ran.load(); }, 15s)) << "round " << i;
     ASSERT_TRUE(eventually([&] { return first_saw.load(); }, 15s)) << "round " << i;
   }
-}
-
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-         double(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
 }
 
 // The spin is bounded: an idle pool sleeps (it burns no core), and stop() ends a spin at once.
