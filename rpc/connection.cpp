@@ -411,6 +411,7 @@ void Connection::on_stream_frame(const FrameHeader& h, const Bytes& body) {
         !tx_state_.compare_exchange_strong(offered, kAccepted)) {
       throw ProtocolError(str(peer(), " accepted a shared-memory stream it was not offered"));
     }
+    tx_stream_->close_fd();  // the peer has mapped it; the writer no longer reads fd()
   } else {
     if (!rx_stream_ || rx_stream_->tag() != h.id || rx_active_.load()) {
       throw ProtocolError(str(peer(), " switched to a shared-memory stream that was not "
@@ -586,7 +587,6 @@ void Connection::switch_to_stream() {
   std::vector<struct iovec> iov{{header.data(), header.size()}};
   write_socket(iov);
   tx_state_ = kStreaming;
-  tx_stream_->close_fd();  // the peer has mapped it
 }
 
 void Connection::check_writable_socket() {

@@ -23,7 +23,8 @@
 //     writer -> reader, on the socket: STREAM_SWITCH (id = tag), the last bytes the writer ever
 //       writes to the socket; every later frame is in the ring. The reader that reads it reads
 //       the ring from then on (a byte on the socket after it is a ProtocolError).
-//   The writer closes its descriptor of the ring when it switches (the mappings stay).
+//   The writer closes its descriptor of the ring as soon as the acceptance comes (the mappings
+//   stay), so a ring holds a descriptor only for the round trip of its offer.
 // - Waiting: a reader between frames spins first (ConnectionOptions::spin: each look is a load
 //   of the head, not a recv, and the core is yielded between looks), then sleeps on its futex; a writer whose ring is full sleeps
 //   on its own. Before sleeping a side sets its waiting flag, issues a seq_cst fence and looks
@@ -82,7 +83,8 @@ class ShmStream {
   int fd() const { return fd_; }
   uint64_t tag() const { return tag_; }
   uint64_t capacity() const { return capacity_; }
-  // The reader has mapped the ring: the writer's descriptor is not needed any more.
+  // The reader has mapped the ring: the writer's descriptor is not needed any more (called on
+  // the writer's reader thread; the writing thread reads fd() only before it offers the ring).
   void close_fd();
 
   // Writer: copies as much of `n` bytes at `src` as fits and publishes it; returns the bytes

@@ -4,7 +4,10 @@
 // bytes live in (/proc/self/maps) and how many slot descriptors a process holds (/proc/self/fd).
 
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <linux/tcp.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,6 +15,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -101,6 +105,22 @@ int64_t peer_slot_mappings() {
   return n;
 }
 
+// Bytes sent (and acknowledged) and received by every TCP socket of this process so far.
+uint64_t tcp_bytes() {
+  uint64_t total = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d)) {
+    const int fd = std::atoi(e->d_name);
+    tcp_info info{};
+    socklen_t len = sizeof(info);
+    if (fd > 2 && ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) == 0) {
+      total += info.tcpi_bytes_acked + info.tcpi_bytes_received;
+    }
+  }
+  ::closedir(d);
+  return total;
+}
+
 // Shared-memory frame streams this process has mapped (its own rings and its peers').
 int64_t stream_mappings() { return static_cast<int64_t>(mapped(kStreamName).size()); }
 
@@ -178,6 +198,15 @@ class RpcSharedMemory : public ::testing::Test {
     EXPECT_TRUE(r[0].ok()) << r[0].describe() << "\n" << r[0].output;
   }
   at::Tensor echo(const at::Tensor& t) { return agent_->rpc_sync<at::Tensor>("w1", "echo", t); }
+  // Bytes that this process's TCP sockets sent and received during 50 echoes of 100 KB of text.
+  uint64_t tcp_bytes_for_echoes() {
+    const std::string text(100000, 'e');
+    const uint64_t before = tcp_bytes();
+    for (int i = 0; i < 50; ++i) {
+      EXPECT_EQ(agent_->rpc_sync<std::string>("w1", "echo_text", text).size(), text.size());
+    }
+    return tcp_bytes() - before;
+  }
   bool peer_got_it_in_a_slot(const at::Tensor& t) {
     return agent_->rpc_sync<bool>("w1", "in_slot", t);
   }
@@ -371,11 +400,13 @@ TEST_F(RpcSharedMemory, FramesBetweenWorkersOfOneHostGoThroughSharedMemoryRings)
   for (auto& t : threads) t.join();
   EXPECT_EQ(wrong.load(), 0);
   // Each side made a ring for what it sends and mapped its peer's; the descriptor of a ring is
-  // closed once its reader accepted it and the writer switched, so none is left open.
+  // closed once its reader accepted it, so none is left open.
   EXPECT_GE(stream_mappings(), 2);
   EXPECT_GE(agent_->rpc_sync<int64_t>("w1", "stream_mappings"), 2);
   EXPECT_EQ(stream_fds(), 0);
   EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "stream_fds"), 0);
+  // And the frames no longer cross TCP: 50 calls of 100 KB each way move a few bytes there.
+  EXPECT_LT(tcp_bytes_for_echoes(), 100000u);
   finish();
 }
 
@@ -386,6 +417,7 @@ TEST_F(RpcSharedMemory, ZeroStreamBytesKeepsFramesOnTcp) {
   }
   EXPECT_EQ(stream_mappings(), 0);
   EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "stream_mappings"), 0);
+  EXPECT_GE(tcp_bytes_for_echoes(), 2u * 50 * 100000);
   finish();
 }
 
