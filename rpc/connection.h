@@ -113,9 +113,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool first_stray_response() { return !stray_logged_.exchange(true); }
   int peer_rank() const { return peer_rank_.load(); }
   bool closed() const;
-  // Whether this side writes, and reads, its frames through a shared-memory ring now.
-  bool writes_stream() const { return tx_state_.load() == kStreaming; }
-  bool reads_stream() const { return rx_active_.load() != nullptr; }
   bool finished() const { return finished_.load(); }  // the reader thread has returned
   std::string close_reason() const;
 
@@ -196,7 +193,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // Note [RPC shared-memory frame streams]. Sending: the ring is made by the writing thread
   // before tx_state_ leaves kNone and kept until destruction; the reader thread moves the state
-  // from kOffered to kAccepted.
+  // from kOffered to kAccepted and closes the ring's descriptor.
   enum TxState : int { kNone, kNever, kOffered, kAccepted, kStreaming };
   std::atomic<int> tx_state_{kNone};
   std::unique_ptr<ShmStream> tx_stream_;

@@ -488,6 +488,19 @@ TEST(RpcSharedMemoryChecks, StreamRingsWrapAroundAndRefuseImpossibleCounters) {
   EXPECT_THROW(detail::ShmStream::open(::getpid(), w->fd(), w->tag(), 100, &why), ProtocolError);
 }
 
+TEST(RpcSharedMemoryChecks, AStreamSizeOutOfRangeIsRefused) {
+  for (int64_t bytes : {int64_t{-2}, int64_t{100}, int64_t{1} << 40}) {
+    RpcOptions o;
+    o.stream_bytes = bytes;
+    try {
+      start_agents(1, o);
+      ADD_FAILURE() << "stream_bytes " << bytes << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("stream_bytes"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // A raw peer in a child process offers shared-memory streams that lie, and one that does not;
 // exit 0 when the worker closed the connection for each lie and answered the honest stream.
 TDIST_TEST_CHILD(rpc_lying_stream_peer) {
