@@ -300,8 +300,7 @@ void Connection::read_frames() {
       slots_.release(h.id);
       continue;
     }
-    if (h.type == MessageType::kStreamOffer || h.type == MessageType::kStreamAccept ||
-        h.type == MessageType::kStreamSwitch) {
+    if (is_stream_frame(h.type)) {
       Bytes body;
       if (h.length == h.body_len && h.body_len <= kMaxStreamOfferBytes) {
         body.resize(h.body_len);

@@ -70,11 +70,14 @@ enum class MessageType : uint16_t {
 };
 
 const char* message_type_name(MessageType type);
+// The frames that move a connection onto a shared-memory ring (check_stream_frame).
+inline bool is_stream_frame(MessageType t) {
+  return t == MessageType::kStreamOffer || t == MessageType::kStreamAccept ||
+         t == MessageType::kStreamSwitch;
+}
 // Frames the connection handles itself: never handed to the agent.
 inline bool is_connection_frame(MessageType t) {
-  return t == MessageType::kTensorRelease || t == MessageType::kShmRelease ||
-         t == MessageType::kStreamOffer || t == MessageType::kStreamAccept ||
-         t == MessageType::kStreamSwitch;
+  return t == MessageType::kTensorRelease || t == MessageType::kShmRelease || is_stream_frame(t);
 }
 inline bool is_request(MessageType t) {
   return t != MessageType::kResponse && t != MessageType::kError && !is_connection_frame(t);

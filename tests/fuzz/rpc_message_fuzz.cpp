@@ -222,8 +222,7 @@ void read_frame(const uint8_t* hdr, Stream& in, bool accept_remote, unsigned res
     if (h.length != 0) throw tdist::ProtocolError("release frame with a body");
     return;
   }
-  if (h.type == MessageType::kStreamOffer || h.type == MessageType::kStreamAccept ||
-      h.type == MessageType::kStreamSwitch) {
+  if (detail::is_stream_frame(h.type)) {
     tdist::Bytes body;
     if (h.length == h.body_len && h.body_len <= detail::kMaxStreamOfferBytes) {
       body.resize(h.body_len);
