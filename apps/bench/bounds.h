@@ -12,8 +12,11 @@
 
 namespace tdist::bench {
 
-// Seconds of each of `iters` memcpy calls of `bytes` bytes between two buffers of this thread,
-// after `warmup` untimed ones.
+// Seconds per memcpy of `bytes` bytes between two buffers of this thread, `iters` samples after
+// `warmup` untimed ones. A sample times enough back-to-back copies to cover 256 KiB (one copy
+// from that size up): a lone 4 KiB copy takes tens of nanoseconds, near the clock's own cost
+// and resolution, which would understate the bound and round rows of different sizes to the
+// same figure.
 std::vector<double> time_memcpy(size_t bytes, int warmup, int iters);
 
 // A connected TCP socket with TCP_NODELAY, closed on destruction. Blocking; one thread uses it at
