@@ -197,12 +197,20 @@ void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
   EXPECT_TRUE(torch::equal(parts[1].cpu(), s7));
 }
 
+// The ring named: "auto" sends CUDA tensors to NCCL where a GPU is visible, and NCCL refuses two
+// ranks on one GPU.
+ProcessGroup::Options ring_options() {
+  auto o = test_options();
+  o.backend = "ring";
+  return o;
+}
+
 TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
   SKIP_WITHOUT_GPUS(1);
   for (int n : {2, 4}) {
     spawn(n, [&](int rank, std::shared_ptr<Store> store) {
       c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));
-      check_ops_on_cuda(create_process_group(store, rank, n, test_options()));
+      check_ops_on_cuda(create_process_group(store, rank, n, ring_options()));
     });
   }
 }
@@ -211,7 +219,7 @@ TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
 TEST(RingOnCuda, ACpuRankAndACudaRankReduceTogether) {
   SKIP_WITHOUT_GPUS(1);
   spawn(2, [&](int rank, std::shared_ptr<Store> store) {
-    auto pg = create_process_group(store, rank, 2, test_options());
+    auto pg = create_process_group(store, rank, 2, ring_options());
     auto x = torch::full({100}, rank + 1.0);
     if (rank == 1) x = x.to(torch::kCUDA);
     pg->allreduce(x)->wait();
