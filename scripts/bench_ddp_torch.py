@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch's Python DDP over gloo on the model tdist-bench ddp trains: the anchor it compares to.
+With --device cuda: over NCCL on GPU LOCAL rank (one GPU per rank), each step ending with a
+device synchronize as in tdist-bench ddp.
 
 MLP 784-1024-1024-1024-10 (ReLU), cross-entropy on synthetic data, SGD, `--batch` samples per
 rank, one thread per rank by default. Prints one line that tdist-bench ddp parses:
@@ -32,21 +34,27 @@ def worker(rank, args, port, queue):
     torch.set_num_threads(args.threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.world_size)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(
-        make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_cap_mb,
-        gradient_as_bucket_view=args.gradient_as_bucket_view)
+        make_model(args.hidden, args.layers).to(dev), device_ids=[rank] if cuda else None,
+        bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(100 + rank)
-    xs = [torch.randn(args.batch, 784, generator=gen) for _ in range(4)]
-    ys = [torch.randint(0, 10, (args.batch,), generator=gen) for _ in range(4)]
+    xs = [torch.randn(args.batch, 784, generator=gen).to(dev) for _ in range(4)]
+    ys = [torch.randint(0, 10, (args.batch,), generator=gen).to(dev) for _ in range(4)]
     loss_fn = nn.CrossEntropyLoss()
 
     def step(i):
         opt.zero_grad()
         loss_fn(model(xs[i % 4]), ys[i % 4]).backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(dev)
 
     for i in range(args.warmup):
         step(i)
@@ -84,6 +92,7 @@ def main():
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
 """Compare tdist's collectives with libtorch's Gloo in one run, and print both tables and ratios.
+With --device cuda, on CUDA tensors: against torch.distributed's NCCL (--torch-backend nccl,
+tdist's default backend for CUDA tensors) or Gloo (tdist's ring staging them through host memory,
+--group-backend ring; ranks then share the GPUs).
 
 libtorch's c10d::ProcessGroupGloo cannot be driven from C++ with the pip wheel (no gloo headers),
 so this script runs torch.distributed's Gloo backend from Python with the same sizes, the same
@@ -9,9 +12,12 @@ rounds is kept for each backend, so slow spells on a shared machine hit both ali
 
     python3 scripts/bench_gloo.py --build build --nproc 2 4 --ops allreduce broadcast \
         --min-bytes 4K --max-bytes 64M --rounds 3 --markdown perf.md
+    python3 scripts/bench_gloo.py --device cuda --torch-backend gloo --group-backend ring ...
+    python3 scripts/bench_gloo.py --device cuda --torch-backend nccl --nproc 1 ...
 
-Timing rule (both backends): each rank times every iteration (issue + wait), the per-iteration
-maximum over ranks is taken, the row shows the median over iterations; busbw as in nccl-tests.
+Timing rule (both backends): each rank times every iteration (issue + wait, and on CUDA tensors a
+device synchronize), the per-iteration maximum over ranks is taken, the row shows the median over
+iterations; busbw as in nccl-tests.
 """
 import argparse
 import json
@@ -64,8 +70,15 @@ def gloo_worker(args):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.torch_backend)
     n, r = dist.get_world_size(), dist.get_rank()
+    dev = torch.device("cpu")
+    if args.device == "cuda":  # GPU rank % count: Gloo's ranks may share one, NCCL's may not
+        dev = torch.device("cuda", r % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    empty = lambda numel: torch.empty(numel, device=dev)
+    meta = dev if args.torch_backend == "nccl" else torch.device("cpu")  # NCCL: CUDA tensors only
     root = 0
     rows = []
     for nbytes in sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.step_factor, args.op):
@@ -75,20 +88,20 @@ def gloo_worker(args):
         block = count // n
 
         def inp(rank, numel):
-            return ((torch.arange(numel) + rank * 3) % 5 + 1).float()
+            return ((torch.arange(numel, device=dev) + rank * 3) % 5 + 1).float()
 
         a = b = None
         if args.op in ("allreduce", "broadcast", "reduce"):
-            a = torch.empty(count)
+            a = empty(count)
         elif args.op == "allgather":  # in place, as tdist-bench and the Open MPI anchor
-            b = torch.empty(block * n)
+            b = empty(block * n)
             a = b.narrow(0, r * block, block)
         elif args.op == "gather":
-            a, b = torch.empty(block), torch.empty(block * n)
+            a, b = empty(block), empty(block * n)
         elif args.op in ("reduce_scatter", "scatter"):
-            a, b = torch.empty(block * n), torch.empty(block)
+            a, b = empty(block * n), empty(block)
         elif args.op == "alltoall":
-            a, b = torch.empty(block * n), torch.empty(block * n)
+            a, b = empty(block * n), empty(block * n)
 
         def fill():
             if b is not None:  # first: an allgather's input is part of it
@@ -140,16 +153,19 @@ def gloo_worker(args):
         fill()
         for _ in range(args.warmup):
             run()
+        sync()
         times = torch.empty(args.iters, dtype=torch.float64)
         for i in range(args.iters):
             t0 = time.perf_counter()
             run()
+            sync()
             times[i] = (time.perf_counter() - t0) * 1e6
+        times = times.to(meta)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         med = float(times.median())
         fill()
         run()
-        w = torch.tensor([wrong()])
+        w = torch.tensor([wrong()], device=meta)
         dist.all_reduce(w)
         real = count * 4
         algbw = real / med / 1e3 if med > 0 else 0.0
@@ -157,7 +173,7 @@ def gloo_worker(args):
                      "busbw_gbs": algbw * bus_factor(args.op, n), "wrong": int(w)})
     if r == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"op": args.op, "backend": "gloo", "world_size": n, "rows": rows}, f)
+            json.dump({"op": args.op, "backend": args.torch_backend, "world_size": n, "rows": rows}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -172,13 +188,14 @@ def run_gloo(args, op, nproc, out_json):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--op", op,
+               "--device", args.device, "--torch-backend", args.torch_backend,
                "--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes,
                "--step-factor", str(args.step_factor), "--iters", str(args.iters),
                "--warmup", str(args.warmup), "--json", out_json]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
     rc = [p.wait(timeout=args.timeout) for p in procs]
     if any(rc):
-        raise SystemExit(f"gloo {op} with {nproc} ranks failed: exit codes {rc}")
+        raise SystemExit(f"{args.torch_backend} {op} with {nproc} ranks failed: exit codes {rc}")
     with open(out_json) as f:
         return json.load(f)
 
@@ -189,6 +206,8 @@ def run_tdist(args, op, nproc, out_json):
            "--op", op, "--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes,
            "--step-factor", str(args.step_factor), "--iters", str(args.iters),
            "--warmup", str(args.warmup), "--json", out_json]
+    if args.device == "cuda":
+        cmd += ["--device", "cuda", "--group-backend", args.group_backend]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, timeout=args.timeout)
     with open(out_json) as f:
@@ -213,8 +232,12 @@ def fmt_bytes(b):
     return str(b)
 
 
-def verdict(op, nbytes, time_ratio, bus_ratio):
+def verdict(args, op, nbytes, time_ratio, bus_ratio):
     """The issue's target for this row: (text, met)."""
+    if args.device == "cuda" and args.torch_backend == "nccl":  # tdist's NCCL backend
+        return "busbw >= 0.95x", bus_ratio >= 0.95
+    if args.device == "cuda":  # tdist's ring staging CUDA tensors against Gloo on them
+        return "busbw >= 2x", bus_ratio >= 2.0
     if op == "allreduce" and 1 << 20 <= nbytes <= 64 << 20:
         return "busbw >= 2x", bus_ratio >= 2.0
     if op == "allreduce" and nbytes <= 4096:
@@ -238,7 +261,14 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="alternating runs per backend (best kept)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--markdown", default="", help="also write the tables as markdown to this file")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live")
+    p.add_argument("--torch-backend", default="gloo", choices=["gloo", "nccl"],
+                   help="torch.distributed's backend, the anchor (nccl: CUDA tensors only)")
+    p.add_argument("--group-backend", default="auto",
+                   help="tdist-bench's --group-backend with --device cuda (ring: ranks share GPUs)")
     args = p.parse_args()
+    if args.torch_backend == "nccl" and args.device != "cuda":
+        p.error("--torch-backend nccl needs --device cuda")
     if args.worker:
         gloo_worker(args)
         return
@@ -254,18 +284,21 @@ def main():
                 g_runs.append(run_gloo(args, op, nproc, os.path.join(tmp, f"g-{op}-{nproc}-{rnd}.json")))
                 t_runs.append(run_tdist(args, op, nproc, os.path.join(tmp, f"t-{op}-{nproc}-{rnd}.json")))
             g, t = best_of(g_runs), best_of(t_runs)
-            title = f"{op}, world size {nproc}, float32 (best of {args.rounds} alternating rounds)"
-            header = (f"{'size':>6} | {'gloo us':>10} | {'tdist us':>10} | {'gloo busbw':>10} | "
+            a = args.torch_backend
+            title = (f"{op}, world size {nproc}, float32, {args.device} tensors "
+                     f"(best of {args.rounds} alternating rounds)")
+            header = (f"{'size':>6} | {a + ' us':>10} | {'tdist us':>10} | {a + ' busbw':>10} | "
                       f"{'tdist busbw':>11} | {'time ratio':>10} | {'busbw ratio':>11} | wrong | target")
             print(f"\n## {title}\n{header}")
             md += [f"\n### {title}\n",
-                   "| size | gloo time (us) | tdist time (us) | gloo busbw (GB/s) | tdist busbw (GB/s) "
-                   "| tdist/gloo time | tdist/gloo busbw | #wrong (g/t) | target |",
+                   f"| size | {a} time (us) | tdist time (us) | {a} busbw (GB/s) | tdist busbw (GB/s) "
+                   f"| tdist/{a} time | tdist/{a} busbw | #wrong ({a}/tdist) | target |",
                    "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
             for gr, tr in zip(g, t):
                 time_ratio = tr["time_us"] / gr["time_us"] if gr["time_us"] > 0 else float("inf")
-                bus_ratio = tr["busbw_gbs"] / gr["busbw_gbs"] if gr["busbw_gbs"] > 0 else float("nan")
-                target, met = verdict(op, tr["bytes"], time_ratio, bus_ratio)
+                # busbw ratio = inverse time ratio (same bytes); from the times, so world 1 has one
+                bus_ratio = gr["time_us"] / tr["time_us"] if tr["time_us"] > 0 else float("nan")
+                target, met = verdict(args, op, tr["bytes"], time_ratio, bus_ratio)
                 mark = "met" if met else "MISSED"
                 if not met:
                     misses.append(f"{op} n={nproc} {fmt_bytes(tr['bytes'])}: {target} "

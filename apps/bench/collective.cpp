@@ -18,10 +18,13 @@
 // are not installed with the wheel): --anchor gloo (and scripts/bench_gloo.py, every op and
 // world size in rounds) runs torch.distributed's Gloo in the same run.
 //
-// --device cuda puts the buffers on GPU LOCAL_RANK (apps/common/device.h) and each timed
-// iteration ends with torch::cuda::synchronize(), so its time includes the GPU's work (a
-// backend's copies through host memory, NCCL's kernels). The anchors run on CPU tensors only, so
-// --anchor refuses --device cuda; the bound stays the host transport's (Note [Collective bounds]).
+// --device cuda puts the buffers on GPU LOCAL_RANK (apps/common/device.h; ranks share the GPUs,
+// LOCAL_RANK modulo their count, where --group-backend stages CUDA tensors through the ring) and
+// each timed iteration ends with torch::cuda::synchronize(), so its time includes the GPU's work
+// (a backend's copies through host memory, NCCL's kernels). The anchors run on CPU tensors only,
+// so --anchor refuses --device cuda (scripts/bench_gloo.py --device cuda times torch.distributed's
+// NCCL or Gloo on CUDA tensors instead); the bound stays the host transport's (Note [Collective
+// bounds]).
 
 #include "apps/bench/subcommands.h"
 
@@ -407,7 +410,9 @@ int run_collective(const Config& cfg) {
                   ": drop --anchor, or use --device cpu");
   check_anchor(cfg.anchor, cfg.dtype, cfg.redop);
   // Before anything else asks libtorch about CUDA (apps/common/device.h).
-  const c10::Device device = apps::resolve_device("--device", cfg.device);
+  // Ranks share the GPUs where CUDA tensors go through the ring (staged through host memory).
+  const bool staged = cfg.group_backend == "ring" || cfg.group_backend.find("cuda:ring") != std::string::npos;
+  const c10::Device device = apps::resolve_device("--device", cfg.device, staged);
   at::set_num_threads(1);
 
   ProcessGroup::Options opts;
@@ -498,8 +503,9 @@ void add_collective_command(CLI::App& app) {
   sub->add_option("--python", cfg->python, "Python with torch and matplotlib (gloo anchor, --plot)")
       ->capture_default_str();
   sub->add_option("--device", cfg->device,
-                  "where the buffers live: cpu, or cuda (GPU LOCAL_RANK; times include the GPU's "
-                  "work; no --anchor)")
+                  "where the buffers live: cpu, or cuda (GPU LOCAL_RANK, or LOCAL_RANK modulo the "
+                  "GPUs when --group-backend stages CUDA tensors through the ring; times include "
+                  "the GPU's work; no --anchor)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   sub->add_option("--group-backend", cfg->group_backend,

@@ -4,11 +4,15 @@
 // Python DDP over gloo (scripts/bench_ddp_torch.py) on the same model, batch and world size.
 // Reports samples/s and the ratios. The world-size-N run starts N copies of this binary
 // (`ddp --worker`) on 127.0.0.1.
+// --device cuda trains on GPU LOCAL_RANK (world N needs N GPUs: NCCL takes one per rank), each
+// step ending with a device synchronize on every side; at world 1 PyTorch's DDP over NCCL
+// (world 1) runs beside plain libtorch and tdist's DDP.
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -23,6 +27,7 @@
 #include <vector>
 
 #include "apps/bench/common.h"
+#include "apps/common/device.h"
 #include "apps/bench/subcommands.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
@@ -50,6 +55,8 @@ struct Config {
   std::string python = "python3";
   std::string torch_script = TDIST_BENCH_DDP_TORCH_SCRIPT;
   std::vector<int> world_sizes{2};  // world_size takes each in turn
+  std::string device = "cpu";       // --device: cpu or cuda
+  c10::Device dev{c10::kCPU};       // what it resolved to in this process
   std::string json_file;
   std::string plot;
   bool worker = false;        // internal: this process is one rank of the tdist run
@@ -70,6 +77,7 @@ torch::nn::Sequential make_model(const Config& c) {
     m->push_back(torch::nn::ReLU());
   }
   m->push_back(torch::nn::Linear(c.hidden, 10));
+  m->to(c.dev);
   return m;
 }
 
@@ -81,13 +89,14 @@ Result train(const Config& c, int rank, int world, std::vector<torch::Tensor> pa
   auto gen = at::detail::createCPUGenerator(100 + rank);
   std::vector<torch::Tensor> xs, ys;
   for (int i = 0; i < 4; ++i) {
-    xs.push_back(at::randn({c.batch, 784}, gen, at::TensorOptions()));
-    ys.push_back(at::randint(0, 10, {c.batch}, gen, at::TensorOptions().dtype(at::kLong)));
+    xs.push_back(at::randn({c.batch, 784}, gen, at::TensorOptions()).to(c.dev));
+    ys.push_back(at::randint(0, 10, {c.batch}, gen, at::TensorOptions().dtype(at::kLong)).to(c.dev));
   }
   auto step = [&](int i) {
     opt.zero_grad();
     torch::nn::functional::cross_entropy(forward(xs[i % 4]), ys[i % 4]).backward();
     opt.step();
+    if (c.dev.is_cuda()) torch::cuda::synchronize(c.dev.index());  // the step's time is the GPU's
   };
   time_calls(c.warmup, 0, step);
   sync();
@@ -125,7 +134,8 @@ void write_worker_result(const Result& r) {
 }
 
 // One rank of the world-size-N tdist run (a child of the launcher).
-int worker_main(const Config& c) {
+int worker_main(Config c) {
+  c.dev = apps::resolve_device("--device", c.device);  // before anything asks libtorch about CUDA
   torch::set_num_threads(c.threads);
   auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(120));
   auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size);
@@ -139,7 +149,8 @@ int worker_main(const Config& c) {
 // process group and no communication while it trains. The store only lines the processes up
 // before and after the timed part, as DDP's barriers do, so they train at the same time and each
 // one's samples/s is counted over the same span; rank 0 reports the sum over the processes.
-int bound_worker_main(const Config& c) {
+int bound_worker_main(Config c) {
+  c.dev = apps::resolve_device("--device", c.device);
   torch::set_num_threads(c.threads);
   auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(120));
   Store& store = *rdzv.store;
@@ -209,7 +220,7 @@ Result run_torch_world(const Config& c) {
       << c.iters << " --warmup " << c.warmup << " --batch " << c.batch << " --hidden " << c.hidden
       << " --layers " << c.layers << " --lr " << c.lr << " --bucket-cap-mb " << c.bucket_cap_mb
       << (c.bucket_view ? " --gradient-as-bucket-view" : "") << " --threads " << c.threads
-      << " 2>&1";
+      << " --device " << c.device << " 2>&1";
   int rc = 0;
   const std::string out = capture_output(cmd.str(), &rc);
   std::string line;
@@ -261,6 +272,9 @@ int run_ddp_bench(int argc, char** argv) {
   app.add_flag("--gradient-as-bucket-view", c.bucket_view,
                "DDP gradient_as_bucket_view: .grad is a view of its bucket (no copy in or out)");
   app.add_option("--threads", c.threads, "intra-op threads per rank")->check(CLI::Range(1, 256));
+  app.add_option("--device", c.device, "cpu, or cuda (GPU LOCAL_RANK: world N needs N GPUs; "
+                                       "PyTorch's DDP then runs over NCCL, at world 1 too)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--rounds", c.rounds, "alternating rounds; medians are reported")
       ->check(CLI::Range(1, 100));
   app.add_flag("!--no-torch", c.compare_torch, "skip PyTorch's Python DDP");
@@ -280,12 +294,14 @@ int run_ddp_bench(int argc, char** argv) {
   return run_or_report("tdist-bench ddp", [&] {
     if (c.worker) return worker_main(c);
     if (c.bound_worker) return bound_worker_main(c);
+    c.dev = apps::resolve_device("--device", c.device);
     torch::set_num_threads(c.threads);
     std::cout << "model MLP 784-" << c.hidden << "x" << c.layers << "-10, batch " << c.batch
               << " per rank, SGD, " << c.iters << " timed iterations (+" << c.warmup
               << " warm-up), " << c.threads << " thread(s) per rank, median of " << c.rounds
               << " rounds (alternating which side runs first)"
-              << (c.bucket_view ? ", gradients as bucket views" : "") << "\n"
+              << (c.bucket_view ? ", gradients as bucket views" : "") << ", device " << c.dev
+              << "\n"
               << "bound: N independent plain-libtorch processes training at the same time (no "
                  "communication); world 1: plain libtorch\n\n";
     std::cout << std::left << std::setw(7) << "world" << std::setw(34) << "implementation"
@@ -295,6 +311,7 @@ int run_ddp_bench(int argc, char** argv) {
       return nlohmann::json{{"samples_per_s", r.samples_per_s}, {"iter_ms", r.iter_ms}};
     };
     nlohmann::json report{{"hidden", c.hidden}, {"layers", c.layers}, {"batch", c.batch},
+                          {"device", c.device},
                           {"gradient_as_bucket_view", c.bucket_view}, {"iters", c.iters},
                           {"rounds", c.rounds}, {"worlds", nlohmann::json::array()}};
     // The target of the issue on DDP against the bound, by world size (none for the others).
@@ -309,20 +326,41 @@ int run_ddp_bench(int argc, char** argv) {
       return s.str();
     };
     if (!c.skip_world1) {
-      std::vector<Result> plain, ddp1;
+      std::vector<Result> plain, ddp1, torch1;
       auto pg = comm::create_process_group(std::make_shared<HashStore>(), 0, 1);
+      // On a GPU, PyTorch's DDP over NCCL at world 1 too: there is no second GPU to compare on.
+      const bool torch_world1 = c.compare_torch && c.dev.is_cuda();
+      c.world_size = 1;
       for (int r = 0; r < c.rounds; ++r) {  // alternate which goes first
         if (r % 2 == 0) plain.push_back(run_plain(c));
+        if (torch_world1 && r % 2 == 1) torch1.push_back(run_torch_world(c));
         ddp1.push_back(run_ddp(c, pg));
+        if (torch_world1 && r % 2 == 0) torch1.push_back(run_torch_world(c));
         if (r % 2 == 1) plain.push_back(run_plain(c));
       }
       Result p = median_result(plain), d = median_result(ddp1);
+      nlohmann::json entry{{"world", 1}, {"bound", to_json(p)}, {"tdist", to_json(d)},
+                           {"tdist_over_bound", d.samples_per_s / p.samples_per_s}};
       print_row("1", "bound: libtorch, no DDP", p, "");
-      print_row("1", "tdist DDP", d, bound_ratio(1, d, p));
-      report["worlds"].push_back({{"world", 1}, {"bound", to_json(p)}, {"tdist", to_json(d)},
-                                  {"tdist_over_bound", d.samples_per_s / p.samples_per_s}});
+      std::string ratio = bound_ratio(1, d, p);
+      if (torch_world1) {
+        Result t = median_result(torch1);
+        print_row("1", "PyTorch DDP (Python, nccl)", t, "");
+        std::ostringstream vs;
+        vs << std::setprecision(3) << std::fixed << d.samples_per_s / t.samples_per_s << "x of PyTorch, ";
+        ratio = vs.str() + ratio;
+        entry["torch"] = to_json(t);
+        entry["tdist_over_torch"] = d.samples_per_s / t.samples_per_s;
+      }
+      print_row("1", "tdist DDP", d, ratio);
+      report["worlds"].push_back(entry);
     }
     for (int world : c.world_sizes) {
+      if (c.dev.is_cuda() && world > static_cast<int>(torch::cuda::device_count())) {
+        std::cout << world << "      skipped: NCCL takes a GPU per rank and " << torch::cuda::device_count()
+                  << " are visible\n";
+        continue;
+      }
       c.world_size = world;
       std::vector<std::string> worker_args{"/proc/self/exe", "ddp", "--worker"};
       std::vector<std::string> bound_args{"/proc/self/exe", "ddp", "--bound-worker"};
@@ -346,14 +384,14 @@ int run_ddp_bench(int argc, char** argv) {
       std::string ratio = bound_ratio(world, o, b);
       if (c.compare_torch) {
         Result t = median_result(theirs);
-        print_row(w, "PyTorch DDP (Python, gloo)", t, "");
+        print_row(w, c.dev.is_cuda() ? "PyTorch DDP (Python, nccl)" : "PyTorch DDP (Python, gloo)", t, "");
         std::ostringstream vs;
         vs << std::setprecision(3) << std::fixed << o.samples_per_s / t.samples_per_s << "x of PyTorch, ";
         ratio = vs.str() + ratio;
         entry["torch"] = to_json(t);
         entry["tdist_over_torch"] = o.samples_per_s / t.samples_per_s;
       }
-      print_row(w, "tdist DDP (ring)", o, ratio);
+      print_row(w, c.dev.is_cuda() ? "tdist DDP (nccl)" : "tdist DDP (ring)", o, ratio);
       report["worlds"].push_back(entry);
     }
     std::string json = c.json_file;

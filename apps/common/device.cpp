@@ -52,7 +52,7 @@ bool cuda_available(std::string* why) {
   return false;
 }
 
-c10::Device resolve_device(const std::string& flag, const std::string& choice) {
+c10::Device resolve_device(const std::string& flag, const std::string& choice, bool share_gpus) {
   TDIST_CHECK_ARG(choice == "cpu" || choice == "cuda" || choice == "auto", flag,
                   " must be cpu, cuda or auto (got '", choice, "')");
   if (choice == "cpu") return c10::Device(c10::kCPU);
@@ -61,8 +61,8 @@ c10::Device resolve_device(const std::string& flag, const std::string& choice) {
     if (choice == "auto") return c10::Device(c10::kCPU);
     throw InvalidArgument(str(flag, " cuda: ", why, "; use ", flag, " cpu or ", flag, " auto"));
   }
-  const int rank = local_rank();
   const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
+  const int rank = share_gpus ? static_cast<int>(local_rank() % count) : local_rank();
   TDIST_CHECK_ARG(rank < count, flag, " ", choice, ": this process's local rank is ", rank,
                   " but only ", count, " GPU(s) are visible (one GPU per process on a host)");
   const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank));

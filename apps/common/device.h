@@ -21,7 +21,10 @@ bool cuda_available(std::string* why = nullptr);
 // (the launcher's local rank: tdist-run's and torchrun's LOCAL_RANK, Slurm's SLURM_LOCALID, Open
 // MPI's OMPI_COMM_WORLD_LOCAL_RANK; 0 when not launched), made the current CUDA device; auto is
 // cuda when a GPU is visible, else cpu. Throws InvalidArgument naming `flag` for an unknown
-// choice, for cuda without a visible GPU, and for a local rank without a GPU of its own.
-c10::Device resolve_device(const std::string& flag, const std::string& choice);
+// choice, for cuda without a visible GPU, and for a local rank without a GPU of its own unless
+// `share_gpus`: then local rank r takes GPU r % count, for process groups that stage CUDA tensors
+// through host memory (NCCL refuses two ranks on one GPU).
+c10::Device resolve_device(const std::string& flag, const std::string& choice,
+                           bool share_gpus = false);
 
 }  // namespace tdist::apps
