@@ -2,7 +2,9 @@
 backend (the default where a GPU is visible; one rank per GPU) and staged through host memory
 (TDIST_CUDA_BACKEND=ring; two ranks sharing GPU 0, which NCCL refuses). Collectives against the
 CPU result, and PyTorch's DDP on a CUDA model over "tdist" against the same model trained on one
-process. Needs a GPU: without one it prints why and exits 77, which ctest reports as skipped.
+process; and init_process_group("tdist", device_id=...) (the group bound to the rank's GPU, a
+subgroup and a barrier on it). Needs a GPU: without one it prints why and exits 77, which ctest
+reports as skipped.
 
   cuda_staging_test.py
 """
@@ -35,7 +37,22 @@ def child(rank, world_size):
     torch.set_num_threads(1)
     if os.environ.get("TDIST_CUDA_BACKEND") != "ring":
         torch.cuda.set_device(rank)  # NCCL: one GPU per rank
-    dist.init_process_group("tdist", init_method="env://", timeout=datetime.timedelta(seconds=60))
+    bind = os.environ.get("TDIST_TEST_DEVICE_ID") == "1"
+    dist.init_process_group("tdist", init_method="env://", timeout=datetime.timedelta(seconds=60),
+                            device_id=torch.device("cuda", rank) if bind else None)
+    if bind:
+        bound = dist.group.WORLD.bound_device_id
+        check(bound == torch.device("cuda", rank), "bound device", bound)
+        sub = dist.new_group(list(range(world_size)))
+        z = torch.full((64,), float(rank + 1), device="cuda")
+        dist.all_reduce(z, group=sub)
+        check_equal(z.cpu(), torch.full((64,), float(sum(range(1, world_size + 1)))),
+                    "all_reduce on a subgroup of a bound group")
+        dist.barrier()  # on the bound device
+        dist.destroy_process_group()
+        print("rank %d: device_id=cuda:%d bound, subgroup and barrier checked (world size %d)" % (
+            rank, rank, world_size))
+        return
     backend = dist.group.WORLD._get_backend(torch.device("cuda"))
     check(isinstance(backend, tdist_c10d.TdistBackend), "CUDA backend", type(backend))
     total = sum(range(1, world_size + 1))
@@ -92,6 +109,8 @@ def main():
     nccl = min(2, torch.cuda.device_count())
     harness.run_ranks(os.path.abspath(__file__), nccl, [], timeout=120,
                       what="tdist on CUDA tensors through its NCCL backend, %d rank(s)" % nccl)
+    harness.run_ranks(os.path.abspath(__file__), nccl, [], env={"TDIST_TEST_DEVICE_ID": "1"},
+                      timeout=120, what="init_process_group(device_id=...), %d rank(s)" % nccl)
     harness.run_ranks(os.path.abspath(__file__), 2, [], env={"TDIST_CUDA_BACKEND": "ring"},
                       timeout=120, what="tdist on CUDA tensors staged, 2 ranks on one GPU")
 
