@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "apps/bench/common.h"
-#include "apps/common/device.h"
 #include "apps/bench/subcommands.h"
+#include "apps/common/device.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
 #include "tdist/core/hash_store.h"
@@ -325,6 +325,17 @@ int run_ddp_bench(int argc, char** argv) {
       }
       return s.str();
     };
+    // PyTorch's row, and its ratio put before `ratio` and into `entry`.
+    auto add_torch = [&](const std::string& world, const Result& ours, const std::vector<Result>& theirs,
+                         std::string& ratio, nlohmann::json& entry) {
+      Result t = median_result(theirs);
+      print_row(world, c.dev.is_cuda() ? "PyTorch DDP (Python, nccl)" : "PyTorch DDP (Python, gloo)", t, "");
+      std::ostringstream vs;
+      vs << std::setprecision(3) << std::fixed << ours.samples_per_s / t.samples_per_s << "x of PyTorch, ";
+      ratio = vs.str() + ratio;
+      entry["torch"] = to_json(t);
+      entry["tdist_over_torch"] = ours.samples_per_s / t.samples_per_s;
+    };
     if (!c.skip_world1) {
       std::vector<Result> plain, ddp1, torch1;
       auto pg = comm::create_process_group(std::make_shared<HashStore>(), 0, 1);
@@ -343,15 +354,7 @@ int run_ddp_bench(int argc, char** argv) {
                            {"tdist_over_bound", d.samples_per_s / p.samples_per_s}};
       print_row("1", "bound: libtorch, no DDP", p, "");
       std::string ratio = bound_ratio(1, d, p);
-      if (torch_world1) {
-        Result t = median_result(torch1);
-        print_row("1", "PyTorch DDP (Python, nccl)", t, "");
-        std::ostringstream vs;
-        vs << std::setprecision(3) << std::fixed << d.samples_per_s / t.samples_per_s << "x of PyTorch, ";
-        ratio = vs.str() + ratio;
-        entry["torch"] = to_json(t);
-        entry["tdist_over_torch"] = d.samples_per_s / t.samples_per_s;
-      }
+      if (torch_world1) add_torch("1", d, torch1, ratio, entry);
       print_row("1", "tdist DDP", d, ratio);
       report["worlds"].push_back(entry);
     }
@@ -382,15 +385,7 @@ int run_ddp_bench(int argc, char** argv) {
                            {"tdist_over_bound", o.samples_per_s / b.samples_per_s}};
       print_row(w, "bound: " + w + " x libtorch, no comm.", b, "");
       std::string ratio = bound_ratio(world, o, b);
-      if (c.compare_torch) {
-        Result t = median_result(theirs);
-        print_row(w, c.dev.is_cuda() ? "PyTorch DDP (Python, nccl)" : "PyTorch DDP (Python, gloo)", t, "");
-        std::ostringstream vs;
-        vs << std::setprecision(3) << std::fixed << o.samples_per_s / t.samples_per_s << "x of PyTorch, ";
-        ratio = vs.str() + ratio;
-        entry["torch"] = to_json(t);
-        entry["tdist_over_torch"] = o.samples_per_s / t.samples_per_s;
-      }
+      if (c.compare_torch) add_torch(w, o, theirs, ratio, entry);
       print_row(w, c.dev.is_cuda() ? "tdist DDP (nccl)" : "tdist DDP (ring)", o, ratio);
       report["worlds"].push_back(entry);
     }
