@@ -319,7 +319,10 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
       *bound_name = str("plain TCP stream rank 0 -> rank ", peer, one_host ? " (127.0.0.1)" : "",
                         shared_link ? str(" x ", factor, " (", num_hosts, " hosts share their links)") : "");
     } else {
-      for (auto& row : rows) row.bound = row.bytes / median(time_memcpy(row.bytes, cfg.warmup, cfg.iters)) / 1e9;
+      // At most 1000 samples: a sample copies at least 256 KiB (bounds.h), and --iters may be
+      // in the millions for small sizes.
+      const int samples = std::min(cfg.iters, 1000);
+      for (auto& row : rows) row.bound = row.bytes / median(time_memcpy(row.bytes, cfg.warmup, samples)) / 1e9;
       *bound_name = "single-thread memcpy";
     }
     for (auto& row : rows) row.of_bound = row.busbw / row.bound;
