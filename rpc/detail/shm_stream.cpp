@@ -4,8 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 
+#include "tdist/core/byte_ring.h"
 #include "tdist/core/error.h"
 #include "tdist/core/futex.h"
 #include "tdist/rpc/detail/shm_tensors.h"
@@ -122,16 +122,9 @@ size_t ShmStream::read_some(void* dst, size_t n) {
 }
 
 void ShmStream::copy_ring(bool into, uint64_t at, void* user_bytes, size_t k) {
-  auto* user = static_cast<uint8_t*>(user_bytes);
-  const size_t pos = static_cast<size_t>(at % capacity_);
-  const size_t first = std::min(k, static_cast<size_t>(capacity_) - pos);
-  if (into) {
-    std::memcpy(data_ + pos, user, first);
-    std::memcpy(data_, user + first, k - first);
-  } else {
-    std::memcpy(user, data_ + pos, first);
-    std::memcpy(user + first, data_, k - first);
-  }
+  const iovec iov{user_bytes, k};
+  byte_ring::copy(into ? byte_ring::Direction::kIntoRing : byte_ring::Direction::kOutOfRing,
+                  reinterpret_cast<char*>(data_), static_cast<size_t>(capacity_), at, &iov, 1, k);
 }
 
 void ShmStream::wait(int64_t ns) {

@@ -15,40 +15,13 @@
 #include <cstring>
 #include <new>
 
+#include "tdist/core/byte_ring.h"
 #include "tdist/core/futex.h"
 #include "tdist/core/logging.h"
 
 namespace tdist::comm::shm {
 namespace {
 
-enum class Direction { kIntoRing, kOutOfRing };
-
-// Copies up to `limit` bytes between the iovecs and a ring of `capacity` bytes whose logical
-// offset `start` maps to ring[start % capacity], wrapping at the end. Stops at the first iovec
-// that does not fit whole. Returns the bytes moved.
-size_t ring_copy(Direction dir, char* ring, size_t capacity, uint64_t start, const iovec* iov,
-                 int count, size_t limit) {
-  size_t moved = 0;
-  for (int i = 0; i < count && limit > 0; ++i) {
-    char* user = static_cast<char*>(iov[i].iov_base);
-    size_t len = std::min(iov[i].iov_len, limit);
-    size_t done = 0;
-    while (done < len) {
-      size_t pos = static_cast<size_t>((start + moved) % capacity);
-      size_t n = std::min(len - done, capacity - pos);
-      if (dir == Direction::kIntoRing) {
-        std::memcpy(ring + pos, user + done, n);
-      } else {
-        std::memcpy(user + done, ring + pos, n);
-      }
-      done += n;
-      moved += n;
-    }
-    limit -= len;
-    if (len < iov[i].iov_len) break;
-  }
-  return moved;
-}
 constexpr size_t kHeaderBytes = 2 * sizeof(RingHeader);
 
 }  // namespace
@@ -188,7 +161,7 @@ long ShmChannel::writev(const iovec* iov, int count) {
   }
   const long space = writable();
   if (space < 0) return kError;
-  const size_t moved = ring_copy(Direction::kIntoRing, tx_data_, capacity_, tx_head_, iov, count,
+  const size_t moved = byte_ring::copy(byte_ring::Direction::kIntoRing, tx_data_, capacity_, tx_head_, iov, count,
                                  static_cast<size_t>(space));
   if (moved == 0) return 0;
   tx_head_ += moved;
@@ -202,7 +175,7 @@ long ShmChannel::readv(const iovec* iov, int count) {
   const long avail = readable();
   if (avail < 0) return kError;
   if (avail == 0) return closed_ ? kClosed : 0;
-  const size_t moved = ring_copy(Direction::kOutOfRing, rx_data_, capacity_, rx_tail_, iov, count,
+  const size_t moved = byte_ring::copy(byte_ring::Direction::kOutOfRing, rx_data_, capacity_, rx_tail_, iov, count,
                                  static_cast<size_t>(avail));
   consume(moved);
   return static_cast<long>(moved);
