@@ -2,11 +2,14 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <pthread.h>
+#include <sched.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -15,6 +18,7 @@
 #include <thread>
 
 #include "apps/bench/common.h"
+#include "tdist/core/env.h"
 
 namespace tdist::bench {
 namespace {
@@ -50,6 +54,60 @@ std::vector<double> time_memcpy(size_t bytes, int warmup, int iters) {
   });
   for (double& s : seconds) s /= static_cast<double>(copies);
   return seconds;
+}
+
+std::optional<CoreRoundTrip> core_round_trip(int trips, int runs) {
+  const std::vector<int> cpus = env::allowed_cpus();
+  if (cpus.size() < 2 || trips < 1 || runs < 1) return std::nullopt;
+  auto pin = [](int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return ::pthread_setaffinity_np(::pthread_self(), sizeof(set), &set) == 0;
+  };
+  struct alignas(64) Line {
+    std::atomic<long> v{0};
+  };
+  std::vector<double> ns;
+  for (int run = 0; run < runs; ++run) {
+    Line ping, pong;
+    std::atomic<int> pinned{0};  // 1: the echo thread is pinned; -1: it could not be
+    std::thread echo([&] {
+      if (!pin(cpus[1])) {
+        pinned = -1;
+        return;
+      }
+      pinned = 1;
+      for (long i = 1; i <= trips; ++i) {
+        while (ping.v.load(std::memory_order_acquire) < i) {
+        }
+        pong.v.store(i, std::memory_order_release);
+      }
+    });
+    bool ok = false;
+    double took = 0;
+    std::thread timer([&] {
+      while (pinned.load() == 0) std::this_thread::yield();
+      if (pinned.load() < 0 || !pin(cpus[0])) {
+        ping.v.store(trips, std::memory_order_release);  // lets the echo thread run out
+        return;
+      }
+      const auto start = std::chrono::steady_clock::now();
+      for (long i = 1; i <= trips; ++i) {
+        ping.v.store(i, std::memory_order_release);
+        while (pong.v.load(std::memory_order_acquire) != i) {
+        }
+      }
+      took = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+      ok = true;
+    });
+    timer.join();
+    echo.join();
+    if (!ok) return std::nullopt;
+    ns.push_back(took / trips);
+  }
+  std::sort(ns.begin(), ns.end());
+  return CoreRoundTrip{cpus[0], cpus[1], ns[ns.size() / 2]};
 }
 
 TcpLink::~TcpLink() {

@@ -5,6 +5,7 @@
 // header per batch): a one-way stream and a ping-pong (what a transport over TCP cannot beat).
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,24 @@ namespace tdist::bench {
 // and resolution, which would understate the bound and round rows of different sizes to the
 // same figure.
 std::vector<double> time_memcpy(size_t bytes, int warmup, int iters);
+
+// Note [Core-to-core round trip]
+// The time for one cache line to go from one core to another and back: two threads, pinned to
+// the first two CPUs this process may run on, each storing a counter the other waits for. Every
+// hand-off between two ranks of a host (a ring's head, a flag) costs at least half of it. On a
+// virtual machine it is not a constant of the hardware: the host may move the virtual CPUs
+// between cores that share a cache and cores that do not, and on the 2-core development machine
+// it moved between about 120 and 550 ns from one minute to the next, with the world-2
+// collectives that move data between cores 2-10x slower in the second state (docs/perf.md,
+// "Issue 18 at its close"). tdist-bench collective measures it before and after its rows so
+// that a run taken in the slow state says so.
+struct CoreRoundTrip {
+  int cpu_a;
+  int cpu_b;
+  double ns;  // median of the runs, per round trip
+};
+// nullopt when fewer than two CPUs are allowed or a thread cannot be pinned.
+std::optional<CoreRoundTrip> core_round_trip(int trips = 20000, int runs = 5);
 
 // A connected TCP socket with TCP_NODELAY, closed on destruction. Blocking; one thread uses it at
 // a time. Failures throw std::runtime_error naming the call.

@@ -40,6 +40,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -287,7 +288,8 @@ class Case {
 //   and reduce_scatter; other ops keep the stream's. Both: --warmup untimed, --iters timed, the
 //   median.
 void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
-                               std::vector<Row>& rows, std::string* bound_name) {
+                               std::vector<Row>& rows, std::string* bound_name,
+                               std::optional<CoreRoundTrip>* round_trip) {
   const std::string prefix = "tdist-bench/collective/";
   store.set(prefix + "host/" + std::to_string(rank), comm::host_key());
   if (rank == 0) {
@@ -337,6 +339,7 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
         rows[i].of_anchor = times[i] / rows[i].time_us;  // = busbw / anchor's busbw
       }
     }
+    *round_trip = core_round_trip();  // Note [Core-to-core round trip]: after the rows
     store.set(prefix + "done", "1");
   } else {
     if (std::stoi(store.get_string(prefix + "bound-peer")) == rank) {
@@ -349,7 +352,13 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
   }
 }
 
-void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name) {
+// Before and after the rows, measured by rank 0 (Note [Core-to-core round trip] in bounds.h).
+struct RoundTrips {
+  std::optional<CoreRoundTrip> before, after;
+};
+
+void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name,
+                const RoundTrips& trips) {
   const bool per_rank_blocks = cfg.op != "allreduce" && cfg.op != "broadcast" && cfg.op != "reduce";
   const bool anchor = cfg.anchor != "none";
   std::printf("# tdist-bench collective: op %s, backend %s (%s), device %s, world size %d, "
@@ -359,6 +368,12 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const st
   std::printf("# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
               anchor ? ("; anchor: " + std::string(cfg.anchor == "mpi" ? "Open MPI (mpirun)" : "torch.distributed gloo") +
                         ", same op and sizes, float32 sum, median of --iters").c_str() : "");
+  if (trips.before && trips.after) {
+    std::printf("# core-to-core round trip of a cache line (CPUs %d and %d): %.0f ns before the rows, "
+                "%.0f ns after\n", trips.before->cpu_a, trips.before->cpu_b, trips.before->ns, trips.after->ns);
+  } else {
+    std::printf("# core-to-core round trip: not measured (fewer than two CPUs to run on)\n");
+  }
   std::printf("#%12s %12s %9s %7s %12s %11s %11s %11s %9s", "size(B)", "count", "type", "redop",
               "time(us)", "algbw(GB/s)", "busbw(GB/s)", "bound(GB/s)", "bus/bound");
   if (anchor) std::printf(" %12s %11s %9s", (cfg.anchor + "(us)").c_str(), (cfg.anchor + "_busbw").c_str(), ("bus/" + cfg.anchor).c_str());
@@ -375,10 +390,16 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const st
 }
 
 void write_json(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name,
-                const std::string& path) {
+                const RoundTrips& trips, const std::string& path) {
   nlohmann::json j{{"op", cfg.op},       {"backend", cfg.backend}, {"world_size", n},
                    {"dtype", cfg.dtype}, {"bound", bound_name},    {"anchor", cfg.anchor},
                    {"device", cfg.device}, {"group_backend", cfg.group_backend}};
+  j["core_round_trip"] = nullptr;
+  if (trips.before && trips.after) {
+    j["core_round_trip"] = {{"cpus", {trips.before->cpu_a, trips.before->cpu_b}},
+                            {"before_ns", trips.before->ns},
+                            {"after_ns", trips.after->ns}};
+  }
   j["rows"] = nlohmann::json::array();
   for (const auto& r : rows) {
     nlohmann::json row{{"bytes", r.bytes},         {"time_us", r.time_us},  {"algbw_gbs", r.algbw},
@@ -428,6 +449,14 @@ int run_collective(const Config& cfg) {
   const bool print = pg->rank() == 0;
   const size_t esize = at::elementSize(dtype);
   const bool per_rank_blocks = cfg.op != "allreduce" && cfg.op != "broadcast" && cfg.op != "reduce";
+  // Note [Core-to-core round trip]: rank 0 measures while the others wait in the store.
+  RoundTrips trips;
+  if (pg->rank() == 0) {
+    trips.before = core_round_trip();
+    rdzv.store->set("tdist-bench/collective/round-trip", "1");
+  } else {
+    rdzv.store->wait({"tdist-bench/collective/round-trip"}, opts.timeout);
+  }
   std::vector<Row> rows;
   std::vector<size_t> sizes;
   for (double b = static_cast<double>(min_b); b <= static_cast<double>(max_b) * 1.0000001; b *= cfg.step_factor) {
@@ -463,14 +492,14 @@ int run_collective(const Config& cfg) {
   }
   pg->barrier()->wait();
   std::string bound_name;
-  measure_bounds_and_anchor(cfg, *rdzv.store, pg->rank(), n, rows, &bound_name);
+  measure_bounds_and_anchor(cfg, *rdzv.store, pg->rank(), n, rows, &bound_name, &trips.after);
   int64_t total_wrong = 0;
   for (const auto& r : rows) total_wrong += r.wrong;
   if (print) {
-    print_rows(cfg, n, rows, bound_name);
+    print_rows(cfg, n, rows, bound_name, trips);
     std::string json = cfg.json;
     if (json.empty() && !cfg.plot.empty()) json = cfg.plot + ".json";
-    if (!json.empty()) write_json(cfg, n, rows, bound_name, json);
+    if (!json.empty()) write_json(cfg, n, rows, bound_name, trips, json);
     if (!cfg.plot.empty()) draw_plot(cfg.python, "collective", json, cfg.plot);
   }
   pg->barrier()->wait();

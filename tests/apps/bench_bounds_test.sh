@@ -40,6 +40,14 @@ for r in rows:
             assert ok(r[k]), (k, r)
         assert abs(r["busbw_over_anchor"] - r["anchor_time_us"] / r["time_us"]) <= 1e-6 * r["busbw_over_anchor"], r
 assert len({r["bound_gbs"] for r in rows}) == len(rows), "the bound is the same in every row"
+# The core-to-core round trip before and after the rows, wherever two CPUs are there to measure it.
+trip = data["core_round_trip"]
+if len(__import__("os").sched_getaffinity(0)) >= 2:
+    assert trip and ok(trip["before_ns"]) and ok(trip["after_ns"]) and len(set(trip["cpus"])) == 2, trip
+    line = f"core-to-core round trip of a cache line (CPUs {trip['cpus'][0]} and {trip['cpus'][1]}): "
+    assert line + f"{trip['before_ns']:.0f} ns before the rows, {trip['after_ns']:.0f} ns after" in table, table
+else:
+    assert trip is None and "core-to-core round trip: not measured" in table, trip
 # The printed table: the columns by name, and the same values per row.
 header = [l for l in table.splitlines() if l.startswith("#") and "bound(GB/s)" in l]
 assert header, "no bound column in the table"
