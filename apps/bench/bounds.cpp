@@ -13,9 +13,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "apps/bench/common.h"
 #include "tdist/core/env.h"
@@ -108,6 +111,19 @@ std::optional<CoreRoundTrip> core_round_trip(int trips, int runs) {
   }
   std::sort(ns.begin(), ns.end());
   return CoreRoundTrip{cpus[0], cpus[1], ns[ns.size() / 2]};
+}
+
+std::string RoundTrips::describe(const std::string& what) const {
+  if (!before || !after) return "core-to-core round trip: not measured (fewer than two CPUs to run on)";
+  char text[160];
+  std::snprintf(text, sizeof(text), "core-to-core round trip of a cache line (CPUs %d and %d): %.0f ns before %s, %.0f ns after",
+                before->cpu_a, before->cpu_b, before->ns, what.c_str(), after->ns);
+  return text;
+}
+
+nlohmann::json RoundTrips::json() const {
+  if (!before || !after) return nullptr;
+  return {{"cpus", {before->cpu_a, before->cpu_b}}, {"before_ns", before->ns}, {"after_ns", after->ns}};
 }
 
 TcpLink::~TcpLink() {

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "tdist/core/net/address.h"
 
 namespace tdist::bench {
@@ -28,8 +30,9 @@ std::vector<double> time_memcpy(size_t bytes, int warmup, int iters);
 // between cores that share a cache and cores that do not, and on the 2-core development machine
 // it moved between about 120 and 550 ns from one minute to the next, with the world-2
 // collectives that move data between cores 2-10x slower in the second state (docs/perf.md,
-// "Issue 18 at its close"). tdist-bench collective measures it before and after its rows so
-// that a run taken in the slow state says so.
+// "Issue 18 at its close"). tdist-bench collective measures it before and after its rows (rank
+// 0, while the other ranks wait in the store), and ddp before and after its runs, so that a run
+// taken in the slow state says so.
 struct CoreRoundTrip {
   int cpu_a;
   int cpu_b;
@@ -37,6 +40,16 @@ struct CoreRoundTrip {
 };
 // nullopt when fewer than two CPUs are allowed or a thread cannot be pinned.
 std::optional<CoreRoundTrip> core_round_trip(int trips = 20000, int runs = 5);
+
+// The round trip before and after a benchmark's figures, as its report prints them.
+struct RoundTrips {
+  std::optional<CoreRoundTrip> before, after;
+  // "core-to-core round trip of a cache line (CPUs A and B): X ns before <what>, Y ns after", or
+  // that it was not measured.
+  std::string describe(const std::string& what) const;
+  // {"cpus": [A, B], "before_ns": X, "after_ns": Y}, or null.
+  nlohmann::json json() const;
+};
 
 // A connected TCP socket with TCP_NODELAY, closed on destruction. Blocking; one thread uses it at
 // a time. Failures throw std::runtime_error naming the call.

@@ -40,7 +40,6 @@
 #include <fstream>
 #include <iostream>
 #include <map>
-#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -352,11 +351,6 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
   }
 }
 
-// Before and after the rows, measured by rank 0 (Note [Core-to-core round trip] in bounds.h).
-struct RoundTrips {
-  std::optional<CoreRoundTrip> before, after;
-};
-
 void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name,
                 const RoundTrips& trips) {
   const bool per_rank_blocks = cfg.op != "allreduce" && cfg.op != "broadcast" && cfg.op != "reduce";
@@ -368,12 +362,8 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const st
   std::printf("# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
               anchor ? ("; anchor: " + std::string(cfg.anchor == "mpi" ? "Open MPI (mpirun)" : "torch.distributed gloo") +
                         ", same op and sizes, float32 sum, median of --iters").c_str() : "");
-  if (trips.before && trips.after) {
-    std::printf("# core-to-core round trip of a cache line (CPUs %d and %d): %.0f ns before the rows, "
-                "%.0f ns after\n", trips.before->cpu_a, trips.before->cpu_b, trips.before->ns, trips.after->ns);
-  } else {
-    std::printf("# core-to-core round trip: not measured (fewer than two CPUs to run on)\n");
-  }
+  // Rank 0 measured it before and after the rows (Note [Core-to-core round trip] in bounds.h).
+  std::printf("# %s\n", trips.describe("the rows").c_str());
   std::printf("#%12s %12s %9s %7s %12s %11s %11s %11s %9s", "size(B)", "count", "type", "redop",
               "time(us)", "algbw(GB/s)", "busbw(GB/s)", "bound(GB/s)", "bus/bound");
   if (anchor) std::printf(" %12s %11s %9s", (cfg.anchor + "(us)").c_str(), (cfg.anchor + "_busbw").c_str(), ("bus/" + cfg.anchor).c_str());
@@ -394,12 +384,7 @@ void write_json(const Config& cfg, int n, const std::vector<Row>& rows, const st
   nlohmann::json j{{"op", cfg.op},       {"backend", cfg.backend}, {"world_size", n},
                    {"dtype", cfg.dtype}, {"bound", bound_name},    {"anchor", cfg.anchor},
                    {"device", cfg.device}, {"group_backend", cfg.group_backend}};
-  j["core_round_trip"] = nullptr;
-  if (trips.before && trips.after) {
-    j["core_round_trip"] = {{"cpus", {trips.before->cpu_a, trips.before->cpu_b}},
-                            {"before_ns", trips.before->ns},
-                            {"after_ns", trips.after->ns}};
-  }
+  j["core_round_trip"] = trips.json();
   j["rows"] = nlohmann::json::array();
   for (const auto& r : rows) {
     nlohmann::json row{{"bytes", r.bytes},         {"time_us", r.time_us},  {"algbw_gbs", r.algbw},

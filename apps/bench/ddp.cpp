@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/bench/bounds.h"
 #include "apps/bench/common.h"
 #include "apps/bench/subcommands.h"
 #include "apps/common/device.h"
@@ -296,6 +297,8 @@ int run_ddp_bench(int argc, char** argv) {
     if (c.bound_worker) return bound_worker_main(c);
     c.dev = apps::resolve_device("--device", c.device);
     torch::set_num_threads(c.threads);
+    RoundTrips trips;  // Note [Core-to-core round trip] in bounds.h
+    trips.before = core_round_trip();
     std::cout << "model MLP 784-" << c.hidden << "x" << c.layers << "-10, batch " << c.batch
               << " per rank, SGD, " << c.iters << " timed iterations (+" << c.warmup
               << " warm-up), " << c.threads << " thread(s) per rank, median of " << c.rounds
@@ -389,6 +392,9 @@ int run_ddp_bench(int argc, char** argv) {
       print_row(w, c.dev.is_cuda() ? "tdist DDP (nccl)" : "tdist DDP (ring)", o, ratio);
       report["worlds"].push_back(entry);
     }
+    trips.after = core_round_trip();
+    std::cout << "\n" << trips.describe("the runs") << "\n";
+    report["core_round_trip"] = trips.json();
     std::string json = c.json_file;
     if (json.empty() && !c.plot.empty()) json = c.plot + ".json";
     if (!json.empty()) std::ofstream(json) << report.dump(1) << "\n";

@@ -40,14 +40,6 @@ for r in rows:
             assert ok(r[k]), (k, r)
         assert abs(r["busbw_over_anchor"] - r["anchor_time_us"] / r["time_us"]) <= 1e-6 * r["busbw_over_anchor"], r
 assert len({r["bound_gbs"] for r in rows}) == len(rows), "the bound is the same in every row"
-# The core-to-core round trip before and after the rows, wherever two CPUs are there to measure it.
-trip = data["core_round_trip"]
-if len(__import__("os").sched_getaffinity(0)) >= 2:
-    assert trip and ok(trip["before_ns"]) and ok(trip["after_ns"]) and len(set(trip["cpus"])) == 2, trip
-    line = f"core-to-core round trip of a cache line (CPUs {trip['cpus'][0]} and {trip['cpus'][1]}): "
-    assert line + f"{trip['before_ns']:.0f} ns before the rows, {trip['after_ns']:.0f} ns after" in table, table
-else:
-    assert trip is None and "core-to-core round trip: not measured" in table, trip
 # The printed table: the columns by name, and the same values per row.
 header = [l for l in table.splitlines() if l.startswith("#") and "bound(GB/s)" in l]
 assert header, "no bound column in the table"
@@ -63,6 +55,28 @@ for fields, r in zip(lines, rows):
         assert float(fields[cols.index(c)]) > 0, (c, fields)
     assert abs(float(fields[cols.index("bound(GB/s)")]) - r["bound_gbs"]) <= 0.0005 + 1e-3 * r["bound_gbs"]
 print("collective table ok:", data["bound"])
+EOF
+  check_round_trip "$work/c.json" "$work/c.out" "the rows"
+}
+
+# check_round_trip <json> <output> <what>: the core-to-core round trip measured before and after
+# <what> (Note [Core-to-core round trip]), in the JSON and as printed, wherever two CPUs are there
+# to measure it.
+check_round_trip() {
+  "$python" - "$@" <<'EOF'
+import json, math, os, re, sys
+data, what = json.load(open(sys.argv[1])), sys.argv[3]
+text = re.sub(r"(?m)^\[rank \d+\] ", "", open(sys.argv[2]).read())
+trip = data["core_round_trip"]
+ok = lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+if len(os.sched_getaffinity(0)) >= 2:
+    assert trip and ok(trip["before_ns"]) and ok(trip["after_ns"]) and len(set(trip["cpus"])) == 2, trip
+    line = (f"core-to-core round trip of a cache line (CPUs {trip['cpus'][0]} and {trip['cpus'][1]}): "
+            f"{trip['before_ns']:.0f} ns before {what}, {trip['after_ns']:.0f} ns after")
+    assert line in text, (line, text)
+else:
+    assert trip is None and "core-to-core round trip: not measured" in text, trip
+print("core-to-core round trip ok:", trip)
 EOF
 }
 
@@ -113,6 +127,7 @@ assert worlds[1]["bound"] != worlds[2]["bound"], "the same bound at world 1 and 
 assert "bound: 2 x libtorch" in text and text.count("of bound") == 2, text
 print("ddp bounds ok")
 EOF
+    check_round_trip "$work/d.json" "$work/d.out" "the runs"
     ;;
   rpc)
     timeout 120 "$bench" rpc --rtt-iters 50 --warmup 10 --async-calls 200 --outstanding 16 \
