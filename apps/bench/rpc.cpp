@@ -295,7 +295,10 @@ int run_rpc_bench(int argc, char** argv) {
     register_bench_functions();
     if (o.torch && o.torch_script.empty()) o.torch_script = find_script("bench_rpc_torch.py");
     std::vector<json> our_runs, torch_runs;
+    RoundTrips trips;  // Note [Core-to-core round trip] in bounds.h
+    trips.before = core_round_trip();
     run_rounds(o, start_server, measure, run_torch, our_runs, torch_runs);
+    trips.after = core_round_trip();
     auto med = [](const std::vector<json>& runs) {
       return median_of(runs, {"rtt_us", "async_calls_s", "echo_gbps"});
     };
@@ -319,6 +322,8 @@ int run_rpc_bench(int argc, char** argv) {
                 std::max(o.rounds, 1), o.echo_mib, o.outstanding, o.threads,
                 o.fast_path ? "on" : "off");
     const bool bounds_met = print_bounds(ours, result);
+    std::printf("%s\n", trips.describe("the rounds").c_str());
+    result["core_round_trip"] = trips.json();
     std::string json_path = o.json_file;
     if (json_path.empty() && !o.plot.empty()) json_path = o.plot + ".json";
     finish_report(json_path, result, o.torch, all_met && bounds_met);

@@ -146,6 +146,7 @@ assert ours["pingpong_bytes"] == 64
 assert "bound: TCP ping-pong of 64 bytes" in text and "bound: memcpy" in text, text
 print("rpc bounds ok")
 EOF
+    check_round_trip "$work/r.json" "$work/r.out" "the rounds"
     ;;
   bad-flags)
     expect_usage_error "--anchor: foo not in {none,mpi,gloo}" "$bench" collective --anchor foo
