@@ -2,9 +2,9 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <sched.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -115,8 +115,9 @@ std::optional<CoreRoundTrip> core_round_trip(int trips, int runs) {
 
 std::string RoundTrips::describe(const std::string& what) const {
   if (!before || !after) return "core-to-core round trip: not measured (fewer than two CPUs to run on)";
-  char text[160];
-  std::snprintf(text, sizeof(text), "core-to-core round trip of a cache line (CPUs %d and %d): %.0f ns before %s, %.0f ns after",
+  char text[256];
+  std::snprintf(text, sizeof(text),
+                "core-to-core round trip of a cache line (CPUs %d and %d): %.0f ns before %s, %.0f ns after",
                 before->cpu_a, before->cpu_b, before->ns, what.c_str(), after->ns);
   return text;
 }
