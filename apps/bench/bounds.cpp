@@ -119,6 +119,10 @@ std::string RoundTrips::describe(const std::string& what) const {
   std::snprintf(text, sizeof(text),
                 "core-to-core round trip of a cache line (CPUs %d and %d): %.0f ns before %s, %.0f ns after",
                 before->cpu_a, before->cpu_b, before->ns, what.c_str(), after->ns);
+  const double ratio = after->ns / before->ns;
+  if (ratio > 1.5 || ratio < 1 / 1.5) {
+    return std::string(text) + " (it changed during them, and the figures may have changed with it)";
+  }
   return text;
 }
 

@@ -44,8 +44,8 @@ std::optional<CoreRoundTrip> core_round_trip(int trips = 20000, int runs = 5);
 // The round trip before and after a benchmark's figures, as its report prints them.
 struct RoundTrips {
   std::optional<CoreRoundTrip> before, after;
-  // "core-to-core round trip of a cache line (CPUs A and B): X ns before <what>, Y ns after", or
-  // that it was not measured.
+  // "core-to-core round trip of a cache line (CPUs A and B): X ns before <what>, Y ns after",
+  // with a warning when X and Y differ by more than 1.5x, or that it was not measured.
   std::string describe(const std::string& what) const;
   // {"cpus": [A, B], "before_ns": X, "after_ns": Y}, or null.
   nlohmann::json json() const;
