@@ -98,18 +98,16 @@ std::optional<CoreRoundTrip> core_round_trip(int trips, int runs) {
       // At most about kMaxRun per run: on a busy host each hand-off may wait for a time slice.
       constexpr auto kMaxRun = std::chrono::milliseconds(100);
       const auto start = std::chrono::steady_clock::now();
-      auto now = start;
       long done = 0;
       while (done < trips) {
         ++done;
         ping.v.store(done, std::memory_order_release);
         while (pong.v.load(std::memory_order_acquire) != done) {
         }
-        if (done % 64 == 0 && (now = std::chrono::steady_clock::now()) - start > kMaxRun) break;
+        if (done % 64 == 0 && std::chrono::steady_clock::now() - start > kMaxRun) break;
       }
+      took = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / done;
       ping.v.store(trips, std::memory_order_release);  // lets the echo thread run out
-      now = std::chrono::steady_clock::now();
-      took = std::chrono::duration<double, std::nano>(now - start).count() / done;
       ok = true;
     });
     timer.join();
