@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "tdist/comm/detail/exchange.h"
@@ -72,16 +73,70 @@ struct RingView {
 // elements, split into ring.size segments: segment g = [count*g/size, count*(g+1)/size)).
 // kReduceScatter leaves segment (me+1) % size fully reduced at position `me` (the rest is
 // partial); kAllgather starts from that state and sends each position's segment to all.
+// With `staging` (kBoth only) reads wait for the buffer's pieces and final chunks are finished.
 enum class RingPhases { kBoth, kReduceScatter, kAllgather };
+class Staging;
 void ring_phases(Context& c, const RingView& ring, char* data, size_t count, const ReduceSpec& rs,
-                 RingPhases phases);
+                 RingPhases phases, Staging* staging = nullptr);
 inline size_t ring_segment_begin(size_t count, int segment, int size) {
   return count * static_cast<size_t>(segment) / static_cast<size_t>(size);
 }
 
+// Note [Overlapped staging]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A CUDA tensor reaches the ring through host memory (Note [Staging device tensors] in
+// detail/staging.h). Copying it all in, running the ring and copying it all back puts two full
+// copies in sequence with the transfers; a large allreduce instead overlaps them. At issue the
+// caller's thread queues one device-to-host copy per piece (1 MiB) on the caller's stream, in
+// the order the ring reads them (ring_allreduce_pieces: this rank's own segment first, which it
+// sends at once, then the segments in the order reduce-scatter reduces into them), each followed
+// by an event. The ring posts everything as usual, but every transfer that reads the buffer
+// carries a gate (detail::Gate) on the last piece it touches: the exchange moves no byte of it
+// before that piece's event completed (pieces complete in order), and a wait held only by a copy
+// sleeps briefly instead of until the next I/O. Every chunk whose values are final (the last
+// reduce-scatter step, and each allgather receive) is handed to Staging::finished at once, which
+// queues its host-to-device copy on a side stream while the rest of the ring runs; the Work
+// completes after that stream drained, as before. Nothing about the byte stream changes (a send
+// split at piece boundaries is the same bytes), so a staged rank, an unstaged CUDA rank and a CPU
+// rank run one ring together. Memory is still one pinned buffer the size of the tensor, from the
+// caching host allocator. An average divides the whole buffer after the ring, so it finishes
+// everything then (its input copies still overlap).
+
+// A byte range [begin, end) of a buffer.
+struct ByteRange {
+  size_t begin;
+  size_t end;
+};
+
+// A buffer that is being copied into host memory piece by piece, in the order given at
+// construction, and out again as an algorithm finishes parts of it (Note [Overlapped staging]).
+class Staging : public detail::Arrivals {
+ public:
+  explicit Staging(std::vector<ByteRange> order);
+  const std::vector<ByteRange>& order() const { return order_; }
+  // The position in arrival order of the last piece that overlaps [begin, end) (pieces arrive in
+  // order, so all of the range has arrived once that one has).
+  size_t last_piece(size_t begin, size_t end) const;
+  // Bytes [begin, end) of the buffer hold their final values and are no longer written.
+  virtual void finished(size_t begin, size_t end) = 0;
+
+ private:
+  std::vector<ByteRange> order_;
+  std::vector<std::pair<size_t, size_t>> by_offset_;  // (begin, position in order_), ascending
+};
+
+// The pieces of a ring allreduce's buffer (count elements of elem bytes, world size, this rank) in
+// the order it reads them: segment rank, rank - 1, ..., rank + 1, each cut into pieces of at most
+// piece_bytes (whole elements).
+std::vector<ByteRange> ring_allreduce_pieces(size_t count, size_t elem, int size, int rank,
+                                             size_t piece_bytes);
+
 // In place on `data` (count elements). Bandwidth-optimal: reduce-scatter then allgather around
 // the ring, chunked so that chunk k is reduced and forwarded while chunk k+1 is in flight.
-void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs);
+// With `staging` (world size > 1) the buffer is still being copied in, in the order of
+// ring_allreduce_pieces, and every part whose values are final is handed to it.
+void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs,
+                    Staging* staging = nullptr);
 
 // Ranks grouped by host (Note [Hierarchical allreduce]): every host has local.size() ranks.
 struct Hierarchy {

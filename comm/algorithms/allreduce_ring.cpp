@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/core/error.h"
 
 namespace tdist::comm::algorithms {
 namespace {
@@ -53,8 +54,40 @@ struct Cursor {
 
 }  // namespace
 
+Staging::Staging(std::vector<ByteRange> order) : order_(std::move(order)) {
+  by_offset_.reserve(order_.size());
+  for (size_t i = 0; i < order_.size(); ++i) by_offset_.emplace_back(order_[i].begin, i);
+  std::sort(by_offset_.begin(), by_offset_.end());
+}
+
+size_t Staging::last_piece(size_t begin, size_t end) const {
+  // The pieces are disjoint: walk down from the last one that starts before `end`.
+  auto it = std::lower_bound(by_offset_.begin(), by_offset_.end(), std::make_pair(end, size_t{0}));
+  size_t last = 0;
+  while (it != by_offset_.begin()) {
+    --it;
+    if (order_[it->second].end <= begin) break;
+    last = std::max(last, it->second);
+  }
+  return last;
+}
+
+std::vector<ByteRange> ring_allreduce_pieces(size_t count, size_t elem, int size, int rank,
+                                             size_t piece_bytes) {
+  const size_t step = std::max<size_t>(1, piece_bytes / elem) * elem;
+  std::vector<ByteRange> out;
+  for (int s = 0; s < size; ++s) {
+    const int g = ((rank - s) % size + size) % size;
+    const size_t end = ring_segment_begin(count, g + 1, size) * elem;
+    for (size_t b = ring_segment_begin(count, g, size) * elem; b < end; b += step) {
+      out.push_back(ByteRange{b, std::min(end, b + step)});
+    }
+  }
+  return out;
+}
+
 void ring_phases(Context& c, const RingView& ring, char* data, size_t count, const ReduceSpec& rs,
-                 RingPhases phases) {
+                 RingPhases phases, Staging* staging) {
   const int n = ring.size;
   if (n == 1 || count == 0) return;
   const int r = ring.me;
@@ -65,12 +98,33 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
   const int first = phases == RingPhases::kAllgather ? 1 : 0;
   const int end = phases == RingPhases::kReduceScatter ? 1 : 2;
 
+  TDIST_CHECK(staging == nullptr || phases == RingPhases::kBoth, "staging needs both phases");
+  // A transfer that reads bytes [p, p + len) waits for the last piece holding them.
+  auto gate = [&](const char* p, size_t len) {
+    detail::Gate g;
+    if (staging != nullptr) {
+      const auto b = static_cast<size_t>(p - data);
+      g.arrivals = staging;
+      g.piece = staging->last_piece(b, b + len);
+    }
+    return g;
+  };
   // The first step sends this rank's own segment r (reduce-scatter) or the segment it reduced,
-  // r + 1 (allgather).
+  // r + 1 (allgather); a staged segment goes piece by piece, each once it arrived.
   {
     const Cursor own{n, r, count, chunk, first, end};
     const int g = (r + first) % n;
-    c.ex.send(right, data + own.seg_begin(g) * es, own.seg_len(g) * es);
+    const size_t b = own.seg_begin(g) * es, e = b + own.seg_len(g) * es;
+    if (staging == nullptr) {
+      c.ex.send(right, data + b, e - b);
+    } else {
+      const auto& order = staging->order();
+      for (size_t i = 0; i < order.size(); ++i) {
+        if (order[i].begin < b || order[i].end > e) continue;
+        c.ex.send(right, data + order[i].begin, order[i].end - order[i].begin,
+                  detail::Gate{-1, 0, staging, i});
+      }
+    }
   }
   // Every incoming chunk, in stream order; the cookie is the index in that order.
   Cursor post{n, r, count, chunk, first, end};
@@ -78,7 +132,7 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
   for (uint64_t i = 0; !post.done(); ++i) {
     char* dst = data + (post.seg_begin(post.seg()) + post.off) * es;
     if (post.phase == 0) {
-      c.ex.recv_reduce(left, dst, dst, post.len() * es, rs.fn, es, i);
+      c.ex.recv_reduce(left, dst, dst, post.len() * es, rs.fn, es, i, gate(dst, post.len() * es));
     } else {
       c.ex.recv(left, dst, post.len() * es, i);
     }
@@ -86,18 +140,29 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
   }
   Cursor done{n, r, count, chunk, first, end};
   done.settle();
+  // An average is divided after the ring: allreduce_ring finishes it then.
+  const bool finish = staging != nullptr && rs.op != ReduceOp::AVG;
   c.ex.run([&](int, uint64_t) {
     // Completions arrive in posting order, so `done` walks the same sequence. A chunk is
-    // forwarded unless it completed the last step of the last phase run.
+    // forwarded unless it completed the last step of the last phase run; it is final after the
+    // last reduce-scatter step and in the allgather.
     char* dst = data + (done.seg_begin(done.seg()) + done.off) * es;
     if (done.step < n - 2 || done.phase + 1 < end) c.ex.send(right, dst, done.len() * es);
+    if (finish && (done.phase == 1 || done.step == n - 2)) {
+      const auto b = static_cast<size_t>(dst - data);
+      staging->finished(b, b + done.len() * es);
+    }
     done.advance();
   });
 }
 
-void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs) {
-  ring_phases(c, RingView{nullptr, c.size, c.rank}, data, count, rs, RingPhases::kBoth);
-  if (rs.op == ReduceOp::AVG && c.size > 1) detail::divide_in_place(data, rs.dtype, count, c.size);
+void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs, Staging* staging) {
+  TDIST_CHECK(staging == nullptr || c.size > 1, "a staged ring needs a peer");
+  ring_phases(c, RingView{nullptr, c.size, c.rank}, data, count, rs, RingPhases::kBoth, staging);
+  if (rs.op == ReduceOp::AVG && c.size > 1) {
+    detail::divide_in_place(data, rs.dtype, count, c.size);
+    if (staging != nullptr) staging->finished(0, count * rs.elem_size);
+  }
 }
 
 }  // namespace tdist::comm::algorithms

@@ -90,15 +90,14 @@ void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, cha
       // The slot's previous chunk (kSlots slot chunks back) must have been forwarded: that was
       // the send one position after its receive.
       const size_t u = k * (steps - 1) + s;
-      int gate_peer = -1;
-      uint64_t gate_bytes = 0;
+      detail::Gate gate;
       if (u >= kSlots) {
         const size_t pk = (u - kSlots) / (steps - 1);
         const size_t ps = (u - kSlots) % (steps - 1);
-        gate_peer = right;
-        gate_bytes = sent_through(pk * steps + ps + 1);
+        gate.peer = right;
+        gate.sent = sent_through(pk * steps + ps + 1);
       }
-      c.ex.recv_reduce(left, slot(k, s), other, len(k), rs.fn, es, i, gate_peer, gate_bytes);
+      c.ex.recv_reduce(left, slot(k, s), other, len(k), rs.fn, es, i, gate);
     }
   }
   c.ex.run([&](int, uint64_t i) {

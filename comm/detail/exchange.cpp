@@ -15,6 +15,8 @@ namespace {
 constexpr int kMaxIov = 64;
 constexpr size_t kBounceBytes = 256 * 1024;
 constexpr int kMaxSpinSkip = 63;
+// How long a wait sleeps while a transfer is held by arrivals (Exchange::wait_for_io).
+constexpr long kHeldWaitNs = 20000;
 
 // A hint to the core that this is a spin-wait loop (it saves power and, with hyper-threads, lets
 // the sibling run).
@@ -54,17 +56,17 @@ void Exchange::begin(const char* op, uint64_t seq, Clock::time_point now,
   }
 }
 
-void Exchange::send(int peer, const void* data, size_t n) {
+void Exchange::send(int peer, const void* data, size_t n, Gate gate) {
   if (n == 0) return;
   auto& q = sends_[peer];
-  q.items.push_back(Item{static_cast<char*>(const_cast<void*>(data)), n, 0, 0});
+  q.items.emplace_back(static_cast<char*>(const_cast<void*>(data)), n, 0, gate);
   q.posted += n;
 }
 
 void Exchange::recv(int peer, void* data, size_t n, uint64_t cookie) {
   auto& q = recvs_[peer];
   // A zero-byte receive still completes (in stream order) so that its callback runs.
-  q.items.push_back(Item{static_cast<char*>(data), n, 0, cookie});
+  q.items.emplace_back(static_cast<char*>(data), n, cookie);
   q.posted += n;
 }
 
@@ -78,14 +80,12 @@ void Exchange::swap_with_all(const void* mine, void* theirs, size_t n) {
 }
 
 void Exchange::recv_reduce(int peer, void* out, const void* other, size_t n, ReduceFn fn,
-                           size_t elem, uint64_t cookie, int gate_peer, uint64_t gate_bytes) {
+                           size_t elem, uint64_t cookie, Gate gate) {
   auto& q = recvs_[peer];
-  Item it{static_cast<char*>(out), n, 0, cookie};
+  Item it(static_cast<char*>(out), n, cookie, gate);
   it.other = static_cast<const char*>(other);
   it.fn = fn;
   it.elem = elem;
-  it.gate_peer = gate_peer;
-  it.gate_bytes = gate_bytes;
   q.items.push_back(it);
   q.posted += n;
 }
@@ -96,10 +96,43 @@ void Exchange::check_aborted() const {
   }
 }
 
+bool Exchange::open(Item& it) {
+  Gate& g = it.gate;
+  if (g.peer >= 0 && sends_[g.peer].moved < g.sent) return false;
+  if (g.arrivals != nullptr) {
+    if (!g.arrivals->arrived(g.piece)) return false;
+    g.arrivals = nullptr;
+  }
+  return true;
+}
+
+bool Exchange::send_ready(int peer) {
+  auto& q = sends_[peer];
+  return q.pending() && open(q.items[q.head]);
+}
+
+bool Exchange::recv_ready(int peer) {
+  auto& q = recvs_[peer];
+  return q.pending() && open(q.items[q.head]);
+}
+
+const Exchange::Item* Exchange::held_by_arrivals() {
+  for (auto* qs : {&sends_, &recvs_}) {
+    for (auto& q : *qs) {
+      if (!q.pending()) continue;
+      Item& it = q.items[q.head];
+      if (it.gate.arrivals != nullptr && !open(it)) return &it;
+    }
+  }
+  return nullptr;
+}
+
 bool Exchange::progress_send(int peer) {
   auto& q = sends_[peer];
+  if (!send_ready(peer)) return false;
   int count = 0;
   for (size_t i = q.head; i < q.items.size() && count < kMaxIov; ++i, ++count) {
+    if (i > q.head && !open(q.items[i])) break;
     iov_[count].iov_base = q.items[i].data + q.items[i].done;
     iov_[count].iov_len = q.items[i].size - q.items[i].done;
   }
@@ -118,13 +151,6 @@ bool Exchange::progress_send(int peer) {
   return true;
 }
 
-bool Exchange::recv_ready(int peer) const {
-  const auto& q = recvs_[peer];
-  if (!q.pending()) return false;
-  const Item& it = q.items[q.head];
-  return it.gate_peer < 0 || sends_[it.gate_peer].moved >= it.gate_bytes;
-}
-
 bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   auto& q = recvs_[peer];
   if (!recv_ready(peer)) return false;
@@ -132,6 +158,7 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   int count = 0;
   for (size_t i = q.head; i < q.items.size() && count < kMaxIov; ++i) {
     if (q.items[i].fn != nullptr) break;  // a reduce item is read on its own
+    if (i > q.head && !open(q.items[i])) break;
     size_t left = q.items[i].size - q.items[i].done;
     if (left == 0) {
       if (count == 0) break;  // a zero-byte item at the head completes below
@@ -153,7 +180,7 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   // Complete items in order; the callback may append to q.items (so index, never hold refs).
   while (q.head < q.items.size()) {
     Item& it = q.items[q.head];
-    if (it.fn != nullptr) break;
+    if (it.fn != nullptr || !open(it)) break;
     size_t take = std::min(left, it.size - it.done);
     it.done += take;
     left -= take;
@@ -342,23 +369,26 @@ void Exchange::wait_for_io() {
   check_aborted();
   pollfds_.clear();
   poll_peers_.clear();
+  // A transfer held by arrivals waits for a copy that no descriptor signals: sleep briefly
+  // instead of until the next I/O (a piece's copy takes microseconds).
+  const bool held = held_by_arrivals() != nullptr;
   int waiting = 0, only = -1;
   for (int p = 0; p < size(); ++p) {
-    if (p == rank_ || !(sends_[p].pending() || recv_ready(p))) continue;
+    if (p == rank_ || !(send_ready(p) || recv_ready(p))) continue;
     ++waiting;
     only = p;
   }
-  if (waiting == 1 && wait_alone_ && peers_[only]->can_wait_alone()) {
+  if (!held && waiting == 1 && wait_alone_ && peers_[only]->can_wait_alone()) {
     // One peer to wait for (world 2, or a ring whose send has left): its own sleep, no poll.
-    if (!peers_[only]->wait_alone(recv_ready(only), sends_[only].pending(), deadline_)) {
+    if (!peers_[only]->wait_alone(recv_ready(only), send_ready(only), deadline_)) {
       fail_timeout();
     }
     return;
   }
   for (int p = 0; p < size(); ++p) {
     if (p == rank_) continue;
-    bool want_write = sends_[p].pending();
-    bool want_read = recv_ready(p);  // a gated receive waits for the send, not the socket
+    bool want_write = send_ready(p);
+    bool want_read = recv_ready(p);  // a gated receive waits for its gate, not the socket
     if (!want_write && !want_read) continue;
     ::pollfd pfd{};
     if (!peers_[p]->prepare_wait(want_read, want_write, pfd)) {
@@ -370,8 +400,14 @@ void Exchange::wait_for_io() {
     poll_peers_.push_back(p);
   }
   for (;;) {
-    int rc = ::poll(pollfds_.data(), pollfds_.size(), net::poll_ms(deadline_));
-    if (rc > 0) break;
+    int rc;
+    if (held) {
+      ::timespec brief{0, kHeldWaitNs};
+      rc = ::ppoll(pollfds_.data(), pollfds_.size(), &brief, nullptr);
+    } else {
+      rc = ::poll(pollfds_.data(), pollfds_.size(), net::poll_ms(deadline_));
+    }
+    if (rc > 0 || (rc == 0 && held && Clock::now() < deadline_)) break;
     if (rc < 0 && errno != EINTR) {
       TDIST_THROW(NetworkError, where(), ": poll failed: ", net::errno_text(errno));
     }
@@ -411,6 +447,10 @@ void Exchange::fail_timeout() {
     waiting += str(waiting.empty() ? "" : "; ", "rank ", p, " (received ", r.moved, " of the ",
                    r.posted, " bytes posted so far from it, sent ", s.moved, " of ", s.posted,
                    " to it)");
+  }
+  if (const Item* it = held_by_arrivals()) {
+    waiting += str(waiting.empty() ? "" : "; ", "the copy of this rank's buffer to host memory (piece ",
+                   it->gate.piece, ")");
   }
   TDIST_THROW(TimeoutError, where(), ": Timed out after ", ms, " ms waiting for ", waiting);
 }

@@ -34,6 +34,25 @@ namespace tdist::comm::detail {
 
 using Clock = std::chrono::steady_clock;
 
+// Memory that another engine fills while an operation runs, piece by piece in a fixed order (a
+// device-to-host copy: Note [Overlapped staging] in algorithms/algorithms.h). arrived(k) says,
+// without blocking, whether pieces 0..k hold their values.
+class Arrivals {
+ public:
+  virtual ~Arrivals() = default;
+  virtual bool arrived(size_t piece) = 0;
+};
+
+// What a posted transfer waits for before it touches its memory: `sent` bytes of this operation
+// sent to `peer` (flow control: an algorithm reuses memory after those bytes left), and piece
+// `piece` of `arrivals` (the memory's values are still being copied in).
+struct Gate {
+  int peer = -1;
+  uint64_t sent = 0;
+  Arrivals* arrivals = nullptr;
+  size_t piece = 0;
+};
+
 class Exchange {
  public:
   // `peers` indexed by rank (nullptr at `rank`); `aborted` is the group's abort flag.
@@ -48,16 +67,16 @@ class Exchange {
   uint64_t seq() const { return seq_; }
 
   // Posts `n` bytes to send to / receive from `peer` (appended to that peer's stream).
-  // Zero-byte posts are ignored. The memory must stay valid until run() returns.
-  void send(int peer, const void* data, size_t n);
+  // Zero-byte posts are ignored. The memory must stay valid until run() returns. A send does not
+  // start before its gate opens (nor does anything posted after it to the same peer).
+  void send(int peer, const void* data, size_t n, Gate gate = {});
   void recv(int peer, void* data, size_t n, uint64_t cookie = 0);
   // Receives `n` bytes (whole elements of `elem` bytes) and reduces them as they arrive:
   // out = other op incoming (`out` may alias `other`). On shared memory the kernel reads the
   // ring directly (no copy); on TCP through a bounce buffer. `out` must not be sent meanwhile.
-  // With gate_peer >= 0 the receive does not start before `gate_bytes` of this operation have
-  // been sent to gate_peer (flow control: the algorithm reuses `out` after those bytes left).
+  // The receive does not start before its gate opens.
   void recv_reduce(int peer, void* out, const void* other, size_t n, ReduceFn fn, size_t elem,
-                   uint64_t cookie = 0, int gate_peer = -1, uint64_t gate_bytes = 0);
+                   uint64_t cookie = 0, Gate gate = {});
 
   // Progresses every posted transfer until all are complete. fn(peer, cookie) runs for every
   // completed receive in stream order (it may post more). Throws as described above.
@@ -84,15 +103,15 @@ class Exchange {
 
  private:
   struct Item {
+    Item(char* d, size_t n, uint64_t c, Gate g = {}) : data(d), size(n), cookie(c), gate(g) {}
     char* data;
     size_t size;
-    size_t done;
+    size_t done = 0;
     uint64_t cookie;
     const char* other = nullptr;  // recv_reduce: the second operand
     ReduceFn fn = nullptr;        // recv_reduce: the kernel
     size_t elem = 0;              // recv_reduce: element bytes
-    int gate_peer = -1;           // starts once sends_[gate_peer].moved >= gate_bytes
-    uint64_t gate_bytes = 0;
+    Gate gate;                    // the item starts once it is open (Exchange::open)
   };
   struct Queue {
     std::vector<Item> items;
@@ -108,8 +127,13 @@ class Exchange {
   }
 
   void run_impl(Callback cb, void* ctx);
-  // Whether the head receive from `peer` may read (pending and not held by its gate).
-  bool recv_ready(int peer) const;
+  // Whether an item's gate is open (an arrival seen once is remembered in the gate).
+  bool open(Item& it);
+  // Whether the head send to / receive from `peer` may move bytes (pending and open).
+  bool send_ready(int peer);
+  bool recv_ready(int peer);
+  // The first pending head item held by its arrivals alone, or null.
+  const Item* held_by_arrivals();
   bool progress_send(int peer);
   bool progress_recv(int peer, Callback cb, void* ctx);
   bool progress_reduce(int peer, Callback cb, void* ctx);

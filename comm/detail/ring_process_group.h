@@ -143,6 +143,9 @@ class RingProcessGroup final : public ProcessGroup {
   std::exception_ptr aborted_error(const char* name, uint64_t seq) const;
   Millis effective(Millis timeout) const { return timeout.count() < 0 ? opts_.timeout : timeout; }
   algorithms::ReduceSpec reduce_spec(const at::Tensor& t, ReduceOp op) const;
+  // The algorithm allreduce_flat runs for `count` elements of `elem` bytes.
+  enum class AllreduceAlgo { kRecursiveDoubling, kHierarchical, kRing };
+  AllreduceAlgo allreduce_algorithm(size_t count, size_t elem) const;
   void allreduce_flat(algorithms::Context& c, char* data, size_t count,
                       const algorithms::ReduceSpec& rs) const;
   // Single copy from a size on (Note [Single-copy collectives]), else the pipelined chain / ring.

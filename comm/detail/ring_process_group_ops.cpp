@@ -107,21 +107,48 @@ algo::ReduceSpec RingProcessGroup::reduce_spec(const at::Tensor& t, ReduceOp op)
                           reduce_kernel(t.scalar_type(), op)};
 }
 
+RingProcessGroup::AllreduceAlgo RingProcessGroup::allreduce_algorithm(size_t count,
+                                                                     size_t elem) const {
+  bool small = count * elem <= small_allreduce_bytes_ || count < static_cast<size_t>(size_);
+  if (allreduce_algo_ == "recursive_doubling" || (allreduce_algo_ == "auto" && small)) {
+    return AllreduceAlgo::kRecursiveDoubling;
+  }
+  if (hierarchy_ && allreduce_algo_ != "ring") return AllreduceAlgo::kHierarchical;
+  return AllreduceAlgo::kRing;
+}
+
 void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count,
                                       const algo::ReduceSpec& rs) const {
-  bool small = count * rs.elem_size <= small_allreduce_bytes_ || count < static_cast<size_t>(size_);
-  if (allreduce_algo_ == "recursive_doubling" || (allreduce_algo_ == "auto" && small)) {
-    algo::allreduce_recursive_doubling(c, data, count, rs);
-  } else if (hierarchy_ && allreduce_algo_ != "ring") {
-    algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
-  } else {
-    algo::allreduce_ring(c, data, count, rs);
+  switch (allreduce_algorithm(count, rs.elem_size)) {
+    case AllreduceAlgo::kRecursiveDoubling:
+      algo::allreduce_recursive_doubling(c, data, count, rs);
+      break;
+    case AllreduceAlgo::kHierarchical:
+      algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
+      break;
+    case AllreduceAlgo::kRing:
+      algo::allreduce_ring(c, data, count, rs);
+      break;
   }
 }
 
 std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const AllreduceOptions& opts) {
   check_stageable(tensor, "allreduce", "the tensor");
   auto rs = reduce_spec(tensor, opts.op);
+  const auto count = static_cast<size_t>(tensor.numel());
+  if (allreduce_algorithm(count, rs.elem_size) == AllreduceAlgo::kRing &&
+      StagedTensor::wanted(tensor, size_)) {
+    // Note [Overlapped staging]: the copies in start now, on the caller's stream.
+    auto staged = std::make_shared<StagedTensor>(
+        tensor, algo::ring_allreduce_pieces(count, rs.elem_size, size_, rank_,
+                                            StagedTensor::piece_bytes()));
+    return enqueue("allreduce", opts.timeout, fingerprint(debug_detail_, &tensor, int(opts.op)),
+                   [staged, count, rs](algo::Context& c) {
+                     algo::allreduce_ring(c, staged->data(), count, rs, staged.get());
+                     staged->complete();
+                     return Value{staged->tensor()};
+                   });
+  }
   Contig buf(tensor);
   return enqueue("allreduce", opts.timeout, fingerprint(debug_detail_, &tensor, int(opts.op)),
                  [this, buf, rs](algo::Context& c) {

@@ -13,8 +13,16 @@
 // that waits on it may use them from any stream. Host copies of CUDA tensors are pinned, from
 // PyTorch's caching host allocator, so the memory of one step is reused by the next.
 // The ranks need not agree on devices: a CPU tensor on one rank meets a CUDA tensor on another.
+// A large ring allreduce overlaps both copies with its transfers instead (StagedTensor, Note
+// [Overlapped staging] in algorithms/algorithms.h).
 
 #include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "tdist/comm/algorithms/algorithms.h"
 
 namespace tdist::comm::detail {
 
@@ -25,5 +33,63 @@ void check_stageable(const at::Tensor& t, const char* op, const char* what);
 // A contiguous CPU tensor with t's values (conjugate and negative views resolved): t itself when
 // it already is one, else a copy (pinned host memory for a CUDA tensor).
 at::Tensor host_values(const at::Tensor& t);
+
+// A tensor's bytes staged through host memory piece by piece (Note [Overlapped staging]): the
+// copies in are queued on the caller's current stream at construction, in `order`; finished
+// ranges are coalesced and copied out on a side stream; complete() waits for all of it.
+class StagedTensor final : public algorithms::Staging {
+ public:
+  // Whether an operation on `t` over a group of `size` ranks stages it piecewise: a contiguous
+  // CUDA tensor (a CPU one under the testing hook) without a conjugate or negative bit, of at
+  // least two pieces, with a peer.
+  static bool wanted(const at::Tensor& t, int size);
+  // The piece size (kPieceBytes, or the testing hook's).
+  static size_t piece_bytes();
+  static constexpr size_t kPieceBytes = size_t{1} << 20;
+
+  StagedTensor(at::Tensor t, std::vector<algorithms::ByteRange> order);
+  ~StagedTensor() override;
+  StagedTensor(const StagedTensor&) = delete;
+  StagedTensor& operator=(const StagedTensor&) = delete;
+
+  const at::Tensor& tensor() const { return tensor_; }
+  char* data() const { return static_cast<char*>(host_.data_ptr()); }
+
+  bool arrived(size_t piece) override;
+  void finished(size_t begin, size_t end) override;
+  // Copies out what is pending and waits until every copy is done: the tensor then holds the
+  // host buffer's values.
+  void complete();
+
+  // How the bytes move: device copies and events, or the testing hook's copy thread.
+  class Engine {
+   public:
+    virtual ~Engine() = default;
+    virtual bool arrived(size_t piece) = 0;
+    virtual void copy_out(size_t begin, size_t end) = 0;
+    virtual void drain() = 0;
+  };
+
+ private:
+  void flush();
+
+  at::Tensor tensor_;
+  at::Tensor host_;
+  std::unique_ptr<Engine> engine_;
+  size_t piece_;      // piece_bytes() when constructed
+  size_t known_ = 0;  // pieces 0..known_-1 have arrived
+  algorithms::ByteRange pending_{0, 0};  // finished, not yet copied out
+};
+
+// Testing hook: stage CPU tensors too, through a thread that copies each piece after `delay`
+// (so that a transfer that ran ahead of its piece would read the garbage the host buffer starts
+// with), in pieces of `piece_bytes`. The default turns it off. Process-wide; set it while no
+// operation runs.
+struct StagingForTests {
+  bool cpu = false;
+  size_t piece_bytes = StagedTensor::kPieceBytes;
+  std::chrono::microseconds delay{0};
+};
+void set_staging_for_tests(const StagingForTests& s);
 
 }  // namespace tdist::comm::detail

@@ -1,0 +1,120 @@
+// Overlapped staging (Note [Overlapped staging] in algorithms.h) without a GPU: the testing hook
+// stages CPU tensors through a copy thread that fills the host buffer piece by piece, late, over
+// a buffer that starts as garbage (0xff bytes: NaN, -1), and copies results out as the ring
+// finishes them. A transfer that ran ahead of its piece, or a chunk copied out before it was
+// final or never, shows in the results.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tdist/comm/detail/staging.h"
+#include "tests/comm/comm_test_util.h"
+
+namespace tdist::comm {
+namespace {
+
+using detail::StagingForTests;
+
+class HookGuard {
+ public:
+  explicit HookGuard(const StagingForTests& s) { detail::set_staging_for_tests(s); }
+  ~HookGuard() { detail::set_staging_for_tests(StagingForTests{}); }
+};
+
+StagingForTests hook(size_t piece_bytes, int delay_us) {
+  StagingForTests s;
+  s.cpu = true;
+  s.piece_bytes = piece_bytes;
+  s.delay = std::chrono::microseconds(delay_us);
+  return s;
+}
+
+// Parameters: world size and transport.
+class OverlappedStaging : public ::testing::TestWithParam<std::tuple<int, const char*>> {
+ protected:
+  int world() const { return std::get<0>(GetParam()); }
+  std::string transport() const { return std::get<1>(GetParam()); }
+};
+
+// Every rank allreduces tensors of each length with the ring; `unstaged_rank` (if >= 0) passes
+// a non-contiguous view, which is not staged, so it meets the staged ranks in one ring.
+void check(int world, const std::string& transport, const std::string& algo, size_t chunk_bytes,
+           const StagingForTests& s, const std::vector<int64_t>& lengths, int unstaged_rank = -1) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport},
+                                                 {"TDIST_ALLREDUCE_ALGO", algo},
+                                                 {"TDIST_CHUNK_BYTES", std::to_string(chunk_bytes)}});
+  HookGuard on(s);
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, world, test::test_options());
+    for (int64_t n : lengths) {
+      for (auto t : {c10::ScalarType::Float, c10::ScalarType::Double, c10::ScalarType::Int}) {
+        for (auto op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
+          if (!test::op_supported(t, op)) continue;
+          SCOPED_TRACE(str("n=", n, " ", c10::toString(t), " ", to_string(op)));
+          at::Tensor x = test::make_input(t, op, n, rank);
+          if (rank == unstaged_rank) x = x.reshape({2, n / 2}).t().contiguous().t();
+          AllreduceOptions o;
+          o.op = op;
+          pg->allreduce(x, o)->wait();
+          std::vector<at::Tensor> all;
+          for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, op, n, r));
+          auto want = test::reference(all, op);
+          if (rank == unstaged_rank) want = want.reshape({2, n / 2});
+          ASSERT_TRUE(test::same(x, want)) << test::describe(x) << " vs " << test::describe(want);
+        }
+      }
+    }
+  });
+}
+
+// Pieces that split elements' worth of chunks unevenly (1000-byte pieces: 250 floats, 125
+// doubles; 333- and 4096-byte chunks), each piece late, lengths that do not divide by the world.
+TEST_P(OverlappedStaging, LatePiecesGiveExactResults) {
+  for (size_t chunk : {333, 4096}) {
+    SCOPED_TRACE(str("chunk ", chunk));
+    check(world(), transport(), "ring", chunk, hook(1000, 200), {1000, 10006});
+  }
+}
+
+// A rank that is not staged runs the same ring as the staged ones.
+TEST_P(OverlappedStaging, AStagedAndAnUnstagedRankReduceTogether) {
+  check(world(), transport(), "ring", 4096, hook(1000, 100), {10006}, /*unstaged_rank=*/0);
+}
+
+// The defaults (1 MiB pieces, 256 KiB chunks, the automatic algorithm choice) on buffers that
+// the ring serves.
+TEST_P(OverlappedStaging, DefaultPiecesAndChunks) {
+  check(world(), transport(), "auto", 256 * 1024, hook(detail::StagedTensor::kPieceBytes, 0),
+        {(int64_t(5) << 20) / 4 + 6});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorldsAndTransports, OverlappedStaging,
+    ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("auto", "tcp")),
+    [](const auto& info) {
+      return "world" + std::to_string(std::get<0>(info.param)) + "_" +
+             std::string(std::get<1>(info.param));
+    });
+
+// A copy that does not arrive within the timeout fails the operation on every rank, naming it;
+// the ranks do not hang.
+TEST(OverlappedStagingFailure, ACopyThatNeverArrivesTimesOutSayingSo) {
+  HookGuard on(hook(1000, 1500000));  // 1.5 s per piece
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"}});
+  tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options(Millis(300)));
+    auto x = torch::ones({500});  // two pieces
+    try {
+      pg->allreduce(x)->wait();
+      ADD_FAILURE() << "rank " << rank << ": the allreduce finished before its copy arrived";
+    } catch (const TimeoutError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("the copy of this rank's buffer to host memory (piece 0)"),
+                std::string::npos)
+          << msg;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace tdist::comm
