@@ -474,7 +474,8 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
     future->set_error(aborted_error(name, seq));
     return work;
   }
-  at::Tensor buffer = host_values(tensor);  // copied back into `tensor` after a recv
+  // A receive's buffer is copied back into `tensor` after it completes.
+  at::Tensor buffer = is_send ? host_values(tensor) : host_output(tensor);
   auto deadline = deadline_after(effective(timeout));
   std::weak_ptr<RecvWork> weak = work;
   auto done = [tensor, buffer, future, weak, is_send](int source, std::exception_ptr error) {

@@ -42,7 +42,10 @@ void check_root(int root, int size, const char* op) {
 struct Contig {
   at::Tensor orig;
   at::Tensor work;
-  explicit Contig(const at::Tensor& t) : orig(t), work(host_values(t)) {}
+  // An output's current values are not needed: every byte of it is written (host_output).
+  enum Use { kRead, kWriteOnly };
+  explicit Contig(const at::Tensor& t, Use use = kRead)
+      : orig(t), work(use == kRead ? host_values(t) : host_output(t)) {}
   char* data() const { return static_cast<char*>(work.data_ptr()); }
   size_t bytes() const { return static_cast<size_t>(work.numel()) * work.element_size(); }
   void write_back() const {
@@ -50,10 +53,10 @@ struct Contig {
   }
 };
 
-std::vector<Contig> contig_all(const std::vector<at::Tensor>& ts) {
+std::vector<Contig> contig_all(const std::vector<at::Tensor>& ts, Contig::Use use = Contig::kRead) {
   std::vector<Contig> out;
   out.reserve(ts.size());
-  for (const auto& t : ts) out.emplace_back(t);
+  for (const auto& t : ts) out.emplace_back(t, use);
   return out;
 }
 
@@ -211,7 +214,7 @@ void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
   check_stageable(tensor, "broadcast", "the tensor");
   check_root(opts.root, size_, "broadcast");
-  Contig buf(tensor);
+  Contig buf(tensor, rank_ == opts.root ? Contig::kRead : Contig::kWriteOnly);
   const int root = opts.root;
   return enqueue("broadcast", opts.timeout, fingerprint(debug_detail_, &tensor, -1, root),
                  [this, buf, root](algo::Context& c) {
@@ -241,7 +244,7 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
   check_count(outputs.size(), size_, "allgather", "output tensors");
   for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
   Contig in(input);
-  auto outs = contig_all(outputs);
+  auto outs = contig_all(outputs, Contig::kWriteOnly);
   return enqueue("allgather", opts.timeout, fingerprint(debug_detail_, &input),
                  [this, in, outs, outputs](algo::Context& c) {
                    std::vector<char*> blocks;
@@ -262,7 +265,7 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
   TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
                   output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
   Contig in(input);
-  Contig out(output);
+  Contig out(output, Contig::kWriteOnly);
   return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
                  [this, in, out](algo::Context& c) {
                    const size_t b = in.bytes();
@@ -290,7 +293,7 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
                     ") passes output tensors; rank ", rank_, " passed ", outputs.size());
   }
   Contig in(input);
-  auto outs = contig_all(outputs);
+  auto outs = contig_all(outputs, Contig::kWriteOnly);
   return enqueue("gather", opts.timeout, fingerprint(debug_detail_, &input, -1, root),
                  [this, in, outs, outputs, root](algo::Context& c) {
                    std::vector<char*> blocks;
@@ -314,7 +317,7 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
     TDIST_CHECK_ARG(inputs.empty(), "scatter: only the root (rank ", root,
                     ") passes input tensors; rank ", rank_, " passed ", inputs.size());
   }
-  Contig out(output);
+  Contig out(output, Contig::kWriteOnly);
   auto ins = contig_all(inputs);
   return enqueue("scatter", opts.timeout, fingerprint(debug_detail_, &output, -1, root),
                  [this, out, ins, root](algo::Context& c) {
@@ -334,7 +337,7 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
   check_count(inputs.size(), size_, "reduce_scatter", "input tensors");
   for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "reduce_scatter", "inputs", i);
   auto rs = reduce_spec(output, opts.op);
-  Contig out(output);
+  Contig out(output, Contig::kWriteOnly);
   auto ins = contig_all(inputs);
   return enqueue("reduce_scatter", opts.timeout, fingerprint(debug_detail_, &output, int(opts.op)),
                  [out, ins, rs](algo::Context& c) {
@@ -355,7 +358,7 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
   TDIST_CHECK_ARG(input.numel() == output.numel() * size_, "reduce_scatter_tensor: the input has ",
                   input.numel(), " elements but ", size_, " x ", output.numel(), " are needed");
   auto rs = reduce_spec(output, opts.op);
-  Contig out(output);
+  Contig out(output, Contig::kWriteOnly);
   Contig in(input);
   return enqueue("reduce_scatter_tensor", opts.timeout,
                  fingerprint(debug_detail_, &output, int(opts.op)),
@@ -393,7 +396,7 @@ std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Ten
   TDIST_CHECK_ARG(send_bytes[rank_] == recv_bytes[rank_], "alltoall_base: this rank sends ",
                   send_bytes[rank_], " bytes to itself but expects ", recv_bytes[rank_]);
   Contig in(input);
-  Contig out(output);
+  Contig out(output, Contig::kWriteOnly);
   // With explicit splits the shapes legitimately differ between ranks: compare the dtype only.
   auto fp = equal ? fingerprint(debug_detail_, &input)
                   : fingerprint(debug_detail_, &input, -1, -1, {{}});
@@ -427,7 +430,7 @@ std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs
                   "] has ", inputs[rank_].numel(), " elements but outputs[", rank_, "] has ",
                   outputs[rank_].numel());
   auto ins = contig_all(inputs);
-  auto outs = contig_all(outputs);
+  auto outs = contig_all(outputs, Contig::kWriteOnly);
   Fingerprint fp = fingerprint(debug_detail_, &inputs[0], -1, -1, {{}});
   return enqueue("alltoall", opts.timeout, fp, [ins, outs, outputs](algo::Context& c) {
     std::vector<const char*> send;

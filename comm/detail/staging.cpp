@@ -137,6 +137,11 @@ at::Tensor host_values(const at::Tensor& t) {
   return host;
 }
 
+at::Tensor host_output(const at::Tensor& t) {
+  if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) return t;
+  return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
+}
+
 void set_staging_for_tests(const StagingForTests& s) {
   std::lock_guard<std::mutex> lock(hook_mu);
   hook = s;

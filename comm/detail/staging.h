@@ -5,9 +5,11 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The ring backend serves CUDA tensors as well as CPU ones, so every operation works on GPUs
 // without NCCL, and with several ranks sharing one GPU (which NCCL refuses). An operation copies
-// each CUDA tensor into host memory on the caller's thread when it is issued (host_values: a
-// blocking copy on the caller's current stream, so every kernel queued before the call that
-// wrote the tensor is done first), runs on the host copies, and copies the results back into the
+// each CUDA tensor it reads into host memory on the caller's thread when it is issued
+// (host_values: a blocking copy on the caller's current stream, so every kernel queued before the
+// call that wrote the tensor is done first; a tensor it only writes, such as an allgather's
+// outputs or a receive's or a non-root broadcast's buffer, gets host memory without a copy:
+// host_output), runs on the host copies, and copies the results back into the
 // caller's tensors (Contig::write_back in ring_process_group_ops.cpp, a blocking copy) before the
 // Work completes. The Work's completion therefore means the results are on the device: a caller
 // that waits on it may use them from any stream. Host copies of CUDA tensors are pinned, from
@@ -33,6 +35,9 @@ void check_stageable(const at::Tensor& t, const char* op, const char* what);
 // A contiguous CPU tensor with t's values (conjugate and negative views resolved): t itself when
 // it already is one, else a copy (pinned host memory for a CUDA tensor).
 at::Tensor host_values(const at::Tensor& t);
+// The same for a tensor the operation only writes: its current values are not copied (new
+// memory, pinned for a CUDA tensor, unless t already is a contiguous CPU tensor).
+at::Tensor host_output(const at::Tensor& t);
 
 // A tensor's bytes staged through host memory piece by piece (Note [Overlapped staging]): the
 // copies in are queued on the caller's current stream at construction, in `order`; finished

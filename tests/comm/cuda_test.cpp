@@ -129,6 +129,19 @@ void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
     EXPECT_TRUE(x.is_cuda());
     EXPECT_TRUE(torch::allclose(x.cpu(), test::reference(all, op))) << to_string(op);
   }
+  // Large enough for overlapped staging (Note [Overlapped staging]): written by a kernel queued
+  // just before the call (the copies in wait for it on the same stream).
+  for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG}) {
+    auto base = torch::arange(int64_t(3) << 20, torch::kFloat).remainder(1000);  // 12 MiB
+    auto big = base.to(torch::kCUDA);
+    big.mul_(r + 1);
+    AllreduceOptions ao;
+    ao.op = op;
+    pg->allreduce(big, ao)->wait();
+    auto want = base * (n * (n + 1) / 2);
+    if (op == ReduceOp::AVG) want = want / n;
+    EXPECT_TRUE(torch::allclose(big.cpu(), want)) << to_string(op);
+  }
   auto ints = torch::full({3, 5}, r + 1, torch::kInt).to(torch::kCUDA).t();  // non-contiguous
   pg->allreduce(ints)->wait();
   EXPECT_TRUE(torch::equal(ints.cpu(), torch::full({5, 3}, n * (n + 1) / 2, torch::kInt)));
@@ -220,10 +233,27 @@ TEST(RingOnCuda, ACpuRankAndACudaRankReduceTogether) {
   SKIP_WITHOUT_GPUS(1);
   spawn(2, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, 2, ring_options());
-    auto x = torch::full({100}, rank + 1.0);
-    if (rank == 1) x = x.to(torch::kCUDA);
-    pg->allreduce(x)->wait();
-    EXPECT_TRUE(torch::equal(x.cpu(), torch::full({100}, 3.0)));
+    for (int64_t len : {int64_t(100), int64_t(3) << 20}) {  // the second one staged in pieces
+      auto x = torch::full({len}, rank + 1.0);
+      if (rank == 1) x = x.to(torch::kCUDA);
+      pg->allreduce(x)->wait();
+      EXPECT_TRUE(torch::equal(x.cpu(), torch::full({len}, 3.0))) << len;
+    }
+  });
+}
+
+// A staged allreduce whose peer never calls fails within the timeout (a timeout, or the lost
+// connection once the peer's group is gone), and leaves the tensor usable.
+TEST(RingOnCuda, AStagedAllreduceWhosePeerNeverCallsFails) {
+  SKIP_WITHOUT_GPUS(1);
+  spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+    auto o = ring_options();
+    o.timeout = Millis(500);
+    auto pg = create_process_group(store, rank, 2, o);
+    if (rank == 1) return;
+    auto big = torch::ones({int64_t(3) << 20}, torch::kCUDA);
+    EXPECT_THROW(pg->allreduce(big)->wait(), tdist::Error);
+    EXPECT_EQ(big.sum().item<double>(), double(3 << 20));  // copies done, memory intact
   });
 }
 
