@@ -23,6 +23,8 @@
 
 namespace tdist::comm::algorithms {
 
+class Staging;  // Note [Overlapped staging]
+
 // Reusable scratch memory of one group (grows, never shrinks; 64-byte aligned).
 class Scratch {
  public:
@@ -75,7 +77,6 @@ struct RingView {
 // partial); kAllgather starts from that state and sends each position's segment to all.
 // With `staging` (kBoth only) reads wait for the buffer's pieces and final chunks are finished.
 enum class RingPhases { kBoth, kReduceScatter, kAllgather };
-class Staging;
 void ring_phases(Context& c, const RingView& ring, char* data, size_t count, const ReduceSpec& rs,
                  RingPhases phases, Staging* staging = nullptr);
 inline size_t ring_segment_begin(size_t count, int segment, int size) {
@@ -112,15 +113,23 @@ struct ByteRange {
 // construction, and out again as an algorithm finishes parts of it (Note [Overlapped staging]).
 class Staging : public detail::Arrivals {
  public:
-  explicit Staging(std::vector<ByteRange> order);
+  // `base`: the host buffer; `order`: its pieces in arrival order (none for a buffer the
+  // operation only writes).
+  Staging(const char* base, std::vector<ByteRange> order);
   const std::vector<ByteRange>& order() const { return order_; }
   // The position in arrival order of the last piece that overlaps [begin, end) (pieces arrive in
   // order, so all of the range has arrived once that one has).
   size_t last_piece(size_t begin, size_t end) const;
   // Bytes [begin, end) of the buffer hold their final values and are no longer written.
   virtual void finished(size_t begin, size_t end) = 0;
+  // The same for the n bytes at p, inside the buffer.
+  void finished_at(const char* p, size_t n) {
+    const auto b = static_cast<size_t>(p - base_);
+    finished(b, b + n);
+  }
 
  private:
+  const char* base_;
   std::vector<ByteRange> order_;
   std::vector<std::pair<size_t, size_t>> by_offset_;  // (begin, position in order_), ascending
 };
@@ -185,8 +194,10 @@ void broadcast_pipelined(Context& c, char* data, size_t bytes, int root);
 // Broadcast by single copy between two ranks: the root writes the first half of `data` into
 // the other rank's, which reads the second half (both cores copy at once).
 void broadcast_single_copy(Context& c, char* data, size_t bytes, int root);
-// Allgather by single copy: every rank reads blocks[i] from rank i's blocks[i].
-void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes);
+// Allgather by single copy: every rank reads blocks[i] from rank i's blocks[i]. With `staging`
+// as for allgather_ring.
+void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes,
+                           Staging* staging = nullptr);
 
 // Reduces every rank's `input` into `output` on root along a chain ending at root, chunked and
 // pipelined. `output` is used on root only (it may alias `input`); non-root inputs are unchanged.
@@ -194,7 +205,9 @@ void reduce_chain(Context& c, const char* input, char* output, size_t count, con
                   int root);
 
 // blocks[i] (block_bytes each) receives rank i's block; blocks[rank] already holds this rank's.
-void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_bytes);
+// With `staging` (the blocks lie in its buffer) every received part is finished as it lands.
+void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_bytes,
+                    Staging* staging = nullptr);
 
 // Root: blocks[i] receives rank i's `input` (blocks[root] is filled by the caller).
 void gather_direct(Context& c, const char* input, const std::vector<char*>& blocks,

@@ -1,6 +1,7 @@
 // Ring allgather: every rank sends its block to the right neighbour and forwards, chunk by
 // chunk, each block it receives from the left (except the last one), so block i travels
-// i, i+1, ..., i-1 around the ring. Received chunks land directly in the output.
+// i, i+1, ..., i-1 around the ring. Received chunks land directly in the output (and are final
+// there at once: a staged output copies them out while the rest arrives).
 
 #include <algorithm>
 
@@ -8,7 +9,8 @@
 
 namespace tdist::comm::algorithms {
 
-void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_bytes) {
+void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_bytes,
+                    Staging* staging) {
   const int n = c.size;
   if (n == 1 || block_bytes == 0) return;
   const int r = c.rank;
@@ -26,10 +28,11 @@ void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_b
   }
   c.ex.run([&](int, uint64_t cookie) {
     int s = static_cast<int>(cookie / chunks_per_block);
-    if (s == n - 2) return;
     size_t off = (cookie % chunks_per_block) * chunk;
     char* block = blocks[(r - 1 - s + n) % n];
-    c.ex.send(right, block + off, std::min(chunk, block_bytes - off));
+    const size_t len = std::min(chunk, block_bytes - off);
+    if (staging != nullptr) staging->finished_at(block + off, len);
+    if (s < n - 2) c.ex.send(right, block + off, len);
   });
 }
 

@@ -54,7 +54,8 @@ struct Cursor {
 
 }  // namespace
 
-Staging::Staging(std::vector<ByteRange> order) : order_(std::move(order)) {
+Staging::Staging(const char* base, std::vector<ByteRange> order)
+    : base_(base), order_(std::move(order)) {
   by_offset_.reserve(order_.size());
   for (size_t i = 0; i < order_.size(); ++i) by_offset_.emplace_back(order_[i].begin, i);
   std::sort(by_offset_.begin(), by_offset_.end());

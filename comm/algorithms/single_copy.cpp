@@ -90,7 +90,8 @@ void broadcast_single_copy(Context& c, char* data, size_t bytes, int root) {
   all_passed(c);
 }
 
-void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes) {
+void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes,
+                           Staging* staging) {
   const int n = c.size;
   const int r = c.rank;
   if (n == 1 || block_bytes == 0) return;
@@ -99,6 +100,7 @@ void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t 
   for (int s = 1; s < n; ++s) {
     const int p = (r + s) % n;
     read_peer(c, p, addresses[p], blocks[p], block_bytes);
+    if (staging != nullptr) staging->finished_at(blocks[p], block_bytes);
   }
   all_passed(c);
 }

@@ -151,7 +151,7 @@ class RingProcessGroup final : public ProcessGroup {
   // Single copy from a size on (Note [Single-copy collectives]), else the pipelined chain / ring.
   void broadcast_bytes(algorithms::Context& c, char* data, size_t bytes, int root) const;
   void allgather_blocks(algorithms::Context& c, const std::vector<char*>& blocks,
-                        size_t block_bytes) const;
+                        size_t block_bytes, algorithms::Staging* staging = nullptr) const;
 
   static constexpr uint64_t kDefaultSingleCopyBytes = 256 << 10;
 

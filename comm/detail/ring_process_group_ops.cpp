@@ -203,11 +203,11 @@ void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t byte
 }
 
 void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char*>& blocks,
-                                        size_t block_bytes) const {
+                                        size_t block_bytes, algo::Staging* staging) const {
   if (size_ >= 3 && block_bytes >= single_copy_bytes_) {
-    algo::allgather_single_copy(c, blocks, block_bytes);
+    algo::allgather_single_copy(c, blocks, block_bytes, staging);
   } else {
-    algo::allgather_ring(c, blocks, block_bytes);
+    algo::allgather_ring(c, blocks, block_bytes, staging);
   }
 }
 
@@ -265,6 +265,21 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
   TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
                   output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
   Contig in(input);
+  if (StagedTensor::wanted(output, size_)) {
+    // Note [Overlapped staging]: each block goes back to the device as soon as it landed.
+    auto out = std::make_shared<StagedTensor>(output, std::vector<algo::ByteRange>{});
+    return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
+                   [this, in, out](algo::Context& c) {
+                     const size_t b = in.bytes();
+                     std::vector<char*> blocks;
+                     for (int i = 0; i < size_; ++i) blocks.push_back(out->data() + i * b);
+                     std::memcpy(blocks[rank_], in.data(), b);
+                     out->finished_at(blocks[rank_], b);
+                     allgather_blocks(c, blocks, b, out.get());
+                     out->complete();
+                     return Value{out->tensor()};
+                   });
+  }
   Contig out(output, Contig::kWriteOnly);
   return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
                  [this, in, out](algo::Context& c) {

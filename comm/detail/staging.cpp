@@ -28,6 +28,11 @@ StagingForTests current_hook() {
   return hook;
 }
 
+// Host memory for t's values (pinned for a CUDA tensor), not initialized.
+at::Tensor new_host_memory(const at::Tensor& t) {
+  return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
+}
+
 // A contiguous tensor's bytes as a flat byte tensor (same memory).
 at::Tensor bytes_of(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
 
@@ -102,7 +107,7 @@ class ThreadEngine final : public StagedTensor::Engine {
     size_t covered = 0;
     for (const ByteRange& r : outs_) {
       TDIST_CHECK(r.begin == covered, "staging: bytes from ", std::min(r.begin, covered),
-                  " were finished ", r.begin < covered ? "twice" : "never");
+                  r.begin < covered ? " were finished twice" : " were never finished");
       covered = r.end;
     }
     TDIST_CHECK(covered == bytes_, "staging: bytes from ", covered, " were never finished");
@@ -139,7 +144,7 @@ at::Tensor host_values(const at::Tensor& t) {
 
 at::Tensor host_output(const at::Tensor& t) {
   if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) return t;
-  return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
+  return new_host_memory(t);
 }
 
 void set_staging_for_tests(const StagingForTests& s) {
@@ -156,10 +161,14 @@ bool StagedTensor::wanted(const at::Tensor& t, int size) {
 }
 
 StagedTensor::StagedTensor(at::Tensor t, std::vector<ByteRange> order)
-    : Staging(std::move(order)), tensor_(std::move(t)), piece_(piece_bytes()) {
-  const bool cuda = tensor_.device().is_cuda();
-  host_ = at::empty(tensor_.sizes(), tensor_.options().device(at::kCPU).pinned_memory(cuda));
-  if (cuda) {
+    : StagedTensor(t, new_host_memory(t), std::move(order)) {}
+
+StagedTensor::StagedTensor(at::Tensor t, at::Tensor host, std::vector<ByteRange> order)
+    : Staging(static_cast<const char*>(host.data_ptr()), std::move(order)),
+      tensor_(std::move(t)),
+      host_(std::move(host)),
+      piece_(piece_bytes()) {
+  if (tensor_.device().is_cuda()) {
     engine_ = std::make_unique<DeviceEngine>(tensor_, host_, this->order());
   } else {
     std::memset(host_.data_ptr(), 0xff, host_.nbytes());

@@ -52,6 +52,7 @@ class StagedTensor final : public algorithms::Staging {
   static size_t piece_bytes();
   static constexpr size_t kPieceBytes = size_t{1} << 20;
 
+  // An empty order: the operation only writes the tensor, nothing is copied in.
   StagedTensor(at::Tensor t, std::vector<algorithms::ByteRange> order);
   ~StagedTensor() override;
   StagedTensor(const StagedTensor&) = delete;
@@ -76,6 +77,7 @@ class StagedTensor final : public algorithms::Staging {
   };
 
  private:
+  StagedTensor(at::Tensor t, at::Tensor host, std::vector<algorithms::ByteRange> order);
   void flush();
 
   at::Tensor tensor_;

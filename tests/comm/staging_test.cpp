@@ -1,8 +1,9 @@
 // Overlapped staging (Note [Overlapped staging] in algorithms.h) without a GPU: the testing hook
 // stages CPU tensors through a copy thread that fills the host buffer piece by piece, late, over
-// a buffer that starts as garbage (0xff bytes: NaN, -1), and copies results out as the ring
-// finishes them. A transfer that ran ahead of its piece, or a chunk copied out before it was
-// final or never, shows in the results.
+// a buffer that starts as garbage (0xff bytes: NaN, -1), and copies results out as the algorithm
+// finishes them. A transfer that ran ahead of its piece shows in the results; a part finished
+// twice (once before it was final) or never fails the operation (the hook's engine checks that
+// every byte was finished exactly once).
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -86,6 +87,37 @@ TEST_P(OverlappedStaging, AStagedAndAnUnstagedRankReduceTogether) {
 TEST_P(OverlappedStaging, DefaultPiecesAndChunks) {
   check(world(), transport(), "auto", 256 * 1024, hook(detail::StagedTensor::kPieceBytes, 0),
         {(int64_t(5) << 20) / 4 + 6});
+}
+
+// allgather_into_tensor into a staged output (each block copied out as it lands): through the
+// ring (world 2, or single copy off) and by single copy (from world 3), in place or not.
+TEST_P(OverlappedStaging, AllgatherIntoAStagedOutput) {
+  for (const char* single : {"0", "1"}) {
+    SCOPED_TRACE(str("TDIST_SINGLE_COPY=", single));
+    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                                                   {"TDIST_CHUNK_BYTES", "4096"},
+                                                   {"TDIST_SINGLE_COPY", single},
+                                                   {"TDIST_SINGLE_COPY_BYTES", "1024"}});
+    HookGuard on(hook(1000, 50));
+    const int w = world();
+    tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, w, test::test_options());
+      for (int64_t n : {1001, 20000}) {
+        for (bool in_place : {false, true}) {
+          SCOPED_TRACE(str("n=", n, in_place ? " in place" : ""));
+          auto want = torch::arange(n * w, torch::kDouble);
+          auto out = torch::full({n * w}, -7.0, torch::kDouble);
+          at::Tensor in = want.narrow(0, rank * n, n).clone();
+          if (in_place) {
+            out.narrow(0, rank * n, n).copy_(in);
+            in = out.narrow(0, rank * n, n);
+          }
+          pg->allgather_into_tensor(out, in)->wait();
+          ASSERT_TRUE(torch::equal(out, want)) << test::describe(out);
+        }
+      }
+    });
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
