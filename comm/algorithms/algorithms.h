@@ -57,9 +57,12 @@ struct ReduceSpec {
 };
 
 // Elements per pipelining chunk (at least 1).
-inline size_t chunk_elems(const Context& c, size_t elem_size) {
-  size_t n = c.chunk_bytes / elem_size;
+inline size_t chunk_elems(size_t chunk_bytes, size_t elem_size) {
+  size_t n = chunk_bytes / elem_size;
   return n == 0 ? 1 : n;
+}
+inline size_t chunk_elems(const Context& c, size_t elem_size) {
+  return chunk_elems(c.chunk_bytes, elem_size);
 }
 
 // A ring over some of the group's ranks: position i is group rank ranks[i] (the group itself,
@@ -127,6 +130,14 @@ class Staging : public detail::Arrivals {
     const auto b = static_cast<size_t>(p - base_);
     finished(b, b + n);
   }
+  // The gate of a transfer that reads the n bytes at p: the last piece holding them.
+  detail::Gate gate_for(const char* p, size_t n) {
+    const auto b = static_cast<size_t>(p - base_);
+    return detail::Gate{-1, 0, this, last_piece(b, b + n)};
+  }
+  // Posts the n bytes at p to `peer` split at piece boundaries, each part gated on its piece, so
+  // that the first parts leave before the last ones arrived.
+  void send(Context& c, int peer, const char* p, size_t n);
 
  private:
   const char* base_;
@@ -139,6 +150,14 @@ class Staging : public detail::Arrivals {
 // piece_bytes (whole elements).
 std::vector<ByteRange> ring_allreduce_pieces(size_t count, size_t elem, int size, int rank,
                                              size_t piece_bytes);
+
+// The pieces of a ring reduce-scatter's inputs (size blocks of count elements of elem bytes,
+// block b at byte b * count * elem) in the order reduce_scatter_ring reads them with
+// `chunk_bytes` chunks: round by round (as many rounds per piece as fit in piece_bytes), block
+// rank - 1, rank - 2, ..., rank in each; at world 2 block rank + 1 whole first (it is sent at
+// once).
+std::vector<ByteRange> reduce_scatter_pieces(size_t count, size_t elem, int size, int rank,
+                                             size_t chunk_bytes, size_t piece_bytes);
 
 // In place on `data` (count elements). Bandwidth-optimal: reduce-scatter then allgather around
 // the ring, chunked so that chunk k is reduced and forwarded while chunk k+1 is in flight.
@@ -217,8 +236,10 @@ void scatter_direct(Context& c, const std::vector<const char*>& blocks, char* ou
                     size_t block_bytes, int root);
 
 // output = reduction over ranks of inputs[rank] (count elements per block), around the ring.
+// With `staging` (world size > 1; the inputs lie in its buffer, in the order of
+// reduce_scatter_pieces) reads wait for the inputs' pieces.
 void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, char* output,
-                         size_t count, const ReduceSpec& rs);
+                         size_t count, const ReduceSpec& rs, Staging* staging = nullptr);
 
 // For tests: the largest scratch request (bytes) reduce_scatter_ring made in this process since
 // the last reset (every group and rank together).

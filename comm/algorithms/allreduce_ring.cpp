@@ -16,6 +16,7 @@
 //   reduce-scatter never writes segment r, the one sent first.
 
 #include <algorithm>
+#include <cstdint>
 
 #include "tdist/comm/algorithms/algorithms.h"
 #include "tdist/core/error.h"
@@ -73,6 +74,18 @@ size_t Staging::last_piece(size_t begin, size_t end) const {
   return last;
 }
 
+void Staging::send(Context& c, int peer, const char* p, size_t n) {
+  const auto b = static_cast<size_t>(p - base_), e = b + n;
+  // The pieces that overlap [b, e), by offset.
+  auto it = std::upper_bound(by_offset_.begin(), by_offset_.end(), std::make_pair(b, SIZE_MAX));
+  if (it != by_offset_.begin()) --it;
+  for (; it != by_offset_.end() && it->first < e; ++it) {
+    const ByteRange& piece = order_[it->second];
+    const size_t lo = std::max(b, piece.begin), hi = std::min(e, piece.end);
+    if (lo < hi) c.ex.send(peer, base_ + lo, hi - lo, detail::Gate{-1, 0, this, it->second});
+  }
+}
+
 std::vector<ByteRange> ring_allreduce_pieces(size_t count, size_t elem, int size, int rank,
                                              size_t piece_bytes) {
   const size_t step = std::max<size_t>(1, piece_bytes / elem) * elem;
@@ -100,31 +113,16 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
   const int end = phases == RingPhases::kReduceScatter ? 1 : 2;
 
   TDIST_CHECK(staging == nullptr || phases == RingPhases::kBoth, "staging needs both phases");
-  // A transfer that reads bytes [p, p + len) waits for the last piece holding them.
-  auto gate = [&](const char* p, size_t len) {
-    detail::Gate g;
-    if (staging != nullptr) {
-      const auto b = static_cast<size_t>(p - data);
-      g.arrivals = staging;
-      g.piece = staging->last_piece(b, b + len);
-    }
-    return g;
-  };
   // The first step sends this rank's own segment r (reduce-scatter) or the segment it reduced,
   // r + 1 (allgather); a staged segment goes piece by piece, each once it arrived.
   {
     const Cursor own{n, r, count, chunk, first, end};
     const int g = (r + first) % n;
-    const size_t b = own.seg_begin(g) * es, e = b + own.seg_len(g) * es;
+    char* seg = data + own.seg_begin(g) * es;
     if (staging == nullptr) {
-      c.ex.send(right, data + b, e - b);
+      c.ex.send(right, seg, own.seg_len(g) * es);
     } else {
-      const auto& order = staging->order();
-      for (size_t i = 0; i < order.size(); ++i) {
-        if (order[i].begin < b || order[i].end > e) continue;
-        c.ex.send(right, data + order[i].begin, order[i].end - order[i].begin,
-                  detail::Gate{-1, 0, staging, i});
-      }
+      staging->send(c, right, seg, own.seg_len(g) * es);
     }
   }
   // Every incoming chunk, in stream order; the cookie is the index in that order.
@@ -133,7 +131,9 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
   for (uint64_t i = 0; !post.done(); ++i) {
     char* dst = data + (post.seg_begin(post.seg()) + post.off) * es;
     if (post.phase == 0) {
-      c.ex.recv_reduce(left, dst, dst, post.len() * es, rs.fn, es, i, gate(dst, post.len() * es));
+      // A staged chunk waits for the last piece holding it.
+      const detail::Gate gate = staging ? staging->gate_for(dst, post.len() * es) : detail::Gate{};
+      c.ex.recv_reduce(left, dst, dst, post.len() * es, rs.fn, es, i, gate);
     } else {
       c.ex.recv(left, dst, post.len() * es, i);
     }

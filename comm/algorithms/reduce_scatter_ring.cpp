@@ -44,8 +44,30 @@ char* scratch(Context& c, size_t bytes) {
 size_t reduce_scatter_peak_scratch_bytes() { return peak_scratch.load(); }
 void reset_reduce_scatter_peak_scratch_bytes() { peak_scratch.store(0); }
 
+std::vector<ByteRange> reduce_scatter_pieces(size_t count, size_t elem, int size, int rank,
+                                             size_t chunk_bytes, size_t piece_bytes) {
+  std::vector<ByteRange> out;
+  const size_t block = count * elem;
+  auto add = [&](int b, size_t lo, size_t hi) {  // elements [lo, hi) of block b
+    if (lo < hi) out.push_back(ByteRange{b * block + lo * elem, b * block + hi * elem});
+  };
+  const int own = (rank + size - 1) % size;  // what step 0 sends
+  if (size == 2) {  // sent whole at once, then the other block round by round
+    const size_t per = std::max<size_t>(1, piece_bytes / elem);
+    for (size_t lo = 0; lo < count; lo += per) add(own, lo, std::min(count, lo + per));
+    for (size_t lo = 0; lo < count; lo += per) add(rank, lo, std::min(count, lo + per));
+    return out;
+  }
+  const size_t chunk = chunk_elems(chunk_bytes, elem);
+  const size_t per = chunk * std::max<size_t>(1, piece_bytes / (chunk * elem));  // whole rounds
+  for (size_t lo = 0; lo < count; lo += per) {
+    for (int s = 1; s <= size; ++s) add((rank - s + size) % size, lo, std::min(count, lo + per));
+  }
+  return out;
+}
+
 void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, char* output,
-                         size_t count, const ReduceSpec& rs) {
+                         size_t count, const ReduceSpec& rs, Staging* staging) {
   const int n = c.size;
   const int r = c.rank;
   const size_t es = rs.elem_size;
@@ -77,20 +99,31 @@ void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, cha
     return k * steps * chunk * es + (i % steps + 1) * len(k);
   };
 
-  c.ex.send(right, own, n == 2 ? bytes : len(0));
+  // A send or a reduction reading staged input waits for the last piece holding it.
+  auto send = [&](const char* p, size_t len) {
+    if (staging == nullptr) {
+      c.ex.send(right, p, len);
+    } else {
+      staging->send(c, right, p, len);
+    }
+  };
+  auto gate_for = [&](const char* p, size_t len) {
+    return staging == nullptr ? detail::Gate{} : staging->gate_for(p, len);
+  };
+  send(own, n == 2 ? bytes : len(0));
   for (size_t k = 0; k < rounds; ++k) {
     for (size_t s = 0; s < steps; ++s) {
       const int block = ((r - static_cast<int>(s) - 2) % n + 2 * n) % n;
       const char* other = inputs[block] + off(k);
       const uint64_t i = k * steps + s;
+      detail::Gate gate = gate_for(other, len(k));
       if (s + 1 == steps) {
-        c.ex.recv_reduce(left, output + off(k), other, len(k), rs.fn, es, i);
+        c.ex.recv_reduce(left, output + off(k), other, len(k), rs.fn, es, i, gate);
         continue;
       }
       // The slot's previous chunk (kSlots slot chunks back) must have been forwarded: that was
       // the send one position after its receive.
       const size_t u = k * (steps - 1) + s;
-      detail::Gate gate;
       if (u >= kSlots) {
         const size_t pk = (u - kSlots) / (steps - 1);
         const size_t ps = (u - kSlots) % (steps - 1);
@@ -106,7 +139,7 @@ void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, cha
     if (s + 1 == steps) return;
     c.ex.send(right, slot(k, s), len(k));  // position i + 1
     // That was round k's last send: round k + 1 starts with this rank's own input.
-    if (s + 2 == steps && k + 1 < rounds) c.ex.send(right, own + off(k + 1), len(k + 1));
+    if (s + 2 == steps && k + 1 < rounds) send(own + off(k + 1), len(k + 1));
   });
   if (rs.op == ReduceOp::AVG) detail::divide_in_place(output, rs.dtype, count, n);
 }

@@ -374,6 +374,23 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
                   input.numel(), " elements but ", size_, " x ", output.numel(), " are needed");
   auto rs = reduce_spec(output, opts.op);
   Contig out(output, Contig::kWriteOnly);
+  if (StagedTensor::wanted(input, size_)) {
+    // Note [Overlapped staging]: the input's copies in start now, on the caller's stream.
+    const auto count = static_cast<size_t>(output.numel());
+    auto in = std::make_shared<StagedTensor>(
+        input, algo::reduce_scatter_pieces(count, rs.elem_size, size_, rank_, chunk_bytes_,
+                                           StagedTensor::piece_bytes()));
+    return enqueue("reduce_scatter_tensor", opts.timeout,
+                   fingerprint(debug_detail_, &output, int(opts.op)),
+                   [this, out, in, count, rs](algo::Context& c) {
+                     std::vector<const char*> blocks;
+                     for (int i = 0; i < size_; ++i) blocks.push_back(in->data() + i * out.bytes());
+                     algo::reduce_scatter_ring(c, blocks, out.data(), count, rs, in.get());
+                     in->complete();
+                     out.write_back();
+                     return Value{out.orig};
+                   });
+  }
   Contig in(input);
   return enqueue("reduce_scatter_tensor", opts.timeout,
                  fingerprint(debug_detail_, &output, int(opts.op)),

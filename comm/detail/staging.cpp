@@ -99,9 +99,10 @@ class ThreadEngine final : public StagedTensor::Engine {
     std::memcpy(src_ + begin, host_ + begin, end - begin);
     outs_.push_back({begin, end});
   }
-  // Every byte must have been finished exactly once: a range finished before its values were
-  // final and again later would pass unseen otherwise.
+  // Every byte must have been finished exactly once (or none: a staged input): a range finished
+  // before its values were final and again later would pass unseen otherwise.
   void drain() override {
+    if (outs_.empty()) return;
     std::sort(outs_.begin(), outs_.end(),
               [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
     size_t covered = 0;

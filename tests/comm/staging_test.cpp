@@ -120,6 +120,36 @@ TEST_P(OverlappedStaging, AllgatherIntoAStagedOutput) {
   }
 }
 
+// reduce_scatter_tensor from a staged input (read piece by piece as the copies arrive), with
+// chunks smaller and larger than a piece, in place or not.
+TEST_P(OverlappedStaging, ReduceScatterFromAStagedInput) {
+  for (size_t chunk : {333, 4096}) {
+    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                                                   {"TDIST_CHUNK_BYTES", std::to_string(chunk)}});
+    HookGuard on(hook(1000, 50));
+    const int w = world();
+    tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, w, test::test_options());
+      for (int64_t n : {1001, 7000}) {
+        for (auto op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
+          for (bool in_place : {false, true}) {
+            SCOPED_TRACE(str("chunk ", chunk, " n=", n, " ", to_string(op), in_place ? " in place" : ""));
+            auto x = test::make_input(c10::ScalarType::Double, op, n * w, rank);
+            std::vector<at::Tensor> all;
+            for (int r = 0; r < w; ++r) all.push_back(test::make_input(c10::ScalarType::Double, op, n * w, r));
+            auto want = test::reference(all, op).narrow(0, rank * n, n);
+            at::Tensor out = in_place ? x.narrow(0, rank * n, n) : torch::empty({n}, torch::kDouble);
+            ReduceScatterOptions o;
+            o.op = op;
+            pg->reduce_scatter_tensor(out, x, o)->wait();
+            ASSERT_TRUE(test::same(out, want)) << test::describe(out) << " vs " << test::describe(want);
+          }
+        }
+      }
+    });
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     WorldsAndTransports, OverlappedStaging,
     ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("auto", "tcp")),
