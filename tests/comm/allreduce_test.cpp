@@ -39,9 +39,7 @@ void check_every_op_and_dtype(int world, const std::string& algo, const std::str
           AllreduceOptions o;
           o.op = op;
           pg->allreduce(x, o)->wait();
-          std::vector<at::Tensor> all;
-          for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, op, n, r));
-          auto want = test::reference(all, op);
+          auto want = test::expected(t, op, n, world);
           ASSERT_TRUE(test::same(x, want)) << test::describe(x) << " vs " << test::describe(want);
         }
       }
@@ -141,9 +139,7 @@ TEST(AllreduceShm, TinyOddRingWrapsAndSplitsElements) {
           // A 3-byte broadcast between allreduces leaves the stream at odd offsets.
           auto odd = torch::full({3}, rank == 0 ? 7 : 0, torch::kUInt8);
           pg->broadcast(odd)->wait();
-          std::vector<at::Tensor> all;
-          for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, ReduceOp::SUM, n, r));
-          ASSERT_TRUE(test::same(x, test::reference(all, ReduceOp::SUM))) << n << " " << t;
+          ASSERT_TRUE(test::same(x, test::expected(t, ReduceOp::SUM, n, world))) << n << " " << t;
           ASSERT_TRUE(torch::equal(odd, torch::full({3}, 7, torch::kUInt8)));
         }
       }

@@ -106,6 +106,13 @@ inline at::Tensor reference(const std::vector<at::Tensor>& inputs, ReduceOp op) 
   return r.to(t);
 }
 
+// The reduction of every rank's make_input(t, op, n, rank) over `world` ranks.
+inline at::Tensor expected(c10::ScalarType t, ReduceOp op, int64_t n, int world) {
+  std::vector<at::Tensor> all;
+  for (int r = 0; r < world; ++r) all.push_back(make_input(t, op, n, r));
+  return reference(all, op);
+}
+
 // Compares after widening (some dtypes, e.g. uint32, lack comparison kernels).
 inline bool same(const at::Tensor& got, const at::Tensor& want) {
   if (got.scalar_type() != want.scalar_type() || got.sizes() != want.sizes()) return false;

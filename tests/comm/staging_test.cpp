@@ -57,9 +57,7 @@ void check(int world, const std::string& transport, const std::string& algo, siz
           AllreduceOptions o;
           o.op = op;
           pg->allreduce(x, o)->wait();
-          std::vector<at::Tensor> all;
-          for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, op, n, r));
-          auto want = test::reference(all, op);
+          auto want = test::expected(t, op, n, world);
           if (rank == unstaged_rank) want = want.reshape({2, n / 2});
           ASSERT_TRUE(test::same(x, want)) << test::describe(x) << " vs " << test::describe(want);
         }
@@ -135,9 +133,7 @@ TEST_P(OverlappedStaging, ReduceScatterFromAStagedInput) {
           for (bool in_place : {false, true}) {
             SCOPED_TRACE(str("chunk ", chunk, " n=", n, " ", to_string(op), in_place ? " in place" : ""));
             auto x = test::make_input(c10::ScalarType::Double, op, n * w, rank);
-            std::vector<at::Tensor> all;
-            for (int r = 0; r < w; ++r) all.push_back(test::make_input(c10::ScalarType::Double, op, n * w, r));
-            auto want = test::reference(all, op).narrow(0, rank * n, n);
+            auto want = test::expected(c10::ScalarType::Double, op, n * w, w).narrow(0, rank * n, n);
             at::Tensor out = in_place ? x.narrow(0, rank * n, n) : torch::empty({n}, torch::kDouble);
             ReduceScatterOptions o;
             o.op = op;
