@@ -59,6 +59,8 @@
 
 namespace tdist::comm::detail {
 
+class StagedTensors;  // detail/staging.h
+
 class RingProcessGroup final : public ProcessGroup {
  public:
   // `root_store` is the store every group of this job shares; the group's own keys live under
@@ -152,6 +154,16 @@ class RingProcessGroup final : public ProcessGroup {
   void broadcast_bytes(algorithms::Context& c, char* data, size_t bytes, int root) const;
   void allgather_blocks(algorithms::Context& c, const std::vector<char*>& blocks,
                         size_t block_bytes, algorithms::Staging* staging = nullptr) const;
+  // Note [Overlapped staging]. An allgather of this rank's block_bytes at `in` into staged
+  // outputs (every rank's block in rank order), each block copied back as soon as it landed.
+  void allgather_staged(algorithms::Context& c, const char* in, size_t block_bytes,
+                        StagedTensors& out) const;
+  // Every rank's input block of `count` elements, in rank order, staged for a ring
+  // reduce-scatter (the copies in start now), and the reduce-scatter of them into `out`.
+  std::shared_ptr<StagedTensors> stage_reduce_scatter_inputs(std::vector<at::Tensor> inputs,
+                                                             size_t count, size_t elem) const;
+  void reduce_scatter_staged(algorithms::Context& c, StagedTensors& in, char* out, size_t count,
+                             const algorithms::ReduceSpec& rs) const;
 
   static constexpr uint64_t kDefaultSingleCopyBytes = 256 << 10;
 

@@ -140,16 +140,17 @@ std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const Allre
   auto rs = reduce_spec(tensor, opts.op);
   const auto count = static_cast<size_t>(tensor.numel());
   if (allreduce_algorithm(count, rs.elem_size) == AllreduceAlgo::kRing &&
-      StagedTensor::wanted(tensor, size_)) {
+      StagedTensors::wanted({tensor}, size_)) {
     // Note [Overlapped staging]: the copies in start now, on the caller's stream.
-    auto staged = std::make_shared<StagedTensor>(
-        tensor, algo::ring_allreduce_pieces(count, rs.elem_size, size_, rank_,
-                                            StagedTensor::piece_bytes()));
+    auto staged = std::make_shared<StagedTensors>(
+        std::vector<at::Tensor>{tensor},
+        algo::ring_allreduce_pieces(count, rs.elem_size, size_, rank_,
+                                    StagedTensors::piece_bytes()));
     return enqueue("allreduce", opts.timeout, fingerprint(debug_detail_, &tensor, int(opts.op)),
                    [staged, count, rs](algo::Context& c) {
                      algo::allreduce_ring(c, staged->data(), count, rs, staged.get());
                      staged->complete();
-                     return Value{staged->tensor()};
+                     return Value{staged->tensors()};
                    });
   }
   Contig buf(tensor);
@@ -211,6 +212,31 @@ void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char
   }
 }
 
+void RingProcessGroup::allgather_staged(algo::Context& c, const char* in, size_t block_bytes,
+                                        StagedTensors& out) const {
+  std::vector<char*> blocks;
+  for (int i = 0; i < size_; ++i) blocks.push_back(out.data() + i * block_bytes);
+  std::memcpy(blocks[rank_], in, block_bytes);
+  out.finished_at(blocks[rank_], block_bytes);
+  allgather_blocks(c, blocks, block_bytes, &out);
+  out.complete();
+}
+
+std::shared_ptr<StagedTensors> RingProcessGroup::stage_reduce_scatter_inputs(
+    std::vector<at::Tensor> inputs, size_t count, size_t elem) const {
+  return std::make_shared<StagedTensors>(
+      std::move(inputs), algo::reduce_scatter_pieces(count, elem, size_, rank_, chunk_bytes_,
+                                                     StagedTensors::piece_bytes()));
+}
+
+void RingProcessGroup::reduce_scatter_staged(algo::Context& c, StagedTensors& in, char* out,
+                                             size_t count, const algo::ReduceSpec& rs) const {
+  std::vector<const char*> blocks;
+  for (int i = 0; i < size_; ++i) blocks.push_back(in.data() + i * count * rs.elem_size);
+  algo::reduce_scatter_ring(c, blocks, out, count, rs, &in);
+  in.complete();
+}
+
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
   check_stageable(tensor, "broadcast", "the tensor");
   check_root(opts.root, size_, "broadcast");
@@ -244,6 +270,14 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
   check_count(outputs.size(), size_, "allgather", "output tensors");
   for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
   Contig in(input);
+  if (StagedTensors::wanted(outputs, size_)) {
+    auto out = std::make_shared<StagedTensors>(outputs, std::vector<algo::ByteRange>{});
+    return enqueue("allgather", opts.timeout, fingerprint(debug_detail_, &input),
+                   [this, in, out](algo::Context& c) {
+                     allgather_staged(c, in.data(), in.bytes(), *out);
+                     return Value{out->tensors()};
+                   });
+  }
   auto outs = contig_all(outputs, Contig::kWriteOnly);
   return enqueue("allgather", opts.timeout, fingerprint(debug_detail_, &input),
                  [this, in, outs, outputs](algo::Context& c) {
@@ -265,19 +299,13 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
   TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
                   output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
   Contig in(input);
-  if (StagedTensor::wanted(output, size_)) {
-    // Note [Overlapped staging]: each block goes back to the device as soon as it landed.
-    auto out = std::make_shared<StagedTensor>(output, std::vector<algo::ByteRange>{});
+  if (StagedTensors::wanted({output}, size_)) {
+    auto out = std::make_shared<StagedTensors>(std::vector<at::Tensor>{output},
+                                               std::vector<algo::ByteRange>{});
     return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
                    [this, in, out](algo::Context& c) {
-                     const size_t b = in.bytes();
-                     std::vector<char*> blocks;
-                     for (int i = 0; i < size_; ++i) blocks.push_back(out->data() + i * b);
-                     std::memcpy(blocks[rank_], in.data(), b);
-                     out->finished_at(blocks[rank_], b);
-                     allgather_blocks(c, blocks, b, out.get());
-                     out->complete();
-                     return Value{out->tensor()};
+                     allgather_staged(c, in.data(), in.bytes(), *out);
+                     return Value{out->tensors()};
                    });
   }
   Contig out(output, Contig::kWriteOnly);
@@ -353,6 +381,16 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
   for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "reduce_scatter", "inputs", i);
   auto rs = reduce_spec(output, opts.op);
   Contig out(output, Contig::kWriteOnly);
+  if (StagedTensors::wanted(inputs, size_)) {
+    const auto count = static_cast<size_t>(output.numel());
+    auto in = stage_reduce_scatter_inputs(inputs, count, rs.elem_size);
+    return enqueue("reduce_scatter", opts.timeout, fingerprint(debug_detail_, &output, int(opts.op)),
+                   [this, out, in, count, rs](algo::Context& c) {
+                     reduce_scatter_staged(c, *in, out.data(), count, rs);
+                     out.write_back();
+                     return Value{out.orig};
+                   });
+  }
   auto ins = contig_all(inputs);
   return enqueue("reduce_scatter", opts.timeout, fingerprint(debug_detail_, &output, int(opts.op)),
                  [out, ins, rs](algo::Context& c) {
@@ -374,19 +412,13 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
                   input.numel(), " elements but ", size_, " x ", output.numel(), " are needed");
   auto rs = reduce_spec(output, opts.op);
   Contig out(output, Contig::kWriteOnly);
-  if (StagedTensor::wanted(input, size_)) {
-    // Note [Overlapped staging]: the input's copies in start now, on the caller's stream.
+  if (StagedTensors::wanted({input}, size_)) {
     const auto count = static_cast<size_t>(output.numel());
-    auto in = std::make_shared<StagedTensor>(
-        input, algo::reduce_scatter_pieces(count, rs.elem_size, size_, rank_, chunk_bytes_,
-                                           StagedTensor::piece_bytes()));
+    auto in = stage_reduce_scatter_inputs({input}, count, rs.elem_size);
     return enqueue("reduce_scatter_tensor", opts.timeout,
                    fingerprint(debug_detail_, &output, int(opts.op)),
                    [this, out, in, count, rs](algo::Context& c) {
-                     std::vector<const char*> blocks;
-                     for (int i = 0; i < size_; ++i) blocks.push_back(in->data() + i * out.bytes());
-                     algo::reduce_scatter_ring(c, blocks, out.data(), count, rs, in.get());
-                     in->complete();
+                     reduce_scatter_staged(c, *in, out.data(), count, rs);
                      out.write_back();
                      return Value{out.orig};
                    });

@@ -28,32 +28,57 @@ StagingForTests current_hook() {
   return hook;
 }
 
+using Part = StagedTensors::Part;
+
 // Host memory for t's values (pinned for a CUDA tensor), not initialized.
 at::Tensor new_host_memory(const at::Tensor& t) {
   return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
 }
 
-// A contiguous tensor's bytes as a flat byte tensor (same memory).
-at::Tensor bytes_of(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+// One flat byte buffer for all of ts (pinned for CUDA tensors), not initialized.
+at::Tensor host_memory_for(const std::vector<at::Tensor>& ts) {
+  size_t bytes = 0;
+  for (const at::Tensor& t : ts) bytes += t.nbytes();
+  return at::empty({static_cast<int64_t>(bytes)},
+                   at::TensorOptions().dtype(at::kByte).pinned_memory(ts.front().device().is_cuda()));
+}
+
+at::Tensor byte_range(const at::Tensor& bytes, size_t begin, size_t end) {
+  return bytes.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(end - begin));
+}
+
+// f(part, begin, end) for every part's share [begin, end) (host offsets) of bytes [b, e).
+template <typename F>
+void for_parts(const std::vector<Part>& parts, size_t b, size_t e, F&& f) {
+  for (const Part& p : parts) {
+    const size_t lo = std::max(b, p.offset);
+    const size_t hi = std::min(e, p.offset + static_cast<size_t>(p.bytes.numel()));
+    if (lo < hi) f(p, lo, hi);
+  }
+}
 
 // Device-to-host copies on the caller's stream with an event after each piece; host-to-device
 // copies on a side stream from the pool.
-class DeviceEngine final : public StagedTensor::Engine {
+class DeviceEngine final : public StagedTensors::Engine {
  public:
-  DeviceEngine(const at::Tensor& dev, const at::Tensor& host, const std::vector<ByteRange>& order)
-      : dev_(bytes_of(dev)), host_(bytes_of(host)) {
-    c10::impl::VirtualGuardImpl impl(dev.device().type());
-    const c10::Stream caller = impl.getStream(dev.device());
-    side_ = impl.getStreamFromGlobalPool(dev.device());
+  DeviceEngine(std::vector<Part> parts, const at::Tensor& host, const std::vector<ByteRange>& order)
+      : parts_(std::move(parts)), host_(host) {
+    const c10::Device dev = parts_.front().bytes.device();
+    c10::impl::VirtualGuardImpl impl(dev.type());
+    const c10::Stream caller = impl.getStream(dev);
+    side_ = impl.getStreamFromGlobalPool(dev);
     events_.reserve(order.size());
-    for (const ByteRange& p : order) {
-      range(host_, p).copy_(range(dev_, p), /*non_blocking=*/true);
-      events_.emplace_back(dev.device().type());
+    for (const ByteRange& piece : order) {
+      for_parts(parts_, piece.begin, piece.end, [&](const Part& p, size_t lo, size_t hi) {
+        byte_range(host_, lo, hi).copy_(byte_range(p.bytes, lo - p.offset, hi - p.offset),
+                                        /*non_blocking=*/true);
+      });
+      events_.emplace_back(dev.type());
       events_.back().record(caller);
     }
   }
   ~DeviceEngine() override {
-    // A failed operation still has copies out in flight into the tensor's memory.
+    // A failed operation still has copies out in flight into the tensors' memory.
     try {
       side_.synchronize();
     } catch (const std::exception& e) {
@@ -63,32 +88,33 @@ class DeviceEngine final : public StagedTensor::Engine {
   bool arrived(size_t piece) override { return events_[piece].query(); }
   void copy_out(size_t begin, size_t end) override {
     c10::StreamGuard on(side_);
-    range(dev_, {begin, end}).copy_(range(host_, {begin, end}), /*non_blocking=*/true);
+    for_parts(parts_, begin, end, [&](const Part& p, size_t lo, size_t hi) {
+      byte_range(p.bytes, lo - p.offset, hi - p.offset)
+          .copy_(byte_range(host_, lo, hi), /*non_blocking=*/true);
+    });
   }
   void drain() override { side_.synchronize(); }
 
  private:
-  static at::Tensor range(const at::Tensor& t, ByteRange r) {
-    return t.narrow(0, static_cast<int64_t>(r.begin), static_cast<int64_t>(r.end - r.begin));
-  }
-  at::Tensor dev_, host_;
+  std::vector<Part> parts_;
+  at::Tensor host_;  // flat bytes
   c10::Stream side_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
   std::vector<c10::Event> events_;
 };
 
 // The testing hook: a thread copies the pieces in order, each after a delay; copies out are
 // immediate.
-class ThreadEngine final : public StagedTensor::Engine {
+class ThreadEngine final : public StagedTensors::Engine {
  public:
-  ThreadEngine(const at::Tensor& src, const at::Tensor& host, const std::vector<ByteRange>& order,
+  ThreadEngine(std::vector<Part> parts, const at::Tensor& host, const std::vector<ByteRange>& order,
                std::chrono::microseconds delay)
-      : bytes_(src.nbytes()),
-        src_(static_cast<char*>(src.data_ptr())),
-        host_(static_cast<char*>(host.data_ptr())) {
+      : parts_(std::move(parts)), host_(static_cast<char*>(host.data_ptr())), bytes_(host.numel()) {
     thread_ = std::thread([this, order, delay] {
       for (size_t i = 0; i < order.size(); ++i) {
         std::this_thread::sleep_for(delay);
-        std::memcpy(host_ + order[i].begin, src_ + order[i].begin, order[i].end - order[i].begin);
+        for_parts(parts_, order[i].begin, order[i].end, [&](const Part& p, size_t lo, size_t hi) {
+          std::memcpy(host_ + lo, tensor_at(p, lo), hi - lo);
+        });
         arrived_.store(i + 1, std::memory_order_release);
       }
     });
@@ -96,7 +122,9 @@ class ThreadEngine final : public StagedTensor::Engine {
   ~ThreadEngine() override { thread_.join(); }
   bool arrived(size_t piece) override { return piece < arrived_.load(std::memory_order_acquire); }
   void copy_out(size_t begin, size_t end) override {
-    std::memcpy(src_ + begin, host_ + begin, end - begin);
+    for_parts(parts_, begin, end, [&](const Part& p, size_t lo, size_t hi) {
+      std::memcpy(tensor_at(p, lo), host_ + lo, hi - lo);
+    });
     outs_.push_back({begin, end});
   }
   // Every byte must have been finished exactly once (or none: a staged input): a range finished
@@ -115,10 +143,13 @@ class ThreadEngine final : public StagedTensor::Engine {
   }
 
  private:
-  size_t bytes_;
+  static char* tensor_at(const Part& p, size_t host_offset) {
+    return static_cast<char*>(p.bytes.data_ptr()) + (host_offset - p.offset);
+  }
+  const std::vector<Part> parts_;
+  char* const host_;
+  const size_t bytes_;
   std::vector<ByteRange> outs_;
-  char* src_;
-  char* host_;
   std::atomic<size_t> arrived_{0};
   std::thread thread_;
 };
@@ -153,33 +184,47 @@ void set_staging_for_tests(const StagingForTests& s) {
   hook = s;
 }
 
-size_t StagedTensor::piece_bytes() { return current_hook().piece_bytes; }
+size_t StagedTensors::piece_bytes() { return current_hook().piece_bytes; }
 
-bool StagedTensor::wanted(const at::Tensor& t, int size) {
-  if (size < 2 || !t.is_contiguous() || t.is_conj() || t.is_neg()) return false;
-  if (!t.device().is_cuda() && !(t.device().is_cpu() && current_hook().cpu)) return false;
-  return static_cast<size_t>(t.numel()) * t.element_size() >= 2 * piece_bytes();
+bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size) {
+  if (size < 2 || ts.empty()) return false;
+  const c10::Device dev = ts.front().device();
+  if (!dev.is_cuda() && !(dev.is_cpu() && current_hook().cpu)) return false;
+  size_t bytes = 0;
+  for (const at::Tensor& t : ts) {
+    if (t.device() != dev || !t.is_contiguous() || t.is_conj() || t.is_neg()) return false;
+    bytes += t.nbytes();
+  }
+  return bytes >= 2 * piece_bytes();
 }
 
-StagedTensor::StagedTensor(at::Tensor t, std::vector<ByteRange> order)
-    : StagedTensor(t, new_host_memory(t), std::move(order)) {}
+StagedTensors::StagedTensors(std::vector<at::Tensor> ts, std::vector<ByteRange> order)
+    : StagedTensors(ts, host_memory_for(ts), std::move(order)) {}
 
-StagedTensor::StagedTensor(at::Tensor t, at::Tensor host, std::vector<ByteRange> order)
+StagedTensors::StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
+                             std::vector<ByteRange> order)
     : Staging(static_cast<const char*>(host.data_ptr()), std::move(order)),
-      tensor_(std::move(t)),
+      tensors_(std::move(ts)),
       host_(std::move(host)),
       piece_(piece_bytes()) {
-  if (tensor_.device().is_cuda()) {
-    engine_ = std::make_unique<DeviceEngine>(tensor_, host_, this->order());
+  std::vector<Part> parts;
+  size_t offset = 0;
+  for (const at::Tensor& t : tensors_) {
+    parts.push_back(Part{offset, t.reshape({-1}).view(at::kByte)});
+    offset += t.nbytes();
+  }
+  if (tensors_.front().device().is_cuda()) {
+    engine_ = std::make_unique<DeviceEngine>(std::move(parts), host_, this->order());
   } else {
-    std::memset(host_.data_ptr(), 0xff, host_.nbytes());
-    engine_ = std::make_unique<ThreadEngine>(tensor_, host_, this->order(), current_hook().delay);
+    std::memset(data(), 0xff, host_.nbytes());
+    engine_ = std::make_unique<ThreadEngine>(std::move(parts), host_, this->order(),
+                                             current_hook().delay);
   }
 }
 
-StagedTensor::~StagedTensor() = default;
+StagedTensors::~StagedTensors() = default;
 
-bool StagedTensor::arrived(size_t piece) {
+bool StagedTensors::arrived(size_t piece) {
   // Pieces arrive in order: remember how far they have.
   while (known_ <= piece) {
     if (!engine_->arrived(known_)) return false;
@@ -188,7 +233,7 @@ bool StagedTensor::arrived(size_t piece) {
   return true;
 }
 
-void StagedTensor::finished(size_t begin, size_t end) {
+void StagedTensors::finished(size_t begin, size_t end) {
   if (pending_.end == begin && pending_.end > pending_.begin) {
     pending_.end = end;  // the ring finishes each segment's chunks in ascending order
   } else {
@@ -198,12 +243,12 @@ void StagedTensor::finished(size_t begin, size_t end) {
   if (pending_.end - pending_.begin >= piece_) flush();
 }
 
-void StagedTensor::flush() {
+void StagedTensors::flush() {
   if (pending_.end > pending_.begin) engine_->copy_out(pending_.begin, pending_.end);
   pending_ = {0, 0};
 }
 
-void StagedTensor::complete() {
+void StagedTensors::complete() {
   flush();
   engine_->drain();
 }

@@ -15,7 +15,7 @@
 // that waits on it may use them from any stream. Host copies of CUDA tensors are pinned, from
 // PyTorch's caching host allocator, so the memory of one step is reused by the next.
 // The ranks need not agree on devices: a CPU tensor on one rank meets a CUDA tensor on another.
-// A large ring allreduce overlaps both copies with its transfers instead (StagedTensor, Note
+// A large ring allreduce overlaps both copies with its transfers instead (StagedTensors, Note
 // [Overlapped staging] in algorithms/algorithms.h).
 
 #include <ATen/core/Tensor.h>
@@ -39,34 +39,40 @@ at::Tensor host_values(const at::Tensor& t);
 // memory, pinned for a CUDA tensor, unless t already is a contiguous CPU tensor).
 at::Tensor host_output(const at::Tensor& t);
 
-// A tensor's bytes staged through host memory piece by piece (Note [Overlapped staging]): the
-// copies in are queued on the caller's current stream at construction, in `order`; finished
-// ranges are coalesced and copied out on a side stream; complete() waits for all of it.
-class StagedTensor final : public algorithms::Staging {
+// Tensors' bytes staged through host memory piece by piece (Note [Overlapped staging]): host
+// memory holds the tensors one after the other; the copies in are queued on the caller's current
+// stream at construction, in `order`; finished ranges are coalesced and copied out on a side
+// stream; complete() waits for all of it.
+class StagedTensors final : public algorithms::Staging {
  public:
-  // Whether an operation on `t` over a group of `size` ranks stages it piecewise: a contiguous
-  // CUDA tensor (a CPU one under the testing hook) without a conjugate or negative bit, of at
-  // least two pieces, with a peer.
-  static bool wanted(const at::Tensor& t, int size);
+  // Whether an operation over a group of `size` ranks stages `ts` piecewise: contiguous CUDA
+  // tensors of one device (CPU ones under the testing hook) without a conjugate or negative bit,
+  // of at least two pieces together, with a peer.
+  static bool wanted(const std::vector<at::Tensor>& ts, int size);
   // The piece size (kPieceBytes, or the testing hook's).
   static size_t piece_bytes();
   static constexpr size_t kPieceBytes = size_t{1} << 20;
 
-  // An empty order: the operation only writes the tensor, nothing is copied in.
-  StagedTensor(at::Tensor t, std::vector<algorithms::ByteRange> order);
-  ~StagedTensor() override;
-  StagedTensor(const StagedTensor&) = delete;
-  StagedTensor& operator=(const StagedTensor&) = delete;
+  // An empty order: the operation only writes the tensors, nothing is copied in.
+  StagedTensors(std::vector<at::Tensor> ts, std::vector<algorithms::ByteRange> order);
+  ~StagedTensors() override;
+  StagedTensors(const StagedTensors&) = delete;
+  StagedTensors& operator=(const StagedTensors&) = delete;
 
-  const at::Tensor& tensor() const { return tensor_; }
+  const std::vector<at::Tensor>& tensors() const { return tensors_; }
   char* data() const { return static_cast<char*>(host_.data_ptr()); }
 
   bool arrived(size_t piece) override;
   void finished(size_t begin, size_t end) override;
-  // Copies out what is pending and waits until every copy is done: the tensor then holds the
+  // Copies out what is pending and waits until every copy is done: the tensors then hold the
   // host buffer's values.
   void complete();
 
+  // A tensor's bytes at `offset` in the host buffer.
+  struct Part {
+    size_t offset;
+    at::Tensor bytes;  // the tensor's memory as a flat byte tensor
+  };
   // How the bytes move: device copies and events, or the testing hook's copy thread.
   class Engine {
    public:
@@ -77,10 +83,10 @@ class StagedTensor final : public algorithms::Staging {
   };
 
  private:
-  StagedTensor(at::Tensor t, at::Tensor host, std::vector<algorithms::ByteRange> order);
+  StagedTensors(std::vector<at::Tensor> ts, at::Tensor host, std::vector<algorithms::ByteRange> order);
   void flush();
 
-  at::Tensor tensor_;
+  std::vector<at::Tensor> tensors_;
   at::Tensor host_;
   std::unique_ptr<Engine> engine_;
   size_t piece_;      // piece_bytes() when constructed
@@ -94,7 +100,7 @@ class StagedTensor final : public algorithms::Staging {
 // operation runs.
 struct StagingForTests {
   bool cpu = false;
-  size_t piece_bytes = StagedTensor::kPieceBytes;
+  size_t piece_bytes = StagedTensors::kPieceBytes;
   std::chrono::microseconds delay{0};
 };
 void set_staging_for_tests(const StagingForTests& s);

@@ -161,21 +161,28 @@ void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
     EXPECT_TRUE(torch::equal(outs[k].cpu(), input(k, 33)));
     EXPECT_TRUE(torch::equal(flat.narrow(0, 33 * k, 33).cpu(), input(k, 33)));
   }
-  // Large enough for overlapped staging: allgather_into_tensor into a staged output, and
-  // reduce_scatter_tensor from a staged input.
+  // Large enough for overlapped staging: allgather into staged outputs and reduce-scatter from
+  // staged inputs, the tensor and the list forms.
   {
     const int64_t len = int64_t(1) << 20;  // 4 MiB per rank
     auto gathered = torch::empty({len * n}, cuda);
     pg->allgather_into_tensor(gathered, input(r, len).to(torch::kCUDA))->wait();
+    std::vector<at::Tensor> gathered_list;
+    for (int k = 0; k < n; ++k) gathered_list.push_back(torch::empty({len}, cuda));
+    pg->allgather(gathered_list, input(r, len).to(torch::kCUDA))->wait();
     auto rs_in = input(r, len * n).to(torch::kCUDA);
     auto rs_out = torch::empty({len}, cuda);
     pg->reduce_scatter_tensor(rs_out, rs_in)->wait();
+    auto rs_out_list = torch::empty({len}, cuda);
+    pg->reduce_scatter(rs_out_list, rs_in.chunk(n))->wait();
     at::Tensor sum = torch::zeros({len * n});
     for (int k = 0; k < n; ++k) {
       EXPECT_TRUE(torch::equal(gathered.narrow(0, len * k, len).cpu(), input(k, len)));
+      EXPECT_TRUE(torch::equal(gathered_list[k].cpu(), input(k, len)));
       sum += input(k, len * n);
     }
     EXPECT_TRUE(torch::equal(rs_out.cpu(), sum.narrow(0, len * r, len)));
+    EXPECT_TRUE(torch::equal(rs_out_list.cpu(), sum.narrow(0, len * r, len)));
   }
   // reduce_scatter_tensor: block r of the sum
   auto rs = torch::empty({10}, cuda);

@@ -83,12 +83,13 @@ TEST_P(OverlappedStaging, AStagedAndAnUnstagedRankReduceTogether) {
 // The defaults (1 MiB pieces, 256 KiB chunks, the automatic algorithm choice) on buffers that
 // the ring serves.
 TEST_P(OverlappedStaging, DefaultPiecesAndChunks) {
-  check(world(), transport(), "auto", 256 * 1024, hook(detail::StagedTensor::kPieceBytes, 0),
+  check(world(), transport(), "auto", 256 * 1024, hook(detail::StagedTensors::kPieceBytes, 0),
         {(int64_t(5) << 20) / 4 + 6});
 }
 
 // allgather_into_tensor into a staged output (each block copied out as it lands): through the
-// ring (world 2, or single copy off) and by single copy (from world 3), in place or not.
+// ring (world 2, or single copy off) and by single copy (from world 3), in place or not; and the
+// list form, its outputs staged together.
 TEST_P(OverlappedStaging, AllgatherIntoAStagedOutput) {
   for (const char* single : {"0", "1"}) {
     SCOPED_TRACE(str("TDIST_SINGLE_COPY=", single));
@@ -113,13 +114,19 @@ TEST_P(OverlappedStaging, AllgatherIntoAStagedOutput) {
           pg->allgather_into_tensor(out, in)->wait();
           ASSERT_TRUE(torch::equal(out, want)) << test::describe(out);
         }
+        const auto want = torch::arange(n * w, torch::kDouble);
+        std::vector<at::Tensor> outs;
+        for (int r = 0; r < w; ++r) outs.push_back(torch::full({n}, -7.0, torch::kDouble));
+        pg->allgather(outs, want.narrow(0, rank * n, n).clone())->wait();
+        ASSERT_TRUE(torch::equal(torch::cat(outs), want)) << "list form, n=" << n;
       }
     });
   }
 }
 
 // reduce_scatter_tensor from a staged input (read piece by piece as the copies arrive), with
-// chunks smaller and larger than a piece, in place or not.
+// chunks smaller and larger than a piece, in place or not; and the list form, its inputs staged
+// together.
 TEST_P(OverlappedStaging, ReduceScatterFromAStagedInput) {
   for (size_t chunk : {333, 4096}) {
     tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
@@ -140,6 +147,15 @@ TEST_P(OverlappedStaging, ReduceScatterFromAStagedInput) {
             pg->reduce_scatter_tensor(out, x, o)->wait();
             ASSERT_TRUE(test::same(out, want)) << test::describe(out) << " vs " << test::describe(want);
           }
+          auto want = test::expected(c10::ScalarType::Double, op, n * w, w).narrow(0, rank * n, n);
+          auto x2 = test::make_input(c10::ScalarType::Double, op, n * w, rank);
+          std::vector<at::Tensor> ins;
+          for (int b = 0; b < w; ++b) ins.push_back(x2.narrow(0, b * n, n).clone());
+          auto out2 = torch::empty({n}, torch::kDouble);
+          ReduceScatterOptions o;
+          o.op = op;
+          pg->reduce_scatter(out2, ins, o)->wait();
+          ASSERT_TRUE(test::same(out2, want)) << "list form: " << test::describe(out2);
         }
       }
     });
