@@ -449,8 +449,8 @@ void Exchange::fail_timeout() {
                    " to it)");
   }
   if (const Item* it = held_by_arrivals()) {
-    waiting += str(waiting.empty() ? "" : "; ", "the copy of this rank's buffer to host memory (piece ",
-                   it->gate.piece, ")");
+    waiting += str(waiting.empty() ? "" : "; ",
+                   "the copy of this rank's buffer to host memory (piece ", it->gate.piece, ")");
   }
   TDIST_THROW(TimeoutError, where(), ": Timed out after ", ms, " ms waiting for ", waiting);
 }

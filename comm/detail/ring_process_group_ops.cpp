@@ -384,7 +384,8 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
   if (StagedTensors::wanted(inputs, size_)) {
     const auto count = static_cast<size_t>(output.numel());
     auto in = stage_reduce_scatter_inputs(inputs, count, rs.elem_size);
-    return enqueue("reduce_scatter", opts.timeout, fingerprint(debug_detail_, &output, int(opts.op)),
+    return enqueue("reduce_scatter", opts.timeout,
+                   fingerprint(debug_detail_, &output, int(opts.op)),
                    [this, out, in, count, rs](algo::Context& c) {
                      reduce_scatter_staged(c, *in, out.data(), count, rs);
                      out.write_back();

@@ -39,8 +39,9 @@ at::Tensor new_host_memory(const at::Tensor& t) {
 at::Tensor host_memory_for(const std::vector<at::Tensor>& ts) {
   size_t bytes = 0;
   for (const at::Tensor& t : ts) bytes += t.nbytes();
+  const bool cuda = ts.front().device().is_cuda();
   return at::empty({static_cast<int64_t>(bytes)},
-                   at::TensorOptions().dtype(at::kByte).pinned_memory(ts.front().device().is_cuda()));
+                   at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));
 }
 
 at::Tensor byte_range(const at::Tensor& bytes, size_t begin, size_t end) {

@@ -15,8 +15,8 @@
 // that waits on it may use them from any stream. Host copies of CUDA tensors are pinned, from
 // PyTorch's caching host allocator, so the memory of one step is reused by the next.
 // The ranks need not agree on devices: a CPU tensor on one rank meets a CUDA tensor on another.
-// A large ring allreduce overlaps both copies with its transfers instead (StagedTensors, Note
-// [Overlapped staging] in algorithms/algorithms.h).
+// Large ring allreduces, allgathers and reduce-scatters overlap their copies with the transfers
+// instead (StagedTensors, Note [Overlapped staging] in algorithms/algorithms.h).
 
 #include <ATen/core/Tensor.h>
 
@@ -83,7 +83,8 @@ class StagedTensors final : public algorithms::Staging {
   };
 
  private:
-  StagedTensors(std::vector<at::Tensor> ts, at::Tensor host, std::vector<algorithms::ByteRange> order);
+  StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
+                std::vector<algorithms::ByteRange> order);
   void flush();
 
   std::vector<at::Tensor> tensors_;
