@@ -104,8 +104,9 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // split at piece boundaries is the same bytes), so a staged rank, an unstaged CUDA rank and a CPU
 // rank run one ring together. Memory is still one pinned buffer the size of the tensor, from the
 // caching host allocator. An average divides the whole buffer after the ring, so it finishes
-// everything then (its input copies still overlap). The same pieces serve two more operations
-// (tensor and list forms; a list is staged as one host buffer): a reduce-scatter's input arrives
+// everything then (its input copies still overlap). allreduce_coalesced stages its tensors as
+// one host buffer. The same pieces serve two more operations (tensor and list forms; a list is
+// staged as one host buffer too): a reduce-scatter's input arrives
 // in the order reduce_scatter_ring reads it (reduce_scatter_pieces), and an allgather's output,
 // which nothing needs copied in, finishes each block as it lands (from the ring or by single
 // copy).

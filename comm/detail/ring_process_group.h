@@ -154,16 +154,23 @@ class RingProcessGroup final : public ProcessGroup {
   void broadcast_bytes(algorithms::Context& c, char* data, size_t bytes, int root) const;
   void allgather_blocks(algorithms::Context& c, const std::vector<char*>& blocks,
                         size_t block_bytes, algorithms::Staging* staging = nullptr) const;
-  // Note [Overlapped staging]. An allgather of this rank's block_bytes at `in` into staged
+  // Note [Overlapped staging]. The ring allreduce of `ts` (one dtype, reduced as if
+  // concatenated) staged piecewise, or null when the group would not run the ring or the tensors
+  // are not staged (StagedTensors::wanted).
+  std::shared_ptr<Work> allreduce_staged(const char* name, const std::vector<at::Tensor>& ts,
+                                         const algorithms::ReduceSpec& rs, Millis timeout,
+                                         Fingerprint fp);
+  // An allgather of this rank's block_bytes at `in` into staged
   // outputs (every rank's block in rank order), each block copied back as soon as it landed.
   void allgather_staged(algorithms::Context& c, const char* in, size_t block_bytes,
                         StagedTensors& out) const;
-  // Every rank's input block of `count` elements, in rank order, staged for a ring
-  // reduce-scatter (the copies in start now), and the reduce-scatter of them into `out`.
-  std::shared_ptr<StagedTensors> stage_reduce_scatter_inputs(std::vector<at::Tensor> inputs,
-                                                             size_t count, size_t elem) const;
-  void reduce_scatter_staged(algorithms::Context& c, StagedTensors& in, char* out, size_t count,
-                             const algorithms::ReduceSpec& rs) const;
+  // The ring reduce-scatter of `inputs` (every rank's block, in rank order, as if concatenated)
+  // into `output`, the inputs staged piecewise, or null when they are not staged.
+  std::shared_ptr<Work> reduce_scatter_staged(const char* name,
+                                              const std::vector<at::Tensor>& inputs,
+                                              const at::Tensor& output,
+                                              const algorithms::ReduceSpec& rs, Millis timeout,
+                                              Fingerprint fp);
 
   static constexpr uint64_t kDefaultSingleCopyBytes = 256 << 10;
 

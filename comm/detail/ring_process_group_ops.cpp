@@ -138,23 +138,10 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
 std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const AllreduceOptions& opts) {
   check_stageable(tensor, "allreduce", "the tensor");
   auto rs = reduce_spec(tensor, opts.op);
-  const auto count = static_cast<size_t>(tensor.numel());
-  if (allreduce_algorithm(count, rs.elem_size) == AllreduceAlgo::kRing &&
-      StagedTensors::wanted({tensor}, size_)) {
-    // Note [Overlapped staging]: the copies in start now, on the caller's stream.
-    auto staged = std::make_shared<StagedTensors>(
-        std::vector<at::Tensor>{tensor},
-        algo::ring_allreduce_pieces(count, rs.elem_size, size_, rank_,
-                                    StagedTensors::piece_bytes()));
-    return enqueue("allreduce", opts.timeout, fingerprint(debug_detail_, &tensor, int(opts.op)),
-                   [staged, count, rs](algo::Context& c) {
-                     algo::allreduce_ring(c, staged->data(), count, rs, staged.get());
-                     staged->complete();
-                     return Value{staged->tensors()};
-                   });
-  }
+  Fingerprint fp = fingerprint(debug_detail_, &tensor, int(opts.op));
+  if (auto staged = allreduce_staged("allreduce", {tensor}, rs, opts.timeout, fp)) return staged;
   Contig buf(tensor);
-  return enqueue("allreduce", opts.timeout, fingerprint(debug_detail_, &tensor, int(opts.op)),
+  return enqueue("allreduce", opts.timeout, std::move(fp),
                  [this, buf, rs](algo::Context& c) {
                    allreduce_flat(c, buf.data(), buf.work.numel(), rs);
                    buf.write_back();
@@ -166,19 +153,22 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
                                                             const AllreduceCoalescedOptions& opts) {
   TDIST_CHECK_ARG(!tensors.empty(), "allreduce_coalesced: no tensors given");
   std::vector<std::vector<int64_t>> shapes;
-  std::vector<at::Tensor> flat_parts;
   for (size_t i = 0; i < tensors.size(); ++i) {
     check_stageable(tensors[i], "allreduce_coalesced", "a tensor");
     TDIST_CHECK_ARG(tensors[i].scalar_type() == tensors[0].scalar_type(),
                     "allreduce_coalesced: tensor ", i, " has dtype ", tensors[i].scalar_type(),
                     " but tensor 0 has ", tensors[0].scalar_type());
     if (debug_detail_) shapes.push_back(tensors[i].sizes().vec());  // for the fingerprint only
-    flat_parts.push_back(host_values(tensors[i]).reshape({-1}));
   }
   auto rs = reduce_spec(tensors[0], opts.op);
+  Fingerprint fp = fingerprint(debug_detail_, &tensors[0], int(opts.op), -1, shapes);
+  if (auto staged = allreduce_staged("allreduce_coalesced", tensors, rs, opts.timeout, fp)) {
+    return staged;
+  }
+  std::vector<at::Tensor> flat_parts;
+  for (const auto& t : tensors) flat_parts.push_back(host_values(t).reshape({-1}));
   at::Tensor flat = at::cat(flat_parts);
-  return enqueue("allreduce_coalesced", opts.timeout,
-                 fingerprint(debug_detail_, &tensors[0], int(opts.op), -1, shapes),
+  return enqueue("allreduce_coalesced", opts.timeout, std::move(fp),
                  [this, tensors, flat, rs](algo::Context& c) {
                    allreduce_flat(c, static_cast<char*>(flat.data_ptr()), flat.numel(), rs);
                    int64_t off = 0;
@@ -212,6 +202,27 @@ void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char
   }
 }
 
+std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
+                                                       const std::vector<at::Tensor>& ts,
+                                                       const algo::ReduceSpec& rs, Millis timeout,
+                                                       Fingerprint fp) {
+  size_t count = 0;
+  for (const auto& t : ts) count += static_cast<size_t>(t.numel());
+  if (allreduce_algorithm(count, rs.elem_size) != AllreduceAlgo::kRing ||
+      !StagedTensors::wanted(ts, size_)) {
+    return nullptr;
+  }
+  // The copies in start now, on the caller's stream.
+  auto staged = std::make_shared<StagedTensors>(
+      ts, algo::ring_allreduce_pieces(count, rs.elem_size, size_, rank_,
+                                      StagedTensors::piece_bytes()));
+  return enqueue(name, timeout, std::move(fp), [staged, count, rs](algo::Context& c) {
+    algo::allreduce_ring(c, staged->data(), count, rs, staged.get());
+    staged->complete();
+    return Value{staged->tensors()};
+  });
+}
+
 void RingProcessGroup::allgather_staged(algo::Context& c, const char* in, size_t block_bytes,
                                         StagedTensors& out) const {
   std::vector<char*> blocks;
@@ -222,19 +233,24 @@ void RingProcessGroup::allgather_staged(algo::Context& c, const char* in, size_t
   out.complete();
 }
 
-std::shared_ptr<StagedTensors> RingProcessGroup::stage_reduce_scatter_inputs(
-    std::vector<at::Tensor> inputs, size_t count, size_t elem) const {
-  return std::make_shared<StagedTensors>(
-      std::move(inputs), algo::reduce_scatter_pieces(count, elem, size_, rank_, chunk_bytes_,
-                                                     StagedTensors::piece_bytes()));
-}
-
-void RingProcessGroup::reduce_scatter_staged(algo::Context& c, StagedTensors& in, char* out,
-                                             size_t count, const algo::ReduceSpec& rs) const {
-  std::vector<const char*> blocks;
-  for (int i = 0; i < size_; ++i) blocks.push_back(in.data() + i * count * rs.elem_size);
-  algo::reduce_scatter_ring(c, blocks, out, count, rs, &in);
-  in.complete();
+std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
+    const char* name, const std::vector<at::Tensor>& inputs, const at::Tensor& output,
+    const algo::ReduceSpec& rs, Millis timeout, Fingerprint fp) {
+  if (!StagedTensors::wanted(inputs, size_)) return nullptr;
+  const auto count = static_cast<size_t>(output.numel());
+  // The copies in start now, on the caller's stream.
+  auto in = std::make_shared<StagedTensors>(
+      inputs, algo::reduce_scatter_pieces(count, rs.elem_size, size_, rank_, chunk_bytes_,
+                                          StagedTensors::piece_bytes()));
+  at::Tensor out = host_output(output);
+  return enqueue(name, timeout, std::move(fp), [this, in, out, output, count, rs](algo::Context& c) {
+    std::vector<const char*> blocks;
+    for (int i = 0; i < size_; ++i) blocks.push_back(in->data() + i * count * rs.elem_size);
+    algo::reduce_scatter_ring(c, blocks, static_cast<char*>(out.data_ptr()), count, rs, in.get());
+    in->complete();
+    if (!out.is_same(output)) output.copy_(out);
+    return Value{output};
+  });
 }
 
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
@@ -380,20 +396,13 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
   check_count(inputs.size(), size_, "reduce_scatter", "input tensors");
   for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "reduce_scatter", "inputs", i);
   auto rs = reduce_spec(output, opts.op);
-  Contig out(output, Contig::kWriteOnly);
-  if (StagedTensors::wanted(inputs, size_)) {
-    const auto count = static_cast<size_t>(output.numel());
-    auto in = stage_reduce_scatter_inputs(inputs, count, rs.elem_size);
-    return enqueue("reduce_scatter", opts.timeout,
-                   fingerprint(debug_detail_, &output, int(opts.op)),
-                   [this, out, in, count, rs](algo::Context& c) {
-                     reduce_scatter_staged(c, *in, out.data(), count, rs);
-                     out.write_back();
-                     return Value{out.orig};
-                   });
+  Fingerprint fp = fingerprint(debug_detail_, &output, int(opts.op));
+  if (auto staged = reduce_scatter_staged("reduce_scatter", inputs, output, rs, opts.timeout, fp)) {
+    return staged;
   }
+  Contig out(output, Contig::kWriteOnly);
   auto ins = contig_all(inputs);
-  return enqueue("reduce_scatter", opts.timeout, fingerprint(debug_detail_, &output, int(opts.op)),
+  return enqueue("reduce_scatter", opts.timeout, std::move(fp),
                  [out, ins, rs](algo::Context& c) {
                    std::vector<const char*> blocks;
                    for (const auto& i : ins) blocks.push_back(i.data());
@@ -412,21 +421,14 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
   TDIST_CHECK_ARG(input.numel() == output.numel() * size_, "reduce_scatter_tensor: the input has ",
                   input.numel(), " elements but ", size_, " x ", output.numel(), " are needed");
   auto rs = reduce_spec(output, opts.op);
-  Contig out(output, Contig::kWriteOnly);
-  if (StagedTensors::wanted({input}, size_)) {
-    const auto count = static_cast<size_t>(output.numel());
-    auto in = stage_reduce_scatter_inputs({input}, count, rs.elem_size);
-    return enqueue("reduce_scatter_tensor", opts.timeout,
-                   fingerprint(debug_detail_, &output, int(opts.op)),
-                   [this, out, in, count, rs](algo::Context& c) {
-                     reduce_scatter_staged(c, *in, out.data(), count, rs);
-                     out.write_back();
-                     return Value{out.orig};
-                   });
+  Fingerprint fp = fingerprint(debug_detail_, &output, int(opts.op));
+  if (auto staged =
+          reduce_scatter_staged("reduce_scatter_tensor", {input}, output, rs, opts.timeout, fp)) {
+    return staged;
   }
+  Contig out(output, Contig::kWriteOnly);
   Contig in(input);
-  return enqueue("reduce_scatter_tensor", opts.timeout,
-                 fingerprint(debug_detail_, &output, int(opts.op)),
+  return enqueue("reduce_scatter_tensor", opts.timeout, std::move(fp),
                  [this, out, in, rs](algo::Context& c) {
                    std::vector<const char*> blocks;
                    for (int i = 0; i < size_; ++i) blocks.push_back(in.data() + i * out.bytes());

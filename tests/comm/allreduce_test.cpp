@@ -90,10 +90,8 @@ TEST_P(AllreduceTest, ManyOutstandingAsyncOps) {
     for (int i = 63; i >= 0; --i) {
       works[i]->wait();
       EXPECT_EQ(works[i]->sequence_number(), static_cast<uint64_t>(i));
-      std::vector<at::Tensor> all;
       auto t = i % 2 ? torch::kFloat : torch::kLong;
-      for (int r = 0; r < world; ++r) all.push_back(test::make_input(t, ReduceOp::SUM, 1 + i * 97, r, i));
-      EXPECT_TRUE(test::same(xs[i], test::reference(all, ReduceOp::SUM)));
+      EXPECT_TRUE(test::same(xs[i], test::expected(t, ReduceOp::SUM, 1 + i * 97, world, i)));
       EXPECT_TRUE(works[i]->is_success());
       EXPECT_TRUE(xs[i].is_same(works[i]->result()[0]));
     }

@@ -106,10 +106,10 @@ inline at::Tensor reference(const std::vector<at::Tensor>& inputs, ReduceOp op) 
   return r.to(t);
 }
 
-// The reduction of every rank's make_input(t, op, n, rank) over `world` ranks.
-inline at::Tensor expected(c10::ScalarType t, ReduceOp op, int64_t n, int world) {
+// The reduction of every rank's make_input(t, op, n, rank, seed) over `world` ranks.
+inline at::Tensor expected(c10::ScalarType t, ReduceOp op, int64_t n, int world, int seed = 0) {
   std::vector<at::Tensor> all;
-  for (int r = 0; r < world; ++r) all.push_back(make_input(t, op, n, r));
+  for (int r = 0; r < world; ++r) all.push_back(make_input(t, op, n, r, seed));
   return reference(all, op);
 }
 

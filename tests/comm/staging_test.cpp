@@ -87,6 +87,34 @@ TEST_P(OverlappedStaging, DefaultPiecesAndChunks) {
         {(int64_t(5) << 20) / 4 + 6});
 }
 
+// allreduce_coalesced: the tensors staged as one buffer, reduced as if concatenated, each part
+// copied back into its own tensor.
+TEST_P(OverlappedStaging, AllreduceCoalescedOfStagedTensors) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                                                 {"TDIST_ALLREDUCE_ALGO", "ring"},
+                                                 {"TDIST_CHUNK_BYTES", "333"}});
+  HookGuard on(hook(1000, 50));
+  const int w = world();
+  const std::vector<int64_t> lengths{1001, 3, 7000};
+  tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, w, test::test_options());
+    for (auto op : {ReduceOp::SUM, ReduceOp::AVG}) {
+      std::vector<at::Tensor> xs;
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        xs.push_back(test::make_input(c10::ScalarType::Double, op, lengths[i], rank, int(i)));
+      }
+      AllreduceCoalescedOptions o;
+      o.op = op;
+      pg->allreduce_coalesced(xs, o)->wait();
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        auto want = test::expected(c10::ScalarType::Double, op, lengths[i], w, int(i));
+        ASSERT_TRUE(test::same(xs[i], want)) << to_string(op) << " tensor " << i << ": "
+                                             << test::describe(xs[i]);
+      }
+    }
+  });
+}
+
 // allgather_into_tensor into a staged output (each block copied out as it lands): through the
 // ring (world 2, or single copy off) and by single copy (from world 3), in place or not; and the
 // list form, its outputs staged together.
