@@ -183,6 +183,17 @@ void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
     }
     EXPECT_TRUE(torch::equal(rs_out.cpu(), sum.narrow(0, len * r, len)));
     EXPECT_TRUE(torch::equal(rs_out_list.cpu(), sum.narrow(0, len * r, len)));
+    // allreduce_coalesced: two tensors staged as one buffer
+    std::vector<at::Tensor> big_parts{input(r, len).to(torch::kCUDA),
+                                      input(r, len / 2 + 3).to(torch::kCUDA)};
+    pg->allreduce_coalesced(big_parts)->wait();
+    at::Tensor p0 = torch::zeros({len}), p1 = torch::zeros({len / 2 + 3});
+    for (int k = 0; k < n; ++k) {
+      p0 += input(k, len);
+      p1 += input(k, len / 2 + 3);
+    }
+    EXPECT_TRUE(torch::equal(big_parts[0].cpu(), p0));
+    EXPECT_TRUE(torch::equal(big_parts[1].cpu(), p1));
   }
   // reduce_scatter_tensor: block r of the sum
   auto rs = torch::empty({10}, cuda);
