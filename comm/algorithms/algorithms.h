@@ -150,6 +150,19 @@ class Staging : public detail::Arrivals {
   std::vector<std::pair<size_t, size_t>> by_offset_;  // (begin, position in order_), ascending
 };
 
+// Staging::send and Staging::gate_for where there is staging; a plain send and no gate where
+// `staging` is null.
+inline void send_staged(Context& c, int peer, const char* p, size_t n, Staging* staging) {
+  if (staging != nullptr) {
+    staging->send(c, peer, p, n);
+  } else {
+    c.ex.send(peer, p, n);
+  }
+}
+inline detail::Gate gate_for(Staging* staging, const char* p, size_t n) {
+  return staging != nullptr ? staging->gate_for(p, n) : detail::Gate{};
+}
+
 // The pieces of a ring allreduce's buffer (count elements of elem bytes, world size, this rank) in
 // the order it reads them: segment rank, rank - 1, ..., rank + 1, each cut into pieces of at most
 // piece_bytes (whole elements).

@@ -118,12 +118,7 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
   {
     const Cursor own{n, r, count, chunk, first, end};
     const int g = (r + first) % n;
-    char* seg = data + own.seg_begin(g) * es;
-    if (staging == nullptr) {
-      c.ex.send(right, seg, own.seg_len(g) * es);
-    } else {
-      staging->send(c, right, seg, own.seg_len(g) * es);
-    }
+    send_staged(c, right, data + own.seg_begin(g) * es, own.seg_len(g) * es, staging);
   }
   // Every incoming chunk, in stream order; the cookie is the index in that order.
   Cursor post{n, r, count, chunk, first, end};
@@ -132,8 +127,8 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
     char* dst = data + (post.seg_begin(post.seg()) + post.off) * es;
     if (post.phase == 0) {
       // A staged chunk waits for the last piece holding it.
-      const detail::Gate gate = staging ? staging->gate_for(dst, post.len() * es) : detail::Gate{};
-      c.ex.recv_reduce(left, dst, dst, post.len() * es, rs.fn, es, i, gate);
+      c.ex.recv_reduce(left, dst, dst, post.len() * es, rs.fn, es, i,
+                       gate_for(staging, dst, post.len() * es));
     } else {
       c.ex.recv(left, dst, post.len() * es, i);
     }

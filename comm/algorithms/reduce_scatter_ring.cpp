@@ -52,7 +52,7 @@ std::vector<ByteRange> reduce_scatter_pieces(size_t count, size_t elem, int size
     if (lo < hi) out.push_back(ByteRange{b * block + lo * elem, b * block + hi * elem});
   };
   const int own = (rank + size - 1) % size;  // what step 0 sends
-  if (size == 2) {  // sent whole at once, then the other block round by round
+  if (size == 2) {  // sent whole at once, then the block reduced into the output, in order
     const size_t per = std::max<size_t>(1, piece_bytes / elem);
     for (size_t lo = 0; lo < count; lo += per) add(own, lo, std::min(count, lo + per));
     for (size_t lo = 0; lo < count; lo += per) add(rank, lo, std::min(count, lo + per));
@@ -100,23 +100,13 @@ void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, cha
   };
 
   // A send or a reduction reading staged input waits for the last piece holding it.
-  auto send = [&](const char* p, size_t len) {
-    if (staging == nullptr) {
-      c.ex.send(right, p, len);
-    } else {
-      staging->send(c, right, p, len);
-    }
-  };
-  auto gate_for = [&](const char* p, size_t len) {
-    return staging == nullptr ? detail::Gate{} : staging->gate_for(p, len);
-  };
-  send(own, n == 2 ? bytes : len(0));
+  send_staged(c, right, own, n == 2 ? bytes : len(0), staging);
   for (size_t k = 0; k < rounds; ++k) {
     for (size_t s = 0; s < steps; ++s) {
       const int block = ((r - static_cast<int>(s) - 2) % n + 2 * n) % n;
       const char* other = inputs[block] + off(k);
       const uint64_t i = k * steps + s;
-      detail::Gate gate = gate_for(other, len(k));
+      detail::Gate gate = gate_for(staging, other, len(k));
       if (s + 1 == steps) {
         c.ex.recv_reduce(left, output + off(k), other, len(k), rs.fn, es, i, gate);
         continue;
@@ -139,7 +129,9 @@ void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, cha
     if (s + 1 == steps) return;
     c.ex.send(right, slot(k, s), len(k));  // position i + 1
     // That was round k's last send: round k + 1 starts with this rank's own input.
-    if (s + 2 == steps && k + 1 < rounds) send(own + off(k + 1), len(k + 1));
+    if (s + 2 == steps && k + 1 < rounds) {
+      send_staged(c, right, own + off(k + 1), len(k + 1), staging);
+    }
   });
   if (rs.op == ReduceOp::AVG) detail::divide_in_place(output, rs.dtype, count, n);
 }
