@@ -168,9 +168,7 @@ void check_stageable(const at::Tensor& t, const char* op, const char* what) {
 at::Tensor host_values(const at::Tensor& t) {
   if (t.device().is_cpu()) return contiguous_values(t);
   at::Tensor values = contiguous_values(t);  // resolved on the device
-  at::Tensor host = at::empty(values.sizes(), values.options()
-                                                  .device(at::kCPU)
-                                                  .pinned_memory(values.device().is_cuda()));
+  at::Tensor host = new_host_memory(values);
   host.copy_(values);
   return host;
 }
