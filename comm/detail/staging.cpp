@@ -22,6 +22,8 @@ using algorithms::ByteRange;
 
 std::mutex hook_mu;
 StagingForTests hook;
+// hook.cpu, read without the lock on every operation's path.
+std::atomic<bool> hook_cpu{false};
 
 StagingForTests current_hook() {
   std::lock_guard<std::mutex> lock(hook_mu);
@@ -181,6 +183,7 @@ at::Tensor host_output(const at::Tensor& t) {
 void set_staging_for_tests(const StagingForTests& s) {
   std::lock_guard<std::mutex> lock(hook_mu);
   hook = s;
+  hook_cpu.store(s.cpu);
 }
 
 size_t StagedTensors::piece_bytes() { return current_hook().piece_bytes; }
@@ -188,7 +191,7 @@ size_t StagedTensors::piece_bytes() { return current_hook().piece_bytes; }
 bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size) {
   if (size < 2 || ts.empty()) return false;
   const c10::Device dev = ts.front().device();
-  if (!dev.is_cuda() && !(dev.is_cpu() && current_hook().cpu)) return false;
+  if (dev.is_cpu() ? !hook_cpu.load(std::memory_order_relaxed) : !dev.is_cuda()) return false;
   size_t bytes = 0;
   for (const at::Tensor& t : ts) {
     if (t.device() != dev || !t.is_contiguous() || t.is_conj() || t.is_neg()) return false;
