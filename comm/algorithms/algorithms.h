@@ -91,10 +91,10 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // A CUDA tensor reaches the ring through host memory (Note [Staging device tensors] in
 // detail/staging.h). Copying it all in, running the ring and copying it all back puts two full
 // copies in sequence with the transfers; a large allreduce instead overlaps them. At issue the
-// caller's thread queues one device-to-host copy per piece (1 MiB) on the caller's stream, in
-// the order the ring reads them (ring_allreduce_pieces: this rank's own segment first, which it
-// sends at once, then the segments in the order reduce-scatter reduces into them), each followed
-// by an event. The ring posts everything as usual, but every transfer that reads the buffer
+// caller's thread queues one device-to-host copy per piece (1 MiB, or the group's
+// TDIST_STAGING_PIECE_BYTES) on the caller's stream, in the order the ring reads them
+// (ring_allreduce_pieces: this rank's own segment first, which it sends at once, then the
+// segments in the order reduce-scatter reduces into them), each followed by an event. The ring posts everything as usual, but every transfer that reads the buffer
 // carries a gate (detail::Gate) on the last piece it touches: the exchange moves no byte of it
 // before that piece's event completed (pieces complete in order), and a wait held only by a copy
 // sleeps briefly instead of until the next I/O. Every chunk whose values are final (the last

@@ -127,6 +127,9 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   small_allreduce_bytes_ = static_cast<size_t>(env::get_int(
       "TDIST_SMALL_ALLREDUCE_BYTES", static_cast<int64_t>(small_allreduce_bytes_), 0,
       int64_t(1) << 40));
+  staging_piece_bytes_ = static_cast<size_t>(
+      env::get_int("TDIST_STAGING_PIECE_BYTES", static_cast<int64_t>(StagedTensors::kPieceBytes),
+                   0, int64_t(1) << 30));
   allreduce_algo_ = env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
   TDIST_CHECK_ARG(allreduce_algo_ == "auto" || allreduce_algo_ == "ring" ||
                       allreduce_algo_ == "recursive_doubling" || allreduce_algo_ == "hierarchical",

@@ -21,6 +21,8 @@
 //                            when the group spans hosts of equal rank counts, else ring;
 //                            hierarchical where the group has no such hosts runs the ring)
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
+//   TDIST_STAGING_PIECE_BYTES    piece of the overlapped staging of CUDA tensors (default 1 MiB;
+//                            0: copy them in and out whole, Note [Overlapped staging])
 //   TDIST_HOST_ID            this rank's host key when Options::host is unset (Note [Host key])
 //   TDIST_SPIN_US            microseconds to re-try transfers before sleeping (default 50 with
 //                            shared-memory peers, else 0: Note [Spin, then sleep])
@@ -183,6 +185,7 @@ class RingProcessGroup final : public ProcessGroup {
   size_t chunk_bytes_ = 256 * 1024;
   std::string allreduce_algo_ = "auto";
   size_t small_allreduce_bytes_ = 64 * 1024;
+  size_t staging_piece_bytes_ = 0;  // Note [Overlapped staging]; set from the environment
   bool debug_detail_ = false;
   bool run_on_waiter_ = true;
   std::unique_ptr<tcp::Mesh> mesh_;

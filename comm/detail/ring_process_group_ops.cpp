@@ -209,13 +209,14 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
   size_t count = 0;
   for (const auto& t : ts) count += static_cast<size_t>(t.numel());
   if (allreduce_algorithm(count, rs.elem_size) != AllreduceAlgo::kRing ||
-      !StagedTensors::wanted(ts, size_)) {
+      !StagedTensors::wanted(ts, size_, staging_piece_bytes_)) {
     return nullptr;
   }
   // The copies in start now, on the caller's stream.
   auto staged = std::make_shared<StagedTensors>(
       ts, algo::ring_allreduce_pieces(count, rs.elem_size, size_, rank_,
-                                      StagedTensors::piece_bytes()));
+                                      staging_piece_bytes_),
+      staging_piece_bytes_);
   return enqueue(name, timeout, std::move(fp), [staged, count, rs](algo::Context& c) {
     algo::allreduce_ring(c, staged->data(), count, rs, staged.get());
     staged->complete();
@@ -236,12 +237,13 @@ void RingProcessGroup::allgather_staged(algo::Context& c, const char* in, size_t
 std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
     const char* name, const std::vector<at::Tensor>& inputs, const at::Tensor& output,
     const algo::ReduceSpec& rs, Millis timeout, Fingerprint fp) {
-  if (!StagedTensors::wanted(inputs, size_)) return nullptr;
+  if (!StagedTensors::wanted(inputs, size_, staging_piece_bytes_)) return nullptr;
   const auto count = static_cast<size_t>(output.numel());
   // The copies in start now, on the caller's stream.
   auto in = std::make_shared<StagedTensors>(
       inputs, algo::reduce_scatter_pieces(count, rs.elem_size, size_, rank_, chunk_bytes_,
-                                          StagedTensors::piece_bytes()));
+                                          staging_piece_bytes_),
+      staging_piece_bytes_);
   at::Tensor out = host_output(output);
   return enqueue(name, timeout, std::move(fp), [this, in, out, output, count, rs](algo::Context& c) {
     std::vector<const char*> blocks;
@@ -286,8 +288,9 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
   check_count(outputs.size(), size_, "allgather", "output tensors");
   for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
   Contig in(input);
-  if (StagedTensors::wanted(outputs, size_)) {
-    auto out = std::make_shared<StagedTensors>(outputs, std::vector<algo::ByteRange>{});
+  if (StagedTensors::wanted(outputs, size_, staging_piece_bytes_)) {
+    auto out = std::make_shared<StagedTensors>(outputs, std::vector<algo::ByteRange>{},
+                                               staging_piece_bytes_);
     return enqueue("allgather", opts.timeout, fingerprint(debug_detail_, &input),
                    [this, in, out](algo::Context& c) {
                      allgather_staged(c, in.data(), in.bytes(), *out);
@@ -315,9 +318,10 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
   TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
                   output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
   Contig in(input);
-  if (StagedTensors::wanted({output}, size_)) {
+  if (StagedTensors::wanted({output}, size_, staging_piece_bytes_)) {
     auto out = std::make_shared<StagedTensors>(std::vector<at::Tensor>{output},
-                                               std::vector<algo::ByteRange>{});
+                                               std::vector<algo::ByteRange>{},
+                                               staging_piece_bytes_);
     return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
                    [this, in, out](algo::Context& c) {
                      allgather_staged(c, in.data(), in.bytes(), *out);

@@ -24,6 +24,7 @@ std::mutex hook_mu;
 StagingForTests hook;
 // hook.cpu, read without the lock on every operation's path.
 std::atomic<bool> hook_cpu{false};
+std::atomic<size_t> staged_count{0};
 
 StagingForTests current_hook() {
   std::lock_guard<std::mutex> lock(hook_mu);
@@ -186,10 +187,10 @@ void set_staging_for_tests(const StagingForTests& s) {
   hook_cpu.store(s.cpu);
 }
 
-size_t StagedTensors::piece_bytes() { return current_hook().piece_bytes; }
+size_t staged_operations_for_tests() { return staged_count.load(); }
 
-bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size) {
-  if (size < 2 || ts.empty()) return false;
+bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes) {
+  if (size < 2 || ts.empty() || piece_bytes == 0) return false;
   const c10::Device dev = ts.front().device();
   if (dev.is_cpu() ? !hook_cpu.load(std::memory_order_relaxed) : !dev.is_cuda()) return false;
   size_t bytes = 0;
@@ -197,18 +198,20 @@ bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size) {
     if (t.device() != dev || !t.is_contiguous() || t.is_conj() || t.is_neg()) return false;
     bytes += t.nbytes();
   }
-  return bytes >= 2 * piece_bytes();
+  return bytes >= 2 * piece_bytes;
 }
 
-StagedTensors::StagedTensors(std::vector<at::Tensor> ts, std::vector<ByteRange> order)
-    : StagedTensors(ts, host_memory_for(ts), std::move(order)) {}
+StagedTensors::StagedTensors(std::vector<at::Tensor> ts, std::vector<ByteRange> order,
+                             size_t piece_bytes)
+    : StagedTensors(ts, host_memory_for(ts), std::move(order), piece_bytes) {}
 
 StagedTensors::StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
-                             std::vector<ByteRange> order)
+                             std::vector<ByteRange> order, size_t piece_bytes)
     : Staging(static_cast<const char*>(host.data_ptr()), std::move(order)),
       tensors_(std::move(ts)),
       host_(std::move(host)),
-      piece_(piece_bytes()) {
+      piece_(piece_bytes) {
+  staged_count.fetch_add(1);
   std::vector<Part> parts;
   size_t offset = 0;
   for (const at::Tensor& t : tensors_) {

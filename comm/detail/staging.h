@@ -45,16 +45,18 @@ at::Tensor host_output(const at::Tensor& t);
 // stream; complete() waits for all of it.
 class StagedTensors final : public algorithms::Staging {
  public:
-  // Whether an operation over a group of `size` ranks stages `ts` piecewise: contiguous CUDA
-  // tensors of one device (CPU ones under the testing hook) without a conjugate or negative bit,
-  // of at least two pieces together, with a peer.
-  static bool wanted(const std::vector<at::Tensor>& ts, int size);
-  // The piece size (kPieceBytes, or the testing hook's).
-  static size_t piece_bytes();
+  // Whether an operation over a group of `size` ranks stages `ts` in pieces of `piece_bytes`:
+  // contiguous CUDA tensors of one device (CPU ones under the testing hook) without a conjugate
+  // or negative bit, of at least two pieces together, with a peer. A piece size of 0 stages
+  // nothing this way.
+  static bool wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes);
+  // The default piece size (a group's TDIST_STAGING_PIECE_BYTES overrides it).
   static constexpr size_t kPieceBytes = size_t{1} << 20;
 
-  // An empty order: the operation only writes the tensors, nothing is copied in.
-  StagedTensors(std::vector<at::Tensor> ts, std::vector<algorithms::ByteRange> order);
+  // An empty order: the operation only writes the tensors, nothing is copied in. Finished
+  // ranges are copied out once `piece_bytes` of them are pending (or at complete()).
+  StagedTensors(std::vector<at::Tensor> ts, std::vector<algorithms::ByteRange> order,
+                size_t piece_bytes);
   ~StagedTensors() override;
   StagedTensors(const StagedTensors&) = delete;
   StagedTensors& operator=(const StagedTensors&) = delete;
@@ -84,26 +86,27 @@ class StagedTensors final : public algorithms::Staging {
 
  private:
   StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
-                std::vector<algorithms::ByteRange> order);
+                std::vector<algorithms::ByteRange> order, size_t piece_bytes);
   void flush();
 
   std::vector<at::Tensor> tensors_;
   at::Tensor host_;
   std::unique_ptr<Engine> engine_;
-  size_t piece_;      // piece_bytes() when constructed
+  size_t piece_;
   size_t known_ = 0;  // pieces 0..known_-1 have arrived
   algorithms::ByteRange pending_{0, 0};  // finished, not yet copied out
 };
 
 // Testing hook: stage CPU tensors too, through a thread that copies each piece after `delay`
 // (so that a transfer that ran ahead of its piece would read the garbage the host buffer starts
-// with), in pieces of `piece_bytes`. The default turns it off. Process-wide; set it while no
+// with), in the group's pieces. The default turns it off. Process-wide; set it while no
 // operation runs.
 struct StagingForTests {
   bool cpu = false;
-  size_t piece_bytes = StagedTensors::kPieceBytes;
   std::chrono::microseconds delay{0};
 };
 void set_staging_for_tests(const StagingForTests& s);
+// How many operations were staged in pieces in this process so far.
+size_t staged_operations_for_tests();
 
 }  // namespace tdist::comm::detail

@@ -12,6 +12,7 @@
 #include <numeric>
 #include <string>
 
+#include "tdist/comm/detail/staging.h"
 #include "tdist/comm/nccl/c10d_store.h"
 #include "tdist/comm/nccl/nccl_process_group.h"
 #include "tdist/core/tcp_store.h"
@@ -252,13 +253,26 @@ ProcessGroup::Options ring_options() {
   return o;
 }
 
+// With overlapped staging (the default pieces) and without it (TDIST_STAGING_PIECE_BYTES=0: the
+// large tensors copied in and out whole).
 TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
   SKIP_WITHOUT_GPUS(1);
-  for (int n : {2, 4}) {
-    spawn(n, [&](int rank, std::shared_ptr<Store> store) {
-      c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));
-      check_ops_on_cuda(create_process_group(store, rank, n, ring_options()));
-    });
+  for (const char* piece : {"1048576", "0"}) {
+    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", piece}});
+    for (int n : {2, 4}) {
+      SCOPED_TRACE(str("TDIST_STAGING_PIECE_BYTES=", piece, ", world ", n));
+      const size_t before = detail::staged_operations_for_tests();
+      spawn(n, [&](int rank, std::shared_ptr<Store> store) {
+        c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));
+        check_ops_on_cuda(create_process_group(store, rank, n, ring_options()));
+      });
+      const size_t staged = detail::staged_operations_for_tests() - before;
+      if (std::string(piece) == "0") {
+        EXPECT_EQ(staged, 0u);
+      } else {
+        EXPECT_GT(staged, 0u);
+      }
+    }
   }
 }
 

@@ -16,19 +16,22 @@ namespace {
 
 using detail::StagingForTests;
 
-class HookGuard {
+// CPU tensors staged in pieces of `piece_bytes` (the groups created meanwhile read it), each
+// piece copied `delay_us` late.
+class CpuStaging {
  public:
-  explicit HookGuard(const StagingForTests& s) { detail::set_staging_for_tests(s); }
-  ~HookGuard() { detail::set_staging_for_tests(StagingForTests{}); }
-};
+  CpuStaging(size_t piece_bytes, int delay_us)
+      : env_(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", std::to_string(piece_bytes)}}) {
+    StagingForTests s;
+    s.cpu = true;
+    s.delay = std::chrono::microseconds(delay_us);
+    detail::set_staging_for_tests(s);
+  }
+  ~CpuStaging() { detail::set_staging_for_tests(StagingForTests{}); }
 
-StagingForTests hook(size_t piece_bytes, int delay_us) {
-  StagingForTests s;
-  s.cpu = true;
-  s.piece_bytes = piece_bytes;
-  s.delay = std::chrono::microseconds(delay_us);
-  return s;
-}
+ private:
+  tdist::test::EnvGuard env_;
+};
 
 // Parameters: world size and transport.
 class OverlappedStaging : public ::testing::TestWithParam<std::tuple<int, const char*>> {
@@ -40,11 +43,12 @@ class OverlappedStaging : public ::testing::TestWithParam<std::tuple<int, const 
 // Every rank allreduces tensors of each length with the ring; `unstaged_rank` (if >= 0) passes
 // a non-contiguous view, which is not staged, so it meets the staged ranks in one ring.
 void check(int world, const std::string& transport, const std::string& algo, size_t chunk_bytes,
-           const StagingForTests& s, const std::vector<int64_t>& lengths, int unstaged_rank = -1) {
+           size_t piece_bytes, int delay_us, const std::vector<int64_t>& lengths,
+           int unstaged_rank = -1) {
   tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport},
                                                  {"TDIST_ALLREDUCE_ALGO", algo},
                                                  {"TDIST_CHUNK_BYTES", std::to_string(chunk_bytes)}});
-  HookGuard on(s);
+  CpuStaging on(piece_bytes, delay_us);
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, world, test::test_options());
     for (int64_t n : lengths) {
@@ -71,19 +75,19 @@ void check(int world, const std::string& transport, const std::string& algo, siz
 TEST_P(OverlappedStaging, LatePiecesGiveExactResults) {
   for (size_t chunk : {333, 4096}) {
     SCOPED_TRACE(str("chunk ", chunk));
-    check(world(), transport(), "ring", chunk, hook(1000, 200), {1000, 10006});
+    check(world(), transport(), "ring", chunk, 1000, 200, {1000, 10006});
   }
 }
 
 // A rank that is not staged runs the same ring as the staged ones.
 TEST_P(OverlappedStaging, AStagedAndAnUnstagedRankReduceTogether) {
-  check(world(), transport(), "ring", 4096, hook(1000, 100), {10006}, /*unstaged_rank=*/0);
+  check(world(), transport(), "ring", 4096, 1000, 100, {10006}, /*unstaged_rank=*/0);
 }
 
 // The defaults (1 MiB pieces, 256 KiB chunks, the automatic algorithm choice) on buffers that
 // the ring serves.
 TEST_P(OverlappedStaging, DefaultPiecesAndChunks) {
-  check(world(), transport(), "auto", 256 * 1024, hook(detail::StagedTensors::kPieceBytes, 0),
+  check(world(), transport(), "auto", 256 * 1024, detail::StagedTensors::kPieceBytes, 0,
         {(int64_t(5) << 20) / 4 + 6});
 }
 
@@ -93,7 +97,7 @@ TEST_P(OverlappedStaging, AllreduceCoalescedOfStagedTensors) {
   tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
                                                  {"TDIST_ALLREDUCE_ALGO", "ring"},
                                                  {"TDIST_CHUNK_BYTES", "333"}});
-  HookGuard on(hook(1000, 50));
+  CpuStaging on(1000, 50);
   const int w = world();
   const std::vector<int64_t> lengths{1001, 3, 7000};
   tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
@@ -125,7 +129,7 @@ TEST_P(OverlappedStaging, AllgatherIntoAStagedOutput) {
                                                    {"TDIST_CHUNK_BYTES", "4096"},
                                                    {"TDIST_SINGLE_COPY", single},
                                                    {"TDIST_SINGLE_COPY_BYTES", "1024"}});
-    HookGuard on(hook(1000, 50));
+    CpuStaging on(1000, 50);
     const int w = world();
     tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
       auto pg = create_process_group(store, rank, w, test::test_options());
@@ -159,7 +163,7 @@ TEST_P(OverlappedStaging, ReduceScatterFromAStagedInput) {
   for (size_t chunk : {333, 4096}) {
     tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
                                                    {"TDIST_CHUNK_BYTES", std::to_string(chunk)}});
-    HookGuard on(hook(1000, 50));
+    CpuStaging on(1000, 50);
     const int w = world();
     tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
       auto pg = create_process_group(store, rank, w, test::test_options());
@@ -201,7 +205,7 @@ INSTANTIATE_TEST_SUITE_P(
 // A copy that does not arrive within the timeout fails the operation on every rank, naming it;
 // the ranks do not hang.
 TEST(OverlappedStagingFailure, ACopyThatNeverArrivesTimesOutSayingSo) {
-  HookGuard on(hook(1000, 1500000));  // 1.5 s per piece
+  CpuStaging on(1000, 1500000);  // 1.5 s per piece
   tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"}});
   tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, 2, test::test_options(Millis(300)));
@@ -216,6 +220,37 @@ TEST(OverlappedStagingFailure, ACopyThatNeverArrivesTimesOutSayingSo) {
           << msg;
     }
   });
+}
+
+// TDIST_STAGING_PIECE_BYTES, read when a group is created: 0 stages nothing in pieces (the same
+// results), a piece size stages what holds two pieces, a bad value fails the group's creation
+// naming the variable.
+TEST(OverlappedStagingKnob, ZeroTurnsItOffAndABadValueIsRefused) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"}});
+  for (size_t piece : {size_t{0}, size_t{1000}}) {
+    CpuStaging on(piece, 0);
+    const size_t before = detail::staged_operations_for_tests();
+    tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, 2, test::test_options());
+      auto x = test::make_input(c10::ScalarType::Float, ReduceOp::SUM, 5000, rank);
+      pg->allreduce(x)->wait();
+      EXPECT_TRUE(test::same(x, test::expected(c10::ScalarType::Float, ReduceOp::SUM, 5000, 2)));
+    });
+    const size_t staged = detail::staged_operations_for_tests() - before;
+    EXPECT_EQ(staged, piece == 0 ? 0u : 2u) << "piece " << piece;
+  }
+  for (const char* bad : {"-1", "1M", "2000000000"}) {
+    tdist::test::EnvGuard knob(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", bad}});
+    auto store = std::make_shared<HashStore>();
+    try {
+      create_process_group(store, 0, 1, test::test_options());
+      ADD_FAILURE() << "TDIST_STAGING_PIECE_BYTES=" << bad << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("TDIST_STAGING_PIECE_BYTES='" + std::string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 }  // namespace
