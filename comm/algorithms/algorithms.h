@@ -79,9 +79,12 @@ struct RingView {
 // kReduceScatter leaves segment (me+1) % size fully reduced at position `me` (the rest is
 // partial); kAllgather starts from that state and sends each position's segment to all.
 // With `staging` (kBoth only) reads wait for the buffer's pieces and final chunks are finished.
+// With `average_over` > 0 (kBoth only) the rank that completes a segment's sum divides each of
+// its chunks by it before the allgather sends them, so every segment is divided once, by one
+// rank, and every rank ends with the same quotient.
 enum class RingPhases { kBoth, kReduceScatter, kAllgather };
 void ring_phases(Context& c, const RingView& ring, char* data, size_t count, const ReduceSpec& rs,
-                 RingPhases phases, Staging* staging = nullptr);
+                 RingPhases phases, Staging* staging = nullptr, int average_over = 0);
 inline size_t ring_segment_begin(size_t count, int segment, int size) {
   return count * static_cast<size_t>(segment) / static_cast<size_t>(size);
 }
@@ -103,9 +106,9 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // completes after that stream drained, as before. Nothing about the byte stream changes (a send
 // split at piece boundaries is the same bytes), so a staged rank, an unstaged CUDA rank and a CPU
 // rank run one ring together. Memory is still one pinned buffer the size of the tensor, from the
-// caching host allocator. An average divides the whole buffer after the ring, so it finishes
-// everything then (its input copies still overlap). allreduce_coalesced stages its tensors as
-// one host buffer. The same pieces serve two more operations (tensor and list forms; a list is
+// caching host allocator. An average is divided chunk by chunk as each segment's sum completes
+// (ring_phases' average_over), so its chunks are finished as a sum's are. allreduce_coalesced
+// stages its tensors as one host buffer. The same pieces serve two more operations (tensor and list forms; a list is
 // staged as one host buffer too): a reduce-scatter's input arrives
 // in the order reduce_scatter_ring reads it (reduce_scatter_pieces), and an allgather's output,
 // which nothing needs copied in, finishes each block as it lands (from the ring or by single

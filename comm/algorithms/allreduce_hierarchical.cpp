@@ -27,9 +27,10 @@ void allreduce_hierarchical(Context& c, const Hierarchy& h, char* data, size_t c
   const int g = (h.local_index + 1) % local_size;
   const size_t begin = ring_segment_begin(count, g, local_size);
   const size_t end = ring_segment_begin(count, g + 1, local_size);
-  ring_phases(c, cross, data + begin * rs.elem_size, end - begin, rs, RingPhases::kBoth);
+  // An average: the cross rings divide their segments by the group's size.
+  ring_phases(c, cross, data + begin * rs.elem_size, end - begin, rs, RingPhases::kBoth, nullptr,
+              rs.op == ReduceOp::AVG ? c.size : 0);
   ring_phases(c, local, data, count, rs, RingPhases::kAllgather);
-  if (rs.op == ReduceOp::AVG) detail::divide_in_place(data, rs.dtype, count, c.size);
 }
 
 }  // namespace tdist::comm::algorithms

@@ -101,9 +101,14 @@ std::vector<ByteRange> ring_allreduce_pieces(size_t count, size_t elem, int size
 }
 
 void ring_phases(Context& c, const RingView& ring, char* data, size_t count, const ReduceSpec& rs,
-                 RingPhases phases, Staging* staging) {
+                 RingPhases phases, Staging* staging, int average_over) {
   const int n = ring.size;
-  if (n == 1 || count == 0) return;
+  TDIST_CHECK(average_over == 0 || phases == RingPhases::kBoth, "averaging needs both phases");
+  if (count == 0) return;
+  if (n == 1) {
+    if (average_over > 1) detail::divide_in_place(data, rs.dtype, count, average_over);
+    return;
+  }
   const int r = ring.me;
   const int right = ring.rank_at((r + 1) % n);
   const int left = ring.rank_at((r + n - 1) % n);
@@ -136,15 +141,17 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
   }
   Cursor done{n, r, count, chunk, first, end};
   done.settle();
-  // An average is divided after the ring: allreduce_ring finishes it then.
-  const bool finish = staging != nullptr && rs.op != ReduceOp::AVG;
   c.ex.run([&](int, uint64_t) {
     // Completions arrive in posting order, so `done` walks the same sequence. A chunk is
     // forwarded unless it completed the last step of the last phase run; it is final after the
-    // last reduce-scatter step and in the allgather.
+    // last reduce-scatter step (an average's quotient is taken then, before it is sent on) and
+    // in the allgather.
     char* dst = data + (done.seg_begin(done.seg()) + done.off) * es;
+    if (average_over > 0 && done.phase == 0 && done.step == n - 2) {
+      detail::divide_in_place(dst, rs.dtype, done.len(), average_over);
+    }
     if (done.step < n - 2 || done.phase + 1 < end) c.ex.send(right, dst, done.len() * es);
-    if (finish && (done.phase == 1 || done.step == n - 2)) {
+    if (staging != nullptr && (done.phase == 1 || done.step == n - 2)) {
       const auto b = static_cast<size_t>(dst - data);
       staging->finished(b, b + done.len() * es);
     }
@@ -154,11 +161,8 @@ void ring_phases(Context& c, const RingView& ring, char* data, size_t count, con
 
 void allreduce_ring(Context& c, char* data, size_t count, const ReduceSpec& rs, Staging* staging) {
   TDIST_CHECK(staging == nullptr || c.size > 1, "a staged ring needs a peer");
-  ring_phases(c, RingView{nullptr, c.size, c.rank}, data, count, rs, RingPhases::kBoth, staging);
-  if (rs.op == ReduceOp::AVG && c.size > 1) {
-    detail::divide_in_place(data, rs.dtype, count, c.size);
-    if (staging != nullptr) staging->finished(0, count * rs.elem_size);
-  }
+  ring_phases(c, RingView{nullptr, c.size, c.rank}, data, count, rs, RingPhases::kBoth, staging,
+              rs.op == ReduceOp::AVG ? c.size : 0);
 }
 
 }  // namespace tdist::comm::algorithms
