@@ -10,6 +10,7 @@
 #include <c10/core/ScalarType.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -47,7 +48,22 @@ struct Context {
   // By rank: the process whose memory the single-copy algorithms read (Note [Single-copy
   // collectives]); null when the group does not use them.
   const std::vector<pid_t>* pids = nullptr;
+  // A ring allreduce runs as consecutive rings over windows of at most this many bytes (Note
+  // [Allreduce windows]; TDIST_ALLREDUCE_WINDOW_BYTES, agreed by the group).
+  size_t window_bytes = SIZE_MAX;
 };
+
+// Note [Allreduce windows]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A ring allreduce of more than the group's window (64 MiB by default) runs as one ring per
+// window of the buffer, one after the other, on every rank alike (the ranks agree on the window
+// when the group is created: each window is its own byte stream). On CPU tensors that costs one
+// ring's start per window. It bounds what a staged CUDA tensor needs in host memory, whatever its
+// size: two windows while it runs (the one reducing and the next one's copies in), one while it
+// waits in the queue (its first window copies in at issue) (RingProcessGroup::allreduce_staged).
+inline size_t window_elems(size_t window_bytes, size_t elem_size) {
+  return std::max<size_t>(1, window_bytes / elem_size);
+}
 
 struct ReduceSpec {
   c10::ScalarType dtype;
@@ -105,8 +121,10 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // queues its host-to-device copy on a side stream while the rest of the ring runs; the Work
 // completes after that stream drained, as before. Nothing about the byte stream changes (a send
 // split at piece boundaries is the same bytes), so a staged rank, an unstaged CUDA rank and a CPU
-// rank run one ring together. Memory is still one pinned buffer the size of the tensor, from the
-// caching host allocator. An average is divided chunk by chunk as each segment's sum completes
+// rank run one ring together. Memory is one pinned buffer per allreduce window (two at most at
+// once: Note [Allreduce windows]), from the caching host allocator; a window copied in while an
+// earlier one runs uses a side stream that first waits for the point the caller's stream had
+// reached at issue. An average is divided chunk by chunk as each segment's sum completes
 // (ring_phases' average_over), so its chunks are finished as a sum's are. allreduce_coalesced
 // stages its tensors as one host buffer. The same pieces serve two more operations (tensor and list forms; a list is
 // staged as one host buffer too): a reduce-scatter's input arrives

@@ -100,14 +100,23 @@ std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::strin
   return h;
 }
 
-// The group's single-copy threshold (Note [Single-copy collectives] in algorithms.h), agreed
-// before any operation: every rank sends its own (kNoSingleCopy when it may not or cannot read
-// every peer) to every peer, and all take the largest.
-uint64_t agree_single_copy_bytes(Exchange& ex, uint64_t mine, Clock::time_point deadline) {
+// Values the group must agree on before any operation: every rank sends its own to every peer,
+// and all take the largest of each. The single-copy threshold (Note [Single-copy collectives]
+// in algorithms.h; kNoSingleCopy from a rank that may not or cannot read every peer) and the
+// allreduce window (Note [Allreduce windows]).
+struct Agreed {
+  uint64_t single_copy_bytes;
+  uint64_t window_bytes;
+};
+Agreed agree_group_values(Exchange& ex, Agreed mine, Clock::time_point deadline) {
   ex.begin("process group set-up", 0, Clock::now(), deadline);
-  std::vector<uint64_t> theirs(static_cast<size_t>(ex.size()), mine);
+  std::vector<Agreed> theirs(static_cast<size_t>(ex.size()), mine);
   ex.swap_with_all(&mine, theirs.data(), sizeof(mine));
-  return *std::max_element(theirs.begin(), theirs.end());
+  for (const Agreed& a : theirs) {
+    mine.single_copy_bytes = std::max(mine.single_copy_bytes, a.single_copy_bytes);
+    mine.window_bytes = std::max(mine.window_bytes, a.window_bytes);
+  }
+  return mine;
 }
 }  // namespace
 
@@ -130,6 +139,9 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   staging_piece_bytes_ = static_cast<size_t>(
       env::get_int("TDIST_STAGING_PIECE_BYTES", static_cast<int64_t>(StagedTensors::kPieceBytes),
                    0, int64_t(1) << 30));
+  allreduce_window_bytes_ = static_cast<size_t>(
+      env::get_int("TDIST_ALLREDUCE_WINDOW_BYTES", static_cast<int64_t>(allreduce_window_bytes_), 1,
+                   int64_t(1) << 62));
   allreduce_algo_ = env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
   TDIST_CHECK_ARG(allreduce_algo_ == "auto" || allreduce_algo_ == "ring" ||
                       allreduce_algo_ == "recursive_doubling" || allreduce_algo_ == "hierarchical",
@@ -177,8 +189,11 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
     const auto threshold = static_cast<uint64_t>(
         env::get_int("TDIST_SINGLE_COPY_BYTES", static_cast<int64_t>(kDefaultSingleCopyBytes), 1,
                      int64_t(1) << 62));
-    single_copy_bytes_ =
-        agree_single_copy_bytes(*exchange_, readable ? threshold : kNoSingleCopy, setup_deadline);
+    const Agreed agreed = agree_group_values(
+        *exchange_, Agreed{readable ? threshold : kNoSingleCopy, allreduce_window_bytes_},
+        setup_deadline);
+    single_copy_bytes_ = agreed.single_copy_bytes;
+    allreduce_window_bytes_ = static_cast<size_t>(agreed.window_bytes);
     if (single_copy_bytes_ != kNoSingleCopy) {
       peer_pids_ = channels.readable_pids;
       peer_pids_[rank_] = ::getpid();
@@ -434,7 +449,8 @@ void RingProcessGroup::execute(Op& op, Clock::time_point now) {
   try {
     exchange_->begin(op.name, op.seq, now, deadline_after(op.timeout, now));
     if (debug_detail_) check_fingerprints(*exchange_, op.fingerprint);
-    algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_, &peer_pids_};
+    algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_, &peer_pids_,
+                            allreduce_window_bytes_};
     value = op.run(ctx);
   } catch (const MismatchError&) {
     error = std::current_exception();

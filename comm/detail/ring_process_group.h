@@ -23,6 +23,8 @@
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
 //   TDIST_STAGING_PIECE_BYTES    piece of the overlapped staging of CUDA tensors (default 1 MiB;
 //                            0: copy them in and out whole, Note [Overlapped staging])
+//   TDIST_ALLREDUCE_WINDOW_BYTES  the ring allreduce's window (default 64 MiB; the group takes
+//                            the largest of its ranks' values: Note [Allreduce windows])
 //   TDIST_HOST_ID            this rank's host key when Options::host is unset (Note [Host key])
 //   TDIST_SPIN_US            microseconds to re-try transfers before sleeping (default 50 with
 //                            shared-memory peers, else 0: Note [Spin, then sleep])
@@ -186,6 +188,7 @@ class RingProcessGroup final : public ProcessGroup {
   std::string allreduce_algo_ = "auto";
   size_t small_allreduce_bytes_ = 64 * 1024;
   size_t staging_piece_bytes_ = 0;  // Note [Overlapped staging]; set from the environment
+  size_t allreduce_window_bytes_ = size_t{64} << 20;  // Note [Allreduce windows]
   bool debug_detail_ = false;
   bool run_on_waiter_ = true;
   std::unique_ptr<tcp::Mesh> mesh_;

@@ -129,9 +129,13 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
     case AllreduceAlgo::kHierarchical:
       algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
       break;
-    case AllreduceAlgo::kRing:
-      algo::allreduce_ring(c, data, count, rs);
+    case AllreduceAlgo::kRing: {
+      const size_t window = algo::window_elems(c.window_bytes, rs.elem_size);
+      for (size_t begin = 0; begin < count; begin += window) {
+        algo::allreduce_ring(c, data + begin * rs.elem_size, std::min(window, count - begin), rs);
+      }
       break;
+    }
   }
 }
 
@@ -212,16 +216,32 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
       !StagedTensors::wanted(ts, size_, staging_piece_bytes_)) {
     return nullptr;
   }
-  // The copies in start now, on the caller's stream.
-  auto staged = std::make_shared<StagedTensors>(
-      ts, algo::ring_allreduce_pieces(count, rs.elem_size, size_, rank_,
-                                      staging_piece_bytes_),
-      staging_piece_bytes_);
-  return enqueue(name, timeout, std::move(fp), [staged, count, rs](algo::Context& c) {
-    algo::allreduce_ring(c, staged->data(), count, rs, staged.get());
-    staged->complete();
-    return Value{staged->tensors()};
-  });
+  // One ring per window (Note [Allreduce windows]), each staged on its own: the first window's
+  // copies in start now on the caller's stream, each next one's while the one before runs, on a
+  // side stream after the point the caller's stream had reached at this call.
+  const size_t window = algo::window_elems(allreduce_window_bytes_, rs.elem_size);
+  auto stage = [ts, rs, piece = staging_piece_bytes_, size = size_, rank = rank_,
+                issue = count > window ? StagedTensors::mark_issue(ts) : nullptr](size_t begin,
+                                                                                   size_t n) {
+    return std::make_shared<StagedTensors>(
+        element_range(ts, begin, begin + n),
+        algo::ring_allreduce_pieces(n, rs.elem_size, size, rank, piece), piece,
+        begin == 0 ? nullptr : issue);
+  };
+  return enqueue(name, timeout, std::move(fp),
+                 [ts, stage, count, window, rs,
+                  first = stage(0, std::min(window, count))](algo::Context& c) mutable {
+                   std::shared_ptr<StagedTensors> now = std::move(first);
+                   for (size_t begin = 0; begin < count; begin += window) {
+                     const size_t n = std::min(window, count - begin);
+                     std::shared_ptr<StagedTensors> next;
+                     if (begin + n < count) next = stage(begin + n, std::min(window, count - begin - n));
+                     algo::allreduce_ring(c, now->data(), n, rs, now.get());
+                     now->complete();
+                     now = std::move(next);  // this window's host memory is free for the one after
+                   }
+                   return Value{ts};
+                 });
 }
 
 void RingProcessGroup::allgather_staged(algo::Context& c, const char* in, size_t block_bytes,

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "tdist/core/error.h"
@@ -25,6 +26,8 @@ StagingForTests hook;
 // hook.cpu, read without the lock on every operation's path.
 std::atomic<bool> hook_cpu{false};
 std::atomic<size_t> staged_count{0};
+std::atomic<size_t> staged_live_bytes{0};
+std::atomic<size_t> staged_peak_bytes{0};
 
 StagingForTests current_hook() {
   std::lock_guard<std::mutex> lock(hook_mu);
@@ -61,16 +64,35 @@ void for_parts(const std::vector<Part>& parts, size_t b, size_t e, F&& f) {
   }
 }
 
-// Device-to-host copies on the caller's stream with an event after each piece; host-to-device
-// copies on a side stream from the pool.
+}  // namespace
+
+// A point of the caller's stream (StagedTensors::mark_issue).
+struct IssueMark {
+  explicit IssueMark(c10::Device dev) : event(dev.type()) {
+    event.record(c10::impl::VirtualGuardImpl(dev.type()).getStream(dev));
+  }
+  c10::Event event;
+};
+
+namespace {
+
+// Device-to-host copies on the caller's stream (or on a side stream after the caller's issue
+// point) with an event after each piece; host-to-device copies on a side stream from the pool.
 class DeviceEngine final : public StagedTensors::Engine {
  public:
-  DeviceEngine(std::vector<Part> parts, const at::Tensor& host, const std::vector<ByteRange>& order)
+  DeviceEngine(std::vector<Part> parts, const at::Tensor& host, const std::vector<ByteRange>& order,
+               const IssueMark* issue)
       : parts_(std::move(parts)), host_(host) {
     const c10::Device dev = parts_.front().bytes.device();
     c10::impl::VirtualGuardImpl impl(dev.type());
-    const c10::Stream caller = impl.getStream(dev);
+    c10::Stream in = impl.getStream(dev);
+    if (issue != nullptr) {
+      in = impl.getStreamFromGlobalPool(dev);
+      issue->event.block(in);
+      own_in_ = in;
+    }
     side_ = impl.getStreamFromGlobalPool(dev);
+    c10::StreamGuard on(in);
     events_.reserve(order.size());
     for (const ByteRange& piece : order) {
       for_parts(parts_, piece.begin, piece.end, [&](const Part& p, size_t lo, size_t hi) {
@@ -78,12 +100,14 @@ class DeviceEngine final : public StagedTensors::Engine {
                                         /*non_blocking=*/true);
       });
       events_.emplace_back(dev.type());
-      events_.back().record(caller);
+      events_.back().record(in);
     }
   }
   ~DeviceEngine() override {
-    // A failed operation still has copies out in flight into the tensors' memory.
+    // A failed operation still has copies in and out in flight between the tensors' memory and
+    // the host buffer.
     try {
+      if (own_in_) own_in_->synchronize();
       side_.synchronize();
     } catch (const std::exception& e) {
       TDIST_LOG_ERROR("staging: waiting for the copies of a failed operation: ", e.what());
@@ -102,6 +126,7 @@ class DeviceEngine final : public StagedTensors::Engine {
  private:
   std::vector<Part> parts_;
   at::Tensor host_;  // flat bytes
+  std::optional<c10::Stream> own_in_;  // the copies in's side stream, if not the caller's
   c10::Stream side_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
   std::vector<c10::Event> events_;
 };
@@ -188,6 +213,29 @@ void set_staging_for_tests(const StagingForTests& s) {
 }
 
 size_t staged_operations_for_tests() { return staged_count.load(); }
+size_t staged_peak_bytes_for_tests() { return staged_peak_bytes.load(); }
+void reset_staged_peak_for_tests() { staged_peak_bytes.store(staged_live_bytes.load()); }
+
+std::vector<at::Tensor> element_range(const std::vector<at::Tensor>& ts, size_t begin, size_t end) {
+  std::vector<at::Tensor> out;
+  size_t offset = 0;
+  for (const at::Tensor& t : ts) {
+    const auto n = static_cast<size_t>(t.numel());
+    const size_t lo = std::max(begin, offset), hi = std::min(end, offset + n);
+    if (lo < hi) {
+      out.push_back(t.reshape({-1}).narrow(0, static_cast<int64_t>(lo - offset),
+                                           static_cast<int64_t>(hi - lo)));
+    }
+    offset += n;
+  }
+  return out;
+}
+
+std::shared_ptr<const IssueMark> StagedTensors::mark_issue(const std::vector<at::Tensor>& ts) {
+  const c10::Device dev = ts.front().device();
+  if (!dev.is_cuda()) return nullptr;
+  return std::make_shared<IssueMark>(dev);
+}
 
 bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes) {
   if (size < 2 || ts.empty() || piece_bytes == 0) return false;
@@ -202,16 +250,21 @@ bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size, size_t p
 }
 
 StagedTensors::StagedTensors(std::vector<at::Tensor> ts, std::vector<ByteRange> order,
-                             size_t piece_bytes)
-    : StagedTensors(ts, host_memory_for(ts), std::move(order), piece_bytes) {}
+                             size_t piece_bytes, std::shared_ptr<const IssueMark> issue)
+    : StagedTensors(ts, host_memory_for(ts), std::move(order), piece_bytes, std::move(issue)) {}
 
 StagedTensors::StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
-                             std::vector<ByteRange> order, size_t piece_bytes)
+                             std::vector<ByteRange> order, size_t piece_bytes,
+                             std::shared_ptr<const IssueMark> issue)
     : Staging(static_cast<const char*>(host.data_ptr()), std::move(order)),
       tensors_(std::move(ts)),
       host_(std::move(host)),
       piece_(piece_bytes) {
   staged_count.fetch_add(1);
+  const size_t live = staged_live_bytes.fetch_add(host_.nbytes()) + host_.nbytes();
+  size_t peak = staged_peak_bytes.load();
+  while (live > peak && !staged_peak_bytes.compare_exchange_weak(peak, live)) {
+  }
   std::vector<Part> parts;
   size_t offset = 0;
   for (const at::Tensor& t : tensors_) {
@@ -219,7 +272,7 @@ StagedTensors::StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
     offset += t.nbytes();
   }
   if (tensors_.front().device().is_cuda()) {
-    engine_ = std::make_unique<DeviceEngine>(std::move(parts), host_, this->order());
+    engine_ = std::make_unique<DeviceEngine>(std::move(parts), host_, this->order(), issue.get());
   } else {
     std::memset(data(), 0xff, host_.nbytes());
     engine_ = std::make_unique<ThreadEngine>(std::move(parts), host_, this->order(),
@@ -227,7 +280,10 @@ StagedTensors::StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
   }
 }
 
-StagedTensors::~StagedTensors() = default;
+StagedTensors::~StagedTensors() {
+  engine_.reset();  // its copies are done before the host buffer counts as free
+  staged_live_bytes.fetch_sub(host_.nbytes());
+}
 
 bool StagedTensors::arrived(size_t piece) {
   // Pieces arrive in order: remember how far they have.

@@ -28,6 +28,8 @@
 
 namespace tdist::comm::detail {
 
+struct IssueMark;  // staging.cpp
+
 // Throws InvalidArgument (naming `op` and `what`) unless `t` is a defined dense tensor on the CPU
 // or a CUDA device.
 void check_stageable(const at::Tensor& t, const char* op, const char* what);
@@ -54,9 +56,14 @@ class StagedTensors final : public algorithms::Staging {
   static constexpr size_t kPieceBytes = size_t{1} << 20;
 
   // An empty order: the operation only writes the tensors, nothing is copied in. Finished
-  // ranges are copied out once `piece_bytes` of them are pending (or at complete()).
+  // ranges are copied out once `piece_bytes` of them are pending (or at complete()). The copies
+  // in go on the caller's current stream, or, with `issue`, on a side stream after the point
+  // `issue` marked: so a window made later, on another thread, still copies what the kernels
+  // queued before the operation's issue produced.
   StagedTensors(std::vector<at::Tensor> ts, std::vector<algorithms::ByteRange> order,
-                size_t piece_bytes);
+                size_t piece_bytes, std::shared_ptr<const IssueMark> issue = nullptr);
+  // The current point of the caller's stream for ts' device (nothing for CPU tensors).
+  static std::shared_ptr<const IssueMark> mark_issue(const std::vector<at::Tensor>& ts);
   ~StagedTensors() override;
   StagedTensors(const StagedTensors&) = delete;
   StagedTensors& operator=(const StagedTensors&) = delete;
@@ -86,7 +93,8 @@ class StagedTensors final : public algorithms::Staging {
 
  private:
   StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
-                std::vector<algorithms::ByteRange> order, size_t piece_bytes);
+                std::vector<algorithms::ByteRange> order, size_t piece_bytes,
+                std::shared_ptr<const IssueMark> issue);
   void flush();
 
   std::vector<at::Tensor> tensors_;
@@ -106,7 +114,13 @@ struct StagingForTests {
   std::chrono::microseconds delay{0};
 };
 void set_staging_for_tests(const StagingForTests& s);
-// How many operations were staged in pieces in this process so far.
+// How many buffers were staged in pieces in this process so far (one per allreduce window), and
+// the most host memory they held at once since the last reset_staged_peak_for_tests().
 size_t staged_operations_for_tests();
+size_t staged_peak_bytes_for_tests();
+void reset_staged_peak_for_tests();
+
+// Views of the elements [begin, end) of ts taken as one flat sequence (contiguous tensors).
+std::vector<at::Tensor> element_range(const std::vector<at::Tensor>& ts, size_t begin, size_t end);
 
 }  // namespace tdist::comm::detail

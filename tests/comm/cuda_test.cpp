@@ -4,6 +4,8 @@
 // string tests run everywhere; the others need a GPU and skip, saying so, where none is visible.
 
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -253,14 +255,19 @@ ProcessGroup::Options ring_options() {
   return o;
 }
 
-// With overlapped staging (the default pieces) and without it (TDIST_STAGING_PIECE_BYTES=0: the
-// large tensors copied in and out whole).
+// With overlapped staging (the default pieces), without it (TDIST_STAGING_PIECE_BYTES=0: the
+// large tensors copied in and out whole), and with allreduce windows of 3 MiB (the 6 MiB
+// allreduce_coalesced runs two, the second copied in from a side stream: Note [Allreduce
+// windows]).
 TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
   SKIP_WITHOUT_GPUS(1);
-  for (const char* piece : {"1048576", "0"}) {
-    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", piece}});
+  for (auto [piece, window] : {std::pair<const char*, const char*>{"1048576", "67108864"},
+                               {"0", "67108864"},
+                               {"1048576", "3145728"}}) {
+    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", piece},
+                                                   {"TDIST_ALLREDUCE_WINDOW_BYTES", window}});
     for (int n : {2, 4}) {
-      SCOPED_TRACE(str("TDIST_STAGING_PIECE_BYTES=", piece, ", world ", n));
+      SCOPED_TRACE(str("TDIST_STAGING_PIECE_BYTES=", piece, ", window ", window, ", world ", n));
       const size_t before = detail::staged_operations_for_tests();
       spawn(n, [&](int rank, std::shared_ptr<Store> store) {
         c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));
@@ -287,6 +294,26 @@ TEST(RingOnCuda, ACpuRankAndACudaRankReduceTogether) {
       pg->allreduce(x)->wait();
       EXPECT_TRUE(torch::equal(x.cpu(), torch::full({len}, 3.0))) << len;
     }
+  });
+}
+
+// A windowed allreduce (Note [Allreduce windows]) copies in what the caller's stream produced
+// before the call, also for the windows copied in later from a side stream: the tensor is filled
+// on a stream of the caller's own, behind slow kernels, and nothing waits for it before the call.
+TEST(RingOnCuda, AWindowedAllreduceReadsWhatTheCallersStreamWrote) {
+  SKIP_WITHOUT_GPUS(1);
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_WINDOW_BYTES", "4194304"}});
+  spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, ring_options());
+    const c10::Device dev(c10::kCUDA, 0);
+    c10::impl::VirtualGuardImpl impl(dev.type());
+    c10::StreamGuard on(impl.getStreamFromGlobalPool(dev));
+    auto x = torch::zeros({int64_t(7) << 20}, torch::kCUDA);  // 28 MiB: 7 windows
+    auto m = torch::rand({2048, 2048}, torch::kCUDA);
+    for (int i = 0; i < 8; ++i) m = torch::mm(m, m).div_(2048);
+    x.fill_(rank + 1.0);
+    pg->allreduce(x)->wait();
+    EXPECT_TRUE(torch::equal(x.cpu(), torch::full({int64_t(7) << 20}, 3.0)));
   });
 }
 

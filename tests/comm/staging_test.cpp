@@ -42,12 +42,16 @@ class OverlappedStaging : public ::testing::TestWithParam<std::tuple<int, const 
 
 // Every rank allreduces tensors of each length with the ring; `unstaged_rank` (if >= 0) passes
 // a non-contiguous view, which is not staged, so it meets the staged ranks in one ring.
+// `window_bytes` (0: the default) sets the allreduce window (Note [Allreduce windows]).
 void check(int world, const std::string& transport, const std::string& algo, size_t chunk_bytes,
            size_t piece_bytes, int delay_us, const std::vector<int64_t>& lengths,
-           int unstaged_rank = -1) {
-  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport},
-                                                 {"TDIST_ALLREDUCE_ALGO", algo},
-                                                 {"TDIST_CHUNK_BYTES", std::to_string(chunk_bytes)}});
+           int unstaged_rank = -1, size_t window_bytes = 0) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{
+      {"TDIST_TRANSPORT", transport},
+      {"TDIST_ALLREDUCE_ALGO", algo},
+      {"TDIST_CHUNK_BYTES", std::to_string(chunk_bytes)},
+      {"TDIST_ALLREDUCE_WINDOW_BYTES",
+       window_bytes > 0 ? std::optional<std::string>(std::to_string(window_bytes)) : std::nullopt}});
   CpuStaging on(piece_bytes, delay_us);
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, world, test::test_options());
@@ -82,6 +86,28 @@ TEST_P(OverlappedStaging, LatePiecesGiveExactResults) {
 // A rank that is not staged runs the same ring as the staged ones.
 TEST_P(OverlappedStaging, AStagedAndAnUnstagedRankReduceTogether) {
   check(world(), transport(), "ring", 4096, 1000, 100, {10006}, /*unstaged_rank=*/0);
+}
+
+// Windows of 8000 bytes (Note [Allreduce windows]): each window a ring of its own, staged on its
+// own, so no more than two windows per rank are in host memory at once, where the whole tensor is
+// up to ten times a window (and 4001 elements end in a window of one, fewer than the ranks);
+// staged ranks, an unstaged one and all-CPU rings (pieces of 0) run the same windows together.
+TEST_P(OverlappedStaging, WindowsBoundTheStagedMemory) {
+  const size_t window = 8000;
+  const size_t staged_before = detail::staged_operations_for_tests();
+  detail::reset_staged_peak_for_tests();
+  check(world(), transport(), "ring", 333, 1000, 20, {2000, 10006, 4001}, -1, window);
+  EXPECT_LE(detail::staged_peak_bytes_for_tests(), static_cast<size_t>(world()) * 2 * window);
+  // One staged buffer per window: check() reduces floats and doubles with 3 ops, ints with 2.
+  size_t windows = 0;
+  for (size_t n : {2000, 10006, 4001}) {
+    for (auto [elem, ops] : {std::pair<size_t, size_t>{4, 3}, {8, 3}, {4, 2}}) {
+      windows += ops * ((n + window / elem - 1) / (window / elem));
+    }
+  }
+  EXPECT_EQ(detail::staged_operations_for_tests() - staged_before, world() * windows);
+  check(world(), transport(), "ring", 4096, 1000, 20, {10006}, /*unstaged_rank=*/0, window);
+  check(world(), transport(), "ring", 333, 0, 0, {10006}, -1, window);
 }
 
 // The defaults (1 MiB pieces, 256 KiB chunks, the automatic algorithm choice) on buffers that
@@ -223,8 +249,8 @@ TEST(OverlappedStagingFailure, ACopyThatNeverArrivesTimesOutSayingSo) {
 }
 
 // TDIST_STAGING_PIECE_BYTES, read when a group is created: 0 stages nothing in pieces (the same
-// results), a piece size stages what holds two pieces, a bad value fails the group's creation
-// naming the variable.
+// results), a piece size stages what holds two pieces; a bad value of it or of
+// TDIST_ALLREDUCE_WINDOW_BYTES fails the group's creation naming the variable.
 TEST(OverlappedStagingKnob, ZeroTurnsItOffAndABadValueIsRefused) {
   tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"}});
   for (size_t piece : {size_t{0}, size_t{1000}}) {
@@ -239,16 +265,18 @@ TEST(OverlappedStagingKnob, ZeroTurnsItOffAndABadValueIsRefused) {
     const size_t staged = detail::staged_operations_for_tests() - before;
     EXPECT_EQ(staged, piece == 0 ? 0u : 2u) << "piece " << piece;
   }
-  for (const char* bad : {"-1", "1M", "2000000000"}) {
-    tdist::test::EnvGuard knob(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", bad}});
+  const std::vector<std::pair<std::string, std::string>> bad{
+      {"TDIST_STAGING_PIECE_BYTES", "-1"}, {"TDIST_STAGING_PIECE_BYTES", "1M"},
+      {"TDIST_STAGING_PIECE_BYTES", "2000000000"}, {"TDIST_ALLREDUCE_WINDOW_BYTES", "0"},
+      {"TDIST_ALLREDUCE_WINDOW_BYTES", "64M"}};
+  for (const auto& [name, value] : bad) {
+    tdist::test::EnvGuard knob(tdist::test::EnvVars{{name, value}});
     auto store = std::make_shared<HashStore>();
     try {
       create_process_group(store, 0, 1, test::test_options());
-      ADD_FAILURE() << "TDIST_STAGING_PIECE_BYTES=" << bad << " was accepted";
+      ADD_FAILURE() << name << "=" << value << " was accepted";
     } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find("TDIST_STAGING_PIECE_BYTES='" + std::string(bad)),
-                std::string::npos)
-          << e.what();
+      EXPECT_NE(std::string(e.what()).find(name + "='" + value), std::string::npos) << e.what();
     }
   }
 }
