@@ -113,10 +113,11 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // caller's thread queues one device-to-host copy per piece (1 MiB, or the group's
 // TDIST_STAGING_PIECE_BYTES) on the caller's stream, in the order the ring reads them
 // (ring_allreduce_pieces: this rank's own segment first, which it sends at once, then the
-// segments in the order reduce-scatter reduces into them), each followed by an event. The ring posts everything as usual, but every transfer that reads the buffer
-// carries a gate (detail::Gate) on the last piece it touches: the exchange moves no byte of it
-// before that piece's event completed (pieces complete in order), and a wait held only by a copy
-// sleeps briefly instead of until the next I/O. Every chunk whose values are final (the last
+// segments in the order reduce-scatter reduces into them), each followed by an event. The ring
+// posts everything as usual, but every transfer that reads the buffer carries a gate
+// (detail::Gate) on the last piece it touches: the exchange moves no byte of it before that
+// piece's event completed (pieces complete in order), and a wait held only by a copy sleeps
+// briefly instead of until the next I/O. Every chunk whose values are final (the last
 // reduce-scatter step, and each allgather receive) is handed to Staging::finished at once, which
 // queues its host-to-device copy on a side stream while the rest of the ring runs; the Work
 // completes after that stream drained, as before. Nothing about the byte stream changes (a send
@@ -126,9 +127,9 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // earlier one runs uses a side stream that first waits for the point the caller's stream had
 // reached at issue. An average is divided chunk by chunk as each segment's sum completes
 // (ring_phases' average_over), so its chunks are finished as a sum's are. allreduce_coalesced
-// stages its tensors as one host buffer. The same pieces serve two more operations (tensor and list forms; a list is
-// staged as one host buffer too): a reduce-scatter's input arrives
-// in the order reduce_scatter_ring reads it (reduce_scatter_pieces), and an allgather's output,
+// stages its tensors as one host buffer. The same pieces serve two more operations (tensor and
+// list forms; a list is staged as one host buffer too): a reduce-scatter's input arrives in the
+// order reduce_scatter_ring reads it (reduce_scatter_pieces), and an allgather's output,
 // which nothing needs copied in, finishes each block as it lands (from the ring or by single
 // copy).
 

@@ -234,8 +234,9 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
                    std::shared_ptr<StagedTensors> now = std::move(first);
                    for (size_t begin = 0; begin < count; begin += window) {
                      const size_t n = std::min(window, count - begin);
+                     const size_t after = begin + n;
                      std::shared_ptr<StagedTensors> next;
-                     if (begin + n < count) next = stage(begin + n, std::min(window, count - begin - n));
+                     if (after < count) next = stage(after, std::min(window, count - after));
                      algo::allreduce_ring(c, now->data(), n, rs, now.get());
                      now->complete();
                      now = std::move(next);  // this window's host memory is free for the one after

@@ -212,7 +212,7 @@ void set_staging_for_tests(const StagingForTests& s) {
   hook_cpu.store(s.cpu);
 }
 
-size_t staged_operations_for_tests() { return staged_count.load(); }
+size_t staged_buffers_for_tests() { return staged_count.load(); }
 size_t staged_peak_bytes_for_tests() { return staged_peak_bytes.load(); }
 void reset_staged_peak_for_tests() { staged_peak_bytes.store(staged_live_bytes.load()); }
 

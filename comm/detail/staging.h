@@ -116,7 +116,7 @@ struct StagingForTests {
 void set_staging_for_tests(const StagingForTests& s);
 // How many buffers were staged in pieces in this process so far (one per allreduce window), and
 // the most host memory they held at once since the last reset_staged_peak_for_tests().
-size_t staged_operations_for_tests();
+size_t staged_buffers_for_tests();
 size_t staged_peak_bytes_for_tests();
 void reset_staged_peak_for_tests();
 

@@ -268,12 +268,12 @@ TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
                                                    {"TDIST_ALLREDUCE_WINDOW_BYTES", window}});
     for (int n : {2, 4}) {
       SCOPED_TRACE(str("TDIST_STAGING_PIECE_BYTES=", piece, ", window ", window, ", world ", n));
-      const size_t before = detail::staged_operations_for_tests();
+      const size_t before = detail::staged_buffers_for_tests();
       spawn(n, [&](int rank, std::shared_ptr<Store> store) {
         c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));
         check_ops_on_cuda(create_process_group(store, rank, n, ring_options()));
       });
-      const size_t staged = detail::staged_operations_for_tests() - before;
+      const size_t staged = detail::staged_buffers_for_tests() - before;
       if (std::string(piece) == "0") {
         EXPECT_EQ(staged, 0u);
       } else {

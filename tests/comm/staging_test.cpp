@@ -94,7 +94,7 @@ TEST_P(OverlappedStaging, AStagedAndAnUnstagedRankReduceTogether) {
 // staged ranks, an unstaged one and all-CPU rings (pieces of 0) run the same windows together.
 TEST_P(OverlappedStaging, WindowsBoundTheStagedMemory) {
   const size_t window = 8000;
-  const size_t staged_before = detail::staged_operations_for_tests();
+  const size_t staged_before = detail::staged_buffers_for_tests();
   detail::reset_staged_peak_for_tests();
   check(world(), transport(), "ring", 333, 1000, 20, {2000, 10006, 4001}, -1, window);
   EXPECT_LE(detail::staged_peak_bytes_for_tests(), static_cast<size_t>(world()) * 2 * window);
@@ -105,7 +105,7 @@ TEST_P(OverlappedStaging, WindowsBoundTheStagedMemory) {
       windows += ops * ((n + window / elem - 1) / (window / elem));
     }
   }
-  EXPECT_EQ(detail::staged_operations_for_tests() - staged_before, world() * windows);
+  EXPECT_EQ(detail::staged_buffers_for_tests() - staged_before, world() * windows);
   check(world(), transport(), "ring", 4096, 1000, 20, {10006}, /*unstaged_rank=*/0, window);
   check(world(), transport(), "ring", 333, 0, 0, {10006}, -1, window);
 }
@@ -255,14 +255,14 @@ TEST(OverlappedStagingKnob, ZeroTurnsItOffAndABadValueIsRefused) {
   tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"}});
   for (size_t piece : {size_t{0}, size_t{1000}}) {
     CpuStaging on(piece, 0);
-    const size_t before = detail::staged_operations_for_tests();
+    const size_t before = detail::staged_buffers_for_tests();
     tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
       auto pg = create_process_group(store, rank, 2, test::test_options());
       auto x = test::make_input(c10::ScalarType::Float, ReduceOp::SUM, 5000, rank);
       pg->allreduce(x)->wait();
       EXPECT_TRUE(test::same(x, test::expected(c10::ScalarType::Float, ReduceOp::SUM, 5000, 2)));
     });
-    const size_t staged = detail::staged_operations_for_tests() - before;
+    const size_t staged = detail::staged_buffers_for_tests() - before;
     EXPECT_EQ(staged, piece == 0 ? 0u : 2u) << "piece " << piece;
   }
   const std::vector<std::pair<std::string, std::string>> bad{
