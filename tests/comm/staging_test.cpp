@@ -51,7 +51,8 @@ void check(int world, const std::string& transport, const std::string& algo, siz
       {"TDIST_ALLREDUCE_ALGO", algo},
       {"TDIST_CHUNK_BYTES", std::to_string(chunk_bytes)},
       {"TDIST_ALLREDUCE_WINDOW_BYTES",
-       window_bytes > 0 ? std::optional<std::string>(std::to_string(window_bytes)) : std::nullopt}});
+       window_bytes > 0 ? std::optional<std::string>(std::to_string(window_bytes))
+                        : std::nullopt}});
   CpuStaging on(piece_bytes, delay_us);
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, world, test::test_options());
@@ -118,31 +119,36 @@ TEST_P(OverlappedStaging, DefaultPiecesAndChunks) {
 }
 
 // allreduce_coalesced: the tensors staged as one buffer, reduced as if concatenated, each part
-// copied back into its own tensor.
+// copied back into its own tensor; with the default window, and with windows of 8000 bytes that
+// cut across the tensors (64 KB in all: nine windows).
 TEST_P(OverlappedStaging, AllreduceCoalescedOfStagedTensors) {
-  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
-                                                 {"TDIST_ALLREDUCE_ALGO", "ring"},
-                                                 {"TDIST_CHUNK_BYTES", "333"}});
-  CpuStaging on(1000, 50);
-  const int w = world();
-  const std::vector<int64_t> lengths{1001, 3, 7000};
-  tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
-    auto pg = create_process_group(store, rank, w, test::test_options());
-    for (auto op : {ReduceOp::SUM, ReduceOp::AVG}) {
-      std::vector<at::Tensor> xs;
-      for (size_t i = 0; i < lengths.size(); ++i) {
-        xs.push_back(test::make_input(c10::ScalarType::Double, op, lengths[i], rank, int(i)));
+  for (const char* window : {"67108864", "8000"}) {
+    SCOPED_TRACE(str("window ", window));
+    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                                                   {"TDIST_ALLREDUCE_ALGO", "ring"},
+                                                   {"TDIST_CHUNK_BYTES", "333"},
+                                                   {"TDIST_ALLREDUCE_WINDOW_BYTES", window}});
+    CpuStaging on(1000, 50);
+    const int w = world();
+    const std::vector<int64_t> lengths{1001, 3, 7000};
+    tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, w, test::test_options());
+      for (auto op : {ReduceOp::SUM, ReduceOp::AVG}) {
+        std::vector<at::Tensor> xs;
+        for (size_t i = 0; i < lengths.size(); ++i) {
+          xs.push_back(test::make_input(c10::ScalarType::Double, op, lengths[i], rank, int(i)));
+        }
+        AllreduceCoalescedOptions o;
+        o.op = op;
+        pg->allreduce_coalesced(xs, o)->wait();
+        for (size_t i = 0; i < lengths.size(); ++i) {
+          auto want = test::expected(c10::ScalarType::Double, op, lengths[i], w, int(i));
+          ASSERT_TRUE(test::same(xs[i], want)) << to_string(op) << " tensor " << i << ": "
+                                               << test::describe(xs[i]);
+        }
       }
-      AllreduceCoalescedOptions o;
-      o.op = op;
-      pg->allreduce_coalesced(xs, o)->wait();
-      for (size_t i = 0; i < lengths.size(); ++i) {
-        auto want = test::expected(c10::ScalarType::Double, op, lengths[i], w, int(i));
-        ASSERT_TRUE(test::same(xs[i], want)) << to_string(op) << " tensor " << i << ": "
-                                             << test::describe(xs[i]);
-      }
-    }
-  });
+    });
+  }
 }
 
 // allgather_into_tensor into a staged output (each block copied out as it lands): through the
