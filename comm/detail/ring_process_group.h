@@ -83,6 +83,8 @@ class RingProcessGroup final : public ProcessGroup {
   // The group's single-copy threshold (Note [Single-copy collectives]); kNoSingleCopy when the
   // group does not use it.
   uint64_t single_copy_bytes() const { return single_copy_bytes_; }
+  // The allreduce window the group agreed on (Note [Allreduce windows]).
+  size_t allreduce_window_bytes() const { return allreduce_window_bytes_; }
   static constexpr uint64_t kNoSingleCopy = UINT64_MAX;
 
   std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;

@@ -94,13 +94,16 @@ TDIST_TEST_CHILD(comm_env_init_child) {
 // operation, its sequence number and a peer.
 // Processes that read each other's memory (Note [Single-copy collectives]). TDIST_TEST_SC_MODE:
 // "all": every rank asks for single copy from one byte; "max": rank 1 asks from 4096 bytes and
-// the group must take the largest; "off": the last rank disables it, so no rank may use it.
+// the group must take the largest, and the same for the allreduce window (rank 1 8000 bytes,
+// the others 4000: the allreduces below run in windows, which desynchronise unless all agree);
+// "off": the last rank disables it, so no rank may use it.
 // Allgathers (in place and not) and broadcasts of several sizes from every root must be right
 // either way, and so must every other collective.
 TDIST_TEST_CHILD(comm_single_copy_child) {
   torch::set_num_threads(1);
   const std::string mode = env::get("TDIST_TEST_SC_MODE").value_or("all");
   ::setenv("TDIST_SINGLE_COPY_BYTES", mode == "max" && rank == 1 ? "4096" : "1", 1);
+  if (mode == "max") ::setenv("TDIST_ALLREDUCE_WINDOW_BYTES", rank == 1 ? "8000" : "4000", 1);
   if (mode == "off" && rank == world_size - 1) ::setenv("TDIST_SINGLE_COPY", "0", 1);
   auto pg = create_process_group(child_store(), rank, world_size, test::test_options());
   auto* ring = dynamic_cast<detail::RingProcessGroup*>(pg.get());
@@ -112,6 +115,12 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
     std::cerr << "rank " << rank << ": single-copy threshold " << ring->single_copy_bytes()
               << ", expected " << want << std::endl;
     return 31;
+  }
+  const size_t want_window = mode == "max" ? 8000 : size_t{64} << 20;
+  if (ring->allreduce_window_bytes() != want_window) {
+    std::cerr << "rank " << rank << ": allreduce window " << ring->allreduce_window_bytes()
+              << ", expected " << want_window << std::endl;
+    return 32;
   }
   int bad = 0;
   for (int64_t n : {1, 1000, 300000}) {
