@@ -260,11 +260,6 @@ StagedTensors::StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
       tensors_(std::move(ts)),
       host_(std::move(host)),
       piece_(piece_bytes) {
-  staged_count.fetch_add(1);
-  const size_t live = staged_live_bytes.fetch_add(host_.nbytes()) + host_.nbytes();
-  size_t peak = staged_peak_bytes.load();
-  while (live > peak && !staged_peak_bytes.compare_exchange_weak(peak, live)) {
-  }
   std::vector<Part> parts;
   size_t offset = 0;
   for (const at::Tensor& t : tensors_) {
@@ -277,6 +272,12 @@ StagedTensors::StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
     std::memset(data(), 0xff, host_.nbytes());
     engine_ = std::make_unique<ThreadEngine>(std::move(parts), host_, this->order(),
                                              current_hook().delay);
+  }
+  // Counted once constructed: the destructor, which uncounts, runs only then.
+  staged_count.fetch_add(1);
+  const size_t live = staged_live_bytes.fetch_add(host_.nbytes()) + host_.nbytes();
+  size_t peak = staged_peak_bytes.load();
+  while (live > peak && !staged_peak_bytes.compare_exchange_weak(peak, live)) {
   }
 }
 
