@@ -48,21 +48,37 @@ struct Context {
   // By rank: the process whose memory the single-copy algorithms read (Note [Single-copy
   // collectives]); null when the group does not use them.
   const std::vector<pid_t>* pids = nullptr;
-  // A ring allreduce runs as consecutive rings over windows of at most this many bytes (Note
-  // [Allreduce windows]; TDIST_ALLREDUCE_WINDOW_BYTES, agreed by the group).
+  // A ring allreduce, an allgather and a reduce-scatter run as consecutive rings over windows of
+  // at most this many bytes (Note [Windows]; TDIST_WINDOW_BYTES, agreed by the group).
   size_t window_bytes = SIZE_MAX;
 };
 
-// Note [Allreduce windows]
-// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Note [Windows]
+// ~~~~~~~~~~~~~~
 // A ring allreduce of more than the group's window (64 MiB by default) runs as one ring per
 // window of the buffer, one after the other, on every rank alike (the ranks agree on the window
-// when the group is created: each window is its own byte stream). On CPU tensors that costs one
-// ring's start per window. It bounds what a staged CUDA tensor needs in host memory, whatever its
-// size: two windows while it runs (the one reducing and the next one's copies in), one while it
-// waits in the queue (its first window copies in at issue) (RingProcessGroup::allreduce_staged).
+// when the group is created: each window is its own byte stream). An allgather and a
+// reduce-scatter do the same over the same slice of every rank's block: the size blocks' slices
+// of one window hold at most a window's bytes (block_window_bytes, block_window_elems), so an
+// allgather whose outputs total more than a window, or a reduce-scatter whose input does, runs
+// one allgather or reduce-scatter per slice (by ring or single copy, as its slice's size says).
+// On CPU tensors that costs one start per window. It bounds what a staged CUDA tensor needs in
+// host memory, whatever its size: two windows while it runs (the one moving and the next one's
+// copies in), one while it waits in the queue (its first window copies in at issue)
+// (RingProcessGroup::allreduce_staged, allgather_staged, reduce_scatter_staged; a
+// reduce-scatter's window holds its output's slice too: (size + 1) / size windows).
 inline size_t window_elems(size_t window_bytes, size_t elem_size) {
   return std::max<size_t>(1, window_bytes / elem_size);
+}
+// Bytes of every rank's block in one allgather window: whole 4 KiB pages when a window holds one
+// per rank, at least one byte.
+inline size_t block_window_bytes(size_t window_bytes, int size) {
+  const size_t b = window_bytes / static_cast<size_t>(size);
+  return b >= 4096 ? b & ~size_t{4095} : std::max<size_t>(b, 1);
+}
+// Elements of every rank's block in one reduce-scatter window.
+inline size_t block_window_elems(size_t window_bytes, int size, size_t elem_size) {
+  return window_elems(window_bytes / static_cast<size_t>(size), elem_size);
 }
 
 struct ReduceSpec {
@@ -122,16 +138,20 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // queues its host-to-device copy on a side stream while the rest of the ring runs; the Work
 // completes after that stream drained, as before. Nothing about the byte stream changes (a send
 // split at piece boundaries is the same bytes), so a staged rank, an unstaged CUDA rank and a CPU
-// rank run one ring together. Memory is one pinned buffer per allreduce window (two at most at
-// once: Note [Allreduce windows]), from the caching host allocator; a window copied in while an
+// rank run one ring together. Memory is one pinned buffer per window (two at most at
+// once: Note [Windows]), from the caching host allocator; a window copied in while an
 // earlier one runs uses a side stream that first waits for the point the caller's stream had
 // reached at issue. An average is divided chunk by chunk as each segment's sum completes
 // (ring_phases' average_over), so its chunks are finished as a sum's are. allreduce_coalesced
 // stages its tensors as one host buffer. The same pieces serve two more operations (tensor and
-// list forms; a list is staged as one host buffer too): a reduce-scatter's input arrives in the
-// order reduce_scatter_ring reads it (reduce_scatter_pieces), and an allgather's output,
-// which nothing needs copied in, finishes each block as it lands (from the ring or by single
-// copy).
+// list forms; a list is staged as one host buffer too), window by window: a reduce-scatter's
+// input arrives in the order reduce_scatter_ring reads it (reduce_scatter_pieces), and its
+// output's slice, behind the inputs' in the same buffer, is finished once reduced; an
+// allgather's window copies in only this rank's slice, straight from its input into its own
+// block (its sends, or for the single copy its address message, wait for it), and finishes
+// every other block as it lands (from the ring or by single copy). The copies out never start
+// before the point the caller's stream had reached at issue, so no kernel queued before the
+// operation sees its outputs change.
 
 // A byte range [begin, end) of a buffer.
 struct ByteRange {
@@ -148,7 +168,8 @@ class Staging : public detail::Arrivals {
   Staging(const char* base, std::vector<ByteRange> order);
   const std::vector<ByteRange>& order() const { return order_; }
   // The position in arrival order of the last piece that overlaps [begin, end) (pieces arrive in
-  // order, so all of the range has arrived once that one has).
+  // order, so all of the range has arrived once that one has); kNoPiece if none does.
+  static constexpr size_t kNoPiece = SIZE_MAX;
   size_t last_piece(size_t begin, size_t end) const;
   // Bytes [begin, end) of the buffer hold their final values and are no longer written.
   virtual void finished(size_t begin, size_t end) = 0;
@@ -157,13 +178,15 @@ class Staging : public detail::Arrivals {
     const auto b = static_cast<size_t>(p - base_);
     finished(b, b + n);
   }
-  // The gate of a transfer that reads the n bytes at p: the last piece holding them.
+  // The gate of a transfer that reads the n bytes at p: the last piece holding them (none for
+  // bytes that no piece brings).
   detail::Gate gate_for(const char* p, size_t n) {
     const auto b = static_cast<size_t>(p - base_);
-    return detail::Gate{-1, 0, this, last_piece(b, b + n)};
+    const size_t last = last_piece(b, b + n);
+    return last == kNoPiece ? detail::Gate{} : detail::Gate{-1, 0, this, last};
   }
   // Posts the n bytes at p to `peer` split at piece boundaries, each part gated on its piece, so
-  // that the first parts leave before the last ones arrived.
+  // that the first parts leave before the last ones arrived (bytes outside the pieces ungated).
   void send(Context& c, int peer, const char* p, size_t n);
 
  private:
@@ -263,8 +286,10 @@ void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t 
 void reduce_chain(Context& c, const char* input, char* output, size_t count, const ReduceSpec& rs,
                   int root);
 
-// blocks[i] (block_bytes each) receives rank i's block; blocks[rank] already holds this rank's.
-// With `staging` (the blocks lie in its buffer) every received part is finished as it lands.
+// blocks[i] (block_bytes each) receives rank i's block; blocks[rank] holds this rank's, or, with
+// `staging` (the blocks lie in its buffer), is being copied in as its pieces: what leaves it
+// waits for them. With `staging` every received part is finished as it lands (this rank's own
+// block is the caller's to finish).
 void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_bytes,
                     Staging* staging = nullptr);
 

@@ -18,7 +18,7 @@ void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_b
   const int left = (r + n - 1) % n;
   const size_t chunk = c.chunk_bytes == 0 ? block_bytes : c.chunk_bytes;
   const size_t chunks_per_block = (block_bytes + chunk - 1) / chunk;
-  c.ex.send(right, blocks[r], block_bytes);
+  send_staged(c, right, blocks[r], block_bytes, staging);
   for (int s = 0; s < n - 1; ++s) {
     char* block = blocks[(r - 1 - s + n) % n];
     for (size_t off = 0; off < block_bytes; off += chunk) {

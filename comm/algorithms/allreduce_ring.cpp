@@ -65,25 +65,30 @@ Staging::Staging(const char* base, std::vector<ByteRange> order)
 size_t Staging::last_piece(size_t begin, size_t end) const {
   // The pieces are disjoint: walk down from the last one that starts before `end`.
   auto it = std::lower_bound(by_offset_.begin(), by_offset_.end(), std::make_pair(end, size_t{0}));
-  size_t last = 0;
+  size_t last = kNoPiece;
   while (it != by_offset_.begin()) {
     --it;
     if (order_[it->second].end <= begin) break;
-    last = std::max(last, it->second);
+    last = last == kNoPiece ? it->second : std::max(last, it->second);
   }
   return last;
 }
 
 void Staging::send(Context& c, int peer, const char* p, size_t n) {
   const auto b = static_cast<size_t>(p - base_), e = b + n;
+  size_t at = b;  // sent up to here; bytes outside every piece go ungated
   // The pieces that overlap [b, e), by offset.
   auto it = std::upper_bound(by_offset_.begin(), by_offset_.end(), std::make_pair(b, SIZE_MAX));
   if (it != by_offset_.begin()) --it;
   for (; it != by_offset_.end() && it->first < e; ++it) {
     const ByteRange& piece = order_[it->second];
     const size_t lo = std::max(b, piece.begin), hi = std::min(e, piece.end);
-    if (lo < hi) c.ex.send(peer, base_ + lo, hi - lo, detail::Gate{-1, 0, this, it->second});
+    if (lo >= hi) continue;
+    if (at < lo) c.ex.send(peer, base_ + at, lo - at);
+    c.ex.send(peer, base_ + lo, hi - lo, detail::Gate{-1, 0, this, it->second});
+    at = hi;
   }
+  if (at < e) c.ex.send(peer, base_ + at, e - at);
 }
 
 std::vector<ByteRange> ring_allreduce_pieces(size_t count, size_t elem, int size, int rank,

@@ -48,11 +48,13 @@ void write_peer(Context& c, int peer, uint64_t address, const char* in, size_t b
 // rank. Every rank must announce the same size: when the ranks called the operation with
 // different sizes, every rank sees at least one other size and fails the operation here with
 // MismatchError, before any byte of anyone's memory is touched. All of them stop at the same
-// point of the byte streams, so the group stays usable (as after a fingerprint mismatch).
-std::vector<uint64_t> exchange_addresses(Context& c, const char* data, size_t bytes) {
+// point of the byte streams, so the group stays usable (as after a fingerprint mismatch). The
+// address leaves once `gate` opens: no peer reads a staged block before it has arrived.
+std::vector<uint64_t> exchange_addresses(Context& c, const char* data, size_t bytes,
+                                         detail::Gate gate = {}) {
   const uint64_t mine[2] = {reinterpret_cast<uint64_t>(data), bytes};
   std::vector<uint64_t> theirs(2 * static_cast<size_t>(c.size));
-  c.ex.swap_with_all(mine, theirs.data(), sizeof(mine));
+  c.ex.swap_with_all(mine, theirs.data(), sizeof(mine), gate);
   std::vector<uint64_t> addresses(static_cast<size_t>(c.size));
   for (int p = 0; p < c.size; ++p) {
     if (p == c.rank) continue;
@@ -95,7 +97,8 @@ void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t 
   const int n = c.size;
   const int r = c.rank;
   if (n == 1 || block_bytes == 0) return;
-  const std::vector<uint64_t> addresses = exchange_addresses(c, blocks[r], block_bytes);
+  const std::vector<uint64_t> addresses =
+      exchange_addresses(c, blocks[r], block_bytes, gate_for(staging, blocks[r], block_bytes));
   // Each rank starts with its right neighbour, so the ranks do not all read one rank at once.
   for (int s = 1; s < n; ++s) {
     const int p = (r + s) % n;

@@ -70,10 +70,10 @@ void Exchange::recv(int peer, void* data, size_t n, uint64_t cookie) {
   q.posted += n;
 }
 
-void Exchange::swap_with_all(const void* mine, void* theirs, size_t n) {
+void Exchange::swap_with_all(const void* mine, void* theirs, size_t n, Gate gate) {
   for (int p = 0; p < size(); ++p) {
     if (p == rank_) continue;
-    send(p, mine, n);
+    send(p, mine, n, gate);
     recv(p, static_cast<char*>(theirs) + static_cast<size_t>(p) * n, n);
   }
   run();

@@ -87,8 +87,9 @@ class Exchange {
   void run() { run_impl(nullptr, nullptr); }
 
   // Sends the `n` bytes at `mine` to every other rank, receives each one's `n` bytes into
-  // theirs + rank * n (this rank's slot is left as it is), and runs until all have moved.
-  void swap_with_all(const void* mine, void* theirs, size_t n);
+  // theirs + rank * n (this rank's slot is left as it is), and runs until all have moved. The
+  // sends wait for `gate`.
+  void swap_with_all(const void* mine, void* theirs, size_t n, Gate gate = {});
 
   // Microseconds to keep retrying non-blocking I/O before sleeping in poll (TDIST_SPIN_US).
   void set_spin_us(int us) { spin_us_ = us; }

@@ -103,7 +103,7 @@ std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::strin
 // Values the group must agree on before any operation: every rank sends its own to every peer,
 // and all take the largest of each. The single-copy threshold (Note [Single-copy collectives]
 // in algorithms.h; kNoSingleCopy from a rank that may not or cannot read every peer) and the
-// allreduce window (Note [Allreduce windows]).
+// window of the ring collectives (Note [Windows]).
 struct Agreed {
   uint64_t single_copy_bytes;
   uint64_t window_bytes;
@@ -139,8 +139,8 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   staging_piece_bytes_ = static_cast<size_t>(
       env::get_int("TDIST_STAGING_PIECE_BYTES", static_cast<int64_t>(StagedTensors::kPieceBytes),
                    0, int64_t(1) << 30));
-  allreduce_window_bytes_ = static_cast<size_t>(
-      env::get_int("TDIST_ALLREDUCE_WINDOW_BYTES", static_cast<int64_t>(allreduce_window_bytes_), 1,
+  window_bytes_ = static_cast<size_t>(
+      env::get_int("TDIST_WINDOW_BYTES", static_cast<int64_t>(window_bytes_), 1,
                    int64_t(1) << 62));
   allreduce_algo_ = env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
   TDIST_CHECK_ARG(allreduce_algo_ == "auto" || allreduce_algo_ == "ring" ||
@@ -190,10 +190,10 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
         env::get_int("TDIST_SINGLE_COPY_BYTES", static_cast<int64_t>(kDefaultSingleCopyBytes), 1,
                      int64_t(1) << 62));
     const Agreed agreed = agree_group_values(
-        *exchange_, Agreed{readable ? threshold : kNoSingleCopy, allreduce_window_bytes_},
+        *exchange_, Agreed{readable ? threshold : kNoSingleCopy, window_bytes_},
         setup_deadline);
     single_copy_bytes_ = agreed.single_copy_bytes;
-    allreduce_window_bytes_ = static_cast<size_t>(agreed.window_bytes);
+    window_bytes_ = static_cast<size_t>(agreed.window_bytes);
     if (single_copy_bytes_ != kNoSingleCopy) {
       peer_pids_ = channels.readable_pids;
       peer_pids_[rank_] = ::getpid();
@@ -450,7 +450,7 @@ void RingProcessGroup::execute(Op& op, Clock::time_point now) {
     exchange_->begin(op.name, op.seq, now, deadline_after(op.timeout, now));
     if (debug_detail_) check_fingerprints(*exchange_, op.fingerprint);
     algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_, &peer_pids_,
-                            allreduce_window_bytes_};
+                            window_bytes_};
     value = op.run(ctx);
   } catch (const MismatchError&) {
     error = std::current_exception();

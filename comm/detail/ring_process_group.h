@@ -23,8 +23,9 @@
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
 //   TDIST_STAGING_PIECE_BYTES    piece of the overlapped staging of CUDA tensors (default 1 MiB;
 //                            0: copy them in and out whole, Note [Overlapped staging])
-//   TDIST_ALLREDUCE_WINDOW_BYTES  the ring allreduce's window (default 64 MiB; the group takes
-//                            the largest of its ranks' values: Note [Allreduce windows])
+//   TDIST_WINDOW_BYTES       the window of the ring allreduce, allgather and reduce-scatter
+//                            (default 64 MiB; the group takes the largest of its ranks'
+//                            values: Note [Windows])
 //   TDIST_HOST_ID            this rank's host key when Options::host is unset (Note [Host key])
 //   TDIST_SPIN_US            microseconds to re-try transfers before sleeping (default 50 with
 //                            shared-memory peers, else 0: Note [Spin, then sleep])
@@ -83,8 +84,8 @@ class RingProcessGroup final : public ProcessGroup {
   // The group's single-copy threshold (Note [Single-copy collectives]); kNoSingleCopy when the
   // group does not use it.
   uint64_t single_copy_bytes() const { return single_copy_bytes_; }
-  // The allreduce window the group agreed on (Note [Allreduce windows]).
-  size_t allreduce_window_bytes() const { return allreduce_window_bytes_; }
+  // The window the group agreed on (Note [Windows]).
+  size_t window_bytes() const { return window_bytes_; }
   static constexpr uint64_t kNoSingleCopy = UINT64_MAX;
 
   std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
@@ -160,18 +161,25 @@ class RingProcessGroup final : public ProcessGroup {
   void broadcast_bytes(algorithms::Context& c, char* data, size_t bytes, int root) const;
   void allgather_blocks(algorithms::Context& c, const std::vector<char*>& blocks,
                         size_t block_bytes, algorithms::Staging* staging = nullptr) const;
+  // allgather_blocks window by window, and the ring reduce-scatter (Note [Windows]).
+  void allgather_windows(algorithms::Context& c, const std::vector<char*>& blocks,
+                         size_t block_bytes) const;
+  void reduce_scatter_windows(algorithms::Context& c, const std::vector<const char*>& blocks,
+                              char* output, size_t count, const algorithms::ReduceSpec& rs) const;
   // Note [Overlapped staging]. The ring allreduce of `ts` (one dtype, reduced as if
   // concatenated) staged piecewise, or null when the group would not run the ring or the tensors
   // are not staged (StagedTensors::wanted).
   std::shared_ptr<Work> allreduce_staged(const char* name, const std::vector<at::Tensor>& ts,
                                          const algorithms::ReduceSpec& rs, Millis timeout,
                                          Fingerprint fp);
-  // An allgather of this rank's block_bytes at `in` into staged
-  // outputs (every rank's block in rank order), each block copied back as soon as it landed.
-  void allgather_staged(algorithms::Context& c, const char* in, size_t block_bytes,
-                        StagedTensors& out) const;
+  // The allgather of `input` into `outputs` (every rank's block, in rank order), staged window
+  // by window, each block copied out as soon as it landed; or null when they are not staged.
+  // The Work's value is `result`.
+  std::shared_ptr<Work> allgather_staged(const char* name, const at::Tensor& input,
+                                         const std::vector<at::Tensor>& outputs,
+                                         Future::Value result, Millis timeout, Fingerprint fp);
   // The ring reduce-scatter of `inputs` (every rank's block, in rank order, as if concatenated)
-  // into `output`, the inputs staged piecewise, or null when they are not staged.
+  // into `output`, staged window by window, or null when they are not staged.
   std::shared_ptr<Work> reduce_scatter_staged(const char* name,
                                               const std::vector<at::Tensor>& inputs,
                                               const at::Tensor& output,
@@ -190,7 +198,7 @@ class RingProcessGroup final : public ProcessGroup {
   std::string allreduce_algo_ = "auto";
   size_t small_allreduce_bytes_ = 64 * 1024;
   size_t staging_piece_bytes_ = 0;  // Note [Overlapped staging]; set from the environment
-  size_t allreduce_window_bytes_ = size_t{64} << 20;  // Note [Allreduce windows]
+  size_t window_bytes_ = size_t{64} << 20;  // Note [Windows]
   bool debug_detail_ = false;
   bool run_on_waiter_ = true;
   std::unique_ptr<tcp::Mesh> mesh_;

@@ -206,6 +206,52 @@ void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char
   }
 }
 
+void RingProcessGroup::allgather_windows(algo::Context& c, const std::vector<char*>& blocks,
+                                         size_t block_bytes) const {
+  const size_t window = algo::block_window_bytes(window_bytes_, size_);
+  std::vector<char*> slice(blocks.size());
+  for (size_t off = 0; off < block_bytes; off += window) {
+    for (size_t i = 0; i < blocks.size(); ++i) slice[i] = blocks[i] + off;
+    allgather_blocks(c, slice, std::min(window, block_bytes - off));
+  }
+}
+
+void RingProcessGroup::reduce_scatter_windows(algo::Context& c,
+                                              const std::vector<const char*>& blocks, char* output,
+                                              size_t count, const algo::ReduceSpec& rs) const {
+  const size_t window = algo::block_window_elems(window_bytes_, size_, rs.elem_size);
+  std::vector<const char*> slice(blocks.size());
+  for (size_t begin = 0; begin < count; begin += window) {
+    const size_t off = begin * rs.elem_size;
+    for (size_t i = 0; i < blocks.size(); ++i) slice[i] = blocks[i] + off;
+    algo::reduce_scatter_ring(c, slice, output + off, std::min(window, count - begin), rs);
+  }
+}
+
+namespace {
+
+// t's memory as flat bytes (t contiguous).
+at::Tensor flat_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
+// Runs stage(begin, n) for consecutive windows [begin, begin + n) of `count` units, `window` at a
+// time, and run(staged, n) for each: the next window is staged (its copies in queued) while the
+// current one runs, so at most two windows' host memory is in use (Note [Windows]).
+template <typename Stage, typename Run>
+void over_windows(size_t count, size_t window, std::shared_ptr<StagedTensors> first,
+                  const Stage& stage, const Run& run) {
+  std::shared_ptr<StagedTensors> now = std::move(first);
+  for (size_t begin = 0; begin < count; begin += window) {
+    const size_t n = std::min(window, count - begin), after = begin + n;
+    std::shared_ptr<StagedTensors> next;
+    if (after < count) next = stage(after, std::min(window, count - after));
+    run(*now, n);
+    now->complete();
+    now = std::move(next);  // this window's host memory is free for the one after
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
                                                        const std::vector<at::Tensor>& ts,
                                                        const algo::ReduceSpec& rs, Millis timeout,
@@ -216,64 +262,118 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
       !StagedTensors::wanted(ts, size_, staging_piece_bytes_)) {
     return nullptr;
   }
-  // One ring per window (Note [Allreduce windows]), each staged on its own: the first window's
-  // copies in start now on the caller's stream, each next one's while the one before runs, on a
-  // side stream after the point the caller's stream had reached at this call.
-  const size_t window = algo::window_elems(allreduce_window_bytes_, rs.elem_size);
+  // One ring per window (Note [Windows]), each staged on its own: the first window's copies in
+  // start now on the caller's stream, each next one's while the one before runs, on a side
+  // stream after the point the caller's stream had reached at this call.
+  const size_t window = algo::window_elems(window_bytes_, rs.elem_size);
   auto stage = [ts, rs, piece = staging_piece_bytes_, size = size_, rank = rank_,
                 issue = count > window ? StagedTensors::mark_issue(ts) : nullptr](size_t begin,
                                                                                    size_t n) {
     return std::make_shared<StagedTensors>(
-        element_range(ts, begin, begin + n),
+        StagedTensors::in_and_out(element_range(ts, begin, begin + n)),
         algo::ring_allreduce_pieces(n, rs.elem_size, size, rank, piece), piece,
         begin == 0 ? nullptr : issue);
   };
   return enqueue(name, timeout, std::move(fp),
                  [ts, stage, count, window, rs,
                   first = stage(0, std::min(window, count))](algo::Context& c) mutable {
-                   std::shared_ptr<StagedTensors> now = std::move(first);
-                   for (size_t begin = 0; begin < count; begin += window) {
-                     const size_t n = std::min(window, count - begin);
-                     const size_t after = begin + n;
-                     std::shared_ptr<StagedTensors> next;
-                     if (after < count) next = stage(after, std::min(window, count - after));
-                     algo::allreduce_ring(c, now->data(), n, rs, now.get());
-                     now->complete();
-                     now = std::move(next);  // this window's host memory is free for the one after
-                   }
+                   over_windows(count, window, std::move(first), stage, [&](StagedTensors& w, size_t n) {
+                     algo::allreduce_ring(c, w.data(), n, rs, &w);
+                   });
                    return Value{ts};
                  });
 }
 
-void RingProcessGroup::allgather_staged(algo::Context& c, const char* in, size_t block_bytes,
-                                        StagedTensors& out) const {
-  std::vector<char*> blocks;
-  for (int i = 0; i < size_; ++i) blocks.push_back(out.data() + i * block_bytes);
-  std::memcpy(blocks[rank_], in, block_bytes);
-  out.finished_at(blocks[rank_], block_bytes);
-  allgather_blocks(c, blocks, block_bytes, &out);
-  out.complete();
+std::shared_ptr<Work> RingProcessGroup::allgather_staged(const char* name, const at::Tensor& input,
+                                                         const std::vector<at::Tensor>& outputs,
+                                                         Value result, Millis timeout,
+                                                         Fingerprint fp) {
+  std::vector<at::Tensor> all = outputs;
+  all.push_back(input);
+  if (!StagedTensors::wanted(all, size_, staging_piece_bytes_)) return nullptr;
+  const size_t block = input.nbytes();
+  const size_t window = algo::block_window_bytes(window_bytes_, size_);
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& o : outputs) outs.push_back(flat_bytes(o));
+  // A window: every rank's slice [off, off + n) of its block; this rank's slice is copied in from
+  // the input, in pieces, and out to its own output like the others.
+  auto stage = [outs, in = flat_bytes(input), piece = staging_piece_bytes_, rank = rank_,
+                issue = block > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
+                                                                                    size_t n) {
+    std::vector<StagedTensors::Slot> slots;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      slots.push_back(StagedTensors::Slot{
+          static_cast<int>(i) == rank ? in.narrow(0, static_cast<int64_t>(off),
+                                                  static_cast<int64_t>(n))
+                                      : at::Tensor(),
+          outs[i].narrow(0, static_cast<int64_t>(off), static_cast<int64_t>(n))});
+    }
+    std::vector<algo::ByteRange> order;
+    for (size_t b = 0; b < n; b += piece) {
+      order.push_back({rank * n + b, rank * n + std::min(n, b + piece)});
+    }
+    return std::make_shared<StagedTensors>(std::move(slots), std::move(order), piece,
+                                           off == 0 ? nullptr : issue);
+  };
+  return enqueue(name, timeout, std::move(fp),
+                 [this, stage, block, window, result,
+                  first = stage(0, std::min(window, block))](algo::Context& c) mutable {
+                   over_windows(block, window, std::move(first), stage, [&](StagedTensors& w, size_t n) {
+                     std::vector<char*> blocks;
+                     for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
+                     allgather_blocks(c, blocks, n, &w);
+                     // Its pieces have arrived: they were sent, or their address was.
+                     w.finished_at(blocks[rank_], n);
+                   });
+                   return result;
+                 });
 }
 
 std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
     const char* name, const std::vector<at::Tensor>& inputs, const at::Tensor& output,
     const algo::ReduceSpec& rs, Millis timeout, Fingerprint fp) {
-  if (!StagedTensors::wanted(inputs, size_, staging_piece_bytes_)) return nullptr;
+  std::vector<at::Tensor> all = inputs;
+  all.push_back(output);
+  if (!StagedTensors::wanted(all, size_, staging_piece_bytes_)) return nullptr;
   const auto count = static_cast<size_t>(output.numel());
-  // The copies in start now, on the caller's stream.
-  auto in = std::make_shared<StagedTensors>(
-      inputs, algo::reduce_scatter_pieces(count, rs.elem_size, size_, rank_, chunk_bytes_,
-                                          staging_piece_bytes_),
-      staging_piece_bytes_);
-  at::Tensor out = host_output(output);
-  return enqueue(name, timeout, std::move(fp), [this, in, out, output, count, rs](algo::Context& c) {
-    std::vector<const char*> blocks;
-    for (int i = 0; i < size_; ++i) blocks.push_back(in->data() + i * count * rs.elem_size);
-    algo::reduce_scatter_ring(c, blocks, static_cast<char*>(out.data_ptr()), count, rs, in.get());
-    in->complete();
-    if (!out.is_same(output)) output.copy_(out);
-    return Value{output};
-  });
+  const size_t window = algo::block_window_elems(window_bytes_, size_, rs.elem_size);
+  // Every rank's block, whether the inputs are one tensor or one per rank.
+  std::vector<at::Tensor> blocks;
+  if (inputs.size() == 1) {
+    blocks = inputs[0].reshape({-1}).chunk(size_);
+  } else {
+    for (const at::Tensor& t : inputs) blocks.push_back(t.reshape({-1}));
+  }
+  const at::Tensor out = output.reshape({-1});
+  // A window: the slices [begin, begin + n) of every rank's block, copied in, then the output's,
+  // copied out.
+  auto stage = [blocks, out, rs, size = size_, rank = rank_, chunk = chunk_bytes_,
+                piece = staging_piece_bytes_,
+                issue = count > window ? StagedTensors::mark_issue(all) : nullptr](size_t begin,
+                                                                                    size_t n) {
+    std::vector<StagedTensors::Slot> slots;
+    for (const at::Tensor& b : blocks) {
+      slots.push_back(StagedTensors::Slot{
+          b.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(n)), at::Tensor()});
+    }
+    slots.push_back(StagedTensors::Slot{
+        at::Tensor(), out.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(n))});
+    return std::make_shared<StagedTensors>(
+        std::move(slots), algo::reduce_scatter_pieces(n, rs.elem_size, size, rank, chunk, piece),
+        piece, begin == 0 ? nullptr : issue);
+  };
+  return enqueue(name, timeout, std::move(fp),
+                 [this, stage, count, window, rs, output,
+                  first = stage(0, std::min(window, count))](algo::Context& c) mutable {
+                   over_windows(count, window, std::move(first), stage, [&](StagedTensors& w, size_t n) {
+                     std::vector<const char*> ins;
+                     for (int i = 0; i < size_; ++i) ins.push_back(w.data() + i * n * rs.elem_size);
+                     char* result = w.data() + size_ * n * rs.elem_size;
+                     algo::reduce_scatter_ring(c, ins, result, n, rs, &w);
+                     w.finished_at(result, n * rs.elem_size);
+                   });
+                   return Value{output};
+                 });
 }
 
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
@@ -308,23 +408,18 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
   check_stageable(input, "allgather", "the input");
   check_count(outputs.size(), size_, "allgather", "output tensors");
   for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
-  Contig in(input);
-  if (StagedTensors::wanted(outputs, size_, staging_piece_bytes_)) {
-    auto out = std::make_shared<StagedTensors>(outputs, std::vector<algo::ByteRange>{},
-                                               staging_piece_bytes_);
-    return enqueue("allgather", opts.timeout, fingerprint(debug_detail_, &input),
-                   [this, in, out](algo::Context& c) {
-                     allgather_staged(c, in.data(), in.bytes(), *out);
-                     return Value{out->tensors()};
-                   });
+  if (auto staged = allgather_staged("allgather", input, outputs, outputs, opts.timeout,
+                                     fingerprint(debug_detail_, &input))) {
+    return staged;
   }
+  Contig in(input);
   auto outs = contig_all(outputs, Contig::kWriteOnly);
   return enqueue("allgather", opts.timeout, fingerprint(debug_detail_, &input),
                  [this, in, outs, outputs](algo::Context& c) {
                    std::vector<char*> blocks;
                    for (const auto& o : outs) blocks.push_back(o.data());
                    if (in.bytes() > 0) std::memmove(blocks[rank_], in.data(), in.bytes());
-                   allgather_blocks(c, blocks, in.bytes());
+                   allgather_windows(c, blocks, in.bytes());
                    for (const auto& o : outs) o.write_back();
                    return outputs;
                  });
@@ -338,17 +433,15 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
                   output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
-  Contig in(input);
-  if (StagedTensors::wanted({output}, size_, staging_piece_bytes_)) {
-    auto out = std::make_shared<StagedTensors>(std::vector<at::Tensor>{output},
-                                               std::vector<algo::ByteRange>{},
-                                               staging_piece_bytes_);
-    return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
-                   [this, in, out](algo::Context& c) {
-                     allgather_staged(c, in.data(), in.bytes(), *out);
-                     return Value{out->tensors()};
-                   });
+  // (Its blocks are views of the output only if it is contiguous.)
+  if (output.is_contiguous()) {
+    if (auto staged = allgather_staged("allgather_into_tensor", input,
+                                       output.reshape({-1}).chunk(size_), Value{output},
+                                       opts.timeout, fingerprint(debug_detail_, &input))) {
+      return staged;
+    }
   }
+  Contig in(input);
   Contig out(output, Contig::kWriteOnly);
   return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
                  [this, in, out](algo::Context& c) {
@@ -358,7 +451,7 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
                    if (b > 0 && blocks[rank_] != in.data()) {  // else in place already
                      std::memmove(blocks[rank_], in.data(), b);
                    }
-                   allgather_blocks(c, blocks, b);
+                   allgather_windows(c, blocks, b);
                    out.write_back();
                    return Value{out.orig};
                  });
@@ -428,10 +521,10 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
   Contig out(output, Contig::kWriteOnly);
   auto ins = contig_all(inputs);
   return enqueue("reduce_scatter", opts.timeout, std::move(fp),
-                 [out, ins, rs](algo::Context& c) {
+                 [this, out, ins, rs](algo::Context& c) {
                    std::vector<const char*> blocks;
                    for (const auto& i : ins) blocks.push_back(i.data());
-                   algo::reduce_scatter_ring(c, blocks, out.data(), out.work.numel(), rs);
+                   reduce_scatter_windows(c, blocks, out.data(), out.work.numel(), rs);
                    out.write_back();
                    return Value{out.orig};
                  });
@@ -457,7 +550,7 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
                  [this, out, in, rs](algo::Context& c) {
                    std::vector<const char*> blocks;
                    for (int i = 0; i < size_; ++i) blocks.push_back(in.data() + i * out.bytes());
-                   algo::reduce_scatter_ring(c, blocks, out.data(), out.work.numel(), rs);
+                   reduce_scatter_windows(c, blocks, out.data(), out.work.numel(), rs);
                    out.write_back();
                    return Value{out.orig};
                  });

@@ -41,26 +41,51 @@ at::Tensor new_host_memory(const at::Tensor& t) {
   return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
 }
 
-// One flat byte buffer for all of ts (pinned for CUDA tensors), not initialized.
-at::Tensor host_memory_for(const std::vector<at::Tensor>& ts) {
+// A slot's tensors: either one (they have the same bytes and device).
+const at::Tensor& either(const StagedTensors::Slot& s) { return s.in.defined() ? s.in : s.out; }
+
+// Flat byte views of the slots' tensors, one after the other.
+std::vector<Part> parts_of(const std::vector<StagedTensors::Slot>& slots) {
+  auto flat = [](const at::Tensor& t) { return t.defined() ? t.reshape({-1}).view(at::kByte) : t; };
+  std::vector<Part> parts;
+  size_t offset = 0;
+  for (const StagedTensors::Slot& s : slots) {
+    TDIST_CHECK(!s.in.defined() || !s.out.defined() || s.in.nbytes() == s.out.nbytes(),
+                "staging: a slot's input has ", s.in.nbytes(), " bytes, its output ",
+                s.out.nbytes());
+    parts.push_back(Part{offset, either(s).nbytes(), flat(s.in), flat(s.out)});
+    offset += parts.back().size;
+  }
+  return parts;
+}
+
+// One flat byte buffer for all the slots (pinned for CUDA tensors), not initialized.
+at::Tensor host_memory_for(const std::vector<StagedTensors::Slot>& slots) {
   size_t bytes = 0;
-  for (const at::Tensor& t : ts) bytes += t.nbytes();
-  const bool cuda = ts.front().device().is_cuda();
-  return at::empty({static_cast<int64_t>(bytes)},
-                   at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));
+  for (const StagedTensors::Slot& s : slots) bytes += either(s).nbytes();
+  return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(
+                                                      either(slots.at(0)).device().is_cuda()));
 }
 
 at::Tensor byte_range(const at::Tensor& bytes, size_t begin, size_t end) {
   return bytes.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(end - begin));
 }
 
-// f(part, begin, end) for every part's share [begin, end) (host offsets) of bytes [b, e).
+// f(t, begin, end) for every part's share [begin, end) (host offsets) of bytes [b, e), t being
+// the part's `in` or `out` byte tensor (`which`) viewed at that share. A range that reaches a
+// part without that tensor is a bug of the algorithm.
 template <typename F>
-void for_parts(const std::vector<Part>& parts, size_t b, size_t e, F&& f) {
+void for_parts(const std::vector<Part>& parts, at::Tensor Part::*which, size_t b, size_t e,
+               F&& f) {
   for (const Part& p : parts) {
     const size_t lo = std::max(b, p.offset);
-    const size_t hi = std::min(e, p.offset + static_cast<size_t>(p.bytes.numel()));
-    if (lo < hi) f(p, lo, hi);
+    const size_t hi = std::min(e, p.offset + p.size);
+    if (lo >= hi) continue;
+    const at::Tensor& t = p.*which;
+    TDIST_CHECK(t.defined(), "staging: bytes ", lo, "..", hi, " of the host buffer are ",
+                which == &Part::in ? "copied in" : "finished", " but that part has no ",
+                which == &Part::in ? "input" : "output");
+    f(byte_range(t, lo - p.offset, hi - p.offset), lo, hi);
   }
 }
 
@@ -81,9 +106,8 @@ namespace {
 class DeviceEngine final : public StagedTensors::Engine {
  public:
   DeviceEngine(std::vector<Part> parts, const at::Tensor& host, const std::vector<ByteRange>& order,
-               const IssueMark* issue)
-      : parts_(std::move(parts)), host_(host) {
-    const c10::Device dev = parts_.front().bytes.device();
+               const IssueMark* issue, c10::Device dev)
+      : parts_(std::move(parts)), host_(host), start_(dev.type()) {
     c10::impl::VirtualGuardImpl impl(dev.type());
     c10::Stream in = impl.getStream(dev);
     if (issue != nullptr) {
@@ -92,13 +116,16 @@ class DeviceEngine final : public StagedTensors::Engine {
       own_in_ = in;
     }
     side_ = impl.getStreamFromGlobalPool(dev);
+    // The copies out write the tensors: not before what was queued ahead of the operation.
+    start_.record(in);
+    start_.block(side_);
     c10::StreamGuard on(in);
     events_.reserve(order.size());
     for (const ByteRange& piece : order) {
-      for_parts(parts_, piece.begin, piece.end, [&](const Part& p, size_t lo, size_t hi) {
-        byte_range(host_, lo, hi).copy_(byte_range(p.bytes, lo - p.offset, hi - p.offset),
-                                        /*non_blocking=*/true);
-      });
+      for_parts(parts_, &Part::in, piece.begin, piece.end,
+                [&](const at::Tensor& t, size_t lo, size_t hi) {
+                  byte_range(host_, lo, hi).copy_(t, /*non_blocking=*/true);
+                });
       events_.emplace_back(dev.type());
       events_.back().record(in);
     }
@@ -116,9 +143,8 @@ class DeviceEngine final : public StagedTensors::Engine {
   bool arrived(size_t piece) override { return events_[piece].query(); }
   void copy_out(size_t begin, size_t end) override {
     c10::StreamGuard on(side_);
-    for_parts(parts_, begin, end, [&](const Part& p, size_t lo, size_t hi) {
-      byte_range(p.bytes, lo - p.offset, hi - p.offset)
-          .copy_(byte_range(host_, lo, hi), /*non_blocking=*/true);
+    for_parts(parts_, &Part::out, begin, end, [&](const at::Tensor& t, size_t lo, size_t hi) {
+      t.copy_(byte_range(host_, lo, hi), /*non_blocking=*/true);
     });
   }
   void drain() override { side_.synchronize(); }
@@ -128,6 +154,7 @@ class DeviceEngine final : public StagedTensors::Engine {
   at::Tensor host_;  // flat bytes
   std::optional<c10::Stream> own_in_;  // the copies in's side stream, if not the caller's
   c10::Stream side_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
+  c10::Event start_;  // where the copies in start from
   std::vector<c10::Event> events_;
 };
 
@@ -137,13 +164,14 @@ class ThreadEngine final : public StagedTensors::Engine {
  public:
   ThreadEngine(std::vector<Part> parts, const at::Tensor& host, const std::vector<ByteRange>& order,
                std::chrono::microseconds delay)
-      : parts_(std::move(parts)), host_(static_cast<char*>(host.data_ptr())), bytes_(host.numel()) {
+      : parts_(std::move(parts)), host_(static_cast<char*>(host.data_ptr())) {
     thread_ = std::thread([this, order, delay] {
       for (size_t i = 0; i < order.size(); ++i) {
         std::this_thread::sleep_for(delay);
-        for_parts(parts_, order[i].begin, order[i].end, [&](const Part& p, size_t lo, size_t hi) {
-          std::memcpy(host_ + lo, tensor_at(p, lo), hi - lo);
-        });
+        for_parts(parts_, &Part::in, order[i].begin, order[i].end,
+                  [&](const at::Tensor& t, size_t lo, size_t hi) {
+                    std::memcpy(host_ + lo, t.data_ptr(), hi - lo);
+                  });
         arrived_.store(i + 1, std::memory_order_release);
       }
     });
@@ -151,33 +179,40 @@ class ThreadEngine final : public StagedTensors::Engine {
   ~ThreadEngine() override { thread_.join(); }
   bool arrived(size_t piece) override { return piece < arrived_.load(std::memory_order_acquire); }
   void copy_out(size_t begin, size_t end) override {
-    for_parts(parts_, begin, end, [&](const Part& p, size_t lo, size_t hi) {
-      std::memcpy(tensor_at(p, lo), host_ + lo, hi - lo);
+    for_parts(parts_, &Part::out, begin, end, [&](const at::Tensor& t, size_t lo, size_t hi) {
+      std::memcpy(t.data_ptr(), host_ + lo, hi - lo);
     });
     outs_.push_back({begin, end});
   }
-  // Every byte must have been finished exactly once (or none: a staged input): a range finished
-  // before its values were final and again later would pass unseen otherwise.
+  // Every byte of every part with an output must have been finished exactly once (copy_out
+  // refuses the others): a range finished before its values were final and again later would
+  // pass unseen otherwise. A failed operation stops early, so only a drain (its completion) is
+  // checked.
   void drain() override {
-    if (outs_.empty()) return;
     std::sort(outs_.begin(), outs_.end(),
               [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
-    size_t covered = 0;
+    std::vector<ByteRange> covered;  // the finished bytes, as maximal runs
     for (const ByteRange& r : outs_) {
-      TDIST_CHECK(r.begin == covered, "staging: bytes from ", std::min(r.begin, covered),
-                  r.begin < covered ? " were finished twice" : " were never finished");
-      covered = r.end;
+      TDIST_CHECK(covered.empty() || r.begin >= covered.back().end, "staging: bytes from ",
+                  r.begin, " were finished twice");
+      if (!covered.empty() && r.begin == covered.back().end) {
+        covered.back().end = r.end;
+      } else {
+        covered.push_back(r);
+      }
     }
-    TDIST_CHECK(covered == bytes_, "staging: bytes from ", covered, " were never finished");
+    for (const Part& p : parts_) {
+      if (!p.out.defined()) continue;
+      auto run = std::upper_bound(covered.begin(), covered.end(), p.offset,
+                                  [](size_t b, const ByteRange& r) { return b < r.begin; });
+      const size_t from = run == covered.begin() ? p.offset : std::max(p.offset, std::prev(run)->end);
+      TDIST_CHECK(from >= p.offset + p.size, "staging: bytes from ", from, " were never finished");
+    }
   }
 
  private:
-  static char* tensor_at(const Part& p, size_t host_offset) {
-    return static_cast<char*>(p.bytes.data_ptr()) + (host_offset - p.offset);
-  }
   const std::vector<Part> parts_;
   char* const host_;
-  const size_t bytes_;
   std::vector<ByteRange> outs_;
   std::atomic<size_t> arrived_{0};
   std::thread thread_;
@@ -249,25 +284,26 @@ bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size, size_t p
   return bytes >= 2 * piece_bytes;
 }
 
-StagedTensors::StagedTensors(std::vector<at::Tensor> ts, std::vector<ByteRange> order,
-                             size_t piece_bytes, std::shared_ptr<const IssueMark> issue)
-    : StagedTensors(ts, host_memory_for(ts), std::move(order), piece_bytes, std::move(issue)) {}
+std::vector<StagedTensors::Slot> StagedTensors::in_and_out(const std::vector<at::Tensor>& ts) {
+  std::vector<Slot> slots;
+  for (const at::Tensor& t : ts) slots.push_back(Slot{t, t});
+  return slots;
+}
 
-StagedTensors::StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
+StagedTensors::StagedTensors(std::vector<Slot> slots, std::vector<ByteRange> order,
+                             size_t piece_bytes, std::shared_ptr<const IssueMark> issue)
+    : StagedTensors(host_memory_for(slots), parts_of(slots), either(slots.at(0)).device(),
+                    std::move(order), piece_bytes, std::move(issue)) {}
+
+StagedTensors::StagedTensors(at::Tensor host, std::vector<Part> parts, c10::Device dev,
                              std::vector<ByteRange> order, size_t piece_bytes,
                              std::shared_ptr<const IssueMark> issue)
     : Staging(static_cast<const char*>(host.data_ptr()), std::move(order)),
-      tensors_(std::move(ts)),
       host_(std::move(host)),
       piece_(piece_bytes) {
-  std::vector<Part> parts;
-  size_t offset = 0;
-  for (const at::Tensor& t : tensors_) {
-    parts.push_back(Part{offset, t.reshape({-1}).view(at::kByte)});
-    offset += t.nbytes();
-  }
-  if (tensors_.front().device().is_cuda()) {
-    engine_ = std::make_unique<DeviceEngine>(std::move(parts), host_, this->order(), issue.get());
+  if (dev.is_cuda()) {
+    engine_ = std::make_unique<DeviceEngine>(std::move(parts), host_, this->order(), issue.get(),
+                                             dev);
   } else {
     std::memset(data(), 0xff, host_.nbytes());
     engine_ = std::make_unique<ThreadEngine>(std::move(parts), host_, this->order(),

@@ -42,25 +42,35 @@ at::Tensor host_values(const at::Tensor& t);
 at::Tensor host_output(const at::Tensor& t);
 
 // Tensors' bytes staged through host memory piece by piece (Note [Overlapped staging]): host
-// memory holds the tensors one after the other; the copies in are queued on the caller's current
+// memory holds the slots one after the other; the copies in are queued on the caller's current
 // stream at construction, in `order`; finished ranges are coalesced and copied out on a side
-// stream; complete() waits for all of it.
+// stream (which first waits for the point the copies in start from, so no copy out overtakes a
+// kernel queued before the operation); complete() waits for all of it.
 class StagedTensors final : public algorithms::Staging {
  public:
-  // Whether an operation over a group of `size` ranks stages `ts` in pieces of `piece_bytes`:
-  // contiguous CUDA tensors of one device (CPU ones under the testing hook) without a conjugate
-  // or negative bit, of at least two pieces together, with a peer. A piece size of 0 stages
-  // nothing this way.
+  // Whether an operation over a group of `size` ranks stages `ts` (every tensor it reads or
+  // writes) in pieces of `piece_bytes`: contiguous CUDA tensors of one device (CPU ones under the
+  // testing hook) without a conjugate or negative bit, of at least two pieces together, with a
+  // peer. A piece size of 0 stages nothing this way.
   static bool wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes);
   // The default piece size (a group's TDIST_STAGING_PIECE_BYTES overrides it).
   static constexpr size_t kPieceBytes = size_t{1} << 20;
 
-  // An empty order: the operation only writes the tensors, nothing is copied in. Finished
-  // ranges are copied out once `piece_bytes` of them are pending (or at complete()). The copies
-  // in go on the caller's current stream, or, with `issue`, on a side stream after the point
-  // `issue` marked: so a window made later, on another thread, still copies what the kernels
-  // queued before the operation's issue produced.
-  StagedTensors(std::vector<at::Tensor> ts, std::vector<algorithms::ByteRange> order,
+  // A part of the host buffer: the tensor its values are copied in from (the pieces of `order`
+  // that fall in it) and the tensor finished ranges are copied out to. Either may be undefined
+  // (an output only written, an input only read); both are contiguous, of the same bytes.
+  struct Slot {
+    at::Tensor in;
+    at::Tensor out;
+  };
+  // Each tensor both: copied in (as far as `order` says) and out again.
+  static std::vector<Slot> in_and_out(const std::vector<at::Tensor>& ts);
+
+  // Finished ranges are copied out once `piece_bytes` of them are pending (or at complete()).
+  // The copies in go on the caller's current stream, or, with `issue`, on a side stream after the
+  // point `issue` marked: so a window made later, on another thread, still copies what the
+  // kernels queued before the operation's issue produced.
+  StagedTensors(std::vector<Slot> slots, std::vector<algorithms::ByteRange> order,
                 size_t piece_bytes, std::shared_ptr<const IssueMark> issue = nullptr);
   // The current point of the caller's stream for ts' device (nothing for CPU tensors).
   static std::shared_ptr<const IssueMark> mark_issue(const std::vector<at::Tensor>& ts);
@@ -68,7 +78,6 @@ class StagedTensors final : public algorithms::Staging {
   StagedTensors(const StagedTensors&) = delete;
   StagedTensors& operator=(const StagedTensors&) = delete;
 
-  const std::vector<at::Tensor>& tensors() const { return tensors_; }
   char* data() const { return static_cast<char*>(host_.data_ptr()); }
 
   bool arrived(size_t piece) override;
@@ -77,10 +86,12 @@ class StagedTensors final : public algorithms::Staging {
   // host buffer's values.
   void complete();
 
-  // A tensor's bytes at `offset` in the host buffer.
+  // A slot's bytes at `offset` in the host buffer: its tensors as flat byte tensors.
   struct Part {
     size_t offset;
-    at::Tensor bytes;  // the tensor's memory as a flat byte tensor
+    size_t size;
+    at::Tensor in;
+    at::Tensor out;
   };
   // How the bytes move: device copies and events, or the testing hook's copy thread.
   class Engine {
@@ -92,12 +103,11 @@ class StagedTensors final : public algorithms::Staging {
   };
 
  private:
-  StagedTensors(std::vector<at::Tensor> ts, at::Tensor host,
+  StagedTensors(at::Tensor host, std::vector<Part> parts, c10::Device dev,
                 std::vector<algorithms::ByteRange> order, size_t piece_bytes,
                 std::shared_ptr<const IssueMark> issue);
   void flush();
 
-  std::vector<at::Tensor> tensors_;
   at::Tensor host_;
   std::unique_ptr<Engine> engine_;
   size_t piece_;
@@ -114,7 +124,7 @@ struct StagingForTests {
   std::chrono::microseconds delay{0};
 };
 void set_staging_for_tests(const StagingForTests& s);
-// How many buffers were staged in pieces in this process so far (one per allreduce window), and
+// How many buffers were staged in pieces in this process so far (one per window), and
 // the most host memory they held at once since the last reset_staged_peak_for_tests().
 size_t staged_buffers_for_tests();
 size_t staged_peak_bytes_for_tests();

@@ -256,16 +256,16 @@ ProcessGroup::Options ring_options() {
 }
 
 // With overlapped staging (the default pieces), without it (TDIST_STAGING_PIECE_BYTES=0: the
-// large tensors copied in and out whole), and with allreduce windows of 3 MiB (the 6 MiB
-// allreduce_coalesced runs two, the second copied in from a side stream: Note [Allreduce
-// windows]).
+// large tensors copied in and out whole), and with windows of 3 MiB (Note [Windows]: the 6 MiB
+// allreduce_coalesced runs two, the second copied in from a side stream, and the allgathers and
+// reduce-scatters of 4 MiB blocks three or more).
 TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
   SKIP_WITHOUT_GPUS(1);
   for (auto [piece, window] : {std::pair<const char*, const char*>{"1048576", "67108864"},
                                {"0", "67108864"},
                                {"1048576", "3145728"}}) {
     tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", piece},
-                                                   {"TDIST_ALLREDUCE_WINDOW_BYTES", window}});
+                                                   {"TDIST_WINDOW_BYTES", window}});
     for (int n : {2, 4}) {
       SCOPED_TRACE(str("TDIST_STAGING_PIECE_BYTES=", piece, ", window ", window, ", world ", n));
       const size_t before = detail::staged_buffers_for_tests();
@@ -297,23 +297,43 @@ TEST(RingOnCuda, ACpuRankAndACudaRankReduceTogether) {
   });
 }
 
-// A windowed allreduce (Note [Allreduce windows]) copies in what the caller's stream produced
-// before the call, also for the windows copied in later from a side stream: the tensor is filled
-// on a stream of the caller's own, behind slow kernels, and nothing waits for it before the call.
-TEST(RingOnCuda, AWindowedAllreduceReadsWhatTheCallersStreamWrote) {
+// Windowed collectives (Note [Windows]) keep the caller's stream order: their inputs are filled,
+// and their outputs overwritten with -1, on a stream of the caller's own behind slow kernels, and
+// nothing waits for that before the call. The copies in must read the filled values (also the
+// windows copied in later from a side stream), and no copy out may land before the -1s.
+TEST(RingOnCuda, WindowedCollectivesKeepTheCallersStreamOrder) {
   SKIP_WITHOUT_GPUS(1);
-  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_WINDOW_BYTES", "4194304"}});
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_WINDOW_BYTES", "4194304"}});
   spawn(2, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, 2, ring_options());
     const c10::Device dev(c10::kCUDA, 0);
     c10::impl::VirtualGuardImpl impl(dev.type());
     c10::StreamGuard on(impl.getStreamFromGlobalPool(dev));
-    auto x = torch::zeros({int64_t(7) << 20}, torch::kCUDA);  // 28 MiB: 7 windows
-    auto m = torch::rand({2048, 2048}, torch::kCUDA);
-    for (int i = 0; i < 8; ++i) m = torch::mm(m, m).div_(2048);
+    auto slow = [] {
+      auto m = torch::rand({2048, 2048}, torch::kCUDA);
+      for (int i = 0; i < 8; ++i) m = torch::mm(m, m).div_(2048);
+    };
+    const int64_t len = int64_t(7) << 20;  // 28 MiB: 7 windows of the allreduce
+    const auto sum = torch::full({len}, 3.0);
+    auto x = torch::zeros({len}, torch::kCUDA);
+    slow();
     x.fill_(rank + 1.0);
     pg->allreduce(x)->wait();
-    EXPECT_TRUE(torch::equal(x.cpu(), torch::full({int64_t(7) << 20}, 3.0)));
+    EXPECT_TRUE(torch::equal(x.cpu(), sum)) << "allreduce";
+    auto in = torch::zeros({len}, torch::kCUDA), gathered = torch::zeros({2 * len}, torch::kCUDA);
+    slow();
+    in.fill_(rank + 1.0);
+    gathered.fill_(-1.0);
+    pg->allgather_into_tensor(gathered, in)->wait();
+    EXPECT_TRUE(torch::equal(gathered.cpu(), torch::cat({torch::full({len}, 1.0),
+                                                          torch::full({len}, 2.0)})))
+        << "allgather_into_tensor";
+    auto rs_in = torch::zeros({2 * len}, torch::kCUDA), rs_out = torch::zeros({len}, torch::kCUDA);
+    slow();
+    rs_in.fill_(rank + 1.0);
+    rs_out.fill_(-1.0);
+    pg->reduce_scatter_tensor(rs_out, rs_in)->wait();
+    EXPECT_TRUE(torch::equal(rs_out.cpu(), sum)) << "reduce_scatter_tensor";
   });
 }
 

@@ -94,8 +94,9 @@ TDIST_TEST_CHILD(comm_env_init_child) {
 // operation, its sequence number and a peer.
 // Processes that read each other's memory (Note [Single-copy collectives]). TDIST_TEST_SC_MODE:
 // "all": every rank asks for single copy from one byte; "max": rank 1 asks from 4096 bytes and
-// the group must take the largest, and the same for the allreduce window (rank 1 8000 bytes,
-// the others 4000: the allreduces below run in windows, which desynchronise unless all agree);
+// the group must take the largest, and the same for the window (rank 1 40000 bytes, the others
+// 20000: the large allreduces, allgathers and reduce-scatters below run in windows, which
+// desynchronise unless all agree; an allgather window's blocks are still single copies);
 // "off": the last rank disables it, so no rank may use it.
 // Allgathers (in place and not) and broadcasts of several sizes from every root must be right
 // either way, and so must every other collective.
@@ -103,7 +104,7 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
   torch::set_num_threads(1);
   const std::string mode = env::get("TDIST_TEST_SC_MODE").value_or("all");
   ::setenv("TDIST_SINGLE_COPY_BYTES", mode == "max" && rank == 1 ? "4096" : "1", 1);
-  if (mode == "max") ::setenv("TDIST_ALLREDUCE_WINDOW_BYTES", rank == 1 ? "8000" : "4000", 1);
+  if (mode == "max") ::setenv("TDIST_WINDOW_BYTES", rank == 1 ? "40000" : "20000", 1);
   if (mode == "off" && rank == world_size - 1) ::setenv("TDIST_SINGLE_COPY", "0", 1);
   auto pg = create_process_group(child_store(), rank, world_size, test::test_options());
   auto* ring = dynamic_cast<detail::RingProcessGroup*>(pg.get());
@@ -116,9 +117,9 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
               << ", expected " << want << std::endl;
     return 31;
   }
-  const size_t want_window = mode == "max" ? 8000 : size_t{64} << 20;
-  if (ring->allreduce_window_bytes() != want_window) {
-    std::cerr << "rank " << rank << ": allreduce window " << ring->allreduce_window_bytes()
+  const size_t want_window = mode == "max" ? 40000 : size_t{64} << 20;
+  if (ring->window_bytes() != want_window) {
+    std::cerr << "rank " << rank << ": window " << ring->window_bytes()
               << ", expected " << want_window << std::endl;
     return 32;
   }
@@ -137,6 +138,14 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
         std::cerr << "rank " << rank << ": wrong allgather block " << r << " of " << n << std::endl;
         ++bad;
       }
+    }
+    auto rs_out = torch::empty({n}, torch::kDouble);
+    pg->reduce_scatter_tensor(rs_out, torch::arange(n * world_size, torch::kDouble) + rank)->wait();
+    const auto rs_want = torch::arange(rank * n, (rank + 1) * n, torch::kDouble) * world_size +
+                         world_size * (world_size - 1) / 2.0;
+    if (!torch::equal(rs_out, rs_want)) {
+      std::cerr << "rank " << rank << ": wrong reduce-scatter of " << n << std::endl;
+      ++bad;
     }
     for (int root = 0; root < world_size; ++root) {
       auto x = rank == root ? torch::arange(n, torch::kLong) * (root + 1)

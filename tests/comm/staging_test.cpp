@@ -15,6 +15,7 @@ namespace tdist::comm {
 namespace {
 
 using detail::StagingForTests;
+namespace algo = tdist::comm::algorithms;
 
 // CPU tensors staged in pieces of `piece_bytes` (the groups created meanwhile read it), each
 // piece copied `delay_us` late.
@@ -42,7 +43,7 @@ class OverlappedStaging : public ::testing::TestWithParam<std::tuple<int, const 
 
 // Every rank allreduces tensors of each length with the ring; `unstaged_rank` (if >= 0) passes
 // a non-contiguous view, which is not staged, so it meets the staged ranks in one ring.
-// `window_bytes` (0: the default) sets the allreduce window (Note [Allreduce windows]).
+// `window_bytes` (0: the default) sets the allreduce window (Note [Windows]).
 void check(int world, const std::string& transport, const std::string& algo, size_t chunk_bytes,
            size_t piece_bytes, int delay_us, const std::vector<int64_t>& lengths,
            int unstaged_rank = -1, size_t window_bytes = 0) {
@@ -50,7 +51,7 @@ void check(int world, const std::string& transport, const std::string& algo, siz
       {"TDIST_TRANSPORT", transport},
       {"TDIST_ALLREDUCE_ALGO", algo},
       {"TDIST_CHUNK_BYTES", std::to_string(chunk_bytes)},
-      {"TDIST_ALLREDUCE_WINDOW_BYTES",
+      {"TDIST_WINDOW_BYTES",
        window_bytes > 0 ? std::optional<std::string>(std::to_string(window_bytes))
                         : std::nullopt}});
   CpuStaging on(piece_bytes, delay_us);
@@ -89,7 +90,7 @@ TEST_P(OverlappedStaging, AStagedAndAnUnstagedRankReduceTogether) {
   check(world(), transport(), "ring", 4096, 1000, 100, {10006}, /*unstaged_rank=*/0);
 }
 
-// Windows of 8000 bytes (Note [Allreduce windows]): each window a ring of its own, staged on its
+// Windows of 8000 bytes (Note [Windows]): each window a ring of its own, staged on its
 // own, so no more than two windows per rank are in host memory at once, where the whole tensor is
 // up to ten times a window (and 4001 elements end in a window of one, fewer than the ranks);
 // staged ranks, an unstaged one and all-CPU rings (pieces of 0) run the same windows together.
@@ -127,7 +128,7 @@ TEST_P(OverlappedStaging, AllreduceCoalescedOfStagedTensors) {
     tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
                                                    {"TDIST_ALLREDUCE_ALGO", "ring"},
                                                    {"TDIST_CHUNK_BYTES", "333"},
-                                                   {"TDIST_ALLREDUCE_WINDOW_BYTES", window}});
+                                                   {"TDIST_WINDOW_BYTES", window}});
     CpuStaging on(1000, 50);
     const int w = world();
     const std::vector<int64_t> lengths{1001, 3, 7000};
@@ -226,6 +227,81 @@ TEST_P(OverlappedStaging, ReduceScatterFromAStagedInput) {
   }
 }
 
+// Allgathers and reduce-scatters larger than a window (Note [Windows]): windows of 8000 bytes over
+// blocks of 20000 doubles (40 to 80 windows), staged window by window, through the ring and by
+// single copy, in place or not, tensor and list forms; with `unstaged` >= 0 that rank passes
+// strided tensors, which are not staged but run the same windows. No rank holds more than two
+// windows in host memory (a reduce-scatter's window holds its output's slice as well), where one
+// operation's tensors are 20 to 80 windows; one staged buffer per window.
+TEST_P(OverlappedStaging, AllgatherAndReduceScatterWindowsBoundTheStagedMemory) {
+  const size_t window = 8000;
+  const int w = world();
+  const int64_t n = 20000;
+  for (const char* single : {"0", "1"}) {
+    for (int unstaged : {-1, w - 1}) {
+      SCOPED_TRACE(str("TDIST_SINGLE_COPY=", single, " unstaged rank ", unstaged));
+      tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                                                     {"TDIST_CHUNK_BYTES", "333"},
+                                                     {"TDIST_SINGLE_COPY", single},
+                                                     {"TDIST_SINGLE_COPY_BYTES", "1024"},
+                                                     {"TDIST_WINDOW_BYTES", std::to_string(window)}});
+      CpuStaging on(1000, 20);
+      detail::reset_staged_peak_for_tests();
+      const size_t before = detail::staged_buffers_for_tests();
+      tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+        auto pg = create_process_group(store, rank, w, test::test_options());
+        const bool strided = rank == unstaged;
+        // n doubles, every second one of a larger tensor when strided.
+        auto fresh = [&](int64_t len) {
+          return strided ? torch::full({len, 2}, -7.0, torch::kDouble).select(1, 0)
+                         : torch::full({len}, -7.0, torch::kDouble);
+        };
+        const auto want = torch::arange(n * w, torch::kDouble);
+        for (bool in_place : {false, true}) {
+          SCOPED_TRACE(in_place ? "allgather_into_tensor in place" : "allgather_into_tensor");
+          at::Tensor out = fresh(n * w);
+          at::Tensor in = want.narrow(0, rank * n, n).clone();
+          if (in_place) {
+            out.narrow(0, rank * n, n).copy_(in);
+            in = out.narrow(0, rank * n, n);
+          }
+          pg->allgather_into_tensor(out, in)->wait();
+          ASSERT_TRUE(torch::equal(out, want)) << test::describe(out);
+        }
+        std::vector<at::Tensor> outs;
+        for (int r = 0; r < w; ++r) outs.push_back(fresh(n));
+        pg->allgather(outs, want.narrow(0, rank * n, n).clone())->wait();
+        ASSERT_TRUE(torch::equal(torch::cat(outs), want)) << "allgather";
+        for (auto op : {ReduceOp::SUM, ReduceOp::AVG}) {
+          SCOPED_TRACE(to_string(op));
+          ReduceScatterOptions o;
+          o.op = op;
+          const auto x = test::make_input(c10::ScalarType::Double, op, n * w, rank);
+          const auto sum = test::expected(c10::ScalarType::Double, op, n * w, w).narrow(0, rank * n, n);
+          at::Tensor in = fresh(n * w);
+          in.copy_(x);
+          auto out = torch::empty({n}, torch::kDouble);
+          pg->reduce_scatter_tensor(out, in, o)->wait();
+          ASSERT_TRUE(test::same(out, sum)) << test::describe(out);
+          std::vector<at::Tensor> ins;
+          for (int b = 0; b < w; ++b) ins.push_back(x.narrow(0, b * n, n).clone());
+          at::Tensor out2 = fresh(n);
+          pg->reduce_scatter(out2, ins, o)->wait();
+          ASSERT_TRUE(test::same(out2, sum)) << "list form: " << test::describe(out2);
+        }
+      });
+      EXPECT_LE(detail::staged_peak_bytes_for_tests(), 2 * window * static_cast<size_t>(w + 1));
+      // Per staged rank: three allgathers and four reduce-scatters, each window staged once.
+      const size_t ag = (n * 8 + algo::block_window_bytes(window, w) - 1) /
+                        algo::block_window_bytes(window, w);
+      const size_t e = algo::block_window_elems(window, w, 8);
+      const size_t rs = (n + e - 1) / e;
+      const size_t staged_ranks = static_cast<size_t>(w - (unstaged >= 0 ? 1 : 0));
+      EXPECT_EQ(detail::staged_buffers_for_tests() - before, staged_ranks * (3 * ag + 4 * rs));
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     WorldsAndTransports, OverlappedStaging,
     ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("auto", "tcp")),
@@ -256,7 +332,7 @@ TEST(OverlappedStagingFailure, ACopyThatNeverArrivesTimesOutSayingSo) {
 
 // TDIST_STAGING_PIECE_BYTES, read when a group is created: 0 stages nothing in pieces (the same
 // results), a piece size stages what holds two pieces; a bad value of it or of
-// TDIST_ALLREDUCE_WINDOW_BYTES fails the group's creation naming the variable.
+// TDIST_WINDOW_BYTES fails the group's creation naming the variable.
 TEST(OverlappedStagingKnob, ZeroTurnsItOffAndABadValueIsRefused) {
   tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"}});
   for (size_t piece : {size_t{0}, size_t{1000}}) {
@@ -273,8 +349,8 @@ TEST(OverlappedStagingKnob, ZeroTurnsItOffAndABadValueIsRefused) {
   }
   const std::vector<std::pair<std::string, std::string>> bad{
       {"TDIST_STAGING_PIECE_BYTES", "-1"}, {"TDIST_STAGING_PIECE_BYTES", "1M"},
-      {"TDIST_STAGING_PIECE_BYTES", "2000000000"}, {"TDIST_ALLREDUCE_WINDOW_BYTES", "0"},
-      {"TDIST_ALLREDUCE_WINDOW_BYTES", "64M"}};
+      {"TDIST_STAGING_PIECE_BYTES", "2000000000"}, {"TDIST_WINDOW_BYTES", "0"},
+      {"TDIST_WINDOW_BYTES", "64M"}};
   for (const auto& [name, value] : bad) {
     tdist::test::EnvGuard knob(tdist::test::EnvVars{{name, value}});
     auto store = std::make_shared<HashStore>();
