@@ -244,8 +244,11 @@ void allreduce_hierarchical(Context& c, const Hierarchy& h, char* data, size_t c
 // non-powers of two fold the extra ranks in first and send them the result last.
 void allreduce_recursive_doubling(Context& c, char* data, size_t count, const ReduceSpec& rs);
 
-// `bytes` of `data` from root to every rank, along a chain, chunked and pipelined.
-void broadcast_pipelined(Context& c, char* data, size_t bytes, int root);
+// `bytes` of `data` from root to every rank, along a chain, chunked and pipelined. With `staging`
+// (its buffer holds `data`): the root's data is being copied in as its pieces, and what it sends
+// waits for them; every other rank finishes each chunk as it lands.
+void broadcast_pipelined(Context& c, char* data, size_t bytes, int root,
+                         Staging* staging = nullptr);
 
 // Note [Single-copy collectives]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -274,8 +277,10 @@ void broadcast_pipelined(Context& c, char* data, size_t bytes, int root);
 // names the rank; a peer that stops is noticed at the done message's deadline.
 
 // Broadcast by single copy between two ranks: the root writes the first half of `data` into
-// the other rank's, which reads the second half (both cores copy at once).
-void broadcast_single_copy(Context& c, char* data, size_t bytes, int root);
+// the other rank's, which reads the second half (both cores copy at once). With `staging` as for
+// broadcast_pipelined (the root's address leaves once its data arrived).
+void broadcast_single_copy(Context& c, char* data, size_t bytes, int root,
+                           Staging* staging = nullptr);
 // Allgather by single copy: every rank reads blocks[i] from rank i's blocks[i]. With `staging`
 // as for allgather_ring.
 void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes,
@@ -283,8 +288,10 @@ void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t 
 
 // Reduces every rank's `input` into `output` on root along a chain ending at root, chunked and
 // pipelined. `output` is used on root only (it may alias `input`); non-root inputs are unchanged.
+// With `staging` (world size > 1; the input is being copied in as its pieces, and on the root the
+// output is the input) reads wait for the pieces and the root finishes each chunk once reduced.
 void reduce_chain(Context& c, const char* input, char* output, size_t count, const ReduceSpec& rs,
-                  int root);
+                  int root, Staging* staging = nullptr);
 
 // blocks[i] (block_bytes each) receives rank i's block; blocks[rank] holds this rank's, or, with
 // `staging` (the blocks lie in its buffer), is being copied in as its pieces: what leaves it

@@ -6,7 +6,7 @@
 
 namespace tdist::comm::algorithms {
 
-void broadcast_pipelined(Context& c, char* data, size_t bytes, int root) {
+void broadcast_pipelined(Context& c, char* data, size_t bytes, int root, Staging* staging) {
   const int n = c.size;
   if (n == 1 || bytes == 0) return;
   const int pos = (c.rank - root + n) % n;
@@ -14,7 +14,7 @@ void broadcast_pipelined(Context& c, char* data, size_t bytes, int root) {
   const int next = (c.rank + 1) % n;
   const bool forward = pos < n - 1;
   if (pos == 0) {
-    c.ex.send(next, data, bytes);
+    send_staged(c, next, data, bytes, staging);
     c.ex.run();
     return;
   }
@@ -23,7 +23,9 @@ void broadcast_pipelined(Context& c, char* data, size_t bytes, int root) {
     c.ex.recv(prev, data + off, std::min(chunk, bytes - off), off);
   }
   c.ex.run([&](int, uint64_t off) {
-    if (forward) c.ex.send(next, data + off, std::min(chunk, bytes - off));
+    const size_t len = std::min(chunk, bytes - off);
+    if (staging != nullptr) staging->finished_at(data + off, len);
+    if (forward) c.ex.send(next, data + off, len);
   });
 }
 

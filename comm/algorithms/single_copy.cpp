@@ -77,11 +77,12 @@ void all_passed(Context& c) {
 
 }  // namespace
 
-void broadcast_single_copy(Context& c, char* data, size_t bytes, int root) {
+void broadcast_single_copy(Context& c, char* data, size_t bytes, int root, Staging* staging) {
   TDIST_CHECK(c.size == 2, c.ex.where(), ": the single-copy broadcast is for two ranks");
   if (bytes == 0) return;
   const int peer = 1 - c.rank;
-  const std::vector<uint64_t> addresses = exchange_addresses(c, data, bytes);
+  const std::vector<uint64_t> addresses =
+      exchange_addresses(c, data, bytes, gate_for(staging, data, bytes));
   // Both copy: the root writes the first half into the other rank, which reads the second.
   const size_t half = (bytes / 2) & ~size_t{4095};
   if (c.rank == root) {
@@ -90,6 +91,7 @@ void broadcast_single_copy(Context& c, char* data, size_t bytes, int root) {
     read_peer(c, root, addresses[root] + half, data + half, bytes - half);
   }
   all_passed(c);
+  if (c.rank != root && staging != nullptr) staging->finished_at(data, bytes);
 }
 
 void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes,

@@ -158,10 +158,15 @@ class RingProcessGroup final : public ProcessGroup {
   void allreduce_flat(algorithms::Context& c, char* data, size_t count,
                       const algorithms::ReduceSpec& rs) const;
   // Single copy from a size on (Note [Single-copy collectives]), else the pipelined chain / ring.
-  void broadcast_bytes(algorithms::Context& c, char* data, size_t bytes, int root) const;
+  void broadcast_bytes(algorithms::Context& c, char* data, size_t bytes, int root,
+                       algorithms::Staging* staging = nullptr) const;
   void allgather_blocks(algorithms::Context& c, const std::vector<char*>& blocks,
                         size_t block_bytes, algorithms::Staging* staging = nullptr) const;
-  // allgather_blocks window by window, and the ring reduce-scatter (Note [Windows]).
+  // Window by window (Note [Windows]): broadcast_bytes, the chain reduce (in place),
+  // allgather_blocks and the ring reduce-scatter.
+  void broadcast_windows(algorithms::Context& c, char* data, size_t bytes, int root) const;
+  void reduce_windows(algorithms::Context& c, char* data, size_t count,
+                      const algorithms::ReduceSpec& rs, int root) const;
   void allgather_windows(algorithms::Context& c, const std::vector<char*>& blocks,
                          size_t block_bytes) const;
   void reduce_scatter_windows(algorithms::Context& c, const std::vector<const char*>& blocks,
@@ -178,6 +183,12 @@ class RingProcessGroup final : public ProcessGroup {
   std::shared_ptr<Work> allgather_staged(const char* name, const at::Tensor& input,
                                          const std::vector<at::Tensor>& outputs,
                                          Future::Value result, Millis timeout, Fingerprint fp);
+  // The broadcast and the reduce of `tensor` from and to `root`, staged window by window, or
+  // null when it is not staged.
+  std::shared_ptr<Work> broadcast_staged(const at::Tensor& tensor, int root, Millis timeout,
+                                         Fingerprint fp);
+  std::shared_ptr<Work> reduce_staged(const at::Tensor& tensor, const algorithms::ReduceSpec& rs,
+                                      int root, Millis timeout, Fingerprint fp);
   // The ring reduce-scatter of `inputs` (every rank's block, in rank order, as if concatenated)
   // into `output`, staged window by window, or null when they are not staged.
   std::shared_ptr<Work> reduce_scatter_staged(const char* name,

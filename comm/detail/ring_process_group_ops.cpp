@@ -189,11 +189,28 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
 // root at once lost to the chain. An allgather from world 3, where the ring forwards blocks
 // through other ranks (each forward a wait for a rank that may not be running); at world 2 the
 // ring forwards nothing and was as fast.
-void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t bytes, int root) const {
+void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t bytes, int root,
+                                       algo::Staging* staging) const {
   if (size_ == 2 && bytes >= single_copy_bytes_) {
-    algo::broadcast_single_copy(c, data, bytes, root);
+    algo::broadcast_single_copy(c, data, bytes, root, staging);
   } else {
-    algo::broadcast_pipelined(c, data, bytes, root);
+    algo::broadcast_pipelined(c, data, bytes, root, staging);
+  }
+}
+
+void RingProcessGroup::broadcast_windows(algo::Context& c, char* data, size_t bytes,
+                                         int root) const {
+  for (size_t off = 0; off < bytes; off += window_bytes_) {
+    broadcast_bytes(c, data + off, std::min(window_bytes_, bytes - off), root);
+  }
+}
+
+void RingProcessGroup::reduce_windows(algo::Context& c, char* data, size_t count,
+                                      const algo::ReduceSpec& rs, int root) const {
+  const size_t window = algo::window_elems(window_bytes_, rs.elem_size);
+  for (size_t begin = 0; begin < count; begin += window) {
+    char* p = data + begin * rs.elem_size;
+    algo::reduce_chain(c, p, p, std::min(window, count - begin), rs, root);
   }
 }
 
@@ -232,6 +249,18 @@ namespace {
 
 // t's memory as flat bytes (t contiguous).
 at::Tensor flat_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
+// [begin, begin + n) in pieces of `piece` bytes, in ascending order.
+std::vector<algo::ByteRange> ascending_pieces(size_t begin, size_t n, size_t piece) {
+  std::vector<algo::ByteRange> order;
+  for (size_t b = 0; b < n; b += piece) order.push_back({begin + b, begin + std::min(n, b + piece)});
+  return order;
+}
+
+// A range of a tensor's elements (or bytes) [begin, begin + n).
+at::Tensor slice(const at::Tensor& flat, size_t begin, size_t n) {
+  return flat.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(n));
+}
 
 // Runs stage(begin, n) for consecutive windows [begin, begin + n) of `count` units, `window` at a
 // time, and run(staged, n) for each: the next window is staged (its copies in queued) while the
@@ -303,17 +332,10 @@ std::shared_ptr<Work> RingProcessGroup::allgather_staged(const char* name, const
     std::vector<StagedTensors::Slot> slots;
     for (size_t i = 0; i < outs.size(); ++i) {
       slots.push_back(StagedTensors::Slot{
-          static_cast<int>(i) == rank ? in.narrow(0, static_cast<int64_t>(off),
-                                                  static_cast<int64_t>(n))
-                                      : at::Tensor(),
-          outs[i].narrow(0, static_cast<int64_t>(off), static_cast<int64_t>(n))});
+          static_cast<int>(i) == rank ? slice(in, off, n) : at::Tensor(), slice(outs[i], off, n)});
     }
-    std::vector<algo::ByteRange> order;
-    for (size_t b = 0; b < n; b += piece) {
-      order.push_back({rank * n + b, rank * n + std::min(n, b + piece)});
-    }
-    return std::make_shared<StagedTensors>(std::move(slots), std::move(order), piece,
-                                           off == 0 ? nullptr : issue);
+    return std::make_shared<StagedTensors>(std::move(slots), ascending_pieces(rank * n, n, piece),
+                                           piece, off == 0 ? nullptr : issue);
   };
   return enqueue(name, timeout, std::move(fp),
                  [this, stage, block, window, result,
@@ -352,12 +374,8 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
                 issue = count > window ? StagedTensors::mark_issue(all) : nullptr](size_t begin,
                                                                                     size_t n) {
     std::vector<StagedTensors::Slot> slots;
-    for (const at::Tensor& b : blocks) {
-      slots.push_back(StagedTensors::Slot{
-          b.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(n)), at::Tensor()});
-    }
-    slots.push_back(StagedTensors::Slot{
-        at::Tensor(), out.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(n))});
+    for (const at::Tensor& b : blocks) slots.push_back(StagedTensors::Slot{slice(b, begin, n), {}});
+    slots.push_back(StagedTensors::Slot{at::Tensor(), slice(out, begin, n)});
     return std::make_shared<StagedTensors>(
         std::move(slots), algo::reduce_scatter_pieces(n, rs.elem_size, size, rank, chunk, piece),
         piece, begin == 0 ? nullptr : issue);
@@ -376,14 +394,70 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
                  });
 }
 
+std::shared_ptr<Work> RingProcessGroup::broadcast_staged(const at::Tensor& tensor, int root,
+                                                         Millis timeout, Fingerprint fp) {
+  if (!StagedTensors::wanted({tensor}, size_, staging_piece_bytes_)) return nullptr;
+  const size_t bytes = tensor.nbytes();
+  // The root's window is copied in, the others' copied out as it lands.
+  auto stage = [flat = flat_bytes(tensor), is_root = rank_ == root, piece = staging_piece_bytes_,
+                issue = bytes > window_bytes_ ? StagedTensors::mark_issue({tensor}) : nullptr](
+                   size_t off, size_t n) {
+    const at::Tensor part = slice(flat, off, n);
+    return std::make_shared<StagedTensors>(
+        std::vector<StagedTensors::Slot>{is_root ? StagedTensors::Slot{part, {}}
+                                                 : StagedTensors::Slot{{}, part}},
+        is_root ? ascending_pieces(0, n, piece) : std::vector<algo::ByteRange>{}, piece,
+        off == 0 ? nullptr : issue);
+  };
+  return enqueue("broadcast", timeout, std::move(fp),
+                 [this, stage, bytes, root, tensor,
+                  first = stage(0, std::min(window_bytes_, bytes))](algo::Context& c) mutable {
+                   over_windows(bytes, window_bytes_, std::move(first), stage,
+                                [&](StagedTensors& w, size_t n) {
+                                  broadcast_bytes(c, w.data(), n, root, &w);
+                                });
+                   return Value{tensor};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::reduce_staged(const at::Tensor& tensor,
+                                                      const algo::ReduceSpec& rs, int root,
+                                                      Millis timeout, Fingerprint fp) {
+  if (!StagedTensors::wanted({tensor}, size_, staging_piece_bytes_)) return nullptr;
+  const auto count = static_cast<size_t>(tensor.numel());
+  const size_t window = algo::window_elems(window_bytes_, rs.elem_size);
+  // Every rank's window is copied in; the root's result is copied out (the others' tensors are
+  // not written).
+  auto stage = [flat = tensor.reshape({-1}), is_root = rank_ == root, rs,
+                piece = staging_piece_bytes_,
+                issue = count > window ? StagedTensors::mark_issue({tensor}) : nullptr](size_t begin,
+                                                                                     size_t n) {
+    const at::Tensor part = slice(flat, begin, n);
+    return std::make_shared<StagedTensors>(
+        std::vector<StagedTensors::Slot>{{part, is_root ? part : at::Tensor()}},
+        ascending_pieces(0, n * rs.elem_size, piece), piece, begin == 0 ? nullptr : issue);
+  };
+  return enqueue("reduce", timeout, std::move(fp),
+                 [stage, count, window, rs, root, tensor,
+                  first = stage(0, std::min(window, count))](algo::Context& c) mutable {
+                   over_windows(count, window, std::move(first), stage,
+                                [&](StagedTensors& w, size_t n) {
+                                  algo::reduce_chain(c, w.data(), w.data(), n, rs, root, &w);
+                                });
+                   return Value{tensor};
+                 });
+}
+
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
   check_stageable(tensor, "broadcast", "the tensor");
   check_root(opts.root, size_, "broadcast");
-  Contig buf(tensor, rank_ == opts.root ? Contig::kRead : Contig::kWriteOnly);
   const int root = opts.root;
-  return enqueue("broadcast", opts.timeout, fingerprint(debug_detail_, &tensor, -1, root),
+  Fingerprint fp = fingerprint(debug_detail_, &tensor, -1, root);
+  if (auto staged = broadcast_staged(tensor, root, opts.timeout, fp)) return staged;
+  Contig buf(tensor, rank_ == root ? Contig::kRead : Contig::kWriteOnly);
+  return enqueue("broadcast", opts.timeout, std::move(fp),
                  [this, buf, root](algo::Context& c) {
-                   broadcast_bytes(c, buf.data(), buf.bytes(), root);
+                   broadcast_windows(c, buf.data(), buf.bytes(), root);
                    if (rank_ != root) buf.write_back();
                    return Value{buf.orig};
                  });
@@ -393,11 +467,13 @@ std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOp
   check_stageable(tensor, "reduce", "the tensor");
   check_root(opts.root, size_, "reduce");
   auto rs = reduce_spec(tensor, opts.op);
-  Contig buf(tensor);
   const int root = opts.root;
-  return enqueue("reduce", opts.timeout, fingerprint(debug_detail_, &tensor, int(opts.op), root),
+  Fingerprint fp = fingerprint(debug_detail_, &tensor, int(opts.op), root);
+  if (auto staged = reduce_staged(tensor, rs, root, opts.timeout, fp)) return staged;
+  Contig buf(tensor);
+  return enqueue("reduce", opts.timeout, std::move(fp),
                  [this, buf, rs, root](algo::Context& c) {
-                   algo::reduce_chain(c, buf.data(), buf.data(), buf.work.numel(), rs, root);
+                   reduce_windows(c, buf.data(), buf.work.numel(), rs, root);
                    if (rank_ == root) buf.write_back();
                    return Value{buf.orig};
                  });

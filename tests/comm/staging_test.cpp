@@ -6,6 +6,7 @@
 // every byte was finished exactly once).
 
 #include <gtest/gtest.h>
+#include <thread>
 #include <torch/torch.h>
 
 #include "tdist/comm/detail/staging.h"
@@ -298,6 +299,71 @@ TEST_P(OverlappedStaging, AllgatherAndReduceScatterWindowsBoundTheStagedMemory) 
       const size_t rs = (n + e - 1) / e;
       const size_t staged_ranks = static_cast<size_t>(w - (unstaged >= 0 ? 1 : 0));
       EXPECT_EQ(detail::staged_buffers_for_tests() - before, staged_ranks * (3 * ag + 4 * rs));
+    }
+  }
+}
+
+// Broadcasts and reduces from and to every root (Note [Windows]): the root's tensor staged in
+// pieces, each late; the other ranks' broadcast copied out as it lands, their reduce inputs read
+// as they arrive (however late) and left as they were; through the chain and (world 2) by single copy; with the
+// default window and with windows of 8000 bytes (no rank holding more than two); with `unstaged`
+// >= 0 that rank passes strided tensors, which run the same windows unstaged.
+TEST_P(OverlappedStaging, BroadcastAndReduceOfStagedTensors) {
+  const int w = world();
+  const int64_t n = 10001;  // doubles: 80008 bytes, 11 windows of 8000 bytes
+  for (const char* window : {"67108864", "8000"}) {
+    for (const char* single : {"0", "1"}) {
+      for (int unstaged : {-1, 0}) {
+        SCOPED_TRACE(str("window ", window, " TDIST_SINGLE_COPY=", single, " unstaged rank ",
+                         unstaged));
+        tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                                                       {"TDIST_CHUNK_BYTES", "333"},
+                                                       {"TDIST_SINGLE_COPY", single},
+                                                       {"TDIST_SINGLE_COPY_BYTES", "1024"},
+                                                       {"TDIST_WINDOW_BYTES", window}});
+        CpuStaging on(4000, 200);
+        detail::reset_staged_peak_for_tests();
+        const size_t before = detail::staged_buffers_for_tests();
+        tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+          auto pg = create_process_group(store, rank, w, test::test_options());
+          auto fresh = [&](const at::Tensor& values) {
+            if (rank != unstaged) return values.clone();
+            at::Tensor t = torch::empty({values.numel(), 2}, values.options()).select(1, 0);
+            return t.copy_(values);
+          };
+          for (int root = 0; root < w; ++root) {
+            SCOPED_TRACE(str("root ", root));
+            const auto want = torch::arange(n, torch::kDouble) * (root + 1);
+            at::Tensor b = fresh(rank == root ? want : torch::full({n}, -7.0, torch::kDouble));
+            BroadcastOptions bo;
+            bo.root = root;
+            pg->broadcast(b, bo)->wait();
+            ASSERT_TRUE(torch::equal(b, want)) << "broadcast: " << test::describe(b);
+            for (auto op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
+              SCOPED_TRACE(to_string(op));
+              const auto mine = test::make_input(c10::ScalarType::Double, op, n, rank);
+              at::Tensor x = fresh(mine);
+              ReduceOptions ro;
+              ro.root = root;
+              ro.op = op;
+              // The chain's first rank sends at once; the later ones' copies start later, so a
+              // partial sum that did not wait for them would meet garbage.
+              if (rank != (root + 1) % w) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+              pg->reduce(x, ro)->wait();
+              const auto expect =
+                  rank == root ? test::expected(c10::ScalarType::Double, op, n, w) : mine;
+              ASSERT_TRUE(test::same(x, expect)) << "reduce: " << test::describe(x);
+            }
+          }
+        });
+        const size_t bytes = n * 8, win = std::stoul(window);
+        EXPECT_LE(detail::staged_peak_bytes_for_tests(),
+                  2 * std::min(win, bytes) * static_cast<size_t>(w));
+        // Per staged rank and root: a broadcast and three reduces, each window staged once.
+        const size_t windows = (bytes + win - 1) / win;
+        const size_t staged_ranks = static_cast<size_t>(w - (unstaged >= 0 ? 1 : 0));
+        EXPECT_EQ(detail::staged_buffers_for_tests() - before, staged_ranks * w * 4 * windows);
+      }
     }
   }
 }
