@@ -57,16 +57,18 @@ struct Context {
 // ~~~~~~~~~~~~~~
 // A ring allreduce of more than the group's window (64 MiB by default) runs as one ring per
 // window of the buffer, one after the other, on every rank alike (the ranks agree on the window
-// when the group is created: each window is its own byte stream). An allgather and a
-// reduce-scatter do the same over the same slice of every rank's block: the size blocks' slices
-// of one window hold at most a window's bytes (block_window_bytes, block_window_elems), so an
-// allgather whose outputs total more than a window, or a reduce-scatter whose input does, runs
-// one allgather or reduce-scatter per slice (by ring or single copy, as its slice's size says).
+// when the group is created: each window is its own byte stream). So do a broadcast and a
+// reduce. An allgather and a reduce-scatter do the same over the same slice of every rank's
+// block: the size blocks' slices of one window hold at most a window's bytes
+// (block_window_bytes, block_window_elems), so an allgather whose outputs total more than a
+// window, or a reduce-scatter whose input does, runs one allgather or reduce-scatter per slice
+// (by ring or single copy, as its slice's size says).
 // On CPU tensors that costs one start per window. It bounds what a staged CUDA tensor needs in
 // host memory, whatever its size: two windows while it runs (the one moving and the next one's
 // copies in), one while it waits in the queue (its first window copies in at issue)
-// (RingProcessGroup::allreduce_staged, allgather_staged, reduce_scatter_staged; a
-// reduce-scatter's window holds its output's slice too: (size + 1) / size windows).
+// (RingProcessGroup::allreduce_staged, allgather_staged, reduce_scatter_staged,
+// broadcast_staged, reduce_staged; a reduce-scatter's window holds its output's slice too:
+// (size + 1) / size windows).
 inline size_t window_elems(size_t window_bytes, size_t elem_size) {
   return std::max<size_t>(1, window_bytes / elem_size);
 }
@@ -149,7 +151,11 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // output's slice, behind the inputs' in the same buffer, is finished once reduced; an
 // allgather's window copies in only this rank's slice, straight from its input into its own
 // block (its sends, or for the single copy its address message, wait for it), and finishes
-// every other block as it lands (from the ring or by single copy). The copies out never start
+// every other block as it lands (from the ring or by single copy). A broadcast's root copies its
+// window in by pieces and sends each as it arrives (the chain, or for the world-2 single copy its
+// address message, waits for them), and the other ranks copy each chunk out as it lands; a
+// reduce reads every rank's input as its pieces arrive, and the root copies each chunk out once
+// reduced (an average divided first). The copies out never start
 // before the point the caller's stream had reached at issue, so no kernel queued before the
 // operation sees its outputs change.
 

@@ -165,9 +165,19 @@ void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
     EXPECT_TRUE(torch::equal(flat.narrow(0, 33 * k, 33).cpu(), input(k, 33)));
   }
   // Large enough for overlapped staging: allgather into staged outputs and reduce-scatter from
-  // staged inputs, the tensor and the list forms.
+  // staged inputs, the tensor and the list forms; a broadcast and a reduce.
   {
     const int64_t len = int64_t(1) << 20;  // 4 MiB per rank
+    auto big = r == 0 ? input(0, len).to(torch::kCUDA) : torch::zeros({len}, cuda);
+    pg->broadcast(big)->wait();
+    EXPECT_TRUE(torch::equal(big.cpu(), input(0, len)));
+    auto reduced = input(r, len).to(torch::kCUDA);
+    ReduceOptions ro;
+    ro.root = n - 1;
+    pg->reduce(reduced, ro)->wait();
+    at::Tensor reduced_want = torch::zeros({len});
+    for (int k = 0; k < n; ++k) reduced_want += input(k, len);
+    EXPECT_TRUE(torch::equal(reduced.cpu(), r == n - 1 ? reduced_want : input(r, len)));
     auto gathered = torch::empty({len * n}, cuda);
     pg->allgather_into_tensor(gathered, input(r, len).to(torch::kCUDA))->wait();
     std::vector<at::Tensor> gathered_list;
@@ -257,8 +267,8 @@ ProcessGroup::Options ring_options() {
 
 // With overlapped staging (the default pieces), without it (TDIST_STAGING_PIECE_BYTES=0: the
 // large tensors copied in and out whole), and with windows of 3 MiB (Note [Windows]: the 6 MiB
-// allreduce_coalesced runs two, the second copied in from a side stream, and the allgathers and
-// reduce-scatters of 4 MiB blocks three or more).
+// allreduce_coalesced runs two, the second copied in from a side stream, the 4 MiB broadcast and
+// reduce two, and the allgathers and reduce-scatters of 4 MiB blocks three or more).
 TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
   SKIP_WITHOUT_GPUS(1);
   for (auto [piece, window] : {std::pair<const char*, const char*>{"1048576", "67108864"},
@@ -334,6 +344,18 @@ TEST(RingOnCuda, WindowedCollectivesKeepTheCallersStreamOrder) {
     rs_out.fill_(-1.0);
     pg->reduce_scatter_tensor(rs_out, rs_in)->wait();
     EXPECT_TRUE(torch::equal(rs_out.cpu(), sum)) << "reduce_scatter_tensor";
+    auto b = torch::zeros({len}, torch::kCUDA);
+    slow();
+    b.fill_(rank == 0 ? 5.0 : -1.0);
+    pg->broadcast(b)->wait();
+    EXPECT_TRUE(torch::equal(b.cpu(), torch::full({len}, 5.0))) << "broadcast";
+    auto red = torch::zeros({len}, torch::kCUDA);
+    slow();
+    red.fill_(rank + 1.0);
+    ReduceOptions ro;
+    ro.root = 1;
+    pg->reduce(red, ro)->wait();
+    EXPECT_TRUE(torch::equal(red.cpu(), rank == 1 ? sum : torch::full({len}, 1.0))) << "reduce";
   });
 }
 

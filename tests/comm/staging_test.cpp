@@ -6,6 +6,8 @@
 // every byte was finished exactly once).
 
 #include <gtest/gtest.h>
+
+#include <functional>
 #include <thread>
 #include <torch/torch.h>
 
@@ -153,6 +155,29 @@ TEST_P(OverlappedStaging, AllreduceCoalescedOfStagedTensors) {
   }
 }
 
+// allgather_into_tensor (in place and not) and allgather of n doubles per rank into outputs made
+// by fresh(length), each result checked.
+void check_allgathers(ProcessGroup& pg, int rank, int64_t n,
+                      const std::function<at::Tensor(int64_t)>& fresh) {
+  const int w = pg.size();
+  const auto want = torch::arange(n * w, torch::kDouble);
+  for (bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "allgather_into_tensor in place" : "allgather_into_tensor");
+    at::Tensor out = fresh(n * w);
+    at::Tensor in = want.narrow(0, rank * n, n).clone();
+    if (in_place) {
+      out.narrow(0, rank * n, n).copy_(in);
+      in = out.narrow(0, rank * n, n);
+    }
+    pg.allgather_into_tensor(out, in)->wait();
+    ASSERT_TRUE(torch::equal(out, want)) << test::describe(out);
+  }
+  std::vector<at::Tensor> outs;
+  for (int r = 0; r < w; ++r) outs.push_back(fresh(n));
+  pg.allgather(outs, want.narrow(0, rank * n, n).clone())->wait();
+  ASSERT_TRUE(torch::equal(torch::cat(outs), want)) << "list form";
+}
+
 // allgather_into_tensor into a staged output (each block copied out as it lands): through the
 // ring (world 2, or single copy off) and by single copy (from world 3), in place or not; and the
 // list form, its outputs staged together.
@@ -168,23 +193,10 @@ TEST_P(OverlappedStaging, AllgatherIntoAStagedOutput) {
     tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
       auto pg = create_process_group(store, rank, w, test::test_options());
       for (int64_t n : {1001, 20000}) {
-        for (bool in_place : {false, true}) {
-          SCOPED_TRACE(str("n=", n, in_place ? " in place" : ""));
-          auto want = torch::arange(n * w, torch::kDouble);
-          auto out = torch::full({n * w}, -7.0, torch::kDouble);
-          at::Tensor in = want.narrow(0, rank * n, n).clone();
-          if (in_place) {
-            out.narrow(0, rank * n, n).copy_(in);
-            in = out.narrow(0, rank * n, n);
-          }
-          pg->allgather_into_tensor(out, in)->wait();
-          ASSERT_TRUE(torch::equal(out, want)) << test::describe(out);
-        }
-        const auto want = torch::arange(n * w, torch::kDouble);
-        std::vector<at::Tensor> outs;
-        for (int r = 0; r < w; ++r) outs.push_back(torch::full({n}, -7.0, torch::kDouble));
-        pg->allgather(outs, want.narrow(0, rank * n, n).clone())->wait();
-        ASSERT_TRUE(torch::equal(torch::cat(outs), want)) << "list form, n=" << n;
+        SCOPED_TRACE(str("n=", n));
+        check_allgathers(*pg, rank, n, [](int64_t len) {
+          return torch::full({len}, -7.0, torch::kDouble);
+        });
       }
     });
   }
@@ -257,22 +269,7 @@ TEST_P(OverlappedStaging, AllgatherAndReduceScatterWindowsBoundTheStagedMemory) 
           return strided ? torch::full({len, 2}, -7.0, torch::kDouble).select(1, 0)
                          : torch::full({len}, -7.0, torch::kDouble);
         };
-        const auto want = torch::arange(n * w, torch::kDouble);
-        for (bool in_place : {false, true}) {
-          SCOPED_TRACE(in_place ? "allgather_into_tensor in place" : "allgather_into_tensor");
-          at::Tensor out = fresh(n * w);
-          at::Tensor in = want.narrow(0, rank * n, n).clone();
-          if (in_place) {
-            out.narrow(0, rank * n, n).copy_(in);
-            in = out.narrow(0, rank * n, n);
-          }
-          pg->allgather_into_tensor(out, in)->wait();
-          ASSERT_TRUE(torch::equal(out, want)) << test::describe(out);
-        }
-        std::vector<at::Tensor> outs;
-        for (int r = 0; r < w; ++r) outs.push_back(fresh(n));
-        pg->allgather(outs, want.narrow(0, rank * n, n).clone())->wait();
-        ASSERT_TRUE(torch::equal(torch::cat(outs), want)) << "allgather";
+        check_allgathers(*pg, rank, n, fresh);
         for (auto op : {ReduceOp::SUM, ReduceOp::AVG}) {
           SCOPED_TRACE(to_string(op));
           ReduceScatterOptions o;
