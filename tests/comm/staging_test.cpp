@@ -393,6 +393,50 @@ TEST(OverlappedStagingFailure, ACopyThatNeverArrivesTimesOutSayingSo) {
   });
 }
 
+// A windowed staged collective whose peer never calls fails within the timeout (a timeout, or the
+// lost connection once the peer's group is gone) and frees every window it staged: the one that
+// was moving and the next one already copying in.
+TEST(OverlappedStagingFailure, AWindowedCollectiveWhosePeerNeverCallsFailsAndFreesItsWindows) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"},
+                                                 {"TDIST_WINDOW_BYTES", "8000"}});
+  CpuStaging on(1000, 20);
+  const int64_t n = 20000;  // doubles: 20 windows and more
+  using Op = std::function<void(ProcessGroup&)>;
+  const std::vector<std::pair<const char*, Op>> ops{
+      {"allreduce", [&](ProcessGroup& pg) { pg.allreduce(torch::ones({n}, torch::kDouble))->wait(); }},
+      {"allgather_into_tensor",
+       [&](ProcessGroup& pg) {
+         pg.allgather_into_tensor(torch::empty({2 * n}, torch::kDouble),
+                                  torch::ones({n}, torch::kDouble))->wait();
+       }},
+      {"reduce_scatter_tensor",
+       [&](ProcessGroup& pg) {
+         pg.reduce_scatter_tensor(torch::empty({n}, torch::kDouble),
+                                  torch::ones({2 * n}, torch::kDouble))->wait();
+       }},
+      {"broadcast",  // from the absent rank (a root's sends may all fit in the transport)
+       [&](ProcessGroup& pg) {
+         BroadcastOptions o;
+         o.root = 1;
+         pg.broadcast(torch::ones({n}, torch::kDouble), o)->wait();
+       }},
+      {"reduce", [&](ProcessGroup& pg) { pg.reduce(torch::ones({n}, torch::kDouble))->wait(); }}};
+  for (const auto& [name, op] : ops) {
+    SCOPED_TRACE(name);
+    const size_t before = detail::staged_buffers_for_tests();
+    tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, 2, test::test_options(Millis(300)));
+      if (rank == 1) return;
+      const auto start = std::chrono::steady_clock::now();
+      EXPECT_THROW(op(*pg), tdist::Error) << name;
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    });
+    EXPECT_GE(detail::staged_buffers_for_tests() - before, 1u);  // it was staged
+    detail::reset_staged_peak_for_tests();
+    EXPECT_EQ(detail::staged_peak_bytes_for_tests(), 0u) << "staged host memory still held";
+  }
+}
+
 // TDIST_STAGING_PIECE_BYTES, read when a group is created: 0 stages nothing in pieces (the same
 // results), a piece size stages what holds two pieces; a bad value of it or of
 // TDIST_WINDOW_BYTES fails the group's creation naming the variable.
