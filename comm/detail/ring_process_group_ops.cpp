@@ -253,7 +253,9 @@ at::Tensor flat_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kBy
 // [begin, begin + n) in pieces of `piece` bytes, in ascending order.
 std::vector<algo::ByteRange> ascending_pieces(size_t begin, size_t n, size_t piece) {
   std::vector<algo::ByteRange> order;
-  for (size_t b = 0; b < n; b += piece) order.push_back({begin + b, begin + std::min(n, b + piece)});
+  for (size_t b = 0; b < n; b += piece) {
+    order.push_back({begin + b, begin + std::min(n, b + piece)});
+  }
   return order;
 }
 
@@ -306,9 +308,10 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
   return enqueue(name, timeout, std::move(fp),
                  [ts, stage, count, window, rs,
                   first = stage(0, std::min(window, count))](algo::Context& c) mutable {
-                   over_windows(count, window, std::move(first), stage, [&](StagedTensors& w, size_t n) {
-                     algo::allreduce_ring(c, w.data(), n, rs, &w);
-                   });
+                   over_windows(count, window, std::move(first), stage,
+                                [&](StagedTensors& w, size_t n) {
+                                  algo::allreduce_ring(c, w.data(), n, rs, &w);
+                                });
                    return Value{ts};
                  });
 }
@@ -340,13 +343,14 @@ std::shared_ptr<Work> RingProcessGroup::allgather_staged(const char* name, const
   return enqueue(name, timeout, std::move(fp),
                  [this, stage, block, window, result,
                   first = stage(0, std::min(window, block))](algo::Context& c) mutable {
-                   over_windows(block, window, std::move(first), stage, [&](StagedTensors& w, size_t n) {
-                     std::vector<char*> blocks;
-                     for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
-                     allgather_blocks(c, blocks, n, &w);
-                     // Its pieces have arrived: they were sent, or their address was.
-                     w.finished_at(blocks[rank_], n);
-                   });
+                   over_windows(block, window, std::move(first), stage,
+                                [&](StagedTensors& w, size_t n) {
+                                  std::vector<char*> blocks;
+                                  for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
+                                  allgather_blocks(c, blocks, n, &w);
+                                  // Its pieces have arrived: they were sent, or their address was.
+                                  w.finished_at(blocks[rank_], n);
+                                });
                    return result;
                  });
 }
@@ -383,13 +387,15 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
   return enqueue(name, timeout, std::move(fp),
                  [this, stage, count, window, rs, output,
                   first = stage(0, std::min(window, count))](algo::Context& c) mutable {
-                   over_windows(count, window, std::move(first), stage, [&](StagedTensors& w, size_t n) {
-                     std::vector<const char*> ins;
-                     for (int i = 0; i < size_; ++i) ins.push_back(w.data() + i * n * rs.elem_size);
-                     char* result = w.data() + size_ * n * rs.elem_size;
-                     algo::reduce_scatter_ring(c, ins, result, n, rs, &w);
-                     w.finished_at(result, n * rs.elem_size);
-                   });
+                   over_windows(count, window, std::move(first), stage,
+                                [&](StagedTensors& w, size_t n) {
+                                  const size_t bytes = n * rs.elem_size;
+                                  std::vector<const char*> ins;
+                                  for (int i = 0; i < size_; ++i) ins.push_back(w.data() + i * bytes);
+                                  char* result = w.data() + size_ * bytes;
+                                  algo::reduce_scatter_ring(c, ins, result, n, rs, &w);
+                                  w.finished_at(result, bytes);
+                                });
                    return Value{output};
                  });
 }

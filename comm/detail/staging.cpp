@@ -63,8 +63,9 @@ std::vector<Part> parts_of(const std::vector<StagedTensors::Slot>& slots) {
 at::Tensor host_memory_for(const std::vector<StagedTensors::Slot>& slots) {
   size_t bytes = 0;
   for (const StagedTensors::Slot& s : slots) bytes += either(s).nbytes();
-  return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(
-                                                      either(slots.at(0)).device().is_cuda()));
+  const bool cuda = either(slots.at(0)).device().is_cuda();
+  return at::empty({static_cast<int64_t>(bytes)},
+                   at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));
 }
 
 at::Tensor byte_range(const at::Tensor& bytes, size_t begin, size_t end) {
@@ -205,7 +206,8 @@ class ThreadEngine final : public StagedTensors::Engine {
       if (!p.out.defined()) continue;
       auto run = std::upper_bound(covered.begin(), covered.end(), p.offset,
                                   [](size_t b, const ByteRange& r) { return b < r.begin; });
-      const size_t from = run == covered.begin() ? p.offset : std::max(p.offset, std::prev(run)->end);
+      const size_t from =
+          run == covered.begin() ? p.offset : std::max(p.offset, std::prev(run)->end);
       TDIST_CHECK(from >= p.offset + p.size, "staging: bytes from ", from, " were never finished");
     }
   }

@@ -275,7 +275,8 @@ TEST_P(OverlappedStaging, AllgatherAndReduceScatterWindowsBoundTheStagedMemory) 
           ReduceScatterOptions o;
           o.op = op;
           const auto x = test::make_input(c10::ScalarType::Double, op, n * w, rank);
-          const auto sum = test::expected(c10::ScalarType::Double, op, n * w, w).narrow(0, rank * n, n);
+          const auto sum =
+              test::expected(c10::ScalarType::Double, op, n * w, w).narrow(0, rank * n, n);
           at::Tensor in = fresh(n * w);
           in.copy_(x);
           auto out = torch::empty({n}, torch::kDouble);
@@ -302,9 +303,9 @@ TEST_P(OverlappedStaging, AllgatherAndReduceScatterWindowsBoundTheStagedMemory) 
 
 // Broadcasts and reduces from and to every root (Note [Windows]): the root's tensor staged in
 // pieces, each late; the other ranks' broadcast copied out as it lands, their reduce inputs read
-// as they arrive (however late) and left as they were; through the chain and (world 2) by single copy; with the
-// default window and with windows of 8000 bytes (no rank holding more than two); with `unstaged`
-// >= 0 that rank passes strided tensors, which run the same windows unstaged.
+// as they arrive (however late) and left as they were; through the chain and (world 2) by single
+// copy; with the default window and with windows of 8000 bytes (no rank holding more than two);
+// with `unstaged` >= 0 that rank passes strided tensors, which run the same windows unstaged.
 TEST_P(OverlappedStaging, BroadcastAndReduceOfStagedTensors) {
   const int w = world();
   const int64_t n = 10001;  // doubles: 80008 bytes, 11 windows of 8000 bytes
@@ -403,7 +404,8 @@ TEST(OverlappedStagingFailure, AWindowedCollectiveWhosePeerNeverCallsFailsAndFre
   const int64_t n = 20000;  // doubles: 20 windows and more
   using Op = std::function<void(ProcessGroup&)>;
   const std::vector<std::pair<const char*, Op>> ops{
-      {"allreduce", [&](ProcessGroup& pg) { pg.allreduce(torch::ones({n}, torch::kDouble))->wait(); }},
+      {"allreduce",
+       [&](ProcessGroup& pg) { pg.allreduce(torch::ones({n}, torch::kDouble))->wait(); }},
       {"allgather_into_tensor",
        [&](ProcessGroup& pg) {
          pg.allgather_into_tensor(torch::empty({2 * n}, torch::kDouble),
