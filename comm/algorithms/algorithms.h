@@ -72,6 +72,12 @@ struct Context {
 inline size_t window_elems(size_t window_bytes, size_t elem_size) {
   return std::max<size_t>(1, window_bytes / elem_size);
 }
+// f(begin, n) for the consecutive windows [begin, begin + n) of `count` units, `window` each (the
+// last one shorter).
+template <typename F>
+void for_each_window(size_t count, size_t window, F&& f) {
+  for (size_t begin = 0; begin < count; begin += window) f(begin, std::min(window, count - begin));
+}
 // Bytes of every rank's block in one allgather window: whole 4 KiB pages when a window holds one
 // per rank, at least one byte.
 inline size_t block_window_bytes(size_t window_bytes, int size) {

@@ -130,10 +130,10 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
       algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
       break;
     case AllreduceAlgo::kRing: {
-      const size_t window = algo::window_elems(c.window_bytes, rs.elem_size);
-      for (size_t begin = 0; begin < count; begin += window) {
-        algo::allreduce_ring(c, data + begin * rs.elem_size, std::min(window, count - begin), rs);
-      }
+      algo::for_each_window(count, algo::window_elems(c.window_bytes, rs.elem_size),
+                            [&](size_t begin, size_t n) {
+                              algo::allreduce_ring(c, data + begin * rs.elem_size, n, rs);
+                            });
       break;
     }
   }
@@ -200,18 +200,18 @@ void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t byte
 
 void RingProcessGroup::broadcast_windows(algo::Context& c, char* data, size_t bytes,
                                          int root) const {
-  for (size_t off = 0; off < bytes; off += window_bytes_) {
-    broadcast_bytes(c, data + off, std::min(window_bytes_, bytes - off), root);
-  }
+  algo::for_each_window(bytes, window_bytes_, [&](size_t off, size_t n) {
+    broadcast_bytes(c, data + off, n, root);
+  });
 }
 
 void RingProcessGroup::reduce_windows(algo::Context& c, char* data, size_t count,
                                       const algo::ReduceSpec& rs, int root) const {
-  const size_t window = algo::window_elems(window_bytes_, rs.elem_size);
-  for (size_t begin = 0; begin < count; begin += window) {
-    char* p = data + begin * rs.elem_size;
-    algo::reduce_chain(c, p, p, std::min(window, count - begin), rs, root);
-  }
+  algo::for_each_window(count, algo::window_elems(window_bytes_, rs.elem_size),
+                        [&](size_t begin, size_t n) {
+                          char* p = data + begin * rs.elem_size;
+                          algo::reduce_chain(c, p, p, n, rs, root);
+                        });
 }
 
 void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char*>& blocks,
@@ -225,24 +225,24 @@ void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char
 
 void RingProcessGroup::allgather_windows(algo::Context& c, const std::vector<char*>& blocks,
                                          size_t block_bytes) const {
-  const size_t window = algo::block_window_bytes(window_bytes_, size_);
   std::vector<char*> slice(blocks.size());
-  for (size_t off = 0; off < block_bytes; off += window) {
-    for (size_t i = 0; i < blocks.size(); ++i) slice[i] = blocks[i] + off;
-    allgather_blocks(c, slice, std::min(window, block_bytes - off));
-  }
+  algo::for_each_window(block_bytes, algo::block_window_bytes(window_bytes_, size_),
+                        [&](size_t off, size_t n) {
+                          for (size_t i = 0; i < blocks.size(); ++i) slice[i] = blocks[i] + off;
+                          allgather_blocks(c, slice, n);
+                        });
 }
 
 void RingProcessGroup::reduce_scatter_windows(algo::Context& c,
                                               const std::vector<const char*>& blocks, char* output,
                                               size_t count, const algo::ReduceSpec& rs) const {
-  const size_t window = algo::block_window_elems(window_bytes_, size_, rs.elem_size);
   std::vector<const char*> slice(blocks.size());
-  for (size_t begin = 0; begin < count; begin += window) {
-    const size_t off = begin * rs.elem_size;
-    for (size_t i = 0; i < blocks.size(); ++i) slice[i] = blocks[i] + off;
-    algo::reduce_scatter_ring(c, slice, output + off, std::min(window, count - begin), rs);
-  }
+  algo::for_each_window(count, algo::block_window_elems(window_bytes_, size_, rs.elem_size),
+                        [&](size_t begin, size_t n) {
+                          const size_t off = begin * rs.elem_size;
+                          for (size_t i = 0; i < blocks.size(); ++i) slice[i] = blocks[i] + off;
+                          algo::reduce_scatter_ring(c, slice, output + off, n, rs);
+                        });
 }
 
 namespace {
@@ -271,14 +271,14 @@ template <typename Stage, typename Run>
 void over_windows(size_t count, size_t window, std::shared_ptr<StagedTensors> first,
                   const Stage& stage, const Run& run) {
   std::shared_ptr<StagedTensors> now = std::move(first);
-  for (size_t begin = 0; begin < count; begin += window) {
-    const size_t n = std::min(window, count - begin), after = begin + n;
+  algo::for_each_window(count, window, [&](size_t begin, size_t n) {
+    const size_t after = begin + n;
     std::shared_ptr<StagedTensors> next;
     if (after < count) next = stage(after, std::min(window, count - after));
     run(*now, n);
     now->complete();
     now = std::move(next);  // this window's host memory is free for the one after
-  }
+  });
 }
 
 }  // namespace
