@@ -247,9 +247,6 @@ void RingProcessGroup::reduce_scatter_windows(algo::Context& c,
 
 namespace {
 
-// t's memory as flat bytes (t contiguous).
-at::Tensor flat_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
-
 // [begin, begin + n) in pieces of `piece` bytes, in ascending order.
 std::vector<algo::ByteRange> ascending_pieces(size_t begin, size_t n, size_t piece) {
   std::vector<algo::ByteRange> order;

@@ -46,7 +46,7 @@ const at::Tensor& either(const StagedTensors::Slot& s) { return s.in.defined() ?
 
 // Flat byte views of the slots' tensors, one after the other.
 std::vector<Part> parts_of(const std::vector<StagedTensors::Slot>& slots) {
-  auto flat = [](const at::Tensor& t) { return t.defined() ? t.reshape({-1}).view(at::kByte) : t; };
+  auto flat = [](const at::Tensor& t) { return t.defined() ? flat_bytes(t) : t; };
   std::vector<Part> parts;
   size_t offset = 0;
   for (const StagedTensors::Slot& s : slots) {
@@ -252,6 +252,8 @@ void set_staging_for_tests(const StagingForTests& s) {
 size_t staged_buffers_for_tests() { return staged_count.load(); }
 size_t staged_peak_bytes_for_tests() { return staged_peak_bytes.load(); }
 void reset_staged_peak_for_tests() { staged_peak_bytes.store(staged_live_bytes.load()); }
+
+at::Tensor flat_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
 
 std::vector<at::Tensor> element_range(const std::vector<at::Tensor>& ts, size_t begin, size_t end) {
   std::vector<at::Tensor> out;

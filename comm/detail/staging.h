@@ -131,6 +131,8 @@ size_t staged_buffers_for_tests();
 size_t staged_peak_bytes_for_tests();
 void reset_staged_peak_for_tests();
 
+// t's memory as flat bytes (t contiguous).
+at::Tensor flat_bytes(const at::Tensor& t);
 // Views of the elements [begin, end) of ts taken as one flat sequence (contiguous tensors).
 std::vector<at::Tensor> element_range(const std::vector<at::Tensor>& ts, size_t begin, size_t end);
 
