@@ -15,19 +15,18 @@
 #include <thread>
 
 #include "tests/apps/elastic_model.h"
+#include "tests/apps/programs.h"
 #include "tests/harness/command.h"
+#include "tests/harness/expect.h"
 #include "tests/harness/net.h"
 #include "tests/harness/process.h"
 
 namespace tdist {
 namespace {
 
-const std::string kRun = TDIST_RUN_BIN;
+using test::contains;
+using test::kRun;
 const std::string kWorker = TDIST_ELASTIC_WORKER_BIN;
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // One launcher ("node") running in the background until it exits.
 class Node {

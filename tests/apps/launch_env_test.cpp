@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "tdist/core/env.h"
+#include "tests/apps/programs.h"
 #include "tests/harness/command.h"
 #include "tests/harness/net.h"
 
@@ -19,8 +20,8 @@ namespace {
 
 using Env = std::map<std::string, std::string>;
 
-const std::string kRun = TDIST_RUN_BIN;
-const std::string kTrain = TDIST_TRAIN_BIN;
+using test::kRun;
+using test::kTrain;
 const std::string kSourceDir = TDIST_SOURCE_DIR;
 
 // What a launcher would have set, emptied (an empty variable counts as unset: core/env.h).

@@ -11,7 +11,9 @@
 #include <thread>
 
 #include "tdist/core/env.h"
+#include "tests/apps/programs.h"
 #include "tests/harness/command.h"
+#include "tests/harness/expect.h"
 #include "tests/harness/process.h"
 
 namespace tdist {
@@ -20,21 +22,13 @@ namespace {
 using test::CommandOptions;
 using test::run_command;
 
-const std::string kRun = TDIST_RUN_BIN;
+using test::contains;
+using test::kRun;
+using test::with_timeout;
 
 test::CommandResult launch(std::vector<std::string> args, CommandOptions opts = {}) {
   args.insert(args.begin(), kRun);
   return run_command(args, opts);
-}
-
-CommandOptions with_timeout(int seconds) {
-  CommandOptions o;
-  o.timeout = std::chrono::seconds(seconds);
-  return o;
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 
 TEST(TdistRun, WorkersSeeTheirVariables) {

@@ -22,7 +22,9 @@
 #include <thread>
 #include <vector>
 
+#include "tests/apps/programs.h"
 #include "tests/harness/command.h"
+#include "tests/harness/expect.h"
 #include "tests/harness/process.h"
 
 namespace tdist {
@@ -32,19 +34,10 @@ using test::CommandOptions;
 using test::CommandResult;
 using test::run_command;
 
-const std::string kRun = TDIST_RUN_BIN;
-const std::string kTrain = TDIST_TRAIN_BIN;
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
-CommandOptions with_timeout(int seconds, std::map<std::string, std::string> env = {}) {
-  CommandOptions o;
-  o.timeout = std::chrono::seconds(seconds);
-  o.env = std::move(env);
-  return o;
-}
+using test::contains;
+using test::kRun;
+using test::kTrain;
+using test::with_timeout;
 
 // tdist-train alone (one process, one intra-op thread).
 CommandResult train(std::vector<std::string> args, CommandOptions opts = with_timeout(60)) {

@@ -14,10 +14,6 @@ using namespace std::chrono_literals;
 using tdist::test::expect_contains;
 using tdist::test::expect_throw;
 
-at::Tensor leaf(std::vector<int64_t> shape) {
-  return torch::randn(shape, torch::kFloat64).requires_grad_(true);
-}
-
 class AutogradContext : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -9,9 +9,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-at::Tensor leaf(std::vector<int64_t> shape) {
-  return torch::randn(shape, torch::kFloat64).requires_grad_(true);
-}
 at::Tensor copy(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
 
 void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tdist/autograd/context.h"
 #include "tdist/autograd/detail/container.h"
@@ -15,6 +16,11 @@
 namespace tdist::autograd::test {
 
 using rpc::test::Agents;
+
+// A random float64 tensor that requires grad.
+inline at::Tensor leaf(std::vector<int64_t> shape) {
+  return torch::randn(shape, torch::kFloat64).requires_grad_(true);
+}
 
 // Parameters of the workers of this process, by "<worker>/<key>" (a test puts them here before
 // its forward pass and compares their gradients afterwards).

@@ -29,10 +29,10 @@
 namespace tdist::comm {
 namespace {
 
-using test::EnvGuard;
+using tdist::test::EnvGuard;
 
 // No address hint from the environment: the choice is the library's own.
-const test::EnvVars kNoHints = {{"TDIST_SOCKET_HOST", std::nullopt},
+const tdist::test::EnvVars kNoHints = {{"TDIST_SOCKET_HOST", std::nullopt},
                                 {"TDIST_SOCKET_IFNAME", std::nullopt},
                                 {"GLOO_SOCKET_IFNAME", std::nullopt},
                                 {"MASTER_ADDR", std::nullopt}};
@@ -62,7 +62,7 @@ using StoreOf = std::function<std::shared_ptr<Store>(int, Store&)>;
 
 std::vector<std::string> published_hosts(const StoreOf& store_of, int world) {
   std::vector<std::string> hosts(world);
-  test::spawn(world, [&](int rank, std::shared_ptr<Store> shared) {
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> shared) {
     auto store = store_of ? store_of(rank, *shared) : shared;
     ProcessGroup::Options opts;
     opts.timeout = std::chrono::seconds(20);
@@ -77,7 +77,7 @@ std::vector<std::string> published_hosts(const StoreOf& store_of, int world) {
 
 TEST(SocketAddress, IfnameLoopbackPublishesLoopback) {
   for (const char* var : {"TDIST_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
-    test::EnvVars vars = kNoHints;
+    tdist::test::EnvVars vars = kNoHints;
     vars[var] = "lo";
     EnvGuard env(vars);
     for (const auto& host : published_hosts(nullptr, 2)) EXPECT_EQ(host, "127.0.0.1") << var;
@@ -86,17 +86,17 @@ TEST(SocketAddress, IfnameLoopbackPublishesLoopback) {
 
 TEST(SocketAddress, UnknownIfnameIsAClearError) {
   for (const char* var : {"TDIST_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
-    test::EnvVars vars = kNoHints;
+    tdist::test::EnvVars vars = kNoHints;
     vars[var] = "nosuchif0";
     EnvGuard env(vars);
     auto store = std::make_shared<HashStore>();
     ProcessGroup::Options opts;
     opts.timeout = std::chrono::seconds(5);
     // World size 2, but the error comes before any peer is needed.
-    std::string msg = test::expect_throw<InvalidArgument>(
+    std::string msg = tdist::test::expect_throw<InvalidArgument>(
         [&] { create_process_group(store, 0, 2, opts); });
-    test::expect_contains(msg, "nosuchif0");
-    test::expect_contains(msg, var);
+    tdist::test::expect_contains(msg, "nosuchif0");
+    tdist::test::expect_contains(msg, var);
   }
 }
 

@@ -3,26 +3,14 @@
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tests/harness/env_guard.h"
+#include "tests/harness/expect.h"
 
 namespace tdist {
 namespace {
 
 using test::EnvGuard;
+using test::expect_invalid;
 const std::nullopt_t unset = std::nullopt;
-
-// Runs fn, expects InvalidArgument whose message contains every fragment.
-template <typename Fn>
-void expect_invalid(Fn fn, std::initializer_list<const char*> fragments) {
-  try {
-    fn();
-    FAIL() << "expected InvalidArgument";
-  } catch (const InvalidArgument& e) {
-    for (const char* f : fragments) {
-      EXPECT_NE(std::string(e.what()).find(f), std::string::npos)
-          << "'" << f << "' not in: " << e.what();
-    }
-  }
-}
 
 const std::map<std::string, std::optional<std::string>> kClean = {
     {"RANK", unset},         {"WORLD_SIZE", unset},           {"LOCAL_RANK", unset},

@@ -118,7 +118,7 @@ TEST(Handshake, AnotherServiceOrSizeIsRefusedByName) {
 
 // ---- the store's port ---------------------------------------------------------------------------
 
-constexpr Millis kTimeout = 20s;
+using test::kTimeout;
 
 TEST(TCPStoreAuth, ClientsWithTheTokenAreServedOthersAreRefusedAtOnce) {
   const LogLevel saved = log_level();

@@ -14,8 +14,9 @@
 #include "tdist/core/error.h"
 #include "tdist/core/rendezvous.h"
 #include "tests/harness/env_guard.h"
-#include "tests/harness/process.h"
+#include "tests/harness/expect.h"
 #include "tests/harness/net.h"
+#include "tests/harness/process.h"
 
 namespace tdist {
 namespace {
@@ -25,7 +26,7 @@ using test::free_port;
 using namespace std::chrono_literals;
 using test::EnvGuard;
 
-constexpr Millis kTimeout = 20s;
+using test::kTimeout;
 
 const test::EnvVars kCleanEnv = {
     {"RANK", std::nullopt},         {"WORLD_SIZE", std::nullopt},
@@ -33,7 +34,6 @@ const test::EnvVars kCleanEnv = {
     {"GROUP_RANK", std::nullopt},   {"SLURM_PROCID", std::nullopt},
     {"SLURM_NTASKS", std::nullopt}, {"OMPI_COMM_WORLD_RANK", std::nullopt},
     {"MASTER_ADDR", std::nullopt},  {"MASTER_PORT", std::nullopt}};
-
 
 struct BadInput {
   std::string name;

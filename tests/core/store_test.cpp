@@ -19,9 +19,9 @@
 #include "tdist/core/prefix_store.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/core/wire.h"
-#include "tests/harness/process.h"
-#include "tests/harness/expect.h"
 #include "tests/core/store_worker.h"
+#include "tests/harness/expect.h"
+#include "tests/harness/process.h"
 
 namespace tdist {
 namespace {
@@ -116,8 +116,7 @@ const Backend kBackends[] = {
     {"PrefixStoreOverTCPStore", [](Millis t) { return std::make_unique<PrefixTCPBacking>(t); }},
 };
 
-// Long enough for a loaded CI machine; only failures ever wait for it.
-constexpr Millis kTimeout = 20s;
+using test::kTimeout;
 // For the tests that expect a timeout.
 constexpr Millis kShortTimeout = 500ms;
 
@@ -130,8 +129,6 @@ class StoreSuite : public ::testing::TestWithParam<Backend> {
   std::unique_ptr<StoreBacking> backing_;
   std::shared_ptr<Store> store_;
 };
-
-
 
 TEST_P(StoreSuite, SetThenGetReturnsTheLatestValue) {
   store_->set("k", "first");

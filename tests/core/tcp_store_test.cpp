@@ -26,12 +26,12 @@
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/core/wire.h"
+#include "tests/core/store_worker.h"
 #include "tests/harness/env_guard.h"
-#include "tests/harness/process.h"
-#include "tests/harness/net.h"
 #include "tests/harness/expect.h"
 #include "tests/harness/memory.h"
-#include "tests/core/store_worker.h"
+#include "tests/harness/net.h"
+#include "tests/harness/process.h"
 
 namespace tdist {
 namespace {
@@ -44,7 +44,7 @@ using test::peak_rss_kib;
 using namespace std::chrono_literals;
 namespace proto = detail::tcp_store;
 
-constexpr Millis kTimeout = 20s;  // only failures wait for it
+using test::kTimeout;
 
 // Polls `pred` until it holds or `limit` passes; the final value of pred.
 bool eventually(const std::function<bool()>& pred, Millis limit = 10s) {
@@ -55,8 +55,6 @@ bool eventually(const std::function<bool()>& pred, Millis limit = 10s) {
   }
   return pred();
 }
-
-
 
 // ---- raw sockets ----------------------------------------------------------------------------
 
@@ -147,7 +145,6 @@ int listening_socket(uint16_t& port) {
   port = ntohs(addr.sin_port);
   return fd;
 }
-
 
 Bytes header(uint32_t magic, uint16_t version, uint16_t code, uint64_t body_bytes) {
   Bytes out(proto::kHeaderBytes);

@@ -12,11 +12,13 @@
 #include "tdist/core/error.h"
 #include "tdist/core/token.h"
 #include "tests/harness/env_guard.h"
+#include "tests/harness/expect.h"
 
 namespace tdist {
 namespace {
 
 using test::EnvGuard;
+using test::expect_invalid;
 
 // A private temporary directory, removed with what the test put in it.
 class TokenFile : public ::testing::Test {
@@ -40,17 +42,6 @@ class TokenFile : public ::testing::Test {
   std::string dir_;
   std::vector<std::string> created_;
 };
-
-void expect_invalid(const std::function<void()>& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected InvalidArgument";
-  } catch (const InvalidArgument& e) {
-    for (const auto& p : parts) {
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << p << " not in: " << e.what();
-    }
-  }
-}
 
 TEST(Token, NoneWhenNeitherVariableIsSet) {
   EnvGuard env({{"TDIST_TOKEN", std::nullopt}, {"TDIST_TOKEN_FILE", std::nullopt}});

@@ -33,4 +33,12 @@ struct CommandOptions {
 
 CommandResult run_command(const std::vector<std::string>& argv, const CommandOptions& opts = {});
 
+// Options that stop the command after `seconds`, with `env` added to its environment.
+inline CommandOptions with_timeout(int seconds, std::map<std::string, std::string> env = {}) {
+  CommandOptions o;
+  o.timeout = std::chrono::seconds(seconds);
+  o.env = std::move(env);
+  return o;
+}
+
 }  // namespace tdist::test

@@ -472,10 +472,6 @@ TEST(RpcShutdown, GracefulDoesNotWaitForAWorkerThatDied) {
 
 // ---- a worker killed with calls pending (real processes) ---------------------------------------
 
-uint16_t master_port() {
-  return static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535));
-}
-
 TDIST_TEST_CHILD(rpc_killed_peer) {
   torch::set_num_threads(1);
   register_test_functions();

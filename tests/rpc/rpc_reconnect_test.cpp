@@ -14,10 +14,6 @@
 namespace tdist::rpc::test {
 namespace {
 
-uint16_t master_port() {
-  return static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535));
-}
-
 // Rank 1 is stopped (SIGSTOP) by the test before rank 0's first call to it, and resumed a few
 // handshake timeouts later: rank 0's first connect times out in the handshake (rank 1 accepts
 // nothing while stopped), and the call must still succeed once rank 1 runs again.

@@ -51,16 +51,6 @@ void register_gate() {
   std::call_once(once, [] { register_function("gate_wait", [] { gate().wait(); }); });
 }
 
-// No call and no RRef message in flight on any agent.
-bool quiet(Agents& a) {
-  return eventually([&] {
-    for (auto& agent : a.agents) {
-      if (!agent->idle() || agent->rref_context().num_pending() != 0) return false;
-    }
-    return true;
-  });
-}
-
 std::string joined(const std::vector<std::string>& v) {
   std::string s;
   for (const auto& x : v) s += "\n  " + x;

@@ -7,16 +7,6 @@
 namespace tdist::rpc::test {
 namespace {
 
-// No call and no RRef message in flight on any agent.
-bool quiet(Agents& a) {
-  return eventually([&] {
-    for (auto& agent : a.agents) {
-      if (!agent->idle() || agent->rref_context().num_pending() != 0) return false;
-    }
-    return true;
-  });
-}
-
 class RRefTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -5,6 +5,8 @@
 #include <exception>
 #include <stdexcept>
 
+#include "tdist/core/env.h"
+
 namespace tdist::rpc::test {
 
 std::atomic<int64_t> Tracked::live{0};
@@ -183,6 +185,19 @@ void shutdown_all(Agents& a, bool graceful) {
   }
   for (auto& t : threads) t.join();
   if (first) std::rethrow_exception(first);
+}
+
+bool quiet(Agents& a) {
+  return eventually([&] {
+    for (auto& agent : a.agents) {
+      if (!agent->idle() || agent->rref_context().num_pending() != 0) return false;
+    }
+    return true;
+  });
+}
+
+uint16_t master_port() {
+  return static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535));
 }
 
 double cpu_seconds() {

@@ -111,6 +111,12 @@ bool eventually(Pred pred, std::chrono::milliseconds timeout = 20s) {
   return true;
 }
 
+// Whether no call and no RRef message is in flight on any agent (eventually, within its bound).
+bool quiet(Agents& a);
+
+// A child process's MASTER_PORT (tdist::test::spawn_processes sets it).
+uint16_t master_port();
+
 // RRefs kept by the test functions "hold" / "drop", keyed by "<worker>/<key>".
 std::map<std::string, RRef<Tracked>>& held_rrefs();
 std::mutex& held_mu();
