@@ -68,7 +68,10 @@ struct Context {
 // copies in), one while it waits in the queue (its first window copies in at issue)
 // (RingProcessGroup::allreduce_staged, allgather_staged, reduce_scatter_staged,
 // broadcast_staged, reduce_staged; a reduce-scatter's window holds its output's slice too:
-// (size + 1) / size windows).
+// (size + 1) / size windows). A staged gather, scatter or alltoall moves the same slice of every
+// block per window too (gather_staged, scatter_staged, alltoall_staged: an alltoall's window holds
+// the slices of every block sent and received), but only a staged rank windows them: each pair
+// of ranks exchanges one byte stream per block, whose bytes are the same whole or in slices.
 inline size_t window_elems(size_t window_bytes, size_t elem_size) {
   return std::max<size_t>(1, window_bytes / elem_size);
 }
@@ -161,7 +164,9 @@ inline size_t ring_segment_begin(size_t count, int segment, int size) {
 // window in by pieces and sends each as it arrives (the chain, or for the world-2 single copy its
 // address message, waits for them), and the other ranks copy each chunk out as it lands; a
 // reduce reads every rank's input as its pieces arrive, and the root copies each chunk out once
-// reduced (an average divided first). The copies out never start
+// reduced (an average divided first). A gather's root finishes each chunk of the other blocks as
+// it lands and its own block once its pieces arrived; its senders send each piece as it arrives;
+// a scatter the other way round; an alltoall the same for every pair. The copies out never start
 // before the point the caller's stream had reached at issue, so no kernel queued before the
 // operation sees its outputs change.
 
@@ -197,6 +202,8 @@ class Staging : public detail::Arrivals {
     const size_t last = last_piece(b, b + n);
     return last == kNoPiece ? detail::Gate{} : detail::Gate{-1, 0, this, last};
   }
+  // Waits until bytes [begin, end) have arrived (a copy in, which no peer holds up).
+  void await_arrival(size_t begin, size_t end);
   // Posts the n bytes at p to `peer` split at piece boundaries, each part gated on its piece, so
   // that the first parts leave before the last ones arrived (bytes outside the pieces ungated).
   void send(Context& c, int peer, const char* p, size_t n);
@@ -312,12 +319,17 @@ void reduce_chain(Context& c, const char* input, char* output, size_t count, con
 void allgather_ring(Context& c, const std::vector<char*>& blocks, size_t block_bytes,
                     Staging* staging = nullptr);
 
-// Root: blocks[i] receives rank i's `input` (blocks[root] is filled by the caller).
+// Root: blocks[i] receives rank i's `input` (blocks[root] is filled by the caller). With
+// `staging` (its buffer holds the input, or on the root the blocks): what a rank sends waits for
+// its pieces, and the root finishes every other block chunk by chunk as it lands (its own is the
+// caller's to finish).
 void gather_direct(Context& c, const char* input, const std::vector<char*>& blocks,
-                   size_t block_bytes, int root);
-// Root sends blocks[i] to rank i; every non-root receives into `output`.
+                   size_t block_bytes, int root, Staging* staging = nullptr);
+// Root sends blocks[i] to rank i; every non-root receives into `output`. With `staging` as for
+// gather_direct, the other way round: the root's sends wait for the blocks' pieces, every
+// non-root finishes its output chunk by chunk.
 void scatter_direct(Context& c, const std::vector<const char*>& blocks, char* output,
-                    size_t block_bytes, int root);
+                    size_t block_bytes, int root, Staging* staging = nullptr);
 
 // output = reduction over ranks of inputs[rank] (count elements per block), around the ring.
 // With `staging` (world size > 1; the inputs lie in its buffer, in the order of
@@ -335,6 +347,16 @@ void reset_reduce_scatter_peak_scratch_bytes();
 void alltoall_pairwise(Context& c, const std::vector<const char*>& send,
                        const std::vector<size_t>& send_bytes, const std::vector<char*>& recv,
                        const std::vector<size_t>& recv_bytes);
+// The same in parts, as a staged alltoall runs it window by window (the pairs' byte streams are
+// the same): alltoall_lengths exchanges and checks the lengths of the whole blocks, then each
+// alltoall_blocks moves a slice of every block, its sends waiting for the slices' pieces of
+// `staging` and every received chunk finished as it lands. This rank's own block is the
+// caller's.
+void alltoall_lengths(Context& c, const std::vector<size_t>& send_bytes,
+                      const std::vector<size_t>& recv_bytes);
+void alltoall_blocks(Context& c, const std::vector<const char*>& send,
+                     const std::vector<size_t>& send_bytes, const std::vector<char*>& recv,
+                     const std::vector<size_t>& recv_bytes, Staging& staging);
 
 // ceil(log2(n)) rounds of one byte each.
 void barrier_dissemination(Context& c);

@@ -16,6 +16,8 @@
 //   reduce-scatter never writes segment r, the one sent first.
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstdint>
 
 #include "tdist/comm/algorithms/algorithms.h"
@@ -72,6 +74,12 @@ size_t Staging::last_piece(size_t begin, size_t end) const {
     last = last == kNoPiece ? it->second : std::max(last, it->second);
   }
   return last;
+}
+
+void Staging::await_arrival(size_t begin, size_t end) {
+  const size_t last = last_piece(begin, end);
+  if (last == kNoPiece) return;
+  while (!arrived(last)) std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
 void Staging::send(Context& c, int peer, const char* p, size_t n) {

@@ -189,6 +189,21 @@ class RingProcessGroup final : public ProcessGroup {
                                          Fingerprint fp);
   std::shared_ptr<Work> reduce_staged(const at::Tensor& tensor, const algorithms::ReduceSpec& rs,
                                       int root, Millis timeout, Fingerprint fp);
+  // The gather of `input` into the root's `outputs` and the scatter of the root's `inputs` into
+  // `output`, staged window by window, or null when they are not staged.
+  std::shared_ptr<Work> gather_staged(const at::Tensor& input,
+                                      const std::vector<at::Tensor>& outputs, int root,
+                                      Millis timeout, Fingerprint fp);
+  std::shared_ptr<Work> scatter_staged(const at::Tensor& output,
+                                       const std::vector<at::Tensor>& inputs, int root,
+                                       Millis timeout, Fingerprint fp);
+  // The alltoall of `sends` (this rank's block for every rank, flat bytes) into `recvs` (every
+  // rank's block for this one), staged window by window; `all` are the caller's tensors, which
+  // StagedTensors::wanted accepted. The Work's value is `result`.
+  std::shared_ptr<Work> alltoall_staged(const char* name, std::vector<at::Tensor> sends,
+                                        std::vector<at::Tensor> recvs,
+                                        const std::vector<at::Tensor>& all, Future::Value result,
+                                        Millis timeout, Fingerprint fp);
   // The ring reduce-scatter of `inputs` (every rank's block, in rank order, as if concatenated)
   // into `output`, staged window by window, or null when they are not staged.
   std::shared_ptr<Work> reduce_scatter_staged(const char* name,

@@ -261,6 +261,11 @@ at::Tensor slice(const at::Tensor& flat, size_t begin, size_t n) {
   return flat.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(n));
 }
 
+// Bytes of a block of `bytes` that fall in [off, off + n).
+size_t clipped(size_t bytes, size_t off, size_t n) {
+  return std::min(bytes, off + n) - std::min(bytes, off);
+}
+
 // Runs stage(begin, n) for consecutive windows [begin, begin + n) of `count` units, `window` at a
 // time, and run(staged, n) for each: the next window is staged (its copies in queued) while the
 // current one runs, so at most two windows' host memory is in use (Note [Windows]).
@@ -451,6 +456,173 @@ std::shared_ptr<Work> RingProcessGroup::reduce_staged(const at::Tensor& tensor,
                  });
 }
 
+std::shared_ptr<Work> RingProcessGroup::gather_staged(const at::Tensor& input,
+                                                      const std::vector<at::Tensor>& outputs,
+                                                      int root, Millis timeout, Fingerprint fp) {
+  std::vector<at::Tensor> all = outputs;
+  all.push_back(input);
+  if (!StagedTensors::wanted(all, size_, staging_piece_bytes_)) return nullptr;
+  const size_t block = input.nbytes();
+  const size_t window = algo::block_window_bytes(window_bytes_, size_);
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& o : outputs) outs.push_back(flat_bytes(o));
+  // A window: the slice [off, off + n) of the input, copied in; on the root also every rank's
+  // slice, copied out (its own straight from its input).
+  auto stage = [outs, in = flat_bytes(input), piece = staging_piece_bytes_, rank = rank_, root,
+                issue = block > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
+                                                                                    size_t n) {
+    std::vector<StagedTensors::Slot> slots;
+    if (rank != root) {
+      slots.push_back(StagedTensors::Slot{slice(in, off, n), {}});
+    } else {
+      for (size_t i = 0; i < outs.size(); ++i) {
+        slots.push_back(StagedTensors::Slot{
+            static_cast<int>(i) == root ? slice(in, off, n) : at::Tensor(), slice(outs[i], off, n)});
+      }
+    }
+    return std::make_shared<StagedTensors>(
+        std::move(slots), ascending_pieces(rank == root ? root * n : 0, n, piece), piece,
+        off == 0 ? nullptr : issue);
+  };
+  return enqueue("gather", timeout, std::move(fp),
+                 [this, stage, block, window, root, outputs,
+                  first = stage(0, std::min(window, block))](algo::Context& c) mutable {
+                   over_windows(block, window, std::move(first), stage,
+                                [&](StagedTensors& w, size_t n) {
+                                  if (rank_ != root) {
+                                    algo::gather_direct(c, w.data(), {}, n, root, &w);
+                                    return;
+                                  }
+                                  std::vector<char*> blocks;
+                                  for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
+                                  algo::gather_direct(c, nullptr, blocks, n, root, &w);
+                                  w.await_arrival(root * n, (root + 1) * n);
+                                  w.finished_at(blocks[root], n);
+                                });
+                   return Value{outputs};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::scatter_staged(const at::Tensor& output,
+                                                       const std::vector<at::Tensor>& inputs,
+                                                       int root, Millis timeout, Fingerprint fp) {
+  std::vector<at::Tensor> all = inputs;
+  all.push_back(output);
+  if (!StagedTensors::wanted(all, size_, staging_piece_bytes_)) return nullptr;
+  const size_t block = output.nbytes();
+  const size_t window = algo::block_window_bytes(window_bytes_, size_);
+  std::vector<at::Tensor> ins;
+  for (const at::Tensor& i : inputs) ins.push_back(flat_bytes(i));
+  // A window: the slice [off, off + n) of the output, copied out; on the root every rank's slice
+  // copied in first (its own straight to its output).
+  auto stage = [ins, out = flat_bytes(output), piece = staging_piece_bytes_, rank = rank_, root,
+                size = size_,
+                issue = block > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
+                                                                                    size_t n) {
+    std::vector<StagedTensors::Slot> slots;
+    if (rank != root) {
+      slots.push_back(StagedTensors::Slot{{}, slice(out, off, n)});
+    } else {
+      for (size_t i = 0; i < ins.size(); ++i) {
+        slots.push_back(StagedTensors::Slot{
+            slice(ins[i], off, n), static_cast<int>(i) == root ? slice(out, off, n) : at::Tensor()});
+      }
+    }
+    return std::make_shared<StagedTensors>(
+        std::move(slots),
+        rank == root ? ascending_pieces(0, size * n, piece) : std::vector<algo::ByteRange>{},
+        piece, off == 0 ? nullptr : issue);
+  };
+  return enqueue("scatter", timeout, std::move(fp),
+                 [this, stage, block, window, root, output,
+                  first = stage(0, std::min(window, block))](algo::Context& c) mutable {
+                   over_windows(block, window, std::move(first), stage,
+                                [&](StagedTensors& w, size_t n) {
+                                  if (rank_ != root) {
+                                    algo::scatter_direct(c, {}, w.data(), n, root, &w);
+                                    return;
+                                  }
+                                  std::vector<const char*> blocks;
+                                  for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
+                                  algo::scatter_direct(c, blocks, nullptr, n, root, &w);
+                                  w.await_arrival(root * n, (root + 1) * n);
+                                  w.finished_at(blocks[root], n);
+                                });
+                   return Value{output};
+                 });
+}
+
+std::shared_ptr<Work> RingProcessGroup::alltoall_staged(const char* name,
+                                                        std::vector<at::Tensor> sends,
+                                                        std::vector<at::Tensor> recvs,
+                                                        const std::vector<at::Tensor>& all,
+                                                        Value result, Millis timeout,
+                                                        Fingerprint fp) {
+  std::vector<size_t> send_bytes, recv_bytes;
+  size_t longest = 0;
+  for (int i = 0; i < size_; ++i) {
+    send_bytes.push_back(sends[i].nbytes());
+    recv_bytes.push_back(recvs[i].nbytes());
+    longest = std::max({longest, send_bytes.back(), recv_bytes.back()});
+  }
+  // A window holds the slice [off, off + n) of every block sent and received (as far as the
+  // block reaches): at most a window's bytes.
+  const size_t window = algo::block_window_bytes(window_bytes_, 2 * size_);
+  auto clip = [](const at::Tensor& b, size_t off, size_t n) {
+    return slice(b, std::min(off, b.nbytes()), clipped(b.nbytes(), off, n));
+  };
+  // Host layout: the slices sent, in rank order (this rank's own also copied out, to its
+  // received block), then the slices received from the others.
+  auto stage = [sends, recvs, clip, piece = staging_piece_bytes_, rank = rank_,
+                issue = longest > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
+                                                                                      size_t n) {
+    std::vector<StagedTensors::Slot> slots;
+    size_t sent = 0;
+    for (size_t p = 0; p < sends.size(); ++p) {
+      slots.push_back(StagedTensors::Slot{
+          clip(sends[p], off, n),
+          static_cast<int>(p) == rank ? clip(recvs[p], off, n) : at::Tensor()});
+      sent += slots.back().in.nbytes();
+    }
+    for (size_t p = 0; p < recvs.size(); ++p) {
+      if (static_cast<int>(p) != rank) slots.push_back(StagedTensors::Slot{{}, clip(recvs[p], off, n)});
+    }
+    return std::make_shared<StagedTensors>(std::move(slots), ascending_pieces(0, sent, piece),
+                                           piece, off == 0 ? nullptr : issue);
+  };
+  return enqueue(name, timeout, std::move(fp),
+                 [this, stage, send_bytes, recv_bytes, longest, window, result,
+                  first = stage(0, std::min(window, longest))](algo::Context& c) mutable {
+                   algo::alltoall_lengths(c, send_bytes, recv_bytes);
+                   size_t off = 0;  // the window's slice of the blocks: [off, off + n)
+                   over_windows(longest, window, std::move(first), stage,
+                                [&](StagedTensors& w, size_t n) {
+                                  std::vector<const char*> send;
+                                  std::vector<char*> recv(size_);
+                                  std::vector<size_t> sb, rb;
+                                  char* at = w.data();
+                                  for (int p = 0; p < size_; ++p) {
+                                    sb.push_back(clipped(send_bytes[p], off, n));
+                                    rb.push_back(clipped(recv_bytes[p], off, n));
+                                    if (p == rank_) recv[p] = at;  // its own slice, in place
+                                    send.push_back(at);
+                                    at += sb.back();
+                                  }
+                                  for (int p = 0; p < size_; ++p) {
+                                    if (p == rank_) continue;
+                                    recv[p] = at;
+                                    at += rb[p];
+                                  }
+                                  algo::alltoall_blocks(c, send, sb, recv, rb, w);
+                                  const auto own = static_cast<size_t>(recv[rank_] - w.data());
+                                  w.await_arrival(own, own + sb[rank_]);
+                                  w.finished_at(recv[rank_], sb[rank_]);
+                                  off += n;
+                                });
+                   return result;
+                 });
+}
+
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
   check_stageable(tensor, "broadcast", "the tensor");
   check_root(opts.root, size_, "broadcast");
@@ -548,9 +720,11 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
     TDIST_CHECK_ARG(outputs.empty(), "gather: only the root (rank ", root,
                     ") passes output tensors; rank ", rank_, " passed ", outputs.size());
   }
+  Fingerprint fp = fingerprint(debug_detail_, &input, -1, root);
+  if (auto staged = gather_staged(input, outputs, root, opts.timeout, fp)) return staged;
   Contig in(input);
   auto outs = contig_all(outputs, Contig::kWriteOnly);
-  return enqueue("gather", opts.timeout, fingerprint(debug_detail_, &input, -1, root),
+  return enqueue("gather", opts.timeout, std::move(fp),
                  [this, in, outs, outputs, root](algo::Context& c) {
                    std::vector<char*> blocks;
                    for (const auto& o : outs) blocks.push_back(o.data());
@@ -573,9 +747,11 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
     TDIST_CHECK_ARG(inputs.empty(), "scatter: only the root (rank ", root,
                     ") passes input tensors; rank ", rank_, " passed ", inputs.size());
   }
+  Fingerprint fp = fingerprint(debug_detail_, &output, -1, root);
+  if (auto staged = scatter_staged(output, inputs, root, opts.timeout, fp)) return staged;
   Contig out(output, Contig::kWriteOnly);
   auto ins = contig_all(inputs);
-  return enqueue("scatter", opts.timeout, fingerprint(debug_detail_, &output, -1, root),
+  return enqueue("scatter", opts.timeout, std::move(fp),
                  [this, out, ins, root](algo::Context& c) {
                    std::vector<const char*> blocks;
                    for (const auto& i : ins) blocks.push_back(i.data());
@@ -659,11 +835,21 @@ std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Ten
   }
   TDIST_CHECK_ARG(send_bytes[rank_] == recv_bytes[rank_], "alltoall_base: this rank sends ",
                   send_bytes[rank_], " bytes to itself but expects ", recv_bytes[rank_]);
-  Contig in(input);
-  Contig out(output, Contig::kWriteOnly);
   // With explicit splits the shapes legitimately differ between ranks: compare the dtype only.
   auto fp = equal ? fingerprint(debug_detail_, &input)
                   : fingerprint(debug_detail_, &input, -1, -1, {{}});
+  if (StagedTensors::wanted({input, output}, size_, staging_piece_bytes_)) {
+    std::vector<at::Tensor> sends, recvs;
+    const at::Tensor in_bytes = flat_bytes(input), out_bytes = flat_bytes(output);
+    for (int i = 0; i < size_; ++i) {
+      sends.push_back(slice(in_bytes, send_off[i], send_bytes[i]));
+      recvs.push_back(slice(out_bytes, recv_off[i], recv_bytes[i]));
+    }
+    return alltoall_staged("alltoall_base", std::move(sends), std::move(recvs), {input, output},
+                           Value{output}, opts.timeout, std::move(fp));
+  }
+  Contig in(input);
+  Contig out(output, Contig::kWriteOnly);
   return enqueue("alltoall_base", opts.timeout, fp,
                  [in, out, send_bytes, recv_bytes, send_off, recv_off](algo::Context& c) {
                    std::vector<const char*> send;
@@ -693,9 +879,20 @@ std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs
   TDIST_CHECK_ARG(inputs[rank_].numel() == outputs[rank_].numel(), "alltoall: inputs[", rank_,
                   "] has ", inputs[rank_].numel(), " elements but outputs[", rank_, "] has ",
                   outputs[rank_].numel());
+  Fingerprint fp = fingerprint(debug_detail_, &inputs[0], -1, -1, {{}});
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  if (StagedTensors::wanted(all, size_, staging_piece_bytes_)) {
+    std::vector<at::Tensor> sends, recvs;
+    for (int i = 0; i < size_; ++i) {
+      sends.push_back(flat_bytes(inputs[i]));
+      recvs.push_back(flat_bytes(outputs[i]));
+    }
+    return alltoall_staged("alltoall", std::move(sends), std::move(recvs), all, Value{outputs},
+                           opts.timeout, std::move(fp));
+  }
   auto ins = contig_all(inputs);
   auto outs = contig_all(outputs, Contig::kWriteOnly);
-  Fingerprint fp = fingerprint(debug_detail_, &inputs[0], -1, -1, {{}});
   return enqueue("alltoall", opts.timeout, fp, [ins, outs, outputs](algo::Context& c) {
     std::vector<const char*> send;
     std::vector<char*> recv;

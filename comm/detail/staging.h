@@ -15,9 +15,9 @@
 // that waits on it may use them from any stream. Host copies of CUDA tensors are pinned, from
 // PyTorch's caching host allocator, so the memory of one step is reused by the next.
 // The ranks need not agree on devices: a CPU tensor on one rank meets a CUDA tensor on another.
-// Large ring allreduces, allgathers, reduce-scatters, broadcasts and reduces of contiguous tensors
-// overlap their copies with the transfers instead, window by window (StagedTensors, Note
-// [Overlapped staging] and Note [Windows] in algorithms/algorithms.h).
+// Large ring allreduces, allgathers, reduce-scatters, broadcasts, reduces, gathers, scatters and
+// alltoalls of contiguous tensors overlap their copies with the transfers instead, window by
+// window (StagedTensors, Note [Overlapped staging] and Note [Windows] in algorithms/algorithms.h).
 
 #include <ATen/core/Tensor.h>
 

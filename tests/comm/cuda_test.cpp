@@ -207,6 +207,32 @@ void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
     }
     EXPECT_TRUE(torch::equal(big_parts[0].cpu(), p0));
     EXPECT_TRUE(torch::equal(big_parts[1].cpu(), p1));
+    // gather to and scatter from the last rank, and an alltoall of 4 MiB blocks
+    std::vector<at::Tensor> g_big, s_big;
+    if (r == n - 1) {
+      for (int k = 0; k < n; ++k) {
+        g_big.push_back(torch::empty({len}, cuda));
+        s_big.push_back(input(k + n, len).to(torch::kCUDA));
+      }
+    }
+    GatherOptions go;
+    go.root = n - 1;
+    pg->gather(g_big, input(r, len).to(torch::kCUDA), go)->wait();
+    for (int k = 0; k < static_cast<int>(g_big.size()); ++k) {
+      EXPECT_TRUE(torch::equal(g_big[k].cpu(), input(k, len))) << "gather, block " << k;
+    }
+    ScatterOptions so;
+    so.root = n - 1;
+    auto scattered = torch::empty({len}, cuda);
+    pg->scatter(scattered, s_big, so)->wait();
+    EXPECT_TRUE(torch::equal(scattered.cpu(), input(r + n, len))) << "scatter";
+    auto a_big = torch::empty({len * n}, cuda);
+    pg->alltoall_base(a_big, input(r, len * n).to(torch::kCUDA), {}, {})->wait();
+    for (int k = 0; k < n; ++k) {
+      EXPECT_TRUE(torch::equal(a_big.narrow(0, len * k, len).cpu(),
+                               input(k, len * n).narrow(0, len * r, len)))
+          << "alltoall_base, block " << k;
+    }
   }
   // reduce_scatter_tensor: block r of the sum
   auto rs = torch::empty({10}, cuda);
@@ -268,7 +294,8 @@ ProcessGroup::Options ring_options() {
 // With overlapped staging (the default pieces), without it (TDIST_STAGING_PIECE_BYTES=0: the
 // large tensors copied in and out whole), and with windows of 3 MiB (Note [Windows]: the 6 MiB
 // allreduce_coalesced runs two, the second copied in from a side stream, the 4 MiB broadcast and
-// reduce two, and the allgathers and reduce-scatters of 4 MiB blocks three or more).
+// reduce two, and the allgathers, reduce-scatters, gathers, scatters and alltoalls of 4 MiB blocks
+// three or more).
 TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
   SKIP_WITHOUT_GPUS(1);
   for (auto [piece, window] : {std::pair<const char*, const char*>{"1048576", "67108864"},

@@ -5,9 +5,11 @@
 // twice (once before it was final) or never fails the operation (the hook's engine checks that
 // every byte was finished exactly once).
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <optional>
 #include <thread>
 #include <torch/torch.h>
 
@@ -366,6 +368,134 @@ TEST_P(OverlappedStaging, BroadcastAndReduceOfStagedTensors) {
   }
 }
 
+TEST_P(OverlappedStaging, GatherAndScatterOfStagedTensors) {
+  const int w = world();
+  const int64_t n = 10001;  // doubles: 80008 bytes a block, windows of 8000 / w bytes of each
+  for (const char* window : {"67108864", "8000"}) {
+    for (int unstaged : {-1, 0}) {
+      SCOPED_TRACE(str("window ", window, " unstaged rank ", unstaged));
+      tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                                                     {"TDIST_CHUNK_BYTES", "333"},
+                                                     {"TDIST_WINDOW_BYTES", window}});
+      CpuStaging on(4000, 200);
+      detail::reset_staged_peak_for_tests();
+      const size_t before = detail::staged_buffers_for_tests();
+      tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+        auto pg = create_process_group(store, rank, w, test::test_options());
+        auto fresh = [&](const at::Tensor& values) {
+          if (rank != unstaged) return values.clone();
+          at::Tensor t = torch::empty({values.numel(), 2}, values.options()).select(1, 0);
+          return t.copy_(values);
+        };
+        auto block = [&](int of, int root) {
+          return torch::arange(n, torch::kDouble) * (of + 1) + root * 1000000;
+        };
+        const auto untouched = torch::full({n}, -7.0, torch::kDouble);
+        for (int root = 0; root < w; ++root) {
+          SCOPED_TRACE(str("root ", root));
+          std::vector<at::Tensor> outs, ins;
+          if (rank == root) {
+            for (int i = 0; i < w; ++i) {
+              outs.push_back(fresh(untouched));
+              ins.push_back(fresh(block(i, root) * -1));
+            }
+          }
+          GatherOptions go;
+          go.root = root;
+          // The root's receives are posted at once; the others' copies start later, so a send
+          // that did not wait for them would carry garbage.
+          if (rank != root) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          pg->gather(outs, fresh(block(rank, root)), go)->wait();
+          for (int i = 0; i < static_cast<int>(outs.size()); ++i) {
+            ASSERT_TRUE(torch::equal(outs[i], block(i, root)))
+                << "gather, block " << i << ": " << test::describe(outs[i]);
+          }
+          ScatterOptions so;
+          so.root = root;
+          at::Tensor out = fresh(untouched);
+          pg->scatter(out, ins, so)->wait();
+          ASSERT_TRUE(torch::equal(out, block(rank, root) * -1)) << "scatter: " << test::describe(out);
+        }
+      });
+      const size_t bytes = n * 8, win = std::stoul(window);
+      // The root holds two windows of every rank's slice at most, the others two of their own.
+      const size_t slice = std::min(algo::block_window_bytes(win, w), bytes);
+      EXPECT_LE(detail::staged_peak_bytes_for_tests(), 2 * slice * static_cast<size_t>(2 * w - 1));
+      // Per staged rank and root: a gather and a scatter, each window staged once.
+      const size_t windows = (bytes + slice - 1) / slice;
+      const size_t staged_ranks = static_cast<size_t>(w - (unstaged >= 0 ? 1 : 0));
+      EXPECT_EQ(detail::staged_buffers_for_tests() - before, staged_ranks * w * 2 * windows);
+    }
+  }
+}
+
+// Blocks of (s + 2d) % 4 * 3000 elements from rank s to rank d (some empty), valued by both.
+int64_t alltoall_rows(int s, int d) { return (s + 2 * d) % 4 * 3000; }
+at::Tensor alltoall_block(int s, int d) {
+  return torch::arange(alltoall_rows(s, d), torch::kLong) + 1000000 * s + 100000 * d;
+}
+
+TEST_P(OverlappedStaging, AlltoallOfStagedTensors) {
+  const int w = world();
+  for (const char* window : {"67108864", "8000"}) {
+    for (int unstaged : {-1, 0}) {
+      SCOPED_TRACE(str("window ", window, " unstaged rank ", unstaged));
+      tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                                                     {"TDIST_CHUNK_BYTES", "333"},
+                                                     {"TDIST_WINDOW_BYTES", window}});
+      CpuStaging on(4000, 200);
+      detail::reset_staged_peak_for_tests();
+      const size_t before = detail::staged_buffers_for_tests();
+      tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+        auto pg = create_process_group(store, rank, w, test::test_options());
+        auto fresh = [&](const at::Tensor& values) {
+          if (rank != unstaged) return values.clone();
+          at::Tensor t = torch::empty({values.numel(), 2}, values.options()).select(1, 0);
+          return t.copy_(values);
+        };
+        std::vector<at::Tensor> ins, outs, want;
+        std::vector<int64_t> in_splits, out_splits;
+        for (int d = 0; d < w; ++d) {
+          ins.push_back(fresh(alltoall_block(rank, d)));
+          want.push_back(alltoall_block(d, rank));
+          outs.push_back(fresh(torch::full({alltoall_rows(d, rank)}, -7, torch::kLong)));
+          in_splits.push_back(alltoall_rows(rank, d));
+          out_splits.push_back(alltoall_rows(d, rank));
+        }
+        // The others' copies start later, so a send that did not wait for them would carry
+        // garbage.
+        if (rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        pg->alltoall(outs, ins)->wait();
+        for (int s = 0; s < w; ++s) {
+          ASSERT_TRUE(torch::equal(outs[s], want[s])) << "alltoall from " << s << ": "
+                                                      << test::describe(outs[s]);
+        }
+        at::Tensor out = fresh(torch::full({torch::cat(want).numel()}, -7, torch::kLong));
+        pg->alltoall_base(out, fresh(torch::cat(ins)), out_splits, in_splits)->wait();
+        ASSERT_TRUE(torch::equal(out, torch::cat(want))) << "alltoall_base: " << test::describe(out);
+      });
+      const size_t win = std::stoul(window);
+      const size_t slice = algo::block_window_bytes(win, 2 * w);
+      // A window holds a slice of every block sent and received: two windows per rank at most.
+      size_t windows = 0, largest = 0;  // over the staged ranks
+      for (int r = 0; r < w; ++r) {
+        size_t longest = 0, bytes = 0;
+        for (int d = 0; d < w; ++d) {
+          const auto out = static_cast<size_t>(alltoall_rows(r, d)) * 8;
+          const auto in = static_cast<size_t>(alltoall_rows(d, r)) * 8;
+          longest = std::max({longest, out, in});
+          bytes += out + in;
+        }
+        largest = std::max(largest, std::min(bytes, win));
+        if (r != unstaged) windows += (longest + slice - 1) / slice;
+      }
+      EXPECT_LE(detail::staged_peak_bytes_for_tests(), 2 * largest * static_cast<size_t>(w));
+      // Per staged rank, alltoall and alltoall_base, each window staged once.
+      EXPECT_EQ(detail::staged_buffers_for_tests() - before, 2 * windows);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     WorldsAndTransports, OverlappedStaging,
     ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("auto", "tcp")),
@@ -397,6 +527,35 @@ TEST(OverlappedStagingFailure, ACopyThatNeverArrivesTimesOutSayingSo) {
 // A windowed staged collective whose peer never calls fails within the timeout (a timeout, or the
 // lost connection once the peer's group is gone) and frees every window it staged: the one that
 // was moving and the next one already copying in.
+// Ranks whose alltoall splits disagree: the rank that expects more bytes than its peer sends
+// fails naming both sizes before any block moves, staged or not; no rank hangs.
+TEST(OverlappedStagingFailure, AlltoallSplitsThatDisagreeFailNamingBothSizes) {
+  for (bool staged : {false, true}) {
+    SCOPED_TRACE(staged ? "staged" : "unstaged");
+    std::optional<CpuStaging> on;
+    if (staged) on.emplace(4000, 200);
+    tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_WINDOW_BYTES", "8000"}});
+    tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, 2, test::test_options(Millis(5000)));
+      // Rank 1 sends 2000 elements to rank 0, which expects 3000.
+      const std::vector<int64_t> in_splits{2000, 2000};
+      const std::vector<int64_t> out_splits =
+          rank == 0 ? std::vector<int64_t>{2000, 3000} : std::vector<int64_t>{2000, 2000};
+      at::Tensor out = torch::empty({out_splits[0] + out_splits[1]});
+      try {
+        pg->alltoall_base(out, torch::ones({4000}), out_splits, in_splits)->wait();
+        EXPECT_EQ(rank, 1) << "rank 0 finished an alltoall its peer sent too little for";
+      } catch (const InvalidArgument& e) {
+        EXPECT_EQ(rank, 0) << e.what();
+        EXPECT_THAT(e.what(), ::testing::HasSubstr("rank 1 sends 8000 bytes but this rank "
+                                                   "expects 12000 bytes from it"));
+      } catch (const std::exception& e) {
+        EXPECT_EQ(rank, 1) << e.what();  // its group was aborted by rank 0's failure
+      }
+    });
+  }
+}
+
 TEST(OverlappedStagingFailure, AWindowedCollectiveWhosePeerNeverCallsFailsAndFreesItsWindows) {
   tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"},
                                                  {"TDIST_WINDOW_BYTES", "8000"}});
