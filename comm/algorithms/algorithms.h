@@ -69,7 +69,7 @@ struct Context {
 // (RingProcessGroup::allreduce_staged, allgather_staged, reduce_scatter_staged,
 // broadcast_staged, reduce_staged; a reduce-scatter's window holds its output's slice too:
 // (size + 1) / size windows). A staged gather, scatter or alltoall moves the same slice of every
-// block per window too (gather_staged, scatter_staged, alltoall_staged: an alltoall's window holds
+// block per window too (gather_or_scatter_staged, alltoall_staged: an alltoall's window holds
 // the slices of every block sent and received), but only a staged rank windows them: each pair
 // of ranks exchanges one byte stream per block, whose bytes are the same whole or in slices.
 inline size_t window_elems(size_t window_bytes, size_t elem_size) {

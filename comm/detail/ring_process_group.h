@@ -189,14 +189,13 @@ class RingProcessGroup final : public ProcessGroup {
                                          Fingerprint fp);
   std::shared_ptr<Work> reduce_staged(const at::Tensor& tensor, const algorithms::ReduceSpec& rs,
                                       int root, Millis timeout, Fingerprint fp);
-  // The gather of `input` into the root's `outputs` and the scatter of the root's `inputs` into
-  // `output`, staged window by window, or null when they are not staged.
-  std::shared_ptr<Work> gather_staged(const at::Tensor& input,
-                                      const std::vector<at::Tensor>& outputs, int root,
-                                      Millis timeout, Fingerprint fp);
-  std::shared_ptr<Work> scatter_staged(const at::Tensor& output,
-                                       const std::vector<at::Tensor>& inputs, int root,
-                                       Millis timeout, Fingerprint fp);
+  // The gather of `mine` (this rank's input) into the root's `theirs` (its outputs), or the
+  // scatter of the root's `theirs` (its inputs) into `mine` (this rank's output), staged window by
+  // window, or null when they are not staged. The Work's value is `result`.
+  std::shared_ptr<Work> gather_or_scatter_staged(bool gather, const at::Tensor& mine,
+                                                 const std::vector<at::Tensor>& theirs, int root,
+                                                 Future::Value result, Millis timeout,
+                                                 Fingerprint fp);
   // The alltoall of `sends` (this rank's block for every rank, flat bytes) into `recvs` (every
   // rank's block for this one), staged window by window; `all` are the caller's tensors, which
   // StagedTensors::wanted accepted. The Work's value is `result`.

@@ -456,99 +456,65 @@ std::shared_ptr<Work> RingProcessGroup::reduce_staged(const at::Tensor& tensor,
                  });
 }
 
-std::shared_ptr<Work> RingProcessGroup::gather_staged(const at::Tensor& input,
-                                                      const std::vector<at::Tensor>& outputs,
-                                                      int root, Millis timeout, Fingerprint fp) {
-  std::vector<at::Tensor> all = outputs;
-  all.push_back(input);
+std::shared_ptr<Work> RingProcessGroup::gather_or_scatter_staged(
+    bool gather, const at::Tensor& mine, const std::vector<at::Tensor>& theirs, int root,
+    Value result, Millis timeout, Fingerprint fp) {
+  std::vector<at::Tensor> all = theirs;
+  all.push_back(mine);
   if (!StagedTensors::wanted(all, size_, staging_piece_bytes_)) return nullptr;
-  const size_t block = input.nbytes();
+  const size_t block = mine.nbytes();
   const size_t window = algo::block_window_bytes(window_bytes_, size_);
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& o : outputs) outs.push_back(flat_bytes(o));
-  // A window: the slice [off, off + n) of the input, copied in; on the root also every rank's
-  // slice, copied out (its own straight from its input).
-  auto stage = [outs, in = flat_bytes(input), piece = staging_piece_bytes_, rank = rank_, root,
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : theirs) flat.push_back(flat_bytes(t));
+  // A window: the slice [off, off + n) of this rank's tensor (a gather's input, copied in; a
+  // scatter's output, copied out); on the root also every rank's slice of the root's tensors
+  // (copied out for a gather, in for a scatter), its own straight from or to its tensor.
+  auto stage = [gather, flat, m = flat_bytes(mine), piece = staging_piece_bytes_, rank = rank_,
+                root, size = size_,
                 issue = block > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
                                                                                     size_t n) {
+    const at::Tensor own = slice(m, off, n);
     std::vector<StagedTensors::Slot> slots;
     if (rank != root) {
-      slots.push_back(StagedTensors::Slot{slice(in, off, n), {}});
+      slots.push_back(gather ? StagedTensors::Slot{own, {}} : StagedTensors::Slot{{}, own});
     } else {
-      for (size_t i = 0; i < outs.size(); ++i) {
-        slots.push_back(StagedTensors::Slot{
-            static_cast<int>(i) == root ? slice(in, off, n) : at::Tensor(), slice(outs[i], off, n)});
+      for (size_t i = 0; i < flat.size(); ++i) {
+        const at::Tensor other = slice(flat[i], off, n);
+        const at::Tensor self = static_cast<int>(i) == root ? own : at::Tensor();
+        slots.push_back(gather ? StagedTensors::Slot{self, other} : StagedTensors::Slot{other, self});
       }
     }
-    return std::make_shared<StagedTensors>(
-        std::move(slots), ascending_pieces(rank == root ? root * n : 0, n, piece), piece,
-        off == 0 ? nullptr : issue);
+    std::vector<algo::ByteRange> order;
+    if (gather) {
+      order = ascending_pieces(rank == root ? root * n : 0, n, piece);
+    } else if (rank == root) {
+      order = ascending_pieces(0, size * n, piece);
+    }
+    return std::make_shared<StagedTensors>(std::move(slots), std::move(order), piece,
+                                           off == 0 ? nullptr : issue);
   };
-  return enqueue("gather", timeout, std::move(fp),
-                 [this, stage, block, window, root, outputs,
+  return enqueue(gather ? "gather" : "scatter", timeout, std::move(fp),
+                 [this, gather, stage, block, window, root, result,
                   first = stage(0, std::min(window, block))](algo::Context& c) mutable {
                    over_windows(block, window, std::move(first), stage,
                                 [&](StagedTensors& w, size_t n) {
-                                  if (rank_ != root) {
-                                    algo::gather_direct(c, w.data(), {}, n, root, &w);
-                                    return;
-                                  }
                                   std::vector<char*> blocks;
-                                  for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
-                                  algo::gather_direct(c, nullptr, blocks, n, root, &w);
-                                  w.await_arrival(root * n, (root + 1) * n);
-                                  w.finished_at(blocks[root], n);
-                                });
-                   return Value{outputs};
-                 });
-}
-
-std::shared_ptr<Work> RingProcessGroup::scatter_staged(const at::Tensor& output,
-                                                       const std::vector<at::Tensor>& inputs,
-                                                       int root, Millis timeout, Fingerprint fp) {
-  std::vector<at::Tensor> all = inputs;
-  all.push_back(output);
-  if (!StagedTensors::wanted(all, size_, staging_piece_bytes_)) return nullptr;
-  const size_t block = output.nbytes();
-  const size_t window = algo::block_window_bytes(window_bytes_, size_);
-  std::vector<at::Tensor> ins;
-  for (const at::Tensor& i : inputs) ins.push_back(flat_bytes(i));
-  // A window: the slice [off, off + n) of the output, copied out; on the root every rank's slice
-  // copied in first (its own straight to its output).
-  auto stage = [ins, out = flat_bytes(output), piece = staging_piece_bytes_, rank = rank_, root,
-                size = size_,
-                issue = block > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
-                                                                                    size_t n) {
-    std::vector<StagedTensors::Slot> slots;
-    if (rank != root) {
-      slots.push_back(StagedTensors::Slot{{}, slice(out, off, n)});
-    } else {
-      for (size_t i = 0; i < ins.size(); ++i) {
-        slots.push_back(StagedTensors::Slot{
-            slice(ins[i], off, n), static_cast<int>(i) == root ? slice(out, off, n) : at::Tensor()});
-      }
-    }
-    return std::make_shared<StagedTensors>(
-        std::move(slots),
-        rank == root ? ascending_pieces(0, size * n, piece) : std::vector<algo::ByteRange>{},
-        piece, off == 0 ? nullptr : issue);
-  };
-  return enqueue("scatter", timeout, std::move(fp),
-                 [this, stage, block, window, root, output,
-                  first = stage(0, std::min(window, block))](algo::Context& c) mutable {
-                   over_windows(block, window, std::move(first), stage,
-                                [&](StagedTensors& w, size_t n) {
-                                  if (rank_ != root) {
-                                    algo::scatter_direct(c, {}, w.data(), n, root, &w);
-                                    return;
+                                  if (rank_ == root) {
+                                    for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
                                   }
-                                  std::vector<const char*> blocks;
-                                  for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
-                                  algo::scatter_direct(c, blocks, nullptr, n, root, &w);
+                                  if (gather) {
+                                    algo::gather_direct(c, w.data(), blocks, n, root, &w);
+                                  } else {
+                                    const std::vector<const char*> sent(blocks.begin(), blocks.end());
+                                    algo::scatter_direct(c, sent, w.data(), n, root, &w);
+                                  }
+                                  if (rank_ != root) return;
+                                  // The root's own slice goes from its input to its output
+                                  // through host memory.
                                   w.await_arrival(root * n, (root + 1) * n);
                                   w.finished_at(blocks[root], n);
                                 });
-                   return Value{output};
+                   return result;
                  });
 }
 
@@ -721,7 +687,10 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
                     ") passes output tensors; rank ", rank_, " passed ", outputs.size());
   }
   Fingerprint fp = fingerprint(debug_detail_, &input, -1, root);
-  if (auto staged = gather_staged(input, outputs, root, opts.timeout, fp)) return staged;
+  if (auto staged =
+          gather_or_scatter_staged(true, input, outputs, root, outputs, opts.timeout, fp)) {
+    return staged;
+  }
   Contig in(input);
   auto outs = contig_all(outputs, Contig::kWriteOnly);
   return enqueue("gather", opts.timeout, std::move(fp),
@@ -748,7 +717,10 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
                     ") passes input tensors; rank ", rank_, " passed ", inputs.size());
   }
   Fingerprint fp = fingerprint(debug_detail_, &output, -1, root);
-  if (auto staged = scatter_staged(output, inputs, root, opts.timeout, fp)) return staged;
+  if (auto staged =
+          gather_or_scatter_staged(false, output, inputs, root, Value{output}, opts.timeout, fp)) {
+    return staged;
+  }
   Contig out(output, Contig::kWriteOnly);
   auto ins = contig_all(inputs);
   return enqueue("scatter", opts.timeout, std::move(fp),

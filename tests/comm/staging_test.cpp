@@ -303,6 +303,36 @@ TEST_P(OverlappedStaging, AllgatherAndReduceScatterWindowsBoundTheStagedMemory) 
   }
 }
 
+// A copy of `values` for a rank: contiguous (so staged), or on the unstaged rank a strided view
+// (so copied in and out whole).
+using Fresh = std::function<at::Tensor(const at::Tensor&)>;
+
+// Runs body(rank, pg, fresh) on every rank of a group of `w` (threads) over `transport`, with
+// windows of `window` bytes, chunks of 333 bytes and `env`, CPU tensors staged in pieces of 4000
+// bytes, each 200 us late, except on rank `unstaged` (if >= 0; `fresh` there gives strided
+// tensors). Resets the staged peak first; returns how many buffers were staged meanwhile.
+size_t on_staged_ranks(int w, const std::string& transport, const char* window, int unstaged,
+                       tdist::test::EnvVars env,
+                       const std::function<void(int, ProcessGroup&, const Fresh&)>& body) {
+  env["TDIST_TRANSPORT"] = transport;
+  env["TDIST_CHUNK_BYTES"] = "333";
+  env["TDIST_WINDOW_BYTES"] = window;
+  tdist::test::EnvGuard guard(env);
+  CpuStaging on(4000, 200);
+  detail::reset_staged_peak_for_tests();
+  const size_t before = detail::staged_buffers_for_tests();
+  tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, w, test::test_options());
+    const Fresh fresh = [&](const at::Tensor& values) {
+      if (rank != unstaged) return values.clone();
+      at::Tensor t = torch::empty({values.numel(), 2}, values.options()).select(1, 0);
+      return t.copy_(values);
+    };
+    body(rank, *pg, fresh);
+  });
+  return detail::staged_buffers_for_tests() - before;
+}
+
 // Broadcasts and reduces from and to every root (Note [Windows]): the root's tensor staged in
 // pieces, each late; the other ranks' broadcast copied out as it lands, their reduce inputs read
 // as they arrive (however late) and left as they were; through the chain and (world 2) by single
@@ -316,28 +346,17 @@ TEST_P(OverlappedStaging, BroadcastAndReduceOfStagedTensors) {
       for (int unstaged : {-1, 0}) {
         SCOPED_TRACE(str("window ", window, " TDIST_SINGLE_COPY=", single, " unstaged rank ",
                          unstaged));
-        tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
-                                                       {"TDIST_CHUNK_BYTES", "333"},
-                                                       {"TDIST_SINGLE_COPY", single},
-                                                       {"TDIST_SINGLE_COPY_BYTES", "1024"},
-                                                       {"TDIST_WINDOW_BYTES", window}});
-        CpuStaging on(4000, 200);
-        detail::reset_staged_peak_for_tests();
-        const size_t before = detail::staged_buffers_for_tests();
-        tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
-          auto pg = create_process_group(store, rank, w, test::test_options());
-          auto fresh = [&](const at::Tensor& values) {
-            if (rank != unstaged) return values.clone();
-            at::Tensor t = torch::empty({values.numel(), 2}, values.options()).select(1, 0);
-            return t.copy_(values);
-          };
+        const tdist::test::EnvVars env{{"TDIST_SINGLE_COPY", single},
+                                       {"TDIST_SINGLE_COPY_BYTES", "1024"}};
+        const size_t staged = on_staged_ranks(w, transport(), window, unstaged, env,
+                                              [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
           for (int root = 0; root < w; ++root) {
             SCOPED_TRACE(str("root ", root));
             const auto want = torch::arange(n, torch::kDouble) * (root + 1);
             at::Tensor b = fresh(rank == root ? want : torch::full({n}, -7.0, torch::kDouble));
             BroadcastOptions bo;
             bo.root = root;
-            pg->broadcast(b, bo)->wait();
+            pg.broadcast(b, bo)->wait();
             ASSERT_TRUE(torch::equal(b, want)) << "broadcast: " << test::describe(b);
             for (auto op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
               SCOPED_TRACE(to_string(op));
@@ -349,7 +368,7 @@ TEST_P(OverlappedStaging, BroadcastAndReduceOfStagedTensors) {
               // The chain's first rank sends at once; the later ones' copies start later, so a
               // partial sum that did not wait for them would meet garbage.
               if (rank != (root + 1) % w) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-              pg->reduce(x, ro)->wait();
+              pg.reduce(x, ro)->wait();
               const auto expect =
                   rank == root ? test::expected(c10::ScalarType::Double, op, n, w) : mine;
               ASSERT_TRUE(test::same(x, expect)) << "reduce: " << test::describe(x);
@@ -362,31 +381,23 @@ TEST_P(OverlappedStaging, BroadcastAndReduceOfStagedTensors) {
         // Per staged rank and root: a broadcast and three reduces, each window staged once.
         const size_t windows = (bytes + win - 1) / win;
         const size_t staged_ranks = static_cast<size_t>(w - (unstaged >= 0 ? 1 : 0));
-        EXPECT_EQ(detail::staged_buffers_for_tests() - before, staged_ranks * w * 4 * windows);
+        EXPECT_EQ(staged, staged_ranks * w * 4 * windows);
       }
     }
   }
 }
 
+// Gathers and scatters to and from every root: what a rank sends waits for its pieces (the
+// receives are posted before they arrive), the root copies each received chunk out as it lands
+// and its own slice once arrived; with windows of 8000 bytes no rank holds more than two.
 TEST_P(OverlappedStaging, GatherAndScatterOfStagedTensors) {
   const int w = world();
   const int64_t n = 10001;  // doubles: 80008 bytes a block, windows of 8000 / w bytes of each
   for (const char* window : {"67108864", "8000"}) {
     for (int unstaged : {-1, 0}) {
       SCOPED_TRACE(str("window ", window, " unstaged rank ", unstaged));
-      tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
-                                                     {"TDIST_CHUNK_BYTES", "333"},
-                                                     {"TDIST_WINDOW_BYTES", window}});
-      CpuStaging on(4000, 200);
-      detail::reset_staged_peak_for_tests();
-      const size_t before = detail::staged_buffers_for_tests();
-      tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
-        auto pg = create_process_group(store, rank, w, test::test_options());
-        auto fresh = [&](const at::Tensor& values) {
-          if (rank != unstaged) return values.clone();
-          at::Tensor t = torch::empty({values.numel(), 2}, values.options()).select(1, 0);
-          return t.copy_(values);
-        };
+      const size_t staged = on_staged_ranks(w, transport(), window, unstaged, {},
+                                            [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
         auto block = [&](int of, int root) {
           return torch::arange(n, torch::kDouble) * (of + 1) + root * 1000000;
         };
@@ -405,7 +416,7 @@ TEST_P(OverlappedStaging, GatherAndScatterOfStagedTensors) {
           // The root's receives are posted at once; the others' copies start later, so a send
           // that did not wait for them would carry garbage.
           if (rank != root) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          pg->gather(outs, fresh(block(rank, root)), go)->wait();
+          pg.gather(outs, fresh(block(rank, root)), go)->wait();
           for (int i = 0; i < static_cast<int>(outs.size()); ++i) {
             ASSERT_TRUE(torch::equal(outs[i], block(i, root)))
                 << "gather, block " << i << ": " << test::describe(outs[i]);
@@ -413,7 +424,7 @@ TEST_P(OverlappedStaging, GatherAndScatterOfStagedTensors) {
           ScatterOptions so;
           so.root = root;
           at::Tensor out = fresh(untouched);
-          pg->scatter(out, ins, so)->wait();
+          pg.scatter(out, ins, so)->wait();
           ASSERT_TRUE(torch::equal(out, block(rank, root) * -1)) << "scatter: " << test::describe(out);
         }
       });
@@ -424,7 +435,7 @@ TEST_P(OverlappedStaging, GatherAndScatterOfStagedTensors) {
       // Per staged rank and root: a gather and a scatter, each window staged once.
       const size_t windows = (bytes + slice - 1) / slice;
       const size_t staged_ranks = static_cast<size_t>(w - (unstaged >= 0 ? 1 : 0));
-      EXPECT_EQ(detail::staged_buffers_for_tests() - before, staged_ranks * w * 2 * windows);
+      EXPECT_EQ(staged, staged_ranks * w * 2 * windows);
     }
   }
 }
@@ -435,24 +446,16 @@ at::Tensor alltoall_block(int s, int d) {
   return torch::arange(alltoall_rows(s, d), torch::kLong) + 1000000 * s + 100000 * d;
 }
 
+// Alltoalls of blocks of different sizes, some empty (list and flat forms): every pair's sends
+// wait for their pieces, each received chunk is copied out as it lands; in windows of 8000 bytes
+// of every block sent and received, the ranks' windows as many as their own longest block needs.
 TEST_P(OverlappedStaging, AlltoallOfStagedTensors) {
   const int w = world();
   for (const char* window : {"67108864", "8000"}) {
     for (int unstaged : {-1, 0}) {
       SCOPED_TRACE(str("window ", window, " unstaged rank ", unstaged));
-      tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
-                                                     {"TDIST_CHUNK_BYTES", "333"},
-                                                     {"TDIST_WINDOW_BYTES", window}});
-      CpuStaging on(4000, 200);
-      detail::reset_staged_peak_for_tests();
-      const size_t before = detail::staged_buffers_for_tests();
-      tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
-        auto pg = create_process_group(store, rank, w, test::test_options());
-        auto fresh = [&](const at::Tensor& values) {
-          if (rank != unstaged) return values.clone();
-          at::Tensor t = torch::empty({values.numel(), 2}, values.options()).select(1, 0);
-          return t.copy_(values);
-        };
+      const size_t staged = on_staged_ranks(w, transport(), window, unstaged, {},
+                                            [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
         std::vector<at::Tensor> ins, outs, want;
         std::vector<int64_t> in_splits, out_splits;
         for (int d = 0; d < w; ++d) {
@@ -465,13 +468,13 @@ TEST_P(OverlappedStaging, AlltoallOfStagedTensors) {
         // The others' copies start later, so a send that did not wait for them would carry
         // garbage.
         if (rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-        pg->alltoall(outs, ins)->wait();
+        pg.alltoall(outs, ins)->wait();
         for (int s = 0; s < w; ++s) {
           ASSERT_TRUE(torch::equal(outs[s], want[s])) << "alltoall from " << s << ": "
                                                       << test::describe(outs[s]);
         }
         at::Tensor out = fresh(torch::full({torch::cat(want).numel()}, -7, torch::kLong));
-        pg->alltoall_base(out, fresh(torch::cat(ins)), out_splits, in_splits)->wait();
+        pg.alltoall_base(out, fresh(torch::cat(ins)), out_splits, in_splits)->wait();
         ASSERT_TRUE(torch::equal(out, torch::cat(want))) << "alltoall_base: " << test::describe(out);
       });
       const size_t win = std::stoul(window);
@@ -491,7 +494,7 @@ TEST_P(OverlappedStaging, AlltoallOfStagedTensors) {
       }
       EXPECT_LE(detail::staged_peak_bytes_for_tests(), 2 * largest * static_cast<size_t>(w));
       // Per staged rank, alltoall and alltoall_base, each window staged once.
-      EXPECT_EQ(detail::staged_buffers_for_tests() - before, 2 * windows);
+      EXPECT_EQ(staged, 2 * windows);
     }
   }
 }
