@@ -55,10 +55,10 @@ struct Context {
 
 // Note [Windows]
 // ~~~~~~~~~~~~~~
-// A ring or hierarchical allreduce of more than the group's window (64 MiB by default) runs as
-// one allreduce per window of the buffer, one after the other, on every rank alike (the ranks
-// agree on the window when the group is created: each window is its own byte stream). So do a
-// broadcast and a reduce. An allgather and a reduce-scatter do the same over the same slice of every rank's
+// A ring allreduce of more than the group's window (64 MiB by default) runs as one ring per
+// window of the buffer, one after the other, on every rank alike (the ranks agree on the window
+// when the group is created: each window is its own byte stream). So do a broadcast and a
+// reduce. An allgather and a reduce-scatter do the same over the same slice of every rank's
 // block: the size blocks' slices of one window hold at most a window's bytes
 // (block_window_bytes, block_window_elems), so an allgather whose outputs total more than a
 // window, or a reduce-scatter whose input does, runs one allgather or reduce-scatter per slice
@@ -68,11 +68,12 @@ struct Context {
 // copies in), one while it waits in the queue (its first window copies in at issue)
 // (RingProcessGroup::allreduce_staged, allgather_staged, reduce_scatter_staged,
 // broadcast_staged, reduce_staged; a reduce-scatter's window holds its output's slice too:
-// (size + 1) / size windows; a staged hierarchical allreduce copies its window in whole before
-// it starts and out whole after). A staged gather, scatter or alltoall moves the same slice of every
+// (size + 1) / size windows). A staged gather, scatter or alltoall moves the same slice of every
 // block per window too (gather_or_scatter_staged, alltoall_staged: an alltoall's window holds
 // the slices of every block sent and received), but only a staged rank windows them: each pair
 // of ranks exchanges one byte stream per block, whose bytes are the same whole or in slices.
+// The hierarchical allreduce is not windowed: its phases meet at each window's end, which cost
+// 6-7% at 256 MiB across two hosts (docs/perf.md), so a staged one is still copied whole.
 inline size_t window_elems(size_t window_bytes, size_t elem_size) {
   return std::max<size_t>(1, window_bytes / elem_size);
 }

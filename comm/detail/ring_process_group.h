@@ -23,10 +23,10 @@
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
 //   TDIST_STAGING_PIECE_BYTES    piece of the overlapped staging of CUDA tensors (default 1 MiB;
 //                            0: copy them in and out whole, Note [Overlapped staging])
-//   TDIST_WINDOW_BYTES       the window of the ring and hierarchical allreduce, allgather,
-//                            reduce-scatter, broadcast and reduce, and of staged gathers,
-//                            scatters and alltoalls (default 64 MiB; the group takes the
-//                            largest of its ranks' values: Note [Windows])
+//   TDIST_WINDOW_BYTES       the window of the ring allreduce, allgather, reduce-scatter,
+//                            broadcast and reduce, and of staged gathers, scatters and
+//                            alltoalls (default 64 MiB; the group takes the largest of its
+//                            ranks' values: Note [Windows])
 //   TDIST_HOST_ID            this rank's host key when Options::host is unset (Note [Host key])
 //   TDIST_SPIN_US            microseconds to re-try transfers before sleeping (default 50 with
 //                            shared-memory peers, else 0: Note [Spin, then sleep])
@@ -172,9 +172,9 @@ class RingProcessGroup final : public ProcessGroup {
                          size_t block_bytes) const;
   void reduce_scatter_windows(algorithms::Context& c, const std::vector<const char*>& blocks,
                               char* output, size_t count, const algorithms::ReduceSpec& rs) const;
-  // Note [Overlapped staging]. The ring or hierarchical allreduce of `ts` (one dtype, reduced as
-  // if concatenated) staged window by window, or null when the group would run recursive
-  // doubling or the tensors are not staged (StagedTensors::wanted).
+  // Note [Overlapped staging]. The ring allreduce of `ts` (one dtype, reduced as if
+  // concatenated) staged piecewise, or null when the group would not run the ring or the tensors
+  // are not staged (StagedTensors::wanted).
   std::shared_ptr<Work> allreduce_staged(const char* name, const std::vector<at::Tensor>& ts,
                                          const algorithms::ReduceSpec& rs, Millis timeout,
                                          Fingerprint fp);

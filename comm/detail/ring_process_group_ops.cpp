@@ -127,18 +127,15 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
       algo::allreduce_recursive_doubling(c, data, count, rs);
       break;
     case AllreduceAlgo::kHierarchical:
-      algo::for_each_window(count, algo::window_elems(c.window_bytes, rs.elem_size),
-                            [&](size_t begin, size_t n) {
-                              algo::allreduce_hierarchical(c, *hierarchy_,
-                                                           data + begin * rs.elem_size, n, rs);
-                            });
+      algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
       break;
-    case AllreduceAlgo::kRing:
+    case AllreduceAlgo::kRing: {
       algo::for_each_window(count, algo::window_elems(c.window_bytes, rs.elem_size),
                             [&](size_t begin, size_t n) {
                               algo::allreduce_ring(c, data + begin * rs.elem_size, n, rs);
                             });
       break;
+    }
   }
 }
 
@@ -294,40 +291,28 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
                                                        Fingerprint fp) {
   size_t count = 0;
   for (const auto& t : ts) count += static_cast<size_t>(t.numel());
-  const AllreduceAlgo algo = allreduce_algorithm(count, rs.elem_size);
-  if (algo == AllreduceAlgo::kRecursiveDoubling ||
+  if (allreduce_algorithm(count, rs.elem_size) != AllreduceAlgo::kRing ||
       !StagedTensors::wanted(ts, size_, staging_piece_bytes_)) {
     return nullptr;
   }
-  const bool ring = algo == AllreduceAlgo::kRing;
-  // One allreduce per window (Note [Windows]), each staged on its own: the first window's copies
-  // in start now on the caller's stream, each next one's while the one before runs, on a side
-  // stream after the point the caller's stream had reached at this call. The ring reads its
-  // pieces as they arrive; the hierarchical allreduce waits for its whole window, and its window
-  // is copied out once reduced.
+  // One ring per window (Note [Windows]), each staged on its own: the first window's copies in
+  // start now on the caller's stream, each next one's while the one before runs, on a side
+  // stream after the point the caller's stream had reached at this call.
   const size_t window = algo::window_elems(window_bytes_, rs.elem_size);
-  auto stage = [ts, rs, ring, piece = staging_piece_bytes_, size = size_, rank = rank_,
+  auto stage = [ts, rs, piece = staging_piece_bytes_, size = size_, rank = rank_,
                 issue = count > window ? StagedTensors::mark_issue(ts) : nullptr](size_t begin,
                                                                                    size_t n) {
     return std::make_shared<StagedTensors>(
         StagedTensors::in_and_out(element_range(ts, begin, begin + n)),
-        ring ? algo::ring_allreduce_pieces(n, rs.elem_size, size, rank, piece)
-             : ascending_pieces(0, n * rs.elem_size, piece),
-        piece, begin == 0 ? nullptr : issue);
+        algo::ring_allreduce_pieces(n, rs.elem_size, size, rank, piece), piece,
+        begin == 0 ? nullptr : issue);
   };
   return enqueue(name, timeout, std::move(fp),
-                 [this, ts, stage, count, window, rs, ring,
+                 [ts, stage, count, window, rs,
                   first = stage(0, std::min(window, count))](algo::Context& c) mutable {
                    over_windows(count, window, std::move(first), stage,
                                 [&](StagedTensors& w, size_t n) {
-                                  if (ring) {
-                                    algo::allreduce_ring(c, w.data(), n, rs, &w);
-                                    return;
-                                  }
-                                  const size_t bytes = n * rs.elem_size;
-                                  w.await_arrival(0, bytes);
-                                  algo::allreduce_hierarchical(c, *hierarchy_, w.data(), n, rs);
-                                  w.finished(0, bytes);
+                                  algo::allreduce_ring(c, w.data(), n, rs, &w);
                                 });
                    return Value{ts};
                  });

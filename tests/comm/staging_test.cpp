@@ -48,11 +48,10 @@ class OverlappedStaging : public ::testing::TestWithParam<std::tuple<int, const 
 
 // Every rank allreduces tensors of each length with the ring; `unstaged_rank` (if >= 0) passes
 // a non-contiguous view, which is not staged, so it meets the staged ranks in one ring.
-// `window_bytes` (0: the default) sets the allreduce window (Note [Windows]); `layout`, if not
-// empty, gives rank r the host key layout[r] (HierarchicalAllreduceTest in allreduce_test.cpp).
+// `window_bytes` (0: the default) sets the allreduce window (Note [Windows]).
 void check(int world, const std::string& transport, const std::string& algo, size_t chunk_bytes,
            size_t piece_bytes, int delay_us, const std::vector<int64_t>& lengths,
-           int unstaged_rank = -1, size_t window_bytes = 0, const std::string& layout = "") {
+           int unstaged_rank = -1, size_t window_bytes = 0) {
   tdist::test::EnvGuard env(tdist::test::EnvVars{
       {"TDIST_TRANSPORT", transport},
       {"TDIST_ALLREDUCE_ALGO", algo},
@@ -62,9 +61,7 @@ void check(int world, const std::string& transport, const std::string& algo, siz
                         : std::nullopt}});
   CpuStaging on(piece_bytes, delay_us);
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
-    auto opts = test::test_options();
-    if (!layout.empty()) opts.host = std::string(1, layout[rank]);
-    auto pg = create_process_group(store, rank, world, opts);
+    auto pg = create_process_group(store, rank, world, test::test_options());
     for (int64_t n : lengths) {
       for (auto t : {c10::ScalarType::Float, c10::ScalarType::Double, c10::ScalarType::Int}) {
         for (auto op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
@@ -98,18 +95,6 @@ TEST_P(OverlappedStaging, AStagedAndAnUnstagedRankReduceTogether) {
   check(world(), transport(), "ring", 4096, 1000, 100, {10006}, /*unstaged_rank=*/0);
 }
 
-// Windows of `window` bytes of the lengths check() reduces: floats and doubles with 3 ops, ints
-// with 2; one staged buffer each.
-size_t allreduce_windows(const std::vector<int64_t>& lengths, size_t window) {
-  size_t windows = 0;
-  for (int64_t n : lengths) {
-    for (auto [elem, ops] : {std::pair<size_t, size_t>{4, 3}, {8, 3}, {4, 2}}) {
-      windows += ops * ((static_cast<size_t>(n) + window / elem - 1) / (window / elem));
-    }
-  }
-  return windows;
-}
-
 // Windows of 8000 bytes (Note [Windows]): each window a ring of its own, staged on its
 // own, so no more than two windows per rank are in host memory at once, where the whole tensor is
 // up to ten times a window (and 4001 elements end in a window of one, fewer than the ranks);
@@ -120,28 +105,16 @@ TEST_P(OverlappedStaging, WindowsBoundTheStagedMemory) {
   detail::reset_staged_peak_for_tests();
   check(world(), transport(), "ring", 333, 1000, 20, {2000, 10006, 4001}, -1, window);
   EXPECT_LE(detail::staged_peak_bytes_for_tests(), static_cast<size_t>(world()) * 2 * window);
-  EXPECT_EQ(detail::staged_buffers_for_tests() - staged_before,
-            world() * allreduce_windows({2000, 10006, 4001}, window));
+  // One staged buffer per window: check() reduces floats and doubles with 3 ops, ints with 2.
+  size_t windows = 0;
+  for (size_t n : {2000, 10006, 4001}) {
+    for (auto [elem, ops] : {std::pair<size_t, size_t>{4, 3}, {8, 3}, {4, 2}}) {
+      windows += ops * ((n + window / elem - 1) / (window / elem));
+    }
+  }
+  EXPECT_EQ(detail::staged_buffers_for_tests() - staged_before, world() * windows);
   check(world(), transport(), "ring", 4096, 1000, 20, {10006}, /*unstaged_rank=*/0, window);
   check(world(), transport(), "ring", 333, 0, 0, {10006}, -1, window);
-}
-
-// The hierarchical allreduce (four ranks on two hosts, either layout) staged window by window:
-// each window copied in whole before it runs, copied out once reduced; two windows per rank at
-// most; an unstaged rank runs the same windows.
-TEST(OverlappedStagingHierarchical, WindowsOfTheHierarchicalAllreduce) {
-  const size_t window = 8000;
-  const std::vector<int64_t> lengths{10006, 4001};
-  for (const char* layout : {"aabb", "abab"}) {
-    SCOPED_TRACE(layout);
-    const size_t staged_before = detail::staged_buffers_for_tests();
-    detail::reset_staged_peak_for_tests();
-    check(4, "auto", "hierarchical", 333, 1000, 20, lengths, -1, window, layout);
-    EXPECT_LE(detail::staged_peak_bytes_for_tests(), 4 * 2 * window);
-    EXPECT_EQ(detail::staged_buffers_for_tests() - staged_before,
-              4 * allreduce_windows(lengths, window));
-    check(4, "auto", "hierarchical", 333, 1000, 20, {10006}, /*unstaged_rank=*/0, window, layout);
-  }
 }
 
 // The defaults (1 MiB pieces, 256 KiB chunks, the automatic algorithm choice) on buffers that
