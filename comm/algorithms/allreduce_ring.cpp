@@ -17,8 +17,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <thread>
 #include <cstdint>
+#include <thread>
 
 #include "tdist/comm/algorithms/algorithms.h"
 #include "tdist/core/error.h"

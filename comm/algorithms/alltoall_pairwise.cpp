@@ -15,9 +15,9 @@ namespace {
 constexpr uint64_t kHeader = UINT64_MAX;  // the cookie of a length's receive
 
 // Posts this rank's lengths to every peer and the receives of theirs; headers live in scratch:
-// [0, n) outgoing lengths, [n, 2n) incoming ones. With `payload`, each peer's block follows its
-// length. Pairs in the order r+1, r+2, ... spread the load instead of everyone hitting rank 0
-// first.
+// [0, n) outgoing lengths, [n, 2n) incoming ones. With `send` and `recv`, each peer's block
+// follows its length. Pairs in the order r+1, r+2, ... spread the load instead of everyone
+// hitting rank 0 first.
 uint64_t* post(Context& c, const std::vector<size_t>& send_bytes,
                const std::vector<size_t>& recv_bytes, const std::vector<const char*>* send,
                const std::vector<char*>* recv) {
