@@ -216,6 +216,13 @@ class Staging : public detail::Arrivals {
   std::vector<std::pair<size_t, size_t>> by_offset_;  // (begin, position in order_), ascending
 };
 
+// Receives into a staged buffer: recv_chunks posts the n bytes at p from `peer` chunk by chunk
+// (the cookie is the chunk's offset); run_finishing_chunks runs the exchange, finishing each
+// chunk received into recv[peer] (recv_bytes[peer] bytes in all) as it lands.
+void recv_chunks(Context& c, int peer, char* p, size_t n);
+void run_finishing_chunks(Context& c, const std::vector<char*>& recv,
+                          const std::vector<size_t>& recv_bytes, Staging& staging);
+
 // Staging::send and Staging::gate_for where there is staging; a plain send and no gate where
 // `staging` is null.
 inline void send_staged(Context& c, int peer, const char* p, size_t n, Staging* staging) {

@@ -99,6 +99,23 @@ void Staging::send(Context& c, int peer, const char* p, size_t n) {
   if (at < e) c.ex.send(peer, base_ + at, e - at);
 }
 
+namespace {
+size_t chunk_of(const Context& c) { return std::max<size_t>(c.chunk_bytes, 1); }
+}  // namespace
+
+void recv_chunks(Context& c, int peer, char* p, size_t n) {
+  for (size_t off = 0; off < n; off += chunk_of(c)) {
+    c.ex.recv(peer, p + off, std::min(chunk_of(c), n - off), off);
+  }
+}
+
+void run_finishing_chunks(Context& c, const std::vector<char*>& recv,
+                          const std::vector<size_t>& recv_bytes, Staging& staging) {
+  c.ex.run([&](int peer, uint64_t off) {
+    staging.finished_at(recv[peer] + off, std::min(chunk_of(c), recv_bytes[peer] - off));
+  });
+}
+
 std::vector<ByteRange> ring_allreduce_pieces(size_t count, size_t elem, int size, int rank,
                                              size_t piece_bytes) {
   const size_t step = std::max<size_t>(1, piece_bytes / elem) * elem;

@@ -3,7 +3,6 @@
 // by its length (u64): a receiver whose expected size differs fails with an error naming both
 // sizes instead of misreading the stream (the group is then aborted, as after any stream error).
 
-#include <algorithm>
 #include <cstring>
 
 #include "tdist/comm/algorithms/algorithms.h"
@@ -71,18 +70,13 @@ void alltoall_blocks(Context& c, const std::vector<const char*>& send,
                      const std::vector<size_t>& recv_bytes, Staging& staging) {
   const int n = c.size;
   const int r = c.rank;
-  const size_t chunk = std::max<size_t>(c.chunk_bytes, 1);
   for (int k = 1; k < n; ++k) {
     const int p = (r + k) % n;
     staging.send(c, p, send[p], send_bytes[p]);
     const int q = (r - k + n) % n;
-    for (size_t off = 0; off < recv_bytes[q]; off += chunk) {
-      c.ex.recv(q, recv[q] + off, std::min(chunk, recv_bytes[q] - off), off);
-    }
+    recv_chunks(c, q, recv[q], recv_bytes[q]);
   }
-  c.ex.run([&](int peer, uint64_t off) {
-    staging.finished_at(recv[peer] + off, std::min(chunk, recv_bytes[peer] - off));
-  });
+  run_finishing_chunks(c, recv, recv_bytes, staging);
 }
 
 }  // namespace tdist::comm::algorithms
