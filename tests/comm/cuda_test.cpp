@@ -19,16 +19,14 @@
 #include "tdist/comm/nccl/nccl_process_group.h"
 #include "tdist/core/tcp_store.h"
 #include "tests/comm/comm_test_util.h"
+#include "tests/harness/expect.h"
 
 namespace tdist::comm {
 namespace {
 
+using tdist::test::contains;
 using tdist::test::spawn;
 using test::test_options;
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 #define SKIP_WITHOUT_GPUS(n)                                                             \
   if (!torch::cuda::is_available() || torch::cuda::device_count() < (n))                 \

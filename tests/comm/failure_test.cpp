@@ -25,9 +25,7 @@ std::string message_of(const std::shared_ptr<Work>& w) {
   return "";
 }
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using tdist::test::contains;
 
 TEST(Failure, TimeoutNamesRankOpPeerAndSequenceThenAborts) {
   tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {

@@ -40,7 +40,8 @@ inline bool contains(const std::string& s, const std::string& part) {
 }
 
 // Records a failure unless fn throws InvalidArgument whose message holds every one of `parts`.
-inline void expect_invalid(const std::function<void()>& fn, std::initializer_list<std::string> parts) {
+inline void expect_invalid(const std::function<void()>& fn,
+                           std::initializer_list<std::string> parts) {
   try {
     fn();
     ADD_FAILURE() << "expected InvalidArgument";
