@@ -77,6 +77,12 @@ Fingerprint fingerprint(bool on, const at::Tensor* t, int redop = -1, int root =
   return f;
 }
 
+// ts and t, in one list.
+std::vector<at::Tensor> with(std::vector<at::Tensor> ts, const at::Tensor& t) {
+  ts.push_back(t);
+  return ts;
+}
+
 // Row size in elements for alltoall splits along dim 0.
 int64_t row_elems(const at::Tensor& t) {
   int64_t n = 1;
@@ -143,6 +149,13 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
 std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const AllreduceOptions& opts) {
   check_stageable(tensor, "allreduce", "the tensor");
   auto rs = reduce_spec(tensor, opts.op);
+  const auto count = static_cast<size_t>(tensor.numel());
+  if (allreduce_algorithm(count, rs.elem_size) == AllreduceAlgo::kRing &&
+      StandIns::wanted({tensor}, size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = allreduce(s.updated(tensor), opts);
+    return s.finish(inner, {tensor});
+  }
   Fingerprint fp = fingerprint(debug_detail_, &tensor, int(opts.op));
   if (auto staged = allreduce_staged("allreduce", {tensor}, rs, opts.timeout, fp)) return staged;
   Contig buf(tensor);
@@ -166,6 +179,14 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
     if (debug_detail_) shapes.push_back(tensors[i].sizes().vec());  // for the fingerprint only
   }
   auto rs = reduce_spec(tensors[0], opts.op);
+  size_t count = 0;
+  for (const auto& t : tensors) count += static_cast<size_t>(t.numel());
+  if (allreduce_algorithm(count, rs.elem_size) == AllreduceAlgo::kRing &&
+      StandIns::wanted(tensors, size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = allreduce_coalesced(s.updated(tensors), opts);
+    return s.finish(inner, tensors);
+  }
   Fingerprint fp = fingerprint(debug_detail_, &tensors[0], int(opts.op), -1, shapes);
   if (auto staged = allreduce_staged("allreduce_coalesced", tensors, rs, opts.timeout, fp)) {
     return staged;
@@ -250,6 +271,11 @@ std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const Broad
   check_stageable(tensor, "broadcast", "the tensor");
   check_root(opts.root, size_, "broadcast");
   const int root = opts.root;
+  if (StandIns::wanted({tensor}, size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = broadcast(rank_ == root ? s.read(tensor) : s.written(tensor), opts);
+    return s.finish(inner, {tensor});
+  }
   Fingerprint fp = fingerprint(debug_detail_, &tensor, -1, root);
   if (auto staged = broadcast_staged(tensor, root, opts.timeout, fp)) return staged;
   Contig buf(tensor, rank_ == root ? Contig::kRead : Contig::kWriteOnly);
@@ -266,6 +292,11 @@ std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOp
   check_root(opts.root, size_, "reduce");
   auto rs = reduce_spec(tensor, opts.op);
   const int root = opts.root;
+  if (StandIns::wanted({tensor}, size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = reduce(rank_ == root ? s.updated(tensor) : s.read(tensor), opts);
+    return s.finish(inner, {tensor});
+  }
   Fingerprint fp = fingerprint(debug_detail_, &tensor, int(opts.op), root);
   if (auto staged = reduce_staged(tensor, rs, root, opts.timeout, fp)) return staged;
   Contig buf(tensor);
@@ -282,6 +313,11 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
   check_stageable(input, "allgather", "the input");
   check_count(outputs.size(), size_, "allgather", "output tensors");
   for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
+  if (StandIns::wanted(with(outputs, input), size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = allgather(s.written(outputs), s.read(input), opts);
+    return s.finish(inner, outputs);
+  }
   if (auto staged = allgather_staged("allgather", input, outputs, outputs, opts.timeout,
                                      fingerprint(debug_detail_, &input))) {
     return staged;
@@ -307,6 +343,11 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
                   output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
+  if (StandIns::wanted({output, input}, size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = allgather_into_tensor(s.written(output), s.read(input), opts);
+    return s.finish(inner, {output});
+  }
   // (Its blocks are views of the output only if it is contiguous.)
   if (output.is_contiguous()) {
     if (auto staged = allgather_staged("allgather_into_tensor", input,
@@ -343,6 +384,11 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
     TDIST_CHECK_ARG(outputs.empty(), "gather: only the root (rank ", root,
                     ") passes output tensors; rank ", rank_, " passed ", outputs.size());
   }
+  if (StandIns::wanted(with(outputs, input), size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = gather(s.written(outputs), s.read(input), opts);
+    return s.finish(inner, outputs);
+  }
   Fingerprint fp = fingerprint(debug_detail_, &input, -1, root);
   if (auto staged =
           gather_or_scatter_staged(true, input, outputs, root, outputs, opts.timeout, fp)) {
@@ -373,6 +419,11 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
     TDIST_CHECK_ARG(inputs.empty(), "scatter: only the root (rank ", root,
                     ") passes input tensors; rank ", rank_, " passed ", inputs.size());
   }
+  if (StandIns::wanted(with(inputs, output), size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = scatter(s.written(output), s.read(inputs), opts);
+    return s.finish(inner, {output});
+  }
   Fingerprint fp = fingerprint(debug_detail_, &output, -1, root);
   if (auto staged =
           gather_or_scatter_staged(false, output, inputs, root, Value{output}, opts.timeout, fp)) {
@@ -397,6 +448,11 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
   check_stageable(output, "reduce_scatter", "the output");
   check_count(inputs.size(), size_, "reduce_scatter", "input tensors");
   for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "reduce_scatter", "inputs", i);
+  if (StandIns::wanted(with(inputs, output), size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = reduce_scatter(s.written(output), s.read(inputs), opts);
+    return s.finish(inner, {output});
+  }
   auto rs = reduce_spec(output, opts.op);
   Fingerprint fp = fingerprint(debug_detail_, &output, int(opts.op));
   if (auto staged = reduce_scatter_staged("reduce_scatter", inputs, output, rs, opts.timeout, fp)) {
@@ -422,6 +478,11 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TDIST_CHECK_ARG(input.numel() == output.numel() * size_, "reduce_scatter_tensor: the input has ",
                   input.numel(), " elements but ", size_, " x ", output.numel(), " are needed");
+  if (StandIns::wanted({output, input}, size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = reduce_scatter_tensor(s.written(output), s.read(input), opts);
+    return s.finish(inner, {output});
+  }
   auto rs = reduce_spec(output, opts.op);
   Fingerprint fp = fingerprint(debug_detail_, &output, int(opts.op));
   if (auto staged =
@@ -448,6 +509,12 @@ std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Ten
   check_stageable(input, "alltoall_base", "the input");
   TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "alltoall_base: output dtype ",
                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  if (StandIns::wanted({input, output}, size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = alltoall_base(s.written(output), s.read(input), std::move(output_splits),
+                               std::move(input_splits), opts);
+    return s.finish(inner, {output});
+  }
   const bool equal = output_splits.empty() && input_splits.empty();
   auto in_splits = resolve_splits(std::move(input_splits), input, size_, "input");
   auto out_splits = resolve_splits(std::move(output_splits), output, size_, "output");
@@ -510,9 +577,14 @@ std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs
   TDIST_CHECK_ARG(inputs[rank_].numel() == outputs[rank_].numel(), "alltoall: inputs[", rank_,
                   "] has ", inputs[rank_].numel(), " elements but outputs[", rank_, "] has ",
                   outputs[rank_].numel());
-  Fingerprint fp = fingerprint(debug_detail_, &inputs[0], -1, -1, {{}});
   std::vector<at::Tensor> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
+  if (StandIns::wanted(all, size_, staging_piece_bytes_)) {
+    StandIns s;
+    auto inner = alltoall(s.written(outputs), s.read(inputs), opts);
+    return s.finish(inner, outputs);
+  }
+  Fingerprint fp = fingerprint(debug_detail_, &inputs[0], -1, -1, {{}});
   if (StagedTensors::wanted(all, size_, staging_piece_bytes_)) {
     std::vector<at::Tensor> sends, recvs;
     for (int i = 0; i < size_; ++i) {

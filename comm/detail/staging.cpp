@@ -23,8 +23,9 @@ using algorithms::ByteRange;
 
 std::mutex hook_mu;
 StagingForTests hook;
-// hook.cpu, read without the lock on every operation's path.
+// hook.cpu and hook.strided, read without the lock on every operation's path.
 std::atomic<bool> hook_cpu{false};
+std::atomic<bool> hook_strided{false};
 std::atomic<size_t> staged_count{0};
 std::atomic<size_t> staged_live_bytes{0};
 std::atomic<size_t> staged_peak_bytes{0};
@@ -40,6 +41,9 @@ using Part = StagedTensors::Part;
 at::Tensor new_host_memory(const at::Tensor& t) {
   return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
 }
+
+// Whether the staging can take t as it is: contiguous, without a conjugate or negative bit.
+bool dense(const at::Tensor& t) { return t.is_contiguous() && !t.is_conj() && !t.is_neg(); }
 
 // A slot's tensors: either one (they have the same bytes and device).
 const at::Tensor& either(const StagedTensors::Slot& s) { return s.in.defined() ? s.in : s.out; }
@@ -239,7 +243,7 @@ at::Tensor host_values(const at::Tensor& t) {
 }
 
 at::Tensor host_output(const at::Tensor& t) {
-  if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) return t;
+  if (t.device().is_cpu() && dense(t)) return t;
   return new_host_memory(t);
 }
 
@@ -247,13 +251,18 @@ void set_staging_for_tests(const StagingForTests& s) {
   std::lock_guard<std::mutex> lock(hook_mu);
   hook = s;
   hook_cpu.store(s.cpu);
+  hook_strided.store(s.strided);
 }
 
 size_t staged_buffers_for_tests() { return staged_count.load(); }
 size_t staged_peak_bytes_for_tests() { return staged_peak_bytes.load(); }
 void reset_staged_peak_for_tests() { staged_peak_bytes.store(staged_live_bytes.load()); }
 
-at::Tensor flat_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+at::Tensor flat_bytes(const at::Tensor& t) {
+  // Not reshape: an empty tensor (or one of size-1 dimensions) counts as contiguous whatever its
+  // strides, and viewing bytes wants a stride of 1.
+  return t.as_strided({t.numel()}, {1}).view(at::kByte);
+}
 
 std::vector<at::Tensor> element_range(const std::vector<at::Tensor>& ts, size_t begin, size_t end) {
   std::vector<at::Tensor> out;
@@ -276,16 +285,87 @@ std::shared_ptr<const IssueMark> StagedTensors::mark_issue(const std::vector<at:
   return std::make_shared<IssueMark>(dev);
 }
 
-bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes) {
+bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes,
+                           bool once_dense) {
   if (size < 2 || ts.empty() || piece_bytes == 0) return false;
   const c10::Device dev = ts.front().device();
   if (dev.is_cpu() ? !hook_cpu.load(std::memory_order_relaxed) : !dev.is_cuda()) return false;
+  if (dev.is_cpu() && !hook_strided.load(std::memory_order_relaxed)) once_dense = false;
   size_t bytes = 0;
   for (const at::Tensor& t : ts) {
-    if (t.device() != dev || !t.is_contiguous() || t.is_conj() || t.is_neg()) return false;
+    if (t.device() != dev || (!once_dense && !dense(t))) return false;
     bytes += t.nbytes();
   }
   return bytes >= 2 * piece_bytes;
+}
+
+bool StandIns::wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes) {
+  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return !dense(t); }) &&
+         StagedTensors::wanted(ts, size, piece_bytes, /*once_dense=*/true);
+}
+
+at::Tensor StandIns::read(const at::Tensor& t) { return contiguous_values(t); }
+
+at::Tensor StandIns::written(const at::Tensor& t) {
+  if (dense(t)) return t;
+  at::Tensor s = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  back_.emplace_back(t, s);
+  return s;
+}
+
+at::Tensor StandIns::updated(const at::Tensor& t) {
+  if (dense(t)) return t;
+  at::Tensor s = read(t);
+  back_.emplace_back(t, s);
+  return s;
+}
+
+namespace {
+
+template <typename F>
+std::vector<at::Tensor> each(const std::vector<at::Tensor>& ts, F&& f) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(f(t));
+  return out;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> StandIns::read(const std::vector<at::Tensor>& ts) {
+  return each(ts, [&](const at::Tensor& t) { return read(t); });
+}
+std::vector<at::Tensor> StandIns::written(const std::vector<at::Tensor>& ts) {
+  return each(ts, [&](const at::Tensor& t) { return written(t); });
+}
+std::vector<at::Tensor> StandIns::updated(const std::vector<at::Tensor>& ts) {
+  return each(ts, [&](const at::Tensor& t) { return updated(t); });
+}
+
+std::shared_ptr<Work> StandIns::finish(const std::shared_ptr<Work>& inner,
+                                       Future::Value value) const {
+  auto done = inner->future_unobserved()->then([back = back_, value](Future&) {
+    for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
+    if (!back.empty() && back.front().first.device().is_cuda()) {
+      // Device copies are asynchronous: the Work completes once they are done.
+      const c10::Device dev = back.front().first.device();
+      c10::impl::VirtualGuardImpl(dev.type()).getStream(dev).synchronize();
+    }
+    return value;
+  });
+  auto work = std::make_shared<Work>(inner->op(), inner->sequence_number(), done);
+  work->set_progress([inner](bool may_run_here) {
+    if (!may_run_here) {
+      inner->observe();
+      return;
+    }
+    try {
+      inner->wait();
+    } catch (...) {
+      // Its error fails `done` as well, which the caller's wait rethrows.
+    }
+  });
+  return work;
 }
 
 std::vector<StagedTensors::Slot> StagedTensors::in_and_out(const std::vector<at::Tensor>& ts) {

@@ -16,8 +16,9 @@
 // PyTorch's caching host allocator, so the memory of one step is reused by the next.
 // The ranks need not agree on devices: a CPU tensor on one rank meets a CUDA tensor on another.
 // Large ring allreduces, allgathers, reduce-scatters, broadcasts, reduces, gathers, scatters and
-// alltoalls of contiguous tensors overlap their copies with the transfers instead, window by
-// window (StagedTensors, Note [Overlapped staging] and Note [Windows] in algorithms/algorithms.h).
+// alltoalls overlap their copies with the transfers instead, window by window (StagedTensors,
+// Note [Overlapped staging] and Note [Windows] in algorithms/algorithms.h); a CUDA tensor that is
+// not contiguous goes through a contiguous stand-in on its device (Note [Strided device tensors]).
 
 #include <ATen/core/Tensor.h>
 
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/work.h"
 
 namespace tdist::comm::detail {
 
@@ -52,8 +54,10 @@ class StagedTensors final : public algorithms::Staging {
   // Whether an operation over a group of `size` ranks stages `ts` (every tensor it reads or
   // writes) in pieces of `piece_bytes`: contiguous CUDA tensors of one device (CPU ones under the
   // testing hook) without a conjugate or negative bit, of at least two pieces together, with a
-  // peer. A piece size of 0 stages nothing this way.
-  static bool wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes);
+  // peer. A piece size of 0 stages nothing this way. `once_dense`: whether it would, were every
+  // tensor contiguous without those bits (Note [Strided device tensors]).
+  static bool wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes,
+                     bool once_dense = false);
   // The default piece size (a group's TDIST_STAGING_PIECE_BYTES overrides it).
   static constexpr size_t kPieceBytes = size_t{1} << 20;
 
@@ -116,12 +120,50 @@ class StagedTensors final : public algorithms::Staging {
   algorithms::ByteRange pending_{0, 0};  // finished, not yet copied out
 };
 
+// Note [Strided device tensors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The windows of a staged operation are byte ranges of its tensors, so it wants them contiguous.
+// A CUDA tensor that is not (strided, or a conjugate or negative view) gets a contiguous stand-in
+// on its device: a copy of its values, queued on the caller's current stream, when the operation
+// reads it; new memory when it only writes it. The operation runs on the stand-ins, window by
+// window like any other, and once it finished, the stand-ins of what it wrote are copied back
+// into the caller's tensors (on the finishing thread's current stream, which it then waits for)
+// before its Work completes. The cost is device memory of the tensors' size and a device copy
+// each way; the host memory stays bounded by the windows, where the whole tensor would otherwise
+// be copied to the host and back (Contig in ring_process_group_ops.cpp).
+class StandIns {
+ public:
+  // Whether an operation over `size` ranks in pieces of `piece_bytes` would stage `ts` if they
+  // were contiguous, and some are not.
+  static bool wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes);
+  // A contiguous tensor with t's values (t itself when it is one).
+  at::Tensor read(const at::Tensor& t);
+  // Contiguous memory for t's new values, copied back into t at the end (t itself when it is
+  // contiguous).
+  at::Tensor written(const at::Tensor& t);
+  // Both: t's values, and copied back.
+  at::Tensor updated(const at::Tensor& t);
+  std::vector<at::Tensor> read(const std::vector<at::Tensor>& ts);
+  std::vector<at::Tensor> written(const std::vector<at::Tensor>& ts);
+  std::vector<at::Tensor> updated(const std::vector<at::Tensor>& ts);
+  // The Work of the operation `inner` runs on the stand-ins as the caller sees it: it completes
+  // with `value` (the caller's tensors) once `inner` succeeded and the stand-ins are copied back,
+  // or with inner's error. Its name and sequence number are inner's; waiting on it is waiting on
+  // inner (Note [Waiter runs the operation] in ring_process_group.cpp).
+  std::shared_ptr<Work> finish(const std::shared_ptr<Work>& inner, Future::Value value) const;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> back_;  // (the caller's tensor, its stand-in)
+};
+
 // Testing hook: stage CPU tensors too, through a thread that copies each piece after `delay`
 // (so that a transfer that ran ahead of its piece would read the garbage the host buffer starts
-// with), in the group's pieces. The default turns it off. Process-wide; set it while no
-// operation runs.
+// with), in the group's pieces; `strided`: give strided CPU tensors stand-ins as CUDA ones get
+// (Note [Strided device tensors]; without it they are copied whole, so that tests can mix staged
+// and unstaged ranks). The default turns it off. Process-wide; set it while no operation runs.
 struct StagingForTests {
   bool cpu = false;
+  bool strided = false;
   std::chrono::microseconds delay{0};
 };
 void set_staging_for_tests(const StagingForTests& s);

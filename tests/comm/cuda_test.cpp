@@ -143,6 +143,29 @@ void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
     if (op == ReduceOp::AVG) want = want / n;
     EXPECT_TRUE(torch::allclose(big.cpu(), want)) << to_string(op);
   }
+  // Large and strided: through contiguous stand-ins on the device (Note [Strided device
+  // tensors]), the allreduce's written by a kernel queued just before the call; the columns
+  // beside them untouched.
+  {
+    auto base = torch::arange(int64_t(1) << 20, torch::kFloat).remainder(1000);  // 4 MiB
+    auto wide = torch::zeros({base.numel(), 2}, cuda);
+    auto col = wide.select(1, 0);
+    col.copy_(base.to(torch::kCUDA)).mul_(r + 1);
+    pg->allreduce(col)->wait();
+    const auto want = base * (n * (n + 1) / 2);
+    EXPECT_TRUE(torch::equal(col.cpu(), want)) << "strided allreduce";
+    std::vector<at::Tensor> strided_outs, wides;
+    for (int k = 0; k < n; ++k) {
+      wides.push_back(torch::zeros({base.numel(), 2}, cuda));
+      strided_outs.push_back(wides.back().select(1, 1));
+    }
+    pg->allgather(strided_outs, col)->wait();
+    for (int k = 0; k < n; ++k) {
+      EXPECT_TRUE(torch::equal(strided_outs[k].cpu(), want)) << "strided allgather " << k;
+      EXPECT_TRUE(torch::equal(wides[k].select(1, 0).cpu(), torch::zeros_like(base)));
+    }
+    EXPECT_TRUE(torch::equal(wide.select(1, 1).cpu(), torch::zeros_like(base)));
+  }
   auto ints = torch::full({3, 5}, r + 1, torch::kInt).to(torch::kCUDA).t();  // non-contiguous
   pg->allreduce(ints)->wait();
   EXPECT_TRUE(torch::equal(ints.cpu(), torch::full({5, 3}, n * (n + 1) / 2, torch::kInt)));

@@ -23,13 +23,14 @@ using detail::StagingForTests;
 namespace algo = tdist::comm::algorithms;
 
 // CPU tensors staged in pieces of `piece_bytes` (the groups created meanwhile read it), each
-// piece copied `delay_us` late.
+// piece copied `delay_us` late; `strided`: strided ones through contiguous stand-ins.
 class CpuStaging {
  public:
-  CpuStaging(size_t piece_bytes, int delay_us)
+  CpuStaging(size_t piece_bytes, int delay_us, bool strided = false)
       : env_(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", std::to_string(piece_bytes)}}) {
     StagingForTests s;
     s.cpu = true;
+    s.strided = strided;
     s.delay = std::chrono::microseconds(delay_us);
     detail::set_staging_for_tests(s);
   }
@@ -310,21 +311,24 @@ using Fresh = std::function<at::Tensor(const at::Tensor&)>;
 // Runs body(rank, pg, fresh) on every rank of a group of `w` (threads) over `transport`, with
 // windows of `window` bytes, chunks of 333 bytes and `env`, CPU tensors staged in pieces of 4000
 // bytes, each 200 us late, except on rank `unstaged` (if >= 0; `fresh` there gives strided
-// tensors). Resets the staged peak first; returns how many buffers were staged meanwhile.
+// tensors). With `strided`, every rank's `fresh` gives strided tensors, which are staged through
+// contiguous stand-ins (Note [Strided device tensors]). Resets the staged peak first; returns how
+// many buffers were staged meanwhile.
 size_t on_staged_ranks(int w, const std::string& transport, const char* window, int unstaged,
                        tdist::test::EnvVars env,
-                       const std::function<void(int, ProcessGroup&, const Fresh&)>& body) {
+                       const std::function<void(int, ProcessGroup&, const Fresh&)>& body,
+                       bool strided = false) {
   env["TDIST_TRANSPORT"] = transport;
   env["TDIST_CHUNK_BYTES"] = "333";
   env["TDIST_WINDOW_BYTES"] = window;
   tdist::test::EnvGuard guard(env);
-  CpuStaging on(4000, 200);
+  CpuStaging on(4000, 200, strided);
   detail::reset_staged_peak_for_tests();
   const size_t before = detail::staged_buffers_for_tests();
   tdist::test::spawn(w, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, w, test::test_options());
     const Fresh fresh = [&](const at::Tensor& values) {
-      if (rank != unstaged) return values.clone();
+      if (rank != unstaged && !strided) return values.clone();
       at::Tensor t = torch::empty({values.numel(), 2}, values.options()).select(1, 0);
       return t.copy_(values);
     };
@@ -499,6 +503,114 @@ TEST_P(OverlappedStaging, AlltoallOfStagedTensors) {
   }
 }
 
+// Every operation on strided tensors (and an allreduce of a negative view), staged through
+// contiguous stand-ins on every rank (Note [Strided device tensors]): exact results written back
+// into the caller's tensors, what is only read left as it was, and every operation staged window
+// by window (without the stand-ins none would be staged: they would be copied whole).
+TEST_P(OverlappedStaging, StridedTensorsStageThroughContiguousStandIns) {
+  const int w = world();
+  const int64_t n = 10001;  // doubles: 80008 bytes, windows of 8000 bytes
+  const auto kD = torch::kDouble;
+  int ops = 0;  // per rank, each staging at least one window
+  const size_t staged = on_staged_ranks(w, transport(), "8000", -1, {},
+                                        [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
+    auto count = [&] {
+      if (rank == 0) ++ops;
+    };
+    const auto untouched = torch::full({n}, -7.0, kD);
+    const auto mine = test::make_input(c10::ScalarType::Double, ReduceOp::SUM, n, rank);
+    const auto sum = test::expected(c10::ScalarType::Double, ReduceOp::SUM, n, w);
+    at::Tensor x = fresh(mine);
+    ASSERT_FALSE(x.is_contiguous());
+    pg.allreduce(x)->wait();
+    count();
+    ASSERT_TRUE(test::same(x, sum)) << "allreduce: " << test::describe(x);
+    at::Tensor neg = at::_neg_view(mine.neg());
+    pg.allreduce(neg)->wait();
+    count();
+    ASSERT_TRUE(neg.is_neg());
+    ASSERT_TRUE(test::same(neg, sum)) << "allreduce of a negative view: " << test::describe(neg);
+    std::vector<at::Tensor> pair{fresh(mine), fresh(mine * 2)};
+    pg.allreduce_coalesced(pair)->wait();
+    count();
+    ASSERT_TRUE(test::same(pair[0], sum) && test::same(pair[1], sum * 2)) << "coalesced";
+    for (int root = 0; root < w; ++root) {
+      SCOPED_TRACE(str("root ", root));
+      const auto want = torch::arange(n, kD) * (root + 1);
+      at::Tensor b = fresh(rank == root ? want : untouched);
+      BroadcastOptions bo;
+      bo.root = root;
+      pg.broadcast(b, bo)->wait();
+      count();
+      ASSERT_TRUE(torch::equal(b, want)) << "broadcast: " << test::describe(b);
+      at::Tensor r = fresh(mine);
+      ReduceOptions ro;
+      ro.root = root;
+      pg.reduce(r, ro)->wait();
+      count();
+      ASSERT_TRUE(test::same(r, rank == root ? sum : mine)) << "reduce: " << test::describe(r);
+    }
+    auto block = [&](int of) { return torch::arange(n, kD) * (of + 1); };
+    std::vector<at::Tensor> outs;
+    for (int i = 0; i < w; ++i) outs.push_back(fresh(untouched));
+    at::Tensor in = fresh(block(rank));
+    pg.allgather(outs, in)->wait();
+    count();
+    for (int i = 0; i < w; ++i) ASSERT_TRUE(torch::equal(outs[i], block(i))) << "allgather " << i;
+    ASSERT_TRUE(torch::equal(in, block(rank))) << "the allgather's input changed";
+    at::Tensor all = fresh(torch::full({n * w}, -7.0, kD));
+    pg.allgather_into_tensor(all, in)->wait();
+    count();
+    ASSERT_TRUE(torch::equal(all, torch::cat(outs))) << "allgather_into_tensor";
+    std::vector<at::Tensor> gathered, scattered;
+    if (rank == 0) {
+      for (int i = 0; i < w; ++i) {
+        gathered.push_back(fresh(untouched));
+        scattered.push_back(fresh(block(i) * -1));
+      }
+    }
+    pg.gather(gathered, in)->wait();
+    count();
+    for (size_t i = 0; i < gathered.size(); ++i) {
+      ASSERT_TRUE(torch::equal(gathered[i], block(static_cast<int>(i)))) << "gather " << i;
+    }
+    at::Tensor one = fresh(untouched);
+    pg.scatter(one, scattered)->wait();
+    count();
+    ASSERT_TRUE(torch::equal(one, block(rank) * -1)) << "scatter: " << test::describe(one);
+    // Rank r's block i is mine + i; the reduce-scatter's block `rank` sums to sum + w * rank.
+    std::vector<at::Tensor> blocks;
+    for (int i = 0; i < w; ++i) blocks.push_back(fresh(mine + i));
+    at::Tensor rs = fresh(untouched);
+    pg.reduce_scatter(rs, blocks)->wait();
+    count();
+    ASSERT_TRUE(test::same(rs, sum + w * rank)) << "reduce_scatter: " << test::describe(rs);
+    at::Tensor rst = fresh(untouched);
+    pg.reduce_scatter_tensor(rst, fresh(torch::cat(blocks)))->wait();
+    count();
+    ASSERT_TRUE(test::same(rst, sum + w * rank)) << "reduce_scatter_tensor";
+    std::vector<at::Tensor> ins, recvs, expect;
+    std::vector<int64_t> in_splits, out_splits;
+    for (int d = 0; d < w; ++d) {
+      ins.push_back(fresh(alltoall_block(rank, d)));
+      expect.push_back(alltoall_block(d, rank));
+      recvs.push_back(fresh(torch::full({alltoall_rows(d, rank)}, -7, torch::kLong)));
+      in_splits.push_back(alltoall_rows(rank, d));
+      out_splits.push_back(alltoall_rows(d, rank));
+    }
+    pg.alltoall(recvs, ins)->wait();
+    count();
+    for (int s = 0; s < w; ++s) ASSERT_TRUE(torch::equal(recvs[s], expect[s])) << "alltoall " << s;
+    at::Tensor got = fresh(torch::full({torch::cat(expect).numel()}, -7, torch::kLong));
+    pg.alltoall_base(got, fresh(torch::cat(ins)), out_splits, in_splits)->wait();
+    count();
+    ASSERT_TRUE(torch::equal(got, torch::cat(expect))) << "alltoall_base";
+  }, /*strided=*/true);
+  EXPECT_GE(staged, static_cast<size_t>(w * ops));
+  // Two windows per rank at most (a root's of every rank's slice), as on contiguous tensors.
+  EXPECT_LE(detail::staged_peak_bytes_for_tests(), 4 * size_t{8000} * static_cast<size_t>(w));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     WorldsAndTransports, OverlappedStaging,
     ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("auto", "tcp")),
@@ -602,6 +714,36 @@ TEST(OverlappedStagingFailure, AWindowedCollectiveWhosePeerNeverCallsFailsAndFre
     detail::reset_staged_peak_for_tests();
     EXPECT_EQ(detail::staged_peak_bytes_for_tests(), 0u) << "staged host memory still held";
   }
+}
+
+// A strided tensor's operation (through a stand-in, Note [Strided device tensors]) whose peer
+// never calls fails within the timeout with the operation's own error (its name and sequence
+// number), and the caller's tensor keeps its values: a failed operation copies nothing back.
+TEST(OverlappedStagingFailure, AStridedOperationWhosePeerNeverCallsFailsAndLeavesTheTensor) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"},
+                                                 {"TDIST_WINDOW_BYTES", "8000"}});
+  CpuStaging on(1000, 20, /*strided=*/true);
+  tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options(Millis(300)));
+    if (rank == 1) return;
+    const auto values = torch::arange(20000, torch::kDouble);
+    at::Tensor x = torch::empty({20000, 2}, torch::kDouble).select(1, 0).copy_(values);
+    const size_t before = detail::staged_buffers_for_tests();
+    const auto start = std::chrono::steady_clock::now();
+    auto work = pg->allreduce(x);
+    EXPECT_EQ(work->op(), "allreduce");
+    try {
+      work->wait();
+      ADD_FAILURE() << "the allreduce succeeded without its peer";
+    } catch (const tdist::Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("allreduce (seq 0)"));
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    EXPECT_TRUE(work->is_completed());
+    EXPECT_FALSE(work->is_success());
+    EXPECT_GE(detail::staged_buffers_for_tests() - before, 1u);  // it was staged
+    EXPECT_TRUE(torch::equal(x, values)) << test::describe(x);
+  });
 }
 
 // TDIST_STAGING_PIECE_BYTES, read when a group is created: 0 stages nothing in pieces (the same
