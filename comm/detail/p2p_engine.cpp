@@ -89,6 +89,18 @@ void P2PEngine::recv(void* data, size_t bytes, int src, uint32_t tag, Clock::tim
       new Op{static_cast<char*>(data), bytes, src, tag, deadline, seq, std::move(done), false}));
 }
 
+void P2PEngine::send(std::shared_ptr<Payload> payload, size_t bytes, int dst, uint32_t tag,
+                     Clock::time_point deadline, uint64_t seq, Done done) {
+  post(std::unique_ptr<Op>(
+      new Op{nullptr, bytes, dst, tag, deadline, seq, std::move(done), true, std::move(payload)}));
+}
+
+void P2PEngine::recv(std::shared_ptr<Payload> payload, size_t bytes, int src, uint32_t tag,
+                     Clock::time_point deadline, uint64_t seq, Done done) {
+  post(std::unique_ptr<Op>(
+      new Op{nullptr, bytes, src, tag, deadline, seq, std::move(done), false, std::move(payload)}));
+}
+
 void P2PEngine::post(std::unique_ptr<Op> op) {
   std::exception_ptr aborted;
   {
@@ -164,7 +176,7 @@ void P2PEngine::start_send(std::unique_ptr<Op> op) {
     complete(std::move(op), peer, e);
     return;
   }
-  if (op->bytes <= kEagerMax && op->bytes <= st.credit) {
+  if (!op->payload && op->bytes <= kEagerMax && op->bytes <= st.credit) {
     st.credit -= op->bytes;
     OutFrame f;
     encode_header(f.header, kEager, op->tag, op->bytes, 0);
@@ -182,6 +194,7 @@ void P2PEngine::start_send(std::unique_ptr<Op> op) {
 
 bool P2PEngine::progress_send(int peer) {
   auto& st = state_[peer];
+  st.stalled = false;
   if (st.out.empty() || st.closed) return false;
   iovec iov[kMaxIov];
   int count = 0;
@@ -189,8 +202,20 @@ bool P2PEngine::progress_send(int peer) {
     OutFrame& f = st.out[i];
     if (f.moved < kHeader) iov[count++] = iovec{f.header + f.moved, kHeader - f.moved};
     size_t done = f.moved > kHeader ? f.moved - kHeader : 0;
-    if (f.bytes > done) iov[count++] = iovec{const_cast<char*>(f.data) + done, f.bytes - done};
+    if (f.bytes <= done) continue;
+    if (f.payload == nullptr) {
+      iov[count++] = iovec{const_cast<char*>(f.data) + done, f.bytes - done};
+      continue;
+    }
+    char* at = nullptr;
+    const size_t ready = std::min<size_t>(f.payload->span(done, &at), f.bytes - done);
+    if (ready > 0) iov[count++] = iovec{at, ready};
+    if (done + ready < f.bytes) {
+      st.stalled = count == 0;  // nothing to write until more of the payload is ready
+      break;                    // what follows this frame waits for the rest of it
+    }
   }
+  if (count == 0) return false;
   long n = peers_[peer]->writev(iov, count);
   if (n == tcp::Connection::kError) {
     lost_peer(peer, net::errno_text(errno));
@@ -203,6 +228,7 @@ bool P2PEngine::progress_send(int peer) {
     size_t take = std::min<size_t>(left, kHeader + f.bytes - f.moved);
     f.moved += take;
     left -= take;
+    if (f.payload != nullptr && f.moved > kHeader) f.payload->moved(f.moved - kHeader);
     if (f.moved < kHeader + f.bytes) break;
     auto op = std::move(f.op);
     st.out.pop_front();
@@ -240,6 +266,8 @@ void P2PEngine::deliver(int peer, std::unique_ptr<Op> op, bool eager, uint64_t b
                                         " bytes");
   }
   if (eager) {
+    // A streamed receive is larger than any eager message: the sizes differ.
+    TDIST_CHECK(error || !op->payload, where(*op), ": an eager message for a streamed receive");
     if (!error && bytes > 0) std::memcpy(op->data, data->data(), bytes);
     return_credit(peer, bytes);
     complete(std::move(op), peer, error);
@@ -291,8 +319,9 @@ void P2PEngine::on_header(int peer) {
         return;
       }
       if (auto op = take_posted(peer, st.tag)) {
-        if (op->bytes != st.bytes) {
-          // Dropped as it arrives; the credit goes back once it has been read.
+        if (op->bytes != st.bytes || op->payload) {
+          // Dropped as it arrives; the credit goes back once it has been read. (A streamed
+          // receive is larger than any eager message: its sizes always differ.)
           deliver_mismatch(peer, std::move(op));
         } else {
           st.target = op->data;
@@ -342,6 +371,7 @@ void P2PEngine::on_header(int peer) {
       OutFrame f;
       encode_header(f.header, kData, it->second->tag, it->second->bytes, st.id);
       f.data = it->second->data;
+      f.payload = it->second->payload.get();
       f.bytes = it->second->bytes;
       f.id = st.id;
       f.op = std::move(it->second);
@@ -414,8 +444,15 @@ bool P2PEngine::progress_read(int peer) {
   auto& st = state_[peer];
   if (st.closed) return false;
   iovec iov;
+  Payload* payload = st.header_got == kHeader && st.reading ? st.reading->payload.get() : nullptr;
   if (st.header_got < kHeader) {
     iov = iovec{st.header + st.header_got, kHeader - st.header_got};
+  } else if (payload != nullptr) {
+    char* at = nullptr;
+    const size_t room = std::min<uint64_t>(payload->span(st.payload_got, &at),
+                                           st.bytes - st.payload_got);
+    TDIST_CHECK(room > 0, where(*st.reading), ": no room for byte ", st.payload_got);
+    iov = iovec{at, room};
   } else if (st.target != nullptr) {
     iov = iovec{st.target + st.payload_got, st.bytes - st.payload_got};
   } else {
@@ -434,6 +471,7 @@ bool P2PEngine::progress_read(int peer) {
     if (st.header_got == kHeader) on_header(peer);
   } else {
     st.payload_got += static_cast<uint64_t>(n);
+    if (payload != nullptr) payload->moved(st.payload_got);
     if (st.payload_got == st.bytes) on_payload_done(peer);
   }
   return true;
@@ -528,7 +566,9 @@ void P2PEngine::expire(Clock::time_point now) {
       OutFrame& f = st.out[i];
       if (!f.op || f.op->deadline > now) continue;
       if (f.moved > 0) {
-        fatal(timeout_error(*f.op, "the receiver stopped reading midway"));
+        fatal(timeout_error(*f.op, i == 0 && st.stalled
+                                       ? "the copy of its tensor to host memory did not arrive"
+                                       : "the receiver stopped reading midway"));
         return;
       }
       auto op = std::move(f.op);
@@ -613,14 +653,22 @@ void P2PEngine::loop() {
     if (failed_) continue;
     fds.clear();
     fds.push_back(pollfd{wake_fd_, POLLIN, 0});
+    bool stalled = false;
     for (int p = 0; p < static_cast<int>(peers_.size()); ++p) {
       auto& st = state_[p];
       if (p == rank_ || st.closed) continue;
       short events = POLLIN;  // every connection is always read (Note [Point-to-point protocol])
-      if (!st.out.empty()) events |= POLLOUT;
+      if (!st.out.empty() && !st.stalled) events |= POLLOUT;
+      stalled |= st.stalled;
       fds.push_back(pollfd{peers_[p]->fd(), events, 0});
     }
-    int rc = ::poll(fds.data(), fds.size(), net::poll_ms(next_deadline()));
+    int rc;
+    if (stalled) {  // a payload's next bytes: no descriptor signals them (Note [Streamed payloads])
+      ::timespec brief{0, kStalledWaitNs};
+      rc = ::ppoll(fds.data(), fds.size(), &brief, nullptr);
+    } else {
+      rc = ::poll(fds.data(), fds.size(), net::poll_ms(next_deadline()));
+    }
     if (rc < 0 && errno != EINTR) {
       fatal(make_error<NetworkError>("rank ", rank_, ": poll failed: ", net::errno_text(errno)));
     }

@@ -28,6 +28,16 @@
 //   connection in the middle of a frame leaves the stream unusable and aborts the group
 //   (on_fatal).
 //
+// Note [Streamed payloads]
+//   A send or receive may give a Payload instead of a buffer: its bytes pass through memory the
+//   payload lends piece by piece (a CUDA tensor staged through host memory window by window,
+//   StagedMessage). Such a message always goes RTS/CTS/DATA, whatever its size, and is one DATA
+//   frame on the wire like any other, so the peer need not know. Sending, the engine writes the
+//   bytes the payload says are ready; while none are (a copy in has not arrived), it stops writing
+//   to that peer and wakes every kStalledWaitNs to ask again (no descriptor signals a copy).
+//   Receiving, the payload always has room for the next bytes (it may block until a copy out
+//   frees a window; a copy always finishes). Both are told how far the bytes moved.
+//
 // Thread safety: send/recv/abort may be called from any thread; one internal thread does all
 // socket I/O (poll-based) and runs completion callbacks.
 
@@ -56,6 +66,19 @@ class P2PEngine {
   using Done = std::function<void(int, std::exception_ptr)>;
   using Clock = std::chrono::steady_clock;
 
+  // A message's bytes in memory lent piece by piece (Note [Streamed payloads]); called on the
+  // engine thread only. An exception thrown by either aborts the group (the frame is midway).
+  class Payload {
+   public:
+    virtual ~Payload() = default;
+    // The bytes from `offset` on at *at: a send's that may be written now (0: none yet), a
+    // receive's room (at least one byte while offset is short of the message's size).
+    virtual size_t span(size_t offset, char** at) = 0;
+    // Bytes [0, end) were written (a send) or have landed (a receive).
+    virtual void moved(size_t end) = 0;
+  };
+  static constexpr long kStalledWaitNs = 20000;
+
   P2PEngine(std::vector<tcp::Connection*> peers, int rank,
             std::function<void(std::exception_ptr)> on_fatal);
   ~P2PEngine();  // stop()
@@ -71,6 +94,11 @@ class P2PEngine {
             uint64_t seq, Done done);
   void recv(void* data, size_t bytes, int src, uint32_t tag, Clock::time_point deadline,
             uint64_t seq, Done done);
+  // The same through a payload (Note [Streamed payloads]), which must live until done runs.
+  void send(std::shared_ptr<Payload> payload, size_t bytes, int dst, uint32_t tag,
+            Clock::time_point deadline, uint64_t seq, Done done);
+  void recv(std::shared_ptr<Payload> payload, size_t bytes, int src, uint32_t tag,
+            Clock::time_point deadline, uint64_t seq, Done done);
 
   // Fails every pending and later operation with `error`. Never blocks on I/O.
   void abort(std::exception_ptr error);
@@ -88,6 +116,7 @@ class P2PEngine {
     uint64_t seq;
     Done done;
     bool is_send;
+    std::shared_ptr<Payload> payload = nullptr;  // instead of data (Note [Streamed payloads])
   };
   // A frame queued for writing; `op` (a send) completes when the frame is written.
   struct OutFrame {
@@ -98,6 +127,7 @@ class P2PEngine {
     std::unique_ptr<Op> op;
     uint64_t id = 0;
     bool eager = false;
+    Payload* payload = nullptr;  // the op's, for a DATA frame of a streamed send
   };
   // A message that arrived before a matching receive was posted.
   struct Unexpected {
@@ -114,6 +144,7 @@ class P2PEngine {
     uint64_t credit = 0;  // eager bytes this rank may still send to the peer
     uint64_t next_id = 0;
     std::map<uint64_t, std::unique_ptr<Op>> awaiting_cts;  // RTS sent, by id
+    bool stalled = false;  // the next bytes to write are a payload's that are not ready
     // Reading: the current frame.
     uint8_t header[32];
     size_t header_got = 0;

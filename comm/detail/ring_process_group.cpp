@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <set>
 
+#include "tdist/comm/detail/staged_message.h"
 #include "tdist/comm/detail/staging.h"
 #include "tdist/comm/transport/shm/shm_channel.h"
 #include "tdist/core/env.h"
@@ -493,14 +494,31 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
     future->set_error(aborted_error(name, seq));
     return work;
   }
-  // A receive's buffer is copied back into `tensor` after it completes.
-  at::Tensor buffer = is_send ? host_values(tensor) : host_output(tensor);
   auto deadline = deadline_after(effective(timeout));
+  // Large CUDA tensors stream through host memory window by window (Note [Staged messages]);
+  // the rest go through a host copy of the whole tensor (`buffer`), which a receive copies back
+  // into `tensor` after it completes.
+  std::shared_ptr<StagedMessage> staged;
+  StandIns stand_ins;
+  at::Tensor buffer;
+  if (StagedMessage::wanted(tensor, size_, staging_piece_bytes_)) {
+    staged = std::make_shared<StagedMessage>(
+        is_send ? stand_ins.read(tensor) : stand_ins.written(tensor), is_send, window_bytes_,
+        staging_piece_bytes_);
+  } else {
+    buffer = is_send ? host_values(tensor) : host_output(tensor);
+  }
   std::weak_ptr<RecvWork> weak = work;
-  auto done = [tensor, buffer, future, weak, is_send](int source, std::exception_ptr error) {
-    if (!error && !is_send && !buffer.is_same(tensor)) {
+  auto done = [tensor, buffer, staged, stand_ins, future, weak, is_send](
+                  int source, std::exception_ptr error) {
+    if (!error && !is_send) {
       try {
-        tensor.copy_(buffer);
+        if (staged) {
+          staged->complete();
+          stand_ins.copy_back();
+        } else if (!buffer.is_same(tensor)) {
+          tensor.copy_(buffer);
+        }
       } catch (...) {
         error = std::current_exception();
       }
@@ -514,6 +532,16 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
       future->set_value({tensor});
     }
   };
+  if (staged) {
+    if (is_send) {
+      p2p_->send(staged, tensor.nbytes(), peer, static_cast<uint32_t>(tag), deadline, seq,
+                 std::move(done));
+    } else {
+      p2p_->recv(staged, tensor.nbytes(), peer, static_cast<uint32_t>(tag), deadline, seq,
+                 std::move(done));
+    }
+    return work;
+  }
   const size_t bytes = buffer.numel() * buffer.element_size();
   if (is_send) {
     p2p_->send(buffer.data_ptr(), bytes, peer, static_cast<uint32_t>(tag), deadline, seq,

@@ -24,9 +24,9 @@
 //   TDIST_STAGING_PIECE_BYTES    piece of the overlapped staging of CUDA tensors (default 1 MiB;
 //                            0: copy them in and out whole, Note [Overlapped staging])
 //   TDIST_WINDOW_BYTES       the window of the ring allreduce, allgather, reduce-scatter,
-//                            broadcast and reduce, and of staged gathers, scatters and
-//                            alltoalls (default 64 MiB; the group takes the largest of its
-//                            ranks' values: Note [Windows])
+//                            broadcast and reduce, and of staged gathers, scatters,
+//                            alltoalls and messages (default 64 MiB; the group takes the
+//                            largest of its ranks' values: Note [Windows])
 //   TDIST_HOST_ID            this rank's host key when Options::host is unset (Note [Host key])
 //   TDIST_SPIN_US            microseconds to re-try transfers before sleeping (default 50 with
 //                            shared-memory peers, else 0: Note [Spin, then sleep])

@@ -16,15 +16,6 @@ namespace {
 namespace algo = tdist::comm::algorithms;
 using Value = Future::Value;
 
-// [begin, begin + n) in pieces of `piece` bytes, in ascending order.
-std::vector<algo::ByteRange> ascending_pieces(size_t begin, size_t n, size_t piece) {
-  std::vector<algo::ByteRange> order;
-  for (size_t b = 0; b < n; b += piece) {
-    order.push_back({begin + b, begin + std::min(n, b + piece)});
-  }
-  return order;
-}
-
 // A range of a tensor's elements (or bytes) [begin, begin + n).
 at::Tensor slice(const at::Tensor& flat, size_t begin, size_t n) {
   return flat.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(n));

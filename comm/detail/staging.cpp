@@ -258,6 +258,12 @@ size_t staged_buffers_for_tests() { return staged_count.load(); }
 size_t staged_peak_bytes_for_tests() { return staged_peak_bytes.load(); }
 void reset_staged_peak_for_tests() { staged_peak_bytes.store(staged_live_bytes.load()); }
 
+std::vector<ByteRange> ascending_pieces(size_t begin, size_t n, size_t piece) {
+  std::vector<ByteRange> order;
+  for (size_t b = 0; b < n; b += piece) order.push_back({begin + b, begin + std::min(n, b + piece)});
+  return order;
+}
+
 at::Tensor flat_bytes(const at::Tensor& t) {
   // Not reshape: an empty tensor (or one of size-1 dimensions) counts as contiguous whatever its
   // strides, and viewing bytes wants a stride of 1.
@@ -342,15 +348,19 @@ std::vector<at::Tensor> StandIns::updated(const std::vector<at::Tensor>& ts) {
   return each(ts, [&](const at::Tensor& t) { return updated(t); });
 }
 
+void StandIns::copy_back() const {
+  for (const auto& [orig, stand_in] : back_) orig.copy_(stand_in);
+  if (!back_.empty() && back_.front().first.device().is_cuda()) {
+    // Device copies are asynchronous: wait for them.
+    const c10::Device dev = back_.front().first.device();
+    c10::impl::VirtualGuardImpl(dev.type()).getStream(dev).synchronize();
+  }
+}
+
 std::shared_ptr<Work> StandIns::finish(const std::shared_ptr<Work>& inner,
                                        Future::Value value) const {
-  auto done = inner->future_unobserved()->then([back = back_, value](Future&) {
-    for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
-    if (!back.empty() && back.front().first.device().is_cuda()) {
-      // Device copies are asynchronous: the Work completes once they are done.
-      const c10::Device dev = back.front().first.device();
-      c10::impl::VirtualGuardImpl(dev.type()).getStream(dev).synchronize();
-    }
+  auto done = inner->future_unobserved()->then([self = *this, value](Future&) {
+    self.copy_back();
     return value;
   });
   auto work = std::make_shared<Work>(inner->op(), inner->sequence_number(), done);

@@ -17,8 +17,9 @@
 // The ranks need not agree on devices: a CPU tensor on one rank meets a CUDA tensor on another.
 // Large ring allreduces, allgathers, reduce-scatters, broadcasts, reduces, gathers, scatters and
 // alltoalls overlap their copies with the transfers instead, window by window (StagedTensors,
-// Note [Overlapped staging] and Note [Windows] in algorithms/algorithms.h); a CUDA tensor that is
-// not contiguous goes through a contiguous stand-in on its device (Note [Strided device tensors]).
+// Note [Overlapped staging] and Note [Windows] in algorithms/algorithms.h), and so do large sends
+// and receives (Note [Staged messages] in staged_message.h); a CUDA tensor that is not contiguous
+// goes through a contiguous stand-in on its device (Note [Strided device tensors]).
 
 #include <ATen/core/Tensor.h>
 
@@ -151,6 +152,8 @@ class StandIns {
   // or with inner's error. Its name and sequence number are inner's; waiting on it is waiting on
   // inner (Note [Waiter runs the operation] in ring_process_group.cpp).
   std::shared_ptr<Work> finish(const std::shared_ptr<Work>& inner, Future::Value value) const;
+  // Copies the stand-ins of what was written into the caller's tensors and waits for it.
+  void copy_back() const;
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> back_;  // (the caller's tensor, its stand-in)
@@ -173,6 +176,8 @@ size_t staged_buffers_for_tests();
 size_t staged_peak_bytes_for_tests();
 void reset_staged_peak_for_tests();
 
+// [begin, begin + n) in pieces of `piece` bytes, in ascending order.
+std::vector<algorithms::ByteRange> ascending_pieces(size_t begin, size_t n, size_t piece);
 // t's memory as flat bytes (t contiguous).
 at::Tensor flat_bytes(const at::Tensor& t);
 // Views of the elements [begin, end) of ts taken as one flat sequence (contiguous tensors).

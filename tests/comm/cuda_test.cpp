@@ -292,6 +292,23 @@ void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
   pg->send(input(r, 50).to(torch::kCUDA), to)->wait();
   rw->wait();
   EXPECT_TRUE(torch::equal(got.cpu(), input(from, 50)));
+  // 4 MiB messages: through host memory window by window (Note [Staged messages]), received
+  // into a contiguous tensor and into a strided one (through a stand-in)
+  {
+    const int64_t len = int64_t(1) << 20;
+    auto whole = torch::empty({len}, cuda);
+    auto wide = torch::zeros({len, 2}, cuda);
+    auto r1 = pg->recv(whole, from, /*tag=*/3);
+    auto r2 = pg->recv(wide.select(1, 1), from, /*tag=*/4);
+    auto sent = input(r, len).to(torch::kCUDA);
+    pg->send(sent, to, 3)->wait();
+    pg->send(sent, to, 4)->wait();
+    r1->wait();
+    r2->wait();
+    EXPECT_TRUE(torch::equal(whole.cpu(), input(from, len))) << "4 MiB message";
+    EXPECT_TRUE(torch::equal(wide.select(1, 1).cpu(), input(from, len))) << "strided message";
+    EXPECT_TRUE(torch::equal(wide.select(1, 0).cpu(), torch::zeros({len})));
+  }
   // allreduce_coalesced
   std::vector<at::Tensor> parts{input(r, 5).to(torch::kCUDA), input(r, 7).to(torch::kCUDA)};
   pg->allreduce_coalesced(parts)->wait();

@@ -611,6 +611,50 @@ TEST_P(OverlappedStaging, StridedTensorsStageThroughContiguousStandIns) {
   EXPECT_LE(detail::staged_peak_bytes_for_tests(), 4 * size_t{8000} * static_cast<size_t>(w));
 }
 
+// Sends and receives around the ring (Note [Staged messages]): each message one DATA frame
+// whose bytes are written as their pieces arrive and copied out as they land, window by window;
+// receives posted before the send and after it, from a named rank and from any; strided
+// tensors through stand-ins; staged ranks, an unstaged one and, with the default window, whole
+// messages in one window.
+TEST_P(OverlappedStaging, SendAndReceiveOfStagedTensors) {
+  const int w = world();
+  const int64_t n = 10001;  // doubles: 80008 bytes (more than an eager message), 11 windows
+  for (const char* window : {"67108864", "8000"}) {
+    for (auto [unstaged, strided] : {std::pair{-1, false}, {0, false}, {-1, true}}) {
+      SCOPED_TRACE(str("window ", window, " unstaged rank ", unstaged, strided ? " strided" : ""));
+      const size_t staged = on_staged_ranks(w, transport(), window, unstaged, {},
+                                            [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
+        const int to = (rank + 1) % w, from = (rank + w - 1) % w;
+        auto values = [&](int of, int k) { return torch::arange(n, torch::kDouble) * (of + 1) + k; };
+        const auto untouched = torch::full({n}, -7.0, torch::kDouble);
+        // Posted first: the message finds its receive waiting.
+        at::Tensor early = fresh(untouched);
+        auto r0 = pg.recv(early, from, /*tag=*/1);
+        // Sent first (the receive comes 2 ms later): the message waits as unexpected.
+        auto s0 = pg.send(fresh(values(rank, 1)), to, 1);
+        auto s1 = pg.send(fresh(values(rank, 2)), to, 2);
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        at::Tensor late = fresh(untouched);
+        auto r1 = pg.recv_any_source(late, 2);
+        for (const auto& work : {s0, s1, r0, r1}) work->wait();
+        EXPECT_EQ(r1->source_rank(), from);
+        ASSERT_TRUE(torch::equal(early, values(from, 1))) << "recv: " << test::describe(early);
+        ASSERT_TRUE(torch::equal(late, values(from, 2))) << "recv_any_source: "
+                                                         << test::describe(late);
+      }, strided);
+      const size_t bytes = n * 8, win = std::stoul(window);
+      // A send holds the window it writes and the next one, a receive the one landing and the one
+      // before it; a rank has four messages in flight at once.
+      EXPECT_LE(detail::staged_peak_bytes_for_tests(),
+                4 * 2 * std::min(win, bytes) * static_cast<size_t>(w));
+      // Per staged rank: two messages sent and two received, each window staged once.
+      const size_t windows = (bytes + win - 1) / win;
+      const size_t staged_ranks = static_cast<size_t>(w - (unstaged >= 0 ? 1 : 0));
+      EXPECT_EQ(staged, staged_ranks * 4 * windows);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     WorldsAndTransports, OverlappedStaging,
     ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("auto", "tcp")),
@@ -743,6 +787,61 @@ TEST(OverlappedStagingFailure, AStridedOperationWhosePeerNeverCallsFailsAndLeave
     EXPECT_FALSE(work->is_success());
     EXPECT_GE(detail::staged_buffers_for_tests() - before, 1u);  // it was staged
     EXPECT_TRUE(torch::equal(x, values)) << test::describe(x);
+  });
+}
+
+// A staged message whose receive holds a different size fails that receive naming both sizes
+// (the sender succeeds); a staged send nobody receives times out on its own; a staged send whose
+// copy to host memory never arrives fails saying so (the frame is midway: the group aborts).
+TEST(OverlappedStagingFailure, StagedMessagesThatCannotCompleteFailSayingWhy) {
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_WINDOW_BYTES", "8000"}});
+  {
+    CpuStaging on(4000, 20);
+    tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = create_process_group(store, rank, 2, test::test_options());
+      if (rank == 0) {
+        pg->send(torch::ones({10001}, torch::kDouble), 1)->wait();
+        try {
+          SendRecvOptions brief;
+          brief.timeout = Millis(300);
+          pg->send(torch::ones({10001}, torch::kDouble), 1, /*tag=*/5, brief)->wait();
+          ADD_FAILURE() << "a send that nobody receives succeeded";
+        } catch (const TimeoutError& e) {
+          EXPECT_THAT(e.what(), ::testing::HasSubstr("no matching receive was posted"));
+        }
+      } else {
+        at::Tensor x = torch::full({12001}, -7.0, torch::kDouble);
+        try {
+          pg->recv(x, 0)->wait();
+          ADD_FAILURE() << "a receive of the wrong size succeeded";
+        } catch (const InvalidArgument& e) {
+          EXPECT_THAT(e.what(), ::testing::HasSubstr("sent 80008 bytes but the receive buffer "
+                                                     "holds 96008 bytes"));
+        }
+        EXPECT_TRUE(torch::equal(x, torch::full({12001}, -7.0, torch::kDouble)));
+      }
+      pg->barrier()->wait();
+    });
+  }
+  CpuStaging on(4000, 1000000);  // 1 s per piece
+  tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options(Millis(300)));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      if (rank == 0) {
+        pg->send(torch::ones({10001}, torch::kDouble), 1)->wait();
+      } else {
+        at::Tensor x = torch::empty({10001}, torch::kDouble);
+        pg->recv(x, 0)->wait();
+      }
+      ADD_FAILURE() << "rank " << rank << ": the message moved before its copy arrived";
+    } catch (const Error& e) {
+      if (rank == 0) {
+        EXPECT_THAT(e.what(), ::testing::HasSubstr("the copy of its tensor to host memory did "
+                                                   "not arrive"));
+      }
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   });
 }
 
