@@ -72,6 +72,9 @@ struct Context {
 // block per window too (gather_or_scatter_staged, alltoall_staged: an alltoall's window holds
 // the slices of every block sent and received), but only a staged rank windows them: each pair
 // of ranks exchanges one byte stream per block, whose bytes are the same whole or in slices.
+// A recursive-doubling allreduce of more than a window (only when TDIST_ALLREDUCE_ALGO asks for
+// it: the automatic choice takes it for small buffers) runs one per window too, so its scratch
+// is bounded as well; staged, each window is exchanged once all of it arrived.
 // The hierarchical allreduce is not windowed: its phases meet at each window's end, which cost
 // 6-7% at 256 MiB across two hosts (docs/perf.md), so a staged one is still copied whole.
 inline size_t window_elems(size_t window_bytes, size_t elem_size) {

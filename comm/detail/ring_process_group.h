@@ -23,10 +23,10 @@
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
 //   TDIST_STAGING_PIECE_BYTES    piece of the overlapped staging of CUDA tensors (default 1 MiB;
 //                            0: copy them in and out whole, Note [Overlapped staging])
-//   TDIST_WINDOW_BYTES       the window of the ring allreduce, allgather, reduce-scatter,
-//                            broadcast and reduce, and of staged gathers, scatters,
-//                            alltoalls and messages (default 64 MiB; the group takes the
-//                            largest of its ranks' values: Note [Windows])
+//   TDIST_WINDOW_BYTES       the window of the ring and recursive-doubling allreduces, the
+//                            allgather, reduce-scatter, broadcast and reduce, and of staged
+//                            gathers, scatters, alltoalls and messages (default 64 MiB; the
+//                            group takes the largest of its ranks' values: Note [Windows])
 //   TDIST_HOST_ID            this rank's host key when Options::host is unset (Note [Host key])
 //   TDIST_SPIN_US            microseconds to re-try transfers before sleeping (default 50 with
 //                            shared-memory peers, else 0: Note [Spin, then sleep])

@@ -131,18 +131,21 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
                                       const algo::ReduceSpec& rs) const {
   switch (allreduce_algorithm(count, rs.elem_size)) {
     case AllreduceAlgo::kRecursiveDoubling:
-      algo::allreduce_recursive_doubling(c, data, count, rs);
+      algo::for_each_window(count, algo::window_elems(c.window_bytes, rs.elem_size),
+                            [&](size_t begin, size_t n) {
+                              algo::allreduce_recursive_doubling(c, data + begin * rs.elem_size,
+                                                                 n, rs);
+                            });
       break;
     case AllreduceAlgo::kHierarchical:
       algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
       break;
-    case AllreduceAlgo::kRing: {
+    case AllreduceAlgo::kRing:
       algo::for_each_window(count, algo::window_elems(c.window_bytes, rs.elem_size),
                             [&](size_t begin, size_t n) {
                               algo::allreduce_ring(c, data + begin * rs.elem_size, n, rs);
                             });
       break;
-    }
   }
 }
 
@@ -150,7 +153,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const Allre
   check_stageable(tensor, "allreduce", "the tensor");
   auto rs = reduce_spec(tensor, opts.op);
   const auto count = static_cast<size_t>(tensor.numel());
-  if (allreduce_algorithm(count, rs.elem_size) == AllreduceAlgo::kRing &&
+  if (allreduce_algorithm(count, rs.elem_size) != AllreduceAlgo::kHierarchical &&
       StandIns::wanted({tensor}, size_, staging_piece_bytes_)) {
     StandIns s;
     auto inner = allreduce(s.updated(tensor), opts);
@@ -181,7 +184,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
   auto rs = reduce_spec(tensors[0], opts.op);
   size_t count = 0;
   for (const auto& t : tensors) count += static_cast<size_t>(t.numel());
-  if (allreduce_algorithm(count, rs.elem_size) == AllreduceAlgo::kRing &&
+  if (allreduce_algorithm(count, rs.elem_size) != AllreduceAlgo::kHierarchical &&
       StandIns::wanted(tensors, size_, staging_piece_bytes_)) {
     StandIns s;
     auto inner = allreduce_coalesced(s.updated(tensors), opts);

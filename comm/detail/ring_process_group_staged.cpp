@@ -51,28 +51,40 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
                                                        Fingerprint fp) {
   size_t count = 0;
   for (const auto& t : ts) count += static_cast<size_t>(t.numel());
-  if (allreduce_algorithm(count, rs.elem_size) != AllreduceAlgo::kRing ||
+  const AllreduceAlgo algorithm = allreduce_algorithm(count, rs.elem_size);
+  if (algorithm == AllreduceAlgo::kHierarchical ||
       !StagedTensors::wanted(ts, size_, staging_piece_bytes_)) {
     return nullptr;
   }
-  // One ring per window (Note [Windows]), each staged on its own: the first window's copies in
-  // start now on the caller's stream, each next one's while the one before runs, on a side
-  // stream after the point the caller's stream had reached at this call.
+  // One ring (or recursive doubling) per window (Note [Windows]), each staged on its own: the
+  // first window's copies in start now on the caller's stream, each next one's while the one
+  // before runs, on a side stream after the point the caller's stream had reached at this call.
+  // The ring sends each piece once it arrived, in the order it needs them; recursive doubling
+  // exchanges the whole window at once, so it waits for all of it.
+  const bool ring = algorithm == AllreduceAlgo::kRing;
   const size_t window = algo::window_elems(window_bytes_, rs.elem_size);
-  auto stage = [ts, rs, piece = staging_piece_bytes_, size = size_, rank = rank_,
+  auto stage = [ts, rs, ring, piece = staging_piece_bytes_, size = size_, rank = rank_,
                 issue = count > window ? StagedTensors::mark_issue(ts) : nullptr](size_t begin,
                                                                                    size_t n) {
     return std::make_shared<StagedTensors>(
         StagedTensors::in_and_out(element_range(ts, begin, begin + n)),
-        algo::ring_allreduce_pieces(n, rs.elem_size, size, rank, piece), piece,
-        begin == 0 ? nullptr : issue);
+        ring ? algo::ring_allreduce_pieces(n, rs.elem_size, size, rank, piece)
+             : ascending_pieces(0, n * rs.elem_size, piece),
+        piece, begin == 0 ? nullptr : issue);
   };
   return enqueue(name, timeout, std::move(fp),
-                 [ts, stage, count, window, rs,
+                 [ts, stage, count, window, rs, ring,
                   first = stage(0, std::min(window, count))](algo::Context& c) mutable {
                    over_windows(count, window, std::move(first), stage,
                                 [&](StagedTensors& w, size_t n) {
-                                  algo::allreduce_ring(c, w.data(), n, rs, &w);
+                                  if (ring) {
+                                    algo::allreduce_ring(c, w.data(), n, rs, &w);
+                                    return;
+                                  }
+                                  const size_t bytes = n * rs.elem_size;
+                                  w.await_arrival(0, bytes);
+                                  algo::allreduce_recursive_doubling(c, w.data(), n, rs);
+                                  w.finished(0, bytes);
                                 });
                    return Value{ts};
                  });

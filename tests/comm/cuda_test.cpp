@@ -13,6 +13,7 @@
 #include <atomic>
 #include <numeric>
 #include <string>
+#include <tuple>
 
 #include "tdist/comm/detail/staging.h"
 #include "tdist/comm/nccl/c10d_store.h"
@@ -333,16 +334,20 @@ ProcessGroup::Options ring_options() {
 // large tensors copied in and out whole), and with windows of 3 MiB (Note [Windows]: the 6 MiB
 // allreduce_coalesced runs two, the second copied in from a side stream, the 4 MiB broadcast and
 // reduce two, and the allgathers, reduce-scatters, gathers, scatters and alltoalls of 4 MiB blocks
-// three or more).
+// three or more), and with every allreduce by recursive doubling in those windows.
 TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
   SKIP_WITHOUT_GPUS(1);
-  for (auto [piece, window] : {std::pair<const char*, const char*>{"1048576", "67108864"},
-                               {"0", "67108864"},
-                               {"1048576", "3145728"}}) {
+  for (auto [piece, window, algo] :
+       {std::tuple<const char*, const char*, const char*>{"1048576", "67108864", "auto"},
+        {"0", "67108864", "auto"},
+        {"1048576", "3145728", "auto"},
+        {"1048576", "3145728", "recursive_doubling"}}) {
     tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", piece},
-                                                   {"TDIST_WINDOW_BYTES", window}});
+                                                   {"TDIST_WINDOW_BYTES", window},
+                                                   {"TDIST_ALLREDUCE_ALGO", algo}});
     for (int n : {2, 4}) {
-      SCOPED_TRACE(str("TDIST_STAGING_PIECE_BYTES=", piece, ", window ", window, ", world ", n));
+      SCOPED_TRACE(str("TDIST_STAGING_PIECE_BYTES=", piece, ", window ", window, ", ", algo,
+                       ", world ", n));
       const size_t before = detail::staged_buffers_for_tests();
       spawn(n, [&](int rank, std::shared_ptr<Store> store) {
         c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));

@@ -118,6 +118,24 @@ TEST_P(OverlappedStaging, WindowsBoundTheStagedMemory) {
   check(world(), transport(), "ring", 333, 0, 0, {10006}, -1, window);
 }
 
+// Recursive doubling (chosen by TDIST_ALLREDUCE_ALGO) in windows of 8000 bytes: each window
+// staged on its own and exchanged once all of it arrived, no more than two in host memory at
+// once; an unstaged rank and all-CPU groups (pieces of 0) run the same windows.
+TEST_P(OverlappedStaging, RecursiveDoublingInWindows) {
+  const size_t window = 8000;
+  const size_t staged_before = detail::staged_buffers_for_tests();
+  detail::reset_staged_peak_for_tests();
+  check(world(), transport(), "recursive_doubling", 333, 1000, 20, {10006}, -1, window);
+  EXPECT_LE(detail::staged_peak_bytes_for_tests(), static_cast<size_t>(world()) * 2 * window);
+  size_t windows = 0;  // floats and doubles with 3 ops, ints with 2
+  for (auto [elem, ops] : {std::pair<size_t, size_t>{4, 3}, {8, 3}, {4, 2}}) {
+    windows += ops * ((10006 + window / elem - 1) / (window / elem));
+  }
+  EXPECT_EQ(detail::staged_buffers_for_tests() - staged_before, world() * windows);
+  check(world(), transport(), "recursive_doubling", 4096, 1000, 20, {10006}, 0, window);
+  check(world(), transport(), "recursive_doubling", 333, 0, 0, {10006}, -1, window);
+}
+
 // The defaults (1 MiB pieces, 256 KiB chunks, the automatic algorithm choice) on buffers that
 // the ring serves.
 TEST_P(OverlappedStaging, DefaultPiecesAndChunks) {
