@@ -843,14 +843,20 @@ TEST(OverlappedStagingFailure, StagedMessagesThatCannotCompleteFailSayingWhy) {
   }
   CpuStaging on(4000, 1000000);  // 1 s per piece
   tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
-    auto pg = create_process_group(store, rank, 2, test::test_options(Millis(300)));
+    // Long enough for the receiver's clear-to-send to come back (the header leaves), short of
+    // the first piece's arrival.
+    auto pg = create_process_group(store, rank, 2, test::test_options(Millis(600)));
     const auto start = std::chrono::steady_clock::now();
     try {
       if (rank == 0) {
         pg->send(torch::ones({10001}, torch::kDouble), 1)->wait();
       } else {
+        // Longer than the send's, so that the sender's deadline passes first: the receiver then
+        // fails as its peer aborts.
+        SendRecvOptions longer;
+        longer.timeout = Millis(3000);
         at::Tensor x = torch::empty({10001}, torch::kDouble);
-        pg->recv(x, 0)->wait();
+        pg->recv(x, 0, 0, longer)->wait();
       }
       ADD_FAILURE() << "rank " << rank << ": the message moved before its copy arrived";
     } catch (const Error& e) {

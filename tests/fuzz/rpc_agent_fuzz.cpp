@@ -34,6 +34,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sum.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -131,8 +132,8 @@ int g_child = -1;  // the parent's end of the socket pair
   std::vector<uint8_t> input(kMaxInput);
   for (;;) {
     const ssize_t n = ::recv(sock, input.data(), input.size(), 0);
-    if (n <= 0) ::_exit(0);  // the fuzzer is gone
-    send_input(port, true, input.data(), static_cast<size_t>(n));
+    if (n <= 0) ::_exit(0);  // the fuzzer is gone (every input comes with a leading byte)
+    send_input(port, true, input.data() + 1, static_cast<size_t>(n) - 1);
     const uint8_t done = 1;
     if (::send(sock, &done, 1, MSG_NOSIGNAL) != 1) ::_exit(0);
   }
@@ -157,8 +158,13 @@ void start_child() {
 }
 
 void send_from_child(const uint8_t* data, size_t size) {
-  if (size > kMaxInput) size = kMaxInput;
-  if (::send(g_child, data, size, MSG_NOSIGNAL) != static_cast<ssize_t>(size)) {
+  // A leading byte: an empty input would be a packet of length 0, which the child's recv could
+  // not tell from the end of the stream (it exited, and the next input found it dead).
+  size = std::min(size, kMaxInput - 1);
+  std::vector<uint8_t> packet(size + 1, 0);
+  if (size > 0) std::memcpy(packet.data() + 1, data, size);
+  if (::send(g_child, packet.data(), packet.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(packet.size())) {
     std::perror("handing an input to the same-host peer");
     std::abort();
   }
