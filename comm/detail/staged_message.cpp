@@ -37,8 +37,7 @@ void StagedMessage::advance() {
   begin_ += size_of(begin_);
   if (send_) {
     // Every byte of the current window was written: its host memory is free.
-    cur_ = next_ ? std::move(next_) : stage(begin_);
-    next_.reset();
+    cur_ = next_ ? std::move(next_) : stage(begin_);  // next_ is empty after either
   } else {
     if (prev_) prev_->complete();  // its copies out are done: its memory may be taken again
     prev_ = std::move(cur_);
