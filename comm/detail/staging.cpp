@@ -7,9 +7,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "tdist/core/error.h"
@@ -163,37 +167,69 @@ class DeviceEngine final : public StagedTensors::Engine {
   std::vector<c10::Event> events_;
 };
 
-// The testing hook: a thread copies the pieces in order, each after a delay; copies out are
-// immediate.
+// The testing hook: a thread copies the pieces in, each after the hook's delay, in order; or,
+// device-like, in a random order, each after a random delay of up to it. Copies out run at once;
+// or, device-like, in order on a second thread, each after a random delay, reading the host
+// buffer when it runs (as a device copy queued on a stream does).
 class ThreadEngine final : public StagedTensors::Engine {
  public:
   ThreadEngine(std::vector<Part> parts, const at::Tensor& host, const std::vector<ByteRange>& order,
-               std::chrono::microseconds delay)
-      : parts_(std::move(parts)), host_(static_cast<char*>(host.data_ptr())) {
-    thread_ = std::thread([this, order, delay] {
-      for (size_t i = 0; i < order.size(); ++i) {
-        std::this_thread::sleep_for(delay);
+               const StagingForTests& hook)
+      : parts_(std::move(parts)),
+        host_(static_cast<char*>(host.data_ptr())),
+        device_like_(hook.device_like),
+        delay_(hook.delay),
+        arrived_(new std::atomic<bool>[order.size()]()) {
+    std::vector<size_t> sequence(order.size());
+    std::iota(sequence.begin(), sequence.end(), size_t{0});
+    std::mt19937 rng(std::random_device{}());
+    if (device_like_) std::shuffle(sequence.begin(), sequence.end(), rng);
+    in_ = std::thread([this, order, sequence, seed = rng()] {
+      std::mt19937 rng(seed);
+      for (size_t i : sequence) {
+        std::this_thread::sleep_for(next_delay(rng));
         for_parts(parts_, &Part::in, order[i].begin, order[i].end,
                   [&](const at::Tensor& t, size_t lo, size_t hi) {
                     std::memcpy(host_ + lo, t.data_ptr(), hi - lo);
                   });
-        arrived_.store(i + 1, std::memory_order_release);
+        arrived_[i].store(true, std::memory_order_release);
       }
     });
+    if (device_like_) out_ = std::thread([this, seed = rng()] { copy_out_loop(seed); });
   }
-  ~ThreadEngine() override { thread_.join(); }
-  bool arrived(size_t piece) override { return piece < arrived_.load(std::memory_order_acquire); }
+  ~ThreadEngine() override {
+    in_.join();
+    if (out_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      out_.join();  // a failed operation's copies out still run, as a device's would
+    }
+  }
+  bool arrived(size_t piece) override { return arrived_[piece].load(std::memory_order_acquire); }
   void copy_out(size_t begin, size_t end) override {
-    for_parts(parts_, &Part::out, begin, end, [&](const at::Tensor& t, size_t lo, size_t hi) {
-      std::memcpy(t.data_ptr(), host_ + lo, hi - lo);
-    });
     outs_.push_back({begin, end});
+    if (!device_like_) {
+      copy(begin, end);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queued_.push_back({begin, end});
+    }
+    cv_.notify_all();
   }
   // Every byte of every part with an output must have been finished exactly once (copy_out
   // refuses the others): a range finished before its values were final and again later would
   // pass unseen otherwise. A failed operation stops early, so only a drain (its completion) is
   // checked.
   void drain() override {
+    if (device_like_) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return queued_.empty(); });
+    }
     std::sort(outs_.begin(), outs_.end(),
               [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
     std::vector<ByteRange> covered;  // the finished bytes, as maximal runs
@@ -217,11 +253,48 @@ class ThreadEngine final : public StagedTensors::Engine {
   }
 
  private:
+  std::chrono::microseconds next_delay(std::mt19937& rng) const {
+    if (!device_like_) return delay_;
+    return std::chrono::microseconds(
+        std::uniform_int_distribution<int64_t>(0, delay_.count())(rng));
+  }
+  void copy(size_t begin, size_t end) {
+    for_parts(parts_, &Part::out, begin, end, [&](const at::Tensor& t, size_t lo, size_t hi) {
+      std::memcpy(t.data_ptr(), host_ + lo, hi - lo);
+    });
+  }
+  // The device-like copies out: the queue's head is removed once it was copied, so an empty
+  // queue means every copy asked for is done.
+  void copy_out_loop(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !queued_.empty(); });
+      if (queued_.empty()) return;
+      const ByteRange r = queued_.front();
+      lock.unlock();
+      std::this_thread::sleep_for(next_delay(rng));
+      copy(r.begin, r.end);
+      lock.lock();
+      queued_.pop_front();
+      cv_.notify_all();
+    }
+  }
+
+  // Constant after construction.
   const std::vector<Part> parts_;
   char* const host_;
-  std::vector<ByteRange> outs_;
-  std::atomic<size_t> arrived_{0};
-  std::thread thread_;
+  const bool device_like_;
+  const std::chrono::microseconds delay_;
+  const std::unique_ptr<std::atomic<bool>[]> arrived_;  // by position in the order
+
+  std::vector<ByteRange> outs_;  // every range asked to be copied out (the operation's thread)
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<ByteRange> queued_;  // guarded by mu_: device-like copies out not yet done
+  bool stop_ = false;             // guarded by mu_
+  std::thread in_;
+  std::thread out_;
 };
 
 }  // namespace
@@ -401,7 +474,7 @@ StagedTensors::StagedTensors(at::Tensor host, std::vector<Part> parts, c10::Devi
   } else {
     std::memset(data(), 0xff, host_.nbytes());
     engine_ = std::make_unique<ThreadEngine>(std::move(parts), host_, this->order(),
-                                             current_hook().delay);
+                                             current_hook());
   }
   // Counted once constructed: the destructor, which uncounts, runs only then.
   staged_count.fetch_add(1);

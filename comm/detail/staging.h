@@ -163,10 +163,16 @@ class StandIns {
 // (so that a transfer that ran ahead of its piece would read the garbage the host buffer starts
 // with), in the group's pieces; `strided`: give strided CPU tensors stand-ins as CUDA ones get
 // (Note [Strided device tensors]; without it they are copied whole, so that tests can mix staged
-// and unstaged ranks). The default turns it off. Process-wide; set it while no operation runs.
+// and unstaged ranks). `device_like`: the copies complete as a device's do, late and unordered:
+// each copy in after a random delay of up to `delay`, the pieces in a random order; each copy
+// out queued to another thread that runs it after a random delay of up to `delay`, reading the
+// host buffer then rather than when it was asked for (so an algorithm that changed finished
+// bytes, or freed the buffer before complete(), shows). The default turns it off. Process-wide;
+// set it while no operation runs.
 struct StagingForTests {
   bool cpu = false;
   bool strided = false;
+  bool device_like = false;
   std::chrono::microseconds delay{0};
 };
 void set_staging_for_tests(const StagingForTests& s);

@@ -11,14 +11,16 @@
 namespace tdist::comm {
 
 // CPU tensors staged in pieces of `piece_bytes` (the groups created meanwhile read it), each
-// piece copied `delay_us` late; `strided`: strided ones through contiguous stand-ins.
+// piece copied `delay_us` late; `strided`: strided ones through contiguous stand-ins;
+// `device_like`: copies late and unordered, up to `delay_us` each (StagingForTests).
 class CpuStaging {
  public:
-  CpuStaging(size_t piece_bytes, int delay_us, bool strided = false)
+  CpuStaging(size_t piece_bytes, int delay_us, bool strided = false, bool device_like = false)
       : env_(tdist::test::EnvVars{{"TDIST_STAGING_PIECE_BYTES", std::to_string(piece_bytes)}}) {
     detail::StagingForTests s;
     s.cpu = true;
     s.strided = strided;
+    s.device_like = device_like;
     s.delay = std::chrono::microseconds(delay_us);
     detail::set_staging_for_tests(s);
   }
