@@ -16,6 +16,11 @@
 //   receive at i - 1 completed) and for this rank's sends before i; by induction on i over all
 //   ranks every receive completes. (Rounds matter: sending a whole block before the first
 //   partial would need a block of buffering per rank.)
+//   The gate counts the bytes sent to the right neighbour in the whole operation (Gate), so it
+//   starts from what was posted to it before this call: a reduce-scatter larger than a window
+//   runs one ring per window in one operation (Note [Windows]), and a gate counted from this
+//   call's start would already be open in the second window, letting a receive overwrite a
+//   partial that was not forwarded yet (wrong sums from the second window on; issue 40).
 
 #include <algorithm>
 #include <atomic>
@@ -93,10 +98,11 @@ void reduce_scatter_ring(Context& c, const std::vector<const char*>& inputs, cha
   auto slot = [&](size_t k, size_t s) {
     return slots + ((k * (steps - 1) + s) % kSlots) * slot_bytes;
   };
-  // Bytes this rank has sent to `right` once the send at position i is out.
+  // Bytes this operation has sent to `right` once the send at position i is out.
+  const uint64_t sent_before = c.ex.posted_to(right);
   auto sent_through = [&](size_t i) {
     const size_t k = i / steps;
-    return k * steps * chunk * es + (i % steps + 1) * len(k);
+    return sent_before + k * steps * chunk * es + (i % steps + 1) * len(k);
   };
 
   // A send or a reduction reading staged input waits for the last piece holding it.

@@ -45,7 +45,9 @@ class Arrivals {
 
 // What a posted transfer waits for before it touches its memory: `sent` bytes of this operation
 // sent to `peer` (flow control: an algorithm reuses memory after those bytes left), and piece
-// `piece` of `arrivals` (the memory's values are still being copied in).
+// `piece` of `arrivals` (the memory's values are still being copied in). `sent` counts from the
+// operation's start, not the algorithm's: an algorithm that runs more than once in one operation
+// (once per window, Note [Windows]) adds what was posted before it started (posted_to).
 struct Gate {
   int peer = -1;
   uint64_t sent = 0;
@@ -60,6 +62,8 @@ class Exchange {
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(peers_.size()); }
+  // Bytes posted to `peer` so far in this operation (the origin of a Gate's `sent`).
+  uint64_t posted_to(int peer) const { return sends_[peer].posted; }
 
   // Starts an operation at `now`: clears the queues and sets what errors will name.
   void begin(const char* op, uint64_t seq, Clock::time_point now, Clock::time_point deadline);

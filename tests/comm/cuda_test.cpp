@@ -20,6 +20,7 @@
 #include "tdist/comm/nccl/nccl_process_group.h"
 #include "tdist/core/tcp_store.h"
 #include "tests/comm/comm_test_util.h"
+#include "tests/comm/every_op.h"
 #include "tests/harness/expect.h"
 
 namespace tdist::comm {
@@ -114,214 +115,6 @@ TEST(DeviceDispatch, BackendStrings) {
   }
 }
 
-// Every operation of the ring backend on CUDA tensors, several ranks sharing GPU 0, against the
-// same operation on CPU tensors.
-void check_ops_on_cuda(const std::shared_ptr<ProcessGroup>& pg) {
-  const int r = pg->rank(), n = pg->size();
-  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
-  auto input = [&](int rank, int64_t len) { return torch::arange(len, torch::kFloat) + rank * 100; };
-  // allreduce, every op on floats and ints, and a non-contiguous tensor.
-  for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
-    auto x = input(r, 1000).to(torch::kCUDA);
-    AllreduceOptions ao;
-    ao.op = op;
-    pg->allreduce(x, ao)->wait();
-    std::vector<at::Tensor> all;
-    for (int k = 0; k < n; ++k) all.push_back(input(k, 1000));
-    EXPECT_TRUE(x.is_cuda());
-    EXPECT_TRUE(torch::allclose(x.cpu(), test::reference(all, op))) << to_string(op);
-  }
-  // Large enough for overlapped staging (Note [Overlapped staging]): written by a kernel queued
-  // just before the call (the copies in wait for it on the same stream).
-  for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG}) {
-    auto base = torch::arange(int64_t(3) << 20, torch::kFloat).remainder(1000);  // 12 MiB
-    auto big = base.to(torch::kCUDA);
-    big.mul_(r + 1);
-    AllreduceOptions ao;
-    ao.op = op;
-    pg->allreduce(big, ao)->wait();
-    auto want = base * (n * (n + 1) / 2);
-    if (op == ReduceOp::AVG) want = want / n;
-    EXPECT_TRUE(torch::allclose(big.cpu(), want)) << to_string(op);
-  }
-  // Large and strided: through contiguous stand-ins on the device (Note [Strided device
-  // tensors]), the allreduce's written by a kernel queued just before the call; the columns
-  // beside them untouched.
-  {
-    auto base = torch::arange(int64_t(1) << 20, torch::kFloat).remainder(1000);  // 4 MiB
-    auto wide = torch::zeros({base.numel(), 2}, cuda);
-    auto col = wide.select(1, 0);
-    col.copy_(base.to(torch::kCUDA)).mul_(r + 1);
-    pg->allreduce(col)->wait();
-    const auto want = base * (n * (n + 1) / 2);
-    EXPECT_TRUE(torch::equal(col.cpu(), want)) << "strided allreduce";
-    std::vector<at::Tensor> strided_outs, wides;
-    for (int k = 0; k < n; ++k) {
-      wides.push_back(torch::zeros({base.numel(), 2}, cuda));
-      strided_outs.push_back(wides.back().select(1, 1));
-    }
-    pg->allgather(strided_outs, col)->wait();
-    for (int k = 0; k < n; ++k) {
-      EXPECT_TRUE(torch::equal(strided_outs[k].cpu(), want)) << "strided allgather " << k;
-      EXPECT_TRUE(torch::equal(wides[k].select(1, 0).cpu(), torch::zeros_like(base)));
-    }
-    EXPECT_TRUE(torch::equal(wide.select(1, 1).cpu(), torch::zeros_like(base)));
-  }
-  auto ints = torch::full({3, 5}, r + 1, torch::kInt).to(torch::kCUDA).t();  // non-contiguous
-  pg->allreduce(ints)->wait();
-  EXPECT_TRUE(torch::equal(ints.cpu(), torch::full({5, 3}, n * (n + 1) / 2, torch::kInt)));
-  // broadcast
-  auto b = input(r, 77).to(torch::kCUDA);
-  BroadcastOptions bo;
-  bo.root = n - 1;
-  pg->broadcast(b, bo)->wait();
-  EXPECT_TRUE(torch::equal(b.cpu(), input(n - 1, 77)));
-  // allgather and allgather_into_tensor
-  std::vector<at::Tensor> outs;
-  for (int k = 0; k < n; ++k) outs.push_back(torch::empty({33}, cuda));
-  pg->allgather(outs, input(r, 33).to(torch::kCUDA))->wait();
-  auto flat = torch::empty({33 * n}, cuda);
-  pg->allgather_into_tensor(flat, input(r, 33).to(torch::kCUDA))->wait();
-  for (int k = 0; k < n; ++k) {
-    EXPECT_TRUE(torch::equal(outs[k].cpu(), input(k, 33)));
-    EXPECT_TRUE(torch::equal(flat.narrow(0, 33 * k, 33).cpu(), input(k, 33)));
-  }
-  // Large enough for overlapped staging: allgather into staged outputs and reduce-scatter from
-  // staged inputs, the tensor and the list forms; a broadcast and a reduce.
-  {
-    const int64_t len = int64_t(1) << 20;  // 4 MiB per rank
-    auto big = r == 0 ? input(0, len).to(torch::kCUDA) : torch::zeros({len}, cuda);
-    pg->broadcast(big)->wait();
-    EXPECT_TRUE(torch::equal(big.cpu(), input(0, len)));
-    auto reduced = input(r, len).to(torch::kCUDA);
-    ReduceOptions ro;
-    ro.root = n - 1;
-    pg->reduce(reduced, ro)->wait();
-    at::Tensor reduced_want = torch::zeros({len});
-    for (int k = 0; k < n; ++k) reduced_want += input(k, len);
-    EXPECT_TRUE(torch::equal(reduced.cpu(), r == n - 1 ? reduced_want : input(r, len)));
-    auto gathered = torch::empty({len * n}, cuda);
-    pg->allgather_into_tensor(gathered, input(r, len).to(torch::kCUDA))->wait();
-    std::vector<at::Tensor> gathered_list;
-    for (int k = 0; k < n; ++k) gathered_list.push_back(torch::empty({len}, cuda));
-    pg->allgather(gathered_list, input(r, len).to(torch::kCUDA))->wait();
-    auto rs_in = input(r, len * n).to(torch::kCUDA);
-    auto rs_out = torch::empty({len}, cuda);
-    pg->reduce_scatter_tensor(rs_out, rs_in)->wait();
-    auto rs_out_list = torch::empty({len}, cuda);
-    pg->reduce_scatter(rs_out_list, rs_in.chunk(n))->wait();
-    at::Tensor sum = torch::zeros({len * n});
-    for (int k = 0; k < n; ++k) {
-      EXPECT_TRUE(torch::equal(gathered.narrow(0, len * k, len).cpu(), input(k, len)));
-      EXPECT_TRUE(torch::equal(gathered_list[k].cpu(), input(k, len)));
-      sum += input(k, len * n);
-    }
-    EXPECT_TRUE(torch::equal(rs_out.cpu(), sum.narrow(0, len * r, len)));
-    EXPECT_TRUE(torch::equal(rs_out_list.cpu(), sum.narrow(0, len * r, len)));
-    // allreduce_coalesced: two tensors staged as one buffer
-    std::vector<at::Tensor> big_parts{input(r, len).to(torch::kCUDA),
-                                      input(r, len / 2 + 3).to(torch::kCUDA)};
-    pg->allreduce_coalesced(big_parts)->wait();
-    at::Tensor p0 = torch::zeros({len}), p1 = torch::zeros({len / 2 + 3});
-    for (int k = 0; k < n; ++k) {
-      p0 += input(k, len);
-      p1 += input(k, len / 2 + 3);
-    }
-    EXPECT_TRUE(torch::equal(big_parts[0].cpu(), p0));
-    EXPECT_TRUE(torch::equal(big_parts[1].cpu(), p1));
-    // gather to and scatter from the last rank, and an alltoall of 4 MiB blocks
-    std::vector<at::Tensor> g_big, s_big;
-    if (r == n - 1) {
-      for (int k = 0; k < n; ++k) {
-        g_big.push_back(torch::empty({len}, cuda));
-        s_big.push_back(input(k + n, len).to(torch::kCUDA));
-      }
-    }
-    GatherOptions go;
-    go.root = n - 1;
-    pg->gather(g_big, input(r, len).to(torch::kCUDA), go)->wait();
-    for (int k = 0; k < static_cast<int>(g_big.size()); ++k) {
-      EXPECT_TRUE(torch::equal(g_big[k].cpu(), input(k, len))) << "gather, block " << k;
-    }
-    ScatterOptions so;
-    so.root = n - 1;
-    auto scattered = torch::empty({len}, cuda);
-    pg->scatter(scattered, s_big, so)->wait();
-    EXPECT_TRUE(torch::equal(scattered.cpu(), input(r + n, len))) << "scatter";
-    auto a_big = torch::empty({len * n}, cuda);
-    pg->alltoall_base(a_big, input(r, len * n).to(torch::kCUDA), {}, {})->wait();
-    for (int k = 0; k < n; ++k) {
-      EXPECT_TRUE(torch::equal(a_big.narrow(0, len * k, len).cpu(),
-                               input(k, len * n).narrow(0, len * r, len)))
-          << "alltoall_base, block " << k;
-    }
-  }
-  // reduce_scatter_tensor: block r of the sum
-  auto rs = torch::empty({10}, cuda);
-  pg->reduce_scatter_tensor(rs, input(r, 10 * n).to(torch::kCUDA))->wait();
-  at::Tensor expect = torch::zeros({10 * n});
-  for (int k = 0; k < n; ++k) expect += input(k, 10 * n);
-  EXPECT_TRUE(torch::equal(rs.cpu(), expect.narrow(0, 10 * r, 10)));
-  // alltoall_base, equal splits
-  auto a_out = torch::empty({4 * n}, cuda);
-  pg->alltoall_base(a_out, input(r, 4 * n).to(torch::kCUDA), {}, {})->wait();
-  for (int k = 0; k < n; ++k) {
-    EXPECT_TRUE(torch::equal(a_out.narrow(0, 4 * k, 4).cpu(), input(k, 4 * n).narrow(0, 4 * r, 4)));
-  }
-  // gather and scatter to and from the last rank
-  std::vector<at::Tensor> g;
-  if (r == n - 1) {
-    for (int k = 0; k < n; ++k) g.push_back(torch::empty({9}, cuda));
-  }
-  GatherOptions go;
-  go.root = n - 1;
-  pg->gather(g, input(r, 9).to(torch::kCUDA), go)->wait();
-  for (int k = 0; k < static_cast<int>(g.size()); ++k) EXPECT_TRUE(torch::equal(g[k].cpu(), input(k, 9)));
-  std::vector<at::Tensor> s;
-  if (r == n - 1) {
-    for (int k = 0; k < n; ++k) s.push_back(input(k, 6).to(torch::kCUDA));
-  }
-  auto s_out = torch::empty({6}, cuda);
-  ScatterOptions so;
-  so.root = n - 1;
-  pg->scatter(s_out, s, so)->wait();
-  EXPECT_TRUE(torch::equal(s_out.cpu(), input(r, 6)));
-  // send/recv around the ring, a CUDA tensor one way and a CPU tensor the other
-  auto to = (r + 1) % n, from = (r + n - 1) % n;
-  auto got = torch::empty({50}, cuda);
-  auto rw = pg->recv(got, from);
-  pg->send(input(r, 50).to(torch::kCUDA), to)->wait();
-  rw->wait();
-  EXPECT_TRUE(torch::equal(got.cpu(), input(from, 50)));
-  // 4 MiB messages: through host memory window by window (Note [Staged messages]), received
-  // into a contiguous tensor and into a strided one (through a stand-in)
-  {
-    const int64_t len = int64_t(1) << 20;
-    auto whole = torch::empty({len}, cuda);
-    auto wide = torch::zeros({len, 2}, cuda);
-    auto r1 = pg->recv(whole, from, /*tag=*/3);
-    auto r2 = pg->recv(wide.select(1, 1), from, /*tag=*/4);
-    auto sent = input(r, len).to(torch::kCUDA);
-    pg->send(sent, to, 3)->wait();
-    pg->send(sent, to, 4)->wait();
-    r1->wait();
-    r2->wait();
-    EXPECT_TRUE(torch::equal(whole.cpu(), input(from, len))) << "4 MiB message";
-    EXPECT_TRUE(torch::equal(wide.select(1, 1).cpu(), input(from, len))) << "strided message";
-    EXPECT_TRUE(torch::equal(wide.select(1, 0).cpu(), torch::zeros({len})));
-  }
-  // allreduce_coalesced
-  std::vector<at::Tensor> parts{input(r, 5).to(torch::kCUDA), input(r, 7).to(torch::kCUDA)};
-  pg->allreduce_coalesced(parts)->wait();
-  at::Tensor s5 = torch::zeros({5}), s7 = torch::zeros({7});
-  for (int k = 0; k < n; ++k) {
-    s5 += input(k, 5);
-    s7 += input(k, 7);
-  }
-  EXPECT_TRUE(torch::equal(parts[0].cpu(), s5));
-  EXPECT_TRUE(torch::equal(parts[1].cpu(), s7));
-}
-
 // The ring named: "auto" sends CUDA tensors to NCCL where a GPU is visible, and NCCL refuses two
 // ranks on one GPU.
 ProcessGroup::Options ring_options() {
@@ -351,7 +144,8 @@ TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
       const size_t before = detail::staged_buffers_for_tests();
       spawn(n, [&](int rank, std::shared_ptr<Store> store) {
         c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));
-        check_ops_on_cuda(create_process_group(store, rank, n, ring_options()));
+        test::check_every_op(create_process_group(store, rank, n, ring_options()),
+                             c10::Device(c10::kCUDA, 0));
       });
       const size_t staged = detail::staged_buffers_for_tests() - before;
       if (std::string(piece) == "0") {
