@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "apps/bench/anchors.h"
+#include "apps/bench/check.h"
 #include "apps/common/device.h"
 #include "apps/bench/bounds.h"
 #include "apps/bench/common.h"
@@ -154,12 +155,11 @@ class Case {
     fill();
   }
 
-  // Rank r's element i of its input: small integers, so every reduction is exact.
+  // This rank's input (check.h): position- and rank-dependent small integers.
   void fill() {
     if (!a_.defined()) return;
-    auto idx = at::arange(a_.numel(), at::kLong);
     if (b_.defined()) b_.zero_();  // first: an allgather's input is part of it
-    a_.copy_(((idx + r_ * 3) % 5 + 1).to(dtype_));
+    a_.copy_(input_values(r_, a_.numel()).to(dtype_));
   }
 
   void run() {
@@ -206,57 +206,11 @@ class Case {
     if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
   }
 
-  // Elements that differ from the expected result on this rank.
-  int64_t wrong() {
+  // Elements of this rank's output that differ from the expected result (check.h).
+  int64_t wrong() const {
     const auto& op = cfg_.op;
-    if (op == "barrier") return 0;
-    auto input_of = [&](int rank, int64_t numel) {
-      auto idx = at::arange(numel, at::kLong);
-      return ((idx + rank * 3) % 5 + 1).to(at::kDouble);
-    };
-    auto reduced = [&](int64_t numel) {
-      at::Tensor acc = input_of(0, numel);
-      for (int r = 1; r < n_; ++r) {
-        auto x = input_of(r, numel);
-        switch (redop_) {
-          case ReduceOp::PRODUCT: acc = acc * x; break;
-          case ReduceOp::MIN: acc = at::minimum(acc, x); break;
-          case ReduceOp::MAX: acc = at::maximum(acc, x); break;
-          default: acc = acc + x;
-        }
-      }
-      if (redop_ == ReduceOp::AVG) acc = acc / n_;
-      return acc.to(dtype_).to(at::kDouble);
-    };
-    at::Tensor got, want;
-    int64_t block = count_ / n_;
-    if (op == "allreduce" || (op == "reduce" && r_ == cfg_.root)) {
-      got = a_;
-      want = reduced(a_.numel());
-    } else if (op == "reduce" || op == "broadcast") {
-      got = a_;
-      want = input_of(op == "broadcast" ? cfg_.root : r_, a_.numel());
-    } else if (op == "allgather" || (op == "gather" && r_ == cfg_.root)) {
-      got = b_;
-      std::vector<at::Tensor> parts;
-      for (int r = 0; r < n_; ++r) parts.push_back(input_of(r, block));
-      want = at::cat(parts);
-    } else if (op == "gather") {
-      return 0;
-    } else if (op == "scatter") {
-      got = b_;
-      want = input_of(cfg_.root, block * n_).narrow(0, r_ * block, block);
-    } else if (op == "reduce_scatter") {
-      got = b_;
-      want = reduced(block * n_).narrow(0, r_ * block, block);
-    } else {  // alltoall: block r of rank s's input
-      got = b_;
-      std::vector<at::Tensor> parts;
-      for (int s = 0; s < n_; ++s) parts.push_back(input_of(s, block * n_).narrow(0, r_ * block, block));
-      want = at::cat(parts);
-    }
-    auto diff = at::abs(got.to(at::kCPU).to(at::kDouble) - want) > 1e-3 * (at::abs(want) + 1);
-    return diff.sum().item<int64_t>();
+    const bool in_a = op == "allreduce" || op == "broadcast" || op == "reduce";
+    return count_wrong(in_a ? a_ : b_, expected_output(op, redop_, dtype_, r_, n_, cfg_.root, count_));
   }
 
  private:

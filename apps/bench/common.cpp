@@ -95,16 +95,16 @@ std::string capture_output(const std::string& command, int* status) {
 }
 
 std::string find_script(const std::string& name) {
-  // <build>/apps/bench/tdist-bench -> <source>/scripts/<name>
-  const std::string rel = "/scripts/" + name;
-  for (std::string dir = self_exe();;) {
-    auto slash = dir.find_last_of('/');
-    if (slash == std::string::npos || slash == 0) break;
-    dir = dir.substr(0, slash);
-    if (std::ifstream(dir + rel).good()) return dir + rel;
-    if (std::ifstream(dir + "/.." + rel).good()) return dir + "/.." + rel;
+  // Beside the binary (the build tree copies them there), or where `cmake --install` puts them.
+  const std::string exe = self_exe();
+  const std::string dir = exe.substr(0, exe.find_last_of('/'));
+  const std::string places[] = {dir + "/" + name, dir + "/../share/tdist/scripts/" + name};
+  for (const std::string& p : places) {
+    if (std::ifstream(p).good()) return p;
   }
-  return "scripts/" + name;
+  TDIST_THROW(InvalidArgument, "tdist-bench: cannot find ", name, " beside ", exe, " (", places[0],
+              ") nor where cmake --install puts it (", places[1],
+              "); copy it there, or name it with --torch-script where the subcommand takes one");
 }
 
 void draw_plot(const std::string& python, const std::string& kind, const std::string& json_path,

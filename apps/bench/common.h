@@ -53,8 +53,10 @@ bool in_path(const std::string& program);
 // in *status. std::runtime_error when it cannot be started.
 std::string capture_output(const std::string& command, int* status);
 
-// <dir>/scripts/<name> for the nearest directory above this executable that has it (the source
-// tree of a build directory inside it or beside it); "scripts/<name>" when none does.
+// The path of the Python script `name` that tdist-bench runs (its anchors, its plots): beside
+// this executable (the build copies them there) or in <prefix>/share/tdist/scripts (where
+// `cmake --install` puts them, beside <prefix>/bin). InvalidArgument naming both places when
+// neither has it: the build machine's source tree is never assumed.
 std::string find_script(const std::string& name);
 
 // Draws `json_path` (what a subcommand wrote with --json) as a PNG at `png` with

@@ -54,7 +54,7 @@ struct Config {
   bool compare_torch = true;
   bool skip_world1 = false;
   std::string python = "python3";
-  std::string torch_script = TDIST_BENCH_DDP_TORCH_SCRIPT;
+  std::string torch_script;  // --torch-script; empty: find_script("bench_ddp_torch.py")
   std::vector<int> world_sizes{2};  // world_size takes each in turn
   std::string device = "cpu";       // --device: cpu or cuda
   c10::Device dev{c10::kCPU};       // what it resolved to in this process
@@ -295,6 +295,7 @@ int run_ddp_bench(int argc, char** argv) {
   return run_or_report("tdist-bench ddp", [&] {
     if (c.worker) return worker_main(c);
     if (c.bound_worker) return bound_worker_main(c);
+    if (c.compare_torch && c.torch_script.empty()) c.torch_script = find_script("bench_ddp_torch.py");
     c.dev = apps::resolve_device("--device", c.device);
     torch::set_num_threads(c.threads);
     RoundTrips trips;  // Note [Core-to-core round trip] in bounds.h

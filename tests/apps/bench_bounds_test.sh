@@ -5,7 +5,7 @@
 # figure / bound, fails); bad flags exit 2 with the reason.
 #   bench_bounds_test.sh MODE <tdist-run> <tdist-bench> <python> <plot_bench.py>
 # MODE: collective-shm, collective-tcp, anchor-mpi (exit 77, ctest's skip, without mpirun),
-#       anchor-gloo, ddp, rpc, net, bad-flags, plot.
+#       anchor-gloo, scripts, ddp, rpc, net, bad-flags, plot.
 set -euo pipefail
 mode="$1"; run="$2"; bench="$3"; python="$4"; plot="$5"
 work="$(mktemp -d "${TMPDIR:-/tmp}/tdist-bench-bounds-XXXXXX")"
@@ -147,6 +147,22 @@ assert "bound: TCP ping-pong of 64 bytes" in text and "bound: memcpy" in text, t
 print("rpc bounds ok")
 EOF
     check_round_trip "$work/r.json" "$work/r.out" "the rounds"
+    ;;
+  scripts)
+    # Its Python scripts are found beside the binary or in <prefix>/share/tdist/scripts, never in
+    # the build machine's source tree: the binary copied alone names both places and the flag;
+    # with its script where `cmake --install` puts it, the gloo anchor runs.
+    "$python" -c "import torch.distributed" 2>/dev/null || { echo "SKIP: no torch for $python"; exit 77; }
+    mkdir -p "$work/prefix/bin" "$work/prefix/share/tdist/scripts"
+    cp "$bench" "$work/prefix/bin/"
+    bench="$work/prefix/bin/tdist-bench"
+    expect_usage_error "cannot find bench_ddp_torch.py beside $bench" "$bench" ddp --world-size 2
+    expect_usage_error "--torch-script" "$bench" ddp --world-size 2
+    expect_usage_error "cannot find bench_gloo.py" "$bench" collective --anchor gloo \
+      --init-method "tcp://127.0.0.1:1?rank=0&world_size=1"
+    cp "$(dirname "$plot")/bench_gloo.py" "$work/prefix/share/tdist/scripts/"
+    collective --anchor gloo --python "$python"
+    check_collective "single-thread memcpy" gloo
     ;;
   bad-flags)
     expect_usage_error "--anchor: foo not in {none,mpi,gloo}" "$bench" collective --anchor foo
