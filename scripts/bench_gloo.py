@@ -88,7 +88,10 @@ def gloo_worker(args):
         block = count // n
 
         def inp(rank, numel):
-            return ((torch.arange(numel, device=dev) + rank * 3) % 5 + 1).float()
+            # Drawn per rank (as tdist-bench's apps/bench/check.h): each value depends on the rank
+            # and the position, so a misplaced block counts as wrong; 1..5 keeps sums exact.
+            gen = torch.Generator().manual_seed(0x7D15 + rank)
+            return torch.randint(1, 6, (numel,), generator=gen).float().to(dev)
 
         a = b = None
         if args.op in ("allreduce", "broadcast", "reduce"):
