@@ -19,9 +19,13 @@
 #include <thread>
 
 #include <nlohmann/json.hpp>
+#include <openssl/crypto.h>
+#include <openssl/rand.h>
 
 #include "apps/bench/common.h"
 #include "tdist/core/env.h"
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
 
 namespace tdist::bench {
 namespace {
@@ -141,13 +145,16 @@ TcpLink::~TcpLink() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-TcpLink TcpLink::connect(const std::string& host, int port, double timeout_s) {
+TcpLink TcpLink::connect(const std::string& host, int port, const std::string& key,
+                         double timeout_s) {
   const auto deadline = net::Clock::now() + std::chrono::duration_cast<net::Clock::duration>(
                                                 std::chrono::duration<double>(timeout_s));
   const int fd = net::connect_to(host, static_cast<uint16_t>(port), deadline, "the bound's peer");
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL, 0) & ~O_NONBLOCK);  // send_all/recv_all block
   set_no_delay(fd);
-  return TcpLink(fd);
+  TcpLink link(fd);
+  link.send_all(key.data(), key.size());
+  return link;
 }
 
 void TcpLink::send_all(const void* data, size_t n) {
@@ -173,12 +180,48 @@ void TcpLink::recv_all(void* data, size_t n) {
   }
 }
 
-TcpListener::TcpListener(const std::string& host) : listener_(host, 0, 4) {}
+namespace {
+
+std::string random_key() {
+  unsigned char bytes[16];
+  TDIST_CHECK(RAND_bytes(bytes, sizeof(bytes)) == 1, "RAND_bytes failed");
+  static const char kHex[] = "0123456789abcdef";
+  std::string key;
+  for (unsigned char b : bytes) {
+    key += kHex[b >> 4];
+    key += kHex[b & 15];
+  }
+  return key;
+}
+
+}  // namespace
+
+TcpListener::TcpListener(const std::string& host) : listener_(host, 0, 4), key_(random_key()) {}
 
 TcpLink TcpListener::accept() {
-  const int fd = listener_.accept(net::kNoDeadline);
-  set_no_delay(fd);
-  return TcpLink(fd);
+  for (;;) {
+    TcpLink link(listener_.accept(net::kNoDeadline));
+    ::timeval wait{1, 0};  // a peer that connects but says nothing holds the port this long
+    ::setsockopt(link.fd_, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof(wait));
+    std::string got(key_.size(), '\0');
+    const bool ok = [&] {
+      try {
+        link.recv_all(got.data(), got.size());
+      } catch (const std::runtime_error&) {
+        return false;
+      }
+      return CRYPTO_memcmp(got.data(), key_.data(), key_.size()) == 0;
+    }();
+    if (!ok) {
+      TDIST_LOG_WARN("tdist-bench: closed a connection to the bound's port ", port(),
+                     " that did not present its key");
+      continue;
+    }
+    ::timeval none{0, 0};
+    ::setsockopt(link.fd_, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+    set_no_delay(link.fd_);
+    return link;
+  }
 }
 
 std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, int warmup, int iters) {
@@ -196,7 +239,7 @@ std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, in
   });
 }
 
-void serve_tcp_bounds(TcpLink& link) {
+void serve_tcp_bounds(TcpLink& link, size_t max_bytes) {
   std::vector<char> buf;
   for (;;) {
     BatchHeader h{};
@@ -205,6 +248,8 @@ void serve_tcp_bounds(TcpLink& link) {
     } catch (const std::runtime_error&) {
       return;  // the measuring end closed the link: done
     }
+    TDIST_CHECK_ARG(h.bytes <= max_bytes, "tdist-bench: the bound's peer asked for transfers of ",
+                    h.bytes, " bytes; this benchmark measures at most ", max_bytes);
     buf.resize(h.bytes > 0 ? h.bytes : 1);
     const char ack = 1;
     for (uint32_t i = 0; i < h.count; ++i) {

@@ -60,27 +60,37 @@ class TcpLink {
   TcpLink& operator=(TcpLink&&) = delete;
   ~TcpLink();
 
-  // Connects to host:port, retrying refused connections for up to `timeout_s` seconds.
-  static TcpLink connect(const std::string& host, int port, double timeout_s = 30);
+  // Connects to host:port, retrying refused connections for up to `timeout_s` seconds, and
+  // presents `key` (TcpListener::key of the listener there, passed through the job's store).
+  static TcpLink connect(const std::string& host, int port, const std::string& key,
+                         double timeout_s = 30);
 
   void send_all(const void* data, size_t n);
   void recv_all(void* data, size_t n);
 
  private:
+  friend class TcpListener;  // sets its receive timeout while it checks the key
   int fd_;
 };
 
-// A listening TCP socket on `host` (an address or host name; "0.0.0.0": every interface) and a
-// port the kernel picks. Closed on destruction.
+// A listening TCP socket on `host` (an address or host name: the one this rank publishes, not
+// every interface) and a port the kernel picks, with a random key of its own. Closed on
+// destruction.
 class TcpListener {
  public:
   explicit TcpListener(const std::string& host);
 
   int port() const { return listener_.port(); }
+  // What a peer presents first (TcpLink::connect): the measuring rank reads it from the job's
+  // store, so a stranger who reaches the port cannot use it.
+  const std::string& key() const { return key_; }
+  // The first connection that presents the key within a second of connecting; others are
+  // closed (with one WARN line each) and the wait goes on.
   TcpLink accept();
 
  private:
   net::Listener listener_;
+  const std::string key_;
 };
 
 enum class TcpPattern {
@@ -92,7 +102,9 @@ enum class TcpPattern {
 // this end of `link` and serve_tcp_bounds() at the other.
 std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, int warmup, int iters);
 
-// The other end of time_tcp(): answers its batches until the link is closed, then returns.
-void serve_tcp_bounds(TcpLink& link);
+// The other end of time_tcp(): answers its batches until the link is closed, then returns. A
+// batch of transfers larger than `max_bytes` (the largest size the benchmark measures) throws
+// InvalidArgument before anything is allocated.
+void serve_tcp_bounds(TcpLink& link, size_t max_bytes);
 
 }  // namespace tdist::bench

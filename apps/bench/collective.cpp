@@ -258,12 +258,15 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
     const bool one_host = num_hosts == 1;
     const char* transport = std::getenv("TDIST_TRANSPORT");
     const bool tcp = n >= 2 && (!one_host || (transport && std::string(transport) == "tcp"));
+    // The peer listens on loopback when every rank is on this host, else on the address it
+    // publishes; never on every interface.
+    store.set(prefix + "bound-loopback", one_host ? "1" : "0");
     store.set(prefix + "bound-peer", std::to_string(tcp ? peer : -1));
     if (tcp) {
       const std::string addr = store.get_string(prefix + "tcp-peer");
       const auto colon = addr.rfind(':');
-      TcpLink link = TcpLink::connect(one_host ? "127.0.0.1" : addr.substr(0, colon),
-                                      std::stoi(addr.substr(colon + 1)));
+      TcpLink link = TcpLink::connect(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)),
+                                      store.get_string(prefix + "tcp-key"));
       const bool shared_link = num_hosts >= 2 && num_hosts < n &&
                                (cfg.op == "allreduce" || cfg.op == "allgather" || cfg.op == "reduce_scatter");
       const double factor = shared_link ? (n - 1.0) / n * num_hosts / (num_hosts - 1.0) : 1.0;
@@ -296,10 +299,14 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
     store.set(prefix + "done", "1");
   } else {
     if (std::stoi(store.get_string(prefix + "bound-peer")) == rank) {
-      TcpListener listener("0.0.0.0");
-      store.set(prefix + "tcp-peer", net::local_address(store.server_host()) + ":" + std::to_string(listener.port()));
+      const std::string host = store.get_string(prefix + "bound-loopback") == "1"
+                                   ? "127.0.0.1"
+                                   : net::local_address(store.server_host());
+      TcpListener listener(host);
+      store.set(prefix + "tcp-key", listener.key());  // before the address the peer waits for
+      store.set(prefix + "tcp-peer", host + ":" + std::to_string(listener.port()));
       TcpLink link = listener.accept();
-      serve_tcp_bounds(link);
+      serve_tcp_bounds(link, std::max<size_t>(parse_bytes(cfg.max_bytes), 1));
     }
     store.wait({prefix + "done"}, Millis(2 * 3600 * 1000));
   }

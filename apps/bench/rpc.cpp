@@ -135,13 +135,13 @@ std::vector<double> time_ring_pingpong(size_t bytes, int warmup, int iters) {
 
 void measure_bounds(const Options& o, json& r) {
   TcpListener listener("127.0.0.1");
-  std::thread server([&listener] {
-    TcpLink link = listener.accept();
-    serve_tcp_bounds(link);
-  });
   const size_t echo_bytes = r["echo_bytes"].get<size_t>();
+  std::thread server([&listener, most = std::max<size_t>(o.bound_bytes, echo_bytes)] {
+    TcpLink link = listener.accept();
+    serve_tcp_bounds(link, most);
+  });
   try {
-    TcpLink link = TcpLink::connect("127.0.0.1", listener.port());
+    TcpLink link = TcpLink::connect("127.0.0.1", listener.port(), listener.key());
     r["pingpong_bytes"] = o.bound_bytes;
     r["pingpong_us"] =
         median(time_tcp(link, TcpPattern::kPingPong, o.bound_bytes, o.warmup, o.rtt_iters)) * 1e6;
@@ -151,7 +151,7 @@ void measure_bounds(const Options& o, json& r) {
     // The link is closed, so a server thread that accepted it returns; one still in accept()
     // (connect failed) is released by one more connection, closed at once.
     try {
-      TcpLink::connect("127.0.0.1", listener.port(), 1);
+      TcpLink::connect("127.0.0.1", listener.port(), listener.key(), 1);
     } catch (...) {
     }
     server.join();
