@@ -13,8 +13,8 @@
 //   host).
 //
 // Note [Shared-memory negotiation]
-//   Runs once on each pair's collective TCP connection, right after the mesh is built (so the
-//   peer proved it has the job's token) and before any collective byte. Five steps, every rank
+//   Runs once on each pair's collective TCP connection, right after the mesh is built (whose
+//   handshake checked the job's token, when there is one) and before any collective byte. Five steps, every rank
 //   doing each for all its peers before the next, so that no rank waits in a cycle:
 //   1. The lower rank creates a segment (a memfd sealed against resizing, mode 0600) and a local
 //      link (comm/transport/shm/local_link.h: a Unix socket listening on a fresh random abstract
@@ -41,6 +41,9 @@
 //   comm/algorithms/algorithms.h) only when the kernel lets it and the process is not its own:
 //   ranks that are threads of one process share memory rings but never single copies, and a
 //   link that leads back to our own process gives no one a way to aim our copies at ourselves.
+//   Ranks in different network namespaces cannot reach each other's link (the abstract
+//   namespace is per network namespace) and use TCP, even when TDIST_HOST_ID calls them one
+//   host.
 //   No segment has a name, so none can be opened, replaced or left behind by anyone, and every
 //   link socket and descriptor is closed when the negotiation ends. The link is never waited
 //   on: its bytes are written before the TCP byte that announces them.

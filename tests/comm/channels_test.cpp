@@ -193,6 +193,7 @@ TEST(ChannelSecurity, RanksInOneProcessShareRingsButNeverReadEachOther) {
 //   "open_mode": a segment of our user that everyone may open (0666);
 //   "too_large": a ring of 16 MiB to a victim that agreed to 2 MiB;
 //   "wrong_size": a ring of 2 MiB in a segment of 16 MiB;
+//   "other_pair": an honest segment behind a link that answers with another pair's hello;
 //   "shrink":    a segment not sealed, cut to nothing once the victim answered (then one byte
 //                on the connection tells the victim to use the channel).
 TDIST_TEST_CHILD(channels_hostile_segment) {
@@ -231,7 +232,10 @@ TDIST_TEST_CHILD(channels_hostile_segment) {
   if (answer[0] == 1) {
     const Bytes hello = hello_of(nonce, 0, 1);
     const int link = listener->accept_hello(hello, &why);
-    sent = link >= 0 && shm::send_with_fd(link, hello, fd, &why);
+    // "other_pair": the link answers with another pair's hello, as a link relayed from another
+    // pair (made by another process for rank 0 and rank 2) would.
+    const Bytes reply = attack == "other_pair" ? hello_of(nonce, 0, 2) : hello;
+    sent = link >= 0 && shm::send_with_fd(link, reply, fd, &why);
   }
   send(conn, Bytes{static_cast<uint8_t>(sent ? 1 : 0)});
   uint8_t mapped = 0;
@@ -275,6 +279,10 @@ TEST(ChannelSecurity, ASegmentOthersMayWriteIsRefused) { expect_refused("open_mo
 TEST(ChannelSecurity, ARingLargerThanThisRankAgreedToIsRefused) { expect_refused("too_large"); }
 
 TEST(ChannelSecurity, ASegmentLargerThanItsRingIsRefused) { expect_refused("wrong_size"); }
+
+// A lower rank cannot hand on a link that another pair's ranks made (whose process the kernel
+// would then name): the link must answer with the hello of this pair.
+TEST(ChannelSecurity, ALinkThatAnswersForAnotherPairIsRefused) { expect_refused("other_pair"); }
 
 // The victim, in a child process of its own (a SIGBUS must not end the test binary): rank 1 of
 // the mesh; once told, it writes into its channel to rank 0. Exit 0: it survived.
