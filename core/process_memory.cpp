@@ -3,20 +3,16 @@
 #include <errno.h>
 #include <sys/uio.h>
 
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
-#include <random>
+#include <fstream>
+#include <string>
 
 #include "tdist/core/error.h"
 
 namespace tdist {
 namespace {
-
-uint64_t random_nonzero() {
-  std::random_device rd;
-  uint64_t v = 0;
-  while (v == 0) v = (uint64_t(rd()) << 32) ^ rd();
-  return v;
-}
 
 // process_vm_readv or process_vm_writev until every byte moved.
 template <typename Call>
@@ -56,16 +52,21 @@ void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) {
   }
 }
 
-ProcessCanary process_canary() {
-  static const uint64_t value = random_nonzero();
-  return ProcessCanary{reinterpret_cast<uint64_t>(&value), value};
-}
-
-bool can_read_process(pid_t pid, const ProcessCanary& canary) {
-  if (pid <= 0 || canary.value == 0) return false;
-  uint64_t seen = 0;
-  return try_read_process_memory(pid, canary.address, &seen, sizeof(seen)) == 0 &&
-         seen == canary.value;
+bool can_read_process(pid_t pid) {
+  if (pid <= 0) return false;
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    uint64_t start = 0, end = 0;
+    char perms[8] = {};
+    if (std::sscanf(line.c_str(), "%" SCNx64 "-%" SCNx64 " %4s", &start, &end, perms) != 3) {
+      continue;
+    }
+    if (perms[0] != 'r' || end <= start) continue;
+    uint8_t byte = 0;
+    return try_read_process_memory(pid, start, &byte, 1) == 0;
+  }
+  return false;
 }
 
 }  // namespace tdist

@@ -7,10 +7,12 @@
 // The kernel lets us read a process when we may ptrace it: the same user and, under Yama's
 // ptrace_scope 1, only a descendant, or a process that named us; containers often forbid it.
 // A peer's pid is also only meaningful in our own PID namespace. So neither side assumes it
-// works: the reader checks by reading the peer's canary (ProcessCanary: a random value at an
-// address the peer announced) and compares it with the value the peer announced. Only a
-// reader that found the right value uses the path; anyone else falls back to copying through
-// sockets or shared memory.
+// works, and neither takes a peer's word for which process it is: the collectives learn the
+// peer's pid from the kernel (SO_PEERCRED on the local link, comm/transport/shm/local_link.h),
+// RPC checks the pid a peer names against the kernel's tables (rpc/detail/same_host.h), and
+// both then probe with can_read_process(). No address of ours is ever sent to a peer to prove
+// anything. Anyone who cannot use the path falls back to copying through sockets or shared
+// memory.
 //
 // Thread safety: every function may be called from any thread.
 
@@ -32,16 +34,9 @@ int try_read_process_memory(pid_t pid, uint64_t address, void* out, size_t size)
 // allows it exactly when it allows reading). 0 when every byte was written, else the errno.
 int try_write_process_memory(pid_t pid, uint64_t address, const void* in, size_t size) noexcept;
 
-// This process's canary: a random 64-bit value (never 0), fixed for the process's life, and
-// its address.
-struct ProcessCanary {
-  uint64_t address;
-  uint64_t value;
-};
-ProcessCanary process_canary();
-
-// Whether process `pid` can be read here and is the process that announced `canary`: reads the
-// canary's address and compares. Never throws.
-bool can_read_process(pid_t pid, const ProcessCanary& canary);
+// Whether the kernel lets this process read process `pid`'s memory: reads one byte of its first
+// readable mapping (/proc/<pid>/maps). Says nothing about who `pid` is: callers learn that
+// from the kernel (SO_PEERCRED, /proc), never from the peer. Never throws.
+bool can_read_process(pid_t pid);
 
 }  // namespace tdist

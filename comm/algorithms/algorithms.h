@@ -284,9 +284,11 @@ void broadcast_pipelined(Context& c, char* data, size_t bytes, int root,
 // Note [Single-copy collectives]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Through a shared-memory ring every byte is copied twice: by the sender into the ring and by
-// the receiver out of it. When all of a group's ranks are processes of one host that may read
-// each other's memory (checked at set-up on each peer's canary: core/process_memory.h, Note
-// [Shared-memory negotiation] in transport/channels.h), a large allgather or broadcast copies
+// the receiver out of it. When all of a group's ranks are distinct processes of one host that
+// may read each other's memory (at set-up the kernel names each peer's process, never the peer
+// itself, and ranks that are threads of one process are never read: Note [Shared-memory
+// negotiation] in transport/channels.h, core/process_memory.h), a large allgather or broadcast
+// copies
 // each byte once instead: every rank tells the ranks that need its data where that data is
 // (an 8-byte address over the collective channel), each of them copies it straight into its
 // own output with process_vm_readv, and each then tells the owner it is done (one byte), so no

@@ -166,6 +166,7 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
       env::get_int("TDIST_SHM_BYTES", static_cast<int64_t>(copts.shm_capacity),
                    static_cast<int64_t>(shm::kMinCapacity), static_cast<int64_t>(shm::kMaxCapacity)));
   if (opts_.host) copts.host = *opts_.host;
+  copts.group = tcp::fnv1a(prefix_);
   auto channels = make_channels(*mesh_, 0, copts, setup_deadline);
   channels_ = std::move(channels.peers);
   hierarchy_ = find_hierarchy(channels.hosts, rank_);

@@ -5,10 +5,8 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
-#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -16,6 +14,7 @@
 #include <vector>
 
 #include "tdist/core/error.h"
+#include "tdist/core/process_memory.h"
 
 namespace tdist::rpc::detail {
 namespace {
@@ -111,27 +110,6 @@ bool holds_socket(pid_t pid, uint64_t inode, std::string* why) {
   return found;
 }
 
-bool can_read_memory(pid_t pid, std::string* why) {
-  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    uint64_t start = 0, end = 0;
-    char perms[8] = {};
-    if (std::sscanf(line.c_str(), "%" SCNx64 "-%" SCNx64 " %4s", &start, &end, perms) != 3) {
-      continue;
-    }
-    if (perms[0] != 'r' || end <= start) continue;
-    uint8_t byte = 0;
-    struct iovec local = {&byte, 1};
-    struct iovec remote = {reinterpret_cast<void*>(start), 1};
-    if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) == 1) return true;
-    *why = str("process_vm_readv of process ", pid, ": ", std::strerror(errno));
-    return false;
-  }
-  *why = str("no readable mapping of process ", pid);
-  return false;
-}
-
 }  // namespace
 
 bool peer_is_local_process(int fd, pid_t pid, std::string* why) {
@@ -160,7 +138,12 @@ bool peer_is_local_process(int fd, pid_t pid, std::string* why) {
     *why = str("process ", pid, " does not exist or runs as another user");
     return false;
   }
-  return holds_socket(pid, inode, why) && can_read_memory(pid, why);
+  if (!holds_socket(pid, inode, why)) return false;
+  if (!can_read_process(pid)) {
+    *why = str("the kernel does not let this process read process ", pid);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace tdist::rpc::detail

@@ -9,8 +9,8 @@
 //      effective uid;
 //   2. process `pid` runs as our effective uid and holds that socket (a descriptor in
 //      /proc/<pid>/fd that is socket:[its inode]);
-//   3. process_vm_readv of one byte of `pid`'s first readable mapping succeeds (the kernel's
-//      ptrace policy allows the fast path at all).
+//   3. the kernel lets us read `pid`'s memory at all (can_read_process in
+//      core/process_memory.h: its ptrace policy).
 // A peer on another host, in another network namespace or PID namespace, of another user, or
 // one that names a process that does not hold its socket (e.g. ours) fails one of them.
 // Thread safety: stateless; blocking only on /proc reads.

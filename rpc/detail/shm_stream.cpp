@@ -74,7 +74,8 @@ std::unique_ptr<ShmStream> ShmStream::open(pid_t pid, int fd, uint64_t tag, uint
                             " bytes (accepted: ", kMinStreamBytes, " to ", kMaxStreamBytes, ")"));
   }
   std::optional<PeerMapping> p =
-      map_peer_memfd(pid, fd, kMemfdName, "shared-memory stream", kStreamDataOffset + capacity, why);
+      map_peer_memfd(pid, fd, kMemfdName, "shared-memory stream", kStreamDataOffset + capacity,
+                     kStreamDataOffset + capacity, why);
   if (!p) return nullptr;
   std::unique_ptr<ShmStream> s(new ShmStream(false, p->base, p->length, -1, tag, capacity));
   const Shared& h = *s->shared_;

@@ -96,7 +96,8 @@ std::optional<SealedMemfd> create_sealed_memfd(const char* name, uint64_t bytes)
 }
 
 std::optional<PeerMapping> map_peer_memfd(pid_t pid, int fd, const char* name, const char* what,
-                                          uint64_t min_bytes, std::string* why) {
+                                          uint64_t min_bytes, uint64_t max_bytes,
+                                          std::string* why) {
   const std::string path = str("/proc/", pid, "/fd/", fd);
   char target[256] = {};
   if (::readlink(path.c_str(), target, sizeof(target) - 1) <= 0) {
@@ -119,6 +120,11 @@ std::optional<PeerMapping> map_peer_memfd(pid_t pid, int fd, const char* name, c
     ::close(opened);
     throw ProtocolError(str("peer named descriptor ", fd, " (", target, ") as a ", what,
                             ": not one"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    ::close(opened);
+    throw ProtocolError(str("peer named descriptor ", fd, " (", target, ") as a ", what, " of ",
+                            st.st_size, " bytes, more than the ", max_bytes, " it can need"));
   }
   const int seals = ::fcntl(opened, F_GET_SEALS);
   if (seals < 0 || (seals & kSeals) != kSeals) {
@@ -271,8 +277,12 @@ std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
                               " shared-memory slots at once"));
     }
     std::string why;
-    std::optional<PeerMapping> p = map_peer_memfd(pid, ref.fd, kMemfdName, "shared-memory slot",
-                                                   kShmHeaderBytes, &why);
+    // The sender made this slot for this tensor or one at most twice as large (ShmSlots::put
+    // reuses a slot for at least half its capacity): nothing larger is mapped.
+    const uint64_t most = std::min<uint64_t>(meta.nbytes, uint64_t{1} << 61);
+    std::optional<PeerMapping> p =
+        map_peer_memfd(pid, ref.fd, kMemfdName, "shared-memory slot", kShmHeaderBytes,
+                       kShmHeaderBytes + page_rounded(2 * most + 1), &why);
     if (!p) {
       TDIST_LOG_DEBUG("rpc: ", why, "; reading its tensors with process_vm_readv");
       disabled_ = true;

@@ -154,14 +154,16 @@ std::optional<SealedMemfd> create_sealed_memfd(const char* name, uint64_t bytes)
 
 // The peer's memfd `fd`, opened through /proc/<pid>/fd and mapped read-write (the caller
 // unmaps it). nullopt when /proc does not let us see, open or map it (`why` says why; the caller
-// falls back); ProtocolError when the descriptor is not a memfd named `name` of at least
-// `min_bytes` bytes sealed against resizing (`what` names it in the message).
+// falls back); ProtocolError when the descriptor is not a memfd named `name` of `min_bytes` to
+// `max_bytes` bytes sealed against resizing (`what` names it in the message): the size of what
+// is mapped (and populated) is bounded by what the caller expects, never the peer's choice.
 struct PeerMapping {
   void* base = nullptr;
   size_t length = 0;
 };
 std::optional<PeerMapping> map_peer_memfd(pid_t pid, int fd, const char* name, const char* what,
-                                          uint64_t min_bytes, std::string* why);
+                                          uint64_t min_bytes, uint64_t max_bytes,
+                                          std::string* why);
 
 // The first word of a slot's header page ("TDSHMBUF"); the slot's tag and capacity follow.
 constexpr uint64_t kShmSlotMagic = 0x4655424d48534454;

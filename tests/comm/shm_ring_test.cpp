@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -33,11 +35,12 @@ struct Pair {
   RingHeader* headers = nullptr;  // [0]: lower -> upper, [1]: upper -> lower
 
   Pair() {
-    const std::string name = "/tdist-ring-test-" + std::to_string(::getpid());
-    auto created = Segment::create(name, segment_bytes(kCapacity));
-    auto opened = Segment::open(name, segment_bytes(kCapacity));
-    Segment::unlink(name);
-    if (!created || !opened) return;
+    auto created = Segment::create(segment_bytes(kCapacity));
+    if (!created) return;
+    std::string why;
+    auto opened = Segment::map_peer(created->fd(), segment_bytes(kCapacity), &why);
+    created->close_fd();
+    if (!opened) return;
     headers = reinterpret_cast<RingHeader*>(opened->data());
     int fds[2];
     if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds) != 0) return;
@@ -48,6 +51,46 @@ struct Pair {
   }
   bool ok() const { return lower && upper; }
 };
+
+// A peer's segment is mapped only when it is what Segment::create makes: a regular file of our
+// uid that no one else may open, exactly the agreed size, sealed against resizing.
+TEST(ShmSegment, OnlyASealedPrivateSegmentOfTheAgreedSizeIsMapped) {
+  const size_t bytes = segment_bytes(kCapacity);
+  auto good = Segment::create(bytes);
+  if (!good) GTEST_SKIP() << "no shared memory here";
+  std::string why;
+  EXPECT_TRUE(Segment::map_peer(good->fd(), bytes, &why)) << why;
+  EXPECT_FALSE(Segment::map_peer(good->fd(), bytes - 4096, &why));  // not the agreed size
+  EXPECT_NE(why.find("not the"), std::string::npos) << why;
+  EXPECT_EQ(::ftruncate(good->fd(), 0), -1);  // sealed: its creator cannot shrink it
+  auto made = [&](int mode, bool seal) {
+    const int fd = ::memfd_create("tdist-segment-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    EXPECT_EQ(::fchmod(fd, mode), 0);
+    if (seal) {
+      EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    }
+    return fd;
+  };
+  int fd = made(0600, false);
+  EXPECT_FALSE(Segment::map_peer(fd, bytes, &why));
+  EXPECT_NE(why.find("not sealed"), std::string::npos) << why;
+  ::close(fd);
+  fd = made(0666, true);
+  EXPECT_FALSE(Segment::map_peer(fd, bytes, &why));
+  EXPECT_NE(why.find("mode"), std::string::npos) << why;
+  ::close(fd);
+  if (::geteuid() == 0) {
+    fd = made(0600, true);
+    ASSERT_EQ(::fchown(fd, 65534, 65534), 0);
+    EXPECT_FALSE(Segment::map_peer(fd, bytes, &why));
+    EXPECT_NE(why.find("uid"), std::string::npos) << why;
+    ::close(fd);
+  }
+  fd = made(0600, true);
+  EXPECT_TRUE(Segment::map_peer(fd, bytes, &why)) << why;
+  ::close(fd);
+}
 
 long write_bytes(Channel& ch, const std::string& s) {
   iovec iov{const_cast<char*>(s.data()), s.size()};
@@ -64,7 +107,7 @@ std::string read_bytes(Channel& ch, size_t n) {
 
 TEST(ShmRing, BytesCrossInOrderAndPeekShowsThem) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   ASSERT_EQ(write_bytes(*p.lower, "hello"), 5);
   iovec spans[2];
   ASSERT_EQ(p.upper->peek(spans), 5);
@@ -76,7 +119,7 @@ TEST(ShmRing, BytesCrossInOrderAndPeekShowsThem) {
 
 TEST(ShmRing, HeadBeyondTheRingFailsPeekAndReadWithEproto) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   ASSERT_EQ(write_bytes(*p.lower, "abc"), 3);
   // The "sender" claims more unread bytes than the ring holds: a span past the mapping.
   p.headers[0].head.store(kCapacity + 100);
@@ -96,7 +139,7 @@ TEST(ShmRing, HeadBeyondTheRingFailsPeekAndReadWithEproto) {
 
 TEST(ShmRing, HeadBehindOurTailFailsWithEproto) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   ASSERT_EQ(write_bytes(*p.lower, "abcdef"), 6);
   ASSERT_EQ(read_bytes(*p.upper, 6), "abcdef");
   p.headers[0].head.store(2);  // moves backwards: 2 - 6 wraps to almost 2^64 readable bytes
@@ -108,7 +151,7 @@ TEST(ShmRing, HeadBehindOurTailFailsWithEproto) {
 
 TEST(ShmRing, TailAheadOfOurHeadFailsWritesWithEproto) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   ASSERT_EQ(write_bytes(*p.lower, "abc"), 3);
   // The "receiver" claims to have consumed bytes never written: more space than the ring has.
   p.headers[0].tail.store(1000);
@@ -119,7 +162,7 @@ TEST(ShmRing, TailAheadOfOurHeadFailsWritesWithEproto) {
 
 TEST(ShmRing, RewrittenOwnCountersInTheSegmentChangeNothing) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   ASSERT_EQ(write_bytes(*p.lower, "first"), 5);
   ASSERT_EQ(read_bytes(*p.upper, 5), "first");
   // The segment's tail of this ring goes back to 0 (as if the receiver had read nothing): the
@@ -153,7 +196,7 @@ std::future<bool> sleep_reading(Pair& p, steady_clock::time_point deadline) {
 
 TEST(ShmRing, ASleeperIsWokenThroughItsBellNotTheSocket) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   auto woke = sleep_reading(p, steady_clock::now() + kLong);
   EXPECT_EQ(p.headers[0].reader_waiting.load(), kWakeByBell);
   const uint32_t bell = p.headers[0].bell.load();
@@ -167,7 +210,7 @@ TEST(ShmRing, ASleeperIsWokenThroughItsBellNotTheSocket) {
 
 TEST(ShmRing, ASleepingWriterIsWokenWhenSpaceFrees) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   ASSERT_EQ(write_bytes(*p.lower, std::string(kCapacity, 'x')), static_cast<long>(kCapacity));
   auto woke = std::async(std::launch::async, [&] {
     return p.lower->wait_alone(false, true, steady_clock::now() + kLong);
@@ -181,7 +224,7 @@ TEST(ShmRing, ASleepingWriterIsWokenWhenSpaceFrees) {
 
 TEST(ShmRing, DataAlreadyThereMeansNoSleep) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   ASSERT_EQ(write_bytes(*p.lower, "x"), 1);
   // A deadline in the past: only a wait that never sleeps can say "ready".
   EXPECT_TRUE(p.upper->wait_alone(true, false, steady_clock::now() - std::chrono::seconds(1)));
@@ -190,7 +233,7 @@ TEST(ShmRing, DataAlreadyThereMeansNoSleep) {
 
 TEST(ShmRing, ASleeperTimesOutAtItsDeadline) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   const auto deadline = steady_clock::now() + std::chrono::milliseconds(50);
   EXPECT_FALSE(p.upper->wait_alone(true, false, deadline));
   EXPECT_GE(steady_clock::now(), deadline);
@@ -199,7 +242,7 @@ TEST(ShmRing, ASleeperTimesOutAtItsDeadline) {
 
 TEST(ShmRing, ASleeperNoticesThePeerIsGone) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   auto woke = sleep_reading(p, steady_clock::now() + kLong);
   p.lower_conn->shutdown();  // what a dead peer's kernel does to the socket; its bell stays silent
   EXPECT_TRUE(woke.get());
@@ -210,7 +253,7 @@ TEST(ShmRing, ASleeperNoticesThePeerIsGone) {
 
 TEST(ShmRing, ShutdownWakesItsOwnSleeper) {
   Pair p;
-  if (!p.ok()) GTEST_SKIP() << "no POSIX shared memory here";
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
   auto woke = sleep_reading(p, steady_clock::now() + kLong);
   p.upper->shutdown();  // an abort, from another thread
   EXPECT_EQ(woke.wait_for(std::chrono::seconds(5)), std::future_status::ready);

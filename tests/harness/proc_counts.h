@@ -7,8 +7,8 @@
 //   held():                   all of these at once, with tdist's shared memory: the
 //                             /dev/shm/tdist-<pid>-* files this process created (segments of
 //                             other processes, such as tests running beside, are not counted)
-//                             and its tdist-* mappings (the leak tests compare it round after
-//                             round)
+//                             and its tdist-* mappings, memfds included (the leak tests compare
+//                             it round after round)
 //   expect_rounds_leave_nothing(round): runs `round` four times; the first warms up what lives
 //                             for the whole process (libtorch's pools, the logger) and must leave
 //                             no tdist shared memory; rounds 2 to 4 must each end holding what
@@ -58,7 +58,10 @@ inline Held held() {
   h.shm_files = dir_entries("/dev/shm", "tdist-" + std::to_string(::getpid()) + "-");
   std::ifstream maps("/proc/self/maps");
   for (std::string line; std::getline(maps, line);) {
-    if (line.find("/tdist-") != std::string::npos) ++h.shm_maps;
+    if (line.find("/tdist-") != std::string::npos ||
+        line.find("/memfd:tdist-") != std::string::npos) {
+      ++h.shm_maps;
+    }
   }
   return h;
 }

@@ -1,9 +1,7 @@
 #include "tdist/comm/transport/shm/shm_channel.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,11 +9,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <new>
 
 #include "tdist/core/byte_ring.h"
+#include "tdist/core/error.h"
 #include "tdist/core/futex.h"
 #include "tdist/core/logging.h"
 
@@ -23,26 +21,25 @@ namespace tdist::comm::shm {
 namespace {
 
 constexpr size_t kHeaderBytes = 2 * sizeof(RingHeader);
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 }  // namespace
 
 size_t segment_bytes(size_t capacity) { return kHeaderBytes + 2 * capacity; }
 
-std::unique_ptr<Segment> Segment::create(const std::string& name, size_t bytes) {
-  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+std::unique_ptr<Segment> Segment::create(size_t bytes) {
+  const int fd = ::memfd_create("tdist-shm-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return nullptr;
-  // posix_fallocate reserves the pages now: a full /dev/shm (small in many containers) then
-  // means "no shared memory, use TCP" instead of SIGBUS on first touch.
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
-      ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) != 0) {
-    ::close(fd);
-    ::shm_unlink(name.c_str());
-    return nullptr;
+  // fallocate reserves the pages now: a full tmpfs (small in many containers) then means "no
+  // shared memory, use TCP" instead of SIGBUS on first touch.
+  void* p = MAP_FAILED;
+  if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
+      ::fallocate(fd, 0, 0, static_cast<off_t>(bytes)) == 0 &&
+      ::fcntl(fd, F_ADD_SEALS, kSeals) == 0) {
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   }
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  ::close(fd);
   if (p == MAP_FAILED) {
-    ::shm_unlink(name.c_str());
+    ::close(fd);
     return nullptr;
   }
   auto* headers = static_cast<RingHeader*>(p);
@@ -54,50 +51,50 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, size_t bytes) 
     headers[i].writer_waiting.store(0);
     headers[i].bell.store(0);
   }
-  return std::unique_ptr<Segment>(new Segment(static_cast<char*>(p), bytes));
+  return std::unique_ptr<Segment>(new Segment(static_cast<char*>(p), bytes, fd));
 }
 
-std::unique_ptr<Segment> Segment::open(const std::string& name, size_t bytes) {
-  int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) return nullptr;
+std::unique_ptr<Segment> Segment::map_peer(int fd, size_t bytes, std::string* why) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
-    ::close(fd);
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    *why = "the peer's segment is not a regular file";
+    return nullptr;
+  }
+  if (st.st_uid != ::geteuid()) {
+    *why = str("the peer's segment belongs to uid ", st.st_uid);
+    return nullptr;
+  }
+  if ((st.st_mode & 077) != 0) {
+    *why = str("the peer's segment has mode 0", std::oct, st.st_mode & 0777,
+               " (others may open it)");
+    return nullptr;
+  }
+  if (static_cast<uint64_t>(st.st_size) != bytes) {
+    *why = str("the peer's segment has ", st.st_size, " bytes, not the ", bytes, " agreed");
+    return nullptr;
+  }
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & kSeals) != kSeals) {
+    *why = "the peer's segment is not sealed against resizing";
     return nullptr;
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) return nullptr;
-  return std::unique_ptr<Segment>(new Segment(static_cast<char*>(p), bytes));
-}
-
-void Segment::unlink(const std::string& name) { ::shm_unlink(name.c_str()); }
-
-int Segment::sweep_dead(std::chrono::seconds min_age, const std::string& dir) {
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return 0;
-  int removed = 0;
-  const auto now = std::chrono::system_clock::now();
-  while (dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.rfind("tdist-", 0) != 0) continue;
-    const long pid = std::strtol(name.c_str() + 6, nullptr, 10);
-    if (pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
-    struct stat st {};
-    const std::string path = dir + "/" + name;
-    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) continue;
-    if (now - std::chrono::system_clock::from_time_t(st.st_mtime) < min_age) continue;
-    if (::unlink(path.c_str()) == 0) {
-      ++removed;
-      TDIST_LOG_DEBUG("removed ", path, ": a shared-memory segment of process ", pid,
-                      ", which no longer runs");
-    }
+  if (p == MAP_FAILED) {
+    *why = str("cannot map the peer's segment: ", std::strerror(errno));
+    return nullptr;
   }
-  ::closedir(d);
-  return removed;
+  return std::unique_ptr<Segment>(new Segment(static_cast<char*>(p), bytes, -1));
 }
 
-Segment::~Segment() { ::munmap(data_, size_); }
+void Segment::close_fd() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+Segment::~Segment() {
+  ::munmap(data_, size_);
+  close_fd();
+}
 
 ShmChannel::ShmChannel(std::unique_ptr<Segment> segment, size_t capacity, bool is_lower,
                        tcp::Connection* conn)

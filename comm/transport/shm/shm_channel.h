@@ -50,31 +50,35 @@
 
 namespace tdist::comm::shm {
 
-// A POSIX shared-memory object mapped into this process. Unmapped on destruction.
+// A segment of shared memory mapped into this process: an anonymous memfd that its creator (the
+// lower rank of a pair) hands to its peer over the local link (comm/transport/shm/local_link.h),
+// never a name that another process could open or replace. It is sealed against resizing
+// (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): a creator that could shrink it after its peer
+// mapped it would turn the peer's next touch of it into SIGBUS. Unmapped on destruction.
 class Segment {
  public:
-  // Creates (exclusively) and maps `bytes`; nullptr when shared memory is unavailable.
-  static std::unique_ptr<Segment> create(const std::string& name, size_t bytes);
-  // Opens and maps an existing object; nullptr when it cannot be opened or is too small.
-  static std::unique_ptr<Segment> open(const std::string& name, size_t bytes);
-  static void unlink(const std::string& name);
-  // Removes the segments of dead processes: /dev/shm/tdist-<pid>-... whose <pid> no longer runs
-  // and that are older than `min_age` (a negotiation that was killed between creating a segment
-  // and the unlink that follows its peer's open; the age keeps a live negotiation of a process
-  // in another PID namespace safe). Returns how many it removed. Called at channel set-up.
-  static int sweep_dead(std::chrono::seconds min_age = std::chrono::seconds(60),
-                        const std::string& dir = "/dev/shm");
+  // Creates a sealed memfd of `bytes` (mode 0600, its pages reserved) and maps it; nullptr when
+  // shared memory is unavailable. fd() stays open until close_fd() or destruction.
+  static std::unique_ptr<Segment> create(size_t bytes);
+  // Maps the peer's segment `fd` (not taken: the caller closes it). nullptr, and `why`, unless
+  // it is a regular file of our effective uid that no one else may open (mode 0600 or
+  // narrower), exactly `bytes` long and sealed as create() seals: the size is the one this rank
+  // agreed to, never more, and cannot change under the mapping.
+  static std::unique_ptr<Segment> map_peer(int fd, size_t bytes, std::string* why);
   ~Segment();
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
 
   char* data() const { return data_; }
   size_t size() const { return size_; }
+  int fd() const { return fd_; }  // the creator's descriptor; -1 once closed or when mapped
+  void close_fd();
 
  private:
-  Segment(char* data, size_t size) : data_(data), size_(size) {}
+  Segment(char* data, size_t size, int fd) : data_(data), size_(size), fd_(fd) {}
   char* data_;
   size_t size_;
+  int fd_;
 };
 
 struct RingHeader {
