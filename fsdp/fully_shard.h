@@ -57,17 +57,33 @@
 //  4. End of backward (the engine's final callback): the post-backward step of every group that
 //     ran forward and has not had it, in reverse forward order; then each reduce-scatter is
 //     waited for and its result added to the sharded parameter's .grad; the root's group is
-//     freed. The optimizer then steps on the shards; the next forward gathers the new values.
+//     freed, and so is any prefetched group that went unused. The optimizer then steps on the
+//     shards; the next forward gathers the new values.
+//  5. Prefetch (options.prefetch = L, default 1): when a unit's forward begins, the allgathers of
+//     the next L groups of the previous step's forward order are issued at once (Work, not
+//     waited for): they run on the process group's thread while this unit computes, and the
+//     next unit's gather (1) waits for its Work instead of issuing one. When a unit's backward
+//     begins (2), the L groups before it in that order are prefetched the same way (backward
+//     meets them next). A group gathered or being gathered is not issued again, so at most L
+//     groups are gathered ahead of the one running. The order is recorded by every rank from
+//     the same calls, so ranks issue the same collectives in the same order; the first step has
+//     no order and does not prefetch.
+//  6. Gradient accumulation (no_sync()): while a NoSyncGuard lives, step 3 frees the gathered
+//     parameters but neither reduce-scatters nor frees the full gradients: they stay in the
+//     module parameters' .grad, and autograd adds the next backward's to them. The first
+//     backward outside the guard reduce-scatters the sum. The sharded .grad is left untouched
+//     meanwhile (no optimizer step belongs inside the guard).
 // Every rank must call the same units in the same order with autograd recording alike, and run
 // one backward per forward of the root (accumulate gradients over several forward/backward
-// pairs). A unit runs at most once per forward of the root.
+// pairs, under no_sync() but the last). A unit runs at most once per forward of the root.
 //
 // Memory on a rank, for a model of parameters W (Ψ elements, groups W_g), at rest: Ψ/N
 // parameters + Ψ/N gradients + the optimizer's state of Ψ/N (Adam: 2Ψ/N). During forward:
 // plus the root's group and one gathered unit (with reshard_after_forward; without it, every
 // unit gathered so far). During backward: plus the root's group, the gathered unit, its full
 // gradients and its flat gradient until its reduce-scatter completes (those of earlier units
-// still in flight too). A parameter no unit's forward used gets a zero gradient, not none: a
+// still in flight too). Prefetch adds up to L gathered groups; no_sync() keeps the full
+// gradients of every unit (Ψ) until the synchronizing backward. A parameter no unit's forward used gets a zero gradient, not none: a
 // group's shard is one optimizer tensor (as with FSDP1's flat parameters; DDP leaves its .grad
 // undefined, so an optimizer skips it there).
 //
@@ -200,6 +216,29 @@ auto call(M& module, Args&&... args) {
       std::forward<Args>(args)...);
 }
 
+// While alive, backwards of `model` keep their full gradients instead of reduce-scattering them
+// (PyTorch's no_sync(); Note [Sharded data parallel] 6).
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(detail::FSDPState& state)
+      : state_(&state), previous_(state.require_sync()) {
+    state_->set_require_sync(false);
+  }
+  ~NoSyncGuard() {
+    if (state_) state_->set_require_sync(previous_);
+  }
+  NoSyncGuard(NoSyncGuard&& o) noexcept : state_(o.state_), previous_(o.previous_) {
+    o.state_ = nullptr;
+  }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+
+ private:
+  detail::FSDPState* state_;
+  bool previous_;
+};
+
 // The root module with its units sharded (see the file comment and the Note). ModuleType: a
 // module holder (TORCH_MODULE(Net), ...) or a std::shared_ptr to a torch::nn::Module subclass.
 template <typename ModuleType>
@@ -238,6 +277,17 @@ class FullyShardedModule {
   }
   // Bytes of gathered parameters this rank holds now (0 between steps).
   size_t unsharded_bytes() const { return state_->unsharded_bytes(); }
+
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*state_); }
+  // A collective (torch::nn::utils::clip_grad_norm_ over the whole model): the norm of all
+  // ranks' sharded gradients together; every rank scales its shards' gradients by
+  // max_norm / (norm + 1e-6) where that is below 1. Returns the norm. norm_type: p > 0 or
+  // infinity.
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) {
+    return state_->clip_grad_norm(max_norm, norm_type);
+  }
+  // Collectives this rank issued so far (tests, logging).
+  const detail::FSDPState::Counters& counters() const { return state_->counters(); }
 
   ModuleType& module() { return module_; }
   const ModuleType& module() const { return module_; }

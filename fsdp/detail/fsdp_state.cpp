@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -202,11 +203,47 @@ void FSDPState::begin_iteration() {
   callback_queued_ = false;
 }
 
+void FSDPState::end_iteration() {
+  last_order_ = forward_order_;
+  last_position_.assign(groups_.size(), -1);
+  for (size_t i = 0; i < last_order_.size(); ++i) last_position_[last_order_[i]] = int(i);
+  steps_.assign(groups_.size(), Step{});
+  forward_order_.clear();
+  callback_queued_ = false;
+}
+
+void FSDPState::unshard(int g) {
+  ParamGroup& group = *groups_[g];
+  if (group.unsharded()) return;
+  if (!group.unshard_pending()) ++counters_.allgathers;
+  group.unshard();
+}
+
+void FSDPState::prefetch(int g, int direction) {
+  if (opts_.prefetch <= 0 || last_order_.empty()) return;
+  // g < 0: before the first group (the root's forward when the root has no group of its own).
+  const int at = g < 0 ? -1 : last_position_[g];
+  if (g >= 0 && at < 0) return;
+  for (int k = 1; k <= opts_.prefetch; ++k) {
+    const int i = at + k * direction;
+    if (i < 0 || i >= static_cast<int>(last_order_.size())) break;
+    const int h = last_order_[i];
+    if (h == root_group_) continue;
+    if (groups_[h]->start_unshard()) {
+      ++counters_.allgathers;
+      ++counters_.prefetched;
+    }
+  }
+}
+
 void FSDPState::pre_forward(int g, std::vector<at::Tensor>& inputs) {
   if (g == kRoot) {
     begin_iteration();
     g = root_group_;
-    if (g < 0) return;
+    if (g < 0) {
+      if (at::GradMode::is_enabled()) prefetch(-1, +1);
+      return;
+    }
   }
   ParamGroup& group = *groups_.at(g);
   Step& step = steps_[g];
@@ -214,10 +251,11 @@ void FSDPState::pre_forward(int g, std::vector<at::Tensor>& inputs) {
   TDIST_CHECK(!(grad && step.forwarded), "fsdp: unit ", group.name(),
               " ran forward twice in one iteration; each unit runs once between a forward of "
               "the root and its backward");
-  group.unshard();
+  unshard(g);
   if (!grad) return;
   step.forwarded = true;
   forward_order_.push_back(g);
+  prefetch(g, +1);
   std::weak_ptr<FSDPState> weak = weak_from_this();
   insert_backward_hook(
       inputs,
@@ -263,7 +301,8 @@ void FSDPState::pre_backward(int g) {
   Step& step = steps_.at(g);
   if (step.pre_backward) return;
   step.pre_backward = true;
-  groups_[g]->unshard();
+  unshard(g);
+  prefetch(g, -1);
 }
 
 void FSDPState::on_grad_ready(int g) {
@@ -277,7 +316,10 @@ void FSDPState::post_backward(int g) {
   Step& step = steps_.at(g);
   if (!step.forwarded || step.post_backward) return;
   step.post_backward = true;
-  groups_[g]->reduce_grads();
+  if (require_sync_) {
+    groups_[g]->reduce_grads();
+    ++counters_.reduce_scatters;
+  }
   groups_[g]->reshard();
 }
 
@@ -292,9 +334,39 @@ void FSDPState::finish_backward() {
     throw;
   }
   for (auto& g : groups_) g->reshard();
-  steps_.assign(groups_.size(), Step{});
-  forward_order_.clear();
-  callback_queued_ = false;
+  end_iteration();
+}
+
+double FSDPState::clip_grad_norm(double max_norm, double norm_type) {
+  const bool inf = std::isinf(norm_type);
+  TDIST_CHECK_ARG(inf || norm_type > 0, "clip_grad_norm: norm_type must be positive or inf, not ",
+                  norm_type);
+  at::NoGradGuard no_grad;
+  // Each rank's part (its shards; the padding's gradient is zero), in double on the host.
+  double local = 0;
+  for (const auto& g : groups_) {
+    const at::Tensor& grad = g->sharded_param().grad();
+    if (!grad.defined() || grad.numel() == 0) continue;
+    if (inf) {
+      local = std::max(local, grad.abs().max().item<double>());
+    } else {
+      local += grad.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
+    }
+  }
+  at::Tensor total = at::full({1}, local, at::kDouble);
+  comm::AllreduceOptions ao;
+  ao.op = inf ? comm::ReduceOp::MAX : comm::ReduceOp::SUM;
+  ao.timeout = timeout();
+  pg_->allreduce(total, ao)->wait(timeout());
+  const double norm = inf ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1) {
+    for (const auto& g : groups_) {
+      const at::Tensor& grad = g->sharded_param().grad();
+      if (grad.defined()) grad.mul_(coef);
+    }
+  }
+  return norm;
 }
 
 std::vector<at::Tensor> FSDPState::parameters() const {

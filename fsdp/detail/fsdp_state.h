@@ -55,6 +55,22 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void on_grad_ready(int g);
   void finish_backward();
 
+  // Note [Sharded data parallel] 5: off, backward keeps the units' full gradients in the
+  // module parameters' .grad (accumulating) instead of reduce-scattering them.
+  void set_require_sync(bool on) { require_sync_ = on; }
+  bool require_sync() const { return require_sync_; }
+  // A collective: the norm of all sharded gradients together; scales them by
+  // max_norm / (norm + 1e-6) where that is below 1. Returns the norm.
+  double clip_grad_norm(double max_norm, double norm_type);
+
+  // Collectives issued so far by this rank (tests, logging).
+  struct Counters {
+    size_t allgathers = 0;       // of unit parameters, forward and backward
+    size_t prefetched = 0;       // of those, issued ahead of the unit's use
+    size_t reduce_scatters = 0;
+  };
+  const Counters& counters() const { return counters_; }
+
   std::vector<at::Tensor> parameters() const;
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   std::vector<std::pair<std::string, at::Tensor>> full_parameters() const;
@@ -77,6 +93,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
             FSDPOptions opts);
   void build(const std::vector<std::shared_ptr<torch::nn::Module>>& units);
   void begin_iteration();
+  void end_iteration();
+  // Gathers group g (counted), waiting for it.
+  void unshard(int g);
+  // Issues the gathers of up to opts_.prefetch groups after (direction +1) or before (-1) g in
+  // the previous step's forward order.
+  void prefetch(int g, int direction);
   void ensure_final_callback();
   std::chrono::milliseconds timeout() const;
 
@@ -99,6 +121,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<Step> steps_;
   std::vector<int> forward_order_;  // groups in the order their forwards ran
   bool callback_queued_ = false;
+  // The previous step's forward order and each group's place in it (-1: absent).
+  std::vector<int> last_order_;
+  std::vector<int> last_position_;
+  bool require_sync_ = true;
+  Counters counters_;
 };
 
 // The unit `module` belongs to, if a live FSDPState sharded it: {state, group}; {nullptr, -1}

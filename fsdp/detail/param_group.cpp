@@ -101,22 +101,36 @@ at::TensorOptions ParamGroup::options() const {
 
 size_t ParamGroup::unsharded_bytes() const { return storage_of(full_).nbytes(); }
 
-void ParamGroup::unshard() {
-  if (unsharded_) return;
+bool ParamGroup::start_unshard() {
+  if (unsharded_ || ag_work_) return false;
   alloc_storage(full_);
   comm::AllgatherOptions ao;
   ao.timeout = timeout_;
-  pg_->allgather_into_tensor(full_, shard_.detach(), ao)->wait(timeout_);
+  ag_work_ = pg_->allgather_into_tensor(full_, shard_.detach(), ao);
+  return true;
+}
+
+void ParamGroup::unshard() {
+  if (unsharded_) return;
+  start_unshard();
+  auto work = std::move(ag_work_);
+  ag_work_.reset();
+  work->wait(timeout_);
   for (size_t i = 0; i < params_.size(); ++i) {
     // set_data keeps the parameter's identity (its autograd meta, accumulator and version).
-    params_[i].set_data(
-        full_.narrow(0, offsets_[i], numels_[i]).view(shapes_[i]));
+    params_[i].set_data(full_.narrow(0, offsets_[i], numels_[i]).view(shapes_[i]));
   }
   unsharded_ = true;
 }
 
 void ParamGroup::reshard() {
-  if (!unsharded_) return;
+  if (ag_work_) {
+    // A prefetch nobody used: the backend writes into full_ until it completes.
+    auto work = std::move(ag_work_);
+    ag_work_.reset();
+    work->wait(timeout_);
+  }
+  if (!unsharded_ && storage_of(full_).nbytes() == 0) return;
   for (const at::Tensor& p : params_) p.set_data(empty_);
   free_storage(full_);
   unsharded_ = false;

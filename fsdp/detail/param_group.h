@@ -63,10 +63,15 @@ class ParamGroup {
   // Bytes the gathered buffer holds now (0 when resharded).
   size_t unsharded_bytes() const;
 
-  // Gathers the unit's parameters (one allgather_into_tensor) and points each module parameter
-  // at its view of them. No-op when already gathered.
+  // Starts gathering the unit's parameters (one allgather_into_tensor into the buffer); returns
+  // false (and does nothing) when they are gathered or being gathered. A prefetch.
+  bool start_unshard();
+  bool unshard_pending() const { return ag_work_ != nullptr; }
+  // Gathers the unit's parameters (or waits for the gather start_unshard began) and points each
+  // module parameter at its view of them. No-op when already gathered.
   void unshard();
-  // Frees the gathered buffer; the module parameters become empty. No-op when resharded.
+  // Frees the gathered buffer (after waiting for a gather in flight into it); the module
+  // parameters become empty. No-op when resharded.
   void reshard();
   // Starts the reduce-scatter of the module parameters' gradients (a missing one counts as
   // zeros), each divided by the world size first (the average, as DDP computes it), and frees
@@ -103,6 +108,7 @@ class ParamGroup {
   at::Tensor empty_;  // what a resharded parameter's data is
 
   bool unsharded_ = false;
+  std::shared_ptr<comm::Work> ag_work_;  // the gather in flight into full_ (start_unshard)
   // The reduce-scatter in flight (reduce_grads .. finish_reduce) and its buffers.
   std::shared_ptr<comm::Work> rs_work_;
   at::Tensor rs_input_;

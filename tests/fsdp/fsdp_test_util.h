@@ -104,24 +104,6 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch
   return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(kLr));
 }
 
-// One process, the whole batch, Adam (or SGD). zero_grad keeps gradients as zeros (not undefined) so
-// that a parameter a step left unused is stepped with a zero gradient, as FSDP's flat shards
-// are (Note [Sharded data parallel]); `side` is used in step 0, so it has a gradient from then.
-inline std::vector<torch::Tensor> train_reference(const std::vector<torch::Tensor>& init,
-                                                  const std::vector<Batch>& batches,
-                                                  bool unused_steps, bool sgd = false) {
-  Net net;
-  load_values(*net, init);
-  auto opt = make_optimizer(net->parameters(), sgd);
-  for (size_t s = 0; s < batches.size(); ++s) {
-    opt->zero_grad(/*set_to_none=*/false);
-    torch::mse_loss(net->forward(batches[s].x, side_used(s, unused_steps)), batches[s].y)
-        .backward();
-    opt->step();
-  }
-  return values_of(*net);
-}
-
 inline std::shared_ptr<comm::ProcessGroup> make_group(std::shared_ptr<Store> store, int rank,
                                                       int world) {
   comm::ProcessGroup::Options po;

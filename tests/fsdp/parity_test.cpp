@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <limits>
+#include <optional>
+
 #include "tdist/ddp/distributed_data_parallel.h"
 #include "tests/fsdp/fsdp_test_util.h"
 
@@ -15,14 +19,49 @@ struct Case {
   bool unused_steps = false;  // `mid.side` is left unused in odd steps
   bool nested = false;        // `mid.side` is a unit of its own inside the unit `mid`
   int steps = 20;
-  bool sgd = false;  // SGD instead of Adam (see make_optimizer)
+  bool sgd = false;           // SGD instead of Adam (see make_optimizer)
+  int prefetch = 1;           // FSDPOptions::prefetch
+  int micro = 1;              // backwards per step; all but the last under no_sync()
+  double clip = 0;            // > 0: clip_grad_norm(clip, norm_type) before each step
+  double norm_type = 2;
 };
 
+const Batch& batch_of(const std::vector<Batch>& batches, const Case& c, int step, int m) {
+  return batches[step * c.micro + m];
+}
+
+// One process, the whole batch, the same optimizer. zero_grad keeps gradients as zeros (not
+// undefined) so that a parameter a step left unused is stepped with a zero gradient, as FSDP's
+// flat shards are (Note [Sharded data parallel]); `side` is used in step 0, so it has a gradient
+// from then. Micro-batches accumulate their gradients; `norms` gets each clipped norm.
+std::vector<torch::Tensor> train_reference(const Case& c, const std::vector<torch::Tensor>& init,
+                                           const std::vector<Batch>& batches,
+                                           std::vector<double>* norms) {
+  Net net;
+  load_values(*net, init);
+  auto opt = make_optimizer(net->parameters(), c.sgd);
+  for (int s = 0; s < c.steps; ++s) {
+    opt->zero_grad(/*set_to_none=*/false);
+    for (int m = 0; m < c.micro; ++m) {
+      const Batch& b = batch_of(batches, c, s, m);
+      torch::mse_loss(net->forward(b.x, side_used(s, c.unused_steps)), b.y).backward();
+    }
+    if (c.clip > 0) {
+      norms->push_back(torch::nn::utils::clip_grad_norm_(net->parameters(), c.clip, c.norm_type));
+    }
+    opt->step();
+  }
+  return values_of(*net);
+}
+
 // Each rank's full parameters (module order) after c.steps steps.
+// Each rank's clipped norms go to norms[rank].
 std::vector<std::vector<torch::Tensor>> train_fsdp(const Case& c,
                                                    const std::vector<torch::Tensor>& init,
-                                                   const std::vector<Batch>& batches) {
+                                                   const std::vector<Batch>& batches,
+                                                   std::vector<std::vector<double>>& norms) {
   std::vector<std::vector<torch::Tensor>> got(c.world);
+  norms.assign(c.world, {});
   spawn(c.world, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = make_group(store, rank, c.world);
     Net net;
@@ -31,15 +70,40 @@ std::vector<std::vector<torch::Tensor>> train_fsdp(const Case& c,
     if (c.nested) units.insert(units.begin() + 1, net->mid->side.ptr());
     fsdp::FSDPOptions opts;
     opts.reshard_after_forward = c.reshard_after_forward;
+    opts.prefetch = c.prefetch;
     auto model = fsdp::fully_shard(net, units, pg, opts);
     auto opt = make_optimizer(model.parameters(), c.sgd);
     for (int s = 0; s < c.steps; ++s) {
       opt->zero_grad();
-      auto out = model(rows_of(batches[s].x, rank, c.world), side_used(s, c.unused_steps));
-      torch::mse_loss(out, rows_of(batches[s].y, rank, c.world)).backward();
-      EXPECT_EQ(model.unsharded_bytes(), 0u) << "rank " << rank << " step " << s;
+      for (int m = 0; m < c.micro; ++m) {
+        const Batch& b = batch_of(batches, c, s, m);
+        const bool last = m + 1 == c.micro;
+        std::optional<fsdp::NoSyncGuard> no_sync;
+        if (!last) no_sync.emplace(model.no_sync());
+        const size_t reduced = model.counters().reduce_scatters;
+        auto out = model(rows_of(b.x, rank, c.world), side_used(s, c.unused_steps));
+        torch::mse_loss(out, rows_of(b.y, rank, c.world)).backward();
+        EXPECT_EQ(model.unsharded_bytes(), 0u) << "rank " << rank << " step " << s;
+        if (!last) {
+          EXPECT_EQ(model.counters().reduce_scatters, reduced) << "a reduce-scatter under no_sync";
+          EXPECT_TRUE(net->fc1->weight.grad().defined()) << "no_sync dropped a full gradient";
+        }
+      }
+      EXPECT_FALSE(net->fc1->weight.grad().defined()) << "a full gradient outlived its step";
       for (const auto& p : model.parameters()) ASSERT_TRUE(p.grad().defined()) << "step " << s;
+      if (c.clip > 0) norms[rank].push_back(model.clip_grad_norm(c.clip, c.norm_type));
       opt->step();
+    }
+    // Each unit's parameters are gathered once in forward and, resharded after it, once more in
+    // backward; the root's once. Prefetching changes when, never how often.
+    const size_t n_units = units.size();
+    const size_t per_step = 1 + n_units * (c.reshard_after_forward ? 2 : 1);
+    EXPECT_EQ(model.counters().allgathers, per_step * c.steps * c.micro);
+    EXPECT_EQ(model.counters().reduce_scatters, (n_units + 1) * c.steps);
+    if (c.prefetch > 0 && c.steps > 1) {
+      EXPECT_GT(model.counters().prefetched, 0u);
+    } else {
+      EXPECT_EQ(model.counters().prefetched, 0u);
     }
     got[rank] = full_values(model.full_parameters());
   });
@@ -50,12 +114,23 @@ void expect_parity(const Case& c) {
   torch::manual_seed(7);
   Net init_net;
   auto init = values_of(*init_net);
-  auto batches = make_batches(c.steps, 4 * c.world, 99);
-  auto want = train_reference(init, batches, c.unused_steps, c.sgd);
-  auto got = train_fsdp(c, init, batches);
+  auto batches = make_batches(c.steps * c.micro, 4 * c.world, 99);
+  std::vector<double> want_norms;
+  auto want = train_reference(c, init, batches, &want_norms);
+  std::vector<std::vector<double>> norms;
+  auto got = train_fsdp(c, init, batches, norms);
   // Guards against a vacuous pass: training moved the parameters.
   EXPECT_GT(max_abs_diff(init, want), 1e-3);
-  for (int r = 0; r < c.world; ++r) EXPECT_LE(max_abs_diff(want, got[r]), 1e-5) << "rank " << r;
+  for (int r = 0; r < c.world; ++r) {
+    EXPECT_LE(max_abs_diff(want, got[r]), 1e-5) << "rank " << r;
+    ASSERT_EQ(norms[r].size(), want_norms.size());
+    for (size_t s = 0; s < want_norms.size(); ++s) {
+      EXPECT_NEAR(norms[r][s], want_norms[s], 1e-5 * want_norms[s]) << "rank " << r << " step " << s;
+    }
+  }
+  if (c.clip > 0) {  // clipping took effect
+    EXPECT_GT(*std::max_element(want_norms.begin(), want_norms.end()), c.clip);
+  }
 }
 
 // Adam, then SGD.
@@ -79,6 +154,38 @@ TEST(FSDPParity, ParameterUnusedInSomeSteps) {
 TEST(FSDPParity, NestedUnitTakesItsOwnParameters) {
   Case c{2, true};
   c.nested = true;
+  expect_parity_both(c);
+}
+
+TEST(FSDPParity, PrefetchNoneOrTwoUnitsAhead) {
+  for (int prefetch : {0, 2}) {
+    Case c{3, true};
+    c.prefetch = prefetch;
+    expect_parity_both(c);
+    c.reshard_after_forward = false;
+    expect_parity_both(c);
+  }
+}
+
+TEST(FSDPParity, GradientAccumulationUnderNoSync) {
+  Case c{2, true};
+  c.micro = 2;
+  c.steps = 10;
+  expect_parity_both(c);
+  c.world = 3;
+  c.micro = 3;
+  c.reshard_after_forward = false;
+  expect_parity_both(c);
+}
+
+TEST(FSDPParity, ClipGradNormUsesTheGlobalNorm) {
+  Case c{3, true};
+  c.clip = 0.05;
+  c.steps = 10;
+  expect_parity_both(c);
+  c.world = 2;
+  c.norm_type = std::numeric_limits<double>::infinity();
+  c.clip = 0.02;
   expect_parity_both(c);
 }
 
