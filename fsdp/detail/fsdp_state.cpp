@@ -176,7 +176,7 @@ void FSDPState::build(const std::vector<std::shared_ptr<Module>>& units) {
     comm::BroadcastOptions bo;
     bo.timeout = timeout();
     for (const at::Tensor& b : root_->buffers(/*recurse=*/true)) {
-      if (b.defined()) pg_->broadcast(b, bo)->wait(timeout());
+      if (b.defined()) pg_->broadcast(b, bo)->wait();
     }
   }
   steps_.assign(groups_.size(), Step{});
@@ -357,7 +357,7 @@ double FSDPState::clip_grad_norm(double max_norm, double norm_type) {
   comm::AllreduceOptions ao;
   ao.op = inf ? comm::ReduceOp::MAX : comm::ReduceOp::SUM;
   ao.timeout = timeout();
-  pg_->allreduce(total, ao)->wait(timeout());
+  pg_->allreduce(total, ao)->wait();
   const double norm = inf ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1) {

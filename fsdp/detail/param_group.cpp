@@ -80,7 +80,7 @@ ParamGroup::ParamGroup(std::string name, std::vector<at::Tensor> params,
     comm::BroadcastOptions bo;
     bo.root = 0;
     bo.timeout = timeout_;
-    pg_->broadcast(flat, bo)->wait(timeout_);
+    pg_->broadcast(flat, bo)->wait();
   }
   shard_ = flat.narrow(0, pg_->rank() * shard_numel_, shard_numel_).clone();
   shard_.set_requires_grad(true);
@@ -115,7 +115,7 @@ void ParamGroup::unshard() {
   start_unshard();
   auto work = std::move(ag_work_);
   ag_work_.reset();
-  work->wait(timeout_);
+  work->wait();
   for (size_t i = 0; i < params_.size(); ++i) {
     // set_data keeps the parameter's identity (its autograd meta, accumulator and version).
     params_[i].set_data(full_.narrow(0, offsets_[i], numels_[i]).view(shapes_[i]));
@@ -128,7 +128,7 @@ void ParamGroup::reshard() {
     // A prefetch nobody used: the backend writes into full_ until it completes.
     auto work = std::move(ag_work_);
     ag_work_.reset();
-    work->wait(timeout_);
+    work->wait();
   }
   if (!unsharded_ && storage_of(full_).nbytes() == 0) return;
   for (const at::Tensor& p : params_) p.set_data(empty_);
@@ -164,7 +164,7 @@ void ParamGroup::finish_reduce() {
   at::Tensor out = std::move(rs_output_);
   rs_input_ = at::Tensor();
   rs_output_ = at::Tensor();
-  work->wait(timeout_);
+  work->wait();
   at::NoGradGuard no_grad;
   at::Tensor& g = shard_.mutable_grad();
   if (g.defined()) {
@@ -185,7 +185,7 @@ std::vector<at::Tensor> ParamGroup::gather_full() const {
   at::Tensor flat = at::empty({padded_numel_}, options());
   comm::AllgatherOptions ao;
   ao.timeout = timeout_;
-  pg_->allgather_into_tensor(flat, shard_.detach(), ao)->wait(timeout_);
+  pg_->allgather_into_tensor(flat, shard_.detach(), ao)->wait();
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < params_.size(); ++i) {
     out.push_back(flat.narrow(0, offsets_[i], numels_[i]).view(shapes_[i]).clone());

@@ -16,8 +16,10 @@
 //
 // Thread safety: none. FSDPState drives a group from the thread that runs forward and from the
 // thread the autograd engine runs its backward on, never both at once.
-// Blocking: the constructor (a broadcast, when syncing), unshard and finish_reduce wait for
-// their collectives, each bounded by `timeout`.
+// Blocking: the constructor (a broadcast, when syncing), unshard, reshard (a prefetch in
+// flight) and finish_reduce wait for their collectives, each issued with `timeout` as its own
+// deadline; they wait with Work::wait() (bounded by that deadline), which lets the ring backend
+// run an operation on the waiting thread when nothing is ahead of it.
 
 #include <ATen/core/Tensor.h>
 
