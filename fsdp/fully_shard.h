@@ -77,15 +77,16 @@
 // one backward per forward of the root (accumulate gradients over several forward/backward
 // pairs, under no_sync() but the last). A unit runs at most once per forward of the root.
 //
-// Memory on a rank, for a model of parameters W (Ψ elements, groups W_g), at rest: Ψ/N
-// parameters + Ψ/N gradients + the optimizer's state of Ψ/N (Adam: 2Ψ/N). During forward:
-// plus the root's group and one gathered unit (with reshard_after_forward; without it, every
-// unit gathered so far). During backward: plus the root's group, the gathered unit, its full
-// gradients and its flat gradient until its reduce-scatter completes (those of earlier units
-// still in flight too). Prefetch adds up to L gathered groups; no_sync() keeps the full
-// gradients of every unit (Ψ) until the synchronizing backward. A parameter no unit's forward used gets a zero gradient, not none: a
-// group's shard is one optimizer tensor (as with FSDP1's flat parameters; DDP leaves its .grad
-// undefined, so an optimizer skips it there).
+// Memory on a rank, for a model of Ψ parameter elements, at rest: Ψ/N parameters + Ψ/N
+// gradients + the optimizer's state of Ψ/N (Adam: 2Ψ/N). During forward: plus the root's group
+// and one gathered unit (with reshard_after_forward; without it, every unit gathered so far).
+// During backward: plus the root's group, the gathered unit, its full gradients and its flat
+// gradient until its reduce-scatter completes (those of earlier units still in flight too).
+// Prefetch adds up to L gathered groups; no_sync() keeps the full gradients of every unit (Ψ)
+// until the synchronizing backward. A forward without autograd recording frees every group,
+// the root's too, after its forward. A parameter no unit's forward used gets a zero gradient,
+// not none: a group's shard is one optimizer tensor (as with FSDP1's flat parameters; DDP leaves
+// its .grad undefined, so an optimizer skips it there).
 //
 // Thread safety: one thread drives a FullyShardedModule (as with a module); the engine runs the
 // backward steps on the thread it runs that backward on. Blocking: construction (broadcasts,

@@ -137,7 +137,8 @@ void ParamGroup::reshard() {
 }
 
 void ParamGroup::reduce_grads() {
-  TDIST_CHECK(rs_work_ == nullptr, "fsdp: unit ", name_, " reduced its gradients twice in one step");
+  TDIST_CHECK(rs_work_ == nullptr, "fsdp: unit ", name_,
+              " reduced its gradients twice in one step");
   at::NoGradGuard no_grad;
   at::Tensor flat = at::zeros({padded_numel_}, options());
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -79,7 +79,8 @@ inline void load_values(torch::nn::Module& m, const std::vector<torch::Tensor>& 
   for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(v[i]);
 }
 
-inline double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+inline double max_abs_diff(const std::vector<torch::Tensor>& a,
+                           const std::vector<torch::Tensor>& b) {
   EXPECT_EQ(a.size(), b.size());
   double d = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {

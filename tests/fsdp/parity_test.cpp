@@ -125,7 +125,8 @@ void expect_parity(const Case& c) {
     EXPECT_LE(max_abs_diff(want, got[r]), 1e-5) << "rank " << r;
     ASSERT_EQ(norms[r].size(), want_norms.size());
     for (size_t s = 0; s < want_norms.size(); ++s) {
-      EXPECT_NEAR(norms[r][s], want_norms[s], 1e-5 * want_norms[s]) << "rank " << r << " step " << s;
+      EXPECT_NEAR(norms[r][s], want_norms[s], 1e-5 * want_norms[s])
+          << "rank " << r << " step " << s;
     }
   }
   if (c.clip > 0) {  // clipping took effect
