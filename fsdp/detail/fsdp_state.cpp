@@ -296,7 +296,15 @@ void FSDPState::ensure_final_callback() {
   });
 }
 
+void FSDPState::check_forwarded(int g) const {
+  TDIST_CHECK(steps_.at(g).forwarded, "fsdp: backward reached unit ", groups_[g]->name(),
+              " whose forward is not part of this step (a second backward through one forward, "
+              "or another forward of the root before this backward); run one backward per "
+              "forward of the root");
+}
+
 void FSDPState::pre_backward(int g) {
+  check_forwarded(g);
   ensure_final_callback();
   Step& step = steps_.at(g);
   if (step.pre_backward) return;
@@ -306,15 +314,16 @@ void FSDPState::pre_backward(int g) {
 }
 
 void FSDPState::on_grad_ready(int g) {
+  check_forwarded(g);
   ensure_final_callback();
   Step& step = steps_.at(g);
   if (++step.grads_ready == groups_[g]->params().size()) post_backward(g);
 }
 
 void FSDPState::post_backward(int g) {
-  ensure_final_callback();
   Step& step = steps_.at(g);
   if (!step.forwarded || step.post_backward) return;
+  ensure_final_callback();
   step.post_backward = true;
   if (require_sync_) {
     groups_[g]->reduce_grads();

@@ -100,6 +100,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // the previous step's forward order.
   void prefetch(int g, int direction);
   void ensure_final_callback();
+  // Throws unless group g ran forward in this step (a backward step of an older graph).
+  void check_forwarded(int g) const;
   std::chrono::milliseconds timeout() const;
 
   // Constant after construction:

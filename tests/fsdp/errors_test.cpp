@@ -109,6 +109,30 @@ TEST(FSDPErrors, UnitRunTwiceInOneForward) {
   });
 }
 
+// Gradients of an older forward would be accumulated but never reduce-scattered: an error.
+TEST(FSDPErrors, SecondBackwardThroughOneForward) {
+  with_group([](auto pg) {
+    Net net;
+    auto model = fsdp::fully_shard(net, units_of(net), pg);
+    auto loss = model(torch::randn({2, 6})).sum();
+    loss.backward({}, /*retain_graph=*/true);
+    try {
+      loss.backward();
+      ADD_FAILURE() << "no error";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("whose forward is not part of this step"),
+                std::string::npos)
+          << e.what();
+    }
+    // The next step works.
+    torch::optim::SGD opt(model.parameters(), 0.1);
+    opt.zero_grad();
+    model(torch::randn({2, 6})).sum().backward();
+    opt.step();
+    EXPECT_EQ(model.unsharded_bytes(), 0u);
+  });
+}
+
 // A unit called directly (not through fsdp::call) has no values: libtorch's own shape error.
 TEST(FSDPErrors, UnitCalledWithoutFsdpCallFails) {
   with_group([](auto pg) {
