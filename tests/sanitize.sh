@@ -3,7 +3,7 @@
 # directory of their own:
 #   sanitize.sh build asan|tsan SOURCE_DIR BUILD_DIR   configure with the preset's flags and build
 #                                                      the test programs (asan: core, comm, rpc,
-#                                                      ddp; tsan: comm, rpc)
+#                                                      ddp, fsdp; tsan: comm, rpc)
 #   sanitize.sh run asan|tsan BUILD_DIR MODULE         run tests/MODULE/tdist_MODULE_tests whole
 # A sanitizer report fails the run (ASan and TSan stop at their first; UBSan is told to).
 set -euo pipefail
@@ -11,7 +11,7 @@ mode=$1 kind=$2
 case "$kind" in
   # Keep the flags in step with the asan and tsan presets (CMakePresets.json).
   asan) type=Debug flags="-fsanitize=address,undefined -fno-omit-frame-pointer"
-        targets=(tdist_core_tests tdist_comm_tests tdist_rpc_tests tdist_ddp_tests) ;;
+        targets=(tdist_core_tests tdist_comm_tests tdist_rpc_tests tdist_ddp_tests tdist_fsdp_tests) ;;
   tsan) type=None flags="-fsanitize=thread -O1 -g1 -fno-omit-frame-pointer"
         targets=(tdist_comm_tests tdist_rpc_tests) ;;
   *) echo "unknown sanitizer '$kind' (asan or tsan)" >&2; exit 2 ;;

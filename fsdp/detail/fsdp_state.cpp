@@ -1,0 +1,415 @@
+#include "tdist/fsdp/detail/fsdp_state.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "tdist/comm/process_group.h"
+#include "tdist/core/error.h"
+#include "tdist/fsdp/detail/boundary.h"
+#include "tdist/fsdp/detail/param_group.h"
+
+namespace tdist::fsdp::detail {
+namespace {
+
+using torch::nn::Module;
+
+struct Registry {
+  std::mutex mu;
+  // guarded by mu: unit module -> (its state, its group or -1 when it has no parameters)
+  std::unordered_map<const Module*, std::pair<std::weak_ptr<FSDPState>, int>> units;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: states may outlive static teardown
+  return *r;
+}
+
+std::unordered_set<const Module*> descendants(const Module& m) {
+  std::unordered_set<const Module*> out;
+  for (const auto& child : m.modules(/*include_self=*/false)) out.insert(child.get());
+  return out;
+}
+
+}  // namespace
+
+// Runs after the accumulator of parameter `index` of group `group` wrote its gradient.
+struct FSDPState::GradHook : torch::autograd::FunctionPostHook {
+  GradHook(std::weak_ptr<FSDPState> state, int group) : state(std::move(state)), group(group) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto st = state.lock()) st->on_grad_ready(group);
+    return outputs;
+  }
+  std::weak_ptr<FSDPState> state;
+  int group;
+};
+
+std::pair<std::shared_ptr<FSDPState>, int> find_unit(const Module* module) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.units.find(module);
+  if (it == r.units.end()) return {nullptr, -1};
+  auto st = it->second.first.lock();
+  if (!st) return {nullptr, -1};
+  return {std::move(st), it->second.second};
+}
+
+FSDPState::FSDPState(std::shared_ptr<Module> root, std::shared_ptr<comm::ProcessGroup> pg,
+                     FSDPOptions opts)
+    : root_(std::move(root)), pg_(std::move(pg)), opts_(opts) {}
+
+std::shared_ptr<FSDPState> FSDPState::create(std::shared_ptr<Module> root,
+                                             std::vector<std::shared_ptr<Module>> units,
+                                             std::shared_ptr<comm::ProcessGroup> pg,
+                                             FSDPOptions opts) {
+  TDIST_CHECK_ARG(root != nullptr, "fully_shard: the root module is null");
+  TDIST_CHECK_ARG(pg != nullptr, "fully_shard: the process group is null");
+  std::shared_ptr<FSDPState> st(new FSDPState(std::move(root), std::move(pg), opts));
+  st->build(units);
+  for (size_t g = 0; g < st->groups_.size(); ++g) {
+    const auto& accumulators = st->groups_[g]->accumulators();
+    for (size_t i = 0; i < accumulators.size(); ++i) {
+      uintptr_t key = accumulators[i]->add_post_hook(
+          std::make_unique<GradHook>(st, static_cast<int>(g)));
+      st->hook_keys_.push_back({g, i, key});
+    }
+  }
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (const auto& [m, g] : st->registered_) r.units[m] = {st, g};
+  return st;
+}
+
+std::chrono::milliseconds FSDPState::timeout() const {
+  return opts_.timeout.count() >= 0 ? opts_.timeout : pg_->options().timeout;
+}
+
+void FSDPState::build(const std::vector<std::shared_ptr<Module>>& units) {
+  std::unordered_map<const Module*, std::string> path;
+  for (const auto& item : root_->named_modules("", /*include_self=*/false)) {
+    path[item.value().get()] = item.key();
+  }
+  std::unordered_set<const Module*> seen;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const Module* u = units[i].get();
+    TDIST_CHECK_ARG(u != nullptr, "fully_shard: unit ", i, " is null");
+    TDIST_CHECK_ARG(u != root_.get(), "fully_shard: unit ", i,
+                    " is the root module itself; list only its submodules (the root's own "
+                    "parameters form a group of their own)");
+    auto it = path.find(u);
+    TDIST_CHECK_ARG(it != path.end(), "fully_shard: unit ", i, " (", u->name(),
+                    ") is not a submodule of the root module (", root_->name(), ")");
+    TDIST_CHECK_ARG(seen.insert(u).second, "fully_shard: unit ", it->second, " is listed twice");
+    TDIST_CHECK_ARG(find_unit(u).first == nullptr, "fully_shard: unit ", it->second,
+                    " is already sharded by another FullyShardedModule");
+  }
+
+  // Inner units claim their parameters first (FSDP2: fully_shard applies bottom-up); a unit
+  // has strictly fewer descendants than any unit that contains it.
+  std::vector<size_t> order(units.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::vector<size_t> sizes;
+  for (const auto& u : units) sizes.push_back(u->modules(false).size());
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return sizes[a] < sizes[b]; });
+
+  std::unordered_map<const c10::TensorImpl*, const Module*> owner;
+  struct Claim {
+    std::string name;
+    const Module* module;
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+  };
+  auto claim = [&](const Module& m, const std::string& name, const std::string& prefix) {
+    Claim c{name, &m, {}, {}};
+    const auto inside = descendants(m);
+    for (const auto& item : m.named_parameters(/*recurse=*/true)) {
+      const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
+      auto it = owner.find(impl);
+      if (it != owner.end()) {
+        if (it->second == &m || inside.count(it->second)) continue;  // tied inside, or inner unit
+        TDIST_THROW(InvalidArgument, "fully_shard: parameter ", prefix, item.key(),
+                    " is shared by units ", path[it->second], " and ", name,
+                    "; a parameter shared by two units (tied weights) is not supported yet: make "
+                    "one unit that contains both users");
+      }
+      owner[impl] = &m;
+      c.params.push_back(item.value());
+      c.names.push_back(prefix + item.key());
+    }
+    return c;
+  };
+  std::vector<Claim> claims;
+  for (size_t i : order) {
+    const std::string& name = path[units[i].get()];
+    claims.push_back(claim(*units[i], name, name + "."));
+  }
+  claims.push_back(claim(*root_, "(root)", ""));
+
+  const bool sync = opts_.sync_module_states;
+  for (size_t k = 0; k < claims.size(); ++k) {
+    Claim& c = claims[k];
+    const bool is_root = k + 1 == claims.size();
+    int g = -1;
+    if (!c.params.empty()) {
+      g = static_cast<int>(groups_.size());
+      groups_.push_back(std::make_unique<ParamGroup>(c.name, std::move(c.params),
+                                                     std::move(c.names), pg_, timeout(), sync));
+    }
+    if (is_root) {
+      root_group_ = g;
+    } else {
+      registered_.emplace_back(c.module, g);
+    }
+  }
+  if (sync) {
+    at::NoGradGuard no_grad;
+    comm::BroadcastOptions bo;
+    bo.timeout = timeout();
+    for (const at::Tensor& b : root_->buffers(/*recurse=*/true)) {
+      if (b.defined()) pg_->broadcast(b, bo)->wait();
+    }
+  }
+  steps_.assign(groups_.size(), Step{});
+}
+
+FSDPState::~FSDPState() {
+  for (const HookKey& k : hook_keys_) {
+    groups_[k.group]->accumulators()[k.index]->del_post_hook(k.key);
+  }
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (const auto& reg : registered_) {
+    auto it = r.units.find(reg.first);
+    if (it != r.units.end() && it->second.first.expired()) r.units.erase(it);
+  }
+}
+
+void FSDPState::begin_iteration() {
+  // A forward after a backward that failed midway, or after a forward whose result got no
+  // backward: start over (what is still gathered is reused).
+  for (auto& g : groups_) g->drop_reduce();
+  steps_.assign(groups_.size(), Step{});
+  forward_order_.clear();
+  callback_queued_ = false;
+}
+
+void FSDPState::end_iteration() {
+  last_order_ = forward_order_;
+  last_position_.assign(groups_.size(), -1);
+  for (size_t i = 0; i < last_order_.size(); ++i) last_position_[last_order_[i]] = int(i);
+  steps_.assign(groups_.size(), Step{});
+  forward_order_.clear();
+  callback_queued_ = false;
+}
+
+void FSDPState::unshard(int g) {
+  ParamGroup& group = *groups_[g];
+  if (group.unsharded()) return;
+  if (!group.unshard_pending()) ++counters_.allgathers;
+  group.unshard();
+}
+
+void FSDPState::prefetch(int g, int direction) {
+  if (opts_.prefetch <= 0 || last_order_.empty()) return;
+  // g < 0: before the first group (the root's forward when the root has no group of its own).
+  const int at = g < 0 ? -1 : last_position_[g];
+  if (g >= 0 && at < 0) return;
+  for (int k = 1; k <= opts_.prefetch; ++k) {
+    const int i = at + k * direction;
+    if (i < 0 || i >= static_cast<int>(last_order_.size())) break;
+    const int h = last_order_[i];
+    if (h == root_group_) continue;
+    if (groups_[h]->start_unshard()) {
+      ++counters_.allgathers;
+      ++counters_.prefetched;
+    }
+  }
+}
+
+void FSDPState::pre_forward(int g, std::vector<at::Tensor>& inputs) {
+  if (g == kRoot) {
+    begin_iteration();
+    g = root_group_;
+    if (g < 0) {
+      if (at::GradMode::is_enabled()) prefetch(-1, +1);
+      return;
+    }
+  }
+  ParamGroup& group = *groups_.at(g);
+  Step& step = steps_[g];
+  const bool grad = at::GradMode::is_enabled();
+  TDIST_CHECK(!(grad && step.forwarded), "fsdp: unit ", group.name(),
+              " ran forward twice in one iteration; each unit runs once between a forward of "
+              "the root and its backward");
+  unshard(g);
+  if (!grad) return;
+  step.forwarded = true;
+  forward_order_.push_back(g);
+  prefetch(g, +1);
+  std::weak_ptr<FSDPState> weak = weak_from_this();
+  insert_backward_hook(
+      inputs,
+      [weak, g] {
+        if (auto st = weak.lock()) st->post_backward(g);
+      },
+      "tdist::fsdp::PostBackward(" + group.name() + ")");
+}
+
+void FSDPState::post_forward(int g, std::vector<at::Tensor>& outputs, bool outputs_known) {
+  if (g == kRoot) {
+    g = root_group_;
+    if (g < 0) return;
+  }
+  ParamGroup& group = *groups_.at(g);
+  if (!at::GradMode::is_enabled() || !steps_[g].forwarded) {
+    group.reshard();  // no backward will need them
+    return;
+  }
+  std::weak_ptr<FSDPState> weak = weak_from_this();
+  insert_backward_hook(
+      outputs,
+      [weak, g] {
+        if (auto st = weak.lock()) st->pre_backward(g);
+      },
+      "tdist::fsdp::PreBackward(" + group.name() + ")");
+  // The root's backward starts as soon as forward ends: keep its parameters (FSDP2 does too).
+  // Outputs we cannot see may lead a backward into the unit without the pre-backward node.
+  if (opts_.reshard_after_forward && g != root_group_ && outputs_known) group.reshard();
+}
+
+void FSDPState::ensure_final_callback() {
+  if (callback_queued_) return;
+  callback_queued_ = true;
+  std::weak_ptr<FSDPState> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto st = weak.lock()) st->finish_backward();
+  });
+}
+
+void FSDPState::check_forwarded(int g) const {
+  TDIST_CHECK(steps_.at(g).forwarded, "fsdp: backward reached unit ", groups_[g]->name(),
+              " whose forward is not part of this step (a second backward through one forward, "
+              "or another forward of the root before this backward); run one backward per "
+              "forward of the root");
+}
+
+void FSDPState::pre_backward(int g) {
+  check_forwarded(g);
+  ensure_final_callback();
+  Step& step = steps_.at(g);
+  if (step.pre_backward) return;
+  step.pre_backward = true;
+  unshard(g);
+  prefetch(g, -1);
+}
+
+void FSDPState::on_grad_ready(int g) {
+  check_forwarded(g);
+  ensure_final_callback();
+  Step& step = steps_.at(g);
+  if (++step.grads_ready == groups_[g]->params().size()) post_backward(g);
+}
+
+void FSDPState::post_backward(int g) {
+  Step& step = steps_.at(g);
+  if (!step.forwarded || step.post_backward) return;
+  ensure_final_callback();
+  step.post_backward = true;
+  if (require_sync_) {
+    groups_[g]->reduce_grads();
+    ++counters_.reduce_scatters;
+  }
+  groups_[g]->reshard();
+}
+
+void FSDPState::finish_backward() {
+  try {
+    // Units whose post-backward step has not run (a parameter got no gradient and no input
+    // needed one; the root): in reverse forward order, the same order on every rank.
+    for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) post_backward(*it);
+    for (auto& g : groups_) g->finish_reduce();
+  } catch (...) {
+    begin_iteration();
+    throw;
+  }
+  for (auto& g : groups_) g->reshard();
+  end_iteration();
+}
+
+double FSDPState::clip_grad_norm(double max_norm, double norm_type) {
+  const bool inf = std::isinf(norm_type);
+  TDIST_CHECK_ARG(inf || norm_type > 0, "clip_grad_norm: norm_type must be positive or inf, not ",
+                  norm_type);
+  at::NoGradGuard no_grad;
+  // Each rank's part (its shards; the padding's gradient is zero), in double on the host.
+  double local = 0;
+  for (const auto& g : groups_) {
+    const at::Tensor& grad = g->sharded_param().grad();
+    if (!grad.defined() || grad.numel() == 0) continue;
+    if (inf) {
+      local = std::max(local, grad.abs().max().item<double>());
+    } else {
+      local += grad.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
+    }
+  }
+  at::Tensor total = at::full({1}, local, at::kDouble);
+  comm::AllreduceOptions ao;
+  ao.op = inf ? comm::ReduceOp::MAX : comm::ReduceOp::SUM;
+  ao.timeout = timeout();
+  pg_->allreduce(total, ao)->wait();
+  const double norm = inf ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1) {
+    for (const auto& g : groups_) {
+      const at::Tensor& grad = g->sharded_param().grad();
+      if (grad.defined()) grad.mul_(coef);
+    }
+  }
+  return norm;
+}
+
+std::vector<at::Tensor> FSDPState::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& g : groups_) out.push_back(g->sharded_param());
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FSDPState::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& g : groups_) out.emplace_back(g->name(), g->sharded_param());
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FSDPState::full_parameters() const {
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> full;
+  for (const auto& g : groups_) {
+    auto values = g->gather_full();
+    for (size_t i = 0; i < values.size(); ++i) {
+      full[g->params()[i].unsafeGetTensorImpl()] = values[i];
+    }
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : root_->named_parameters(/*recurse=*/true)) {
+    auto it = full.find(item.value().unsafeGetTensorImpl());
+    if (it != full.end()) out.emplace_back(item.key(), it->second);
+  }
+  return out;
+}
+
+size_t FSDPState::unsharded_bytes() const {
+  size_t n = 0;
+  for (const auto& g : groups_) n += g->unsharded_bytes();
+  return n;
+}
+
+}  // namespace tdist::fsdp::detail

@@ -1,0 +1,146 @@
+// Bad input to fully_shard and misuse of a sharded model: clear errors, raised before any
+// collective where the input is at fault.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tdist/core/error.h"
+#include "tests/fsdp/fsdp_test_util.h"
+
+namespace tdist::test {
+namespace {
+
+// Runs fn on one rank with a group of one.
+void with_group(const std::function<void(std::shared_ptr<comm::ProcessGroup>)>& fn) {
+  spawn(1, [&](int rank, std::shared_ptr<Store> store) { fn(make_group(store, rank, 1)); });
+}
+
+// fn() throws InvalidArgument whose message contains `needle`.
+template <typename Fn>
+void expect_invalid(Fn&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(FSDPErrors, UnitThatIsNotASubmodule) {
+  with_group([](auto pg) {
+    Net net;
+    torch::nn::Linear stranger(2, 2);
+    expect_invalid([&] { fsdp::fully_shard(net, {net->fc1.ptr(), stranger.ptr()}, pg); },
+                   "is not a submodule of the root module");
+  });
+}
+
+TEST(FSDPErrors, RootListedAsAUnit) {
+  with_group([](auto pg) {
+    Net net;
+    expect_invalid([&] { fsdp::fully_shard(net, {net.ptr()}, pg); }, "is the root module itself");
+  });
+}
+
+TEST(FSDPErrors, UnitListedTwiceOrNull) {
+  with_group([](auto pg) {
+    Net net;
+    expect_invalid([&] { fsdp::fully_shard(net, {net->fc1.ptr(), net->fc1.ptr()}, pg); },
+                   "unit fc1 is listed twice");
+    expect_invalid([&] { fsdp::fully_shard(net, {nullptr}, pg); }, "unit 0 is null");
+    expect_invalid([&] { fsdp::fully_shard(net, {}, nullptr); }, "process group is null");
+  });
+}
+
+TEST(FSDPErrors, UnitAlreadySharded) {
+  with_group([](auto pg) {
+    Net net;
+    auto model = fsdp::fully_shard(net, {net->fc1.ptr()}, pg);
+    Net other;
+    other->fc1 = net->fc1;
+    other->replace_module("fc1", net->fc1.ptr());
+    expect_invalid([&] { fsdp::fully_shard(other, {net->fc1.ptr()}, pg); },
+                   "already sharded by another FullyShardedModule");
+  });
+}
+
+TEST(FSDPErrors, ParameterSharedByTwoUnits) {
+  with_group([](auto pg) {
+    auto root = std::make_shared<torch::nn::Module>();
+    auto a = root->register_module("a", std::make_shared<torch::nn::Module>());
+    auto b = root->register_module("b", std::make_shared<torch::nn::Module>());
+    auto tied = torch::randn({3});
+    a->register_parameter("w", tied);
+    b->register_parameter("w", tied);
+    expect_invalid([&] { fsdp::fully_shard(root, {a, b}, pg); }, "is shared by units a and b");
+  });
+}
+
+TEST(FSDPErrors, FrozenParameter) {
+  with_group([](auto pg) {
+    Net net;
+    net->fc3->bias.set_requires_grad(false);
+    expect_invalid([&] { fsdp::fully_shard(net, units_of(net), pg); },
+                   "parameter fc3.bias of unit fc3 must be a leaf that requires grad");
+  });
+}
+
+// A model whose forward runs one unit twice.
+struct TwiceImpl : torch::nn::Module {
+  TwiceImpl() : fc(register_module("fc", torch::nn::Linear(3, 3))) {}
+  torch::Tensor forward(torch::Tensor x) { return fsdp::call(fc, fsdp::call(fc, x)); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Twice);
+
+TEST(FSDPErrors, UnitRunTwiceInOneForward) {
+  with_group([](auto pg) {
+    Twice net;
+    auto model = fsdp::fully_shard(net, {net->fc.ptr()}, pg);
+    try {
+      model(torch::randn({2, 3}));
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("unit fc ran forward twice"), std::string::npos)
+          << e.what();
+    }
+    // Without autograd there is no backward to keep apart: allowed.
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(model(torch::randn({2, 3})).sizes(), (std::vector<int64_t>{2, 3}));
+  });
+}
+
+// Gradients of an older forward would be accumulated but never reduce-scattered: an error.
+TEST(FSDPErrors, SecondBackwardThroughOneForward) {
+  with_group([](auto pg) {
+    Net net;
+    auto model = fsdp::fully_shard(net, units_of(net), pg);
+    auto loss = model(torch::randn({2, 6})).sum();
+    loss.backward({}, /*retain_graph=*/true);
+    try {
+      loss.backward();
+      ADD_FAILURE() << "no error";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("whose forward is not part of this step"),
+                std::string::npos)
+          << e.what();
+    }
+    // The next step works.
+    torch::optim::SGD opt(model.parameters(), 0.1);
+    opt.zero_grad();
+    model(torch::randn({2, 6})).sum().backward();
+    opt.step();
+    EXPECT_EQ(model.unsharded_bytes(), 0u);
+  });
+}
+
+// A unit called directly (not through fsdp::call) has no values: libtorch's own shape error.
+TEST(FSDPErrors, UnitCalledWithoutFsdpCallFails) {
+  with_group([](auto pg) {
+    Net net;
+    auto model = fsdp::fully_shard(net, units_of(net), pg);
+    EXPECT_ANY_THROW(net->fc1(torch::randn({2, 6})));
+  });
+}
+
+}  // namespace
+}  // namespace tdist::test

@@ -1,0 +1,74 @@
+// A peer that dies mid-step, with ranks as real processes: the survivors' backward fails with
+// the collective's error (naming the operation) within the timeout instead of hanging.
+#include <signal.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <iostream>
+
+#include "tdist/core/rendezvous.h"
+#include "tests/fsdp/fsdp_test_util.h"
+#include "tests/harness/net.h"
+#include "tests/harness/process.h"
+
+namespace tdist::test {
+namespace {
+
+// Rank 2 kills itself (SIGKILL) when the gradient of its 3rd step's output arrives: the others
+// are then in that backward, gathering fc3 again (or reduce-scattering). Exit 3 with the error.
+TDIST_TEST_CHILD(fsdp_peer_killed_child) {
+  torch::set_num_threads(1);
+  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
+  comm::ProcessGroup::Options po;
+  po.timeout = std::chrono::seconds(10);
+  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
+  Net net;
+  auto model = fsdp::fully_shard(net, units_of(net), pg);
+  torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+  int step = 0;
+  try {
+    for (step = 0; step < 5; ++step) {
+      opt.zero_grad();
+      auto out = model(torch::randn({4, 6}));
+      if (rank == 2 && step == 2) {
+        out.register_hook([](torch::Tensor g) {
+          ::raise(SIGKILL);
+          return g;
+        });
+      }
+      torch::mse_loss(out, torch::zeros({4, 3})).backward();
+      opt.step();
+    }
+  } catch (const std::exception& e) {
+    std::cout << "FSDP ERROR at step " << step << ": " << e.what() << std::endl;
+    return 3;
+  }
+  return 0;
+}
+
+TEST(FSDPFailure, PeerKilledDuringBackwardIsAnErrorNotAHang) {
+  Processes procs("fsdp_peer_killed_child", 3,
+                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
+                   {"OMP_NUM_THREADS", "1"}});
+  auto results = procs.wait_all(std::chrono::seconds(60));
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_FALSE(results[2].exited) << results[2].describe() << "\n" << results[2].output;
+  EXPECT_EQ(results[2].signal, SIGKILL) << results[2].describe();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << "rank " << r << " hung:\n" << results[r].output;
+    EXPECT_TRUE(results[r].exited && results[r].exit_code == 3)
+        << results[r].describe() << "\n" << results[r].output;
+    EXPECT_NE(results[r].output.find("FSDP ERROR at step 2"), std::string::npos)
+        << results[r].output;
+    const bool named = results[r].output.find("allgather") != std::string::npos ||
+                       results[r].output.find("reduce_scatter") != std::string::npos;
+    EXPECT_TRUE(named) << results[r].output;
+    // The peer it lost: rank 2, or a survivor that already exited with its own error.
+    EXPECT_NE(results[r].output.find("lost rank"), std::string::npos) << results[r].output;
+  }
+  std::cout << "rank 0's output:\n" << results[0].output;
+}
+
+}  // namespace
+}  // namespace tdist::test

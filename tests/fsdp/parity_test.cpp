@@ -1,0 +1,273 @@
+// Parity: N FSDP ranks, each on its rows of the batch, end with the parameters of one process
+// trained with Adam on the whole batch (and of tdist's DDP), within 1e-5 after 20 steps.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+
+#include "tdist/ddp/distributed_data_parallel.h"
+#include "tests/fsdp/fsdp_test_util.h"
+
+namespace tdist::test {
+namespace {
+
+struct Case {
+  int world = 2;
+  bool reshard_after_forward = true;
+  bool unused_steps = false;  // `mid.side` is left unused in odd steps
+  bool nested = false;        // `mid.side` is a unit of its own inside the unit `mid`
+  int steps = 20;
+  bool sgd = false;           // SGD instead of Adam (see make_optimizer)
+  int prefetch = 1;           // FSDPOptions::prefetch
+  int micro = 1;              // backwards per step; all but the last under no_sync()
+  double clip = 0;            // > 0: clip_grad_norm(clip, norm_type) before each step
+  double norm_type = 2;
+};
+
+const Batch& batch_of(const std::vector<Batch>& batches, const Case& c, int step, int m) {
+  return batches[step * c.micro + m];
+}
+
+// One process, the whole batch, the same optimizer. zero_grad keeps gradients as zeros (not
+// undefined) so that a parameter a step left unused is stepped with a zero gradient, as FSDP's
+// flat shards are (Note [Sharded data parallel]); `side` is used in step 0, so it has a gradient
+// from then. Micro-batches accumulate their gradients; `norms` gets each clipped norm.
+std::vector<torch::Tensor> train_reference(const Case& c, const std::vector<torch::Tensor>& init,
+                                           const std::vector<Batch>& batches,
+                                           std::vector<double>* norms) {
+  Net net;
+  load_values(*net, init);
+  auto opt = make_optimizer(net->parameters(), c.sgd);
+  for (int s = 0; s < c.steps; ++s) {
+    opt->zero_grad(/*set_to_none=*/false);
+    for (int m = 0; m < c.micro; ++m) {
+      const Batch& b = batch_of(batches, c, s, m);
+      torch::mse_loss(net->forward(b.x, side_used(s, c.unused_steps)), b.y).backward();
+    }
+    if (c.clip > 0) {
+      norms->push_back(torch::nn::utils::clip_grad_norm_(net->parameters(), c.clip, c.norm_type));
+    }
+    opt->step();
+  }
+  return values_of(*net);
+}
+
+// Each rank's full parameters (module order) after c.steps steps.
+// Each rank's clipped norms go to norms[rank].
+std::vector<std::vector<torch::Tensor>> train_fsdp(const Case& c,
+                                                   const std::vector<torch::Tensor>& init,
+                                                   const std::vector<Batch>& batches,
+                                                   std::vector<std::vector<double>>& norms) {
+  std::vector<std::vector<torch::Tensor>> got(c.world);
+  norms.assign(c.world, {});
+  spawn(c.world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = make_group(store, rank, c.world);
+    Net net;
+    if (rank == 0) load_values(*net, init);  // the others get rank 0's by broadcast
+    auto units = units_of(net);
+    if (c.nested) units.insert(units.begin() + 1, net->mid->side.ptr());
+    fsdp::FSDPOptions opts;
+    opts.reshard_after_forward = c.reshard_after_forward;
+    opts.prefetch = c.prefetch;
+    auto model = fsdp::fully_shard(net, units, pg, opts);
+    auto opt = make_optimizer(model.parameters(), c.sgd);
+    for (int s = 0; s < c.steps; ++s) {
+      opt->zero_grad();
+      for (int m = 0; m < c.micro; ++m) {
+        const Batch& b = batch_of(batches, c, s, m);
+        const bool last = m + 1 == c.micro;
+        std::optional<fsdp::NoSyncGuard> no_sync;
+        if (!last) no_sync.emplace(model.no_sync());
+        const size_t reduced = model.counters().reduce_scatters;
+        auto out = model(rows_of(b.x, rank, c.world), side_used(s, c.unused_steps));
+        torch::mse_loss(out, rows_of(b.y, rank, c.world)).backward();
+        EXPECT_EQ(model.unsharded_bytes(), 0u) << "rank " << rank << " step " << s;
+        if (!last) {
+          EXPECT_EQ(model.counters().reduce_scatters, reduced) << "a reduce-scatter under no_sync";
+          EXPECT_TRUE(net->fc1->weight.grad().defined()) << "no_sync dropped a full gradient";
+        }
+      }
+      EXPECT_FALSE(net->fc1->weight.grad().defined()) << "a full gradient outlived its step";
+      for (const auto& p : model.parameters()) ASSERT_TRUE(p.grad().defined()) << "step " << s;
+      if (c.clip > 0) norms[rank].push_back(model.clip_grad_norm(c.clip, c.norm_type));
+      opt->step();
+    }
+    // Each unit's parameters are gathered once in forward and, resharded after it, once more in
+    // backward; the root's once. Prefetching changes when, never how often.
+    const size_t n_units = units.size();
+    const size_t per_step = 1 + n_units * (c.reshard_after_forward ? 2 : 1);
+    EXPECT_EQ(model.counters().allgathers, per_step * c.steps * c.micro);
+    EXPECT_EQ(model.counters().reduce_scatters, (n_units + 1) * c.steps);
+    if (c.prefetch > 0 && c.steps > 1) {
+      EXPECT_GT(model.counters().prefetched, 0u);
+    } else {
+      EXPECT_EQ(model.counters().prefetched, 0u);
+    }
+    got[rank] = full_values(model.full_parameters());
+  });
+  return got;
+}
+
+void expect_parity(const Case& c) {
+  torch::manual_seed(7);
+  Net init_net;
+  auto init = values_of(*init_net);
+  auto batches = make_batches(c.steps * c.micro, 4 * c.world, 99);
+  std::vector<double> want_norms;
+  auto want = train_reference(c, init, batches, &want_norms);
+  std::vector<std::vector<double>> norms;
+  auto got = train_fsdp(c, init, batches, norms);
+  // Guards against a vacuous pass: training moved the parameters.
+  EXPECT_GT(max_abs_diff(init, want), 1e-3);
+  for (int r = 0; r < c.world; ++r) {
+    EXPECT_LE(max_abs_diff(want, got[r]), 1e-5) << "rank " << r;
+    ASSERT_EQ(norms[r].size(), want_norms.size());
+    for (size_t s = 0; s < want_norms.size(); ++s) {
+      EXPECT_NEAR(norms[r][s], want_norms[s], 1e-5 * want_norms[s])
+          << "rank " << r << " step " << s;
+    }
+  }
+  if (c.clip > 0) {  // clipping took effect
+    EXPECT_GT(*std::max_element(want_norms.begin(), want_norms.end()), c.clip);
+  }
+}
+
+// Adam, then SGD.
+void expect_parity_both(Case c) {
+  expect_parity(c);
+  c.sgd = true;
+  expect_parity(c);
+}
+
+TEST(FSDPParity, World1) { expect_parity_both({1, true}); }
+TEST(FSDPParity, World2ReshardAfterForward) { expect_parity_both({2, true}); }
+TEST(FSDPParity, World2KeepAfterForward) { expect_parity_both({2, false}); }
+TEST(FSDPParity, World3ReshardAfterForward) { expect_parity_both({3, true}); }
+TEST(FSDPParity, World3KeepAfterForward) { expect_parity_both({3, false}); }
+
+TEST(FSDPParity, ParameterUnusedInSomeSteps) {
+  expect_parity_both({2, true, /*unused_steps=*/true});
+  expect_parity_both({3, false, /*unused_steps=*/true});
+}
+
+TEST(FSDPParity, NestedUnitTakesItsOwnParameters) {
+  Case c{2, true};
+  c.nested = true;
+  expect_parity_both(c);
+}
+
+TEST(FSDPParity, PrefetchNoneOrTwoUnitsAhead) {
+  for (int prefetch : {0, 2}) {
+    Case c{3, true};
+    c.prefetch = prefetch;
+    expect_parity_both(c);
+    c.reshard_after_forward = false;
+    expect_parity_both(c);
+  }
+}
+
+TEST(FSDPParity, GradientAccumulationUnderNoSync) {
+  Case c{2, true};
+  c.micro = 2;
+  c.steps = 10;
+  expect_parity_both(c);
+  c.world = 3;
+  c.micro = 3;
+  c.reshard_after_forward = false;
+  expect_parity_both(c);
+}
+
+TEST(FSDPParity, ClipGradNormUsesTheGlobalNorm) {
+  Case c{3, true};
+  c.clip = 0.05;
+  c.steps = 10;
+  expect_parity_both(c);
+  c.world = 2;
+  c.norm_type = std::numeric_limits<double>::infinity();
+  c.clip = 0.02;
+  expect_parity_both(c);
+}
+
+// A group whose inputs need no gradient (the root's, fed with data) and that has a parameter
+// unused in odd steps: neither the accumulator hooks nor an input node see it complete, so its
+// reduce-scatter is issued at the end of backward.
+TEST(FSDPParity, GroupCompletedOnlyAtTheEndOfBackward) {
+  const int world = 2;
+  const int steps = 6;
+  torch::manual_seed(3);
+  Gated init_net(5);
+  auto init = values_of(*init_net);
+  std::vector<Batch> batches;
+  for (int s = 0; s < steps; ++s) batches.push_back({torch::randn({4, 5}), torch::randn({4, 5})});
+  Gated ref(5);
+  load_values(*ref, init);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < steps; ++s) {
+    ref_opt.zero_grad(/*set_to_none=*/false);
+    torch::mse_loss(ref->forward(batches[s].x, s % 2 == 0), batches[s].y).backward();
+    ref_opt.step();
+  }
+  auto want = values_of(*ref);
+  std::vector<std::vector<torch::Tensor>> got(world);
+  spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = make_group(store, rank, world);
+    Gated net(5);
+    load_values(*net, init);
+    auto model = fsdp::fully_shard(net, {}, pg);  // one group: the root's
+    torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      auto out = model(rows_of(batches[s].x, rank, world), s % 2 == 0);
+      torch::mse_loss(out, rows_of(batches[s].y, rank, world)).backward();
+      ASSERT_TRUE(model.parameters()[0].grad().defined()) << "step " << s;
+      EXPECT_EQ(model.unsharded_bytes(), 0u);
+      opt.step();
+    }
+    got[rank] = full_values(model.full_parameters());
+  });
+  EXPECT_GT(max_abs_diff(init, want), 1e-3);
+  for (int r = 0; r < world; ++r) EXPECT_LE(max_abs_diff(want, got[r]), 1e-5) << "rank " << r;
+}
+
+// The oracle the issue names: tdist's DDP over the same group, same model, same Adam steps.
+TEST(FSDPParity, MatchesTdistDDP) {
+  const int world = 3;
+  const int steps = 20;
+  torch::manual_seed(11);
+  Net init_net;
+  auto init = values_of(*init_net);
+  auto batches = make_batches(steps, 4 * world, 5);
+  std::vector<std::vector<torch::Tensor>> fsdp_got(world), ddp_got(world);
+  spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = make_group(store, rank, world);
+    Net a;
+    load_values(*a, init);
+    auto model = fsdp::fully_shard(a, units_of(a), pg);
+    torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+    Net b;
+    load_values(*b, init);
+    ddp::DistributedDataParallel<Net> reference(b, pg);
+    torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
+    for (int s = 0; s < steps; ++s) {
+      auto x = rows_of(batches[s].x, rank, world);
+      auto y = rows_of(batches[s].y, rank, world);
+      opt.zero_grad();
+      torch::mse_loss(model(x), y).backward();
+      opt.step();
+      ref_opt.zero_grad();
+      torch::mse_loss(reference(x), y).backward();
+      ref_opt.step();
+    }
+    fsdp_got[rank] = full_values(model.full_parameters());
+    ddp_got[rank] = values_of(*b);
+  });
+  EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "rank " << r;
+  }
+}
+
+}  // namespace
+}  // namespace tdist::test
