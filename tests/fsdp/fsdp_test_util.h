@@ -116,6 +116,21 @@ inline std::vector<std::shared_ptr<torch::nn::Module>> units_of(Net& net) {
   return {net->fc1.ptr(), net->mid.ptr(), net->fc3.ptr()};
 }
 
+// One step of each of two models on this rank's rows of `batch`, each with its own optimizer:
+// the sharded model and the DDP one it is compared with.
+template <typename A, typename B>
+void step_both(A& a, torch::optim::Optimizer& opt_a, B& b, torch::optim::Optimizer& opt_b,
+               const Batch& batch, int rank, int world) {
+  const auto x = rows_of(batch.x, rank, world);
+  const auto y = rows_of(batch.y, rank, world);
+  opt_a.zero_grad();
+  torch::mse_loss(a(x), y).backward();
+  opt_a.step();
+  opt_b.zero_grad();
+  torch::mse_loss(b(x), y).backward();
+  opt_b.step();
+}
+
 inline std::vector<torch::Tensor> full_values(
     const std::vector<std::pair<std::string, torch::Tensor>>& named) {
   std::vector<torch::Tensor> out;

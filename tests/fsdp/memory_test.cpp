@@ -48,16 +48,7 @@ void expect_sharded_memory(int world) {
     Net b;
     ddp::DistributedDataParallel<Net> reference(b, pg);
     torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
-    for (const auto& batch : batches) {
-      auto x = rows_of(batch.x, rank, world);
-      auto y = rows_of(batch.y, rank, world);
-      opt.zero_grad();
-      torch::mse_loss(model(x), y).backward();
-      opt.step();
-      ref_opt.zero_grad();
-      torch::mse_loss(reference(x), y).backward();
-      ref_opt.step();
-    }
+    for (const auto& batch : batches) step_both(model, opt, reference, ref_opt, batch, rank, world);
     // What FSDP holds: the shards, their gradients and state, and the module's own parameters
     // (empty between steps) with their gradients (freed after the reduce-scatter).
     std::vector<torch::Tensor> all = model.parameters();

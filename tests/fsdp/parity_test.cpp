@@ -250,16 +250,7 @@ TEST(FSDPParity, MatchesTdistDDP) {
     load_values(*b, init);
     ddp::DistributedDataParallel<Net> reference(b, pg);
     torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
-    for (int s = 0; s < steps; ++s) {
-      auto x = rows_of(batches[s].x, rank, world);
-      auto y = rows_of(batches[s].y, rank, world);
-      opt.zero_grad();
-      torch::mse_loss(model(x), y).backward();
-      opt.step();
-      ref_opt.zero_grad();
-      torch::mse_loss(reference(x), y).backward();
-      ref_opt.step();
-    }
+    for (const auto& batch : batches) step_both(model, opt, reference, ref_opt, batch, rank, world);
     fsdp_got[rank] = full_values(model.full_parameters());
     ddp_got[rank] = values_of(*b);
   });
