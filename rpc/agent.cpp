@@ -17,6 +17,7 @@
 #include <algorithm>
 
 #include "tdist/core/env.h"
+#include "tdist/core/net/handshake.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/rendezvous.h"
 #include "tdist/core/token.h"
@@ -96,6 +97,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   conn_options_.handshake.token = *options_.token;
   conn_options_.handshake.my_rank = rank;
   conn_options_.handshake.world_size = world_size;
+  conn_options_.handshake.issued = std::make_shared<net::IssuedChallenges>();
   conn_options_.handshake.fast_path = options_.same_host_fast_path;
   conn_options_.handshake.timeout = hs_timeout;
   conn_options_.socket_buffer_bytes = options_.socket_buffer_bytes;

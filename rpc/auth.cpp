@@ -29,7 +29,7 @@ bool may_read_peer(bool fast_path, bool peer_wants, int fd, pid_t pid, const std
 
 HandshakeResult server_handshake(int fd, const HandshakeOptions& o) {
   const auto deadline = net::Clock::now() + o.timeout;
-  net::ServerHandshake hs(o.token, net::Service::kRpc);
+  net::ServerHandshake hs(o.token, net::Service::kRpc, o.issued);
   const std::string what = "handshake";
   net::write_all(fd, hs.challenge().data(), hs.challenge().size(), deadline,
                  what + ": sending the challenge");
@@ -75,7 +75,9 @@ HandshakeResult client_handshake(int fd, const HandshakeOptions& o, int expected
   w.u32(static_cast<uint32_t>(o.my_rank));
   w.u32(static_cast<uint32_t>(::getpid()));
   w.u32(o.fast_path ? 1 : 0);
-  net::ClientHandshake hs(o.token, net::Service::kRpc);
+  // A call to this worker itself connects to its own server: only then is its challenge ours.
+  net::ClientHandshake hs(o.token, net::Service::kRpc,
+                          expected_peer == o.my_rank ? nullptr : o.issued);
   const Bytes theirs = net::client_handshake(fd, hs, ours, kAcceptFields, deadline, who);
   wire::Reader a(theirs);
   HandshakeResult r;

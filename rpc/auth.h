@@ -28,9 +28,14 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "tdist/core/store.h"
+
+namespace tdist::net {
+class IssuedChallenges;  // core/net/handshake.h
+}  // namespace tdist::net
 
 namespace tdist::rpc::detail {
 
@@ -47,6 +52,9 @@ struct HandshakeOptions {
   int world_size = 0;
   bool fast_path = true;  // offer and accept the same-host fast path
   Millis timeout{10000};  // the whole handshake, from its first byte to its last
+  // This worker's server challenges, which its client side refuses except on a connection to
+  // itself (Note [Connection handshake]: reflection). The agent makes one; none: no check.
+  std::shared_ptr<net::IssuedChallenges> issued;
 };
 
 // The accepting side. Throws (NetworkError / ProtocolError / TimeoutError) when the peer fails;

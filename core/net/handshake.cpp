@@ -124,13 +124,41 @@ Digest hmac_sha256(const std::string& key, const uint8_t* data, size_t size) {
   return out;
 }
 
+// ---- IssuedChallenges ---------------------------------------------------------------------------
+
+struct IssuedChallenges::Registration {
+  Registration(std::shared_ptr<IssuedChallenges> in, const Nonce& n) : set(std::move(in)), nonce(n) {
+    std::lock_guard<std::mutex> lock(set->mu_);
+    set->live_.insert(nonce);
+  }
+  ~Registration() {
+    std::lock_guard<std::mutex> lock(set->mu_);
+    set->live_.erase(nonce);
+  }
+  const std::shared_ptr<IssuedChallenges> set;
+  const Nonce nonce;
+};
+
+bool IssuedChallenges::issued(const uint8_t* challenge, size_t size) const {
+  if (size != kChallengeBytes) return false;
+  Nonce n{};
+  std::memcpy(n.data(), challenge + size - n.size(), n.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_.count(n) > 0;
+}
+
 // ---- ServerHandshake ----------------------------------------------------------------------------
 
-ServerHandshake::ServerHandshake(std::string token, Service service)
+ServerHandshake::ServerHandshake(std::string token, Service service,
+                                 std::shared_ptr<IssuedChallenges> issued)
     : token_(std::move(token)), service_(service), nonce_s_(random_nonce()) {
   wire::Writer w(challenge_);
   write_preamble(w, service_);
   w.raw(nonce_s_.data(), nonce_s_.size());
+  if (issued) {
+    registration_ = std::make_shared<const IssuedChallenges::Registration>(std::move(issued),
+                                                                            nonce_s_);
+  }
 }
 
 Bytes ServerHandshake::verify_hello(const uint8_t* msg, size_t size, size_t fields) {
@@ -163,13 +191,22 @@ Bytes ServerHandshake::verify_confirm(const uint8_t* msg, size_t size, size_t fi
 
 // ---- ClientHandshake ----------------------------------------------------------------------------
 
-ClientHandshake::ClientHandshake(std::string token, Service service)
-    : token_(std::move(token)), service_(service), nonce_c_(random_nonce()) {}
+ClientHandshake::ClientHandshake(std::string token, Service service,
+                                 std::shared_ptr<const IssuedChallenges> refuse)
+    : token_(std::move(token)),
+      service_(service),
+      nonce_c_(random_nonce()),
+      refuse_(std::move(refuse)) {}
 
 Bytes ClientHandshake::hello(const uint8_t* challenge, size_t size, const Bytes& fields) {
   check_size(size, kChallengeBytes, "challenge");
   wire::Reader r(challenge, size);
   check_preamble(r, service_, "challenge");
+  if (refuse_ && refuse_->issued(challenge, size)) {
+    throw ProtocolError(str("handshake: the ", service_name(service_),
+                            " challenge came from this endpoint's own server: whoever answered "
+                            "here reflected it (Note [Connection handshake])"));
+  }
   std::memcpy(nonce_s_.data(), r.raw(nonce_s_.size()), nonce_s_.size());
   challenge_seen_ = true;
   Bytes msg;

@@ -28,6 +28,15 @@
 // only keeps honest peers of different jobs apart: a side that has a token rejects one that has
 // none. The token itself never travels. (Authentication only: what follows is not encrypted.)
 //
+// Reflection: whoever answers at a peer's address could hand a client the challenge of the
+// client's own endpoint's server (got on a second connection to it), and relay the HELLO the
+// client then signs back to that server, which would accept it. An endpoint that both accepts
+// and connects at once (the RPC agent) therefore gives its server handshakes an
+// IssuedChallenges and its client handshakes the same one to refuse, except on a connection it
+// makes to itself (an RPC to this worker). The mesh needs none: a rank makes its connections
+// before its server sends any challenge, and refuses a hello from its own rank. The store has
+// no identities to bind: rank 0's client reaches the server in its own process.
+//
 // The classes are the protocol without the I/O (they build and check messages), so the store's
 // Boost.Asio server, the mesh's poll loop and RPC's threads drive the same code; the blocking
 // client_handshake() below serves the connecting side of the store and the mesh.
@@ -35,6 +44,9 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "tdist/core/net/frame.h"
@@ -42,6 +54,20 @@
 #include "tdist/core/store.h"
 
 namespace tdist::net {
+
+// The challenges one endpoint's live server handshakes issued (Note [Connection handshake]:
+// reflection). Thread-safe.
+class IssuedChallenges {
+ public:
+  // Whether the CHALLENGE message `challenge` (kChallengeBytes) is one of them.
+  bool issued(const uint8_t* challenge, size_t size) const;
+
+ private:
+  friend class ServerHandshake;
+  struct Registration;  // a nonce, issued while its handshake (or a copy) lives
+  mutable std::mutex mu_;
+  std::set<std::array<uint8_t, 32>> live_;  // guarded by mu_
+};
 
 enum class Service : uint16_t { kStore = 1, kMesh = 2, kRpc = 3 };
 const char* service_name(Service service);
@@ -61,7 +87,9 @@ constexpr size_t confirm_bytes(size_t fields) { return 4 + fields + kMacBytes; }
 // connection without answering.
 class ServerHandshake {
  public:
-  ServerHandshake(std::string token, Service service);
+  // `issued`: the endpoint's challenges, this one among them while the object (or a copy) lives.
+  ServerHandshake(std::string token, Service service,
+                  std::shared_ptr<IssuedChallenges> issued = nullptr);
   // The first message, sent as soon as the connection is accepted.
   const Bytes& challenge() const { return challenge_; }
   // Checks a HELLO of hello_bytes(fields) bytes; returns the client's fields.
@@ -78,13 +106,16 @@ class ServerHandshake {
   std::array<uint8_t, 32> nonce_c_{};
   bool hello_verified_ = false;
   Bytes challenge_;
+  std::shared_ptr<const void> registration_;  // in `issued`, if given
 };
 
 // The connecting side. Throws ProtocolError when the server's messages are not what the
 // protocol says (another service, a failed MAC: the server has another token).
 class ClientHandshake {
  public:
-  ClientHandshake(std::string token, Service service);
+  // `refuse`: the endpoint's own challenges, which hello() refuses (a reflected handshake).
+  ClientHandshake(std::string token, Service service,
+                  std::shared_ptr<const IssuedChallenges> refuse = nullptr);
   // Checks the CHALLENGE (kChallengeBytes) and returns the HELLO carrying `fields`.
   Bytes hello(const uint8_t* challenge, size_t size, const Bytes& fields);
   // Checks an ACCEPT of accept_bytes(fields) bytes; returns the server's fields.
@@ -98,6 +129,7 @@ class ClientHandshake {
   std::array<uint8_t, 32> nonce_s_{};
   std::array<uint8_t, 32> nonce_c_{};
   bool challenge_seen_ = false;
+  std::shared_ptr<const IssuedChallenges> refuse_;
 };
 
 // The connecting side on a connected socket, all of it by `deadline`: reads the CHALLENGE,

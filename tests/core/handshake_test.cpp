@@ -116,6 +116,52 @@ TEST(Handshake, AnotherServiceOrSizeIsRefusedByName) {
                   "bad magic");
 }
 
+// Reflection (issue 41, item 14): whoever answers at a peer's address hands the client the
+// challenge of its own endpoint's server and relays the HELLO back. On 4622ec6 nothing stopped
+// it: the client signed its own server's challenge, and the server took the relayed HELLO as a
+// peer's. A client given its endpoint's IssuedChallenges refuses such a challenge, while the
+// server handshake (or a copy of it) lives; a client of another endpoint (another rank, in this
+// process or not) and a connection to itself (no IssuedChallenges) still go through.
+TEST(Handshake, AClientRefusesTheChallengeOfItsOwnEndpointsServer) {
+  auto issued = std::make_shared<net::IssuedChallenges>();
+  auto server = std::make_unique<ServerHandshake>("secret", Service::kRpc, issued);
+  const Bytes challenge = server->challenge();
+  {
+    // What the reflection exploits: a HELLO signed for our own challenge verifies at our server.
+    ClientHandshake unguarded("secret", Service::kRpc);
+    const Bytes hello = unguarded.hello(challenge.data(), challenge.size(), {7});
+    EXPECT_EQ(server->verify_hello(hello.data(), hello.size(), 1), Bytes{7});
+  }
+  ClientHandshake guarded("secret", Service::kRpc, issued);
+  expect_contains(expect_throw<ProtocolError>(
+                      [&] { guarded.hello(challenge.data(), challenge.size(), {7}); }),
+                  "the RPC challenge came from this endpoint's own server");
+  EXPECT_TRUE(issued->issued(challenge.data(), challenge.size()));
+  // Another endpoint's challenges are answered.
+  ServerHandshake other("secret", Service::kRpc, std::make_shared<net::IssuedChallenges>());
+  ClientHandshake ours("secret", Service::kRpc, issued);
+  EXPECT_EQ(ours.hello(other.challenge().data(), other.challenge().size(), {7}).size(),
+            net::hello_bytes(1));
+  // A copy keeps the challenge issued after the original is gone.
+  const ServerHandshake copy = *server;
+  server.reset();
+  EXPECT_TRUE(issued->issued(challenge.data(), challenge.size()));
+}
+
+TEST(Handshake, AChallengeIsIssuedOnlyWhileItsHandshakeLives) {
+  auto issued = std::make_shared<net::IssuedChallenges>();
+  Bytes challenge;
+  {
+    ServerHandshake server("secret", Service::kRpc, issued);
+    challenge = server.challenge();
+    EXPECT_TRUE(issued->issued(challenge.data(), challenge.size()));
+  }
+  EXPECT_FALSE(issued->issued(challenge.data(), challenge.size()));
+  ClientHandshake client("secret", Service::kRpc, issued);
+  EXPECT_EQ(client.hello(challenge.data(), challenge.size(), {}).size(), net::hello_bytes(0));
+  EXPECT_FALSE(issued->issued(challenge.data(), challenge.size() - 1));  // not a challenge
+}
+
 // ---- the store's port ---------------------------------------------------------------------------
 
 using test::kTimeout;
