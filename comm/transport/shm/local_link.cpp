@@ -126,14 +126,29 @@ int connect_link(const std::string& name, const Bytes& hello, std::string* why) 
   return fd;
 }
 
+namespace {
+
+// Room for one descriptor beside a message's bytes (SCM_RIGHTS).
+struct OneFdControl {
+  alignas(cmsghdr) char bytes[CMSG_SPACE(sizeof(int))] = {};
+};
+
+// A message of the bytes `iov` names, with `control` for one descriptor.
+msghdr one_fd_message(iovec* iov, OneFdControl* control) {
+  msghdr m{};
+  m.msg_iov = iov;
+  m.msg_iovlen = 1;
+  m.msg_control = control->bytes;
+  m.msg_controllen = sizeof(control->bytes);
+  return m;
+}
+
+}  // namespace
+
 bool send_with_fd(int sock, const Bytes& data, int fd, std::string* why) {
   iovec iov{const_cast<uint8_t*>(data.data()), data.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = control;
-  m.msg_controllen = sizeof(control);
+  OneFdControl control;
+  msghdr m = one_fd_message(&iov, &control);
   cmsghdr* c = CMSG_FIRSTHDR(&m);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
@@ -149,12 +164,8 @@ bool send_with_fd(int sock, const Bytes& data, int fd, std::string* why) {
 int receive_with_fd(int sock, void* data, size_t size, std::string* why) {
   Bytes got(size + 1);  // one byte more: more than `size` is refused
   iovec iov{got.data(), got.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = control;
-  m.msg_controllen = sizeof(control);
+  OneFdControl control;
+  msghdr m = one_fd_message(&iov, &control);
   ssize_t n;
   do {
     n = ::recvmsg(sock, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
