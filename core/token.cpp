@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -97,6 +98,27 @@ Token load_token() {
 Token resolve_token(const std::optional<std::string>& given, const char* option) {
   if (given) return Token{*given, option};
   return load_token();
+}
+
+std::string random_hex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = ::getrandom(raw.data() + got, bytes - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+    } else {
+      TDIST_CHECK(n < 0 && errno == EINTR, "getrandom: ", std::strerror(errno));
+    }
+  }
+  static const char kDigits[] = "0123456789abcdef";
+  std::string hex;
+  hex.reserve(2 * bytes);
+  for (unsigned char b : raw) {
+    hex += kDigits[b >> 4];
+    hex += kDigits[b & 15];
+  }
+  return hex;
 }
 
 }  // namespace tdist

@@ -33,4 +33,8 @@ Token resolve_token(const std::optional<std::string>& given, const char* option)
 // a regular file without group/other read or write permission, at most 4 KiB, not empty.
 std::string read_token_file(const std::string& path);
 
+// `bytes` random bytes from the kernel (getrandom), as 2 * bytes lowercase hex digits: a fresh
+// token, key or name no one else can guess.
+std::string random_hex(size_t bytes);
+
 }  // namespace tdist

@@ -20,12 +20,12 @@
 
 #include <nlohmann/json.hpp>
 #include <openssl/crypto.h>
-#include <openssl/rand.h>
 
 #include "apps/bench/common.h"
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/token.h"
 
 namespace tdist::bench {
 namespace {
@@ -180,23 +180,7 @@ void TcpLink::recv_all(void* data, size_t n) {
   }
 }
 
-namespace {
-
-std::string random_key() {
-  unsigned char bytes[16];
-  TDIST_CHECK(RAND_bytes(bytes, sizeof(bytes)) == 1, "RAND_bytes failed");
-  static const char kHex[] = "0123456789abcdef";
-  std::string key;
-  for (unsigned char b : bytes) {
-    key += kHex[b >> 4];
-    key += kHex[b & 15];
-  }
-  return key;
-}
-
-}  // namespace
-
-TcpListener::TcpListener(const std::string& host) : listener_(host, 0, 4), key_(random_key()) {}
+TcpListener::TcpListener(const std::string& host) : listener_(host, 0, 4), key_(random_hex(16)) {}
 
 TcpLink TcpListener::accept() {
   for (;;) {

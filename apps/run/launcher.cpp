@@ -5,7 +5,6 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -187,16 +186,7 @@ void Launcher::prepare_token() {
   }
   if (!load_token().value.empty()) return;
   if (!config_.elastic.enabled && config_.nnodes == 1) {
-    uint8_t bytes[32];
-    TDIST_CHECK(::getrandom(bytes, sizeof(bytes), 0) == static_cast<ssize_t>(sizeof(bytes)),
-                "getrandom: ", std::strerror(errno));
-    static const char kDigits[] = "0123456789abcdef";
-    std::string hex;
-    for (uint8_t b : bytes) {
-      hex += kDigits[b >> 4];
-      hex += kDigits[b & 15];
-    }
-    ::setenv("TDIST_TOKEN", hex.c_str(), 1);
+    ::setenv("TDIST_TOKEN", random_hex(32).c_str(), 1);
     return;
   }
   const std::string store = config_.elastic.enabled

@@ -1,7 +1,6 @@
 #include "tdist/comm/transport/shm/local_link.h"
 
 #include <errno.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -9,6 +8,7 @@
 #include <cstring>
 
 #include "tdist/core/error.h"
+#include "tdist/core/token.h"
 
 namespace tdist::comm::shm {
 namespace {
@@ -29,21 +29,7 @@ sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
   return a;
 }
 
-std::string random_name() {
-  uint8_t r[16];
-  size_t got = 0;
-  while (got < sizeof(r)) {
-    const ssize_t n = ::getrandom(r + got, sizeof(r) - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
-  }
-  static const char* hex = "0123456789abcdef";
-  std::string name = str("tdist-link-", ::getpid(), "-");
-  for (uint8_t b : r) {
-    name += hex[b >> 4];
-    name += hex[b & 15];
-  }
-  return name;
-}
+std::string random_name() { return str("tdist-link-", ::getpid(), "-", random_hex(16)); }
 
 }  // namespace
 
