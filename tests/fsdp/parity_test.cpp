@@ -7,7 +7,9 @@
 #include <limits>
 #include <optional>
 
+#include "tdist/comm/device_mesh.h"
 #include "tdist/ddp/distributed_data_parallel.h"
+#include "tdist/fsdp/detail/param_group.h"
 #include "tests/fsdp/fsdp_test_util.h"
 
 namespace tdist::test {
@@ -257,6 +259,72 @@ TEST(FSDPParity, MatchesTdistDDP) {
   EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
   for (int r = 0; r < world; ++r) {
     EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "rank " << r;
+  }
+}
+
+// HSDP 2x2 at world 4: shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}.
+// The same parameters as tdist's DDP over the whole world after 20 Adam steps, sharded through
+// FSDPOptions::shard_size and through a DeviceMesh; only rank 0 starts with the values, so the
+// others get them through both groups' broadcasts.
+TEST(FSDPParity, HybridShardingMatchesTdistDDPAtWorld4) {
+  const int world = 4;
+  const int steps = 20;
+  torch::manual_seed(13);
+  Net init_net;
+  auto init = values_of(*init_net);
+  auto batches = make_batches(steps, 4 * world, 17);
+  for (bool via_mesh : {false, true}) {
+    std::vector<std::vector<torch::Tensor>> fsdp_got(world), ddp_got(world), shards(world);
+    spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = make_group(store, rank, world);
+      Net a;
+      if (rank == 0) load_values(*a, init);
+      std::unique_ptr<comm::DeviceMesh> mesh;
+      fsdp::FSDPOptions opts;
+      if (via_mesh) {
+        mesh = std::make_unique<comm::DeviceMesh>(
+            pg, std::vector<comm::DeviceMesh::Dim>{{"replicate", 2}, {"shard", 2}});
+      } else {
+        opts.shard_size = 2;
+      }
+      auto model = via_mesh ? fsdp::fully_shard(a, units_of(a), *mesh)
+                            : fsdp::fully_shard(a, units_of(a), pg, opts);
+      ASSERT_EQ(model.process_group()->size(), 2);
+      ASSERT_NE(model.replicate_group(), nullptr);
+      EXPECT_EQ(model.replicate_group()->size(), 2);
+      EXPECT_EQ(model.process_group()->rank(), rank % 2);
+      EXPECT_EQ(model.replicate_group()->rank(), rank / 2);
+      auto& st = model.state();
+      for (size_t g = 0; g < st.num_groups(); ++g) {  // sharded in 2, not in 4
+        EXPECT_EQ(st.group(g).sharded_param().numel() * 2, st.group(g).padded_numel());
+      }
+      torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+      Net b;
+      load_values(*b, init);
+      ddp::DistributedDataParallel<Net> reference(b, pg);
+      torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
+      for (const auto& batch : batches) {
+        step_both(model, opt, reference, ref_opt, batch, rank, world);
+      }
+      const size_t groups = st.num_groups();
+      EXPECT_EQ(model.counters().reduce_scatters, groups * steps);
+      EXPECT_EQ(model.counters().replica_allreduces, groups * steps);
+      for (const auto& p : model.parameters()) shards[rank].push_back(p.detach().clone());
+      fsdp_got[rank] = full_values(model.full_parameters());
+      ddp_got[rank] = values_of(*b);
+    });
+    EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "rank " << r << " mesh "
+                                                             << via_mesh;
+    }
+    for (int r = 0; r < 2; ++r) {  // replicas hold the same shards, bit for bit
+      ASSERT_EQ(shards[r].size(), shards[r + 2].size());
+      for (size_t i = 0; i < shards[r].size(); ++i) {
+        EXPECT_TRUE(torch::equal(shards[r][i], shards[r + 2][i])) << "ranks " << r << ", "
+                                                                  << r + 2 << " group " << i;
+      }
+    }
   }
 }
 
