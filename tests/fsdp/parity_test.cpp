@@ -262,6 +262,77 @@ TEST(FSDPParity, MatchesTdistDDP) {
   }
 }
 
+TEST(FSDPParity, World4ReshardAfterForwardAndNot) {
+  expect_parity_both({4, true});
+  expect_parity_both({4, false, /*unused_steps=*/true});
+}
+
+// A language-model shape: the embedding's weight is also the output layer's (tied), used at the
+// start and the end of forward; it lives in the root's group (FSDP2's rule for a parameter two
+// modules share: the unit above both owns it), the blocks are units.
+struct TiedImpl : torch::nn::Module {
+  static constexpr int64_t kVocab = 11;
+  TiedImpl()
+      : emb(register_module("emb", torch::nn::Embedding(kVocab, 6))),
+        b1(register_module("b1", torch::nn::Linear(6, 6))),
+        b2(register_module("b2", torch::nn::Linear(6, 6))) {}
+  torch::Tensor forward(torch::Tensor tokens) {
+    auto h = emb(tokens);
+    h = h + torch::tanh(fsdp::call(b1, h));
+    h = h + torch::tanh(fsdp::call(b2, h));
+    return torch::nn::functional::linear(h, emb->weight);  // the tied output layer
+  }
+  torch::nn::Embedding emb;
+  torch::nn::Linear b1, b2;
+};
+TORCH_MODULE(Tied);
+
+TEST(FSDPParity, TiedEmbeddingAndOutputMatchesTdistDDPAtWorlds3And4) {
+  for (int world : {3, 4}) {
+    const int steps = 20;
+    torch::manual_seed(29);
+    Tied init_net;
+    auto init = values_of(*init_net);
+    std::vector<Batch> batches;
+    for (int s = 0; s < steps; ++s) {
+      batches.push_back({torch::randint(0, TiedImpl::kVocab, {2 * world, 5}),
+                         torch::randint(0, TiedImpl::kVocab, {2 * world, 5})});
+    }
+    std::vector<std::vector<torch::Tensor>> fsdp_got(world), ddp_got(world);
+    spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = make_group(store, rank, world);
+      Tied a;
+      load_values(*a, init);
+      auto model = fsdp::fully_shard(a, {a->b1.ptr(), a->b2.ptr()}, pg);
+      torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+      Tied b;
+      load_values(*b, init);
+      ddp::DistributedDataParallel<Tied> reference(b, pg);
+      torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
+      auto loss = [&](torch::Tensor logits, const torch::Tensor& y) {
+        return torch::cross_entropy_loss(logits.reshape({-1, TiedImpl::kVocab}), y.reshape({-1}));
+      };
+      for (const auto& batch : batches) {
+        const auto x = rows_of(batch.x, rank, world);
+        const auto y = rows_of(batch.y, rank, world);
+        opt.zero_grad();
+        loss(model(x), y).backward();
+        opt.step();
+        ref_opt.zero_grad();
+        loss(reference(x), y).backward();
+        ref_opt.step();
+      }
+      fsdp_got[rank] = full_values(model.full_parameters());
+      ddp_got[rank] = values_of(*b);
+    });
+    EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "world " << world << " rank "
+                                                             << r;
+    }
+  }
+}
+
 // HSDP 2x2 at world 4: shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}.
 // The same parameters as tdist's DDP over the whole world after 20 Adam steps, sharded through
 // FSDPOptions::shard_size and through a DeviceMesh; only rank 0 starts with the values, so the
