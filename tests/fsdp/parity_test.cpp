@@ -26,6 +26,7 @@ struct Case {
   int micro = 1;              // backwards per step; all but the last under no_sync()
   double clip = 0;            // > 0: clip_grad_norm(clip, norm_type) before each step
   double norm_type = 2;
+  int shard_size = 0;         // FSDPOptions::shard_size (HSDP)
 };
 
 const Batch& batch_of(const std::vector<Batch>& batches, const Case& c, int step, int m) {
@@ -73,6 +74,7 @@ std::vector<std::vector<torch::Tensor>> train_fsdp(const Case& c,
     fsdp::FSDPOptions opts;
     opts.reshard_after_forward = c.reshard_after_forward;
     opts.prefetch = c.prefetch;
+    opts.shard_size = c.shard_size;
     auto model = fsdp::fully_shard(net, units, pg, opts);
     auto opt = make_optimizer(model.parameters(), c.sgd);
     for (int s = 0; s < c.steps; ++s) {
@@ -331,6 +333,23 @@ TEST(FSDPParity, TiedEmbeddingAndOutputMatchesTdistDDPAtWorlds3And4) {
                                                              << r;
     }
   }
+}
+
+// HSDP with the rest of the features: clipping with the global norm (summed over the shard group
+// only), gradient accumulation, a parameter unused in some steps, prefetch; shard groups of 2
+// and of 1 (every rank a replica: the allreduce does all the work).
+TEST(FSDPParity, HybridShardingWithClippingAccumulationAndUnusedParameters) {
+  Case c{4, true, /*unused_steps=*/true};
+  c.shard_size = 2;
+  c.clip = 0.05;
+  c.steps = 10;
+  expect_parity_both(c);
+  c.clip = 0;
+  c.micro = 2;
+  c.shard_size = 1;
+  c.reshard_after_forward = false;
+  c.prefetch = 2;
+  expect_parity_both(c);
 }
 
 // HSDP 2x2 at world 4: shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}.
