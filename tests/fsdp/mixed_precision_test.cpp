@@ -49,7 +49,9 @@ std::vector<torch::Tensor> train_reference(const MixedCase& c,
       }
     }
     opt.zero_grad();
-    for (size_t i = 0; i < sum.size(); ++i) master_params[i].mutable_grad() = sum[i].to(torch::kFloat);
+    for (size_t i = 0; i < sum.size(); ++i) {
+      master_params[i].mutable_grad() = sum[i].to(torch::kFloat);
+    }
     opt.step();
   }
   return values_of(*master);
@@ -136,8 +138,8 @@ TEST(FSDPMixedPrecision, Bf16ComputeFp32ReduceUnderHSDPWorld4) {
   mixed_gap({4, 2, torch::kBFloat16, torch::kFloat}, 1e-4);
 }
 
-// Reduced in bf16 the collective's sums round differently from the reference's (the ring adds
-// in fp32 and rounds once per hop): a bf16 tolerance.
+// Reduced in bf16, the collective rounds its partial sums to bf16 in its own order, not the
+// reference's: a bf16 tolerance.
 TEST(FSDPMixedPrecision, Bf16ComputeBf16ReduceWithinBf16ToleranceWorld3) {
   mixed_gap({3, 0, torch::kBFloat16, torch::kBFloat16}, 2e-3);
 }
