@@ -352,6 +352,45 @@ TEST(FSDPParity, HybridShardingWithClippingAccumulationAndUnusedParameters) {
   expect_parity_both(c);
 }
 
+// A mesh with a dimension FSDP does not use ({"pp", 2} beside {"shard", 2}, as a pipeline lays
+// its world out): each stage's pair of ranks shards its own model on its own data, and equals
+// tdist's DDP over that pair.
+TEST(FSDPParity, MeshShardsAlongItsShardDimensionOnly) {
+  const int world = 4;
+  const int steps = 10;
+  torch::manual_seed(31);
+  Net init_net;
+  auto init = values_of(*init_net);
+  const std::vector<std::vector<Batch>> stage_batches = {make_batches(steps, 4, 37),
+                                                         make_batches(steps, 4, 41)};
+  std::vector<std::vector<torch::Tensor>> fsdp_got(world), ddp_got(world);
+  spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = make_group(store, rank, world);
+    comm::DeviceMesh mesh(pg, {{"pp", 2}, {"shard", 2}});
+    const int stage = mesh.coordinate("pp");
+    const int r = mesh.coordinate("shard");
+    Net a;
+    load_values(*a, init);
+    auto model = fsdp::fully_shard(a, units_of(a), mesh);
+    EXPECT_EQ(model.process_group(), mesh.group("shard"));
+    EXPECT_EQ(model.replicate_group(), nullptr);
+    torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+    Net b;
+    load_values(*b, init);
+    ddp::DistributedDataParallel<Net> reference(b, mesh.group("shard"));
+    torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
+    for (const auto& batch : stage_batches[stage]) {
+      step_both(model, opt, reference, ref_opt, batch, r, 2);
+    }
+    fsdp_got[rank] = full_values(model.full_parameters());
+    ddp_got[rank] = values_of(*b);
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_LE(max_abs_diff(ddp_got[rank], fsdp_got[rank]), 1e-5) << "rank " << rank;
+  }
+  EXPECT_GT(max_abs_diff(fsdp_got[0], fsdp_got[2]), 1e-3) << "the stages did not train apart";
+}
+
 // HSDP 2x2 at world 4: shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}.
 // The same parameters as tdist's DDP over the whole world after 20 Adam steps, sharded through
 // FSDPOptions::shard_size and through a DeviceMesh; only rank 0 starts with the values, so the
