@@ -79,10 +79,11 @@
 //     elements; the R ranks of a replicate group (same place in their shard groups) keep the
 //     same shard. Step 3 divides the flat gradient by R*S; as soon as its reduce-scatter has
 //     completed, the result is allreduced (SUM) across the replicate group, into the buffer it
-//     arrived in. Those allreduces are issued in the order of the reduce-scatters (a queue: at
-//     each later reduce-scatter the ones complete at its head are issued, at the end of
-//     backward all, waiting for each), so every rank issues them in one order whatever the
-//     timing; they overlap the backward of the units before them. clip_grad_norm sums over the
+//     arrived in. Those allreduces are issued in the order of the reduce-scatters, from a
+//     queue: after each later reduce-scatter is issued, the groups at the queue's head whose
+//     reduce-scatter has completed get theirs; at the end of backward every one left, waiting
+//     for each. So every rank issues them in one order whatever the timing, and those issued
+//     early overlap the backward of the units before them. clip_grad_norm sums over the
 //     shard group only (replicas hold equal gradients); sync_module_states broadcasts through
 //     the replicate group, then the shard group (global rank 0 is rank 0 of both).
 //  8. Mixed precision (param_dtype, reduce_dtype): the sharded parameter, its .grad and the
