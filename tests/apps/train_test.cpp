@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -807,12 +808,15 @@ std::string write_text_dir(int files, int lines_per_file) {
   return dir;
 }
 
-// The log line of `step` ("step S/T epoch E: loss L, ...") up to the loss, and the held-out
-// evaluation's figures, as rank 0 printed them.
+// Every match of `pattern` in what rank 0 printed (a log line's loss, the evaluations' figures),
+// one per line.
 std::string printed(const std::string& out, const std::string& pattern) {
-  std::smatch m;
-  if (!std::regex_search(out, m, std::regex(pattern))) return "(not found: " + pattern + ")";
-  return m[0];
+  std::string all;
+  const std::regex re(pattern);
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
+    all += it->str() + "\n";
+  }
+  return all.empty() ? "(not found: " + pattern + ")" : all;
 }
 
 int64_t held(const nlohmann::json& m) {
@@ -822,7 +826,8 @@ int64_t held(const nlohmann::json& m) {
 
 // The same short gpt run at world 2 under each strategy: every run ends with equal parameters
 // on both ranks, and with the loss and held-out loss ddp printed (to the printed digits); the
-// memory each rank reports, measured from its tensors, is sharded as the strategy says. At world
+// memory each rank reports, measured from its tensors, is sharded as the strategy says. The
+// evaluation (after step 3 and at the end) gives the ranks unequal batch counts. At world
 // 2 the parameters are even bit-equal to ddp's: fsdp's a/2 + b/2 and DDP's (a + b)/2 are the same
 // floats (halving is exact), Adam is elementwise, and zero1 steps the same Adam per parameter.
 TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
@@ -833,7 +838,8 @@ TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
                                      "--heads", "2", "--context", "32", "--data-dir", text,
                                      "--batch-size", "4", "--steps", "6", "--log-every", "3",
                                      "--optimizer", "adam", "--lr", "0.003", "--seed", "3",
-                                     "--test-samples", "16", "--progress", "log",
+                                     "--test-samples", "5", "--eval-batch-size", "2",
+                                     "--eval-every", "3", "--progress", "log",
                                      "--threads", "1", "--summary", dir + "/" + name + ".json"};
     args.insert(args.end(), extra.begin(), extra.end());
     auto r = train_under_run(2, {}, args);
@@ -847,11 +853,15 @@ TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
   ASSERT_EQ(ddp["strategy"], "ddp");
   // 2 blocks of width 32: 12 w^2 + 13 w each; embeddings 256 w + 32 w; ln_f 2 w; head 256 w.
   EXPECT_EQ(ddp["params"], 2 * (12 * 32 * 32 + 13 * 32) + 256 * 32 + 32 * 32 + 2 * 32 + 32 * 256);
-  EXPECT_EQ(ddp["eval_samples"], 16);
+  // 5 held-out windows in batches of 2: rank 0 runs 2 forwards, rank 1 one (under fsdp, where a
+  // forward is a collective, rank 1 runs a second one on a sample it drops).
+  EXPECT_EQ(ddp["eval_samples"], 5);
   EXPECT_NEAR(ddp["perplexity"].get<double>(), std::exp(ddp["eval_loss"].get<double>()), 1e-9);
   EXPECT_TRUE(contains(ddp_out, "held out")) << ddp_out;
   const std::string loss_at_6 = R"(step 6/6 epoch \d+: loss [0-9.]+)";
   const std::string eval = R"(held-out loss [0-9.]+, perplexity [0-9.]+)";
+  const std::string ddp_evals = printed(ddp_out, eval);
+  EXPECT_EQ(std::count(ddp_evals.begin(), ddp_evals.end(), '\n'), 2) << ddp_out;
   const int64_t ddp_bytes = held(ddp["memory_per_rank"][0]);
   const int64_t numel = ddp["params"].get<int64_t>();
   // DDP: 4 bytes of value, 4 of gradient and 8 of Adam state per parameter.
