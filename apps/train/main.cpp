@@ -36,7 +36,8 @@ int main(int argc, char** argv) {
                                    "mlp: number of hidden layers; gpt: transformer blocks")
                      ->check(CLI::Range(int64_t{0}, int64_t{256}))
                      ->default_str("mlp 2, gpt 4");
-  auto* width = model->add_option("--width", o.model.width, "gpt: embedding width (a multiple of --heads)")
+  auto* width = model->add_option("--width", o.model.width,
+                                  "gpt: embedding width (a multiple of --heads)")
                     ->check(CLI::Range(int64_t{1}, int64_t{65536}));
   auto* heads = model->add_option("--heads", o.model.heads, "gpt: attention heads")
                     ->check(CLI::Range(int64_t{1}, int64_t{1024}));

@@ -350,8 +350,9 @@ void validate(const TrainOptions& o) {
   if (o.data.dataset == "synthetic" && (o.data.train_samples < 1 || o.data.test_samples < 1))
     bad("the synthetic dataset needs --train-samples and --test-samples >= 1");
   if (is_language_model(o.model) != (o.data.dataset == "text"))
-    bad(is_language_model(o.model) ? "--model gpt trains on --dataset text (got --dataset " + o.data.dataset + ")"
-                                   : "--dataset text needs --model gpt (got --model " + o.model.kind + ")");
+    bad(is_language_model(o.model)
+            ? "--model gpt trains on --dataset text (got --dataset " + o.data.dataset + ")"
+            : "--dataset text needs --model gpt (got --model " + o.model.kind + ")");
   if (o.strategy != "ddp" && o.strategy != "fsdp" && o.strategy != "zero1")
     bad("--strategy must be ddp, fsdp or zero1 (got '" + o.strategy + "')");
   if (o.strategy != "ddp" && !o.checkpoint_dir.empty())
@@ -543,7 +544,8 @@ void Trainer::start_training() {
     fsdp::FSDPOptions fopts;
     fopts.reshard_after_forward = o_.reshard_after_forward;
     fopts.timeout = timeout_;
-    sharded_ = std::make_unique<ShardedModel>(fsdp::fully_shard(model_, model_->units(), pg_, fopts));
+    sharded_ =
+        std::make_unique<ShardedModel>(fsdp::fully_shard(model_, model_->units(), pg_, fopts));
     optimizer_ = make_optimizer(o_, sharded_->parameters());
     // No gradient watch: the sharded gradients are written at the end of backward, not by
     // autograd, so comm_wait_ms stays 0 under fsdp.
@@ -558,7 +560,8 @@ void Trainer::start_training() {
       zopts.timeout = timeout_;
       zero_ = std::make_unique<fsdp::ZeroRedundancyOptimizer>(
           model_->parameters(),
-          [this](std::vector<at::Tensor> params) { return make_optimizer(o_, params); }, pg_, zopts);
+          [this](std::vector<at::Tensor> params) { return make_optimizer(o_, params); }, pg_,
+          zopts);
     }
   }
   start_ = Clock::now();
