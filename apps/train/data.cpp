@@ -4,8 +4,12 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
 
 #include "apps/train/idx.h"
 #include "apps/train/models.h"
@@ -40,7 +44,106 @@ std::shared_ptr<const Dataset> limited(LabeledImages split, int64_t limit) {
   return std::make_shared<TensorDataset>(split.images, split.labels);
 }
 
+std::string read_whole_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(str("cannot read '", path.string(), "': ", std::strerror(errno)));
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw DataError(str("cannot read '", path.string(), "'"));
+  return bytes;
+}
+
+at::Tensor to_byte_tensor(const std::string& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) std::memcpy(t.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+  return t;
+}
+
 }  // namespace
+
+TextDataset::TextDataset(at::Tensor bytes, int64_t context, int64_t limit)
+    : bytes_(std::move(bytes)), context_(context) {
+  TDIST_CHECK_ARG(bytes_.dim() == 1 && bytes_.scalar_type() == at::kByte,
+                  "text: the stream must be one-dimensional uint8");
+  TDIST_CHECK_ARG(context_ >= 1, "text: context ", context_, " < 1");
+  windows_ = bytes_.numel() > 0 ? (bytes_.numel() - 1) / context_ : 0;
+  size_ = limit > 0 ? std::min(limit, windows_) : windows_;
+}
+
+int64_t TextDataset::offset(int64_t i) const {
+  const int64_t w = size_ == windows_ ? i : (i * windows_) / size_;
+  return w * context_;
+}
+
+Batch TextDataset::get(const std::vector<int64_t>& indices) const {
+  const auto n = static_cast<int64_t>(indices.size());
+  at::Tensor windows = at::empty({n, context_ + 1}, at::kLong);
+  auto out = windows.accessor<int64_t, 2>();
+  const uint8_t* src = bytes_.data_ptr<uint8_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t i = indices[static_cast<size_t>(j)];
+    TDIST_CHECK_ARG(i >= 0 && i < size_, "sample index ", i, " is out of range [0, ", size_, ")");
+    const uint8_t* w = src + offset(i);
+    for (int64_t k = 0; k <= context_; ++k) out[j][k] = w[k];
+  }
+  return Batch{windows.narrow(1, 0, context_).contiguous(),
+               windows.narrow(1, 1, context_).contiguous()};
+}
+
+std::string default_text_dir() {
+  const std::regex name(R"(python3\.(\d+))");
+  std::string best;
+  int best_minor = -1;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/usr/lib", ec)) {
+    std::smatch m;
+    const std::string file = e.path().filename().string();
+    if (!std::regex_match(file, m, name) || !e.is_directory(ec)) continue;
+    const int minor = std::stoi(m[1].str());
+    if (minor > best_minor) {
+      best_minor = minor;
+      best = e.path().string();
+    }
+  }
+  return best;
+}
+
+TextCorpus read_text_corpus(const std::string& dir, int64_t context) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> files;  // relative to dir
+  std::error_code ec;
+  fs::recursive_directory_iterator it(dir, ec), end;
+  if (ec) throw DataError(str("--data-dir '", dir, "': ", ec.message()));
+  for (; it != end; it.increment(ec)) {
+    if (ec) throw DataError(str("--data-dir '", dir, "': ", ec.message()));
+    if (it->path().extension() == ".py" && it->is_regular_file(ec)) {
+      files.push_back(fs::relative(it->path(), dir).string());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  if (files.size() < 2) {
+    throw DataError(str("--data-dir '", dir, "' holds ", files.size(),
+                        " .py file(s); --dataset text needs at least 2 (one is held out)"));
+  }
+  std::string train, held_out;
+  TextCorpus c;
+  for (size_t k = 0; k < files.size(); ++k) {
+    const bool held = files.size() < 20 ? k + 1 == files.size() : k % 20 == 19;
+    (held ? held_out : train) += read_whole_file(fs::path(dir) / files[k]);
+    (held ? c.held_out_files : c.train_files) += 1;
+  }
+  auto check_length = [&](const char* split, const std::string& bytes) {
+    if (static_cast<int64_t>(bytes.size()) < context + 1) {
+      throw DataError(str("--data-dir '", dir, "': the ", split, " text has ", bytes.size(),
+                          " bytes, fewer than one sample of --context ", context, " needs (",
+                          context + 1, ")"));
+    }
+  };
+  check_length("training", train);
+  check_length("held-out", held_out);
+  c.train = to_byte_tensor(train);
+  c.held_out = to_byte_tensor(held_out);
+  return c;
+}
 
 uint64_t mix_seed(uint64_t a, uint64_t b) {
   // Two splitmix64 finalizer rounds over a combined word.
@@ -104,6 +207,24 @@ DataSplits load_data(const DataConfig& config) {
     out.test = std::make_shared<SyntheticDataset>(config.test_samples, config.seed, 1, config.signal);
     out.description = str("synthetic (seed ", config.seed, ", signal ", config.signal, ", ",
                           config.train_samples, " train, ", config.test_samples, " test)");
+    return out;
+  }
+  if (config.dataset == "text") {
+    std::string dir = config.data_dir.empty() ? default_text_dir() : config.data_dir;
+    if (dir.empty()) {
+      throw DataError("--dataset text: no Python standard library under /usr/lib/python3.N; "
+                      "give --data-dir DIR (a directory of .py files)");
+    }
+    require_directory(dir);
+    TextCorpus corpus = read_text_corpus(dir, config.context);
+    auto train = std::make_shared<TextDataset>(corpus.train, config.context, config.train_samples);
+    auto test = std::make_shared<TextDataset>(corpus.held_out, config.context, config.test_samples);
+    out.description = str("text ", dir, " (", corpus.train_files, " files, ", train->bytes(),
+                          " bytes: ", train->size(), " train windows of ", config.context,
+                          "; ", corpus.held_out_files, " files held out, ", test->size(),
+                          " test windows)");
+    out.train = std::move(train);
+    out.test = std::move(test);
     return out;
   }
   TDIST_CHECK_ARG(config.dataset == "mnist" || config.dataset == "fashion-mnist",

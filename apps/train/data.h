@@ -1,6 +1,7 @@
 #pragma once
 // Training data for tdist-train: 1x28x28 images with labels in [0, 10), from a seeded synthetic
-// generator or from MNIST-format IDX files (MNIST, Fashion-MNIST), and the DistributedSampler that gives each rank its shard.
+// generator or from MNIST-format IDX files (MNIST, Fashion-MNIST); windows of bytes of text for
+// the language model; and the DistributedSampler that gives each rank its shard.
 //
 // Datasets are immutable after construction and safe to read from several threads.
 
@@ -13,9 +14,11 @@
 
 namespace tdist::train {
 
+// An image batch, or a text batch (TextDataset): `images` the model's inputs, `labels` its
+// targets.
 struct Batch {
-  at::Tensor images;  // float32 [B, 1, 28, 28]
-  at::Tensor labels;  // int64 [B]
+  at::Tensor images;  // float32 [B, 1, 28, 28]; text: int64 [B, T] bytes
+  at::Tensor labels;  // int64 [B]; text: int64 [B, T], each the byte after its input
 };
 
 class Dataset {
@@ -62,15 +65,55 @@ class TensorDataset : public Dataset {
   const at::Tensor labels_;
 };
 
+// Windows of a byte stream for next-byte prediction: sample i is the `context` bytes at
+// offset(i) as inputs and the `context` bytes one further as targets. Without a limit the
+// windows tile the stream (offset(i) = i * context, (bytes - 1) / context samples); with a limit
+// L smaller than that, L windows spread evenly over it (offset(i) = floor(i * W / L) * context).
+class TextDataset : public Dataset {
+ public:
+  TextDataset(at::Tensor bytes, int64_t context, int64_t limit = 0);
+  int64_t size() const override { return size_; }
+  Batch get(const std::vector<int64_t>& indices) const override;
+  int64_t bytes() const { return bytes_.numel(); }
+
+ private:
+  int64_t offset(int64_t i) const;
+  const at::Tensor bytes_;  // uint8 [n]
+  const int64_t context_;
+  int64_t windows_ = 0;  // tiling windows of the stream
+  int64_t size_ = 0;
+};
+
+// The text of --dataset text: every *.py file under `dir` (recursively, not following directory
+// links), in the byte order of their paths relative to `dir`. File k of that order goes to the
+// held-out split when k % 20 == 19 (one file in 20), or, with fewer than 20 files, the last one;
+// the others are the training text. Each split is its files' bytes concatenated. DataError when
+// `dir` is missing or holds fewer than 2 such files, or a split is shorter than context + 1 bytes.
+struct TextCorpus {
+  at::Tensor train;  // uint8
+  at::Tensor held_out;
+  int64_t train_files = 0;
+  int64_t held_out_files = 0;
+};
+TextCorpus read_text_corpus(const std::string& dir, int64_t context);
+
+// The default --data-dir of --dataset text: the Python standard library's sources, the newest
+// /usr/lib/python3.N present (every Debian system has one); empty when there is none.
+std::string default_text_dir();
+
+// Held-out windows --dataset text evaluates on unless --test-samples says otherwise.
+inline constexpr int64_t kDefaultTextTestSamples = 256;
+
 // Where Debian's dataset-fashion-mnist package puts the four gzip IDX files.
 inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 
 struct DataConfig {
-  std::string dataset = "synthetic";  // "synthetic", "mnist" or "fashion-mnist"
+  std::string dataset = "synthetic";  // "synthetic", "mnist", "fashion-mnist" or "text"
   std::string data_dir;               // mnist: holds the four IDX files (fashion-mnist: default
-                                      // kFashionMnistDir)
-  int64_t train_samples = 60000;      // synthetic: size; mnist: a limit (0: all)
+                                      // kFashionMnistDir; text: default default_text_dir())
+  int64_t train_samples = 60000;      // synthetic: size; mnist, text: a limit (0: all)
   int64_t test_samples = 10000;       // likewise for the test split
+  int64_t context = 128;              // text: bytes per sample (the model's context)
   uint64_t seed = 0;
   double signal = 0.12;               // synthetic: strength of the class pattern (noise is 1)
 };

@@ -1,7 +1,10 @@
-// tdist-train: trains a classifier of 28x28 images with DistributedDataParallel.
+// tdist-train: trains a classifier of 28x28 images or a byte-level GPT, data parallel: with
+// DistributedDataParallel, fully_shard (FSDP) or DDP with a ZeroRedundancyOptimizer.
 //
 //   tdist-run --nproc-per-node 2 tdist-train --dataset synthetic --model mlp --steps 500
 //   tdist-train --data-dir ~/mnist --model conv --epochs 2 --optimizer adam   (one process)
+//   tdist-run --nproc-per-node 2 tdist-train --model gpt --strategy fsdp --optimizer adam \
+//       --steps 200   (on the Python standard library's sources)
 //
 // Exit codes: 0 done; 1 training failed (a peer died, a timeout, an I/O error); 2 bad flags or
 // bad input (missing data directory, malformed IDX file, a checkpoint of another run).
@@ -18,31 +21,48 @@
 int main(int argc, char** argv) {
   using tdist::train::TrainOptions;
   TrainOptions o;
-  CLI::App app{"tdist-train: data-parallel training of a 28x28 image classifier with tdist DDP",
+  CLI::App app{"tdist-train: data-parallel training of a 28x28 image classifier or a byte-level "
+               "GPT with tdist (DDP, FSDP or ZeRO-1)",
                "tdist-train"};
   app.option_defaults()->always_capture_default();
 
   auto* model = app.add_option_group("Model");
-  model->add_option("--model", o.model.kind, "mlp or conv")->check(CLI::IsMember({"mlp", "conv"}));
-  model->add_option("--hidden", o.model.hidden, "hidden width (mlp layers, conv's dense layer)")
-      ->check(CLI::Range(int64_t{1}, int64_t{65536}));
-  auto* layers = model->add_option("--layers", o.model.layers, "mlp: number of hidden layers")
-                     ->check(CLI::Range(int64_t{0}, int64_t{64}));
+  model->add_option("--model", o.model.kind, "mlp, conv or gpt (a byte-level transformer)")
+      ->check(CLI::IsMember({"mlp", "conv", "gpt"}));
+  auto* hidden = model->add_option("--hidden", o.model.hidden,
+                                   "hidden width (mlp layers, conv's dense layer)")
+                     ->check(CLI::Range(int64_t{1}, int64_t{65536}));
+  auto* layers = model->add_option("--layers", o.model.layers,
+                                   "mlp: number of hidden layers; gpt: transformer blocks")
+                     ->check(CLI::Range(int64_t{0}, int64_t{256}))
+                     ->default_str("mlp 2, gpt 4");
+  auto* width = model->add_option("--width", o.model.width,
+                                  "gpt: embedding width (a multiple of --heads)")
+                    ->check(CLI::Range(int64_t{1}, int64_t{65536}));
+  auto* heads = model->add_option("--heads", o.model.heads, "gpt: attention heads")
+                    ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  auto* context = model->add_option("--context", o.model.context, "gpt: bytes per sequence")
+                      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
 
   auto* data = app.add_option_group("Data");
   data->add_option("--dataset", o.data.dataset,
-                   "synthetic, mnist (implied by --data-dir) or fashion-mnist (from --data-dir, "
-                   "default " + std::string(tdist::train::kFashionMnistDir) + ")")
-      ->check(CLI::IsMember({"synthetic", "mnist", "fashion-mnist"}));
+                   "synthetic, mnist (implied by --data-dir), fashion-mnist (from --data-dir, "
+                   "default " + std::string(tdist::train::kFashionMnistDir) + ") or text (for "
+                   "--model gpt, implied by it: the *.py files under --data-dir, default the "
+                   "Python standard library's, /usr/lib/python3.N)")
+      ->check(CLI::IsMember({"synthetic", "mnist", "fashion-mnist", "text"}));
   auto* data_dir = data->add_option("--data-dir", o.data.data_dir,
                                     "directory with the IDX files, plain or .gz "
                                     "(train-images-idx3-ubyte, train-labels-idx1-ubyte, "
-                                    "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)");
+                                    "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte); text: "
+                                    "a tree of .py files");
   data->add_option("--train-samples", o.data.train_samples,
                    "synthetic: training set size; (fashion-)mnist: use at most this many (0: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   data->add_option("--test-samples", o.data.test_samples,
-                   "synthetic: test set size; (fashion-)mnist: use at most this many (0: all)")
+                   "synthetic: test set size; (fashion-)mnist: use at most this many (0: all); "
+                   "text: held-out windows, spread evenly (default " +
+                       std::to_string(tdist::train::kDefaultTextTestSamples) + "; 0: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
 
   data->add_option("--signal", o.data.signal,
@@ -79,6 +99,16 @@ int main(int argc, char** argv) {
                     "visible, else ring), ring, or one per device type, e.g. cpu:ring,cuda:nccl "
                     "(docs/comm.md)");
 
+  auto* strategy = app.add_option_group("Strategy");
+  strategy->add_option("--strategy", o.strategy,
+                       "ddp (a whole replica per rank), fsdp (parameters, gradients and optimizer "
+                       "state sharded: fully_shard; a gpt's blocks are its units) or zero1 (DDP "
+                       "with the optimizer state sharded: ZeroRedundancyOptimizer)")
+      ->check(CLI::IsMember({"ddp", "fsdp", "zero1"}));
+  auto* reshard = strategy->add_option("--reshard-after-forward", o.reshard_after_forward,
+                                       "fsdp: free each unit's gathered parameters after its "
+                                       "forward (true) or keep them to its backward (false)");
+
   auto* ddp = app.add_option_group("DDP");
   ddp->add_option("--bucket-cap-mb", o.ddp.bucket_cap_mb, "gradient bucket size (MiB)")
       ->check(CLI::Range(0.0, 65536.0));
@@ -104,8 +134,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   out->add_option("--eval-every", o.eval_every, "steps between test evaluations (0: at the end)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
-  out->add_option("--eval-batch-size", o.eval_batch_size, "samples per evaluation batch")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  auto* eval_batch = out->add_option("--eval-batch-size", o.eval_batch_size,
+                                     "samples per evaluation batch")
+                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                         ->default_str("1000; gpt 64");
   out->add_option("--metrics", o.metrics_path, "append JSON lines (per report and evaluation)");
   out->add_option("--summary", o.summary_path, "write a JSON summary of the run");
   out->add_option("--warmup-steps", o.warmup_steps, "steps left out of the summary's samples/s")
@@ -120,19 +152,47 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     o.ddp.broadcast_buffers = !no_broadcast_buffers;
+    const bool gpt = o.model.kind == "gpt";
+    const bool dataset_given = app.get_option("--dataset")->count() > 0;
+    if (gpt && !dataset_given) o.data.dataset = "text";
     if (data_dir->count() > 0) {
-      if (o.data.dataset == "synthetic" && app.get_option("--dataset")->count() > 0) {
-        throw CLI::ValidationError("--data-dir", "is for --dataset mnist, not synthetic");
+      if (o.data.dataset == "synthetic" && dataset_given) {
+        throw CLI::ValidationError("--data-dir", "is for --dataset mnist or text, not synthetic");
       }
-      if (app.get_option("--dataset")->count() == 0) o.data.dataset = "mnist";
+      if (!dataset_given && !gpt) o.data.dataset = "mnist";
     }
     if (o.data.dataset != "synthetic") {
-      // Defaults of the synthetic set sizes mean "everything" for MNIST.
+      // Defaults of the synthetic set sizes mean "everything" for MNIST; text evaluates on
+      // kDefaultTextTestSamples held-out windows.
       if (app.get_option("--train-samples")->count() == 0) o.data.train_samples = 0;
-      if (app.get_option("--test-samples")->count() == 0) o.data.test_samples = 0;
+      if (app.get_option("--test-samples")->count() == 0) {
+        o.data.test_samples = o.data.dataset == "text" ? tdist::train::kDefaultTextTestSamples : 0;
+      }
     }
-    if (layers->count() > 0 && o.model.kind != "mlp") {
-      throw CLI::ValidationError("--layers", "applies to --model mlp only");
+    if (layers->count() > 0 && o.model.kind == "conv") {
+      throw CLI::ValidationError("--layers", "applies to --model mlp or gpt");
+    }
+    if (gpt && layers->count() == 0) o.model.layers = 4;
+    if (gpt && eval_batch->count() == 0) o.eval_batch_size = 64;
+    if (gpt && hidden->count() > 0) {
+      throw CLI::ValidationError("--hidden", "applies to --model mlp or conv (gpt: --width)");
+    }
+    for (auto* opt : {width, heads, context}) {
+      if (!gpt && opt->count() > 0) {
+        throw CLI::ValidationError(opt->get_name(), "applies to --model gpt only");
+      }
+    }
+    o.data.context = o.model.context;
+    if (reshard->count() > 0 && o.strategy != "fsdp") {
+      throw CLI::ValidationError("--reshard-after-forward", "applies to --strategy fsdp only");
+    }
+    if (o.strategy == "fsdp") {
+      for (const auto* opt : ddp->get_options()) {
+        if (opt->count() > 0) {
+          throw CLI::ValidationError(opt->get_name(), "is DDP's: it applies to --strategy ddp or "
+                                                      "zero1, not fsdp");
+        }
+      }
     }
     if (epochs->count() == 0 && steps->count() == 0) o.epochs = 1;
     tdist::train::validate(o);

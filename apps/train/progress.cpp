@@ -112,19 +112,32 @@ void Progress::report(const StepReport& r) {
   }
 }
 
-void Progress::evaluation(int64_t step, double accuracy, int64_t samples) {
+void Progress::evaluation(int64_t step, double accuracy, int64_t samples, double loss) {
   if (!active_) return;
+  const bool has_loss = std::isfinite(loss);
   if (metrics_) {
     nlohmann::json j = {{"event", "eval"},
                         {"step", step},
                         {"accuracy", round_to(accuracy, 6)},
                         {"samples", samples}};
+    if (has_loss) {
+      j["loss"] = round_to(loss, 6);
+      j["perplexity"] = round_to(std::exp(loss), 6);
+    }
     metrics_line(j.dump());
   }
   if (mode_ == ProgressMode::kNone) return;
-  char line[160];
-  std::snprintf(line, sizeof(line), "eval after step %lld: accuracy %.2f%% on %lld test samples",
-                static_cast<long long>(step), 100.0 * accuracy, static_cast<long long>(samples));
+  char line[200];
+  if (has_loss) {
+    std::snprintf(line, sizeof(line),
+                  "eval after step %lld: held-out loss %.4f, perplexity %.3f, next-byte accuracy "
+                  "%.2f%% on %lld windows",
+                  static_cast<long long>(step), loss, std::exp(loss), 100.0 * accuracy,
+                  static_cast<long long>(samples));
+  } else {
+    std::snprintf(line, sizeof(line), "eval after step %lld: accuracy %.2f%% on %lld test samples",
+                  static_cast<long long>(step), 100.0 * accuracy, static_cast<long long>(samples));
+  }
   note(line);
 }
 

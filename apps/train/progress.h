@@ -46,7 +46,9 @@ class Progress {
   Progress& operator=(const Progress&) = delete;
 
   void report(const StepReport& r);
-  void evaluation(int64_t step, double accuracy, int64_t samples);
+  // `loss`: the mean cross-entropy per prediction (nats), reported with its perplexity when
+  // finite (the language model; NaN leaves both out).
+  void evaluation(int64_t step, double accuracy, int64_t samples, double loss);
   // A line of its own (the bar is ended first and redrawn at the next report).
   void note(const std::string& line);
   // Ends the bar's line.

@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -11,7 +12,9 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <thread>
+#include <unordered_set>
 #include <nlohmann/json.hpp>
 
 #include "apps/train/checkpoint.h"
@@ -22,12 +25,15 @@
 #include "tdist/core/hash_store.h"
 #include "tdist/core/logging.h"
 #include "tdist/ddp/distributed_data_parallel.h"
+#include "tdist/fsdp/fully_shard.h"
+#include "tdist/fsdp/zero_redundancy_optimizer.h"
 
 namespace tdist::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using Model = ddp::DistributedDataParallel<torch::nn::Sequential>;
+using Model = ddp::DistributedDataParallel<TrainModel>;
+using ShardedModel = fsdp::FullyShardedModule<TrainModel>;
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -155,43 +161,107 @@ void set_rng_state(const at::Tensor& state) {
 }
 
 struct EvalResult {
-  double accuracy = std::nan("");
+  double accuracy = std::nan("");  // of the predictions (images; next bytes)
+  double loss = std::nan("");      // language model: mean cross-entropy per predicted byte
   int64_t samples = 0;
 };
 
-// Collective: each rank classifies the test samples r, r + world, ...; the counts are summed
-// (on the host: the counts are a CPU tensor whatever `device` the model is on).
-EvalResult evaluate(torch::nn::Sequential& model, const Dataset& test, comm::ProcessGroup& pg,
-                    int64_t batch_size, std::chrono::milliseconds timeout, c10::Device device) {
+// The loss of a batch's logits against its labels: cross-entropy per image, or per predicted
+// byte of each window (logits [B, T, 256], labels [B, T]).
+at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& labels,
+                   torch::nn::functional::CrossEntropyFuncOptions::reduction_t reduction =
+                       torch::kMean) {
+  return torch::nn::functional::cross_entropy(
+      logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(reduction));
+}
+
+// Collective: each rank evaluates the test samples r, r + world, ...; the sums are added up (on
+// the host: a CPU tensor whatever `device` the model is on). `lockstep` (fsdp, whose forward is
+// a collective): every rank runs the same number of forwards, a rank out of samples running
+// one on sample 0 whose result it drops.
+EvalResult evaluate(const std::function<at::Tensor(const at::Tensor&)>& forward,
+                    torch::nn::Module& model, const Dataset& test, comm::ProcessGroup& pg,
+                    int64_t batch_size, std::chrono::milliseconds timeout, c10::Device device,
+                    bool language_model, bool lockstep) {
   torch::NoGradGuard no_grad;
-  model->eval();
-  int64_t correct = 0, total = 0;
+  model.eval();
+  double correct = 0, predictions = 0, loss_sum = 0;
   std::vector<int64_t> idx;
-  auto flush = [&] {
-    if (idx.empty()) return;
-    Batch b = test.get(idx);
-    correct += model->forward(b.images.to(device))
-                   .argmax(1)
-                   .eq(b.labels.to(device))
-                   .sum()
-                   .item<int64_t>();
-    total += static_cast<int64_t>(idx.size());
+  auto run = [&](bool counted) {
+    Batch b = test.get(idx.empty() ? std::vector<int64_t>{0} : idx);
+    at::Tensor labels = b.labels.to(device);
+    at::Tensor logits = forward(b.images.to(device));
+    if (counted) {
+      correct += logits.argmax(-1).eq(labels).sum().item<double>();
+      predictions += static_cast<double>(labels.numel());
+      if (language_model) loss_sum += loss_of(logits, labels, torch::kSum).item<double>();
+    }
     idx.clear();
   };
+  int64_t batches = 0;
   for (int64_t i = pg.rank(); i < test.size(); i += pg.size()) {
     idx.push_back(i);
-    if (static_cast<int64_t>(idx.size()) == batch_size) flush();
+    if (static_cast<int64_t>(idx.size()) == batch_size) {
+      run(true);
+      ++batches;
+    }
   }
-  flush();
-  model->train();
-  at::Tensor counts = at::tensor({static_cast<double>(correct), static_cast<double>(total)}, at::kDouble);
+  if (!idx.empty()) {
+    run(true);
+    ++batches;
+  }
+  if (lockstep && test.size() > 0) {
+    const int64_t per_rank = (test.size() + pg.size() - 1) / pg.size();
+    for (int64_t k = batches; k < (per_rank + batch_size - 1) / batch_size; ++k) run(false);
+  }
+  model.train();
+  int64_t mine = 0;
+  for (int64_t i = pg.rank(); i < test.size(); i += pg.size()) ++mine;
+  at::Tensor sums = at::tensor({correct, predictions, loss_sum, static_cast<double>(mine)},
+                               at::kDouble);
   comm::AllreduceOptions opts;
   opts.timeout = timeout;
-  pg.allreduce(counts, opts)->wait();
+  pg.allreduce(sums, opts)->wait();
   EvalResult r;
-  r.samples = static_cast<int64_t>(counts[1].item<double>());
-  if (r.samples > 0) r.accuracy = counts[0].item<double>() / static_cast<double>(r.samples);
+  r.samples = static_cast<int64_t>(sums[3].item<double>());
+  const double n = sums[1].item<double>();
+  if (n > 0) {
+    r.accuracy = sums[0].item<double>() / n;
+    if (language_model) r.loss = sums[2].item<double>() / n;
+  }
   return r;
+}
+
+// Bytes a rank holds for the model, measured from the tensors (each storage once).
+struct MemoryUse {
+  int64_t parameter_bytes = 0;
+  int64_t gradient_bytes = 0;
+  int64_t optimizer_state_bytes = 0;
+  int64_t peak_rss_bytes = 0;  // the process's peak resident set (getrusage): everything
+};
+
+int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const void*> seen;
+  int64_t bytes = 0;
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.has_storage()) continue;
+    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    if (seen.insert(s).second) bytes += static_cast<int64_t>(s->nbytes());
+  }
+  return bytes;
+}
+
+std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.grad());
+  return out;
+}
+
+int64_t peak_rss_bytes() {
+  struct rusage ru {};
+  if (::getrusage(RUSAGE_SELF, &ru) != 0) return -1;
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;  // kilobytes on Linux
 }
 
 // Sums over the steps since the last report.
@@ -199,6 +269,7 @@ struct Window {
   int64_t steps = 0;
   double loss_sum = 0;
   int64_t correct = 0;
+  int64_t predictions = 0;  // images, or predicted bytes
   int64_t samples = 0;
   double step_s = 0;
   double data_ms = 0, forward_ms = 0, backward_ms = 0, comm_wait_ms = 0, optimizer_ms = 0;
@@ -247,6 +318,12 @@ void write_file_atomically(const std::string& path, const std::string& text) {
   }
 }
 
+std::string format_mb(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f", static_cast<double>(bytes) / 1e6);
+  return buf;
+}
+
 nlohmann::json number_or_null(double v) {
   return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr);
 }
@@ -272,6 +349,19 @@ void validate(const TrainOptions& o) {
     bad("--dataset mnist needs --data-dir DIR (with the MNIST IDX files)");
   if (o.data.dataset == "synthetic" && (o.data.train_samples < 1 || o.data.test_samples < 1))
     bad("the synthetic dataset needs --train-samples and --test-samples >= 1");
+  if (is_language_model(o.model) != (o.data.dataset == "text"))
+    bad(is_language_model(o.model)
+            ? "--model gpt trains on --dataset text (got --dataset " + o.data.dataset + ")"
+            : "--dataset text needs --model gpt (got --model " + o.model.kind + ")");
+  if (o.strategy != "ddp" && o.strategy != "fsdp" && o.strategy != "zero1")
+    bad("--strategy must be ddp, fsdp or zero1 (got '" + o.strategy + "')");
+  if (o.strategy != "ddp" && !o.checkpoint_dir.empty())
+    bad("--checkpoint-dir: tdist-train writes checkpoints for --strategy ddp only (not " +
+        o.strategy + ": its sharded optimizer state has no checkpoint format here yet)");
+  if (o.strategy == "fsdp" && o.comm_hook != "allreduce")
+    bad("--comm-hook is DDP's: it applies to --strategy ddp or zero1, not fsdp");
+  if (o.strategy != "fsdp" && !o.reshard_after_forward)
+    bad("--reshard-after-forward applies to --strategy fsdp only");
   parse_progress_mode(o.progress);
   describe_model(o.model);  // checks the model's settings
 }
@@ -291,8 +381,9 @@ class Trainer {
   // Phase 2, resume (--resume): every rank loads the checkpoint rank 0 read
   // (Note [Checkpoint protocol] 3), or starts from step 0 when there is none.
   void resume();
-  // Wraps the model in DDP (which broadcasts rank 0's parameters: after resume) and starts the
-  // clock of the training phase.
+  // Wraps the model for --strategy (DDP and fully_shard broadcast rank 0's parameters: after
+  // resume), makes fsdp's optimizer over the shards or zero1's ZeroRedundancyOptimizer, and
+  // starts the clock of the training phase.
   void start_training();
   bool done() const { return state_.step >= total_steps_; }
   // Phase 3, train an epoch: the steps from the current one to the end of its epoch (or of
@@ -305,6 +396,14 @@ class Trainer {
 
  private:
   void train_step(const std::vector<int64_t>& epoch_order);
+  // The strategy's forward (DDP's or the sharded model's), zero_grad and optimizer step.
+  at::Tensor forward(const at::Tensor& inputs);
+  void zero_grad();
+  void optimizer_step();
+  // What this rank holds for the model now, measured (MemoryUse).
+  MemoryUse measure_memory() const;
+  // A collective: every rank's MemoryUse, by rank.
+  std::vector<MemoryUse> memory_per_rank(const MemoryUse& mine) const;
   // Moves the sampler position to the next epoch when no step fits in this one.
   void roll_over_epoch();
   // The step training ends at, from the current position (Note [Elastic resume] 3).
@@ -313,7 +412,8 @@ class Trainer {
   // Phase 4, evaluate: the test set across all ranks, reported at state_.step.
   EvalResult evaluate_now();
   void save();
-  void write_summary(const EvalResult& final_eval, double train_s, uint64_t hash) const;
+  void write_summary(const EvalResult& final_eval, double train_s, uint64_t hash,
+                     const std::vector<MemoryUse>& memory) const;
 
   // Constant after set up.
   const TrainOptions& o_;
@@ -326,7 +426,8 @@ class Trainer {
   std::unique_ptr<DistributedSampler> sampler_;
   int64_t steps_per_epoch_ = 0;  // of a whole epoch at this world size
   int64_t total_steps_ = 0;
-  torch::nn::Sequential model_{nullptr};
+  TrainModel model_;
+  // ddp: over the parameters; fsdp: over the shards (made by start_training); zero1: none.
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::string fingerprint_;
   int64_t num_params_ = 0;
@@ -338,7 +439,9 @@ class Trainer {
   int64_t saved_step_ = -1;
 
   // Training.
-  std::unique_ptr<Model> ddp_model_;
+  std::unique_ptr<Model> ddp_model_;            // ddp, zero1
+  std::unique_ptr<ShardedModel> sharded_;        // fsdp
+  std::unique_ptr<fsdp::ZeroRedundancyOptimizer> zero_;  // zero1
   std::shared_ptr<GradTiming> timing_ = std::make_shared<GradTiming>();
   Clock::time_point start_;
   int64_t steps_run_ = 0;
@@ -371,13 +474,14 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   // The model is initialised on the host and then moved: the same seed gives the same initial
   // parameters on every device.
   torch::manual_seed(o.seed);
-  model_ = build_model(o.model);
+  model_ = build_train_model(o.model);
   model_->to(o.device);
-  optimizer_ = make_optimizer(o, model_->parameters());
+  if (o.strategy == "ddp") optimizer_ = make_optimizer(o, model_->parameters());
   fingerprint_ = fingerprint(o, data_.train->size());
   num_params_ = count_parameters(*model_);
   progress_->note(str("tdist-train: ", describe_model(o.model), " (", num_params_, " parameters) on ",
                       data_.description, "; world size ", world_, " on ", o.device.str(),
+                      ", strategy ", o.strategy,
                       ", batch ", o.batch_size,
                       " per rank, ", o.optimizer, " lr ", o.lr > 0 ? o.lr : default_lr(o.optimizer),
                       "; ", steps_per_epoch_, " steps per epoch, ", total_steps_, " steps"));
@@ -436,12 +540,91 @@ int64_t Trainer::planned_steps() const {
 }
 
 void Trainer::start_training() {
-  ddp::DDPOptions dopts = o_.ddp;
-  dopts.timeout = timeout_;
-  ddp_model_ = std::make_unique<Model>(model_, pg_, dopts);
-  if (auto hook = make_hook(o_)) ddp_model_->register_comm_hook(std::move(hook));
-  watch_gradients(model_->parameters(), timing_);
+  if (o_.strategy == "fsdp") {
+    fsdp::FSDPOptions fopts;
+    fopts.reshard_after_forward = o_.reshard_after_forward;
+    fopts.timeout = timeout_;
+    sharded_ =
+        std::make_unique<ShardedModel>(fsdp::fully_shard(model_, model_->units(), pg_, fopts));
+    optimizer_ = make_optimizer(o_, sharded_->parameters());
+    // No gradient watch: the sharded gradients are written at the end of backward, not by
+    // autograd, so comm_wait_ms stays 0 under fsdp.
+  } else {
+    ddp::DDPOptions dopts = o_.ddp;
+    dopts.timeout = timeout_;
+    ddp_model_ = std::make_unique<Model>(model_, pg_, dopts);
+    if (auto hook = make_hook(o_)) ddp_model_->register_comm_hook(std::move(hook));
+    watch_gradients(model_->parameters(), timing_);
+    if (o_.strategy == "zero1") {
+      fsdp::ZeroRedundancyOptimizerOptions zopts;
+      zopts.timeout = timeout_;
+      zero_ = std::make_unique<fsdp::ZeroRedundancyOptimizer>(
+          model_->parameters(),
+          [this](std::vector<at::Tensor> params) { return make_optimizer(o_, params); }, pg_,
+          zopts);
+    }
+  }
   start_ = Clock::now();
+}
+
+at::Tensor Trainer::forward(const at::Tensor& inputs) {
+  return sharded_ ? (*sharded_)(inputs) : (*ddp_model_)(inputs);
+}
+
+void Trainer::zero_grad() {
+  if (zero_) {
+    zero_->zero_grad();
+  } else {
+    optimizer_->zero_grad();
+  }
+}
+
+void Trainer::optimizer_step() {
+  if (zero_) {
+    zero_->step();
+  } else {
+    optimizer_->step();
+  }
+}
+
+MemoryUse Trainer::measure_memory() const {
+  MemoryUse m;
+  std::vector<at::Tensor> params = model_->parameters();
+  if (sharded_) {
+    // The shards, and the module's own parameters (empty between steps) with their gradients
+    // (freed after each reduce-scatter), plus anything still gathered.
+    std::vector<at::Tensor> shards = sharded_->parameters();
+    m.parameter_bytes = storage_bytes(shards) + storage_bytes(params) +
+                        static_cast<int64_t>(sharded_->unsharded_bytes());
+    m.gradient_bytes = storage_bytes(grads_of(shards)) + storage_bytes(grads_of(params));
+  } else {
+    m.parameter_bytes = storage_bytes(params);
+    m.gradient_bytes = storage_bytes(grads_of(params));
+  }
+  m.optimizer_state_bytes = static_cast<int64_t>(
+      zero_ ? zero_->local_state_bytes() : fsdp::optimizer_state_bytes(*optimizer_));
+  m.peak_rss_bytes = peak_rss_bytes();
+  return m;
+}
+
+std::vector<MemoryUse> Trainer::memory_per_rank(const MemoryUse& mine) const {
+  at::Tensor all = at::zeros({world_, 4}, at::kDouble);
+  all[rank_].copy_(at::tensor({static_cast<double>(mine.parameter_bytes),
+                           static_cast<double>(mine.gradient_bytes),
+                           static_cast<double>(mine.optimizer_state_bytes),
+                           static_cast<double>(mine.peak_rss_bytes)}, at::kDouble));
+  comm::AllreduceOptions aopts;
+  aopts.timeout = timeout_;
+  pg_->allreduce(all, aopts)->wait();
+  std::vector<MemoryUse> out(static_cast<size_t>(world_));
+  for (int r = 0; r < world_; ++r) {
+    auto row = all[r];
+    out[r] = MemoryUse{static_cast<int64_t>(row[0].item<double>()),
+                       static_cast<int64_t>(row[1].item<double>()),
+                       static_cast<int64_t>(row[2].item<double>()),
+                       static_cast<int64_t>(row[3].item<double>())};
+  }
+  return out;
 }
 
 void Trainer::train_epoch() {
@@ -470,22 +653,23 @@ void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
   batch.images = batch.images.to(o_.device);
   batch.labels = batch.labels.to(o_.device);
   const auto t1 = Clock::now();
-  optimizer_->zero_grad();
-  at::Tensor logits = (*ddp_model_)(batch.images);
-  at::Tensor loss = torch::nn::functional::cross_entropy(logits, batch.labels);
+  zero_grad();
+  at::Tensor logits = forward(batch.images);
+  at::Tensor loss = loss_of(logits, batch.labels);
   const auto t2 = Clock::now();
   const int64_t backward_begin = now_us();
   loss.backward();
   const int64_t backward_end = now_us();
   const auto t3 = Clock::now();
-  optimizer_->step();
+  optimizer_step();
   const auto t4 = Clock::now();
 
   const int64_t last_grad = timing_->last_grad_us.load(std::memory_order_relaxed);
   Window& w = window_;
   w.steps += 1;
   w.loss_sum += loss.item<double>();
-  w.correct += logits.argmax(1).eq(batch.labels).sum().item<int64_t>();
+  w.correct += logits.argmax(-1).eq(batch.labels).sum().item<int64_t>();
+  w.predictions += batch.labels.numel();
   w.samples += o_.batch_size;
   w.step_s += seconds_between(t0, t4);
   w.data_ms += 1e3 * seconds_between(t0, t1);
@@ -507,7 +691,7 @@ void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
 void Trainer::report_window(int64_t epoch) {
   const Window& w = window_;
   at::Tensor sums = at::tensor({w.loss_sum, static_cast<double>(w.correct),
-                                static_cast<double>(w.samples)}, at::kDouble);
+                                static_cast<double>(w.predictions)}, at::kDouble);
   comm::AllreduceOptions aopts;
   aopts.timeout = timeout_;
   pg_->allreduce(sums, aopts)->wait();
@@ -537,8 +721,13 @@ void Trainer::report_window(int64_t epoch) {
 }
 
 EvalResult Trainer::evaluate_now() {
-  EvalResult e = evaluate(model_, *data_.test, *pg_, o_.eval_batch_size, timeout_, o_.device);
-  progress_->evaluation(state_.step, e.accuracy, e.samples);
+  // Outside DDP's forward (evaluation needs none of its work); through the sharded model's
+  // (a collective) under fsdp.
+  EvalResult e = evaluate(
+      [this](const at::Tensor& x) { return sharded_ ? (*sharded_)(x) : model_->forward(x); },
+      *model_, *data_.test, *pg_, o_.eval_batch_size, timeout_, o_.device,
+      is_language_model(o_.model), sharded_ != nullptr);
+  progress_->evaluation(state_.step, e.accuracy, e.samples, e.loss);
   return e;
 }
 
@@ -552,10 +741,27 @@ void Trainer::save() {
 void Trainer::finish() {
   const double train_s = seconds_between(start_, Clock::now());
   if (!o_.checkpoint_dir.empty() && saved_step_ != state_.step) save();
+  const std::vector<MemoryUse> memory = memory_per_rank(measure_memory());
   const EvalResult final_eval = evaluate_now();
+  std::string mem_line = "memory per rank (parameters + gradients + optimizer state; peak RSS):";
+  for (int r = 0; r < world_; ++r) {
+    const MemoryUse& m = memory[static_cast<size_t>(r)];
+    mem_line += str(r ? "," : "", " rank ", r, " ",
+                    format_mb(m.parameter_bytes), " + ", format_mb(m.gradient_bytes), " + ",
+                    format_mb(m.optimizer_state_bytes), " = ",
+                    format_mb(m.parameter_bytes + m.gradient_bytes + m.optimizer_state_bytes),
+                    " MB; ", format_mb(m.peak_rss_bytes), " MB");
+  }
+  progress_->note(mem_line);
   progress_->finish();
-  const uint64_t hash = params_hash(model_->parameters());
-  if (rank_ == 0 && !o_.summary_path.empty()) write_summary(final_eval, train_s, hash);
+  std::vector<at::Tensor> values;
+  if (sharded_) {
+    for (auto& [name, t] : sharded_->full_parameters()) values.push_back(t);  // a collective
+  } else {
+    values = model_->parameters();
+  }
+  const uint64_t hash = params_hash(values);
+  if (rank_ == 0 && !o_.summary_path.empty()) write_summary(final_eval, train_s, hash, memory);
   std::printf("rank %d of %d: trained %lld steps, test accuracy %.2f%%, parameters fnv1a64 %s\n",
               rank_, world_, static_cast<long long>(state_.step), 100.0 * final_eval.accuracy,
               hex64(hash).c_str());
@@ -565,7 +771,8 @@ void Trainer::finish() {
   pg_->barrier(bopts)->wait();
 }
 
-void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64_t hash) const {
+void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64_t hash,
+                            const std::vector<MemoryUse>& memory) const {
   const double samples_per_sec =
       measured_steps_ > 0
           ? static_cast<double>(measured_steps_ * o_.batch_size * world_) / measured_s_
@@ -594,7 +801,21 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
       {"eval_samples", final_eval.samples},
       {"train_seconds", train_s},
       {"params_fnv1a64", hex64(hash)},
+      {"strategy", o_.strategy},
   };
+  if (o_.strategy == "fsdp") s["reshard_after_forward"] = o_.reshard_after_forward;
+  if (is_language_model(o_.model)) {
+    s["eval_loss"] = number_or_null(final_eval.loss);
+    s["perplexity"] = number_or_null(std::exp(final_eval.loss));
+  }
+  nlohmann::json mem = nlohmann::json::array();
+  for (const MemoryUse& m : memory) {
+    mem.push_back({{"parameter_bytes", m.parameter_bytes},
+                   {"gradient_bytes", m.gradient_bytes},
+                   {"optimizer_state_bytes", m.optimizer_state_bytes},
+                   {"peak_rss_bytes", m.peak_rss_bytes}});
+  }
+  s["memory_per_rank"] = mem;
   write_file_atomically(o_.summary_path, s.dump(2) + "\n");
 }
 

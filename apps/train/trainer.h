@@ -1,11 +1,13 @@
 #pragma once
-// The training loop of tdist-train: builds the process group, the data, the model wrapped in
-// DistributedDataParallel and the optimizer, then trains, evaluates, checkpoints and reports.
+// The training loop of tdist-train: builds the process group, the data, the model wrapped for
+// its --strategy (DistributedDataParallel; fully_shard; DDP with a ZeroRedundancyOptimizer) and
+// the optimizer, then trains, evaluates, checkpoints and reports.
 //
 // Every rank runs run_training() with the same options. Collectives happen at the same steps on
-// every rank: DDP's backward each step, a small allreduce of the loss and accuracy at each log
-// point, the evaluation's allreduce at each evaluation, and the checkpoint broadcast on resume.
-// Blocking; returns when training is done.
+// every rank: the strategy's forward, backward and step collectives each step, a small allreduce
+// of the loss and accuracy at each log point, the evaluation's forwards (under fsdp every rank
+// runs as many) and allreduce at each evaluation, the checkpoint broadcast on resume, and the
+// memory report's allreduce at the end. Blocking; returns when training is done.
 
 #include <c10/core/Device.h>
 
@@ -29,6 +31,10 @@ struct TrainOptions {
   int64_t steps = 0;
   int64_t batch_size = 64;        // per rank
   uint64_t seed = 0;
+  // "ddp" (every rank holds everything), "fsdp" (fully_shard: the model's units and the rest
+  // sharded) or "zero1" (DDP with the optimizer state sharded: ZeroRedundancyOptimizer).
+  std::string strategy = "ddp";
+  bool reshard_after_forward = true;  // fsdp: FSDPOptions::reshard_after_forward
   ddp::DDPOptions ddp;
   std::string comm_hook = "allreduce";  // allreduce, fp16, bf16, powersgd
   int powersgd_rank = 1;

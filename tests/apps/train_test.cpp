@@ -7,7 +7,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -758,7 +760,21 @@ TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--batch-size", "0"}, "--batch-size"},
       {{"--batch-size", "many"}, "--batch-size"},
       {{"--lr", "-1"}, "--lr"},
-      {{"--model", "conv", "--layers", "2"}, "--layers: applies to --model mlp only"},
+      {{"--model", "conv", "--layers", "2"}, "--layers: applies to --model mlp or gpt"},
+      {{"--model", "gpt", "--layers", "0"}, "a gpt has 1 to 256 blocks"},
+      {{"--model", "gpt", "--width", "30", "--heads", "4"}, "a multiple of --heads 4"},
+      {{"--model", "gpt", "--hidden", "64"}, "--hidden: applies to --model mlp or conv"},
+      {{"--model", "mlp", "--context", "64"}, "--context: applies to --model gpt only"},
+      {{"--dataset", "text"}, "--dataset text needs --model gpt"},
+      {{"--model", "gpt", "--dataset", "synthetic"}, "--model gpt trains on --dataset text"},
+      {{"--model", "gpt", "--data-dir", "/no/such/text"}, "--data-dir '/no/such/text'"},
+      {{"--strategy", "hsdp"}, "--strategy"},
+      {{"--reshard-after-forward", "false"},
+       "--reshard-after-forward: applies to --strategy fsdp only"},
+      {{"--strategy", "fsdp", "--reshard-after-forward", "maybe"}, "--reshard-after-forward"},
+      {{"--strategy", "fsdp", "--bucket-cap-mb", "1"}, "--bucket-cap-mb: is DDP's"},
+      {{"--strategy", "fsdp", "--comm-hook", "fp16"}, "--comm-hook: is DDP's"},
+      {{"--strategy", "zero1", "--checkpoint-dir", "/tmp"}, "checkpoints for --strategy ddp only"},
       {{"--resume"}, "--resume needs --checkpoint-dir"},
       {{"--checkpoint-every", "5"}, "--checkpoint-every needs --checkpoint-dir"},
       {{"--dataset", "mnist"}, "--dataset mnist needs --data-dir"},
@@ -774,6 +790,140 @@ TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
     EXPECT_EQ(r.exit_code, 2) << c.args[0] << ": " << r.describe();
     EXPECT_TRUE(contains(r.err, c.message)) << "'" << c.message << "' not in: " << r.err;
   }
+}
+
+// A small tree of Python-like files for --dataset text (deterministic; `files` of them, the
+// last held out when there are fewer than 20).
+std::string write_text_dir(int files, int lines_per_file) {
+  const std::string dir = test::temp_dir();
+  ::mkdir((dir + "/pkg").c_str(), 0755);
+  for (int f = 0; f < files; ++f) {
+    std::ofstream out(dir + (f % 2 ? "/pkg/mod" : "/mod") + std::to_string(f) + ".py");
+    for (int i = 0; i < lines_per_file; ++i) {
+      out << "def f_" << f << "_" << i << "(x, y=" << (i * 7 + f) % 13 << "):\n"
+          << "    return x * " << i % 5 << " + y  # line " << i << "\n";
+    }
+  }
+  std::ofstream(dir + "/notes.txt") << "not python: left out\n";
+  return dir;
+}
+
+// Every match of `pattern` in what rank 0 printed (a log line's loss, the evaluations' figures),
+// one per line.
+std::string printed(const std::string& out, const std::string& pattern) {
+  std::string all;
+  const std::regex re(pattern);
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
+    all += it->str() + "\n";
+  }
+  return all.empty() ? "(not found: " + pattern + ")" : all;
+}
+
+int64_t held(const nlohmann::json& m) {
+  return m["parameter_bytes"].get<int64_t>() + m["gradient_bytes"].get<int64_t>() +
+         m["optimizer_state_bytes"].get<int64_t>();
+}
+
+// The same short gpt run at world 2 under each strategy: every run ends with equal parameters
+// on both ranks, and with the loss and held-out loss ddp printed (to the printed digits); the
+// memory each rank reports, measured from its tensors, is sharded as the strategy says. The
+// evaluation (after step 3 and at the end) gives the ranks unequal batch counts. At world
+// 2 the parameters are even bit-equal to ddp's: fsdp's a/2 + b/2 and DDP's (a + b)/2 are the same
+// floats (halving is exact), Adam is elementwise, and zero1 steps the same Adam per parameter.
+TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
+  const std::string text = write_text_dir(5, 120);
+  const std::string dir = test::temp_dir();
+  auto run = [&](const std::string& name, std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--model", "gpt", "--layers", "2", "--width", "32",
+                                     "--heads", "2", "--context", "32", "--data-dir", text,
+                                     "--batch-size", "4", "--steps", "6", "--log-every", "3",
+                                     "--optimizer", "adam", "--lr", "0.003", "--seed", "3",
+                                     "--test-samples", "5", "--eval-batch-size", "2",
+                                     "--eval-every", "3", "--progress", "log",
+                                     "--threads", "1", "--summary", dir + "/" + name + ".json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = train_under_run(2, {}, args);
+    EXPECT_EQ(r.exit_code, 0) << name << ": " << r.describe();
+    auto hashes = final_hashes(r.out);
+    EXPECT_EQ(hashes.size(), 2u) << name << ": " << r.out;
+    EXPECT_EQ(hashes[0], hashes[1]) << name << ": the ranks' parameters differ";
+    return std::make_pair(r.out, read_json(dir + "/" + name + ".json"));
+  };
+  const auto [ddp_out, ddp] = run("ddp", {});
+  ASSERT_EQ(ddp["strategy"], "ddp");
+  // 2 blocks of width 32: 12 w^2 + 13 w each; embeddings 256 w + 32 w; ln_f 2 w; head 256 w.
+  EXPECT_EQ(ddp["params"], 2 * (12 * 32 * 32 + 13 * 32) + 256 * 32 + 32 * 32 + 2 * 32 + 32 * 256);
+  // 5 held-out windows in batches of 2: rank 0 runs 2 forwards, rank 1 one (under fsdp, where a
+  // forward is a collective, rank 1 runs a second one on a sample it drops).
+  EXPECT_EQ(ddp["eval_samples"], 5);
+  EXPECT_NEAR(ddp["perplexity"].get<double>(), std::exp(ddp["eval_loss"].get<double>()), 1e-9);
+  EXPECT_TRUE(contains(ddp_out, "held out")) << ddp_out;
+  const std::string loss_at_6 = R"(step 6/6 epoch \d+: loss [0-9.]+)";
+  const std::string eval = R"(held-out loss [0-9.]+, perplexity [0-9.]+)";
+  const std::string ddp_evals = printed(ddp_out, eval);
+  EXPECT_EQ(std::count(ddp_evals.begin(), ddp_evals.end(), '\n'), 2) << ddp_out;
+  const int64_t ddp_bytes = held(ddp["memory_per_rank"][0]);
+  const int64_t numel = ddp["params"].get<int64_t>();
+  // DDP: 4 bytes of value, 4 of gradient and 8 of Adam state per parameter.
+  EXPECT_EQ(ddp_bytes, 16 * numel) << ddp.dump(2);
+
+  for (const char* reshard : {"true", "false"}) {
+    const auto [out, s] = run(std::string("fsdp-") + reshard,
+                              {"--strategy", "fsdp", "--reshard-after-forward", reshard});
+    EXPECT_EQ(printed(out, loss_at_6), printed(ddp_out, loss_at_6)) << out;
+    EXPECT_EQ(printed(out, eval), printed(ddp_out, eval)) << out;
+    EXPECT_EQ(s["params_fnv1a64"], ddp["params_fnv1a64"]);
+    EXPECT_EQ(s["strategy"], "fsdp");
+    for (int r = 0; r < 2; ++r) {
+      const auto& m = s["memory_per_rank"][r];
+      // A half of everything, plus each group's padding to an even count (a few elements).
+      EXPECT_LE(held(m), ddp_bytes / 2 + 16 * 8) << m;
+      EXPECT_GE(held(m), ddp_bytes / 2) << m;
+      EXPECT_GT(m["peak_rss_bytes"].get<int64_t>(), 0) << m;
+    }
+  }
+  const auto [zout, z] = run("zero1", {"--strategy", "zero1"});
+  EXPECT_EQ(printed(zout, loss_at_6), printed(ddp_out, loss_at_6)) << zout;
+  EXPECT_EQ(printed(zout, eval), printed(ddp_out, eval)) << zout;
+  EXPECT_EQ(z["params_fnv1a64"], ddp["params_fnv1a64"]);
+  const auto& z0 = z["memory_per_rank"][0];
+  const auto& z1 = z["memory_per_rank"][1];
+  // Whole parameters and gradients; the Adam state split between the ranks.
+  EXPECT_EQ(z0["parameter_bytes"], 4 * numel);
+  EXPECT_EQ(z0["gradient_bytes"], 4 * numel);
+  EXPECT_EQ(z0["optimizer_state_bytes"].get<int64_t>() + z1["optimizer_state_bytes"].get<int64_t>(),
+            8 * numel);
+  EXPECT_LT(z0["optimizer_state_bytes"].get<int64_t>(), 8 * numel * 3 / 4) << z0;
+  EXPECT_LT(z1["optimizer_state_bytes"].get<int64_t>(), 8 * numel * 3 / 4) << z1;
+}
+
+// The default --data-dir: the Python standard library's sources (skipped where there is none).
+TEST(TdistTrain, GptLearnsThePythonStandardLibrary) {
+  const std::string dir = test::temp_dir();
+  auto r = train({"--model", "gpt", "--layers", "1", "--width", "64", "--heads", "2",
+                  "--context", "64", "--batch-size", "16", "--steps", "30", "--optimizer", "adam",
+                  "--lr", "0.01", "--log-every", "10", "--test-samples", "32", "--summary",
+                  dir + "/s.json", "--progress", "log"});
+  if (r.exit_code == 2 && contains(r.err, "no Python standard library")) {
+    GTEST_SKIP() << r.err;
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto s = read_json(dir + "/s.json");
+  EXPECT_TRUE(contains(s["dataset"].get<std::string>(), "/usr/lib/python3.")) << s["dataset"];
+  // Better than a uniform guess over 256 bytes (perplexity 256).
+  EXPECT_LT(s["perplexity"].get<double>(), 64.0) << s.dump(2);
+  EXPECT_TRUE(contains(r.out, "perplexity")) << r.out;
+}
+
+TEST(TdistTrain, BadTextDirectoriesGiveClearErrors) {
+  const std::string one = write_text_dir(1, 10);
+  auto r = train({"--model", "gpt", "--data-dir", one, "--steps", "1"});
+  EXPECT_EQ(r.exit_code, 2) << r.describe();
+  EXPECT_TRUE(contains(r.err, "holds 1 .py file(s); --dataset text needs at least 2")) << r.err;
+  const std::string tiny = write_text_dir(2, 1);
+  r = train({"--model", "gpt", "--data-dir", tiny, "--context", "512", "--steps", "1"});
+  EXPECT_EQ(r.exit_code, 2) << r.describe();
+  EXPECT_TRUE(contains(r.err, "fewer than one sample of --context 512 needs")) << r.err;
 }
 
 }  // namespace

@@ -80,6 +80,10 @@ run_example() {
       expect_status 0 "$run" --standalone --nproc-per-node 2 ./ddp_example
       expect_lines 2 "parameters differ across ranks by 0$"
       ;;
+    fsdp)
+      expect_status 0 "$run" --standalone --nproc-per-node 2 ./fsdp_example
+      expect_lines 2 "max difference from ddp: fsdp [0-9.e-]+, zero1 [0-9.e-]+$"
+      ;;
     model_parallel)
       expect_status 0 "$run" --standalone --nproc-per-node 2 ./model_parallel_example
       expect_lines 1 "local reference differs by"
