@@ -102,12 +102,19 @@ int main(int argc, char** argv) {
   auto* strategy = app.add_option_group("Strategy");
   strategy->add_option("--strategy", o.strategy,
                        "ddp (a whole replica per rank), fsdp (parameters, gradients and optimizer "
-                       "state sharded: fully_shard; a gpt's blocks are its units) or zero1 (DDP "
-                       "with the optimizer state sharded: ZeroRedundancyOptimizer)")
-      ->check(CLI::IsMember({"ddp", "fsdp", "zero1"}));
+                       "state sharded: fully_shard; a gpt's blocks are its units), hsdp (fsdp "
+                       "inside groups of --shard-size ranks, replicated across them) or zero1 "
+                       "(DDP with the optimizer state sharded: ZeroRedundancyOptimizer)")
+      ->check(CLI::IsMember({"ddp", "fsdp", "hsdp", "zero1"}));
   auto* reshard = strategy->add_option("--reshard-after-forward", o.reshard_after_forward,
-                                       "fsdp: free each unit's gathered parameters after its "
-                                       "forward (true) or keep them to its backward (false)");
+                                       "fsdp, hsdp: free each unit's gathered parameters after "
+                                       "its forward (true) or keep them to its backward (false)");
+  strategy->add_option("--shard-size", o.shard_size,
+                       "hsdp: ranks per shard group (divides the world size)");
+  strategy->add_option("--mixed-precision", o.mixed_precision,
+                       "fsdp, hsdp: none, or bf16 (parameters gathered and units computed in "
+                       "bf16; fp32 shards, gradients reduced in fp32)")
+      ->check(CLI::IsMember({"none", "bf16"}));
 
   auto* ddp = app.add_option_group("DDP");
   ddp->add_option("--bucket-cap-mb", o.ddp.bucket_cap_mb, "gradient bucket size (MiB)")
@@ -183,14 +190,15 @@ int main(int argc, char** argv) {
       }
     }
     o.data.context = o.model.context;
-    if (reshard->count() > 0 && o.strategy != "fsdp") {
-      throw CLI::ValidationError("--reshard-after-forward", "applies to --strategy fsdp only");
+    if (reshard->count() > 0 && !o.sharded()) {
+      throw CLI::ValidationError("--reshard-after-forward",
+                                 "applies to --strategy fsdp or hsdp only");
     }
-    if (o.strategy == "fsdp") {
+    if (o.sharded()) {
       for (const auto* opt : ddp->get_options()) {
         if (opt->count() > 0) {
           throw CLI::ValidationError(opt->get_name(), "is DDP's: it applies to --strategy ddp or "
-                                                      "zero1, not fsdp");
+                                                      "zero1, not " + o.strategy);
         }
       }
     }

@@ -353,15 +353,23 @@ void validate(const TrainOptions& o) {
     bad(is_language_model(o.model)
             ? "--model gpt trains on --dataset text (got --dataset " + o.data.dataset + ")"
             : "--dataset text needs --model gpt (got --model " + o.model.kind + ")");
-  if (o.strategy != "ddp" && o.strategy != "fsdp" && o.strategy != "zero1")
-    bad("--strategy must be ddp, fsdp or zero1 (got '" + o.strategy + "')");
+  if (o.strategy != "ddp" && !o.sharded() && o.strategy != "zero1")
+    bad("--strategy must be ddp, fsdp, hsdp or zero1 (got '" + o.strategy + "')");
+  if ((o.strategy == "hsdp") != (o.shard_size != 0))
+    bad(o.strategy == "hsdp" ? "--strategy hsdp needs --shard-size N (ranks per shard group)"
+                             : "--shard-size applies to --strategy hsdp only");
+  if (o.shard_size < 0) bad("--shard-size must be >= 1");
+  if (o.mixed_precision != "none" && o.mixed_precision != "bf16")
+    bad("--mixed-precision must be none or bf16 (got '" + o.mixed_precision + "')");
+  if (o.mixed_precision != "none" && !o.sharded())
+    bad("--mixed-precision applies to --strategy fsdp or hsdp only");
   if (o.strategy != "ddp" && !o.checkpoint_dir.empty())
     bad("--checkpoint-dir: tdist-train writes checkpoints for --strategy ddp only (not " +
         o.strategy + ": its sharded optimizer state has no checkpoint format here yet)");
-  if (o.strategy == "fsdp" && o.comm_hook != "allreduce")
-    bad("--comm-hook is DDP's: it applies to --strategy ddp or zero1, not fsdp");
-  if (o.strategy != "fsdp" && !o.reshard_after_forward)
-    bad("--reshard-after-forward applies to --strategy fsdp only");
+  if (o.sharded() && o.comm_hook != "allreduce")
+    bad("--comm-hook is DDP's: it applies to --strategy ddp or zero1, not " + o.strategy);
+  if (!o.sharded() && !o.reshard_after_forward)
+    bad("--reshard-after-forward applies to --strategy fsdp or hsdp only");
   parse_progress_mode(o.progress);
   describe_model(o.model);  // checks the model's settings
 }
@@ -540,9 +548,11 @@ int64_t Trainer::planned_steps() const {
 }
 
 void Trainer::start_training() {
-  if (o_.strategy == "fsdp") {
+  if (o_.sharded()) {
     fsdp::FSDPOptions fopts;
     fopts.reshard_after_forward = o_.reshard_after_forward;
+    fopts.shard_size = o_.shard_size;  // 0 (the whole group) unless hsdp
+    if (o_.mixed_precision == "bf16") fopts.param_dtype = at::kBFloat16;
     fopts.timeout = timeout_;
     sharded_ =
         std::make_unique<ShardedModel>(fsdp::fully_shard(model_, model_->units(), pg_, fopts));
@@ -803,7 +813,11 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
       {"params_fnv1a64", hex64(hash)},
       {"strategy", o_.strategy},
   };
-  if (o_.strategy == "fsdp") s["reshard_after_forward"] = o_.reshard_after_forward;
+  if (o_.sharded()) {
+    s["reshard_after_forward"] = o_.reshard_after_forward;
+    s["mixed_precision"] = o_.mixed_precision;
+  }
+  if (o_.strategy == "hsdp") s["shard_size"] = o_.shard_size;
   if (is_language_model(o_.model)) {
     s["eval_loss"] = number_or_null(final_eval.loss);
     s["perplexity"] = number_or_null(std::exp(final_eval.loss));

@@ -32,9 +32,14 @@ struct TrainOptions {
   int64_t batch_size = 64;        // per rank
   uint64_t seed = 0;
   // "ddp" (every rank holds everything), "fsdp" (fully_shard: the model's units and the rest
-  // sharded) or "zero1" (DDP with the optimizer state sharded: ZeroRedundancyOptimizer).
+  // sharded), "hsdp" (fully_shard inside groups of shard_size ranks, replicated across them) or
+  // "zero1" (DDP with the optimizer state sharded: ZeroRedundancyOptimizer).
   std::string strategy = "ddp";
-  bool reshard_after_forward = true;  // fsdp: FSDPOptions::reshard_after_forward
+  bool reshard_after_forward = true;  // fsdp, hsdp: FSDPOptions::reshard_after_forward
+  int shard_size = 0;                 // hsdp: FSDPOptions::shard_size (>= 1, divides the world)
+  std::string mixed_precision = "none";  // fsdp, hsdp: "bf16" gathers and computes in bf16
+  // fsdp or hsdp: the model is wrapped by fully_shard.
+  bool sharded() const { return strategy == "fsdp" || strategy == "hsdp"; }
   ddp::DDPOptions ddp;
   std::string comm_hook = "allreduce";  // allreduce, fp16, bf16, powersgd
   int powersgd_rank = 1;

@@ -768,9 +768,14 @@ TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--dataset", "text"}, "--dataset text needs --model gpt"},
       {{"--model", "gpt", "--dataset", "synthetic"}, "--model gpt trains on --dataset text"},
       {{"--model", "gpt", "--data-dir", "/no/such/text"}, "--data-dir '/no/such/text'"},
-      {{"--strategy", "hsdp"}, "--strategy"},
+      {{"--strategy", "hsdp"}, "--strategy hsdp needs --shard-size"},
+      {{"--strategy", "zero2"}, "--strategy"},
+      {{"--shard-size", "2"}, "--shard-size applies to --strategy hsdp only"},
+      {{"--strategy", "hsdp", "--shard-size", "-1"}, "--shard-size must be >= 1"},
+      {{"--mixed-precision", "bf16"}, "--mixed-precision applies to --strategy fsdp or hsdp"},
+      {{"--strategy", "fsdp", "--mixed-precision", "fp8"}, "--mixed-precision"},
       {{"--reshard-after-forward", "false"},
-       "--reshard-after-forward: applies to --strategy fsdp only"},
+       "--reshard-after-forward: applies to --strategy fsdp or hsdp only"},
       {{"--strategy", "fsdp", "--reshard-after-forward", "maybe"}, "--reshard-after-forward"},
       {{"--strategy", "fsdp", "--bucket-cap-mb", "1"}, "--bucket-cap-mb: is DDP's"},
       {{"--strategy", "fsdp", "--comm-hook", "fp16"}, "--comm-hook: is DDP's"},
@@ -882,6 +887,17 @@ TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
       EXPECT_GT(m["peak_rss_bytes"].get<int64_t>(), 0) << m;
     }
   }
+  // hsdp with shard groups of one rank replicates across both: DDP's arithmetic and memory.
+  const auto [hout, h] = run("hsdp", {"--strategy", "hsdp", "--shard-size", "1"});
+  EXPECT_EQ(printed(hout, loss_at_6), printed(ddp_out, loss_at_6)) << hout;
+  EXPECT_EQ(printed(hout, eval), printed(ddp_out, eval)) << hout;
+  EXPECT_EQ(h["params_fnv1a64"], ddp["params_fnv1a64"]);
+  EXPECT_EQ(h["shard_size"], 1);
+  EXPECT_EQ(held(h["memory_per_rank"][0]), ddp_bytes) << h.dump(2);
+  // bf16 compute: both ranks end equal (checked by run) with a finite loss near ddp's.
+  const auto [bout, b] = run("bf16", {"--strategy", "fsdp", "--mixed-precision", "bf16"});
+  EXPECT_EQ(b["mixed_precision"], "bf16");
+  EXPECT_NEAR(b["eval_loss"].get<double>(), ddp["eval_loss"].get<double>(), 0.1) << bout;
   const auto [zout, z] = run("zero1", {"--strategy", "zero1"});
   EXPECT_EQ(printed(zout, loss_at_6), printed(ddp_out, loss_at_6)) << zout;
   EXPECT_EQ(printed(zout, eval), printed(ddp_out, eval)) << zout;
