@@ -12,6 +12,10 @@ function(tdist_add_module name)
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
   target_compile_options(tdist_${name} PRIVATE -Wall -Wextra)
   target_link_libraries(tdist_${name} PUBLIC ${M_DEPS} PRIVATE ${M_PRIVATE_DEPS})
+  if(TDIST_UNITY_LIBS GREATER 0)
+    set_target_properties(tdist_${name} PROPERTIES UNITY_BUILD ON
+                                                   UNITY_BUILD_BATCH_SIZE ${TDIST_UNITY_LIBS})
+  endif()
   set(TDIST_MODULE_TARGETS ${TDIST_MODULE_TARGETS} tdist_${name} CACHE INTERNAL "")
   set_property(GLOBAL APPEND PROPERTY TDIST_EXPORTED tdist_${name})
   install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tdist/${name}

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -353,8 +354,37 @@ class ShardFiles {
 
 // ---- save -------------------------------------------------------------------------------------
 
-void save_sharded(const std::string& dir, FSDPState& state, const torch::nn::Module& root,
-                  const torch::optim::Optimizer* optimizer) {
+namespace {
+
+// HSDP: the replicas hold the same shards, so the ranks of replica 0 alone write (`write` runs
+// there, as a collective of its shard group); the other replicas then learn from replica 0 of
+// their shard whether it succeeded. Without replicas, `write` runs everywhere.
+void on_replica_zero(FSDPState& state, const std::function<void()>& write, const std::string& what) {
+  const auto& replicas = state.replicate_group();
+  const bool writer = !replicas || replicas->rank() == 0;
+  std::exception_ptr error;
+  if (writer) {
+    try {
+      write();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (replicas && replicas->size() > 1) {
+    at::Tensor ok = at::full({1}, error ? 0 : 1, at::kLong);
+    comm::BroadcastOptions bo;
+    bo.timeout = timeout_of(state);
+    replicas->broadcast(ok, bo)->wait();
+    if (error) std::rethrow_exception(error);
+    if (ok[0].item<int64_t>() == 0) {
+      TDIST_THROW(Error, what, " failed on replica 0 of this rank's shard (see its error)");
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void save_shards(const std::string& dir, FSDPState& state, const torch::nn::Module& root,
+                 const torch::optim::Optimizer* optimizer) {
   comm::ProcessGroup& pg = *state.process_group();
   const int rank = pg.rank();
   const int world = pg.size();
@@ -492,6 +522,14 @@ void save_sharded(const std::string& dir, FSDPState& state, const torch::nn::Mod
   agree(pg, error, timeout, "writing the sharded checkpoint's index in '" + dir + "'");
 }
 
+}  // namespace
+
+void save_sharded(const std::string& dir, FSDPState& state, const torch::nn::Module& root,
+                  const torch::optim::Optimizer* optimizer) {
+  on_replica_zero(state, [&] { save_shards(dir, state, root, optimizer); },
+                  "saving the sharded checkpoint in '" + dir + "'");
+}
+
 // ---- load -------------------------------------------------------------------------------------
 
 void load_sharded(const std::string& dir, FSDPState& state, torch::nn::Module& root,
@@ -598,8 +636,10 @@ void load_sharded(const std::string& dir, FSDPState& state, torch::nn::Module& r
 
 // ---- consolidated safetensors -------------------------------------------------------------------
 
-void save_consolidated(FSDPState& state, const torch::nn::Module& root, const std::string& path,
-                       const std::map<std::string, std::string>& metadata) {
+namespace {
+
+void write_consolidated(FSDPState& state, const torch::nn::Module& root, const std::string& path,
+                        const std::map<std::string, std::string>& metadata) {
   comm::ProcessGroup& pg = *state.process_group();
   std::unordered_map<const void*, at::Tensor> full;
   for (size_t g = 0; g < state.num_groups(); ++g) {
@@ -610,8 +650,9 @@ void save_consolidated(FSDPState& state, const torch::nn::Module& root, const st
       full[group.params()[i].unsafeGetTensorImpl()] = values[i];
     }
   }
+  const bool writer = pg.rank() == 0;
   std::exception_ptr error;
-  if (pg.rank() == 0) {
+  if (writer) {
     try {
       NamedTensors tensors;
       for (const auto& item : root.named_parameters(/*recurse=*/true)) {
@@ -626,6 +667,14 @@ void save_consolidated(FSDPState& state, const torch::nn::Module& root, const st
     }
   }
   agree(pg, error, timeout_of(state), "writing '" + path + "'");
+}
+
+}  // namespace
+
+void save_consolidated(FSDPState& state, const torch::nn::Module& root, const std::string& path,
+                       const std::map<std::string, std::string>& metadata) {
+  on_replica_zero(state, [&] { write_consolidated(state, root, path, metadata); },
+                  "writing '" + path + "'");
 }
 
 void load_consolidated(FSDPState& state, torch::nn::Module& root, const std::string& path) {

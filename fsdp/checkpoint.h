@@ -44,6 +44,12 @@
 //     group). An optimizer that has no state yet (no step) saves none, and loading such a
 //     checkpoint leaves the optimizer's state empty. The optimizer must hold exactly the
 //     model's shards (built from model.parameters()).
+//  4. HSDP: the replicas hold the same shards; the ranks of replica 0 (the shard group of
+//     global rank 0) alone run 1, as a collective of their shard group, and then tell the
+//     other replicas of their shard whether it succeeded (a broadcast over the replicate
+//     group): the checkpoint has as many shards as a shard group has ranks. Every replica
+//     loads (2) on its own. Mixed precision: the shards saved and loaded are the master copies
+//     in their own dtype.
 // Errors: a missing index ("no checkpoint"), a damaged index (not JSON, fields missing or of
 // the wrong type), a missing or truncated shard file, a tensor that fails its digest: Error
 // naming the file; a model or optimizer that does not match: InvalidArgument.
@@ -52,7 +58,8 @@
 // rank, one group at a time) and rank 0 writes them with the module's buffers by their module
 // names (module->named_parameters(), named_buffers()); load_safetensors reads on every rank
 // only the elements of its shard (and the buffers). Both are collectives and end with the
-// ranks agreeing on success, as above; the file must be readable by every rank to load.
+// ranks agreeing on success, as above (under HSDP replica 0 writes, as in 4); the file must be
+// readable by every rank to load.
 //
 // Blocking: all of these are collectives bounded by the FSDPOptions' timeout (else the
 // group's) plus the file I/O. Call them between steps (not during forward or backward).

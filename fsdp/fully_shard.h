@@ -73,12 +73,38 @@
 //     module parameters' .grad, and autograd adds the next backward's to them. The first
 //     backward outside the guard reduce-scatters the sum. The sharded .grad is left untouched
 //     meanwhile (no optimizer step belongs inside the guard).
+//  7. HSDP (FSDPOptions::shard_size, or fully_shard over a comm::DeviceMesh with dimensions
+//     "replicate" and "shard"): every collective of 1-6 runs in the rank's shard group, so a
+//     group is padded to a multiple of the shard group's size S and each rank keeps P/S
+//     elements; the R ranks of a replicate group (same place in their shard groups) keep the
+//     same shard. Step 3 divides the flat gradient by R*S; as soon as its reduce-scatter has
+//     completed, the result is allreduced (SUM) across the replicate group, into the buffer it
+//     arrived in. Those allreduces are issued in the order of the reduce-scatters, from a
+//     queue: after each later reduce-scatter is issued, the groups at the queue's head whose
+//     reduce-scatter has completed get theirs; at the end of backward every one left, waiting
+//     for each. So every rank issues them in one order whatever the timing, and those issued
+//     early overlap the backward of the units before them. clip_grad_norm sums over the
+//     shard group only (replicas hold equal gradients); sync_module_states broadcasts through
+//     the replicate group, then the shard group (global rank 0 is rank 0 of both).
+//  8. Mixed precision (param_dtype, reduce_dtype): the sharded parameter, its .grad and the
+//     optimizer's state keep the model's dtype (the master copy). A gather casts the shard to
+//     param_dtype and gathers that (half the bytes for bf16): the module parameters are
+//     param_dtype views and the unit computes in param_dtype; with cast_forward_inputs each
+//     forward's floating-point tensor arguments are cast too. The autograd engine casts each
+//     full gradient back to the dtype its accumulator recorded (the model's: the accumulators
+//     were created before sharding), so .grad and step 3's copy are in the model's dtype; the
+//     flat gradient is then cast to reduce_dtype for the reduce-scatter (and the replicas'
+//     allreduce), and the result cast back to the model's dtype before it is added to the
+//     shard's .grad. The optimizer steps the fp32 master.
 // Every rank must call the same units in the same order with autograd recording alike, and run
 // one backward per forward of the root (accumulate gradients over several forward/backward
 // pairs, under no_sync() but the last). A unit runs at most once per forward of the root.
 //
-// Memory on a rank, for a model of Ψ parameter elements, at rest: Ψ/N parameters + Ψ/N
-// gradients + the optimizer's state of Ψ/N (Adam: 2Ψ/N). During forward: plus the root's group
+// Memory on a rank, for a model of Ψ parameter elements and a shard group of N ranks (HSDP: N is
+// the shard size), at rest: Ψ/N parameters + Ψ/N gradients + the optimizer's state of Ψ/N
+// (Adam: 2Ψ/N), all in the model's dtype. Gathered groups and their flat gradients take
+// param_dtype's and reduce_dtype's element sizes (the full .grad the model's). During forward:
+// plus the root's group
 // and one gathered unit (with reshard_after_forward; without it, every unit gathered so far).
 // During backward: plus the root's group, the gathered unit, its full gradients and its flat
 // gradient until its reduce-scatter completes (those of earlier units still in flight too).
@@ -254,6 +280,11 @@ class FullyShardedModule {
       : module_(std::move(module)),
         state_(detail::FSDPState::create(detail::module_ptr(module_), std::move(units),
                                          std::move(pg), opts)) {}
+  FullyShardedModule(ModuleType module, std::vector<std::shared_ptr<torch::nn::Module>> units,
+                     const comm::DeviceMesh& mesh, FSDPOptions opts = {})
+      : module_(std::move(module)),
+        state_(detail::FSDPState::create(detail::module_ptr(module_), std::move(units), mesh,
+                                         opts)) {}
 
   // Calls module->forward(args...) as the root's forward and returns its result.
   template <typename... Args>
@@ -298,8 +329,13 @@ class FullyShardedModule {
   const ModuleType& module() const { return module_; }
   void train(bool on = true) { module_->train(on); }
   void eval() { module_->eval(); }
+  // The group the shards are spread across (HSDP: this rank's shard group).
   const std::shared_ptr<comm::ProcessGroup>& process_group() const {
     return state_->process_group();
+  }
+  // HSDP: the group of the ranks that hold the same shards as this one; null without replicas.
+  const std::shared_ptr<comm::ProcessGroup>& replicate_group() const {
+    return state_->replicate_group();
   }
   const FSDPOptions& options() const { return state_->options(); }
   detail::FSDPState& state() { return *state_; }
@@ -313,13 +349,27 @@ class FullyShardedModule {
 // calls it with the same model structure). Bad units (null, the root itself, not a submodule
 // of the root, listed twice, already sharded, sharing a parameter with another unit) and
 // unsupported parameters (frozen, not floating point, one unit's on two dtypes or devices)
-// throw InvalidArgument.
+// throw InvalidArgument, as do a shard_size that does not divide the group's size and a
+// param_dtype or reduce_dtype that is not floating point. With a shard_size (HSDP) it lays `pg`
+// out as a comm::DeviceMesh {"replicate", size / shard_size}, {"shard", shard_size} first.
 template <typename ModuleType>
 FullyShardedModule<ModuleType> fully_shard(ModuleType root,
                                            std::vector<std::shared_ptr<torch::nn::Module>> units,
                                            std::shared_ptr<comm::ProcessGroup> pg,
                                            FSDPOptions opts = {}) {
   return FullyShardedModule<ModuleType>(std::move(root), std::move(units), std::move(pg), opts);
+}
+
+// The same over a mesh (a collective over its world): shards across the mesh's "shard"
+// dimension and, where it has one, replicates across its "replicate" dimension (HSDP; Note
+// [Sharded data parallel] 7); other dimensions (e.g. "pp") are left to their owners. A mesh
+// without a "shard" dimension, or opts.shard_size other than 0 or the shard dimension's size,
+// throws InvalidArgument.
+template <typename ModuleType>
+FullyShardedModule<ModuleType> fully_shard(ModuleType root,
+                                           std::vector<std::shared_ptr<torch::nn::Module>> units,
+                                           const comm::DeviceMesh& mesh, FSDPOptions opts = {}) {
+  return FullyShardedModule<ModuleType>(std::move(root), std::move(units), mesh, opts);
 }
 
 }  // namespace tdist::fsdp

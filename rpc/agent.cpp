@@ -48,7 +48,7 @@ constexpr int64_t kDefaultMaxPendingHandshakes = 64;
 // Note [RPC shared-memory frame streams]). A busy caller
 // keeps them looking between calls; an idle agent looks once per message and then sleeps, so it
 // burns no core. spin_us = 0 (TDIST_RPC_SPIN_US=0) restores the plain hand-offs (the future's
-// spin stays). Measured with tdist-bench rpc (docs/perf.md, "RPC waits spin first").
+// spin stays). Measured with tdist-bench rpc (docs/perf-history.md, "RPC waits spin first").
 constexpr int64_t kDefaultSpinUs = 50;
 constexpr int64_t kDefaultShmBytes = int64_t{256} << 20;  // Note [RPC shared-memory slots]
 constexpr int64_t kDefaultStreamBytes = int64_t{256} << 10;  // Note [RPC shared-memory frame streams]

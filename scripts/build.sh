@@ -7,6 +7,8 @@ BUILD_DIR="${BUILD_DIR:-build}"
 JOBS="${JOBS:-$(nproc)}"
 scripts/setup.sh
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
-  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@"
+  # Library sources 8 to a translation unit: half the CPU time of a build from scratch
+  # (TDIST_UNITY_LIBS in CMakeLists.txt; pass -DTDIST_UNITY_LIBS=0 to edit and rebuild one file).
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTDIST_UNITY_LIBS=8 "$@"
 fi
 cmake --build "$BUILD_DIR" -j "$JOBS"

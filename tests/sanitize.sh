@@ -19,7 +19,7 @@ esac
 case "$mode" in
   build)
     cmake -S "$3" -B "$4" -G Ninja -DCMAKE_BUILD_TYPE=$type "-DCMAKE_CXX_FLAGS=$flags" \
-      -DTDIST_SANITIZER_BUILD=ON >/dev/null
+      -DTDIST_SANITIZER_BUILD=ON -DTDIST_UNITY_LIBS=8 >/dev/null
     cmake --build "$4" -j "${JOBS:-$(nproc)}" --target "${targets[@]}"
     ;;
   run)

@@ -30,9 +30,9 @@ std::vector<double> time_memcpy(size_t bytes, int warmup, int iters);
 // between cores that share a cache and cores that do not, and on the 2-core development machine
 // it moved between about 120 and 550 ns (50-60 ns at times) from one minute to the next, and
 // within runs of 30 seconds; world-2 collectives that move data between the cores ran 2-10x
-// slower at 550 ns (docs/perf.md, "Issue 18 at its close"). tdist-bench collective measures it
-// before and after its rows (rank 0, while the other ranks wait in the store), ddp and rpc before
-// and after their runs, so that a run taken in the slow state says so.
+// slower at 550 ns (docs/perf-history.md, "Issue 18 at its close"). tdist-bench collective
+// measures it before and after its rows (rank 0, while the other ranks wait in the store), ddp
+// and rpc before and after their runs, so that a run taken in the slow state says so.
 struct CoreRoundTrip {
   int cpu_a;
   int cpu_b;

@@ -76,7 +76,8 @@ struct Context {
 // it: the automatic choice takes it for small buffers) runs one per window too, so its scratch
 // is bounded as well; staged, each window is exchanged once all of it arrived.
 // The hierarchical allreduce is not windowed: its phases meet at each window's end, which cost
-// 6-7% at 256 MiB across two hosts (docs/perf.md), so a staged one is still copied whole.
+// 6-7% at 256 MiB across two hosts (docs/perf-history.md, "Windows on CPU tensors"), so a
+// staged one is still copied whole.
 inline size_t window_elems(size_t window_bytes, size_t elem_size) {
   return std::max<size_t>(1, window_bytes / elem_size);
 }

@@ -17,7 +17,7 @@ namespace tdist::comm::detail {
 namespace {
 constexpr uint32_t kMagic = 0x33504454;  // "TDP3"
 constexpr size_t kHeader = 32;
-constexpr int kMaxIov = 32;
+constexpr int kMaxFrameIov = 32;
 
 // Frame kinds (Note [Point-to-point protocol]).
 enum Kind : uint32_t { kEager = 1, kRts = 2, kCts = 3, kData = 4, kCredit = 5, kCancel = 6 };
@@ -196,9 +196,9 @@ bool P2PEngine::progress_send(int peer) {
   auto& st = state_[peer];
   st.stalled = false;
   if (st.out.empty() || st.closed) return false;
-  iovec iov[kMaxIov];
+  iovec iov[kMaxFrameIov];
   int count = 0;
-  for (size_t i = 0; i < st.out.size() && count + 2 <= kMaxIov; ++i) {
+  for (size_t i = 0; i < st.out.size() && count + 2 <= kMaxFrameIov; ++i) {
     OutFrame& f = st.out[i];
     if (f.moved < kHeader) iov[count++] = iovec{f.header + f.moved, kHeader - f.moved};
     size_t done = f.moved > kHeader ? f.moved - kHeader : 0;

@@ -40,8 +40,9 @@ Clock::time_point deadline_after(Millis timeout, Clock::time_point now = Clock::
 // ranks than cores the spinner hands its core to a peer that has work; and a spin that runs out
 // makes the next waits skip theirs, more of them each time (Exchange::run_impl), so ranks that
 // wait for slow peers (large transfers, DDP waiting on computation) soon stop spinning. Measured
-// in docs/perf.md: at world 4 on 2 cores, spinning halves a 4 KiB allreduce and changes neither
-// larger ones nor DDP's throughput. TDIST_SPIN_US overrides (0: never spin).
+// in docs/perf-history.md ("Waking a rank", "RPC waits spin first"): at world 4 on 2 cores,
+// spinning halves a 4 KiB allreduce and changes neither larger ones nor DDP's throughput.
+// TDIST_SPIN_US overrides (0: never spin).
 // A yield is a system call, and it is most of what a rank waiting on an idle peer pays per try:
 // when every rank of this host can have a core of its own (no more ranks on the host than CPUs
 // this process may run on), the first kBusyPollNs of each spin re-try with only a CPU pause
@@ -323,7 +324,8 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout
 //
 // Waking the worker for each operation costs as much again (a futex wake on the caller, the
 // worker scheduled onto a core the peer ranks need, only to find the operation taken): measured
-// in docs/perf.md, a third of a 4 KiB allreduce. So the group learns the caller's style:
+// in docs/perf-history.md ("Waking a rank"), a third of a 4 KiB allreduce. So the group
+// learns the caller's style:
 //   - An operation whose wait() comes within kPromptWait of its issue, while it is still queued,
 //     is "waited promptly".
 //     After kPromptStreak such operations in a row the group turns lazy_: new operations are

@@ -209,7 +209,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tens
                  });
 }
 
-// Where each path wins on the 2-core machine (docs/perf.md, "Single-copy collectives"): a
+// Where each path wins on the 2-core machine (docs/perf-history.md, "Single-copy collectives"): a
 // world-2 broadcast, where both ranks copy half; with more ranks, the others all reading the
 // root at once lost to the chain. An allgather from world 3, where the ring forwards blocks
 // through other ranks (each forward a wait for a rank that may not be running); at world 2 the

@@ -69,7 +69,7 @@ std::string host_key();
 struct ChannelOptions {
   bool allow_shm = true;       // TDIST_TRANSPORT != "tcp"
   // Bytes per direction (TDIST_SHM_BYTES). 2 MiB rather than 4: what a sender writes is more
-  // often still in the caches when its peer reads it (docs/perf.md, "Ring size").
+  // often still in the caches when its peer reads it (docs/perf-history.md, "Ring size").
   size_t shm_capacity = 2 << 20;
   std::string host = host_key();  // this rank's host key (Note [Host key]); at most 255 bytes
   uint64_t group = 0;  // the group's id (tcp::fnv1a of its store prefix), in the link's hello

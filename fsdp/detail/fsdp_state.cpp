@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "tdist/comm/device_mesh.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
 #include "tdist/fsdp/detail/boundary.h"
@@ -64,8 +65,11 @@ std::pair<std::shared_ptr<FSDPState>, int> find_unit(const Module* module) {
 }
 
 FSDPState::FSDPState(std::shared_ptr<Module> root, std::shared_ptr<comm::ProcessGroup> pg,
-                     FSDPOptions opts)
-    : root_(std::move(root)), pg_(std::move(pg)), opts_(opts) {}
+                     std::shared_ptr<comm::ProcessGroup> replicate_pg, FSDPOptions opts)
+    : root_(std::move(root)),
+      pg_(std::move(pg)),
+      replicate_pg_(replicate_pg && replicate_pg->size() > 1 ? std::move(replicate_pg) : nullptr),
+      opts_(opts) {}
 
 std::shared_ptr<FSDPState> FSDPState::create(std::shared_ptr<Module> root,
                                              std::vector<std::shared_ptr<Module>> units,
@@ -73,7 +77,48 @@ std::shared_ptr<FSDPState> FSDPState::create(std::shared_ptr<Module> root,
                                              FSDPOptions opts) {
   TDIST_CHECK_ARG(root != nullptr, "fully_shard: the root module is null");
   TDIST_CHECK_ARG(pg != nullptr, "fully_shard: the process group is null");
-  std::shared_ptr<FSDPState> st(new FSDPState(std::move(root), std::move(pg), opts));
+  const int n = pg->size();
+  const int shard = opts.shard_size;
+  TDIST_CHECK_ARG(shard >= 0, "fully_shard: shard_size is ", shard,
+                  "; it must be positive (or 0: the whole group)");
+  if (shard == 0 || shard == n) return create_sharded(root, units, std::move(pg), nullptr, opts);
+  TDIST_CHECK_ARG(n % shard == 0, "fully_shard: shard_size ", shard,
+                  " does not divide the process group's size ", n,
+                  " (HSDP needs replicas of equal shard groups)");
+  // Note [Device mesh layout] in comm/device_mesh.h: shard groups of consecutive ranks.
+  comm::DeviceMesh mesh(pg, {{"replicate", n / shard}, {"shard", shard}});
+  return create_sharded(root, units, mesh.group("shard"), mesh.group("replicate"), opts);
+}
+
+std::shared_ptr<FSDPState> FSDPState::create(std::shared_ptr<Module> root,
+                                             std::vector<std::shared_ptr<Module>> units,
+                                             const comm::DeviceMesh& mesh, FSDPOptions opts) {
+  TDIST_CHECK_ARG(root != nullptr, "fully_shard: the root module is null");
+  TDIST_CHECK_ARG(mesh.has_dim("shard"), "fully_shard: the mesh has no \"shard\" dimension to "
+                  "shard across (and optionally a \"replicate\" one to replicate across)");
+  const int shard = mesh.size("shard");
+  TDIST_CHECK_ARG(opts.shard_size == 0 || opts.shard_size == shard, "fully_shard: shard_size ",
+                  opts.shard_size, " contradicts the mesh's \"shard\" dimension of ", shard,
+                  "; leave shard_size 0 with a mesh");
+  opts.shard_size = shard;
+  return create_sharded(std::move(root), units, mesh.group("shard"),
+                        mesh.has_dim("replicate") ? mesh.group("replicate") : nullptr, opts);
+}
+
+std::shared_ptr<FSDPState> FSDPState::create_sharded(
+    std::shared_ptr<Module> root, const std::vector<std::shared_ptr<Module>>& units,
+    std::shared_ptr<comm::ProcessGroup> pg, std::shared_ptr<comm::ProcessGroup> replicate_pg,
+    FSDPOptions opts) {
+  if (opts.param_dtype) {
+    TDIST_CHECK_ARG(at::isFloatingType(*opts.param_dtype), "fully_shard: param_dtype ",
+                    *opts.param_dtype, " is not floating point");
+  }
+  if (opts.reduce_dtype) {
+    TDIST_CHECK_ARG(at::isFloatingType(*opts.reduce_dtype), "fully_shard: reduce_dtype ",
+                    *opts.reduce_dtype, " is not floating point");
+  }
+  std::shared_ptr<FSDPState> st(
+      new FSDPState(std::move(root), std::move(pg), std::move(replicate_pg), opts));
   st->build(units);
   for (size_t g = 0; g < st->groups_.size(); ++g) {
     const auto& accumulators = st->groups_[g]->accumulators();
@@ -156,6 +201,13 @@ void FSDPState::build(const std::vector<std::shared_ptr<Module>>& units) {
   claims.push_back(claim(*root_, "(root)", ""));
 
   const bool sync = opts_.sync_module_states;
+  ShardingConfig config;
+  config.shard_pg = pg_;
+  config.replicate_pg = replicate_pg_;
+  config.timeout = timeout();
+  config.sync = sync;
+  config.param_dtype = opts_.param_dtype;
+  config.reduce_dtype = opts_.reduce_dtype;
   for (size_t k = 0; k < claims.size(); ++k) {
     Claim& c = claims[k];
     const bool is_root = k + 1 == claims.size();
@@ -163,7 +215,7 @@ void FSDPState::build(const std::vector<std::shared_ptr<Module>>& units) {
     if (!c.params.empty()) {
       g = static_cast<int>(groups_.size());
       groups_.push_back(std::make_unique<ParamGroup>(c.name, std::move(c.params),
-                                                     std::move(c.names), pg_, timeout(), sync));
+                                                     std::move(c.names), config));
     }
     if (is_root) {
       root_group_ = g;
@@ -176,7 +228,9 @@ void FSDPState::build(const std::vector<std::shared_ptr<Module>>& units) {
     comm::BroadcastOptions bo;
     bo.timeout = timeout();
     for (const at::Tensor& b : root_->buffers(/*recurse=*/true)) {
-      if (b.defined()) pg_->broadcast(b, bo)->wait();
+      if (!b.defined()) continue;
+      if (replicate_pg_) replicate_pg_->broadcast(b, bo)->wait();  // as ParamGroup's values
+      pg_->broadcast(b, bo)->wait();
     }
   }
   steps_.assign(groups_.size(), Step{});
@@ -198,6 +252,7 @@ void FSDPState::begin_iteration() {
   // A forward after a backward that failed midway, or after a forward whose result got no
   // backward: start over (what is still gathered is reused).
   for (auto& g : groups_) g->drop_reduce();
+  replicating_.clear();
   steps_.assign(groups_.size(), Step{});
   forward_order_.clear();
   callback_queued_ = false;
@@ -236,7 +291,18 @@ void FSDPState::prefetch(int g, int direction) {
   }
 }
 
+void FSDPState::cast_inputs(std::vector<at::Tensor>& inputs) const {
+  if (!opts_.param_dtype || !opts_.cast_forward_inputs) return;
+  for (at::Tensor& t : inputs) {
+    if (t.defined() && at::isFloatingType(t.scalar_type()) &&
+        t.scalar_type() != *opts_.param_dtype) {
+      t = t.to(*opts_.param_dtype);  // differentiable: the input's gradient keeps its dtype
+    }
+  }
+}
+
 void FSDPState::pre_forward(int g, std::vector<at::Tensor>& inputs) {
+  cast_inputs(inputs);
   if (g == kRoot) {
     begin_iteration();
     g = root_group_;
@@ -328,8 +394,25 @@ void FSDPState::post_backward(int g) {
   if (require_sync_) {
     groups_[g]->reduce_grads();
     ++counters_.reduce_scatters;
+    if (replicate_pg_) {
+      replicating_.push_back(g);
+      start_replica_reduces(/*wait=*/false);
+    }
   }
   groups_[g]->reshard();
+}
+
+void FSDPState::start_replica_reduces(bool wait) {
+  // In the reduce-scatters' order, which every rank shares; a later group waits for an earlier
+  // one (its reduce-scatter completes later on the same shard group anyway).
+  while (!replicating_.empty()) {
+    ParamGroup& group = *groups_[replicating_.front()];
+    if (group.replica_reduce_due()) {
+      if (!group.start_replica_reduce(wait)) return;
+      ++counters_.replica_allreduces;
+    }
+    replicating_.pop_front();
+  }
 }
 
 void FSDPState::finish_backward() {
@@ -337,6 +420,7 @@ void FSDPState::finish_backward() {
     // Units whose post-backward step has not run (a parameter got no gradient and no input
     // needed one; the root): in reverse forward order, the same order on every rank.
     for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) post_backward(*it);
+    start_replica_reduces(/*wait=*/true);
     for (auto& g : groups_) g->finish_reduce();
   } catch (...) {
     begin_iteration();
@@ -351,7 +435,8 @@ double FSDPState::clip_grad_norm(double max_norm, double norm_type) {
   TDIST_CHECK_ARG(inf || norm_type > 0, "clip_grad_norm: norm_type must be positive or inf, not ",
                   norm_type);
   at::NoGradGuard no_grad;
-  // Each rank's part (its shards; the padding's gradient is zero), in double on the host.
+  // Each rank's part (its shards; the padding's gradient is zero), in double on the host,
+  // summed over the shard group only: HSDP's replicas hold the same gradients.
   double local = 0;
   for (const auto& g : groups_) {
     const at::Tensor& grad = g->sharded_param().grad();

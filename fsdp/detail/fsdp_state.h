@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,6 +23,7 @@ namespace torch::nn {
 class Module;
 }
 namespace tdist::comm {
+class DeviceMesh;
 class ProcessGroup;
 }
 
@@ -32,10 +34,15 @@ class ParamGroup;
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
   // A collective (see fully_shard). Throws InvalidArgument on bad units (see fully_shard.h).
+  // With opts.shard_size, lays `pg` out as a mesh {"replicate", "shard"} (HSDP).
   static std::shared_ptr<FSDPState> create(std::shared_ptr<torch::nn::Module> root,
                                            std::vector<std::shared_ptr<torch::nn::Module>> units,
                                            std::shared_ptr<comm::ProcessGroup> pg,
                                            FSDPOptions opts);
+  // Shards along the mesh's "shard" dimension, replicates along its "replicate" one (if any).
+  static std::shared_ptr<FSDPState> create(std::shared_ptr<torch::nn::Module> root,
+                                           std::vector<std::shared_ptr<torch::nn::Module>> units,
+                                           const comm::DeviceMesh& mesh, FSDPOptions opts);
   ~FSDPState();
   FSDPState(const FSDPState&) = delete;
   FSDPState& operator=(const FSDPState&) = delete;
@@ -68,6 +75,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
     size_t allgathers = 0;       // of unit parameters, forward and backward
     size_t prefetched = 0;       // of those, issued ahead of the unit's use
     size_t reduce_scatters = 0;
+    size_t replica_allreduces = 0;  // HSDP: of reduce-scatter results, across the replicas
   };
   const Counters& counters() const { return counters_; }
 
@@ -77,7 +85,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   size_t unsharded_bytes() const;
   size_t num_groups() const { return groups_.size(); }
   const ParamGroup& group(size_t g) const { return *groups_.at(g); }
+  // The group the shards are spread across, and (HSDP) the group of this rank's replicas, or
+  // null.
   const std::shared_ptr<comm::ProcessGroup>& process_group() const { return pg_; }
+  const std::shared_ptr<comm::ProcessGroup>& replicate_group() const { return replicate_pg_; }
   const FSDPOptions& options() const { return opts_; }
 
  private:
@@ -90,7 +101,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   };
 
   FSDPState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<comm::ProcessGroup> pg,
-            FSDPOptions opts);
+            std::shared_ptr<comm::ProcessGroup> replicate_pg, FSDPOptions opts);
+  static std::shared_ptr<FSDPState> create_sharded(
+      std::shared_ptr<torch::nn::Module> root,
+      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+      std::shared_ptr<comm::ProcessGroup> pg, std::shared_ptr<comm::ProcessGroup> replicate_pg,
+      FSDPOptions opts);
   void build(const std::vector<std::shared_ptr<torch::nn::Module>>& units);
   void begin_iteration();
   void end_iteration();
@@ -99,6 +115,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Issues the gathers of up to opts_.prefetch groups after (direction +1) or before (-1) g in
   // the previous step's forward order.
   void prefetch(int g, int direction);
+  // HSDP: issues the replicas' allreduce of the groups in replicating_, in order, while their
+  // reduce-scatter is complete (wait: waiting for each).
+  void start_replica_reduces(bool wait);
+  // Casts the floating-point inputs to options().param_dtype (cast_forward_inputs).
+  void cast_inputs(std::vector<at::Tensor>& inputs) const;
   void ensure_final_callback();
   // Throws unless group g ran forward in this step (a backward step of an older graph).
   void check_forwarded(int g) const;
@@ -106,7 +127,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   // Constant after construction:
   const std::shared_ptr<torch::nn::Module> root_;
-  const std::shared_ptr<comm::ProcessGroup> pg_;
+  const std::shared_ptr<comm::ProcessGroup> pg_;            // the shard group
+  const std::shared_ptr<comm::ProcessGroup> replicate_pg_;  // HSDP, else null
   const FSDPOptions opts_;
   std::vector<std::unique_ptr<ParamGroup>> groups_;  // units inner first, the root's last
   int root_group_ = -1;                              // index of the root's own group, or -1
@@ -123,6 +145,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<Step> steps_;
   std::vector<int> forward_order_;  // groups in the order their forwards ran
   bool callback_queued_ = false;
+  // HSDP: groups whose reduce-scatter is issued and whose replicas' allreduce is not yet, in
+  // issue order (Note [Sharded data parallel] 7).
+  std::deque<int> replicating_;
   // The previous step's forward order and each group's place in it (-1: absent).
   std::vector<int> last_order_;
   std::vector<int> last_position_;

@@ -3,11 +3,13 @@
 // (FSDP2's FSDPParamGroup; Note [Sharded data parallel] in tdist/fsdp/fully_shard.h).
 //
 // Layout: the unit's parameters, in order, back to back in a flat buffer of `padded_numel()`
-// elements (their total rounded up to a multiple of the world size; the tail is zero). Rank r
-// holds elements [r * S, (r + 1) * S) with S = padded_numel() / world as `sharded_param()`: a
-// leaf that requires grad, the tensor the optimizer steps. Gathered, the flat buffer is
-// `full_` and each module parameter's data is a view into it; resharded, `full_`'s storage holds
-// no bytes and each module parameter's data is an empty tensor.
+// elements (their total rounded up to a multiple of the shard group's size; the tail is zero).
+// Rank r of the shard group holds elements [r * S, (r + 1) * S) with S = padded_numel() / size
+// as `sharded_param()`: a leaf that requires grad, in the parameters' own dtype, the tensor the
+// optimizer steps. Gathered, the flat buffer is `full_` (in the compute dtype: param_dtype when
+// set) and each module parameter's data is a view into it; resharded, `full_`'s storage holds
+// no bytes and each module parameter's data is an empty tensor. With replicas (HSDP) every rank
+// of a replicate group holds the same shard.
 //
 // Why the storage is resized rather than replaced: autograd keeps views of the parameters that
 // forward saved (a Linear saves weight.t()). Those views share full_'s storage object, so
@@ -26,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,13 +42,23 @@ class Work;
 
 namespace tdist::fsdp::detail {
 
+// How a group is sharded and reduced (the same for every group of a model).
+struct ShardingConfig {
+  std::shared_ptr<comm::ProcessGroup> shard_pg;      // the shards are spread across it
+  std::shared_ptr<comm::ProcessGroup> replicate_pg;  // HSDP: the replicas of this shard; or null
+  std::chrono::milliseconds timeout{-1};             // of every collective
+  bool sync = true;  // broadcast global rank 0's values (through replicate_pg, then shard_pg)
+  std::optional<c10::ScalarType> param_dtype;   // the gathered parameters' dtype
+  std::optional<c10::ScalarType> reduce_dtype;  // the gradients' dtype in the collectives
+};
+
 class ParamGroup {
  public:
   // `params`: leaves that require grad, one dtype and device, distinct, the same on every rank
-  // (their values too unless `sync`). A collective: every rank builds its groups in one order.
-  // Takes the parameters' values: afterwards they are empty until unshard().
+  // (their values too unless `config.sync`). A collective: every rank builds its groups in one
+  // order. Takes the parameters' values: afterwards they are empty until unshard().
   ParamGroup(std::string name, std::vector<at::Tensor> params, std::vector<std::string> names,
-             std::shared_ptr<comm::ProcessGroup> pg, std::chrono::milliseconds timeout, bool sync);
+             const ShardingConfig& config);
   ~ParamGroup();
   ParamGroup(const ParamGroup&) = delete;
   ParamGroup& operator=(const ParamGroup&) = delete;
@@ -79,11 +92,19 @@ class ParamGroup {
   // parameters become empty. No-op when resharded.
   void reshard();
   // Starts the reduce-scatter of the module parameters' gradients (a missing one counts as
-  // zeros), each divided by the world size first (the average, as DDP computes it), and frees
-  // them (their .grad becomes undefined). Must be followed by finish_reduce().
+  // zeros; in the reduce dtype), each divided by the number of ranks holding a shard or replica
+  // first (the average, as DDP computes it), and frees them (their .grad becomes undefined).
+  // Must be followed by finish_reduce().
   void reduce_grads();
-  // Waits for reduce_grads()'s collective and adds its result to sharded_param()'s .grad (or
-  // makes it the .grad where there was none). No-op when none is pending.
+  // HSDP: whether the reduce-scatter's result still has to be allreduced across the replicas.
+  bool replica_reduce_due() const { return rs_work_ != nullptr && replicate_pg_ && !ar_work_; }
+  // HSDP: issues the allreduce across the replicas of the reduce-scatter's result once that is
+  // complete; `wait`: waits for it to complete first, else returns false while it is not.
+  // Callers issue these in the order of reduce_grads() on every rank (the collectives' order).
+  bool start_replica_reduce(bool wait);
+  // Waits for reduce_grads()'s collectives (issuing the replicas' allreduce where it is still
+  // due) and adds the result, in the parameters' dtype, to sharded_param()'s .grad (or makes it
+  // the .grad where there was none). No-op when none is pending.
   void finish_reduce();
   bool reduce_pending() const { return rs_work_ != nullptr; }
   // Drops a pending reduce-scatter without waiting (after a failed backward).
@@ -96,11 +117,17 @@ class ParamGroup {
   at::TensorOptions options() const;
 
   // Constant after construction:
+  at::TensorOptions compute_options() const;  // of the gathered buffer
+  at::TensorOptions reduce_options() const;   // of the gradients' collectives
+
   const std::string name_;
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> names_;
-  const std::shared_ptr<comm::ProcessGroup> pg_;
+  const std::shared_ptr<comm::ProcessGroup> pg_;            // the shard group
+  const std::shared_ptr<comm::ProcessGroup> replicate_pg_;  // null: no replicas (or one)
   const std::chrono::milliseconds timeout_;
+  const c10::ScalarType param_dtype_;   // of the gathered buffer
+  const c10::ScalarType reduce_dtype_;  // of rs_input_ and rs_output_
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> offsets_;
   std::vector<int64_t> numels_;
@@ -114,8 +141,11 @@ class ParamGroup {
 
   bool unsharded_ = false;
   std::shared_ptr<comm::Work> ag_work_;  // the gather in flight into full_ (start_unshard)
-  // The reduce-scatter in flight (reduce_grads .. finish_reduce) and its buffers.
+  at::Tensor ag_input_;                  // its input: the shard cast to param_dtype_
+  // The reduce-scatter in flight (reduce_grads .. finish_reduce), the replicas' allreduce of
+  // its output (HSDP; start_replica_reduce .. finish_reduce) and their buffers.
   std::shared_ptr<comm::Work> rs_work_;
+  std::shared_ptr<comm::Work> ar_work_;
   at::Tensor rs_input_;
   at::Tensor rs_output_;
 };

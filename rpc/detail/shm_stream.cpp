@@ -13,7 +13,7 @@
 namespace tdist::rpc::detail {
 namespace {
 
-constexpr char kMemfdName[] = "tdist-rpc-stream";
+constexpr char kStreamMemfdName[] = "tdist-rpc-stream";
 
 // Makes the sleeper on `bell` look again.
 void ring_bell(std::atomic<uint32_t>& bell) {
@@ -56,7 +56,7 @@ void ShmStream::close_fd() {
 }
 
 std::unique_ptr<ShmStream> ShmStream::create(uint64_t capacity) {
-  std::optional<SealedMemfd> m = create_sealed_memfd(kMemfdName, kStreamDataOffset + capacity);
+  std::optional<SealedMemfd> m = create_sealed_memfd(kStreamMemfdName, kStreamDataOffset + capacity);
   if (!m) return nullptr;
   // A fresh memfd reads as zeros: counters, flags and bells start at 0.
   auto* s = reinterpret_cast<Shared*>(m->base);
@@ -74,7 +74,7 @@ std::unique_ptr<ShmStream> ShmStream::open(pid_t pid, int fd, uint64_t tag, uint
                             " bytes (accepted: ", kMinStreamBytes, " to ", kMaxStreamBytes, ")"));
   }
   std::optional<PeerMapping> p =
-      map_peer_memfd(pid, fd, kMemfdName, "shared-memory stream", kStreamDataOffset + capacity,
+      map_peer_memfd(pid, fd, kStreamMemfdName, "shared-memory stream", kStreamDataOffset + capacity,
                      kStreamDataOffset + capacity, why);
   if (!p) return nullptr;
   std::unique_ptr<ShmStream> s(new ShmStream(false, p->base, p->length, -1, tag, capacity));

@@ -5,9 +5,10 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A small call's round trip over loopback TCP costs four sendmsg/recv crossings of the kernel's
 // network stack and their wake-ups; a bare TCP ping-pong alone takes about as long as the round
-// trip RPC aims for (docs/perf.md, "The RPC round trip"). So once both ends know they share a
-// host (the same-host fast path of Note [RPC handshake]), each direction of a connection moves
-// its frames through a ring in shared memory, and the socket is kept only to see the peer die.
+// trip RPC aims for (docs/perf-history.md, "The RPC round trip"). So once both ends know they
+// share a host (the same-host fast path of Note [RPC handshake]), each direction of a connection
+// moves its frames through a ring in shared memory, and the socket is kept only to see the peer
+// die.
 //
 // - The ring is a memfd made and sealed by its writer (create_sealed_memfd in
 //   rpc/detail/shm_tensors.h): a header page (magic, a random tag, the capacity; then, each on

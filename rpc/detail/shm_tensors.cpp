@@ -18,7 +18,7 @@
 namespace tdist::rpc::detail {
 namespace {
 
-constexpr char kMemfdName[] = "tdist-rpc-slot";
+constexpr char kSlotMemfdName[] = "tdist-rpc-slot";
 // A slot or stream can neither shrink nor grow: a peer that could shrink one after we mapped it
 // would turn our next touch of it into SIGBUS.
 constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
@@ -203,7 +203,7 @@ std::optional<ShmSlots::Put> ShmSlots::put(const void* src, uint64_t bytes) {
       Slot s;
       s.capacity = capacity;
       s.mapped = mapped;
-      std::optional<SealedMemfd> m = create_sealed_memfd(kMemfdName, mapped);
+      std::optional<SealedMemfd> m = create_sealed_memfd(kSlotMemfdName, mapped);
       if (!m) {
         TDIST_LOG_DEBUG("rpc: no shared-memory slot of ", mapped, " bytes: ", std::strerror(errno));
         g_process_slots.fetch_sub(1);
@@ -281,7 +281,7 @@ std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
     // reuses a slot for at least half its capacity): nothing larger is mapped.
     const uint64_t most = std::min<uint64_t>(meta.nbytes, uint64_t{1} << 61);
     std::optional<PeerMapping> p =
-        map_peer_memfd(pid, ref.fd, kMemfdName, "shared-memory slot", kShmHeaderBytes,
+        map_peer_memfd(pid, ref.fd, kSlotMemfdName, "shared-memory slot", kShmHeaderBytes,
                        kShmHeaderBytes + page_rounded(2 * most + 1), &why);
     if (!p) {
       TDIST_LOG_DEBUG("rpc: ", why, "; reading its tensors with process_vm_readv");

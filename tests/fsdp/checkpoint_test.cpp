@@ -22,7 +22,7 @@
 namespace tdist::test {
 namespace {
 
-constexpr int kSteps = 6;     // 3 before the checkpoint, 3 after
+constexpr int kCkptSteps = 6;     // 3 before the checkpoint, 3 after
 constexpr int kSaveAt = 3;
 constexpr int kRows = 12;     // divides by 2, 3 and 4
 constexpr uint64_t kDataSeed = 7;
@@ -31,7 +31,7 @@ torch::Tensor stat_value() { return torch::tensor({1.5, -2.0}); }
 
 // One rank of a run. TDIST_CKPT_PHASE=save: steps [0, kSaveAt) from a fresh model, then a
 // sharded checkpoint into TDIST_CKPT_DIR; load: a model initialised otherwise, the checkpoint
-// loaded, steps [kSaveAt, kSteps). Prints "LOSS <step> <global loss>" per step.
+// loaded, steps [kSaveAt, kCkptSteps). Prints "LOSS <step> <global loss>" per step.
 TDIST_TEST_CHILD(fsdp_ckpt_child) {
   torch::set_num_threads(1);
   const std::string dir = std::getenv("TDIST_CKPT_DIR");
@@ -43,7 +43,7 @@ TDIST_TEST_CHILD(fsdp_ckpt_child) {
   torch::manual_seed(load ? 999 : 1);
   Net net;
   net->register_buffer("stat", load ? torch::zeros({2}) : stat_value());
-  auto batches = make_batches(kSteps, kRows, kDataSeed);
+  auto batches = make_batches(kCkptSteps, kRows, kDataSeed);
   auto model = fsdp::fully_shard(net, units_of(net), pg);
   torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
   if (load) {
@@ -53,7 +53,7 @@ TDIST_TEST_CHILD(fsdp_ckpt_child) {
       return 4;
     }
   }
-  for (int step = load ? kSaveAt : 0; step < (load ? kSteps : kSaveAt); ++step) {
+  for (int step = load ? kSaveAt : 0; step < (load ? kCkptSteps : kSaveAt); ++step) {
     const auto x = rows_of(batches[step].x, rank, world_size);
     const auto y = rows_of(batches[step].y, rank, world_size);
     opt.zero_grad();
@@ -74,10 +74,10 @@ TDIST_TEST_CHILD(fsdp_ckpt_child) {
 std::vector<double> reference_losses() {
   torch::manual_seed(1);
   Net net;
-  auto batches = make_batches(kSteps, kRows, kDataSeed);
+  auto batches = make_batches(kCkptSteps, kRows, kDataSeed);
   torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(kLr));
   std::vector<double> out;
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kCkptSteps; ++step) {
     opt.zero_grad();
     auto loss = torch::mse_loss(net->forward(batches[step].x), batches[step].y);
     loss.backward();
@@ -117,8 +117,8 @@ TEST(FSDPCheckpoint, SavedAtWorld4ResumesAtWorlds2And3WithTheUninterruptedLosses
   const auto dir = temp_dir();
   expect_losses(run_phase("save", 4, dir), want, 0, kSaveAt, "world 4 before saving");
   ASSERT_TRUE(std::filesystem::exists(dir + "/" + fsdp::kIndexFile));
-  expect_losses(run_phase("load", 2, dir), want, kSaveAt, kSteps, "resumed at world 2");
-  expect_losses(run_phase("load", 3, dir), want, kSaveAt, kSteps, "resumed at world 3");
+  expect_losses(run_phase("load", 2, dir), want, kSaveAt, kCkptSteps, "resumed at world 2");
+  expect_losses(run_phase("load", 3, dir), want, kSaveAt, kCkptSteps, "resumed at world 3");
 }
 
 // ---- errors (ranks as threads) ----------------------------------------------------------------
@@ -298,6 +298,56 @@ TEST(FSDPCheckpoint, SafetensorsExportAtWorld2ImportsAtWorld3AndIntoAPlainModule
     EXPECT_TRUE(torch::equal(net->named_buffers()["stat"], stat_value()));
     // A missing file: every rank fails, none hangs.
     EXPECT_THROW(fsdp::load_safetensors(model, dir + "/absent.safetensors"), Error);
+  });
+}
+
+}  // namespace
+}  // namespace tdist::test
+
+namespace tdist::test {
+namespace {
+
+// HSDP 2x2 at world 4: replica 0 alone writes (its shard group's files: 2 shards), and both a
+// sharded checkpoint and a safetensors export load into plain FSDP at world 3 with the values.
+TEST(FSDPCheckpoint, HsdpSavesOnceAndLoadsAtAnotherWorldWithoutReplicas) {
+  const auto dir = temp_dir();
+  auto batches = make_batches(2, 8, kDataSeed);
+  std::vector<torch::Tensor> saved;
+  spawn(4, [&](int rank, std::shared_ptr<Store> store) {
+    torch::manual_seed(1);
+    Net net;
+    fsdp::FSDPOptions opts;
+    opts.shard_size = 2;
+    auto model = fsdp::fully_shard(net, units_of(net), make_group(store, rank, 4), opts);
+    torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+    for (const auto& b : batches) {
+      opt.zero_grad();
+      torch::mse_loss(model(rows_of(b.x, rank, 4)), rows_of(b.y, rank, 4)).backward();
+      opt.step();
+    }
+    fsdp::save_sharded_checkpoint(dir + "/ckpt", model, &opt);
+    fsdp::save_safetensors(model, dir + "/model.safetensors");
+    auto full = full_values(model.full_parameters());
+    if (rank == 0) saved = full;
+  });
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir + "/ckpt")) {
+    files += e.path().filename().string().rfind("shard-", 0) == 0;
+  }
+  EXPECT_EQ(files, 2);
+  spawn(3, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = make_group(store, rank, 3);
+    torch::manual_seed(6);
+    Net net;
+    auto model = fsdp::fully_shard(net, units_of(net), pg);
+    torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+    fsdp::load_sharded_checkpoint(dir + "/ckpt", model, &opt);
+    EXPECT_EQ(max_abs_diff(full_values(model.full_parameters()), saved), 0.0);
+    torch::manual_seed(7);
+    Net other;
+    auto model2 = fsdp::fully_shard(other, units_of(other), pg);
+    fsdp::load_safetensors(model2, dir + "/model.safetensors");
+    EXPECT_EQ(max_abs_diff(full_values(model2.full_parameters()), saved), 0.0);
   });
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "tdist/comm/device_mesh.h"
 #include "tdist/core/error.h"
 #include "tests/fsdp/fsdp_test_util.h"
 
@@ -81,6 +82,32 @@ TEST(FSDPErrors, FrozenParameter) {
     net->fc3->bias.set_requires_grad(false);
     expect_invalid([&] { fsdp::fully_shard(net, units_of(net), pg); },
                    "parameter fc3.bias of unit fc3 must be a leaf that requires grad");
+  });
+}
+
+TEST(FSDPErrors, BadHybridSharding) {
+  with_group([](auto pg) {
+    Net net;
+    fsdp::FSDPOptions opts;
+    opts.shard_size = 2;
+    expect_invalid([&] { fsdp::fully_shard(net, units_of(net), pg, opts); },
+                   "shard_size 2 does not divide the process group's size 1");
+    opts.shard_size = -1;
+    expect_invalid([&] { fsdp::fully_shard(net, units_of(net), pg, opts); },
+                   "shard_size is -1; it must be positive");
+    comm::DeviceMesh flat(pg, {{"dp", 1}});
+    expect_invalid([&] { fsdp::fully_shard(net, units_of(net), flat); },
+                   "the mesh has no \"shard\" dimension");
+    comm::DeviceMesh mesh(pg, {{"replicate", 1}, {"shard", 1}});
+    opts.shard_size = 2;
+    expect_invalid([&] { fsdp::fully_shard(net, units_of(net), mesh, opts); },
+                   "shard_size 2 contradicts the mesh's \"shard\" dimension of 1");
+    // Nothing was sharded: the same model shards over the mesh.
+    auto model = fsdp::fully_shard(net, units_of(net), mesh);
+    EXPECT_EQ(model.replicate_group(), nullptr);  // one replica is none
+    torch::optim::SGD opt(model.parameters(), 0.1);
+    model(torch::randn({2, 6})).sum().backward();
+    opt.step();
   });
 }
 

@@ -7,7 +7,9 @@
 #include <limits>
 #include <optional>
 
+#include "tdist/comm/device_mesh.h"
 #include "tdist/ddp/distributed_data_parallel.h"
+#include "tdist/fsdp/detail/param_group.h"
 #include "tests/fsdp/fsdp_test_util.h"
 
 namespace tdist::test {
@@ -24,6 +26,7 @@ struct Case {
   int micro = 1;              // backwards per step; all but the last under no_sync()
   double clip = 0;            // > 0: clip_grad_norm(clip, norm_type) before each step
   double norm_type = 2;
+  int shard_size = 0;         // FSDPOptions::shard_size (HSDP)
 };
 
 const Batch& batch_of(const std::vector<Batch>& batches, const Case& c, int step, int m) {
@@ -71,6 +74,7 @@ std::vector<std::vector<torch::Tensor>> train_fsdp(const Case& c,
     fsdp::FSDPOptions opts;
     opts.reshard_after_forward = c.reshard_after_forward;
     opts.prefetch = c.prefetch;
+    opts.shard_size = c.shard_size;
     auto model = fsdp::fully_shard(net, units, pg, opts);
     auto opt = make_optimizer(model.parameters(), c.sgd);
     for (int s = 0; s < c.steps; ++s) {
@@ -257,6 +261,199 @@ TEST(FSDPParity, MatchesTdistDDP) {
   EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
   for (int r = 0; r < world; ++r) {
     EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "rank " << r;
+  }
+}
+
+TEST(FSDPParity, World4ReshardAfterForwardAndNot) {
+  expect_parity_both({4, true});
+  expect_parity_both({4, false, /*unused_steps=*/true});
+}
+
+// A language-model shape: the embedding's weight is also the output layer's (tied), used at the
+// start and the end of forward; it lives in the root's group (FSDP2's rule for a parameter two
+// modules share: the unit above both owns it), the blocks are units.
+struct TiedImpl : torch::nn::Module {
+  static constexpr int64_t kVocab = 11;
+  TiedImpl()
+      : emb(register_module("emb", torch::nn::Embedding(kVocab, 6))),
+        b1(register_module("b1", torch::nn::Linear(6, 6))),
+        b2(register_module("b2", torch::nn::Linear(6, 6))) {}
+  torch::Tensor forward(torch::Tensor tokens) {
+    auto h = emb(tokens);
+    h = h + torch::tanh(fsdp::call(b1, h));
+    h = h + torch::tanh(fsdp::call(b2, h));
+    return torch::nn::functional::linear(h, emb->weight);  // the tied output layer
+  }
+  torch::nn::Embedding emb;
+  torch::nn::Linear b1, b2;
+};
+TORCH_MODULE(Tied);
+
+TEST(FSDPParity, TiedEmbeddingAndOutputMatchesTdistDDPAtWorlds3And4) {
+  for (int world : {3, 4}) {
+    const int steps = 20;
+    torch::manual_seed(29);
+    Tied init_net;
+    auto init = values_of(*init_net);
+    std::vector<Batch> batches;
+    for (int s = 0; s < steps; ++s) {
+      batches.push_back({torch::randint(0, TiedImpl::kVocab, {2 * world, 5}),
+                         torch::randint(0, TiedImpl::kVocab, {2 * world, 5})});
+    }
+    std::vector<std::vector<torch::Tensor>> fsdp_got(world), ddp_got(world);
+    spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = make_group(store, rank, world);
+      Tied a;
+      load_values(*a, init);
+      auto model = fsdp::fully_shard(a, {a->b1.ptr(), a->b2.ptr()}, pg);
+      torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+      Tied b;
+      load_values(*b, init);
+      ddp::DistributedDataParallel<Tied> reference(b, pg);
+      torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
+      auto loss = [&](torch::Tensor logits, const torch::Tensor& y) {
+        return torch::cross_entropy_loss(logits.reshape({-1, TiedImpl::kVocab}), y.reshape({-1}));
+      };
+      for (const auto& batch : batches) {
+        const auto x = rows_of(batch.x, rank, world);
+        const auto y = rows_of(batch.y, rank, world);
+        opt.zero_grad();
+        loss(model(x), y).backward();
+        opt.step();
+        ref_opt.zero_grad();
+        loss(reference(x), y).backward();
+        ref_opt.step();
+      }
+      fsdp_got[rank] = full_values(model.full_parameters());
+      ddp_got[rank] = values_of(*b);
+    });
+    EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "world " << world << " rank "
+                                                             << r;
+    }
+  }
+}
+
+// HSDP with the rest of the features: clipping with the global norm (summed over the shard group
+// only), gradient accumulation, a parameter unused in some steps, prefetch; shard groups of 2
+// and of 1 (every rank a replica: the allreduce does all the work).
+TEST(FSDPParity, HybridShardingWithClippingAccumulationAndUnusedParameters) {
+  Case c{4, true, /*unused_steps=*/true};
+  c.shard_size = 2;
+  c.clip = 0.05;
+  c.steps = 10;
+  expect_parity_both(c);
+  c.clip = 0;
+  c.micro = 2;
+  c.shard_size = 1;
+  c.reshard_after_forward = false;
+  c.prefetch = 2;
+  expect_parity_both(c);
+}
+
+// A mesh with a dimension FSDP does not use ({"pp", 2} beside {"shard", 2}, as a pipeline lays
+// its world out): each stage's pair of ranks shards its own model on its own data, and equals
+// tdist's DDP over that pair.
+TEST(FSDPParity, MeshShardsAlongItsShardDimensionOnly) {
+  const int world = 4;
+  const int steps = 10;
+  torch::manual_seed(31);
+  Net init_net;
+  auto init = values_of(*init_net);
+  const std::vector<std::vector<Batch>> stage_batches = {make_batches(steps, 4, 37),
+                                                         make_batches(steps, 4, 41)};
+  std::vector<std::vector<torch::Tensor>> fsdp_got(world), ddp_got(world);
+  spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = make_group(store, rank, world);
+    comm::DeviceMesh mesh(pg, {{"pp", 2}, {"shard", 2}});
+    const int stage = mesh.coordinate("pp");
+    const int r = mesh.coordinate("shard");
+    Net a;
+    load_values(*a, init);
+    auto model = fsdp::fully_shard(a, units_of(a), mesh);
+    EXPECT_EQ(model.process_group(), mesh.group("shard"));
+    EXPECT_EQ(model.replicate_group(), nullptr);
+    torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+    Net b;
+    load_values(*b, init);
+    ddp::DistributedDataParallel<Net> reference(b, mesh.group("shard"));
+    torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
+    for (const auto& batch : stage_batches[stage]) {
+      step_both(model, opt, reference, ref_opt, batch, r, 2);
+    }
+    fsdp_got[rank] = full_values(model.full_parameters());
+    ddp_got[rank] = values_of(*b);
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_LE(max_abs_diff(ddp_got[rank], fsdp_got[rank]), 1e-5) << "rank " << rank;
+  }
+  EXPECT_GT(max_abs_diff(fsdp_got[0], fsdp_got[2]), 1e-3) << "the stages did not train apart";
+}
+
+// HSDP 2x2 at world 4: shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}.
+// The same parameters as tdist's DDP over the whole world after 20 Adam steps, sharded through
+// FSDPOptions::shard_size and through a DeviceMesh; only rank 0 starts with the values, so the
+// others get them through both groups' broadcasts.
+TEST(FSDPParity, HybridShardingMatchesTdistDDPAtWorld4) {
+  const int world = 4;
+  const int steps = 20;
+  torch::manual_seed(13);
+  Net init_net;
+  auto init = values_of(*init_net);
+  auto batches = make_batches(steps, 4 * world, 17);
+  for (bool via_mesh : {false, true}) {
+    std::vector<std::vector<torch::Tensor>> fsdp_got(world), ddp_got(world), shards(world);
+    spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+      auto pg = make_group(store, rank, world);
+      Net a;
+      if (rank == 0) load_values(*a, init);
+      std::unique_ptr<comm::DeviceMesh> mesh;
+      fsdp::FSDPOptions opts;
+      if (via_mesh) {
+        mesh = std::make_unique<comm::DeviceMesh>(
+            pg, std::vector<comm::DeviceMesh::Dim>{{"replicate", 2}, {"shard", 2}});
+      } else {
+        opts.shard_size = 2;
+      }
+      auto model = via_mesh ? fsdp::fully_shard(a, units_of(a), *mesh)
+                            : fsdp::fully_shard(a, units_of(a), pg, opts);
+      ASSERT_EQ(model.process_group()->size(), 2);
+      ASSERT_NE(model.replicate_group(), nullptr);
+      EXPECT_EQ(model.replicate_group()->size(), 2);
+      EXPECT_EQ(model.process_group()->rank(), rank % 2);
+      EXPECT_EQ(model.replicate_group()->rank(), rank / 2);
+      auto& st = model.state();
+      for (size_t g = 0; g < st.num_groups(); ++g) {  // sharded in 2, not in 4
+        EXPECT_EQ(st.group(g).sharded_param().numel() * 2, st.group(g).padded_numel());
+      }
+      torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
+      Net b;
+      load_values(*b, init);
+      ddp::DistributedDataParallel<Net> reference(b, pg);
+      torch::optim::Adam ref_opt(reference.parameters(), torch::optim::AdamOptions(kLr));
+      for (const auto& batch : batches) {
+        step_both(model, opt, reference, ref_opt, batch, rank, world);
+      }
+      const size_t groups = st.num_groups();
+      EXPECT_EQ(model.counters().reduce_scatters, groups * steps);
+      EXPECT_EQ(model.counters().replica_allreduces, groups * steps);
+      for (const auto& p : model.parameters()) shards[rank].push_back(p.detach().clone());
+      fsdp_got[rank] = full_values(model.full_parameters());
+      ddp_got[rank] = values_of(*b);
+    });
+    EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "rank " << r << " mesh "
+                                                             << via_mesh;
+    }
+    for (int r = 0; r < 2; ++r) {  // replicas hold the same shards, bit for bit
+      ASSERT_EQ(shards[r].size(), shards[r + 2].size());
+      for (size_t i = 0; i < shards[r].size(); ++i) {
+        EXPECT_TRUE(torch::equal(shards[r][i], shards[r + 2][i])) << "ranks " << r << ", "
+                                                                  << r + 2 << " group " << i;
+      }
+    }
   }
 }
 

@@ -24,7 +24,7 @@
 //   waiting flag of kWakeByBell asks the peer to bump that bell and FUTEX_WAKE it instead of
 //   writing a byte. The sleeper reads the bell before setting its flags, so a bump between its
 //   re-check and its sleep makes FUTEX_WAIT return at once. A futex wake skips the socket's
-//   write, its poll wake-up and the drain: measured in docs/perf.md ("Waking a rank").
+//   write, its poll wake-up and the drain: measured in docs/perf-history.md ("Waking a rank").
 //   A futex does not see the socket, so the sleep is cut into slices of kLivenessSlice, after
 //   each of which the socket is polled once (a dead peer is noticed within a slice), and
 //   shutdown() rings this side's own bell (an abort wakes the sleeper at once).
