@@ -114,6 +114,10 @@
 // not none: a group's shard is one optimizer tensor (as with FSDP1's flat parameters; DDP leaves
 // its .grad undefined, so an optimizer skips it there).
 //
+// Checkpoints: the flat layout above does not depend on N but for the padding, so a group's
+// shards saved at one world size are byte ranges of what each rank needs at another
+// (fsdp/checkpoint.h, Note [Sharded checkpoints]; consolidated safetensors files there too).
+//
 // Thread safety: one thread drives a FullyShardedModule (as with a module); the engine runs the
 // backward steps on the thread it runs that backward on. Blocking: construction (broadcasts,
 // when syncing), each gather and the end of backward wait for the other ranks, each bounded by

@@ -74,8 +74,9 @@ else
 fi
 # numpy for torch's Python side; expecttest for torch's own test modules, which
 # tests/python/pytorch_suite.py runs against the tdist backend; matplotlib for
-# scripts/plot_metrics.py (the main job's picture).
-for mod in numpy expecttest matplotlib; do
+# scripts/plot_metrics.py (the main job's picture); safetensors for the fsdp tests that open
+# tdist's safetensors files in Python and Python's in tdist (tests/fsdp/safetensors_test.cpp).
+for mod in numpy expecttest matplotlib safetensors; do
   if ! "$PYTHON" -c "import $mod" >/dev/null 2>&1; then
     say "installing $mod"
     "$PYTHON" -m pip install -q "$mod" "${pip_extra[@]}"

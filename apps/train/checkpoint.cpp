@@ -1,22 +1,15 @@
 #include "apps/train/checkpoint.h"
 
 #include <ATen/ATen.h>
-#include <fcntl.h>
-#include <openssl/evp.h>
-#include <sys/stat.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
-#include <unistd.h>
 
-#include <array>
-#include <cerrno>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <sstream>
 
 #include "tdist/comm/process_group.h"
+#include "tdist/core/atomic_file.h"
 #include "tdist/core/error.h"
 #include "tdist/core/wire.h"
 
@@ -36,36 +29,11 @@ constexpr size_t kMaxFingerprint = 1 << 16;
 // the bytes that arrived, never with a size rank 0 announced.
 constexpr int64_t kShareChunk = int64_t(64) << 20;
 
-void write_all(int fd, const char* data, size_t n, const std::string& path) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, data, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) TDIST_THROW(Error, "cannot write checkpoint '", path, "': ", std::strerror(errno));
-    data += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-void fsync_or_throw(int fd, const std::string& path) {
-  if (::fsync(fd) != 0) TDIST_THROW(Error, "cannot fsync '", path, "': ", std::strerror(errno));
-}
-
 int64_t read_int(torch::serialize::InputArchive& ar, const char* key) {
   c10::IValue v;
   ar.read(key, v);
   TDIST_CHECK(v.isInt(), "checkpoint entry '", key, "' is not an integer");
   return v.toInt();
-}
-
-using Sha256 = std::array<uint8_t, 32>;
-
-Sha256 sha256(const void* data, size_t size) {
-  Sha256 out{};
-  unsigned int len = 0;
-  TDIST_CHECK(EVP_Digest(data, size, out.data(), &len, EVP_sha256(), nullptr) == 1 &&
-                  len == out.size(),
-              "SHA-256 failed");
-  return out;
 }
 
 double read_double(torch::serialize::InputArchive& ar, const char* key) {
@@ -82,10 +50,6 @@ std::string checkpoint_path(const std::string& dir) { return dir + "/" + kCheckp
 void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
                      const torch::optim::Optimizer& optimizer, const TrainState& state,
                      const std::string& fingerprint) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) TDIST_THROW(Error, "cannot create checkpoint directory '", dir, "': ", ec.message());
-
   TDIST_CHECK_ARG(fingerprint.size() <= kMaxFingerprint, "checkpoint fingerprint of ",
                   fingerprint.size(), " bytes exceeds ", kMaxFingerprint);
   torch::serialize::OutputArchive archive;
@@ -109,58 +73,16 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   wire::Writer w(head);
   w.raw(kMagic, sizeof(kMagic));
   w.string(fingerprint);
-  const Sha256 digest = sha256(body.data(), body.size());
+  const Sha256Digest digest = sha256(body.data(), body.size());
   w.raw(digest.data(), digest.size());
-
   // Note [Checkpoint protocol] 2: temporary file, fsync, rename, fsync the directory.
-  const std::string final_path = checkpoint_path(dir);
-  // Temporary files of writes that were interrupted (the process was killed) are garbage.
-  const std::string tmp_prefix = std::string(kCheckpointFile) + ".tmp.";
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (entry.path().filename().string().rfind(tmp_prefix, 0) == 0) {
-      std::filesystem::remove(entry.path(), ec);
-    }
-  }
-  const std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid());
-  // A new file, never one planted at that name (a link would make us write through it).
-  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (fd < 0) TDIST_THROW(Error, "cannot create '", tmp_path, "': ", std::strerror(errno));
-  try {
-    write_all(fd, reinterpret_cast<const char*>(head.data()), head.size(), tmp_path);
-    write_all(fd, body.data(), body.size(), tmp_path);
-    fsync_or_throw(fd, tmp_path);
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp_path.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp_path.c_str());
-    TDIST_THROW(Error, "cannot rename '", tmp_path, "' to '", final_path, "': ", std::strerror(err));
-  }
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);  // best effort: the rename is durable once the directory is
-    ::close(dfd);
-  }
+  write_file_atomically(checkpoint_path(dir),
+                        {std::string_view(reinterpret_cast<const char*>(head.data()), head.size()),
+                         std::string_view(body)});
 }
 
 std::optional<std::vector<char>> read_checkpoint_file(const std::string& dir) {
-  const std::string path = checkpoint_path(dir);
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return std::nullopt;
-    TDIST_THROW(Error, "cannot read checkpoint '", path, "': ", std::strerror(errno));
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) TDIST_THROW(Error, "cannot open checkpoint '", path, "'");
-  std::vector<char> bytes(static_cast<size_t>(st.st_size));
-  if (!bytes.empty() && !in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) {
-    TDIST_THROW(Error, "cannot read checkpoint '", path, "'");
-  }
-  return bytes;
+  return read_file(checkpoint_path(dir));
 }
 
 std::optional<std::vector<char>> share_checkpoint(comm::ProcessGroup& pg,
@@ -217,12 +139,12 @@ TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& mo
     throw InvalidArgument(str("the checkpoint belongs to a different run; resume needs the same ",
                               "settings.\n  checkpoint: ", saved, "\n  this run:   ", fingerprint));
   }
-  if (r.remaining() < sizeof(Sha256)) {
+  if (r.remaining() < sizeof(Sha256Digest)) {
     TDIST_THROW(Error, "the checkpoint is not readable: it ends inside its header");
   }
-  const uint8_t* digest = r.raw(sizeof(Sha256), "archive digest");
+  const uint8_t* digest = r.raw(sizeof(Sha256Digest), "archive digest");
   const size_t archive_at = bytes.size() - r.remaining();
-  const Sha256 actual = sha256(bytes.data() + archive_at, bytes.size() - archive_at);
+  const Sha256Digest actual = sha256(bytes.data() + archive_at, bytes.size() - archive_at);
   if (std::memcmp(actual.data(), digest, actual.size()) != 0) {
     TDIST_THROW(Error, "the checkpoint is not readable: its archive does not match the digest in ",
                 "its header (a damaged or truncated file)");

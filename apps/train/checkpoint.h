@@ -9,7 +9,8 @@
 //     step and at the end of training.
 //  2. The write is atomic: a temporary file in the same directory is written, flushed and
 //     fsync'ed, then renamed over checkpoint.pt, and the directory is fsync'ed. A crash at any
-//     moment leaves either the previous checkpoint or the new one, never a torn file.
+//     moment leaves either the previous checkpoint or the new one, never a torn file
+//     (write_file_atomically, tdist/core/atomic_file.h; fsdp's checkpoints use it too).
 //  3. --resume: rank 0 reads the file and broadcasts its bytes over the process group (a size,
 //     then the bytes; size -1 means "no checkpoint", -2 "rank 0 could not read it"), and every
 //     rank loads the same bytes. Only rank 0 needs the directory (no shared file system).

@@ -71,6 +71,9 @@ class ParamGroup {
   const std::vector<std::shared_ptr<torch::autograd::Node>>& accumulators() const {
     return accumulators_;
   }
+  // Each parameter's full shape and its first element in the flat buffer (checkpoints).
+  const std::vector<std::vector<int64_t>>& shapes() const { return shapes_; }
+  const std::vector<int64_t>& offsets() const { return offsets_; }
   const at::Tensor& sharded_param() const { return shard_; }
   int64_t numel() const { return total_numel_; }
   int64_t padded_numel() const { return padded_numel_; }
