@@ -257,8 +257,9 @@ Schedule make_schedule(ScheduleKind kind, int num_ranks, int num_microbatches, i
   TDIST_CHECK_ARG(num_microbatches >= 1, "a pipeline needs at least 1 microbatch (got ",
                   num_microbatches, ")");
   if (kind == ScheduleKind::kInterleaved1F1B) {
-    TDIST_CHECK_ARG(num_chunks >= 2, "the interleaved schedule needs at least 2 chunks per rank (got ",
-                    num_chunks, ")");
+    TDIST_CHECK_ARG(num_chunks >= 2,
+                    "the interleaved schedule needs at least 2 chunks per rank (got ", num_chunks,
+                    ")");
   } else {
     TDIST_CHECK_ARG(num_chunks == 1, "schedule ", to_string(kind),
                     " runs one chunk per rank (got ", num_chunks, "); use interleaved");
