@@ -382,7 +382,11 @@ void Pipeline::Impl::backward(size_t index, const Action& a) {
     opts.before_last_weight_pass(a.chunk, roots);
   }
   torch::autograd::backward(roots, grads);
-  if (s > 0) send(slot.input.grad(), s - 1, 1, a.microbatch);
+  if (s > 0) {
+    // An output that does not depend on the input leaves its gradient undefined: zero.
+    at::Tensor g = slot.input.grad();
+    send(g.defined() ? g : torch::zeros_like(slot.input), s - 1, 1, a.microbatch);
+  }
   slot = Slot{};
 }
 
