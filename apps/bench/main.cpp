@@ -24,6 +24,8 @@ const SelfContained kSelfContained[] = {
      tdist::bench::run_rpc_bench},
     {"net", "the I/O models (POSIX, poll, Boost.Asio) on the traffic of the mesh, RPC and the store",
      tdist::bench::run_net_bench},
+    {"pipeline", "pipeline schedules: samples/s and measured vs analytic bubble",
+     tdist::bench::run_pipeline_bench},
 };
 
 }  // namespace

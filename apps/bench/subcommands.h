@@ -6,6 +6,7 @@
 //   rpc --autograd (autograd.cpp) training over RPC with distributed autograd and the
 //                                 DistributedOptimizer vs torch.distributed.autograd
 //   net         (net.cpp)         POSIX, poll and Boost.Asio I/O on each stack's traffic
+//   pipeline    (pipeline.cpp)    a pipeline's samples/s and measured vs analytic bubble
 // What they share is in common.h (all) and two_workers.h (rpc and autograd).
 #include <CLI/CLI.hpp>
 
@@ -21,5 +22,6 @@ int run_ddp_bench(int argc, char** argv);
 int run_rpc_bench(int argc, char** argv);
 int run_autograd_bench(int argc, char** argv);
 int run_net_bench(int argc, char** argv);
+int run_pipeline_bench(int argc, char** argv);
 
 }  // namespace tdist::bench
