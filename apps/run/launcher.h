@@ -8,8 +8,8 @@
 // one unless the user gave one; a multi-node job takes --token-file (or the user's
 // TDIST_TOKEN / TDIST_TOKEN_FILE) and runs without one after a warning otherwise.
 //
-// Not thread safe; run() blocks until the workers are done. SIGINT/SIGTERM/SIGHUP received by the
-// launcher during run() are forwarded to every worker.
+// Not thread safe; run() blocks until the workers are done. SIGTERM, SIGINT, SIGHUP and SIGQUIT
+// (torchrun's default set) received by the launcher during run() are forwarded to every worker.
 
 #include <sys/types.h>
 
