@@ -10,12 +10,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
+
+#include "apps/run/error_file.h"
 
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
@@ -49,7 +53,8 @@ void on_signal(int sig) {
 // Installs the forwarding handlers for the lifetime of one run().
 class SignalForwarding {
  public:
-  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
+  // torchrun's default --signals-to-handle (TORCHELASTIC_SIGNALS_TO_HANDLE below).
+  static constexpr int kSignals[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT};
 
   SignalForwarding() {
     TDIST_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "pipe2: ", std::strerror(errno));
@@ -105,6 +110,8 @@ struct Launcher::Worker {
   int fd[2] = {-1, -1};
   std::string partial[2];
   int log_fd[2] = {-1, -1};
+  int console = kTeeStdout | kTeeStderr;  // the streams relayed to the console
+  bool stopped = false;  // stopped by the launcher (its exit is not a failure of its own)
 
   bool streams_open() const { return fd[0] >= 0 || fd[1] >= 0; }
 
@@ -127,7 +134,45 @@ std::string WorkerExit::describe() const {
   return s + " exited with code " + std::to_string(code);
 }
 
-Launcher::~Launcher() = default;
+int StreamChoice::for_local_rank(int local_rank) const {
+  if (per_rank.empty()) return all;
+  auto it = per_rank.find(local_rank);
+  return it == per_rank.end() ? 0 : it->second;
+}
+
+StreamChoice parse_stream_choice(const std::string& flag, const std::string& text) {
+  auto streams = [&](const std::string& t) {
+    TDIST_CHECK_ARG(t.size() == 1 && t[0] >= '0' && t[0] <= '3', flag, " '", text,
+                    "' is not 0-3 (1 stdout, 2 stderr, 3 both) or LOCAL_RANK:0-3,...");
+    return t[0] - '0';
+  };
+  StreamChoice c;
+  if (text.find(':') == std::string::npos) {
+    c.all = streams(text);
+    return c;
+  }
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t comma = text.find(',', pos);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(pos, comma - pos);
+    const auto colon = item.find(':');
+    TDIST_CHECK_ARG(colon != std::string::npos, flag, " '", text, "': '", item,
+                    "' is not LOCAL_RANK:0-3");
+    const int lr = static_cast<int>(env::parse_int(flag, item.substr(0, colon), 0, 65535));
+    c.per_rank[lr] = streams(item.substr(colon + 1));
+    pos = comma + 1;
+  }
+  return c;
+}
+
+Launcher::~Launcher() {
+  workers_.clear();  // closes their log files first
+  if (!scratch_dir_.empty()) {
+    std::error_code ignored;
+    std::filesystem::remove_all(scratch_dir_, ignored);
+  }
+}
 
 Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
   TDIST_CHECK_ARG(!config_.command.empty(), "no program to launch");
@@ -199,8 +244,30 @@ void Launcher::prepare_token() {
                store.c_str());
 }
 
+namespace {
+
+// A new directory "<$TMPDIR or /tmp>/tdist-run-XXXXXX".
+std::string make_temp_dir() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/tdist-run-XXXXXX";
+  TDIST_CHECK(::mkdtemp(pattern.data()) != nullptr, "cannot make a directory ", pattern, ": ",
+              std::strerror(errno));
+  return pattern;
+}
+
+}  // namespace
+
 int Launcher::run() {
   prepare_token();
+  if (config_.log_dir.empty()) {
+    if (config_.redirects.any() || config_.tee.any()) {
+      // torchrun's way: redirected or teed streams need files, so there is a directory.
+      config_.log_dir = make_temp_dir();
+      std::fprintf(stderr, "tdist-run: log directory: %s\n", config_.log_dir.c_str());
+    } else {
+      scratch_dir_ = make_temp_dir();
+    }
+  }
   SignalForwarding signals;
   signal_fd_ = signals.fd();
   return config_.elastic.enabled ? run_elastic() : run_static();
@@ -277,6 +344,14 @@ Launcher::Outcome Launcher::watch_workers(const std::function<bool()>& tick) {
   return Outcome::kSuccess;
 }
 
+std::string Launcher::attempt_dir(int64_t attempt) {
+  const std::string& base = config_.log_dir.empty() ? scratch_dir_ : config_.log_dir;
+  const std::string dir = base + "/attempt_" + std::to_string(attempt);
+  ::mkdir(base.c_str(), 0755);
+  ::mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
 bool Launcher::drain_exited() {
   // Everyone exited: drain what is left in the pipes (bounded, in case a grandchild keeps one
   // open).
@@ -302,10 +377,17 @@ void Launcher::spawn(Worker& w, const Assignment& a) {
   for (auto& p : pipes) {
     TDIST_CHECK(::pipe2(p, O_CLOEXEC) == 0, "pipe2: ", std::strerror(errno));
   }
+  const std::string dir = attempt_dir(a.attempt);
+  // Note [Worker error files]: a path of its own that does not exist yet.
+  w.exit.error_file = dir + "/rank_" + std::to_string(w.rank) + ".error.json";
+  ::unlink(w.exit.error_file.c_str());
+  const int redirected = config_.redirects.for_local_rank(w.local_rank);
+  w.console = ((~redirected & 3) | config_.tee.for_local_rank(w.local_rank));
+  const auto& filter = config_.local_ranks_filter;
+  if (!filter.empty() && std::find(filter.begin(), filter.end(), w.local_rank) == filter.end()) {
+    w.console = 0;
+  }
   if (!config_.log_dir.empty()) {
-    std::string dir = config_.log_dir + "/attempt_" + std::to_string(a.attempt);
-    ::mkdir(config_.log_dir.c_str(), 0755);
-    ::mkdir(dir.c_str(), 0755);
     const char* names[2] = {"stdout", "stderr"};
     for (int i = 0; i < 2; ++i) {
       std::string path = dir + "/rank_" + std::to_string(w.rank) + "." + names[i];
@@ -325,7 +407,21 @@ void Launcher::spawn(Worker& w, const Assignment& a) {
       {"MASTER_PORT", std::to_string(a.master_port)},
       {"TDIST_RESTART_COUNT", std::to_string(a.attempt)},
       {"TDIST_MAX_RESTARTS", std::to_string(config_.max_restarts)},
+      // torchrun's variables (its LocalElasticAgent): one role, so role ranks are ranks.
+      {"ROLE_RANK", std::to_string(w.rank)},
+      {"ROLE_NAME", config_.role},
+      {"ROLE_WORLD_SIZE", std::to_string(world)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(config_.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", config_.elastic.run_id},
+      // torchrun hosts the workers' store itself and says so with True; under tdist-run rank 0
+      // hosts it at MASTER_ADDR:MASTER_PORT, as torch.distributed's env:// does with False.
+      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
+      {"TORCHELASTIC_ERROR_FILE", w.exit.error_file},
+      {"TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"},
   };
+  const char* nccl_async = std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");
+  vars.emplace_back("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_async ? nccl_async : "1");
   // Several workers on one node share its cores: one intra-op thread each unless told.
   if (config_.nproc_per_node > 1 && !std::getenv("OMP_NUM_THREADS")) {
     vars.emplace_back("OMP_NUM_THREADS", "1");
@@ -454,7 +550,7 @@ void Launcher::emit_line(Worker& w, int stream, const std::string& line) {
     w.exit.stderr_tail.push_back(line);
     if (w.exit.stderr_tail.size() > kStderrTailLines) w.exit.stderr_tail.pop_front();
   }
-  if (config_.tee & (stream == 0 ? kTeeStdout : kTeeStderr)) {
+  if (w.console & (stream == 0 ? kTeeStdout : kTeeStderr)) {
     write_all(stream == 0 ? STDOUT_FILENO : STDERR_FILENO,
               "[rank " + std::to_string(w.rank) + "] " + line + "\n");
   }
@@ -472,7 +568,9 @@ void Launcher::reap(Worker& w, int status) {
 
 void Launcher::stop_all(int sig) {
   for (auto& w : workers_) {
-    if (!w->exited) ::kill(w->pid, sig);
+    if (w->exited) continue;
+    w->stopped = true;
+    ::kill(w->pid, sig);
   }
   const auto deadline = Clock::now() + config_.stop_grace;
   auto live = [&] {
@@ -513,10 +611,32 @@ void Launcher::report_failure(const WorkerExit& e) const {
     msg += str(" (after ", restart_count_, " of ", config_.max_restarts, " restarts)");
   }
   msg += "\n";
-  if (!e.stderr_tail.empty()) {
+  // torchrun's report (Note [Worker error files]): every worker that failed on its own.
+  std::vector<ProcessFailure> failures;
+  for (const auto& w : workers_) {
+    if (!w->exited || w->exit.ok() || w->stopped) continue;
+    const WorkerExit& x = w->exit;
+    failures.push_back(read_process_failure(x.rank, x.local_rank, x.pid,
+                                            x.signaled ? -x.code : x.code, x.error_file));
+  }
+  // The failure seen first leads, so that it is the root cause when timestamps tie.
+  std::stable_partition(failures.begin(), failures.end(),
+                        [&](const ProcessFailure& f) { return f.rank == e.rank; });
+  if (failures.empty() || failures.front().rank != e.rank) {
+    failures.insert(failures.begin(), read_process_failure(e.rank, e.local_rank, e.pid,
+                                                           e.signaled ? -e.code : e.code,
+                                                           e.error_file));
+  }
+  // A worker that recorded its exception has its traceback in the report; for one that did
+  // not, its last stderr lines say what happened.
+  const bool recorded = failures.front().error_file == e.error_file;
+  if (!recorded && !e.stderr_tail.empty()) {
     msg += str("tdist-run: last ", e.stderr_tail.size(), " lines of rank ", e.rank, "'s stderr:\n");
     for (const auto& line : e.stderr_tail) msg += "  " + line + "\n";
   }
+  const std::string name =
+      config_.entrypoint_name.empty() ? config_.command[0] : config_.entrypoint_name;
+  msg += format_child_failed(name, failures);
   write_all(STDERR_FILENO, msg);
 }
 

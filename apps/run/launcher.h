@@ -8,14 +8,15 @@
 // one unless the user gave one; a multi-node job takes --token-file (or the user's
 // TDIST_TOKEN / TDIST_TOKEN_FILE) and runs without one after a warning otherwise.
 //
-// Not thread safe; run() blocks until the workers are done. SIGINT/SIGTERM/SIGHUP received by the
-// launcher during run() are forwarded to every worker.
+// Not thread safe; run() blocks until the workers are done. SIGTERM, SIGINT, SIGHUP and SIGQUIT
+// (torchrun's default set) received by the launcher during run() are forwarded to every worker.
 
 #include <sys/types.h>
 
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,6 +26,19 @@ namespace tdist::run {
 
 inline constexpr int kTeeStdout = 1;
 inline constexpr int kTeeStderr = 2;
+
+// torchrun's --redirects / --tee value: a set of streams (kTeeStdout | kTeeStderr) for every
+// local rank ("3"), or one per local rank ("0:1,1:2"; a local rank not named gets none).
+struct StreamChoice {
+  int all = 0;
+  std::map<int, int> per_rank;  // when not empty, `all` is not used
+
+  int for_local_rank(int local_rank) const;
+  bool any() const { return all != 0 || !per_rank.empty(); }
+};
+
+// Parses a StreamChoice; throws InvalidArgument naming `flag` on anything else.
+StreamChoice parse_stream_choice(const std::string& flag, const std::string& text);
 
 // Elastic mode (--nnodes MIN:MAX with --rdzv-endpoint): Note [Elastic rendezvous] in
 // rendezvous.cpp. nnodes/node_rank/master_* of LaunchConfig are then decided per round.
@@ -51,11 +65,23 @@ struct LaunchConfig {
   int max_restarts = 0;
   std::chrono::milliseconds monitor_interval{100};
   std::chrono::milliseconds stop_grace{5000};  // between SIGTERM and SIGKILL
-  std::string log_dir;  // when set: <log_dir>/attempt_<n>/rank_<r>.{stdout,stderr}
-  // Which worker streams are relayed to our stdout/stderr (prefixed): torchrun's --tee values,
-  // kTeeStdout | kTeeStderr by default. Without log_dir anything not relayed is dropped.
-  int tee = 3;
+  // When set: <log_dir>/attempt_<n>/rank_<r>.{stdout,stderr} and rank_<r>.error.json. When
+  // not set but redirects or tee are: a new directory under $TMPDIR (named on stderr), as
+  // torchrun makes one.
+  std::string log_dir;
+  // torchrun's --redirects and --tee: a local rank's redirected streams reach only its log file;
+  // the console gets what is not redirected, plus what is teed (each line prefixed with the
+  // rank). With log_dir every stream is also written to its file.
+  StreamChoice redirects;
+  StreamChoice tee;
+  // torchrun's --local-ranks-filter: only these local ranks' output reaches the console (their
+  // log files are written all the same). Empty: every local rank's.
+  std::vector<int> local_ranks_filter;
   std::vector<std::string> command;  // program and its arguments
+  // What the failure report calls the job ("<name> FAILED"), torchrun's entrypoint name: the
+  // script or module of a Python worker, the program otherwise. Empty: command[0].
+  std::string entrypoint_name;
+  std::string role = "default";  // torchrun's --role: the workers' ROLE_NAME
   ElasticOptions elastic;
   // --token-file: the job's shared secret, a file every node has (core/token.h's rules).
   std::string token_file;
@@ -72,6 +98,7 @@ struct WorkerExit {
   bool signaled = false;
   int code = 0;  // exit code, or the signal number when signaled
   std::deque<std::string> stderr_tail;  // last lines of its stderr
+  std::string error_file;  // its TORCHELASTIC_ERROR_FILE (Note [Worker error files])
 
   bool ok() const { return !signaled && code == 0; }
   std::string describe() const;  // "rank 1 (pid 123) exited with code 3" / "... killed by SIGKILL"
@@ -129,16 +156,20 @@ class Launcher {
   // Reads what the workers wrote (waiting up to `wait` for some) and reaps exited workers.
   // Returns false when a forwarded signal arrived.
   bool pump(std::chrono::milliseconds wait);
+  // The directory of one attempt's log and error files (made if missing).
+  std::string attempt_dir(int64_t attempt);
   void read_stream(Worker& w, int stream);
   void emit_line(Worker& w, int stream, const std::string& line);
   void reap(Worker& w, int status);
-  // Sends `sig` to every live worker, waits up to stop_grace for them, then SIGKILLs the rest;
-  // drains their output.
+  // Sends `sig` to every live worker (marking it stopped: not a failure of its own), waits up to
+  // stop_grace for them, then SIGKILLs the rest; drains their output.
   void stop_all(int sig);
   void report_failure(const WorkerExit& e) const;
 
   LaunchConfig config_;
   std::vector<int> cpus_;  // with bind_cores: the CPUs the launcher may run on, in order
+  // Without log_dir: the directory of the workers' error files, removed with the launcher.
+  std::string scratch_dir_;
   int signal_fd_ = -1;
   std::vector<std::unique_ptr<Worker>> workers_;  // of the current attempt
   int restart_count_ = 0;

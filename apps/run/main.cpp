@@ -1,9 +1,16 @@
 // tdist-run: a torchrun-like launcher.
 //
 //   tdist-run --nproc-per-node 4 [--nnodes N --node-rank R] [--master-addr A] [--master-port P]
-//             [--standalone] [--max-restarts K] [--log-dir DIR [--tee 0-3]] PROGRAM ARGS...
-//   tdist-run --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id JOB [--rdzv-last-call S]
+//             [--standalone] [--max-restarts K] [--log-dir DIR] [--redirects S] [--tee S]
+//             [--local-ranks-filter R,...] [--role NAME] [--python PY] [-m | --no-python |
+//             --run-path] PROGRAM ARGS...
+//   tdist-run --nnodes MIN:MAX --rdzv-endpoint HOST[:PORT] --rdzv-id JOB [--rdzv-last-call S]
 //             [--max-restarts K] ... PROGRAM ARGS...          (elastic: Note [Elastic rendezvous])
+//
+// torchrun's command lines run unchanged (docs/deploy.md, "From torchrun"): a PROGRAM ending in
+// .py, or any with -m, runs under the Python of --python / TDIST_PYTHON (default python3) as
+// `python -u [-m] PROGRAM ARGS`; --run-path runs it with runpy.run_path; --no-python, or a
+// PROGRAM not ending in .py, is executed as it is.
 //
 // Defaults, lowest first: built in; inside an srun step, Slurm's (SLURM_STEP_NUM_NODES,
 // SLURM_NODEID, the step's first host, a port from SLURM_JOB_ID); the PET_* variables that
@@ -12,7 +19,8 @@
 // PET_MAX_RESTARTS); then the flags. See docs/deploy.md.
 //
 // Exit codes: 0 all workers succeeded; 1 a worker failed (rank and exit code or signal are
-// reported); 2 bad flags; 128+N stopped by signal N (forwarded to the workers).
+// reported, with torchrun's report from the workers' error files); 2 bad flags (torchrun's
+// argparse exits 2 as well); 128+N stopped by signal N (forwarded to the workers).
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -21,6 +29,7 @@
 #include "apps/run/launcher.h"
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
+#include "tdist/core/token.h"
 
 namespace {
 
@@ -76,6 +85,60 @@ void apply_rdzv_conf(const std::string& conf, const CLI::App& app, double& last_
   }
 }
 
+// torchrun's --local-ranks-filter: "0,1,2".
+std::vector<int> parse_local_ranks(const std::string& text) {
+  std::vector<int> ranks;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t comma = text.find(',', pos);
+    if (comma == std::string::npos) comma = text.size();
+    try {
+      ranks.push_back(static_cast<int>(
+          tdist::env::parse_int("--local-ranks-filter", text.substr(pos, comma - pos), 0, 65535)));
+    } catch (const tdist::InvalidArgument&) {
+      throw CLI::ValidationError("--local-ranks-filter", "'" + text +
+                                                             "' is not a comma-separated list "
+                                                             "of local ranks, e.g. 0,1,2");
+    }
+    pos = comma + 1;
+  }
+  return ranks;
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// What --run-path runs: the script by runpy.run_path in a fresh interpreter, as torchrun runs it
+// in its worker process (sys.argv is the script and its arguments).
+constexpr const char* kRunPathCode =
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')";
+
+// The worker command for PROGRAM ARGS (see the top of this file); sets the report's name.
+std::vector<std::string> worker_command(const std::vector<std::string>& rest, const std::string& python,
+                                        bool module, bool no_python, bool run_path,
+                                        std::string& name) {
+  const std::string& script = rest[0];
+  const std::vector<std::string> args(rest.begin() + 1, rest.end());
+  std::vector<std::string> cmd;
+  name = script;
+  if (run_path) {
+    cmd = {python, "-u", "-c", kRunPathCode, script};
+    name = "run_script_path";  // torchrun's name for it
+  } else if (no_python) {
+    if (module) throw CLI::ValidationError("--no-python", "and -m/--module cannot be used together");
+    cmd = {script};
+  } else if (module || ends_with(script, ".py")) {
+    cmd = {python, "-u"};
+    if (module) cmd.push_back("-m");
+    cmd.push_back(script);
+  } else {
+    cmd = {script};
+  }
+  cmd.insert(cmd.end(), args.begin(), args.end());
+  return cmd;
+}
+
 std::chrono::milliseconds seconds(double s) {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
 }
@@ -92,7 +155,9 @@ int main(int argc, char** argv) {
   double monitor_interval_s = 0.1;
   double stop_grace_s = 5.0;
   bool no_tee = false;
-  int tee = -1;
+  std::string tee, redirects, ranks_filter;
+  std::string python = "python3";
+  bool module = false, no_python = false, run_path = false;
   std::string nnodes = "1";
   std::string backend = "static";
   double last_call_s = 2.0, join_timeout_s = 600.0, keep_alive_s = 1.0, keep_alive_timeout_s = 10.0;
@@ -162,12 +227,34 @@ int main(int argc, char** argv) {
                  "seconds between SIGTERM and SIGKILL when stopping workers")
       ->check(CLI::Range(0.0, 3600.0));
   app.add_option("--log-dir,--log_dir", cfg.log_dir,
-                 "write each rank's stdout and stderr to DIR/attempt_<n>/rank_<r>.{stdout,stderr}");
-  app.add_option("--tee", tee,
-                 "with --log-dir, also print these worker streams: 0 none, 1 stdout, 2 stderr, "
-                 "3 both (default)")
-      ->check(CLI::Range(0, 3));
-  app.add_flag("--no-tee", no_tee, "with --log-dir: do not also print worker output (--tee 0)");
+                 "write each rank's stdout and stderr to DIR/attempt_<n>/rank_<r>.{stdout,stderr}")
+      ->envname("PET_LOG_DIR");
+  app.add_option("-r,--redirects", redirects,
+                 "these worker streams go to the log files only: 0 none (default), 1 stdout, "
+                 "2 stderr, 3 both, or per local rank as 0:1,1:2")
+      ->envname("PET_REDIRECTS");
+  app.add_option("-t,--tee", tee,
+                 "these worker streams go to the log files and the console (same values as "
+                 "--redirects)")
+      ->envname("PET_TEE");
+  app.add_flag("--no-tee", no_tee, "with --log-dir: worker output goes to the files only (-r 3)");
+  app.add_option("--local-ranks-filter,--local_ranks_filter", ranks_filter,
+                 "only these local ranks' output reaches the console, e.g. 0,1")
+      ->envname("PET_LOCAL_RANKS_FILTER");
+  app.add_option("--role", cfg.role, "the workers' role (ROLE_NAME)")->envname("PET_ROLE");
+  app.add_option("--python", python,
+                 "the Python that runs a PROGRAM ending in .py, -m and --run-path (default "
+                 "python3)")
+      ->envname("TDIST_PYTHON");
+  app.add_flag("-m,--module", module, "PROGRAM is a Python module, run as python -m PROGRAM")
+      ->envname("PET_MODULE");
+  app.add_flag("--no-python,--no_python", no_python,
+               "execute PROGRAM as it is, even when it ends in .py")
+      ->envname("PET_NO_PYTHON");
+  app.add_flag("--run-path,--run_path", run_path,
+               "run the Python script PROGRAM with runpy.run_path (takes precedence over "
+               "--no-python)")
+      ->envname("PET_RUN_PATH");
   std::string cpu_bind = "none";
   app.add_option("--cpu-bind,--cpu_bind", cpu_bind,
                  "none (default), or core: local rank r runs on the r-th CPU this launcher may "
@@ -178,30 +265,41 @@ int main(int argc, char** argv) {
                  "without one a single-node job makes its own and a multi-node job has none");
   try {
     app.parse(argc, argv);
-    cfg.command = app.remaining();
-    if (cfg.command.empty()) throw CLI::ValidationError("PROGRAM", "no program to launch given");
-    if (cfg.command[0].size() > 1 && cfg.command[0][0] == '-') {
-      throw CLI::ExtrasError("unknown option " + cfg.command[0], CLI::ExitCodes::ExtrasError);
+    const std::vector<std::string> rest = app.remaining();
+    if (rest.empty()) throw CLI::ValidationError("PROGRAM", "no program to launch given");
+    if (rest[0].size() > 1 && rest[0][0] == '-') {
+      throw CLI::ExtrasError("unknown option " + rest[0], CLI::ExitCodes::ExtrasError);
     }
+    cfg.command = worker_command(rest, python, module, no_python, run_path, cfg.entrypoint_name);
+    const auto [min_nodes, max_nodes] = parse_nnodes(nnodes);
+    cfg.nnodes = max_nodes;
+    bool any_port = false;  // torchrun's HOST:0 for a one-node c10d job: a free port
     if (!endpoint.empty()) {
+      // HOST alone means torchrun's default port, 29400.
       auto colon = endpoint.rfind(':');
-      if (colon == std::string::npos || colon == 0)
-        throw CLI::ValidationError("--rdzv-endpoint", "'" + endpoint + "' is not HOST:PORT");
+      if (colon == 0) throw CLI::ValidationError("--rdzv-endpoint", "'" + endpoint + "' is not HOST:PORT");
       cfg.master_addr = endpoint.substr(0, colon);
-      std::string port = endpoint.substr(colon + 1);
+      std::string port = colon == std::string::npos ? "29400" : endpoint.substr(colon + 1);
       try {
         size_t used = 0;
         int p = std::stoi(port, &used);
-        if (used != port.size() || p < 1 || p > 65535) throw std::out_of_range(port);
+        if (used != port.size() || p < 0 || p > 65535) throw std::out_of_range(port);
+        if (p == 0 && (backend != "c10d" || nnodes.find(':') != std::string::npos || max_nodes != 1)) {
+          throw std::out_of_range(port);
+        }
         cfg.master_port = p;
+        any_port = p == 0;
       } catch (const std::exception&) {
-        throw CLI::ValidationError("--rdzv-endpoint", "port '" + port + "' is not in [1, 65535]");
+        throw CLI::ValidationError("--rdzv-endpoint", "port '" + port +
+                                                          "' is not in [1, 65535] (0 only with "
+                                                          "--rdzv-backend c10d --nnodes 1)");
       }
     }
-    const auto [min_nodes, max_nodes] = parse_nnodes(nnodes);
-    cfg.nnodes = max_nodes;
-    // MIN:MAX (even 2:2) asks for the elastic rendezvous, as --rdzv-backend c10d does.
-    if (nnodes.find(':') != std::string::npos || backend == "c10d") {
+    // MIN:MAX (even 2:2) asks for the elastic rendezvous, as --rdzv-backend c10d does; a
+    // one-node c10d job on port 0 is a single static node on a free port.
+    if (any_port) {
+      cfg.elastic.run_id = tdist::random_hex(16);
+    } else if (nnodes.find(':') != std::string::npos || backend == "c10d") {
       if (endpoint.empty()) {
         throw CLI::ValidationError("--nnodes", "an elastic job (--nnodes " + nnodes +
                                                    ", --rdzv-backend " + backend +
@@ -225,6 +323,7 @@ int main(int argc, char** argv) {
       if (cfg.nnodes != 1) throw CLI::ValidationError("--standalone", "needs --nnodes 1");
       cfg.master_addr = "127.0.0.1";
       cfg.master_port = 0;
+      cfg.elastic.run_id = tdist::random_hex(16);  // torchrun draws a new id (a uuid4) too
     }
     if (cfg.node_rank >= cfg.nnodes) {
       throw CLI::ValidationError("--node-rank", std::to_string(cfg.node_rank) +
@@ -232,10 +331,18 @@ int main(int argc, char** argv) {
                                                     std::to_string(cfg.nnodes));
     }
     if (no_tee && cfg.log_dir.empty()) throw CLI::ValidationError("--no-tee", "needs --log-dir");
-    if (tee >= 0 && cfg.log_dir.empty()) throw CLI::ValidationError("--tee", "needs --log-dir");
-    if (no_tee && tee > 0) throw CLI::ValidationError("--no-tee", "contradicts --tee " + std::to_string(tee));
+    if (no_tee && (!tee.empty() || !redirects.empty())) {
+      throw CLI::ValidationError("--no-tee", "is -r 3; give it or --redirects/--tee, not both");
+    }
+    try {
+      if (!redirects.empty()) cfg.redirects = tdist::run::parse_stream_choice("--redirects", redirects);
+      if (!tee.empty()) cfg.tee = tdist::run::parse_stream_choice("--tee", tee);
+    } catch (const tdist::InvalidArgument& e) {
+      throw CLI::ValidationError(e.what());
+    }
+    if (no_tee) cfg.redirects.all = tdist::run::kTeeStdout | tdist::run::kTeeStderr;
+    if (!ranks_filter.empty()) cfg.local_ranks_filter = parse_local_ranks(ranks_filter);
     cfg.bind_cores = cpu_bind == "core";
-    cfg.tee = no_tee ? 0 : tee >= 0 ? tee : tdist::run::kTeeStdout | tdist::run::kTeeStderr;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {

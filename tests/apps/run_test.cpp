@@ -270,12 +270,13 @@ TEST(TdistRun, AnEndlessLineIsPassedOnInBoundedPieces) {
   EXPECT_EQ(last, "done");
 }
 
+// torchrun's flags: --redirects 3 keeps both streams off the console, --tee 2 brings stderr back.
 TEST(TdistRun, TeeChoosesWhichStreamsAlsoReachTheConsole) {
   std::string dir = test::temp_dir();
-  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--log-dir", dir, "--tee", "2",
-                   "sh", "-c", "echo out $RANK; echo err $RANK >&2"});
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--log-dir", dir, "--redirects",
+                   "3", "--tee", "2", "sh", "-c", "echo out $RANK; echo err $RANK >&2"});
   ASSERT_EQ(r.exit_code, 0) << r.describe();
-  EXPECT_FALSE(contains(r.out, "out 0")) << "--tee 2 relays stderr only: " << r.out;
+  EXPECT_FALSE(contains(r.out, "out 0")) << "-r 3 -t 2 relays stderr only: " << r.out;
   EXPECT_TRUE(contains(r.err, "[rank 0] err 0")) << r.err;
   EXPECT_TRUE(contains(r.err, "[rank 1] err 1")) << r.err;
   for (int rank = 0; rank < 2; ++rank) {
@@ -296,12 +297,12 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--nproc-per-node", "abc", "true"}, "--nproc-per-node"},
       {{"--master-port", "70000", "true"}, "--master-port"},
       {{"--nnodes", "2", "--node-rank", "2", "true"}, "--node-rank"},
-      {{"--rdzv-endpoint", "nohostport", "true"}, "HOST:PORT"},
+      {{"--rdzv-endpoint", ":1234", "true"}, "HOST:PORT"},
       {{"--rdzv-endpoint", "host:abc", "true"}, "port 'abc'"},
       {{"--no-such-flag", "true"}, "--no-such-flag"},
       {{"--nproc-per-node", "2"}, "no program"},
       {{"--log-dir", "/tmp", "--tee", "4", "true"}, "--tee"},
-      {{"--tee", "1", "true"}, "--tee: needs --log-dir"},
+      {{"--log-dir", "/tmp", "--no-tee", "--tee", "1", "true"}, "--no-tee: is -r 3"},
       {{"--cpu-bind", "socket", "true"}, "--cpu-bind"},
       {{"--nnodes", "1:4", "true"}, "needs --rdzv-endpoint HOST:PORT"},
       {{"--nnodes", "3:2", "--rdzv-endpoint", "127.0.0.1:1234", "true"}, "MIN:MAX"},

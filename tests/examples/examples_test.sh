@@ -3,7 +3,12 @@
 # example configured against that prefix (find_package(tdist)), built, and run with the commands
 # of its README.
 #   examples_test.sh install <build dir> <work dir>          cmake --install into <work dir>/prefix
-#   examples_test.sh run <example> <source dir> <work dir>   configure, build and run one example
+#   examples_test.sh deb <build dir> <work dir> <version>    cpack -G DEB from the build (no
+#                                                            compiling), checked and unpacked with
+#                                                            dpkg -x into <work dir>/root
+#   examples_test.sh run <example> <source dir> <work dir> [prefix]
+#                                                            configure, build and run one example
+#                                                            against <work dir>/prefix or [prefix]
 set -euo pipefail
 
 fail() { echo "FAILED: $*" >&2; exit 1; }
@@ -56,9 +61,39 @@ inference_with_dead_client() {
   expect_lines 1 "^server: served [0-9]+ requests of client2$"
 }
 
+# The Debian package as `apt install ./tdist_<version>_amd64.deb` would put it, unpacked into
+# <work>/root instead of /: its name, its declared dependencies, its files.
+make_deb() {
+  local build="$1" work="$2" version="$3"
+  rm -rf "$work"
+  mkdir -p "$work"
+  log="$work/cpack.log"
+  logged cpack -G DEB --config "$build/CPackConfig.cmake" -B "$work"
+  local arch deb
+  arch="$(dpkg --print-architecture)"
+  deb="$work/tdist_${version}_${arch}.deb"
+  [[ -f "$deb" ]] || { ls "$work"; fail "no $deb"; }
+  out="$(dpkg-deb --field "$deb" Package Version Architecture Depends)"
+  echo "$out"
+  expect_lines 1 "^Package: tdist$"
+  expect_lines 1 "^Version: ${version}$"
+  expect_lines 1 "^Depends: .*libboost-dev.*libcereal-dev"
+  logged dpkg -x "$deb" "$work/root"
+  local p="$work/root/usr"
+  for f in bin/tdist-run bin/tdist-train bin/tdist-bench lib/cmake/tdist/tdistConfig.cmake \
+           include/tdist/core/store.h include/tdist/ddp/distributed_data_parallel.h; do
+    [[ -e "$p/$f" ]] || fail "the package has no /usr/$f"
+  done
+  ls "$p/lib"/libtdist_core.so* >/dev/null || fail "the package has no libtdist_core"
+  if find "$p" -name 'tdist_c10d*' | grep -q .; then fail "the Python module is in the package"; fi
+  # The packaged launcher runs from the unpacked tree.
+  expect_status 0 "$p/bin/tdist-run" --nproc-per-node 2 --master-port 0 sh -c 'echo rank $RANK'
+  expect_lines 2 "^\[rank [01]\] rank [01]$"
+}
+
 run_example() {
   local ex="$1" src="$2" work="$3"
-  local prefix="$work/prefix" dir="$work/$ex"
+  local prefix="${4:-$work/prefix}" dir="$work/$ex"
   local log="$work/$ex.log"
   [[ -d "$prefix" ]] || fail "no installed tdist at $prefix (run the install step first)"
   # What the example's README says; ccache only speeds up the test's repeated builds.
@@ -106,6 +141,7 @@ case "${1:-}" in
     logged cmake --install "$2" --prefix "$3/prefix"
     test -f "$3/prefix/lib/cmake/tdist/tdistConfig.cmake"
     ;;
-  run) run_example "$2" "$3" "$4" ;;
-  *) fail "usage: $0 install <build dir> <work dir> | run <example> <source dir> <work dir>" ;;
+  deb) make_deb "$2" "$3" "$4" ;;
+  run) run_example "$2" "$3" "$4" "${5:-}" ;;
+  *) fail "usage: $0 install <build dir> <work dir> | deb <build dir> <work dir> <version> | run <example> <source dir> <work dir> [prefix]" ;;
 esac
