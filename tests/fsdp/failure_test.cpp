@@ -15,65 +15,11 @@
 namespace tdist::test {
 namespace {
 
-// Rank 2 kills itself (SIGKILL) when the gradient of its 3rd step's output arrives: the others
-// are then in that backward, gathering fc3 again (or reduce-scattering). Exit 3 with the error.
-TDIST_TEST_CHILD(fsdp_peer_killed_child) {
-  torch::set_num_threads(1);
-  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
-  comm::ProcessGroup::Options po;
-  po.timeout = std::chrono::seconds(10);
-  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
-  Net net;
-  auto model = fsdp::fully_shard(net, units_of(net), pg);
-  torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
-  int step = 0;
-  try {
-    for (step = 0; step < 5; ++step) {
-      opt.zero_grad();
-      auto out = model(torch::randn({4, 6}));
-      if (rank == 2 && step == 2) {
-        out.register_hook([](torch::Tensor g) {
-          ::raise(SIGKILL);
-          return g;
-        });
-      }
-      torch::mse_loss(out, torch::zeros({4, 3})).backward();
-      opt.step();
-    }
-  } catch (const std::exception& e) {
-    std::cout << "FSDP ERROR at step " << step << ": " << e.what() << std::endl;
-    return 3;
-  }
-  return 0;
-}
-
-TEST(FSDPFailure, PeerKilledDuringBackwardIsAnErrorNotAHang) {
-  Processes procs("fsdp_peer_killed_child", 3,
-                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
-                   {"OMP_NUM_THREADS", "1"}});
-  auto results = procs.wait_all(std::chrono::seconds(60));
-  ASSERT_EQ(results.size(), 3u);
-  EXPECT_FALSE(results[2].exited) << results[2].describe() << "\n" << results[2].output;
-  EXPECT_EQ(results[2].signal, SIGKILL) << results[2].describe();
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_FALSE(results[r].timed_out) << "rank " << r << " hung:\n" << results[r].output;
-    EXPECT_TRUE(results[r].exited && results[r].exit_code == 3)
-        << results[r].describe() << "\n" << results[r].output;
-    EXPECT_NE(results[r].output.find("FSDP ERROR at step 2"), std::string::npos)
-        << results[r].output;
-    const bool named = results[r].output.find("allgather") != std::string::npos ||
-                       results[r].output.find("reduce_scatter") != std::string::npos;
-    EXPECT_TRUE(named) << results[r].output;
-    // The peer it lost: rank 2, or a survivor that already exited with its own error.
-    EXPECT_NE(results[r].output.find("lost rank"), std::string::npos) << results[r].output;
-  }
-  std::cout << "rank 0's output:\n" << results[0].output;
-}
-
-// HSDP 2x2 at world 4: rank 3 kills itself when the gradient of its 3rd step's output arrives,
-// so rank 2 (its shard group) is in a reduce-scatter or gather with it and rank 1 (its replicate
-// group) in an allreduce or about to be. Exit 3 with the error.
-TDIST_TEST_CHILD(fsdp_hsdp_killed_child) {
+// Five Adam steps of Net over a group of real processes (shard_size: FSDPOptions', 0 for the
+// whole group); `victim` kills itself (SIGKILL) when the gradient of its 3rd step's output
+// arrives, so the others are then in that backward, gathering a unit again, reduce-scattering or
+// (HSDP) allreducing across replicas. Exit 3 with the error.
+int train_until_rank_killed(int victim, int shard_size) {
   torch::set_num_threads(1);
   auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
   comm::ProcessGroup::Options po;
@@ -81,7 +27,7 @@ TDIST_TEST_CHILD(fsdp_hsdp_killed_child) {
   auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
   Net net;
   fsdp::FSDPOptions opts;
-  opts.shard_size = 2;
+  opts.shard_size = shard_size;
   auto model = fsdp::fully_shard(net, units_of(net), pg, opts);
   torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
   int step = 0;
@@ -89,7 +35,7 @@ TDIST_TEST_CHILD(fsdp_hsdp_killed_child) {
     for (step = 0; step < 5; ++step) {
       opt.zero_grad();
       auto out = model(torch::randn({4, 6}));
-      if (rank == 3 && step == 2) {
+      if (rdzv.rank == victim && step == 2) {
         out.register_hook([](torch::Tensor g) {
           ::raise(SIGKILL);
           return g;
@@ -105,23 +51,35 @@ TDIST_TEST_CHILD(fsdp_hsdp_killed_child) {
   return 0;
 }
 
+TDIST_TEST_CHILD(fsdp_peer_killed_child) { return train_until_rank_killed(2, 0); }
+
+TEST(FSDPFailure, PeerKilledDuringBackwardIsAnErrorNotAHang) {
+  auto results = expect_survivors_fail("fsdp_peer_killed_child", 3, 2, "FSDP ERROR at step 2");
+  ASSERT_EQ(results.size(), 3u);
+  for (int r = 0; r < 2; ++r) {
+    const std::string& out = results[r].output;
+    const bool named = out.find("allgather") != std::string::npos ||
+                       out.find("reduce_scatter") != std::string::npos;
+    EXPECT_TRUE(named) << out;
+    // The peer it lost: rank 2, or a survivor that already exited with its own error.
+    EXPECT_NE(out.find("lost rank"), std::string::npos) << out;
+  }
+  std::cout << "rank 0's output:\n" << results[0].output;
+}
+
+// HSDP 2x2 at world 4: rank 3 is killed, so rank 2 (its shard group) is in a reduce-scatter or
+// gather with it and rank 1 (its replicate group) in an allreduce or about to be.
+TDIST_TEST_CHILD(fsdp_hsdp_killed_child) { return train_until_rank_killed(3, 2); }
+
 // A survivor's error in one of its two groups ends its step, and its process: so the failure
 // reaches the rank that shares no group with the dead one too, each within the timeout. The
 // errors come from the subgroups and name ranks as the subgroup numbers them ("lost rank 1" in
 // {2, 3} is world rank 3).
 TEST(FSDPFailure, RankKilledUnderHybridShardingFailsEverySurvivor) {
-  Processes procs("fsdp_hsdp_killed_child", 4,
-                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
-                   {"OMP_NUM_THREADS", "1"}});
-  auto results = procs.wait_all(std::chrono::seconds(60));
+  auto results = expect_survivors_fail("fsdp_hsdp_killed_child", 4, 3, "FSDP ERROR at step 2");
   ASSERT_EQ(results.size(), 4u);
-  EXPECT_EQ(results[3].signal, SIGKILL) << results[3].describe();
   for (int r = 0; r < 3; ++r) {
     const std::string& out = results[r].output;
-    EXPECT_FALSE(results[r].timed_out) << "rank " << r << " hung:\n" << out;
-    EXPECT_TRUE(results[r].exited && results[r].exit_code == 3)
-        << results[r].describe() << "\n" << out;
-    EXPECT_NE(out.find("FSDP ERROR at step 2"), std::string::npos) << out;
     EXPECT_NE(out.find("lost rank"), std::string::npos) << out;
     const size_t at = out.find("FSDP ERROR");
     std::cout << "rank " << r << ": " << (at == std::string::npos ? out : out.substr(at));
@@ -177,32 +135,21 @@ TDIST_TEST_CHILD(fsdp_killed_in_allgather_child) {
 // whose abort closed their connection (the ring's chain) or rank 3 itself.
 TEST(FSDPFailure, RankKilledDuringAnAllgatherFailsEverySurvivor) {
   for (int world : {3, 4}) {
-    Processes procs("fsdp_killed_in_allgather_child", world,
-                    {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
-                     {"OMP_NUM_THREADS", "1"}});
-    auto results = procs.wait_all(std::chrono::seconds(60));
-    ASSERT_EQ(static_cast<int>(results.size()), world);
     const int victim = world - 1;
-    EXPECT_EQ(results[victim].signal, SIGKILL) << results[victim].describe();
+    auto results = expect_survivors_fail("fsdp_killed_in_allgather_child", world, victim,
+                                         "FSDP ERROR at step 2");
+    ASSERT_EQ(static_cast<int>(results.size()), world);
     bool named = false;
     for (int r = 0; r < victim; ++r) {
       const std::string& out = results[r].output;
-      EXPECT_FALSE(results[r].timed_out) << "world " << world << " rank " << r << " hung:\n"
-                                         << out;
-      EXPECT_TRUE(results[r].exited && results[r].exit_code == 3)
-          << results[r].describe() << "\n" << out;
-      EXPECT_NE(out.find("FSDP ERROR at step 2"), std::string::npos) << out;
       EXPECT_NE(out.find("allgather"), std::string::npos) << out;
       EXPECT_NE(out.find("lost rank"), std::string::npos) << out;
       named = named || out.find("lost rank " + std::to_string(victim)) != std::string::npos;
-    }
-    EXPECT_TRUE(named) << "no survivor named rank " << victim;
-    for (int r = 0; r < victim; ++r) {
-      const std::string& out = results[r].output;
       const size_t at = out.find("FSDP ERROR");
       std::cout << "world " << world << " rank " << r << ": "
                 << (at == std::string::npos ? out : out.substr(at));
     }
+    EXPECT_TRUE(named) << "no survivor named rank " << victim;
   }
 }
 

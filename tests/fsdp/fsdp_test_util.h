@@ -11,6 +11,8 @@
 
 #include "tdist/comm/process_group.h"
 #include "tdist/fsdp/fully_shard.h"
+#include "tests/harness/net.h"
+#include "tests/harness/process.h"
 #include "tests/harness/spawn.h"
 
 namespace tdist::test {
@@ -136,6 +138,29 @@ inline std::vector<torch::Tensor> full_values(
   std::vector<torch::Tensor> out;
   for (const auto& [name, t] : named) out.push_back(t);
   return out;
+}
+
+// Runs `child` as `world` real processes on loopback, of which `victim` SIGKILLs itself: every
+// other rank must exit 3, before the test's own timeout, with `marker` in its output (the
+// child's "<WHAT> ERROR at step N" line). Returns the results for the caller's further checks.
+inline std::vector<ProcessResult> expect_survivors_fail(const std::string& child, int world,
+                                                        int victim, const std::string& marker) {
+  Processes procs(child, world,
+                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
+                   {"OMP_NUM_THREADS", "1"}});
+  auto results = procs.wait_all(std::chrono::seconds(60));
+  EXPECT_EQ(results.size(), static_cast<size_t>(world));
+  if (results.size() != static_cast<size_t>(world)) return results;
+  EXPECT_EQ(results[victim].signal, SIGKILL) << results[victim].describe();
+  for (int r = 0; r < world; ++r) {
+    if (r == victim) continue;
+    const std::string& out = results[r].output;
+    EXPECT_FALSE(results[r].timed_out) << "rank " << r << " hung:\n" << out;
+    EXPECT_TRUE(results[r].exited && results[r].exit_code == 3)
+        << results[r].describe() << "\n" << out;
+    EXPECT_NE(out.find(marker), std::string::npos) << out;
+  }
+  return results;
 }
 
 }  // namespace tdist::test
