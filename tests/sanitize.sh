@@ -4,7 +4,9 @@
 #   sanitize.sh build asan|tsan SOURCE_DIR BUILD_DIR   configure with the preset's flags and build
 #                                                      the test programs (asan: core, comm, rpc,
 #                                                      ddp, fsdp; tsan: comm, rpc)
-#   sanitize.sh run asan|tsan BUILD_DIR MODULE         run tests/MODULE/tdist_MODULE_tests whole
+#   sanitize.sh run asan|tsan BUILD_DIR MODULE [I N]   run tests/MODULE/tdist_MODULE_tests whole,
+#                                                      or its I-th of N shards (GoogleTest's
+#                                                      sharding: every case in exactly one)
 # A sanitizer report fails the run (ASan and TSan stop at their first; UBSan is told to).
 set -euo pipefail
 mode=$1 kind=$2
@@ -28,7 +30,10 @@ case "$mode" in
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
     export TSAN_OPTIONS="suppressions=$(cd "$(dirname "$0")" && pwd)/tsan.supp:halt_on_error=1${TSAN_OPTIONS:+:$TSAN_OPTIONS}"
     export OMP_NUM_THREADS=1
+    if [ $# -ge 6 ]; then
+      export GTEST_SHARD_INDEX=$5 GTEST_TOTAL_SHARDS=$6
+    fi
     exec "$3/tests/$4/tdist_$4_tests"
     ;;
-  *) echo "usage: sanitize.sh build asan|tsan SOURCE_DIR BUILD_DIR | run asan|tsan BUILD_DIR MODULE" >&2; exit 2 ;;
+  *) echo "usage: sanitize.sh build asan|tsan SOURCE_DIR BUILD_DIR | run asan|tsan BUILD_DIR MODULE [I N]" >&2; exit 2 ;;
 esac
