@@ -36,10 +36,7 @@ TDIST_TEST_CHILD(fsdp_ckpt_child) {
   torch::set_num_threads(1);
   const std::string dir = std::getenv("TDIST_CKPT_DIR");
   const bool load = std::string(std::getenv("TDIST_CKPT_PHASE")) == "load";
-  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
-  comm::ProcessGroup::Options po;
-  po.timeout = std::chrono::seconds(30);
-  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
+  auto pg = env_process_group(std::chrono::seconds(30));
   torch::manual_seed(load ? 999 : 1);
   Net net;
   net->register_buffer("stat", load ? torch::zeros({2}) : stat_value());

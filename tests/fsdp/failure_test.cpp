@@ -21,10 +21,7 @@ namespace {
 // (HSDP) allreducing across replicas. Exit 3 with the error.
 int train_until_rank_killed(int victim, int shard_size) {
   torch::set_num_threads(1);
-  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
-  comm::ProcessGroup::Options po;
-  po.timeout = std::chrono::seconds(10);
-  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
+  auto pg = env_process_group(std::chrono::seconds(10));
   Net net;
   fsdp::FSDPOptions opts;
   opts.shard_size = shard_size;
@@ -35,7 +32,7 @@ int train_until_rank_killed(int victim, int shard_size) {
     for (step = 0; step < 5; ++step) {
       opt.zero_grad();
       auto out = model(torch::randn({4, 6}));
-      if (rdzv.rank == victim && step == 2) {
+      if (pg->rank() == victim && step == 2) {
         out.register_hook([](torch::Tensor g) {
           ::raise(SIGKILL);
           return g;
@@ -106,10 +103,7 @@ TORCH_MODULE(TwoUnits);
 TDIST_TEST_CHILD(fsdp_killed_in_allgather_child) {
   torch::set_num_threads(1);
   const int victim = world_size - 1;
-  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
-  comm::ProcessGroup::Options po;
-  po.timeout = std::chrono::seconds(10);
-  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
+  auto pg = env_process_group(std::chrono::seconds(10));
   TwoUnits net;
   fsdp::FSDPOptions opts;
   opts.prefetch = 0;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tdist/comm/process_group.h"
+#include "tdist/core/rendezvous.h"
 #include "tdist/fsdp/fully_shard.h"
 #include "tests/harness/net.h"
 #include "tests/harness/process.h"
@@ -138,6 +139,15 @@ inline std::vector<torch::Tensor> full_values(
   std::vector<torch::Tensor> out;
   for (const auto& [name, t] : named) out.push_back(t);
   return out;
+}
+
+// In a process child: the group of the job the harness started (env://), its operations
+// bounded by `timeout`.
+inline std::shared_ptr<comm::ProcessGroup> env_process_group(std::chrono::seconds timeout) {
+  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
+  comm::ProcessGroup::Options po;
+  po.timeout = timeout;
+  return comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
 }
 
 // Runs `child` as `world` real processes on loopback, of which `victim` SIGKILLs itself: every

@@ -150,10 +150,7 @@ TEST(ZeroRedundancyOptimizer, BadInputIsAClearError) {
 // broadcast's error within the timeout instead of hanging. Exit 3 with the error.
 TDIST_TEST_CHILD(zero_peer_killed_child) {
   torch::set_num_threads(1);
-  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
-  comm::ProcessGroup::Options po;
-  po.timeout = std::chrono::seconds(10);
-  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size, po);
+  auto pg = env_process_group(std::chrono::seconds(10));
   Net net;
   ddp::DistributedDataParallel<Net> model(net, pg);
   fsdp::ZeroRedundancyOptimizer opt(model.parameters(), adam_factory(), pg);
