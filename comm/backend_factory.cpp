@@ -8,8 +8,8 @@
 #include <sstream>
 #include <vector>
 
-#include "tdist/comm/detail/device_dispatch.h"
-#include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/comm/device_dispatch.h"
+#include "tdist/comm/ring/ring_process_group.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
@@ -24,7 +24,7 @@ std::shared_ptr<ProcessGroup> make_ring(std::shared_ptr<Store> store, std::strin
                                                     opts);
 }
 
-// Backends per device type (Note [Device dispatch] in comm/detail/device_dispatch.h): the ring
+// Backends per device type (Note [Device dispatch] in comm/device_dispatch.h): the ring
 // serves CUDA tensors too (staged through host memory); "nccl" is loaded when a group asks for it.
 const std::map<std::string, std::vector<std::string>>& backends() {
   static const std::map<std::string, std::vector<std::string>> table = {

@@ -35,7 +35,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   struct Options {
     // Default deadline of every operation (c10d's default is 30 minutes).
     Millis timeout = Millis(30 * 60 * 1000);
-    // Per device type (Note [Device dispatch], comm/detail/device_dispatch.h): "ring" for every
+    // Per device type (Note [Device dispatch], comm/device_dispatch.h): "ring" for every
     // device (CUDA tensors staged through host memory), "cpu:ring,cuda:nccl", or "auto": the
     // latter when this process sees a GPU and the NCCL backend loads, else "ring"
     // (TDIST_CUDA_BACKEND=ring keeps CUDA tensors on the ring, e.g. for ranks sharing a GPU).

@@ -13,7 +13,7 @@
 // tensors; future() completes with them (DDP's reducer and comm hooks chain on it). Thread safe.
 //
 // A backend may give a Work a progress hook (Note [Waiter runs the operation] in
-// comm/detail/ring_process_group.cpp): wait() with no timeout of its own calls it with
+// comm/ring/ring_process_group.cpp): wait() with no timeout of its own calls it with
 // may_run_here=true, and the backend runs the operation on the waiting thread when nothing is
 // ahead of it; every other way of looking at the result (wait with a timeout, is_completed,
 // future, dropping the Work) calls it with false: the backend makes sure its worker runs the

@@ -2,7 +2,7 @@
 // Reading (and writing) another local process's memory (process_vm_readv, process_vm_writev):
 // one copy from the sender's memory straight into ours, for the same-host paths of RPC (large
 // tensors) and of the collectives (Note [Single-copy collectives] in
-// comm/algorithms/algorithms.h).
+// comm/algorithms/single_copy.h).
 //
 // The kernel lets us read a process when we may ptrace it: the same user and, under Yama's
 // ptrace_scope 1, only a descendant, or a process that named us; containers often forbid it.

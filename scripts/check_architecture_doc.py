@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks that docs/architecture.md names only what exists: every relative link and every
 repository path in backticks exists, and every function named in a row of its tables occurs in
-the files named in that row. Prints what is missing; exit status 1 if anything is.
+the files named in that row, and that no file of comm includes one of a layer above its own
+(the table of comm's layers). Prints what is missing; exit status 1 if anything is.
 
     python3 scripts/check_architecture_doc.py [SOURCE_DIR]
 """
@@ -38,6 +39,41 @@ for line in doc.splitlines():
     for func in re.findall(r"`([A-Za-z_][A-Za-z0-9_:]*)(?:\([^`]*\))?`", cells[2]):
         if func.split("::")[-1] not in text:
             missing.append("function %s in none of %s" % (func, ", ".join(files)))
+
+# comm's layers (the table under "Inside comm"): no file includes one of a layer above its own.
+layers = []  # (name, [paths]) top down, the API first (every layer may include it)
+for line in doc.split("### Inside comm", 1)[-1].split("\n## ", 1)[0].splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 4 and cells[0] not in ("layer",) and not set(cells[0]) <= set("-"):
+        layers.append((cells[0], re.findall(r"`(comm/[A-Za-z0-9_./]*)`", cells[1])))
+
+
+def layer_of(path):
+    best = None
+    for i, (_, paths) in enumerate(layers):
+        for p in paths:
+            if path == p or (p.endswith("/") and path.startswith(p)):
+                if best is None or len(p) > best[1]:
+                    best = (i, len(p))
+    return None if best is None else best[0]
+
+
+if not layers:
+    missing.append("the table of comm's layers")
+for folder, _, names in os.walk(os.path.join(root, "comm")):
+    for name in names:
+        if not name.endswith((".h", ".cpp")):
+            continue
+        path = os.path.relpath(os.path.join(folder, name), root)
+        mine = layer_of(path)
+        if mine is None:
+            missing.append("a layer for %s" % path)
+            continue
+        for inc in re.findall(r'#include "tdist/(comm/[^"]+)"', open(os.path.join(root, path)).read()):
+            theirs = layer_of(inc)
+            if theirs is None or (theirs != 0 and theirs < mine) or (mine == 0 and theirs != 0):
+                missing.append("layer order: %s (%s) includes %s (%s)" % (
+                    path, layers[mine][0], inc, "?" if theirs is None else layers[theirs][0]))
 
 for what in missing:
     print("docs/architecture.md names what does not exist: " + what)

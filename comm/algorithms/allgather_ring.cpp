@@ -5,7 +5,8 @@
 
 #include <algorithm>
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/allgather_ring.h"
+#include "tdist/comm/algorithms/overlapped_staging.h"
 
 namespace tdist::comm::algorithms {
 

@@ -14,7 +14,8 @@
 //   the small-message size when every host has the same number of ranks, at least two, and there
 //   are at least two hosts (ring_process_group.cpp); otherwise the flat algorithms run.
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/allreduce_hierarchical.h"
+#include "tdist/comm/algorithms/allreduce_ring.h"
 
 namespace tdist::comm::algorithms {
 

@@ -12,7 +12,7 @@
 
 #include <cstring>
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/allreduce_recursive_doubling.h"
 
 namespace tdist::comm::algorithms {
 

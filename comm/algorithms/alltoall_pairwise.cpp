@@ -5,7 +5,8 @@
 
 #include <cstring>
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/alltoall_pairwise.h"
+#include "tdist/comm/algorithms/overlapped_staging.h"
 #include "tdist/core/error.h"
 
 namespace tdist::comm::algorithms {

@@ -1,7 +1,7 @@
 // Dissemination barrier: in round k every rank signals rank r + 2^k and waits for rank r - 2^k;
 // after ceil(log2 n) rounds every rank has (transitively) heard from every other one.
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/barrier_dissemination.h"
 
 namespace tdist::comm::algorithms {
 

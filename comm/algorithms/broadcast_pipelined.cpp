@@ -2,7 +2,8 @@
 // receives the buffer chunk by chunk and forwards each chunk to the next rank as soon as it
 // arrived, so all links carry data at once and the time is ~ bytes/bandwidth + (n-2) chunks.
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/broadcast_pipelined.h"
+#include "tdist/comm/algorithms/overlapped_staging.h"
 
 namespace tdist::comm::algorithms {
 

@@ -1,7 +1,8 @@
 // Gather and scatter straight between the root and every other rank: the root's exchange keeps
 // all n-1 transfers in flight at once (on one thread), which on a small world beats a tree.
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/gather_scatter_direct.h"
+#include "tdist/comm/algorithms/overlapped_staging.h"
 
 namespace tdist::comm::algorithms {
 

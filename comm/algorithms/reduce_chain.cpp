@@ -6,7 +6,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/reduce_chain.h"
+#include "tdist/comm/algorithms/overlapped_staging.h"
 #include "tdist/core/error.h"
 
 namespace tdist::comm::algorithms {

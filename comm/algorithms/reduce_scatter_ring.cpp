@@ -26,7 +26,8 @@
 #include <atomic>
 #include <cstring>
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/reduce_scatter_ring.h"
+#include "tdist/comm/algorithms/overlapped_staging.h"
 
 namespace tdist::comm::algorithms {
 namespace {

@@ -1,6 +1,6 @@
 #include <cstdlib>
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/context.h"
 #include "tdist/core/error.h"
 
 namespace tdist::comm::algorithms {

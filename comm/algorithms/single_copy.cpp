@@ -1,12 +1,13 @@
 // Single-copy broadcast and allgather between the processes of one host (Note [Single-copy
-// collectives] in algorithms.h).
+// collectives] in single_copy.h).
 
 #include <errno.h>
 
 #include <cstring>
 
-#include "tdist/comm/algorithms/algorithms.h"
-#include "tdist/comm/detail/fingerprint.h"
+#include "tdist/comm/algorithms/single_copy.h"
+#include "tdist/comm/algorithms/overlapped_staging.h"
+#include "tdist/comm/engine/fingerprint.h"
 #include "tdist/core/error.h"
 #include "tdist/core/process_memory.h"
 

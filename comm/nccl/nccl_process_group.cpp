@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
-#include "tdist/comm/detail/device_dispatch.h"
 #include "tdist/comm/nccl/c10d_store.h"
+#include "tdist/comm/nccl/entry_point.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/prefix_store.h"
@@ -443,7 +443,7 @@ void NcclProcessGroup::abort() {
 }  // namespace tdist::comm::nccl
 
 // The entry point create_process_group looks up after loading this library (dlsym).
-extern "C" __attribute__((visibility("default"))) tdist::comm::detail::BackendFactory
+extern "C" __attribute__((visibility("default"))) tdist::comm::nccl::BackendFactory
 tdist_comm_nccl_factory() {
   return [](std::shared_ptr<tdist::Store> store, std::string prefix, int rank, int size,
             const tdist::comm::ProcessGroup::Options& opts)

@@ -3,7 +3,7 @@
 // c10d::ProcessGroupNCCL (from libtorch_cuda), so its watchdog, stream semantics, communicator
 // abort and caching-allocator safety are the ones PyTorch users already trust. Lives in its own
 // library (libtdist_comm_nccl.so), which create_process_group loads when a backend string names
-// "cuda:nccl" (Note [Device dispatch] in comm/detail/device_dispatch.h), so programs without GPUs
+// "cuda:nccl" (Note [Device dispatch] in comm/device_dispatch.h), so programs without GPUs
 // never load libtorch_cuda.
 //
 // Note [NCCL works]

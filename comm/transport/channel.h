@@ -1,5 +1,5 @@
 #pragma once
-// Channel: a non-blocking byte stream to one peer, as the collective engine (detail/exchange.h)
+// Channel: a non-blocking byte stream to one peer, as the collective engine (engine/exchange.h)
 // drives it. Two implementations: tcp::TcpChannel (the socket itself) and shm::ShmChannel
 // (shared-memory rings for peers on the same host, with the TCP connection kept for wake-ups
 // and to notice a dead peer).

@@ -38,7 +38,7 @@
 //   5. The lower rank reads "mapped". Both use shared memory if and only if it is 1.
 //   Nothing about a process travels on the wire: each side's idea of the peer's process is the
 //   kernel's (SO_PEERCRED). It may read that process's memory (Note [Single-copy collectives] in
-//   comm/algorithms/algorithms.h) only when the kernel lets it and the process is not its own:
+//   comm/algorithms/single_copy.h) only when the kernel lets it and the process is not its own:
 //   ranks that are threads of one process share memory rings but never single copies, and a
 //   link that leads back to our own process gives no one a way to aim our copies at ourselves.
 //   Ranks in different network namespaces cannot reach each other's link (the abstract

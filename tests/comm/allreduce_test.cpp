@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/comm/ring/ring_process_group.h"
 #include "tests/comm/comm_test_util.h"
 
 namespace tdist::comm {

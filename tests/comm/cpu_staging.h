@@ -5,7 +5,7 @@
 #include <chrono>
 #include <string>
 
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/ring/staging.h"
 #include "tests/harness/env_guard.h"
 
 namespace tdist::comm {

@@ -15,7 +15,7 @@
 #include <string>
 #include <tuple>
 
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/ring/staging.h"
 #include "tdist/comm/nccl/c10d_store.h"
 #include "tdist/comm/nccl/nccl_process_group.h"
 #include "tdist/core/tcp_store.h"

@@ -7,7 +7,7 @@
 
 #include <thread>
 
-#include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/comm/ring/ring_process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/net/address.h"
 #include "tdist/core/tcp_store.h"

@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "tdist/comm/detail/reduce_kernels.h"
+#include "tdist/comm/engine/reduce_kernels.h"
 #include "tests/comm/comm_test_util.h"
 
 namespace tdist::comm {

@@ -16,7 +16,7 @@
 #include <sstream>
 #include <thread>
 
-#include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/comm/ring/ring_process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/tcp_store.h"
 #include "tests/comm/comm_test_util.h"

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/reduce_scatter_ring.h"
 #include "tests/comm/comm_test_util.h"
 
 namespace tdist::comm {

@@ -13,7 +13,7 @@
 #include <string>
 #include <tuple>
 
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/ring/staging.h"
 #include "tests/comm/comm_test_util.h"
 #include "tests/comm/cpu_staging.h"
 #include "tests/comm/every_op.h"

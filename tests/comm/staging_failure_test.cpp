@@ -9,7 +9,7 @@
 #include <thread>
 #include <torch/torch.h>
 
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/ring/staging.h"
 #include "tests/comm/comm_test_util.h"
 #include "tests/comm/cpu_staging.h"
 

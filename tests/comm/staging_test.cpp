@@ -1,4 +1,4 @@
-// Overlapped staging (Note [Overlapped staging] in algorithms.h) without a GPU: the testing hook
+// Overlapped staging (Note [Overlapped staging] in comm/algorithms/overlapped_staging.h) without a GPU: the testing hook
 // stages CPU tensors through a copy thread that fills the host buffer piece by piece, late, over
 // a buffer that starts as garbage (0xff bytes: NaN, -1), and copies results out as the algorithm
 // finishes them. A transfer that ran ahead of its piece shows in the results; a part finished
@@ -13,7 +13,7 @@
 #include <thread>
 #include <torch/torch.h>
 
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/ring/staging.h"
 #include "tests/comm/comm_test_util.h"
 #include "tests/comm/cpu_staging.h"
 

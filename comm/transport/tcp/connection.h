@@ -2,8 +2,8 @@
 // Connection: one connected TCP socket to one peer rank (a non-blocking file descriptor with
 // TCP_NODELAY and large socket buffers). It owns the descriptor and closes it on destruction.
 //
-// The connection does no I/O scheduling of its own: the collective engine (detail/exchange.h)
-// and the point-to-point engine (detail/p2p_engine.h) drive it with non-blocking
+// The connection does no I/O scheduling of its own: the collective engine (engine/exchange.h)
+// and the point-to-point engine (engine/p2p_engine.h) drive it with non-blocking
 // writev/readv calls from their single thread, so there is no thread hop per message.
 //
 // Thread safety: I/O from one thread at a time. shutdown() may be called from any thread (it is

@@ -23,8 +23,8 @@
 
 #include <memory>
 
-#include "tdist/comm/detail/p2p_engine.h"
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/engine/p2p_engine.h"
+#include "tdist/comm/ring/staging.h"
 
 namespace tdist::comm::detail {
 

@@ -1,4 +1,4 @@
-#include "tdist/comm/detail/staged_message.h"
+#include "tdist/comm/ring/staged_message.h"
 
 #include <ATen/ATen.h>
 

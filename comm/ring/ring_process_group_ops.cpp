@@ -7,8 +7,18 @@
 #include <cstring>
 #include <numeric>
 
-#include "tdist/comm/detail/ring_process_group.h"
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/algorithms/allgather_ring.h"
+#include "tdist/comm/algorithms/allreduce_ring.h"
+#include "tdist/comm/algorithms/allreduce_recursive_doubling.h"
+#include "tdist/comm/algorithms/alltoall_pairwise.h"
+#include "tdist/comm/algorithms/barrier_dissemination.h"
+#include "tdist/comm/algorithms/broadcast_pipelined.h"
+#include "tdist/comm/algorithms/gather_scatter_direct.h"
+#include "tdist/comm/algorithms/reduce_chain.h"
+#include "tdist/comm/algorithms/reduce_scatter_ring.h"
+#include "tdist/comm/algorithms/single_copy.h"
+#include "tdist/comm/ring/ring_process_group.h"
+#include "tdist/comm/ring/staging.h"
 #include "tdist/core/error.h"
 #include "tdist/core/tensor_wire.h"
 

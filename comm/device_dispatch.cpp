@@ -1,4 +1,4 @@
-#include "tdist/comm/detail/device_dispatch.h"
+#include "tdist/comm/device_dispatch.h"
 
 #include <dlfcn.h>
 
@@ -24,8 +24,8 @@ BackendFactory load_nccl_backend() {
       return {nullptr, str(tried.empty() ? "" : tried + "; ", e ? e : "not found")};
     }
     using Entry = BackendFactory (*)();
-    auto entry = reinterpret_cast<Entry>(::dlsym(handle, "tdist_comm_nccl_factory"));
-    if (!entry) return {nullptr, str(kName, " has no tdist_comm_nccl_factory")};
+    auto entry = reinterpret_cast<Entry>(::dlsym(handle, nccl::kFactorySymbol));
+    if (!entry) return {nullptr, str(kName, " has no ", nccl::kFactorySymbol)};
     return {entry(), ""};
   }();
   TDIST_CHECK_ARG(loaded.first != nullptr, "the nccl backend is not available: this build of "

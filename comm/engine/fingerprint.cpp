@@ -1,4 +1,4 @@
-#include "tdist/comm/detail/fingerprint.h"
+#include "tdist/comm/engine/fingerprint.h"
 
 #include <c10/core/ScalarType.h>
 

@@ -1,4 +1,4 @@
-#include "tdist/comm/detail/p2p_engine.h"
+#include "tdist/comm/engine/p2p_engine.h"
 
 #include <poll.h>
 #include <sys/eventfd.h>

@@ -1,12 +1,12 @@
-#include "tdist/comm/detail/ring_process_group.h"
+#include "tdist/comm/ring/ring_process_group.h"
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <set>
 
-#include "tdist/comm/detail/staged_message.h"
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/ring/staged_message.h"
+#include "tdist/comm/ring/staging.h"
 #include "tdist/comm/transport/shm/shm_channel.h"
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
@@ -104,7 +104,7 @@ std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::strin
 
 // Values the group must agree on before any operation: every rank sends its own to every peer,
 // and all take the largest of each. The single-copy threshold (Note [Single-copy collectives]
-// in algorithms.h; kNoSingleCopy from a rank that may not or cannot read every peer) and the
+// in algorithms/single_copy.h; kNoSingleCopy from a rank that may not or cannot read every peer) and the
 // window of the ring collectives (Note [Windows]).
 struct Agreed {
   uint64_t single_copy_bytes;

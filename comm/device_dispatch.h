@@ -17,13 +17,12 @@
 #include <memory>
 #include <string>
 
+#include "tdist/comm/nccl/entry_point.h"
 #include "tdist/comm/process_group.h"
 
 namespace tdist::comm::detail {
 
-using BackendFactory = std::shared_ptr<ProcessGroup> (*)(std::shared_ptr<Store> store,
-                                                         std::string prefix, int rank, int size,
-                                                         const ProcessGroup::Options& opts);
+using nccl::BackendFactory;
 
 // The NCCL backend's factory from libtdist_comm_nccl.so; throws InvalidArgument saying why when
 // the library is missing or cannot be loaded (no CUDA build, no libtorch_cuda).

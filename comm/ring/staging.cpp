@@ -1,4 +1,4 @@
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/ring/staging.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>

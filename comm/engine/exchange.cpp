@@ -1,4 +1,4 @@
-#include "tdist/comm/detail/exchange.h"
+#include "tdist/comm/engine/exchange.h"
 
 #include <poll.h>
 #include <sched.h>

@@ -55,17 +55,17 @@
 #include <string>
 #include <thread>
 
-#include "tdist/comm/algorithms/algorithms.h"
-#include "tdist/comm/detail/exchange.h"
-#include "tdist/comm/detail/fingerprint.h"
-#include "tdist/comm/detail/p2p_engine.h"
+#include "tdist/comm/algorithms/allreduce_hierarchical.h"
+#include "tdist/comm/engine/exchange.h"
+#include "tdist/comm/engine/fingerprint.h"
+#include "tdist/comm/engine/p2p_engine.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/comm/transport/channels.h"
 #include "tdist/comm/transport/tcp/mesh.h"
 
 namespace tdist::comm::detail {
 
-class StagedTensors;  // detail/staging.h
+class StagedTensors;  // ring/staging.h
 
 class RingProcessGroup final : public ProcessGroup {
  public:

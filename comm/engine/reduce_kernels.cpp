@@ -1,4 +1,4 @@
-#include "tdist/comm/detail/reduce_kernels.h"
+#include "tdist/comm/engine/reduce_kernels.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

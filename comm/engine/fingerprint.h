@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "tdist/comm/detail/exchange.h"
+#include "tdist/comm/engine/exchange.h"
 #include "tdist/core/error.h"
 #include "tdist/core/store.h"
 

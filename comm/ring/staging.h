@@ -17,7 +17,8 @@
 // The ranks need not agree on devices: a CPU tensor on one rank meets a CUDA tensor on another.
 // Large ring allreduces, allgathers, reduce-scatters, broadcasts, reduces, gathers, scatters and
 // alltoalls overlap their copies with the transfers instead, window by window (StagedTensors,
-// Note [Overlapped staging] and Note [Windows] in algorithms/algorithms.h), and so do large sends
+// Note [Overlapped staging] in algorithms/overlapped_staging.h, Note [Windows] in
+// algorithms/context.h), and so do large sends
 // and receives (Note [Staged messages] in staged_message.h); a CUDA tensor that is not contiguous
 // goes through a contiguous stand-in on its device (Note [Strided device tensors]).
 
@@ -27,7 +28,7 @@
 #include <memory>
 #include <vector>
 
-#include "tdist/comm/algorithms/algorithms.h"
+#include "tdist/comm/algorithms/overlapped_staging.h"
 #include "tdist/comm/work.h"
 
 namespace tdist::comm::detail {

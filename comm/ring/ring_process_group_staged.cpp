@@ -1,5 +1,5 @@
-// The staged operations of RingProcessGroup (Note [Overlapped staging] and Note [Windows] in
-// algorithms/algorithms.h): CUDA tensors through host memory window by window, each window's
+// The staged operations of RingProcessGroup (Note [Overlapped staging] in
+// algorithms/overlapped_staging.h, Note [Windows] in algorithms/context.h): CUDA tensors through host memory window by window, each window's
 // copies in queued while the one before runs, its results copied out as the algorithm finishes
 // them.
 
@@ -7,8 +7,14 @@
 
 #include <algorithm>
 
-#include "tdist/comm/detail/ring_process_group.h"
-#include "tdist/comm/detail/staging.h"
+#include "tdist/comm/algorithms/allreduce_recursive_doubling.h"
+#include "tdist/comm/algorithms/allreduce_ring.h"
+#include "tdist/comm/algorithms/alltoall_pairwise.h"
+#include "tdist/comm/algorithms/gather_scatter_direct.h"
+#include "tdist/comm/algorithms/reduce_chain.h"
+#include "tdist/comm/algorithms/reduce_scatter_ring.h"
+#include "tdist/comm/ring/ring_process_group.h"
+#include "tdist/comm/ring/staging.h"
 
 namespace tdist::comm::detail {
 namespace {

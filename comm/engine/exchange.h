@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "tdist/comm/detail/reduce_kernels.h"
+#include "tdist/comm/engine/reduce_kernels.h"
 #include "tdist/comm/transport/channel.h"
 #include "tdist/comm/transport/tcp/connection.h"
 
@@ -35,7 +35,7 @@ namespace tdist::comm::detail {
 using Clock = std::chrono::steady_clock;
 
 // Memory that another engine fills while an operation runs, piece by piece in a fixed order (a
-// device-to-host copy: Note [Overlapped staging] in algorithms/algorithms.h). arrived(k) says,
+// device-to-host copy: Note [Overlapped staging] in algorithms/overlapped_staging.h). arrived(k) says,
 // without blocking, whether pieces 0..k hold their values.
 class Arrivals {
  public:
