@@ -54,6 +54,26 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
     // Unset, each NCCL communicator is created at its first operation. The ring backend does
     // not use it. Must be >= 0.
     std::optional<int> device_id;
+    // The ring backend's tunables. Each field left unset takes its environment variable when
+    // that is set, else the default (resolve_ring_tuning in comm/ring/ring_tuning.h is the one
+    // place that reads them; docs/configuration.md lists every knob with its default and why).
+    struct RingTuning {
+      std::optional<size_t> chunk_bytes;            // TDIST_CHUNK_BYTES: pipelining chunk
+      std::optional<size_t> small_allreduce_bytes;  // TDIST_SMALL_ALLREDUCE_BYTES: below, recursive doubling
+      std::optional<std::string> allreduce_algo;    // TDIST_ALLREDUCE_ALGO: auto|ring|recursive_doubling|hierarchical
+      std::optional<size_t> window_bytes;           // TDIST_WINDOW_BYTES: Note [Windows]
+      std::optional<size_t> staging_piece_bytes;    // TDIST_STAGING_PIECE_BYTES: Note [Overlapped staging]
+      std::optional<bool> debug_detail;             // TDIST_DEBUG=DETAIL: Note [Fingerprint check]
+      std::optional<bool> run_on_waiter;            // TDIST_RUN_ON_WAITER
+      std::optional<bool> shared_memory;            // TDIST_TRANSPORT=auto (true) | tcp (false)
+      std::optional<size_t> shm_bytes;              // TDIST_SHM_BYTES: each ring's capacity
+      std::optional<int> spin_us;                   // TDIST_SPIN_US: Note [Spin, then sleep]
+      std::optional<int> busy_poll_ns;              // TDIST_BUSY_POLL_NS: the same Note
+      std::optional<bool> shm_futex;                // TDIST_SHM_FUTEX
+      std::optional<bool> single_copy;              // TDIST_SINGLE_COPY
+      std::optional<size_t> single_copy_bytes;      // TDIST_SINGLE_COPY_BYTES
+    };
+    RingTuning ring;
   };
 
   virtual ~ProcessGroup() = default;

@@ -2,7 +2,8 @@
 """Checks that docs/architecture.md names only what exists: every relative link and every
 repository path in backticks exists, and every function named in a row of its tables occurs in
 the files named in that row, and that no file of comm includes one of a layer above its own
-(the table of comm's layers). Prints what is missing; exit status 1 if anything is.
+(the table of comm's layers), and that docs/configuration.md names every TDIST_* variable
+the code reads. Prints what is missing; exit status 1 if anything is.
 
     python3 scripts/check_architecture_doc.py [SOURCE_DIR]
 """
@@ -75,7 +76,20 @@ for folder, _, names in os.walk(os.path.join(root, "comm")):
                 missing.append("layer order: %s (%s) includes %s (%s)" % (
                     path, layers[mine][0], inc, "?" if theirs is None else layers[theirs][0]))
 
+# Every TDIST_* variable the code reads is in docs/configuration.md.
+config = open(os.path.join(root, "docs", "configuration.md")).read()
+for module in ("core", "comm", "rpc", "autograd", "optim", "ddp", "fsdp", "pipeline", "apps",
+               "python"):
+    for folder, _, names in os.walk(os.path.join(root, module)):
+        for name in names:
+            if name.endswith((".h", ".cpp")):
+                text = open(os.path.join(folder, name)).read()
+                for var in sorted(set(re.findall(r'"(TDIST_[A-Z0-9_]+)"', text))):
+                    if var not in config:
+                        missing.append("docs/configuration.md row for %s (read in %s)" % (
+                            var, os.path.relpath(os.path.join(folder, name), root)))
+
 for what in missing:
-    print("docs/architecture.md names what does not exist: " + what)
+    print("docs check: " + what)
 print("%d missing" % len(missing))
 sys.exit(1 if missing else 0)

@@ -1,4 +1,5 @@
 #include "tdist/comm/ring/ring_process_group.h"
+#include "tdist/comm/ring/ring_tuning.h"
 
 #include <unistd.h>
 
@@ -133,25 +134,14 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   TDIST_CHECK_ARG(rank >= 0 && rank < size, "rank must be in [0, ", size, "), got ", rank);
   TDIST_CHECK_ARG(opts_.timeout.count() > 0, "timeout must be positive, got ",
                   opts_.timeout.count(), " ms");
-  chunk_bytes_ = static_cast<size_t>(
-      env::get_int("TDIST_CHUNK_BYTES", static_cast<int64_t>(chunk_bytes_), 1, int64_t(1) << 30));
-  small_allreduce_bytes_ = static_cast<size_t>(env::get_int(
-      "TDIST_SMALL_ALLREDUCE_BYTES", static_cast<int64_t>(small_allreduce_bytes_), 0,
-      int64_t(1) << 40));
-  staging_piece_bytes_ = static_cast<size_t>(
-      env::get_int("TDIST_STAGING_PIECE_BYTES", static_cast<int64_t>(StagedTensors::kPieceBytes),
-                   0, int64_t(1) << 30));
-  window_bytes_ = static_cast<size_t>(
-      env::get_int("TDIST_WINDOW_BYTES", static_cast<int64_t>(window_bytes_), 1,
-                   int64_t(1) << 62));
-  allreduce_algo_ = env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
-  TDIST_CHECK_ARG(allreduce_algo_ == "auto" || allreduce_algo_ == "ring" ||
-                      allreduce_algo_ == "recursive_doubling" || allreduce_algo_ == "hierarchical",
-                  "TDIST_ALLREDUCE_ALGO='", allreduce_algo_,
-                  "' is not one of auto, ring, recursive_doubling, hierarchical");
-  auto debug = env::get("TDIST_DEBUG").value_or("OFF");
-  debug_detail_ = debug == "DETAIL" || debug == "detail";
-  run_on_waiter_ = env::get_bool("TDIST_RUN_ON_WAITER", true);
+  const RingTuningValues tuning = resolve_ring_tuning(opts_.ring);
+  chunk_bytes_ = tuning.chunk_bytes;
+  small_allreduce_bytes_ = tuning.small_allreduce_bytes;
+  staging_piece_bytes_ = tuning.staging_piece_bytes;
+  window_bytes_ = tuning.window_bytes;
+  allreduce_algo_ = tuning.allreduce_algo;
+  debug_detail_ = tuning.debug_detail;
+  run_on_waiter_ = tuning.run_on_waiter;
 
   auto store = std::make_shared<PrefixStore>(prefix_, root_store_);
   const auto setup_deadline = deadline_after(opts_.timeout);
@@ -159,13 +149,8 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
                                       resolve_token(opts_.token, "ProcessGroup::Options::token").value,
                                       setup_deadline);
   ChannelOptions copts;
-  auto transport = env::get("TDIST_TRANSPORT").value_or("auto");
-  TDIST_CHECK_ARG(transport == "auto" || transport == "tcp", "TDIST_TRANSPORT='", transport,
-                  "' is not one of auto, tcp");
-  copts.allow_shm = transport == "auto";
-  copts.shm_capacity = static_cast<size_t>(
-      env::get_int("TDIST_SHM_BYTES", static_cast<int64_t>(copts.shm_capacity),
-                   static_cast<int64_t>(shm::kMinCapacity), static_cast<int64_t>(shm::kMaxCapacity)));
+  copts.allow_shm = tuning.shared_memory;
+  copts.shm_capacity = tuning.shm_bytes;
   if (opts_.host) copts.host = *opts_.host;
   copts.group = tcp::fnv1a(prefix_);
   auto channels = make_channels(*mesh_, 0, copts, setup_deadline);
@@ -179,19 +164,16 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   std::vector<Channel*> peers;
   for (auto& c : channels_) peers.push_back(c.get());
   exchange_ = std::make_unique<Exchange>(peers, rank_, &aborted_);
-  exchange_->set_spin_us(static_cast<int>(
-      env::get_int("TDIST_SPIN_US", default_spin_us(channels_), 0, 1000000)));
-  exchange_->set_busy_poll_ns(static_cast<int>(env::get_int(
-      "TDIST_BUSY_POLL_NS", default_busy_poll_ns(channels.hosts, rank_), 0, 1000000000)));
-  exchange_->set_wait_alone(env::get_bool("TDIST_SHM_FUTEX", true));
+  exchange_->set_spin_us(tuning.spin_us.value_or(default_spin_us(channels_)));
+  exchange_->set_busy_poll_ns(
+      tuning.busy_poll_ns.value_or(default_busy_poll_ns(channels.hosts, rank_)));
+  exchange_->set_wait_alone(tuning.shm_futex);
   if (size_ > 1) {
-    bool readable = env::get_bool("TDIST_SINGLE_COPY", true);
+    bool readable = tuning.single_copy;
     for (int p = 0; p < size_; ++p) {
       readable = readable && (p == rank_ || channels.readable_pids[p] != 0);
     }
-    const auto threshold = static_cast<uint64_t>(
-        env::get_int("TDIST_SINGLE_COPY_BYTES", static_cast<int64_t>(kDefaultSingleCopyBytes), 1,
-                     int64_t(1) << 62));
+    const uint64_t threshold = tuning.single_copy_bytes;
     const Agreed agreed = agree_group_values(
         *exchange_, Agreed{readable ? threshold : kNoSingleCopy, window_bytes_},
         setup_deadline);

@@ -212,7 +212,6 @@ class RingProcessGroup final : public ProcessGroup {
                                               const algorithms::ReduceSpec& rs, Millis timeout,
                                               Fingerprint fp);
 
-  static constexpr uint64_t kDefaultSingleCopyBytes = 256 << 10;
 
   // Constant after construction.
   const std::shared_ptr<Store> root_store_;
@@ -220,11 +219,12 @@ class RingProcessGroup final : public ProcessGroup {
   const int rank_;
   const int size_;
   const Options opts_;
-  size_t chunk_bytes_ = 256 * 1024;
-  std::string allreduce_algo_ = "auto";
-  size_t small_allreduce_bytes_ = 64 * 1024;
-  size_t staging_piece_bytes_ = 0;  // Note [Overlapped staging]; set from the environment
-  size_t window_bytes_ = size_t{64} << 20;  // Note [Windows]
+  // From ProcessGroup::Options::ring, the environment or the defaults (ring_tuning.h).
+  size_t chunk_bytes_ = 0;
+  std::string allreduce_algo_;
+  size_t small_allreduce_bytes_ = 0;
+  size_t staging_piece_bytes_ = 0;  // Note [Overlapped staging]
+  size_t window_bytes_ = 0;         // Note [Windows]
   bool debug_detail_ = false;
   bool run_on_waiter_ = true;
   std::unique_ptr<tcp::Mesh> mesh_;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "tdist/comm/algorithms/overlapped_staging.h"
+#include "tdist/comm/ring/ring_tuning.h"
 #include "tdist/comm/work.h"
 
 namespace tdist::comm::detail {
@@ -60,8 +61,9 @@ class StagedTensors final : public algorithms::Staging {
   // tensor contiguous without those bits (Note [Strided device tensors]).
   static bool wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes,
                      bool once_dense = false);
-  // The default piece size (a group's TDIST_STAGING_PIECE_BYTES overrides it).
-  static constexpr size_t kPieceBytes = size_t{1} << 20;
+  // The default piece size (a group's ring.staging_piece_bytes or TDIST_STAGING_PIECE_BYTES
+  // overrides it).
+  static constexpr size_t kPieceBytes = kDefaultStagingPieceBytes;
 
   // A part of the host buffer: the tensor its values are copied in from (the pieces of `order`
   // that fall in it) and the tensor finished ranges are copied out to. Either may be undefined

@@ -22,6 +22,7 @@
 #include "tdist/comm/transport/shm/shm_channel.h"
 #include "tdist/comm/transport/tcp/mesh.h"
 #include "tdist/core/env.h"
+#include "tdist/core/error.h"
 #include "tdist/core/file_store.h"
 #include "tdist/core/wire.h"
 #include "tests/harness/process.h"
