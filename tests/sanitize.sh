@@ -22,7 +22,10 @@ case "$mode" in
   build)
     cmake -S "$3" -B "$4" -G Ninja -DCMAKE_BUILD_TYPE=$type "-DCMAKE_CXX_FLAGS=$flags" \
       -DTDIST_SANITIZER_BUILD=ON -DTDIST_UNITY_LIBS=8 >/dev/null
-    cmake --build "$4" -j "${JOBS:-$(nproc)}" --target "${targets[@]}"
+    # Every core: ctest runs this with OMP_NUM_THREADS=1, which GNU nproc obeys (so a plain
+    # $(nproc) built on one core of the two the test holds).
+    cmake --build "$4" -j "${JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}" \
+      --target "${targets[@]}"
     ;;
   run)
     # Leaks are not checked: libtorch keeps allocations for the life of the process.

@@ -16,7 +16,8 @@ fi
 case "$mode" in
   build)
     cmake -S "$here" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=None >/dev/null
-    cmake --build "$build" -j "${JOBS:-$(nproc)}"
+    # Every core: under ctest OMP_NUM_THREADS=1, which GNU nproc obeys.
+    cmake --build "$build" -j "${JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"
     ;;
   run)
     target=$3; seconds=$4

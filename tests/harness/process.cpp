@@ -9,8 +9,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <mutex>
 #include <fstream>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -31,7 +32,23 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// The pids of every live Processes's children, for kill_all_children().
+std::mutex& live_children_mu() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::set<pid_t>& live_children() {
+  static std::set<pid_t> pids;
+  return pids;
+}
+
 }  // namespace
+
+void kill_all_children() {
+  std::lock_guard<std::mutex> lock(live_children_mu());
+  for (pid_t pid : live_children()) ::kill(pid, SIGKILL);
+}
 
 ChildRegistrar::ChildRegistrar(const std::string& name, ChildFn fn) {
   registry()[name] = std::move(fn);
@@ -93,6 +110,8 @@ Processes::Processes(const std::string& child, int world_size,
     }
     pids_.push_back(pid);
     logs_.push_back(log);
+    std::lock_guard<std::mutex> lock(live_children_mu());
+    live_children().insert(pid);
   }
   reaped_.assign(world_size, false);
   results_.resize(world_size);
@@ -104,6 +123,8 @@ Processes::~Processes() {
       ::kill(pids_[r], SIGKILL);
       int status = 0;
       waitpid(pids_[r], &status, 0);
+      std::lock_guard<std::mutex> lock(live_children_mu());
+      live_children().erase(pids_[r]);
     }
   }
 }
@@ -122,6 +143,10 @@ ProcessResult Processes::reap(int rank, int status, bool timed_out) {
   }
   res.output = read_file(logs_[rank]);
   reaped_[rank] = true;
+  {
+    std::lock_guard<std::mutex> lock(live_children_mu());
+    live_children().erase(pids_[rank]);
+  }
   results_[rank] = res;
   return res;
 }

@@ -80,6 +80,11 @@ class Processes {
   std::vector<ProcessResult> results_;
 };
 
+// SIGKILLs the children of every live Processes (they are reaped by their destructors, or by
+// init once this process is gone): the last act of a case that ran past its time limit
+// (Note [Case time limit] in tests/harness/case_time_limit.h).
+void kill_all_children();
+
 // A fresh temporary directory. The test binary's main() removes every directory made this way
 // when the tests are done (remove_temp_dirs).
 std::string temp_dir(const std::string& prefix = "tdist-test");
