@@ -11,7 +11,10 @@ if(TARGET tdist_torch::torch)
   return()
 endif()
 
-if(NOT TDIST_PYTHON)
+if(SKBUILD AND Python3_EXECUTABLE)
+  # `pip install .` (pyproject.toml): build against the torch of the Python that runs pip.
+  set(TDIST_PYTHON "${Python3_EXECUTABLE}")
+elseif(NOT TDIST_PYTHON)
   find_program(TDIST_PYTHON NAMES python3 python REQUIRED)
 endif()
 
@@ -23,6 +26,14 @@ if(NOT TDIST_TORCH_PREFIX)
       COMMAND "${TDIST_PYTHON}" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
       OUTPUT_VARIABLE _tdist_torch_cmake OUTPUT_STRIP_TRAILING_WHITESPACE
       RESULT_VARIABLE _tdist_rc ERROR_QUIET)
+    if(SKBUILD AND (NOT _tdist_rc EQUAL 0 OR NOT EXISTS "${_tdist_torch_cmake}/Torch/TorchConfig.cmake"))
+      # pip builds in an isolated environment unless told not to, and torch is not in it: the
+      # module must be built against the torch it will be loaded with.
+      message(FATAL_ERROR "tdist: ${TDIST_PYTHON} cannot import torch. tdist_c10d is built "
+                          "against the torch already installed: install torch first, then run "
+                          "`pip install --no-build-isolation .` (pip's isolated build "
+                          "environment has no torch).")
+    endif()
     if(NOT _tdist_rc EQUAL 0 OR NOT EXISTS "${_tdist_torch_cmake}/Torch/TorchConfig.cmake")
       message(FATAL_ERROR "tdist: cannot find libtorch. Install the pinned PyTorch with "
                           "scripts/setup.sh (or `python3 -m pip install torch`), or pass "

@@ -75,11 +75,15 @@ fi
 # numpy for torch's Python side; expecttest for torch's own test modules, which
 # tests/python/pytorch_suite.py runs against the tdist backend; matplotlib for
 # scripts/plot_metrics.py (the main job's picture); safetensors for the fsdp tests that open
-# tdist's safetensors files in Python and Python's in tdist (tests/fsdp/safetensors_test.cpp).
-for mod in numpy expecttest matplotlib safetensors; do
+# tdist's safetensors files in Python and Python's in tdist (tests/fsdp/safetensors_test.cpp);
+# scikit-build-core for `pip install --no-build-isolation .` (pyproject.toml: the PyTorch
+# backend's wheel) and its test, Python.Pip.*. Each as module:package.
+for pair in numpy:numpy expecttest:expecttest matplotlib:matplotlib safetensors:safetensors \
+            scikit_build_core:scikit-build-core; do
+  mod="${pair%%:*}" pkg="${pair#*:}"
   if ! "$PYTHON" -c "import $mod" >/dev/null 2>&1; then
-    say "installing $mod"
-    "$PYTHON" -m pip install -q "$mod" "${pip_extra[@]}"
+    say "installing $pkg"
+    "$PYTHON" -m pip install -q "$pkg" "${pip_extra[@]}"
   fi
 done
 say "ready: $("$PYTHON" -c 'import torch, torch.utils; print("torch", torch.__version__, "at", torch.utils.cmake_prefix_path)')"

@@ -281,7 +281,7 @@ int Launcher::run_static() {
     if (outcome == Outcome::kSignal) {
       std::fprintf(stderr, "tdist-run: stopped by %s; workers stopped\n",
                    signal_name(received_signal_).c_str());
-      return 128 + received_signal_;
+      return kStoppedBySignalExit;
     }
     if (restart_count_ < config_.max_restarts) {
       ++restart_count_;

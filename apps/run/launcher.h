@@ -116,9 +116,14 @@ class Launcher {
 
   // Runs the workers to the end (with restarts). Returns the launcher's exit code: 0 when every
   // worker succeeded; 1 when a worker failed and no restart remained (the failure is reported on
-  // stderr: first failing rank, exit code or signal, last stderr lines); 128+N when the launcher
-  // was stopped by signal N.
+  // stderr: first failing rank, exit code or signal, last stderr lines); kStoppedBySignalExit
+  // when the launcher was stopped by a signal (forwarded to the workers).
   int run();
+
+  // torchrun's exit code when a signal stops it: its agent raises SignalException, which ends
+  // the Python process with 1. Schedulers that read 128+N from the launcher do not get it from
+  // torchrun either; the signal is named on stderr.
+  static constexpr int kStoppedBySignalExit = 1;
 
   // The first failure of the last attempt, if any.
   const std::optional<WorkerExit>& failure() const { return failure_; }

@@ -58,7 +58,7 @@ int Launcher::run_elastic() {
 
   auto stopped_by_signal = [&] {
     note("stopped by " + signal_name(received_signal_) + "; workers stopped");
-    return 128 + received_signal_;
+    return kStoppedBySignalExit;
   };
   std::string last_end;
   for (;;) {

@@ -1,6 +1,6 @@
 // tdist-run: a torchrun-like launcher.
 //
-//   tdist-run --nproc-per-node 4 [--nnodes N --node-rank R] [--master-addr A] [--master-port P]
+//   tdist-run --nproc-per-node N|cpu|gpu|auto [--nnodes N --node-rank R] [--master-addr A] [--master-port P]
 //             [--standalone] [--max-restarts K] [--log-dir DIR] [--redirects S] [--tee S]
 //             [--local-ranks-filter R,...] [--role NAME] [--python PY] [-m | --no-python |
 //             --run-path] PROGRAM ARGS...
@@ -20,11 +20,16 @@
 //
 // Exit codes: 0 all workers succeeded; 1 a worker failed (rank and exit code or signal are
 // reported, with torchrun's report from the workers' error files); 2 bad flags (torchrun's
-// argparse exits 2 as well); 128+N stopped by signal N (forwarded to the workers).
+// argparse exits 2 as well); 1 stopped by a signal (forwarded to the workers; torchrun exits 1
+// then too).
 #include <CLI/CLI.hpp>
+#include <dlfcn.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <stdexcept>
 
 #include "apps/run/launcher.h"
 #include "tdist/core/env.h"
@@ -139,6 +144,51 @@ std::vector<std::string> worker_command(const std::vector<std::string>& rest, co
   return cmd;
 }
 
+// The CUDA devices this process may use (CUDA_VISIBLE_DEVICES applies), as the driver counts
+// them; 0 without a driver or a device. libcuda is loaded only here, when --nproc-per-node asks
+// for GPUs, and stays loaded (the driver does not support unloading); workers are exec'd, so
+// they start without it.
+int visible_cuda_devices() {
+  void* driver = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!driver) return 0;
+  using Init = int (*)(unsigned);
+  using Count = int (*)(int*);
+  auto init = reinterpret_cast<Init>(::dlsym(driver, "cuInit"));
+  auto count = reinterpret_cast<Count>(::dlsym(driver, "cuDeviceGetCount"));
+  int n = 0;
+  if (!init || !count || init(0) != 0 || count(&n) != 0) return 0;
+  return n;
+}
+
+// A flag torchrun accepts but then rejects by raising ValueError, which ends torchrun with 1
+// (not argparse's 2): tdist-run reports it and exits 1 too.
+struct TorchrunValueError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// torchrun's --nproc-per-node: a count; cpu, the CPUs online (os.cpu_count()); gpu, the CUDA
+// devices visible (an error without one); auto, the GPUs if any, else the CPUs.
+int resolve_nproc_per_node(const std::string& text) {
+  if (!text.empty() && text.find_first_not_of("0123456789") == std::string::npos) {
+    try {
+      return static_cast<int>(tdist::env::parse_int("--nproc-per-node", text, 1, 4096));
+    } catch (const tdist::InvalidArgument&) {
+      throw CLI::ValidationError("--nproc-per-node", "'" + text + "' is not in [1, 4096]");
+    }
+  }
+  auto cpus = [] { return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN))); };
+  if (text == "cpu") return cpus();
+  if (text == "gpu" || text == "auto") {
+    const int gpus = visible_cuda_devices();
+    if (gpus > 0) return gpus;
+    if (text == "auto") return cpus();
+    throw TorchrunValueError(
+        "--nproc-per-node gpu: Cuda is not available (no CUDA device is visible)");
+  }
+  throw TorchrunValueError("Unsupported nproc_per_node value: " + text +
+                           " (a number, cpu, gpu or auto)");
+}
+
 std::chrono::milliseconds seconds(double s) {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
 }
@@ -172,10 +222,11 @@ int main(int argc, char** argv) {
     std::cerr << "tdist-run: " << e.what() << "\n";
     return 2;
   }
-  app.add_option("--nproc-per-node,--nproc_per_node", cfg.nproc_per_node,
-                 "worker processes on this node")
-      ->envname("PET_NPROC_PER_NODE")
-      ->check(CLI::Range(1, 4096));
+  std::string nproc = "1";
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc,
+                 "worker processes on this node: N, cpu (one per CPU), gpu (one per visible "
+                 "CUDA device) or auto (gpu where there is one, else cpu)")
+      ->envname("PET_NPROC_PER_NODE");
   app.add_option("--nnodes", nnodes, "number of nodes: N, or MIN:MAX for an elastic job")
       ->envname("PET_NNODES");
   app.add_option("--node-rank,--node_rank", cfg.node_rank, "this node's rank")
@@ -260,6 +311,19 @@ int main(int argc, char** argv) {
                  "none (default), or core: local rank r runs on the r-th CPU this launcher may "
                  "run on (at most that many workers per node)")
       ->check(CLI::IsMember({"none", "core"}));
+  // Accepted for torchrun's command lines. torchrun's start method applies to a function
+  // entrypoint (multiprocessing); a script's workers are separate processes under both launchers.
+  std::string start_method = "spawn";
+  app.add_option("--start-method,--start_method", start_method,
+                 "torchrun's (spawn, fork, forkserver): accepted; workers are always executed "
+                 "as new processes, as torchrun's are for a script")
+      ->envname("PET_START_METHOD")
+      ->check(CLI::IsMember({"spawn", "fork", "forkserver"}));
+  std::string logs_specs;
+  app.add_option("--logs-specs,--logs_specs", logs_specs,
+                 "torchrun's torchrun.logs_specs entry point: only 'default' (tdist-run writes "
+                 "its logs itself: --log-dir, --redirects, --tee)")
+      ->envname("PET_LOGS_SPECS");
   app.add_option("--token-file", cfg.token_file,
                  "the job's shared secret (every node has the file; readable by its owner only); "
                  "without one a single-node job makes its own and a multi-node job has none");
@@ -271,6 +335,15 @@ int main(int argc, char** argv) {
       throw CLI::ExtrasError("unknown option " + rest[0], CLI::ExitCodes::ExtrasError);
     }
     cfg.command = worker_command(rest, python, module, no_python, run_path, cfg.entrypoint_name);
+    cfg.nproc_per_node = resolve_nproc_per_node(nproc);
+    if (!logs_specs.empty() && logs_specs != "default") {
+      // torchrun raises ValueError for a name it cannot find (exit 1); tdist-run cannot load a
+      // Python LogsSpecs class at all.
+      throw TorchrunValueError("--logs-specs '" + logs_specs +
+                               "': tdist-run cannot load torchrun.logs_specs plugins; only "
+                               "'default' (torchrun's DefaultLogsSpecs) is accepted, whose part "
+                               "tdist-run does itself with --log-dir, --redirects and --tee");
+    }
     const auto [min_nodes, max_nodes] = parse_nnodes(nnodes);
     cfg.nnodes = max_nodes;
     bool any_port = false;  // torchrun's HOST:0 for a one-node c10d job: a free port
@@ -345,6 +418,9 @@ int main(int argc, char** argv) {
     cfg.bind_cores = cpu_bind == "core";
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const TorchrunValueError& e) {
+    std::cerr << "tdist-run: " << e.what() << "\n";
+    return 1;
   } catch (const CLI::ParseError& e) {
     std::cerr << "tdist-run: " << e.what() << "\nRun with --help for usage.\n";
     return 2;

@@ -122,4 +122,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   dist.attr("Backend").attr("register_backend")(kBackendName, m.attr("_create_backend"),
                                                 py::arg("extended_api") = true,
                                                 py::arg("devices") = devices);
+
+  // The wheel (pyproject.toml) names this in torch's "torch.backends" entry point group, which
+  // `import torch` loads and calls: loading the module registered the backend above, so a
+  // script need not import tdist_c10d. TORCH_DEVICE_BACKEND_AUTOLOAD=0 turns that off.
+  m.def(
+      "_autoload", [] {},
+      "Called by `import torch` through the torch.backends entry point of the installed wheel; "
+      "importing this module has registered \"tdist\" already.");
 }

@@ -14,6 +14,7 @@
 #include "tests/apps/programs.h"
 #include "tests/harness/command.h"
 #include "tests/harness/expect.h"
+#include "tests/harness/net.h"
 #include "tests/harness/process.h"
 
 namespace tdist {
@@ -181,34 +182,43 @@ TEST(TdistRun, WorkersThatIgnoreSigtermAreKilledAfterTheGrace) {
   EXPECT_TRUE(contains(r.err, "exited with code 5")) << r.err;
 }
 
+// A static job and an elastic one (a round of one node): the workers get the signal, the
+// launcher exits 1 (torchrun's code when a signal stops it) naming the signal.
 TEST(TdistRun, ForwardsSigtermToWorkers) {
-  std::string dir = test::temp_dir();
-  pid_t launcher = -1;
-  std::thread killer;
-  CommandOptions opts;
-  opts.timeout = std::chrono::seconds(40);
-  opts.on_start = [&](pid_t pid) {
-    launcher = pid;
-    killer = std::thread([dir, pid] {
-      // Wait until both workers are up (they create their ready files), then signal.
-      for (int i = 0; i < 2000; ++i) {
-        if (access((dir + "/ready_0").c_str(), F_OK) == 0 &&
-            access((dir + "/ready_1").c_str(), F_OK) == 0)
-          break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      ::kill(pid, SIGTERM);
-    });
-  };
-  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "sh", "-c",
-                   "trap 'touch " + dir + "/got_term_$RANK; exit 0' TERM; touch " + dir +
-                       "/ready_$RANK; while true; do sleep 0.05; done"},
-                  opts);
-  killer.join();
-  ASSERT_FALSE(r.timed_out) << r.describe();
-  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.describe();
-  EXPECT_EQ(access((dir + "/got_term_0").c_str(), F_OK), 0) << r.describe();
-  EXPECT_EQ(access((dir + "/got_term_1").c_str(), F_OK), 0) << r.describe();
+  const std::vector<std::vector<std::string>> modes = {
+      {"--master-port", "0"},
+      {"--nnodes", "1:1", "--rdzv-endpoint", "127.0.0.1:" + std::to_string(test::free_port()),
+       "--rdzv-last-call", "0"}};
+  for (const auto& mode : modes) {
+    std::string dir = test::temp_dir();
+    std::thread killer;
+    CommandOptions opts;
+    opts.timeout = std::chrono::seconds(40);
+    opts.on_start = [&](pid_t pid) {
+      killer = std::thread([dir, pid] {
+        // Wait until both workers are up (they create their ready files), then signal.
+        for (int i = 0; i < 2000; ++i) {
+          if (access((dir + "/ready_0").c_str(), F_OK) == 0 &&
+              access((dir + "/ready_1").c_str(), F_OK) == 0)
+            break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        ::kill(pid, SIGTERM);
+      });
+    };
+    std::vector<std::string> args = {"--nproc-per-node", "2"};
+    args.insert(args.end(), mode.begin(), mode.end());
+    args.insert(args.end(), {"sh", "-c",
+                             "trap 'touch " + dir + "/got_term_$RANK; exit 0' TERM; touch " + dir +
+                                 "/ready_$RANK; while true; do sleep 0.05; done"});
+    auto r = launch(args, opts);
+    killer.join();
+    ASSERT_FALSE(r.timed_out) << mode[0] << ": " << r.describe();
+    EXPECT_EQ(r.exit_code, 1) << mode[0] << ": " << r.describe();
+    EXPECT_TRUE(contains(r.err, "stopped by SIGTERM")) << mode[0] << ": " << r.err;
+    EXPECT_EQ(access((dir + "/got_term_0").c_str(), F_OK), 0) << mode[0] << ": " << r.describe();
+    EXPECT_EQ(access((dir + "/got_term_1").c_str(), F_OK), 0) << mode[0] << ": " << r.describe();
+  }
 }
 
 TEST(TdistRun, RestartsTheGroupWhileRestartsRemain) {
@@ -294,7 +304,7 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
   };
   std::vector<Case> cases = {
       {{"--nproc-per-node", "0", "true"}, "--nproc-per-node"},
-      {{"--nproc-per-node", "abc", "true"}, "--nproc-per-node"},
+      {{"--nproc-per-node", "99999", "true"}, "--nproc-per-node"},
       {{"--master-port", "70000", "true"}, "--master-port"},
       {{"--nnodes", "2", "--node-rank", "2", "true"}, "--node-rank"},
       {{"--rdzv-endpoint", ":1234", "true"}, "HOST:PORT"},

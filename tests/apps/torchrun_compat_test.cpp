@@ -4,8 +4,11 @@
 // from its TORCHELASTIC_ERROR_FILE as torchrun reports it; the output flags and the Python modes.
 // The workers are small Python scripts that import nothing heavy.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -307,6 +310,96 @@ TEST_F(TorchrunCompat, RedirectsTeeAndLocalRanksFilterChooseWhatReachesTheConsol
   std::string line;
   std::getline(hidden, line);
   EXPECT_EQ(line, "hidden");
+}
+
+// --nproc-per-node cpu and auto give as many workers as torchrun gives (here: no GPU for auto,
+// or one per GPU), with torchrun's variables; --start-method and --logs-specs default are taken.
+TEST_F(TorchrunCompat, NprocPerNodeCpuAndAutoStartMethodAndLogsSpecsAsTorchrun) {
+  auto count = run_command({python_, "-c",
+                            "import os, torch; print(os.cpu_count(), torch.cuda.device_count() "
+                            "if torch.cuda.is_available() else 0)"},
+                           test::with_timeout(60));
+  ASSERT_EQ(count.exit_code, 0) << count.describe();
+  int cpus = 0, gpus = 0;
+  ASSERT_EQ(std::sscanf(count.out.c_str(), "%d %d", &cpus, &gpus), 2) << count.out;
+  const int auto_world = gpus > 0 ? gpus : cpus;
+  if (cpus > 4 || auto_world > 4) {
+    GTEST_SKIP() << "cpu/auto would start " << cpus << "/" << auto_world
+                 << " workers per launcher; the tests keep to 4";
+  }
+  const std::set<std::string> chosen = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"};
+  compare("nproc_cpu", {"--standalone", "--nproc-per-node=cpu", "--start-method=fork",
+                        "--logs-specs=default", "envdump.py"},
+          cpus, chosen);
+  compare("nproc_auto", {"--standalone", "--nproc-per-node", "auto", "--start_method", "spawn",
+                         "envdump.py"},
+          auto_world, chosen);
+}
+
+// What torchrun rejects after parsing (its ValueError: exit 1) and what its argparse rejects
+// (exit 2): tdist-run exits with the same code, saying why.
+TEST_F(TorchrunCompat, NprocPerNodeStartMethodAndLogsSpecsErrorsExitAsTorchrun) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;  // in tdist-run's stderr
+  };
+  std::vector<Case> cases = {
+      {{"--nproc-per-node=many"}, "Unsupported nproc_per_node value: many"},
+      {{"--logs-specs=nosuch"}, "--logs-specs 'nosuch': tdist-run cannot load"},
+      {{"--start-method=thread"}, "--start-method"},
+  };
+  auto gpus = run_command({python_, "-c", "import torch; print(torch.cuda.device_count())"},
+                          test::with_timeout(60));
+  ASSERT_EQ(gpus.exit_code, 0) << gpus.describe();
+  if (gpus.out.rfind("0", 0) == 0) {
+    cases.push_back({{"--nproc-per-node=gpu"}, "Cuda is not available"});
+  }
+  for (const auto& c : cases) {
+    std::vector<std::string> torchrun = {python_, "-m", "torch.distributed.run", "--standalone"};
+    std::vector<std::string> ours = {test::kRun, "--standalone"};
+    for (auto* cmd : {&torchrun, &ours}) {
+      cmd->insert(cmd->end(), c.args.begin(), c.args.end());
+      cmd->insert(cmd->end(), {"--no-python", "true"});
+    }
+    auto want = run_command(torchrun, test::with_timeout(60));
+    auto got = run_command(ours, test::with_timeout(60));
+    EXPECT_NE(want.exit_code, 0) << c.args[0] << ": " << want.describe();
+    EXPECT_EQ(got.exit_code, want.exit_code) << c.args[0] << ": torchrun " << want.describe()
+                                             << "\ntdist-run " << got.describe();
+    EXPECT_TRUE(contains(got.err, c.message)) << "'" << c.message << "' not in: " << got.err;
+  }
+}
+
+// A signal to the launcher: both forward it to the workers, stop them and exit 1 (torchrun's
+// agent raises SignalException, and Python exits 1).
+TEST_F(TorchrunCompat, ASignalStopsTheWorkersAndBothLaunchersExitOne) {
+  for (const std::string which : {"torchrun", "tdist-run"}) {
+    const std::string ready = dir_ + "/ready_" + which + "_";
+    std::vector<std::string> cmd = which == "torchrun"
+                                       ? std::vector<std::string>{python_, "-m", "torch.distributed.run"}
+                                       : std::vector<std::string>{test::kRun};
+    cmd.insert(cmd.end(), {"--standalone", "--nproc-per-node=2", "--no-python", "sh", "-c",
+                           "touch " + ready + "$RANK; exec sleep 120"});
+    std::thread killer;
+    auto opts = test::with_timeout(90);
+    opts.on_start = [&](pid_t pid) {
+      killer = std::thread([ready, pid] {
+        for (int i = 0; i < 6000; ++i) {  // both workers up (at most a minute), then signal
+          if (::access((ready + "0").c_str(), F_OK) == 0 && ::access((ready + "1").c_str(), F_OK) == 0) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        ::kill(pid, SIGTERM);
+      });
+    };
+    auto r = run_command(cmd, opts);
+    killer.join();
+    ASSERT_FALSE(r.timed_out) << which << ": " << r.describe();
+    EXPECT_EQ(::access((ready + "0").c_str(), F_OK), 0) << which << ": workers started";
+    EXPECT_EQ(r.exit_code, 1) << which << ": " << r.describe();
+    if (which == "tdist-run") {
+      EXPECT_TRUE(contains(r.err, "stopped by SIGTERM")) << r.err;
+    }
+  }
 }
 
 TEST_F(TorchrunCompat, BadTorchrunFlagsExitWithTwo) {
