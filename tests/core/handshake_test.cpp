@@ -206,7 +206,7 @@ TEST(TCPStoreAuth, TheTokenComesFromTheEnvironmentWhenNotGiven) {
 }
 
 TEST(TCPStoreAuth, StrangersReplaysAndStallsAreRefusedAndTheStoreGoesOn) {
-  test::EnvGuard env(test::EnvVars{{"TDIST_STORE_FRAME_TIMEOUT_MS", std::string("300")}});
+  test::EnvGuard env(test::EnvVars{{"TDIST_STORE_HANDSHAKE_TIMEOUT_MS", std::string("300")}});
   const LogLevel saved = log_level();
   set_log_level(LogLevel::kWarn);
   ::testing::internal::CaptureStderr();
@@ -230,7 +230,7 @@ TEST(TCPStoreAuth, StrangersReplaysAndStallsAreRefusedAndTheStoreGoesOn) {
   const std::string log = ::testing::internal::GetCapturedStderr();
   set_log_level(saved);
   expect_contains(log, "authentication failed (wrong or missing token)");
-  expect_contains(log, "the handshake was not over within 0.3 s (TDIST_STORE_FRAME_TIMEOUT_MS)");
+  expect_contains(log, "the handshake was not over within 0.3 s (TDIST_STORE_HANDSHAKE_TIMEOUT_MS)");
 }
 
 }  // namespace
