@@ -373,6 +373,7 @@ TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port, s
       max_body_bytes_in_flight_(static_cast<uint64_t>(
           env::get_int("TDIST_STORE_MAX_INFLIGHT_BYTES",
                        static_cast<int64_t>(TCPStoreServer::kMaxFrameBytes), 1, int64_t(1) << 50))),
+      dead_peer_timeout_(net::dead_peer_timeout()),
       discard_buffer_(kBodyChunkBytes) {
   try {
     tcp::resolver resolver(io_);
@@ -475,6 +476,7 @@ void TCPStoreServerImpl::on_accept(const error_code& ec, tcp::socket socket) {
   {
     error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
+    net::set_dead_peer_timeout(socket.native_handle(), dead_peer_timeout_);  // Note [Vanished hosts]
     auto conn = std::make_shared<TCPStoreConnection>(*this, std::move(socket), next_accept_number_++);
     connections_.insert(conn);
     num_connections_.fetch_add(1);

@@ -131,6 +131,7 @@ class TCPStoreServerImpl {
   size_t max_handshakes_per_address_ = 0;  // TDIST_STORE_MAX_HANDSHAKES_PER_ADDRESS
   uint64_t max_body_bytes_in_flight_ = 0;  // TDIST_STORE_MAX_INFLIGHT_BYTES
   std::atomic<uint64_t> peak_body_bytes_{0};  // the most reserved at once
+  Millis dead_peer_timeout_{0};  // TDIST_TCP_USER_TIMEOUT_MS (Note [Vanished hosts])
 
   // Touched only from the io thread.
   bool stopping_ = false;

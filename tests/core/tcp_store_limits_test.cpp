@@ -1,11 +1,15 @@
 // What strangers and token holders can cost a TCPStore server (issue 41, item 3): handshake
 // slots a stranger holds, the bytes of request bodies buffered at once, and writes that could
 // never be stored. A really started server on 127.0.0.1; raw sockets play the peers, some from
-// 127.0.0.2 (another address of loopback) so that the server sees two addresses.
+// 127.0.0.2 (another address of loopback) so that the server sees two addresses. And a host that
+// vanishes under a store (item 13), in a network namespace of a child process.
 
 #include <arpa/inet.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -29,6 +33,7 @@
 #include "tests/harness/env_guard.h"
 #include "tests/harness/expect.h"
 #include "tests/harness/memory.h"
+#include "tests/harness/process.h"
 
 namespace tdist {
 namespace {
@@ -261,6 +266,77 @@ TEST(TCPStoreLimits, ClientsStreamingBigBodiesAreHeldToTheInFlightBudget) {
       << "peak RSS grew from " << before << " KiB to " << after << " KiB while " << kClients
       << " peers streamed " << total / 1024 << " KiB in all, against a budget of "
       << budget / 1024 << " KiB";
+}
+
+// ---- a vanished host (Note [Vanished hosts]) ----------------------------------------------------
+
+// Sets the loopback interface of this process's network namespace up or down; false on failure.
+bool set_loopback_up(bool up) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  ifreq ifr{};
+  std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+  bool ok = ::ioctl(fd, SIOCGIFFLAGS, &ifr) == 0;
+  if (ok) {
+    ifr.ifr_flags = static_cast<short>(up ? (ifr.ifr_flags | IFF_UP) : (ifr.ifr_flags & ~IFF_UP));
+    ok = ::ioctl(fd, SIOCSIFFLAGS, &ifr) == 0;
+  }
+  ::close(fd);
+  return ok;
+}
+
+constexpr int kNoNamespace = 77;
+
+// In a network namespace of its own: a server and a client parked in a get() of 20 s; then the
+// namespace's only link goes down (no FIN, no reset reaches either end). Both ends must notice
+// by the keepalive of TDIST_TCP_USER_TIMEOUT_MS: the client's get fails with a NetworkError (not
+// the TimeoutError of its 20 s), the server drops the connection.
+TDIST_TEST_CHILD(store_host_vanishes) {
+  if (::unshare(CLONE_NEWNET) != 0 || !set_loopback_up(true)) {
+    std::printf("cannot make a network namespace here: %s\n", std::strerror(errno));
+    return kNoNamespace;
+  }
+  TCPStoreServer server("127.0.0.1", 0, kToken);
+  TCPStore client(client_options(server.port(), 20s));
+  client.set("k", "v");
+  std::string outcome = "no error";
+  std::thread getter([&] {
+    try {
+      (void)client.get("never");
+    } catch (const NetworkError& e) {
+      outcome = std::string("NetworkError: ") + e.what();
+    } catch (const Error& e) {
+      outcome = std::string("another error: ") + e.what();
+    }
+  });
+  std::this_thread::sleep_for(300ms);  // the get reaches the server (if not, its bytes are unacked)
+  if (!set_loopback_up(false)) {
+    std::printf("cannot take loopback down: %s\n", std::strerror(errno));
+    getter.join();
+    return 2;
+  }
+  const auto down = std::chrono::steady_clock::now();
+  getter.join();
+  const auto client_ms =
+      std::chrono::duration_cast<Millis>(std::chrono::steady_clock::now() - down).count();
+  const bool dropped = eventually([&] { return server.num_connections() == 0; }, 20s);
+  const auto server_ms =
+      std::chrono::duration_cast<Millis>(std::chrono::steady_clock::now() - down).count();
+  std::printf("client: %s (after %lld ms)\nserver: %s (after %lld ms)\n", outcome.c_str(),
+              static_cast<long long>(client_ms),
+              dropped ? "dropped the connection" : "still holds the connection",
+              static_cast<long long>(server_ms));
+  return outcome.rfind("NetworkError", 0) == 0 && dropped ? 0 : 1;
+}
+
+TEST(TCPStoreKeepalive, AVanishedHostGivesBothEndsAnErrorWithinTheUserTimeout) {
+  test::Processes child("store_host_vanishes", 1, {{"TDIST_TCP_USER_TIMEOUT_MS", "2000"}});
+  auto results = child.wait_all(90s);
+  if (results[0].exited && results[0].exit_code == kNoNamespace) {
+    GTEST_SKIP() << results[0].output;
+  }
+  EXPECT_TRUE(results[0].ok()) << results[0].describe() << "\n" << results[0].output;
+  std::printf("%s", results[0].output.c_str());
 }
 
 }  // namespace store_limits
