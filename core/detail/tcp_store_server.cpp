@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <mutex>
 #include <utility>
 
 #include "tdist/core/detail/store_util.h"
@@ -332,6 +333,25 @@ void TCPStoreConnection::close(bool rejected) {
 
 namespace {
 
+// Note [Secure by default]: a server that listens beyond loopback without a token lets anyone
+// who reaches it read and change every key of the job (addresses, the run's state). Refused,
+// naming the ways out, unless TDIST_ALLOW_NO_TOKEN=1 (tdist-run --insecure), which is said once
+// per process, loudly. Loopback needs no token: only this host's users reach it.
+void require_token_beyond_loopback(const std::string& token, const std::string& host,
+                                   uint16_t port) {
+  if (!token.empty() || net::is_loopback_host(host)) return;
+  TDIST_CHECK_ARG(env::get_bool("TDIST_ALLOW_NO_TOKEN", false), "the TCPStore server would listen on ",
+                  net::host_port(host, port), ", beyond loopback, without a token: set "
+                  "TDIST_TOKEN or TDIST_TOKEN_FILE (or TCPStoreOptions::token) on every process "
+                  "of the job, or set TDIST_ALLOW_NO_TOKEN=1 (tdist-run --insecure) to run without");
+  static std::once_flag said;
+  std::call_once(said, [&] {
+    TDIST_LOG_WARN("TCPStore server on ", net::host_port(host, port), " runs WITHOUT A TOKEN ",
+                   "(TDIST_ALLOW_NO_TOKEN=1): anyone who can reach it can read and change every ",
+                   "key of the job");
+  });
+}
+
 // Connections the server keeps open at most: TDIST_STORE_MAX_CONNECTIONS, by default 3/4 of the
 // process's descriptor limit (the rest stays for the process itself), at least 64.
 size_t connection_limit() {
@@ -375,6 +395,7 @@ TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port, s
                        static_cast<int64_t>(TCPStoreServer::kMaxFrameBytes), 1, int64_t(1) << 50))),
       dead_peer_timeout_(net::dead_peer_timeout()),
       discard_buffer_(kBodyChunkBytes) {
+  require_token_beyond_loopback(token_, host, port);
   try {
     tcp::resolver resolver(io_);
     auto results = resolver.resolve(host, std::to_string(port),
