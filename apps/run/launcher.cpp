@@ -347,8 +347,20 @@ Launcher::Outcome Launcher::watch_workers(const std::function<bool()>& tick) {
 std::string Launcher::attempt_dir(int64_t attempt) {
   const std::string& base = config_.log_dir.empty() ? scratch_dir_ : config_.log_dir;
   const std::string dir = base + "/attempt_" + std::to_string(attempt);
-  ::mkdir(base.c_str(), 0755);
-  ::mkdir(dir.c_str(), 0755);
+  // The logs hold what workers print: group-readable at most. The base may be a link the user
+  // made; the attempt's directory must be a directory of ours, not something planted there.
+  if (::mkdir(base.c_str(), 0750) != 0 && errno != EEXIST) {
+    TDIST_THROW(Error, "cannot create the log directory ", base, ": ", std::strerror(errno));
+  }
+  if (::mkdir(dir.c_str(), 0750) != 0 && errno != EEXIST) {
+    TDIST_THROW(Error, "cannot create the log directory ", dir, ": ", std::strerror(errno));
+  }
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
+    TDIST_THROW(Error, "refusing the log directory ", dir,
+                ": it is not a directory of this user (a link or another user's directory was "
+                "there first)");
+  }
   return dir;
 }
 
@@ -391,7 +403,8 @@ void Launcher::spawn(Worker& w, const Assignment& a) {
     const char* names[2] = {"stdout", "stderr"};
     for (int i = 0; i < 2; ++i) {
       std::string path = dir + "/rank_" + std::to_string(w.rank) + "." + names[i];
-      w.log_fd[i] = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      // Never through a link planted at the name (O_NOFOLLOW); group-readable at most.
+      w.log_fd[i] = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0640);
       TDIST_CHECK(w.log_fd[i] >= 0, "cannot open log file ", path, ": ", std::strerror(errno));
     }
   }

@@ -247,6 +247,34 @@ TEST(TdistRun, LogDirHoldsOneFilePerRankAndStream) {
   }
 }
 
+// A link planted at a worker's log file (another user of a shared log directory) is not
+// followed: the launcher refuses to start the worker, names the file, and the link's target
+// keeps its contents. The logs it makes are group-readable at most (0640).
+TEST(TdistRun, ALinkPlantedAtAWorkerLogIsNotFollowed) {
+  const std::string dir = test::temp_dir();
+  {
+    auto r = launch({"--nproc-per-node", "1", "--master-port", "0", "--log-dir", dir, "--no-tee",
+                     "sh", "-c", "echo out"});
+    ASSERT_EQ(r.exit_code, 0) << r.describe();
+    struct stat st {};
+    ASSERT_EQ(::stat((dir + "/attempt_0/rank_0.stdout").c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0640u);
+  }
+  const std::string planted = test::temp_dir();
+  const std::string victim = planted + "/victim";
+  { std::ofstream(victim) << "keep\n"; }
+  ::unlink((dir + "/attempt_0/rank_0.stdout").c_str());
+  ASSERT_EQ(::symlink(victim.c_str(), (dir + "/attempt_0/rank_0.stdout").c_str()), 0);
+  auto r = launch({"--nproc-per-node", "1", "--master-port", "0", "--log-dir", dir, "--no-tee",
+                   "sh", "-c", "echo overwritten"});
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_TRUE(contains(r.err, "rank_0.stdout")) << r.err;
+  std::ifstream in(victim);
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "keep") << "the launcher wrote through a planted link";
+}
+
 // A worker that writes 8 MiB without a newline costs the launcher one line's worth of memory:
 // the bytes come out as lines of at most 64 KiB (Launcher::kMaxLineBytes), none lost, in order.
 TEST(TdistRun, AnEndlessLineIsPassedOnInBoundedPieces) {
