@@ -214,8 +214,13 @@ Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
 //   TDIST_TOKEN or TDIST_TOKEN_FILE already set: used as it is;
 //   neither, one static node: 32 random bytes (getrandom), hex, as TDIST_TOKEN: every local job
 //                      is authenticated with no set-up, and each run has its own token;
-//   neither, several nodes or elastic: no token (each node would draw its own), as torchrun
-//                      runs; one warning names the ports that anyone who reaches them can use.
+//   neither, several nodes or elastic, the store on loopback: no token (each node would draw
+//                      its own; every node is this host), one warning;
+//   neither, several nodes or elastic, the store beyond loopback: refused (InvalidArgument
+//                      naming --token-file and --insecure), unless --insecure or
+//                      TDIST_ALLOW_NO_TOKEN=1: then TDIST_ALLOW_NO_TOKEN=1 for the launcher and
+//                      its workers (whose stores and ports would refuse otherwise) and one
+//                      warning that names the ports that anyone who reaches them can use.
 void Launcher::prepare_token() {
   if (!config_.token_file.empty()) {
     TDIST_CHECK_ARG(!env::get("TDIST_TOKEN") && !env::get("TDIST_TOKEN_FILE"),
@@ -234,9 +239,19 @@ void Launcher::prepare_token() {
     ::setenv("TDIST_TOKEN", random_hex(32).c_str(), 1);
     return;
   }
+  const std::string& store_host =
+      config_.elastic.enabled ? config_.elastic.endpoint_host : config_.master_addr;
   const std::string store = config_.elastic.enabled
                                 ? net::host_port(config_.elastic.endpoint_host, config_.elastic.endpoint_port)
                                 : net::host_port(config_.master_addr, config_.master_port);
+  if (!net::is_loopback_host(store_host)) {
+    const bool allowed = config_.insecure || env::get_bool("TDIST_ALLOW_NO_TOKEN", false);
+    TDIST_CHECK_ARG(allowed, "this multi-node job has no token, and its store at ", store,
+                    " and every worker's ports would accept anyone who can reach them: give "
+                    "--token-file (the same secret file on every node) or set TDIST_TOKEN_FILE, "
+                    "or run it without a token with --insecure");
+    ::setenv("TDIST_ALLOW_NO_TOKEN", "1", 1);
+  }
   std::fprintf(stderr,
                "tdist-run: warning: this multi-node job has no token (--token-file, or "
                "TDIST_TOKEN_FILE on every node): the store at %s and every worker's collective "

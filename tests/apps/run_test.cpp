@@ -247,6 +247,28 @@ TEST(TdistRun, LogDirHoldsOneFilePerRankAndStream) {
   }
 }
 
+// Secure by default (issue 41, item 5): a multi-node job whose store is beyond loopback and
+// that has no token refuses to start, naming the ways out; --insecure runs it anyway (its
+// workers get TDIST_ALLOW_NO_TOKEN=1, so their own ports start too) after the warning.
+TEST(TdistRun, AMultiNodeJobBeyondLoopbackWithoutATokenRunsOnlyWhenInsecure) {
+  CommandOptions o;
+  o.env = {{"TDIST_TOKEN", ""}, {"TDIST_TOKEN_FILE", ""}, {"TDIST_ALLOW_NO_TOKEN", ""}};
+  const std::vector<std::string> node1 = {"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                          "192.0.2.200", "--master-port", "29998"};
+  auto refused = launch(with_command(node1, {"sh", "-c", "echo started"}), o);
+  EXPECT_EQ(refused.exit_code, 2) << refused.describe();
+  EXPECT_FALSE(contains(refused.out, "started")) << refused.out;
+  EXPECT_TRUE(contains(refused.err, "has no token")) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "--token-file")) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "--insecure")) << refused.err;
+  std::vector<std::string> insecure = node1;
+  insecure.push_back("--insecure");
+  auto ran = launch(with_command(insecure, {"sh", "-c", "echo allow=$TDIST_ALLOW_NO_TOKEN"}), o);
+  ASSERT_EQ(ran.exit_code, 0) << ran.describe();
+  EXPECT_TRUE(contains(ran.out, "allow=1")) << ran.out;
+  EXPECT_TRUE(contains(ran.err, "warning: this multi-node job has no token")) << ran.err;
+}
+
 // A link planted at a worker's log file (another user of a shared log directory) is not
 // followed: the launcher refuses to start the worker, names the file, and the link's target
 // keeps its contents. The logs it makes are group-readable at most (0640).
