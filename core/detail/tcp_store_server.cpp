@@ -169,6 +169,9 @@ void TCPStoreConnection::on_header() {
   }
   body_.clear();
   body_received_ = 0;
+  // The header is whole: a body's deadline starts when its reading does (a body that waits for
+  // the in-flight budget waits on other peers, not on this one).
+  disarm_frame_deadline();
   if (header_.body_bytes == 0) {
     dispatch();
     return;
