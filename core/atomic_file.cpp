@@ -40,7 +40,7 @@ void write_file_atomically(const std::string& path, const std::vector<std::strin
     if (entry.path().filename().string().rfind(tmp_prefix, 0) == 0) fs::remove(entry.path(), ec);
   }
   const std::string tmp_path = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) TDIST_THROW(Error, "cannot create '", tmp_path, "': ", std::strerror(errno));
   try {
     for (std::string_view p : pieces) write_all(fd, p.data(), p.size(), tmp_path);

@@ -4,8 +4,8 @@
 // written to a temporary file, flushed and renamed).
 //
 // write_file_atomically: a new temporary file in the target's directory (never one planted at
-// that name: O_EXCL | O_NOFOLLOW), written, fsync'ed, renamed over the target, and the directory
-// fsync'ed. A crash at any moment leaves the previous file or the new one, never a torn one.
+// that name: O_EXCL | O_NOFOLLOW), readable and writable by its owner only (0600), written,
+// fsync'ed, renamed over the target, and the directory fsync'ed. A crash at any moment leaves the previous file or the new one, never a torn one.
 // Temporary files that an interrupted write left (same target, another process) are removed
 // first.
 //

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "tdist/core/atomic_file.h"
 #include "tdist/core/error.h"
 
 namespace tdist {
@@ -57,15 +58,9 @@ void write_chrome_trace(const std::string& path, int pid, const std::string& pro
     os << "}";
   }
   os << "\n]}\n";
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    TDIST_CHECK(f.good(), "cannot open trace file ", tmp, " for writing");
-    f << os.str();
-    f.flush();
-    TDIST_CHECK(f.good(), "cannot write trace file ", tmp);
-  }
-  TDIST_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path);
+  // Never through a link planted at the temporary file's predictable name; 0600.
+  const std::string text = os.str();
+  write_file_atomically(path, {text});
 }
 
 std::string trace_path_for_rank(const std::string& pattern, int rank) {

@@ -71,6 +71,14 @@ class FileStore::LockedFile {
       ::close(fd_);
       TDIST_THROW(Error, "FileStore refuses '", path, "': it is not a regular file");
     }
+    // A file someone else made first (a shared directory such as /tmp) is theirs to read and
+    // change: refused, never used (root, which could open it, would otherwise share it).
+    if (st.st_uid != ::geteuid()) {
+      ::close(fd_);
+      TDIST_THROW(Error, "FileStore refuses '", path, "': it is owned by uid ", st.st_uid,
+                  ", not by this process's uid ", ::geteuid(),
+                  " (another user made it first; choose a path of your own)");
+    }
     const auto deadline = detail::deadline_after(timeout);
     auto pause = std::chrono::microseconds(100);
     while (::flock(fd_, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0) {

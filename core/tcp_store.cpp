@@ -34,9 +34,23 @@
 // protocol violation: it gets a kInvalid reply and the connection stays usable.
 //
 // Limits, so that no peer can make the server grow without bound or hold it:
-//  - connections: TDIST_STORE_MAX_CONNECTIONS (3/4 of the descriptor limit by default); more
-//    are closed at accept. Each holds at most one parked get/wait (one request at a time,
-//    below), with at most 65536 keys, so waiters are bounded by connections.
+//  - connections: TDIST_STORE_MAX_CONNECTIONS (3/4 of the descriptor limit by default). Each
+//    holds at most one parked get/wait (one request at a time, below), with at most 65536 keys,
+//    so waiters are bounded by connections.
+//  - handshakes: one must be over within TDIST_STORE_HANDSHAKE_TIMEOUT_MS (10 s); one peer
+//    address has at most TDIST_STORE_MAX_HANDSHAKES_PER_ADDRESS (16) connections in their
+//    handshake. A new connection from an address at that budget displaces the address's oldest
+//    handshake; one that finds the server at its connection limit displaces the oldest handshake
+//    of all, and is closed at accept only when every connection is authenticated. So a stranger
+//    that opens every slot and says nothing costs a rank a retry (the client retries a
+//    connection closed in its handshake), never its place.
+//  - request bodies: a body reserves its announced length against TDIST_STORE_MAX_INFLIGHT_BYTES
+//    (1 GiB, over all connections) before a byte of it is read; one that does not fit waits,
+//    unread, until earlier ones are dispatched or dropped (first come, first served; its frame
+//    deadline starts when it is admitted). A set or compare_set whose length alone shows that it
+//    could not be stored (more than the room left plus the largest entry it could replace), or a
+//    body larger than the whole budget, is refused from its header with kInvalid naming the
+//    limit; its body is then read into a scratch buffer and dropped, and the connection stays.
 //  - data held: TDIST_STORE_MAX_KEYS keys (2^20) and TDIST_STORE_MAX_BYTES bytes of keys and
 //    values together (4 GiB); a write past either gets kInvalid naming the limit, and nothing
 //    already stored changes.

@@ -62,6 +62,9 @@ class TCPStoreServer {
   // Number of connections closed at accept because the server already held its limit of open
   // connections (TDIST_STORE_MAX_CONNECTIONS; by default 3/4 of the descriptor limit).
   int64_t num_refused_connections() const;
+  // The most bytes of request bodies the server had taken in at once (reserved against
+  // TDIST_STORE_MAX_INFLIGHT_BYTES; what is buffered never exceeds it).
+  uint64_t peak_body_bytes() const;
 
  private:
   std::unique_ptr<detail::TCPStoreServerImpl> impl_;

@@ -50,6 +50,7 @@ Connection::Connection(int fd, bool outgoing, const ConnectionOptions& options,
       slots_(options.shm_bytes) {
   int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  net::set_dead_peer_timeout(fd_, net::dead_peer_timeout());  // Note [Vanished hosts]
   set_socket_buffers(fd_, options_.socket_buffer_bytes);
   // The read buffer comes once the peer is authenticated (run()): an unauthenticated
   // connection costs a thread and a socket, not 256 KiB.

@@ -33,6 +33,9 @@ while [ $# -gt 0 ]; do
 done
 python=${PYTHON:-python3}
 run="$build/apps/tdist-run"
+# Jobs across these hosts need a token (tdist-run refuses a multi-node job beyond loopback
+# without one): both tdist-runs share this one, as --token-file would give it.
+export TDIST_TOKEN="${TDIST_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 bench="$build/apps/bench/tdist-bench"
 for f in "$run" "$bench"; do [ -x "$f" ] || { echo "not built: $f" >&2; exit 1; }; done
 

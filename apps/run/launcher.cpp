@@ -214,8 +214,13 @@ Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
 //   TDIST_TOKEN or TDIST_TOKEN_FILE already set: used as it is;
 //   neither, one static node: 32 random bytes (getrandom), hex, as TDIST_TOKEN: every local job
 //                      is authenticated with no set-up, and each run has its own token;
-//   neither, several nodes or elastic: no token (each node would draw its own), as torchrun
-//                      runs; one warning names the ports that anyone who reaches them can use.
+//   neither, several nodes or elastic, the store on loopback: no token (each node would draw
+//                      its own; every node is this host), one warning;
+//   neither, several nodes or elastic, the store beyond loopback: refused (InvalidArgument
+//                      naming --token-file and --insecure), unless --insecure or
+//                      TDIST_ALLOW_NO_TOKEN=1: then TDIST_ALLOW_NO_TOKEN=1 for the launcher and
+//                      its workers (whose stores and ports would refuse otherwise) and one
+//                      warning that names the ports that anyone who reaches them can use.
 void Launcher::prepare_token() {
   if (!config_.token_file.empty()) {
     TDIST_CHECK_ARG(!env::get("TDIST_TOKEN") && !env::get("TDIST_TOKEN_FILE"),
@@ -234,9 +239,19 @@ void Launcher::prepare_token() {
     ::setenv("TDIST_TOKEN", random_hex(32).c_str(), 1);
     return;
   }
+  const std::string& store_host =
+      config_.elastic.enabled ? config_.elastic.endpoint_host : config_.master_addr;
   const std::string store = config_.elastic.enabled
                                 ? net::host_port(config_.elastic.endpoint_host, config_.elastic.endpoint_port)
                                 : net::host_port(config_.master_addr, config_.master_port);
+  if (!net::is_loopback_host(store_host)) {
+    const bool allowed = config_.insecure || env::get_bool("TDIST_ALLOW_NO_TOKEN", false);
+    TDIST_CHECK_ARG(allowed, "this multi-node job has no token, and its store at ", store,
+                    " and every worker's ports would accept anyone who can reach them: give "
+                    "--token-file (the same secret file on every node) or set TDIST_TOKEN_FILE, "
+                    "or run it without a token with --insecure");
+    ::setenv("TDIST_ALLOW_NO_TOKEN", "1", 1);
+  }
   std::fprintf(stderr,
                "tdist-run: warning: this multi-node job has no token (--token-file, or "
                "TDIST_TOKEN_FILE on every node): the store at %s and every worker's collective "
@@ -347,8 +362,20 @@ Launcher::Outcome Launcher::watch_workers(const std::function<bool()>& tick) {
 std::string Launcher::attempt_dir(int64_t attempt) {
   const std::string& base = config_.log_dir.empty() ? scratch_dir_ : config_.log_dir;
   const std::string dir = base + "/attempt_" + std::to_string(attempt);
-  ::mkdir(base.c_str(), 0755);
-  ::mkdir(dir.c_str(), 0755);
+  // The logs hold what workers print: group-readable at most. The base may be a link the user
+  // made; the attempt's directory must be a directory of ours, not something planted there.
+  if (::mkdir(base.c_str(), 0750) != 0 && errno != EEXIST) {
+    TDIST_THROW(Error, "cannot create the log directory ", base, ": ", std::strerror(errno));
+  }
+  if (::mkdir(dir.c_str(), 0750) != 0 && errno != EEXIST) {
+    TDIST_THROW(Error, "cannot create the log directory ", dir, ": ", std::strerror(errno));
+  }
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
+    TDIST_THROW(Error, "refusing the log directory ", dir,
+                ": it is not a directory of this user (a link or another user's directory was "
+                "there first)");
+  }
   return dir;
 }
 
@@ -391,7 +418,8 @@ void Launcher::spawn(Worker& w, const Assignment& a) {
     const char* names[2] = {"stdout", "stderr"};
     for (int i = 0; i < 2; ++i) {
       std::string path = dir + "/rank_" + std::to_string(w.rank) + "." + names[i];
-      w.log_fd[i] = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      // Never through a link planted at the name (O_NOFOLLOW); group-readable at most.
+      w.log_fd[i] = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0640);
       TDIST_CHECK(w.log_fd[i] >= 0, "cannot open log file ", path, ": ", std::strerror(errno));
     }
   }

@@ -85,6 +85,8 @@ struct LaunchConfig {
   ElasticOptions elastic;
   // --token-file: the job's shared secret, a file every node has (core/token.h's rules).
   std::string token_file;
+  // --insecure: a multi-node job beyond loopback may run without a token (Note [Launcher token]).
+  bool insecure = false;
   // --cpu-bind core: local rank r runs on the r-th CPU the launcher may run on (Note [Binding
   // workers to cores]); more workers per node than such CPUs is refused.
   bool bind_cores = false;

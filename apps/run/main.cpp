@@ -327,6 +327,10 @@ int main(int argc, char** argv) {
   app.add_option("--token-file", cfg.token_file,
                  "the job's shared secret (every node has the file; readable by its owner only); "
                  "without one a single-node job makes its own and a multi-node job has none");
+  app.add_flag("--insecure", cfg.insecure,
+               "let a multi-node job whose store is beyond loopback run without a token (its "
+               "store, collective and RPC ports then accept anyone who can reach them); sets "
+               "TDIST_ALLOW_NO_TOKEN=1 for the launcher and its workers");
   try {
     app.parse(argc, argv);
     const std::vector<std::string> rest = app.remaining();

@@ -1,5 +1,6 @@
 #include "apps/train/progress.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -52,7 +53,11 @@ Progress::Progress(ProgressMode mode, bool active, const std::string& metrics_pa
     mode_ = ::isatty(STDOUT_FILENO) ? ProgressMode::kBar : ProgressMode::kLog;
   }
   if (!metrics_path.empty()) {
-    metrics_ = std::fopen(metrics_path.c_str(), "a");
+    // Appended to, never through a link planted at its name; created 0600.
+    const int fd = ::open(metrics_path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
+                          0600);
+    metrics_ = fd >= 0 ? ::fdopen(fd, "a") : nullptr;
+    if (fd >= 0 && !metrics_) ::close(fd);
     if (!metrics_) {
       throw InvalidArgument("cannot open --metrics file '" + metrics_path + "': " +
                             std::strerror(errno));

@@ -19,6 +19,7 @@
 
 #include "apps/train/checkpoint.h"
 #include "apps/train/progress.h"
+#include "tdist/core/atomic_file.h"
 #include "tdist/core/hash.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/env.h"
@@ -303,20 +304,6 @@ struct FailureInjection {
   }
 };
 
-void write_file_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) TDIST_THROW(Error, "cannot write '", tmp, "'");
-    out << text;
-    out.flush();
-    if (!out) TDIST_THROW(Error, "cannot write '", tmp, "'");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    TDIST_THROW(Error, "cannot rename '", tmp, "' to '", path, "'");
-  }
-}
 
 std::string format_mb(int64_t bytes) {
   char buf[32];
@@ -830,7 +817,9 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
                    {"peak_rss_bytes", m.peak_rss_bytes}});
   }
   s["memory_per_rank"] = mem;
-  write_file_atomically(o_.summary_path, s.dump(2) + "\n");
+  // core/atomic_file.h: a fresh 0600 temporary file (never one planted at its name), renamed.
+  const std::string summary = s.dump(2) + "\n";
+  tdist::write_file_atomically(o_.summary_path, {summary});
 }
 
 }  // namespace

@@ -69,6 +69,7 @@ int TCPStoreClient::connect(Clock::time_point deadline, Millis limit) {
     if (fd >= 0) {
       int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      net::set_dead_peer_timeout(fd, net::dead_peer_timeout());  // Note [Vanished hosts]
       try {
         net::ClientHandshake handshake(token_, net::Service::kStore);
         net::client_handshake(fd, handshake, {}, 0, deadline, "the TCPStore at " + address_);

@@ -10,6 +10,7 @@
 #include <array>
 #include <atomic>
 #include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -45,8 +46,10 @@ class TCPStoreServerImpl {
   int64_t num_rejected_frames() const { return num_rejected_frames_.load(); }
   int64_t num_refused_connections() const { return num_refused_connections_.load(); }
   int64_t num_failed_handshakes() const { return num_failed_handshakes_.load(); }
+  uint64_t peak_body_bytes() const { return peak_body_bytes_.load(); }
   std::string address() const { return net::host_port(host_, port_); }
   Millis frame_timeout() const { return frame_timeout_; }
+  Millis handshake_timeout() const { return handshake_timeout_; }
   const std::string& token() const { return token_; }
 
   // Called by connections, on the io thread.
@@ -59,6 +62,19 @@ class TCPStoreServerImpl {
   void on_failed_handshake(const std::string& peer, const std::string& why);
   void on_wait_timeout(const std::shared_ptr<TCPStoreConnection>& conn, uint64_t waiter_id,
                        const error_code& ec);
+  // The connection passed its handshake (or closed): its handshake slot is free.
+  void on_handshake_over(TCPStoreConnection& conn);
+  // Why a request with this (valid) header is refused before its body is read ("" when it is
+  // not): a write that could not fit in what the store may still hold, or a body larger than
+  // the in-flight budget (Note [TCPStore protocol], limits).
+  std::string refusal_before_body(const tcp_store::Header& header) const;
+  // Takes `bytes` of the in-flight budget for conn's request body: true when granted now;
+  // otherwise conn waits in line and its start_body() is called once the budget has room.
+  bool reserve_body(const std::shared_ptr<TCPStoreConnection>& conn, uint64_t bytes);
+  // Gives back a reservation (body dispatched or connection closed) and admits who waits.
+  void release_body(uint64_t bytes);
+  // A buffer whose contents nobody reads: the bodies of refused requests are read into it.
+  Bytes& discard_buffer() { return discard_buffer_; }
 
  private:
   void run();
@@ -66,6 +82,9 @@ class TCPStoreServerImpl {
   void on_accept(const error_code& ec, tcp::socket socket);
   void on_accept_retry(const error_code& ec);
   void shutdown();
+  // Closes a connection still in its handshake to make room for a new one, logged as a failed
+  // handshake.
+  void displace(TCPStoreConnection& conn, const std::string& why);
 
   void on_set(TCPStoreConnection& conn, wire::Reader& body);
   void on_get(const std::shared_ptr<TCPStoreConnection>& conn, wire::Reader& body);
@@ -108,11 +127,25 @@ class TCPStoreServerImpl {
   size_t max_keys_ = 0;          // TDIST_STORE_MAX_KEYS
   uint64_t max_bytes_ = 0;       // TDIST_STORE_MAX_BYTES: keys and values held, together
   Millis frame_timeout_{0};      // TDIST_STORE_FRAME_TIMEOUT_MS: a started frame must end by then
+  Millis handshake_timeout_{0};  // TDIST_STORE_HANDSHAKE_TIMEOUT_MS: the handshake must end by then
+  size_t max_handshakes_per_address_ = 0;  // TDIST_STORE_MAX_HANDSHAKES_PER_ADDRESS
+  uint64_t max_body_bytes_in_flight_ = 0;  // TDIST_STORE_MAX_INFLIGHT_BYTES
+  std::atomic<uint64_t> peak_body_bytes_{0};  // the most reserved at once
+  Millis dead_peer_timeout_{0};  // TDIST_TCP_USER_TIMEOUT_MS (Note [Vanished hosts])
 
   // Touched only from the io thread.
   bool stopping_ = false;
   std::unordered_map<std::string, Bytes> data_;
   uint64_t held_bytes_ = 0;  // sizes of data_'s keys and values
+  uint64_t largest_entry_bytes_ = 0;  // the largest key + value ever stored (an upper bound)
+  // Connections in their handshake, oldest first (by accept number), and how many per address.
+  std::map<uint64_t, TCPStoreConnection*> handshakes_;
+  std::unordered_map<std::string, size_t> handshakes_per_address_;
+  uint64_t next_accept_number_ = 1;
+  // Request bodies: bytes reserved now, and the connections waiting for room, first come first.
+  uint64_t body_bytes_in_flight_ = 0;
+  std::deque<std::shared_ptr<TCPStoreConnection>> waiting_for_budget_;
+  Bytes discard_buffer_;
   std::set<std::shared_ptr<TCPStoreConnection>> connections_;
   std::unordered_map<std::string, std::unordered_set<TCPStoreConnection*>> waiting_;
   uint64_t next_waiter_id_ = 1;
@@ -131,11 +164,15 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
     std::unique_ptr<asio::steady_timer> timer;
   };
 
-  TCPStoreConnection(TCPStoreServerImpl& server, tcp::socket socket)
-      : server_(server), socket_(std::move(socket)), frame_timer_(socket_.get_executor()) {
+  TCPStoreConnection(TCPStoreServerImpl& server, tcp::socket socket, uint64_t accept_number)
+      : server_(server),
+        socket_(std::move(socket)),
+        frame_timer_(socket_.get_executor()),
+        accept_number_(accept_number) {
     error_code ec;
     auto ep = socket_.remote_endpoint(ec);
-    peer_ = ec ? std::string("unknown peer") : net::host_port(ep.address().to_string(), ep.port());
+    address_ = ec ? std::string("unknown") : ep.address().to_string();
+    peer_ = ec ? std::string("unknown peer") : net::host_port(address_, ep.port());
   }
 
   // Runs the server side of the connection handshake, then reads requests.
@@ -146,7 +183,14 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
   void close(bool rejected = false);
 
   const std::string& peer() const { return peer_; }
+  const std::string& address() const { return address_; }  // the peer's IP address
+  uint64_t accept_number() const { return accept_number_; }
+  bool in_handshake() const { return handshake_.has_value(); }
+  bool closed() const { return closed_; }
+  uint64_t body_bytes() const { return header_.body_bytes; }
   std::optional<Waiter>& waiter() { return waiter_; }
+  // Reads the request body whose budget the server just granted.
+  void start_body();
 
  private:
   void on_challenge_sent(const error_code& ec);
@@ -157,10 +201,16 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
   void on_header();
   // A frame whose first byte arrived must be whole within the server's frame timeout: a peer
   // that stalls or trickles inside a frame loses its connection (Note [TCPStore protocol]).
-  void arm_frame_deadline();
+  void arm_frame_deadline(Millis limit);
+  void arm_frame_deadline() { arm_frame_deadline(server_.frame_timeout()); }
   void disarm_frame_deadline();
   void read_body_chunk();
   void on_body_chunk(const error_code& ec, size_t n);
+  // A request refused from its header: its body is read and dropped, chunk by chunk.
+  void skip_body();
+  void on_skipped(const error_code& ec, size_t n);
+  // The next request is read once the pending replies are written.
+  void read_next();
   void dispatch();
   void write_next();
   void on_write(const error_code& ec, size_t n);
@@ -170,6 +220,8 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
   asio::steady_timer frame_timer_;
   bool frame_armed_ = false;
   uint64_t frame_generation_ = 0;  // a deadline handler acts only for its own frame
+  const uint64_t accept_number_;
+  std::string address_;
   std::string peer_;
   bool closed_ = false;
   std::optional<net::ServerHandshake> handshake_;  // set until the handshake is over
@@ -179,6 +231,7 @@ class TCPStoreConnection : public std::enable_shared_from_this<TCPStoreConnectio
   tcp_store::Header header_;
   Bytes body_;
   size_t body_received_ = 0;
+  uint64_t body_reserved_ = 0;  // of the server's in-flight budget, for body_
   std::deque<Bytes> out_;
   bool read_after_write_ = false;  // the next request is read when out_ drains
   std::optional<Waiter> waiter_;

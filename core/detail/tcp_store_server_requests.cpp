@@ -2,6 +2,8 @@
 // num_keys), the limits on what it holds, and the gets and waits parked until their keys exist.
 // Part 1, tcp_store_server.cpp, has the connections and the server's life.
 
+#include <algorithm>
+
 #include "tdist/core/detail/store_util.h"
 #include "tdist/core/detail/tcp_store_server_impl.h"
 #include "tdist/core/error.h"
@@ -165,6 +167,7 @@ void TCPStoreServerImpl::put(const std::string& key, Bytes value) {
   auto [it, inserted] = data_.try_emplace(key);
   if (!inserted) held_bytes_ -= key.size() + it->second.size();
   held_bytes_ += key.size() + value.size();
+  largest_entry_bytes_ = std::max<uint64_t>(largest_entry_bytes_, key.size() + value.size());
   it->second = std::move(value);
 }
 

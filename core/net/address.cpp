@@ -284,6 +284,18 @@ std::string local_address(const std::string& store_host) {
       return address;
     }
   }
+  if (is_loopback_host(store_host)) {
+    // A store on loopback (a literal, or "localhost") means a job of this host: its ranks
+    // publish (and bind) loopback too. A host name that merely resolves to 127.0.1.1 is not
+    // taken as one: other hosts may know it by its real address.
+    try {
+      const std::string address = source_address_toward(store_host);
+      TDIST_LOG_DEBUG("publishing ", address, " (the store host ", store_host, " is loopback)");
+      return address;
+    } catch (const NetworkError& e) {
+      TDIST_LOG_DEBUG("no route toward the store host on loopback: ", e.what());
+    }
+  }
   if (!store_host.empty() && !is_loopback_host(store_host)) {
     if (auto address = address_toward(store_host)) {
       TDIST_LOG_DEBUG("publishing ", *address, " (the interface that routes to the store host ",

@@ -85,14 +85,17 @@ class Listener {
 //   2. the interface named by TDIST_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME (the first name of a
 //      comma-separated list): its IPv4 address, else its global IPv6 one. InvalidArgument naming
 //      the variable and the interfaces there are when it is unknown, down or has neither;
-//   3. `store_host` (the host of the store the processes meet at; empty when unknown) when it is
-//      not a loopback address: the address of the interface that routes to it (of its family);
+//   3. `store_host` (the host of the store the processes meet at; empty when unknown): the
+//      address of the interface that routes to it (of its family); loopback for a store at a
+//      loopback literal or "localhost": such a job is a job of this host, and nothing it listens
+//      on is reachable from the network (issue 41, item 5; up to 5a24577 rule 4 applied and
+//      published the LAN address). A name that resolves to loopback (127.0.1.1) is skipped;
 //   4. the first non-loopback interface that is up and has an IPv4 address, else a global IPv6
 //      one;
 //   5. 127.0.0.1 (::1 when loopback has no IPv4 address): this host has no other interface, so
 //      every peer is on it.
-// Never loopback while another interface is up (unless named): a process that met the store at
-// 127.0.0.1 may still have peers on other hosts that reach the store at its real address.
+// A job whose processes meet the store at 127.0.0.1 on one host but at its real address on
+// others names its interface (rule 1 or 2) on the store's host.
 std::string local_address(const std::string& store_host = {});
 
 // One connect to host:port (each address it resolves to in turn) before the deadline. Returns a

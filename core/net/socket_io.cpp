@@ -1,5 +1,7 @@
 #include "tdist/core/net/socket_io.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -9,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "tdist/core/env.h"
 #include "tdist/core/error.h"
 
 namespace tdist::net {
@@ -84,6 +87,27 @@ void set_socket_timeouts(int fd, Millis timeout) {
   tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+Millis dead_peer_timeout() {
+  return Millis(env::get_int("TDIST_TCP_USER_TIMEOUT_MS", 60000, 0, int64_t(1) << 31));
+}
+
+void set_dead_peer_timeout(int fd, Millis timeout) {
+  // Note [Vanished hosts]. Failures are ignored: a socket that is not TCP (a test's socketpair)
+  // keeps working without.
+  if (timeout.count() <= 0) return;
+  const int64_t ms = std::min<int64_t>(timeout.count(), INT32_MAX);
+  const int one = 1;
+  const int idle = static_cast<int>(std::clamp<int64_t>(ms / 3000, 1, 32767));
+  const int interval = static_cast<int>(std::clamp<int64_t>(ms / 6000, 1, 32767));
+  const int probes = 3;  // TCP_USER_TIMEOUT decides when to give up; this is for old kernels
+  const unsigned user_timeout = static_cast<unsigned>(ms);
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof(user_timeout));
 }
 
 }  // namespace tdist::net

@@ -29,6 +29,24 @@ void write_all(int fd, const void* data, size_t size, Clock::time_point deadline
 // SO_RCVTIMEO and SO_SNDTIMEO (0: none), for code that calls recv/send itself.
 void set_socket_timeouts(int fd, Millis timeout);
 
+// Note [Vanished hosts]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A peer whose host loses power, or whose link goes down, sends no FIN and no reset: a socket
+// that waits to read from it (a store client parked in get(), a server's idle connection, an RPC
+// call without a timeout) would wait for ever, and one with unacknowledged data would retransmit
+// for the kernel's ~15 minutes. Every store and RPC socket therefore gets TCP keepalive (first
+// probe after a third of `timeout` idle, then every sixth) and TCP_USER_TIMEOUT = `timeout`: the
+// kernel fails the connection (ETIMEDOUT) once the peer acknowledged nothing for `timeout`, and
+// the reader gets a NetworkError, within about 1.2 x `timeout` of the host's last word. A peer
+// that is alive but busy, or stopped (SIGSTOP, a debugger), still answers from its kernel and
+// keeps its connections. The collective mesh needs none of this: every collective has a timeout.
+//
+// The timeout a store or RPC socket uses: TDIST_TCP_USER_TIMEOUT_MS, 60000 by default; 0 turns
+// keepalive and the user timeout off (the kernel's defaults).
+Millis dead_peer_timeout();
+// Turns on keepalive and TCP_USER_TIMEOUT on a TCP socket (nothing for a timeout of 0).
+void set_dead_peer_timeout(int fd, Millis timeout);
+
 // Milliseconds for poll() until `deadline`: -1 for kNoDeadline, 0 once it passed, else at
 // least 1 (rounded up, so that a poll never returns just before the deadline) and at most one
 // minute (callers loop).

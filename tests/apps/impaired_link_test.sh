@@ -24,6 +24,9 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+# Jobs across these hosts need a token (tdist-run refuses a multi-node job beyond loopback
+# without one): both tdist-runs share this one, as --token-file would give it.
+export TDIST_TOKEN="${TDIST_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 fail() { { echo "FAIL: $*"; for f in "$work"/*; do echo "--- $f"; cat "$f"; done; } >&2; exit 1; }
 
 if ! err=$(ip netns add "${id}hub" 2>&1); then echo "SKIP: cannot create network namespaces here: $err"; exit 77; fi

@@ -12,6 +12,9 @@ a="${id}a"; b="${id}b"
 addr_a=10.213.$(( $$ % 200 )).1; addr_b=10.213.$(( $$ % 200 )).2
 cleanup() { ip netns del "$a" 2>/dev/null; ip netns del "$b" 2>/dev/null; }
 trap cleanup EXIT
+# Jobs across these hosts need a token (tdist-run refuses a multi-node job beyond loopback
+# without one): both tdist-runs share this one, as --token-file would give it.
+export TDIST_TOKEN="${TDIST_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 
 if ! ip netns add "$a" 2>/tmp/"$id".err; then
   echo "SKIP: cannot create network namespaces here: $(cat /tmp/"$id".err)"; rm -f /tmp/"$id".err

@@ -257,6 +257,56 @@ TEST(TdistRun, LogDirHoldsOneFilePerRankAndStream) {
   }
 }
 
+// Secure by default (issue 41, item 5): a multi-node job whose store is beyond loopback and
+// that has no token refuses to start, naming the ways out; --insecure runs it anyway (its
+// workers get TDIST_ALLOW_NO_TOKEN=1, so their own ports start too) after the warning.
+TEST(TdistRun, AMultiNodeJobBeyondLoopbackWithoutATokenRunsOnlyWhenInsecure) {
+  CommandOptions o;
+  o.env = {{"TDIST_TOKEN", ""}, {"TDIST_TOKEN_FILE", ""}, {"TDIST_ALLOW_NO_TOKEN", ""}};
+  const std::vector<std::string> node1 = {"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                          "192.0.2.200", "--master-port", "29998"};
+  auto refused = launch(with_command(node1, {"sh", "-c", "echo started"}), o);
+  EXPECT_EQ(refused.exit_code, 2) << refused.describe();
+  EXPECT_FALSE(contains(refused.out, "started")) << refused.out;
+  EXPECT_TRUE(contains(refused.err, "has no token")) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "--token-file")) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "--insecure")) << refused.err;
+  std::vector<std::string> insecure = node1;
+  insecure.push_back("--insecure");
+  auto ran = launch(with_command(insecure, {"sh", "-c", "echo allow=$TDIST_ALLOW_NO_TOKEN"}), o);
+  ASSERT_EQ(ran.exit_code, 0) << ran.describe();
+  EXPECT_TRUE(contains(ran.out, "allow=1")) << ran.out;
+  EXPECT_TRUE(contains(ran.err, "warning: this multi-node job has no token")) << ran.err;
+}
+
+// A link planted at a worker's log file (another user of a shared log directory) is not
+// followed: the launcher refuses to start the worker, names the file, and the link's target
+// keeps its contents. The logs it makes are group-readable at most (0640).
+TEST(TdistRun, ALinkPlantedAtAWorkerLogIsNotFollowed) {
+  const std::string dir = test::temp_dir();
+  {
+    auto r = launch({"--nproc-per-node", "1", "--master-port", "0", "--log-dir", dir, "--no-tee",
+                     "sh", "-c", "echo out"});
+    ASSERT_EQ(r.exit_code, 0) << r.describe();
+    struct stat st {};
+    ASSERT_EQ(::stat((dir + "/attempt_0/rank_0.stdout").c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0640u);
+  }
+  const std::string planted = test::temp_dir();
+  const std::string victim = planted + "/victim";
+  { std::ofstream(victim) << "keep\n"; }
+  ::unlink((dir + "/attempt_0/rank_0.stdout").c_str());
+  ASSERT_EQ(::symlink(victim.c_str(), (dir + "/attempt_0/rank_0.stdout").c_str()), 0);
+  auto r = launch({"--nproc-per-node", "1", "--master-port", "0", "--log-dir", dir, "--no-tee",
+                   "sh", "-c", "echo overwritten"});
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_TRUE(contains(r.err, "rank_0.stdout")) << r.err;
+  std::ifstream in(victim);
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "keep") << "the launcher wrote through a planted link";
+}
+
 // A worker that writes 8 MiB without a newline costs the launcher one line's worth of memory:
 // the bytes come out as lines of at most 64 KiB (Launcher::kMaxLineBytes), none lost, in order.
 TEST(TdistRun, AnEndlessLineIsPassedOnInBoundedPieces) {

@@ -11,6 +11,7 @@
 
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/core/net/address.h"
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
 #include "tests/harness/env_guard.h"
@@ -206,7 +207,7 @@ TEST(TCPStoreAuth, TheTokenComesFromTheEnvironmentWhenNotGiven) {
 }
 
 TEST(TCPStoreAuth, StrangersReplaysAndStallsAreRefusedAndTheStoreGoesOn) {
-  test::EnvGuard env(test::EnvVars{{"TDIST_STORE_FRAME_TIMEOUT_MS", std::string("300")}});
+  test::EnvGuard env(test::EnvVars{{"TDIST_STORE_HANDSHAKE_TIMEOUT_MS", std::string("300")}});
   const LogLevel saved = log_level();
   set_log_level(LogLevel::kWarn);
   ::testing::internal::CaptureStderr();
@@ -230,7 +231,45 @@ TEST(TCPStoreAuth, StrangersReplaysAndStallsAreRefusedAndTheStoreGoesOn) {
   const std::string log = ::testing::internal::GetCapturedStderr();
   set_log_level(saved);
   expect_contains(log, "authentication failed (wrong or missing token)");
-  expect_contains(log, "the handshake was not over within 0.3 s (TDIST_STORE_FRAME_TIMEOUT_MS)");
+  expect_contains(log, "the handshake was not over within 0.3 s (TDIST_STORE_HANDSHAKE_TIMEOUT_MS)");
+}
+
+// Secure by default (issue 41, item 5): a store server that would listen beyond loopback
+// without a token refuses to start, naming the way out; TDIST_ALLOW_NO_TOKEN=1 lets it start
+// with one loud warning per process. Loopback needs no token, and a token is always enough.
+TEST(TCPStoreAuth, AServerBeyondLoopbackWithoutATokenRefusesToStartUnlessAllowed) {
+  test::EnvGuard env(test::EnvVars{{"TDIST_TOKEN", std::nullopt},
+                                   {"TDIST_TOKEN_FILE", std::nullopt},
+                                   {"TDIST_ALLOW_NO_TOKEN", std::nullopt}});
+  const std::string msg = expect_throw<InvalidArgument>([] { TCPStoreServer("0.0.0.0", 0); });
+  expect_contains(msg, "0.0.0.0");
+  expect_contains(msg, "without a token");
+  expect_contains(msg, "TDIST_ALLOW_NO_TOKEN=1");
+  { TCPStoreServer loopback("127.0.0.1", 0); }
+  { TCPStoreServer with_token("0.0.0.0", 0, std::string("s3cret")); }
+  test::EnvGuard allow(test::EnvVars{{"TDIST_ALLOW_NO_TOKEN", "1"}});
+  const LogLevel saved = log_level();
+  set_log_level(LogLevel::kWarn);
+  ::testing::internal::CaptureStderr();
+  { TCPStoreServer first("0.0.0.0", 0); }
+  { TCPStoreServer second("0.0.0.0", 0); }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  set_log_level(saved);
+  expect_contains(log, "WITHOUT A TOKEN");
+  EXPECT_EQ(log.find("WITHOUT A TOKEN"), log.rfind("WITHOUT A TOKEN")) << "said more than once: "
+                                                                       << log;
+}
+
+// A job whose store is on loopback is a job of one host: its ranks publish (and the mesh and RPC
+// bind) loopback, not the first interface that is up (rule 4 of local_address, up to 5a24577).
+TEST(TCPStoreAuth, AStoreOnLoopbackMakesTheRanksPublishLoopback) {
+  test::EnvGuard env(test::EnvVars{{"TDIST_SOCKET_HOST", std::nullopt},
+                                   {"TDIST_SOCKET_IFNAME", std::nullopt},
+                                   {"GLOO_SOCKET_IFNAME", std::nullopt}});
+  EXPECT_EQ(net::local_address("127.0.0.1"), "127.0.0.1");
+  EXPECT_TRUE(net::is_loopback_host(net::local_address("localhost")))
+      << net::local_address("localhost");
+  EXPECT_TRUE(net::is_loopback_host(net::local_address("::1"))) << net::local_address("::1");
 }
 
 }  // namespace

@@ -59,6 +59,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   // The honest handshake must end within this too: 200 ms was once too short for an ASan build on
   // a loaded machine. Inputs never wait for it: each connection is closed after 100 ms of drain.
   ::setenv("TDIST_STORE_FRAME_TIMEOUT_MS", "2000", 1);
+  ::setenv("TDIST_STORE_HANDSHAKE_TIMEOUT_MS", "2000", 1);
   ::setenv("TDIST_STORE_MAX_BYTES", "67108864", 1);  // what the inputs store stays bounded
   ::unsetenv("TDIST_TOKEN");
   ::unsetenv("TDIST_TOKEN_FILE");

@@ -26,6 +26,9 @@ netns_cleanup() {
 }
 netns_hosts() {
   local id=$1 net=$2 n=$3 err i ns
+  # Jobs across these hosts need a token (tdist-run refuses a multi-node job beyond loopback
+  # without one): every process started here shares this one, as --token-file would give it.
+  export TDIST_TOKEN="${TDIST_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
   if ! err=$(ip netns add "${id}hub" 2>&1); then
     echo "SKIP: cannot create network namespaces here: $err"; exit 77
   fi

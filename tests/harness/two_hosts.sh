@@ -16,6 +16,9 @@ a="${id}a"; b="${id}b"
 net=10.214.$(( $$ % 250 ))
 addr_a=$net.1; addr_b=$net.2
 shared=$(mktemp -d)
+# A job across hosts needs its token (a store beyond loopback refuses to start without one):
+# one random token for every rank, as a launcher with --token-file would give them.
+export TDIST_TOKEN="${TDIST_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 cleanup() { ip netns del "$a" 2>/dev/null; ip netns del "$b" 2>/dev/null; rm -rf "$shared"; }
 trap cleanup EXIT
 

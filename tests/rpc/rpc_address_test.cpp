@@ -8,6 +8,7 @@
 #include "tdist/core/net/address.h"
 #include "tdist/core/serialize.h"
 #include "tdist/core/tcp_store.h"
+#include "tests/harness/env_guard.h"
 #include "tests/rpc/rpc_test_util.h"
 
 namespace tdist::rpc::test {
@@ -93,6 +94,9 @@ TEST(RpcAddress, AStoreAtANonLoopbackAddressGivesThatInterfacesAddress) {
     GTEST_SKIP() << "this host has no non-loopback interface up (local_address() = " << own
                  << "); tests/apps/ipv6_test.sh covers it on namespace hosts";
   }
+  // A store beyond loopback needs the job's token (issue 41, item 5).
+  tdist::test::EnvGuard token(
+      tdist::test::EnvVars{{"TDIST_TOKEN", "rpc-address-test"}, {"TDIST_TOKEN_FILE", std::nullopt}});
   const auto hosts = two_agents_call(own, "");
   EXPECT_EQ(hosts[0], own);
   EXPECT_EQ(hosts[1], own);
