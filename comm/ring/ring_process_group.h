@@ -88,6 +88,9 @@ class RingProcessGroup final : public ProcessGroup {
   // The window the group agreed on (Note [Windows]).
   size_t window_bytes() const { return window_bytes_; }
   static constexpr uint64_t kNoSingleCopy = UINT64_MAX;
+  // What the last operation this group ran did on this rank (steps, bytes, wake-ups); read it
+  // once that operation completed and before the next starts.
+  Exchange::Counts last_counts() const { return exchange_->counts(); }
 
   std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
   std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;

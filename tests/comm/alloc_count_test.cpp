@@ -61,7 +61,8 @@ void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::f
 namespace tdist::comm {
 namespace {
 
-constexpr int kWarmup = 64;
+// More than the block pool keeps per thread (64), so that its caches have filled before counting.
+constexpr int kWarmup = 200;
 constexpr int kOps = 256;
 
 // Meets the other rank without allocating (a spin on an atomic generation count).
