@@ -47,6 +47,7 @@ void Exchange::begin(const char* op, uint64_t seq, Clock::time_point now,
   deadline_ = deadline;
   started_ = now;
   bounce_left_ = 0;
+  counts_ = Counts{};
   for (auto* qs : {&sends_, &recvs_}) {
     for (auto& q : *qs) {
       q.items.clear();
@@ -61,6 +62,8 @@ void Exchange::send(int peer, const void* data, size_t n, Gate gate) {
   auto& q = sends_[peer];
   q.items.emplace_back(static_cast<char*>(const_cast<void*>(data)), n, 0, gate);
   q.posted += n;
+  ++counts_.sends;
+  counts_.bytes_sent += n;
 }
 
 void Exchange::recv(int peer, void* data, size_t n, uint64_t cookie) {
@@ -68,6 +71,7 @@ void Exchange::recv(int peer, void* data, size_t n, uint64_t cookie) {
   // A zero-byte receive still completes (in stream order) so that its callback runs.
   q.items.emplace_back(static_cast<char*>(data), n, cookie);
   q.posted += n;
+  counts_.bytes_received += n;
 }
 
 void Exchange::swap_with_all(const void* mine, void* theirs, size_t n, Gate gate) {
@@ -88,6 +92,7 @@ void Exchange::recv_reduce(int peer, void* out, const void* other, size_t n, Red
   it.elem = elem;
   q.items.push_back(it);
   q.posted += n;
+  counts_.bytes_received += n;
 }
 
 void Exchange::check_aborted() const {
@@ -295,6 +300,7 @@ bool Exchange::progress_reduce(int peer, Callback cb, void* ctx) {
 
 void Exchange::run_impl(Callback cb, void* ctx) {
   check_aborted();
+  ++counts_.runs;
   const int n = size();
   Clock::time_point spin_until{};
   Clock::time_point busy_until{};
@@ -357,10 +363,12 @@ void Exchange::run_impl(Callback cb, void* ctx) {
       // spin of the next waits, twice as many each time it runs out again.
       spin_backoff_ = std::min(2 * spin_backoff_ + 1, kMaxSpinSkip);
       spin_skip_ = spin_backoff_;
+      ++counts_.spins_run_out;
     } else if (spin_skip_ > 0) {
       --spin_skip_;
     }
     spinning = busy = false;
+    ++counts_.sleeps;
     wait_for_io();
   }
 }

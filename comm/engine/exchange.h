@@ -103,6 +103,18 @@ class Exchange {
   // Whether a lone shared-memory peer is waited for on its futex (TDIST_SHM_FUTEX) or polled.
   void set_wait_alone(bool on) { wait_alone_ = on; }
 
+  // What the current operation (since begin()) did on this rank; tests count an algorithm's
+  // steps, bytes and wake-ups with it (tests/comm/scaling_counts_test.cpp), benchmarks may too.
+  struct Counts {
+    uint64_t runs = 0;            // run() calls: rounds that wait for everything posted
+    uint64_t sends = 0;           // non-empty send posts (a ring's hops, chunk by chunk)
+    uint64_t bytes_sent = 0;      // bytes posted to send
+    uint64_t bytes_received = 0;  // bytes posted to receive (plain or reduced)
+    uint64_t sleeps = 0;          // waits in poll or on a channel's futex: a wake-up each
+    uint64_t spins_run_out = 0;   // spins that ended without progress (Note [Spin, then sleep])
+  };
+  const Counts& counts() const { return counts_; }
+
   // "rank 0: allreduce (seq 7)" for error messages.
   std::string where() const;
 
@@ -167,6 +179,7 @@ class Exchange {
   int busy_skip_ = 0;     // spins left that yield from their start (no busy poll)
   int busy_backoff_ = 0;  // busy_skip_ after the next busy poll that runs out
   bool wait_alone_ = true;
+  Counts counts_;
   std::vector<Queue> sends_;
   std::vector<Queue> recvs_;
   std::vector<iovec> iov_;

@@ -34,6 +34,118 @@ Clock::time_point deadline_after(Millis timeout, Clock::time_point now = Clock::
   return now + timeout;
 }
 
+// Note [Small operations]
+// A warm 4 KiB allreduce costs about as much as two core-to-core round trips, so what the call
+// itself does counts: each heap allocation is tens of nanoseconds and, on a busy allocator, a
+// lock. The small-operation path allocates nothing but the result list (a Work's result is a
+// std::vector<at::Tensor>, which the API hands out), counted in
+// tests/comm/alloc_count_test.cpp (at most one allocation per operation on all threads
+// together):
+//   - The op lives in a list node that moves between queue_, the running thread and free_ops_ by
+//     splicing (OpList), so queueing one allocates nothing once the group is warm.
+//   - A plain allreduce keeps its tensors and reduction in the Op (AllreduceArgs) instead of a
+//     capturing std::function, which would not fit std::function's inline buffer.
+//   - The Future and the Work are made with allocate_shared from PooledBlocks: blocks freed go
+//     to a cache of the freeing thread and are taken from the allocating thread's cache, so a
+//     caller that issues, waits and drops its Works on one thread reuses the same blocks with no
+//     lock; when another thread frees them (the worker ran the op and dropped the last
+//     reference), a full cache hands its blocks to a shared depot (one mutex) that an empty
+//     cache takes from, and only beyond both caps are blocks given back to the heap.
+// What is left on the caller's path is the group's mutex (the queue), taken once to queue and
+// once to take and finish the op.
+struct FreeBlock {
+  FreeBlock* next;
+};
+
+template <size_t kBytes>
+class PooledBlocks {
+ public:
+  static void* get() {
+    Local& l = local();
+    if (l.head != nullptr) return l.pop();
+    if (!dead_) {
+      Depot& d = depot();
+      std::lock_guard<std::mutex> lock(d.mu);
+      if (d.list.head != nullptr) return d.list.pop();
+    }
+    return ::operator new(kBytes);
+  }
+  static void put(void* p) {
+    if (!dead_) {
+      Local& l = local();
+      if (l.count < kLocalCap) return l.push(p);
+      Depot& d = depot();
+      std::lock_guard<std::mutex> lock(d.mu);
+      if (d.list.count < kDepotCap) return d.list.push(p);
+    }
+    ::operator delete(p);
+  }
+
+ private:
+  static constexpr size_t kLocalCap = 64;
+  static constexpr size_t kDepotCap = 1024;
+  struct List {
+    FreeBlock* head = nullptr;
+    size_t count = 0;
+    void* pop() {
+      FreeBlock* b = head;
+      head = b->next;
+      --count;
+      return b;
+    }
+    void push(void* p) {
+      auto* b = static_cast<FreeBlock*>(p);
+      b->next = head;
+      head = b;
+      ++count;
+    }
+  };
+  struct Local : List {
+    ~Local() {
+      dead_ = true;  // a block freed later on this thread goes back to the heap
+      while (this->head != nullptr) ::operator delete(this->pop());
+    }
+  };
+  struct Depot {
+    std::mutex mu;
+    List list;
+  };
+  static Local& local() {
+    static thread_local Local l;
+    return l;
+  }
+  static Depot& depot() {
+    static Depot* d = new Depot;  // never destroyed: blocks may be freed during exit
+    return *d;
+  }
+  static thread_local bool dead_;
+};
+template <size_t kBytes>
+thread_local bool PooledBlocks<kBytes>::dead_ = false;
+
+// The allocator allocate_shared uses for a Work or a Future (with its control block).
+template <typename T>
+struct PoolAllocator {
+  using value_type = T;
+  static constexpr size_t kBytes = (sizeof(T) + 63) / 64 * 64;
+  PoolAllocator() = default;
+  template <typename U>
+  PoolAllocator(const PoolAllocator<U>&) {}
+  T* allocate(size_t n) {
+    static_assert(alignof(T) <= alignof(std::max_align_t));
+    if (n != 1) return static_cast<T*>(::operator new(n * sizeof(T)));
+    return static_cast<T*>(PooledBlocks<kBytes>::get());
+  }
+  void deallocate(T* p, size_t n) {
+    if (n != 1) return ::operator delete(p);
+    PooledBlocks<kBytes>::put(p);
+  }
+  template <typename U>
+  bool operator==(const PoolAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const PoolAllocator<U>&) const { return false; }
+};
+
 // Note [Spin, then sleep]
 // A peer on this host usually answers within microseconds, and a futex sleep plus wake-up costs
 // several of them; so a rank with shared-memory peers spins (re-trying its transfers, yielding
@@ -228,7 +340,7 @@ void RingProcessGroup::abort() {
 }
 
 void RingProcessGroup::abort_with(std::exception_ptr cause) {
-  std::deque<std::unique_ptr<Op>> pending;
+  OpList pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (aborted_.load()) return;
@@ -254,32 +366,51 @@ void RingProcessGroup::abort_with(std::exception_ptr cause) {
 
 std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout, Fingerprint fp,
                                                 Run run) {
-  auto future = std::make_shared<Future>();
-  auto op = std::make_unique<Op>();
-  op->enqueued = Clock::now();
-  op->name = name;
-  op->timeout = effective(timeout);
-  op->future = future;
-  op->run = std::move(run);
+  return enqueue_impl(name, timeout, std::move(fp), &run, nullptr);
+}
+
+std::shared_ptr<Work> RingProcessGroup::enqueue_allreduce(Millis timeout, Fingerprint fp,
+                                                          AllreduceArgs args) {
+  return enqueue_impl("allreduce", timeout, std::move(fp), nullptr, &args);
+}
+
+std::shared_ptr<Work> RingProcessGroup::enqueue_impl(const char* name, Millis timeout,
+                                                     Fingerprint fp, Run* run,
+                                                     AllreduceArgs* args) {
+  // Note [Small operations]: pooled Future and Work, a recycled Op.
+  auto future = std::allocate_shared<Future>(PoolAllocator<Future>());
+  const auto enqueued = Clock::now();
   uint64_t seq;
   bool aborted, tell = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     TDIST_CHECK(!stop_, "the process group is being destroyed");
     seq = next_seq_++;
-    op->seq = seq;
     aborted = aborted_.load();
     if (!aborted) {
+      if (free_ops_.empty()) free_ops_.push_back(std::make_unique<Op>());
+      queue_.splice(queue_.end(), free_ops_, free_ops_.begin());
+      Op& op = *queue_.back();
+      op.enqueued = enqueued;
+      op.name = name;
+      op.seq = seq;
+      op.timeout = effective(timeout);
+      op.future = future;
+      if (args != nullptr) {
+        op.is_allreduce = true;
+        op.allreduce = std::move(*args);
+      } else {
+        op.run = std::move(*run);
+      }
       if (debug_detail_) {
         fp.op = name;
         fp.seq = seq;
-        op->fingerprint = std::move(fp);
+        op.fingerprint = std::move(fp);
       }
-      tell = op->worker_told = !lazy_;
-      queue_.push_back(std::move(op));
+      tell = op.worker_told = !lazy_;
     }
   }
-  auto work = std::make_shared<Work>(name, seq, future);
+  auto work = std::allocate_shared<Work>(PoolAllocator<Work>(), name, seq, future);
   if (aborted) {
     future->set_error(aborted_error(name, seq));
     return work;
@@ -341,7 +472,7 @@ bool RingProcessGroup::tell_worker_locked() {
 }
 
 void RingProcessGroup::progress(uint64_t seq, bool may_run_here) {
-  std::unique_ptr<Op> op;
+  OpList op;
   bool tell = false;
   Clock::time_point now;
   {
@@ -363,22 +494,21 @@ void RingProcessGroup::progress(uint64_t seq, bool may_run_here) {
       prompt_waits_ = 0;
     }
     if (may_run_here && !running_ && !stop_ && !queue_.empty() && queue_.front()->seq == seq) {
-      op = std::move(queue_.front());
-      queue_.pop_front();
+      op.splice(op.end(), queue_, queue_.begin());
       running_ = true;
     }
     // Outside lazy_ the worker knows every queued op; and if this one could not be taken here,
     // the worker must run it (after those ahead of it).
-    if (!lazy_ || !op) tell = tell_worker_locked();
+    if (!lazy_ || op.empty()) tell = tell_worker_locked();
   }
   if (tell) cv_.notify_one();
-  if (op) execute(*op, now);
+  if (!op.empty()) execute(op, now);
 }
 
 void RingProcessGroup::worker_loop() {
   int idle_rounds = 0;
   for (;;) {
-    std::unique_ptr<Op> op;
+    OpList op;
     {
       std::unique_lock<std::mutex> lock(mu_);
       for (;;) {
@@ -400,44 +530,63 @@ void RingProcessGroup::worker_loop() {
         }
       }
       idle_rounds = 0;
-      op = std::move(queue_.front());
-      queue_.pop_front();
-      if (!op->worker_told) {  // nobody claimed it within kLazyPickup: the caller is asynchronous
+      op.splice(op.end(), queue_, queue_.begin());
+      if (!op.front()->worker_told) {  // nobody claimed it within kLazyPickup: the caller is asynchronous
         lazy_ = false;
         prompt_waits_ = 0;
         tell_worker_locked();
       }
       running_ = true;
     }
-    execute(*op, Clock::now());
+    execute(op, Clock::now());
   }
 }
 
-void RingProcessGroup::finish_running() {
+void RingProcessGroup::finish_running(OpList& node) {
+  static constexpr size_t kFreeOpsCap = 16;
+  Op& op = *node.front();
+  op.future.reset();
+  op.fingerprint = Fingerprint{};
+  op.run = nullptr;
+  op.is_allreduce = false;
+  op.allreduce = AllreduceArgs{};  // the caller's tensors are not kept
+  op.worker_told = false;
   bool more;
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
     more = !queue_.empty() && queue_.front()->worker_told;
+    if (free_ops_.size() < kFreeOpsCap) free_ops_.splice(free_ops_.end(), node);
   }
   // The worker waits for running_ to clear when a waiter ran the operation.
   if (more) cv_.notify_one();
 }
 
-void RingProcessGroup::execute(Op& op, Clock::time_point now) {
+Future::Value RingProcessGroup::allreduce_op(algorithms::Context& c, const AllreduceArgs& a) const {
+  allreduce_flat(c, static_cast<char*>(a.work.data_ptr()), static_cast<size_t>(a.work.numel()),
+                 a.rs);
+  if (!a.work.is_same(a.orig)) a.orig.copy_(a.work);
+  return Future::Value{a.orig};
+}
+
+void RingProcessGroup::execute(OpList& node, Clock::time_point now) {
+  Op& op = *node.front();
+  const char* name = op.name;
+  const uint64_t seq = op.seq;
+  std::shared_ptr<Future> future = op.future;
   if (aborted_.load()) {
-    finish_running();
-    op.future->set_error(aborted_error(op.name, op.seq));
+    finish_running(node);
+    future->set_error(aborted_error(name, seq));
     return;
   }
   Future::Value value;
   std::exception_ptr error;
   try {
-    exchange_->begin(op.name, op.seq, now, deadline_after(op.timeout, now));
+    exchange_->begin(name, seq, now, deadline_after(op.timeout, now));
     if (debug_detail_) check_fingerprints(*exchange_, op.fingerprint);
     algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_, &peer_pids_,
                             window_bytes_};
-    value = op.run(ctx);
+    value = op.is_allreduce ? allreduce_op(ctx, op.allreduce) : op.run(ctx);
   } catch (const MismatchError&) {
     error = std::current_exception();
   } catch (...) {
@@ -445,19 +594,17 @@ void RingProcessGroup::execute(Op& op, Clock::time_point now) {
     // The byte streams are no longer in step (or a peer is gone): nothing later can succeed.
     abort_with(error);
   }
-  {
-    // Before completing: a caller that waited for this op may destroy the group at once, and
-    // must not find it busy.
-    finish_running();
-  }
+  // Before completing: a caller that waited for this op may destroy the group at once, and
+  // must not find it busy. The op's own references (its Run's captures, its tensors) go with it.
+  finish_running(node);
   try {
     if (error) {
-      op.future->set_error(error);
+      future->set_error(error);
     } else {
-      op.future->set_value(std::move(value));
+      future->set_value(std::move(value));
     }
   } catch (const std::exception& e) {
-    TDIST_LOG_ERROR("rank ", rank_, ": a continuation of ", op.name, " (seq ", op.seq,
+    TDIST_LOG_ERROR("rank ", rank_, ": a continuation of ", name, " (seq ", seq,
                     ") threw: ", e.what());
   }
 }

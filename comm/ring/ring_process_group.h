@@ -47,8 +47,8 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <deque>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -88,6 +88,9 @@ class RingProcessGroup final : public ProcessGroup {
   // The window the group agreed on (Note [Windows]).
   size_t window_bytes() const { return window_bytes_; }
   static constexpr uint64_t kNoSingleCopy = UINT64_MAX;
+  // What the last operation this group ran did on this rank (steps, bytes, wake-ups); read it
+  // once that operation completed and before the next starts.
+  Exchange::Counts last_counts() const { return exchange_->counts(); }
 
   std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
   std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;
@@ -126,29 +129,48 @@ class RingProcessGroup final : public ProcessGroup {
 
  private:
   using Run = std::function<Future::Value(algorithms::Context&)>;
+  // A plain allreduce's arguments, kept in the Op itself rather than captured by a Run (which
+  // would allocate): Note [Small operations] in ring_process_group.cpp.
+  struct AllreduceArgs {
+    at::Tensor orig;  // the caller's tensor
+    at::Tensor work;  // its contiguous host values (orig itself when it is one)
+    algorithms::ReduceSpec rs{};
+  };
   struct Op {
     const char* name;
     uint64_t seq;
     Millis timeout;
     std::shared_ptr<Future> future;
     Fingerprint fingerprint;
-    Run run;
+    Run run;                    // empty when `allreduce` is set
+    bool is_allreduce = false;  // run allreduce_op(allreduce) instead of run
+    AllreduceArgs allreduce;
     Clock::time_point enqueued;
     bool worker_told = false;  // guarded by mu_: the worker was notified of this op
   };
+  // Ops live in list nodes that move between queue_, the thread running them and free_ops_ by
+  // splicing, so a warm group queues an operation without allocating.
+  using OpList = std::list<std::unique_ptr<Op>>;
 
   // Queues a collective; returns its Work at once (already failed when the group is aborted).
   std::shared_ptr<Work> enqueue(const char* name, Millis timeout, Fingerprint fp, Run run);
+  // The same for a plain allreduce (no Run built).
+  std::shared_ptr<Work> enqueue_allreduce(Millis timeout, Fingerprint fp, AllreduceArgs args);
+  std::shared_ptr<Work> enqueue_impl(const char* name, Millis timeout, Fingerprint fp, Run* run,
+                                     AllreduceArgs* args);
+  Future::Value allreduce_op(algorithms::Context& c, const AllreduceArgs& a) const;
   std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag, Millis timeout);
   void worker_loop();
-  // `now`: when the operation starts (its deadline counts from it).
-  void execute(Op& op, Clock::time_point now);
+  // `now`: when the operation starts (its deadline counts from it). `node` holds the op alone;
+  // it goes back to free_ops_ before the op's future completes.
+  void execute(OpList& node, Clock::time_point now);
   // Note [Waiter runs the operation]: the Work's progress hook.
   void progress(uint64_t seq, bool may_run_here);
   // Notifies the worker of every queued op it was not told of; call with mu_ held, then
   // notify cv_ when it returns true.
   bool tell_worker_locked();
-  void finish_running();
+  // Clears running_ and takes back `node`'s op (its fields reset) into free_ops_.
+  void finish_running(OpList& node);
   void abort_with(std::exception_ptr cause);
   std::exception_ptr aborted_error(const char* name, uint64_t seq) const;
   Millis effective(Millis timeout) const { return timeout.count() < 0 ? opts_.timeout : timeout; }
@@ -245,7 +267,8 @@ class RingProcessGroup final : public ProcessGroup {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::unique_ptr<Op>> queue_;  // guarded by mu_
+  OpList queue_;                           // guarded by mu_
+  OpList free_ops_;                        // guarded by mu_: reset ops for later operations
   uint64_t next_seq_ = 0;                  // guarded by mu_
   bool running_ = false;                   // guarded by mu_: an op is executing (worker or waiter)
   bool lazy_ = false;                      // guarded by mu_: new ops are left for their waiter

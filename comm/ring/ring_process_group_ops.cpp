@@ -170,14 +170,16 @@ std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const Allre
     return s.finish(inner, {tensor});
   }
   Fingerprint fp = fingerprint(debug_detail_, &tensor, int(opts.op));
-  if (auto staged = allreduce_staged("allreduce", {tensor}, rs, opts.timeout, fp)) return staged;
-  Contig buf(tensor);
-  return enqueue("allreduce", opts.timeout, std::move(fp),
-                 [this, buf, rs](algo::Context& c) {
-                   allreduce_flat(c, buf.data(), buf.work.numel(), rs);
-                   buf.write_back();
-                   return Value{buf.orig};
-                 });
+  // Asked first so that a host tensor builds no list for allreduce_staged (Note [Small
+  // operations] in ring_process_group.cpp).
+  if (StagedTensors::wanted(tensor, size_, staging_piece_bytes_)) {
+    if (auto staged = allreduce_staged("allreduce", {tensor}, rs, opts.timeout, fp)) return staged;
+  }
+  AllreduceArgs args;
+  args.work = host_values(tensor);
+  args.orig = std::move(tensor);
+  args.rs = rs;
+  return enqueue_allreduce(opts.timeout, std::move(fp), std::move(args));
 }
 
 std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tensor> tensors,

@@ -364,7 +364,7 @@ std::shared_ptr<const IssueMark> StagedTensors::mark_issue(const std::vector<at:
   return std::make_shared<IssueMark>(dev);
 }
 
-bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes,
+bool StagedTensors::wanted(at::ArrayRef<at::Tensor> ts, int size, size_t piece_bytes,
                            bool once_dense) {
   if (size < 2 || ts.empty() || piece_bytes == 0) return false;
   const c10::Device dev = ts.front().device();
@@ -378,7 +378,7 @@ bool StagedTensors::wanted(const std::vector<at::Tensor>& ts, int size, size_t p
   return bytes >= 2 * piece_bytes;
 }
 
-bool StandIns::wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes) {
+bool StandIns::wanted(at::ArrayRef<at::Tensor> ts, int size, size_t piece_bytes) {
   return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return !dense(t); }) &&
          StagedTensors::wanted(ts, size, piece_bytes, /*once_dense=*/true);
 }

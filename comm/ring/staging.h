@@ -59,7 +59,7 @@ class StagedTensors final : public algorithms::Staging {
   // testing hook) without a conjugate or negative bit, of at least two pieces together, with a
   // peer. A piece size of 0 stages nothing this way. `once_dense`: whether it would, were every
   // tensor contiguous without those bits (Note [Strided device tensors]).
-  static bool wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes,
+  static bool wanted(at::ArrayRef<at::Tensor> ts, int size, size_t piece_bytes,
                      bool once_dense = false);
   // The default piece size (a group's ring.staging_piece_bytes or TDIST_STAGING_PIECE_BYTES
   // overrides it).
@@ -139,7 +139,7 @@ class StandIns {
  public:
   // Whether an operation over `size` ranks in pieces of `piece_bytes` would stage `ts` if they
   // were contiguous, and some are not.
-  static bool wanted(const std::vector<at::Tensor>& ts, int size, size_t piece_bytes);
+  static bool wanted(at::ArrayRef<at::Tensor> ts, int size, size_t piece_bytes);
   // A contiguous tensor with t's values (t itself when it is one).
   at::Tensor read(const at::Tensor& t);
   // Contiguous memory for t's new values, copied back into t at the end (t itself when it is
