@@ -19,6 +19,9 @@ constexpr uint32_t kMagic = 0x33504454;  // "TDP3"
 constexpr size_t kHeader = 32;
 constexpr int kMaxFrameIov = 32;
 
+// The eager credit a message of `bytes` costs (Note [Point-to-point protocol]).
+uint64_t eager_cost(uint64_t bytes) { return bytes + kHeader; }
+
 // Frame kinds (Note [Point-to-point protocol]).
 enum Kind : uint32_t { kEager = 1, kRts = 2, kCts = 3, kData = 4, kCredit = 5, kCancel = 6 };
 
@@ -143,6 +146,9 @@ void P2PEngine::fail_all(std::exception_ptr error) {
   recvs_.clear();
   unexpected_.clear();
   for (auto& st : state_) {
+    st.announced = 0;
+    for (auto& op : st.held) complete(std::move(op), -1, error);
+    st.held.clear();
     for (auto& f : st.out) complete(std::move(f.op), -1, error);
     st.out.clear();
     for (auto& [id, op] : st.awaiting_cts) complete(std::move(op), -1, error);
@@ -164,8 +170,12 @@ void P2PEngine::queue_control(int peer, uint32_t kind, uint32_t tag, uint64_t by
   st.out.push_back(std::move(f));
 }
 
+// An eager message of `bytes` from `peer` was consumed: its cost goes back to the peer.
 void P2PEngine::return_credit(int peer, uint64_t bytes) {
-  if (bytes > 0) queue_control(peer, kCredit, 0, bytes, 0);
+  auto& st = state_[peer];
+  const uint64_t cost = eager_cost(bytes);
+  st.eager_held -= std::min(st.eager_held, cost);
+  queue_control(peer, kCredit, 0, cost, 0);
 }
 
 void P2PEngine::start_send(std::unique_ptr<Op> op) {
@@ -176,8 +186,16 @@ void P2PEngine::start_send(std::unique_ptr<Op> op) {
     complete(std::move(op), peer, e);
     return;
   }
-  if (!op->payload && op->bytes <= kEagerMax && op->bytes <= st.credit) {
-    st.credit -= op->bytes;
+  // Behind a held send, a send waits too: messages of one tag match in the order they were sent.
+  if (!st.held.empty() || !try_send(peer, op)) st.held.push_back(std::move(op));
+}
+
+// Queues `op` (taking it) as EAGER or RTS; false, leaving `op`, when the peer already holds
+// kMaxAnnounced of this rank's announcements.
+bool P2PEngine::try_send(int peer, std::unique_ptr<Op>& op) {
+  auto& st = state_[peer];
+  if (!op->payload && op->bytes <= kEagerMax && eager_cost(op->bytes) <= st.credit) {
+    st.credit -= eager_cost(op->bytes);
     OutFrame f;
     encode_header(f.header, kEager, op->tag, op->bytes, 0);
     f.data = op->data;
@@ -185,11 +203,19 @@ void P2PEngine::start_send(std::unique_ptr<Op> op) {
     f.eager = true;
     f.op = std::move(op);
     st.out.push_back(std::move(f));
-    return;
+    return true;
   }
+  if (st.awaiting_cts.size() >= kMaxAnnounced) return false;
   const uint64_t id = st.next_id++;
   queue_control(peer, kRts, op->tag, op->bytes, id);
   st.awaiting_cts.emplace(id, std::move(op));
+  return true;
+}
+
+// Sends the held sends that now fit, in order.
+void P2PEngine::release_held(int peer) {
+  auto& st = state_[peer];
+  while (!st.held.empty() && !st.closed && try_send(peer, st.held.front())) st.held.pop_front();
 }
 
 bool P2PEngine::progress_send(int peer) {
@@ -244,6 +270,7 @@ void P2PEngine::start_recv(std::unique_ptr<Op> op) {
     if ((op->peer != -1 && op->peer != it->peer) || op->tag != it->tag) continue;
     Unexpected u = std::move(*it);
     unexpected_.erase(it);
+    if (!u.eager) --state_[u.peer].announced;
     deliver(u.peer, std::move(op), u.eager, u.bytes, u.id, &u.data);
     return;
   }
@@ -318,6 +345,13 @@ void P2PEngine::on_header(int peer) {
                                         st.bytes, " bytes (at most ", kEagerMax, " are allowed)"));
         return;
       }
+      if (st.eager_held + eager_cost(st.bytes) > kEagerCredit) {
+        broke_protocol(peer, str("it sent an eager message of ", st.bytes,
+                                 " bytes beyond its eager credit (", st.eager_held, " of ",
+                                 kEagerCredit, " bytes in use)"));
+        return;
+      }
+      st.eager_held += eager_cost(st.bytes);
       if (auto op = take_posted(peer, st.tag)) {
         if (op->bytes != st.bytes || op->payload) {
           // Dropped as it arrives; the credit goes back once it has been read. (A streamed
@@ -360,7 +394,11 @@ void P2PEngine::on_header(int peer) {
       st.header_got = 0;
       if (auto op = take_posted(peer, st.tag)) {
         deliver(peer, std::move(op), false, st.bytes, st.id, nullptr);
+      } else if (st.announced >= kMaxAnnounced) {
+        broke_protocol(peer, str("it announced more than ", kMaxAnnounced,
+                                 " messages that no receive has taken"));
       } else {
+        ++st.announced;
         unexpected_.push_back(Unexpected{peer, st.tag, st.bytes, st.id, false, {}});
       }
       return;
@@ -377,17 +415,21 @@ void P2PEngine::on_header(int peer) {
       f.op = std::move(it->second);
       st.awaiting_cts.erase(it);
       st.out.push_back(std::move(f));
+      release_held(peer);
       return;
     }
     case kCredit:
       st.header_got = 0;
-      st.credit += st.bytes;
+      // More than was spent is the peer's mistake; it never raises the credit above the start.
+      st.credit = kEagerCredit - std::min(kEagerCredit - st.credit, st.bytes);
+      release_held(peer);
       return;
     case kCancel: {
       st.header_got = 0;
       for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
         if (it->peer == peer && !it->eager && it->id == st.id) {
           unexpected_.erase(it);
+          --st.announced;
           return;
         }
       }
@@ -488,38 +530,60 @@ void P2PEngine::lost_peer(int peer, const std::string& cause) {
                                    " in the middle of a point-to-point message: ", cause));
     return;
   }
-  auto closed = [&](const Op& op) {
+  // Announced messages can no longer be fetched; whole eager ones stay deliverable.
+  unexpected_.remove_if([&](const Unexpected& u) { return u.peer == peer && !u.eager; });
+  close_pair(peer, [&](const Op& op) {
     return make_error<NetworkError>(where(op), ": rank ", peer, " closed its connection (", cause,
                                     ")");
-  };
+  });
+}
+
+// `peer` exceeded a limit of Note [Point-to-point protocol]: its connection is shut down and
+// what needs it fails; the rest of the group goes on (the stream to it is abandoned, so a frame
+// midway does not matter).
+void P2PEngine::broke_protocol(int peer, const std::string& what) {
+  auto& st = state_[peer];
+  const std::string cause = str("rank ", peer, " broke the point-to-point protocol: ", what);
+  TDIST_LOG_ERROR("rank ", rank_, ": ", cause, "; closing the connection to it");
+  st.closed = true;
+  st.header_got = 0;
+  st.target = nullptr;
+  st.stash.reset();
+  peers_[peer]->shutdown();
+  unexpected_.remove_if([&](const Unexpected& u) { return u.peer == peer; });
+  close_pair(peer, [&](const Op& op) {
+    return make_error<ProtocolError>(where(op), ": ", cause, " (its connection is closed)");
+  });
+}
+
+// Fails every operation bound to `peer` with error(op); its announcements are gone.
+void P2PEngine::close_pair(int peer,
+                           const std::function<std::exception_ptr(const Op&)>& error) {
+  auto& st = state_[peer];
+  st.announced = 0;
   for (auto it = recvs_.begin(); it != recvs_.end();) {
     if ((*it)->peer == peer) {
       auto op = std::move(*it);
       it = recvs_.erase(it);
-      auto e = closed(*op);
+      auto e = error(*op);
       complete(std::move(op), peer, e);
     } else {
       ++it;
     }
   }
-  // Announced messages can no longer be fetched; whole eager ones stay deliverable.
-  unexpected_.remove_if([&](const Unexpected& u) { return u.peer == peer && !u.eager; });
-  for (auto& [id, op] : st.bound) {
-    if (!op) continue;
-    auto e = closed(*op);
+  auto fail = [&](std::unique_ptr<Op>& op) {
+    if (!op) return;
+    auto e = error(*op);
     complete(std::move(op), peer, e);
-  }
+  };
+  fail(st.reading);
+  for (auto& [id, op] : st.bound) fail(op);
   st.bound.clear();
-  for (auto& [id, op] : st.awaiting_cts) {
-    auto e = closed(*op);
-    complete(std::move(op), peer, e);
-  }
+  for (auto& [id, op] : st.awaiting_cts) fail(op);
   st.awaiting_cts.clear();
-  for (auto& f : st.out) {
-    if (!f.op) continue;
-    auto e = closed(*f.op);
-    complete(std::move(f.op), peer, e);
-  }
+  for (auto& op : st.held) fail(op);
+  st.held.clear();
+  for (auto& f : st.out) fail(f.op);
   st.out.clear();
 }
 
@@ -562,6 +626,17 @@ void P2PEngine::expire(Clock::time_point now) {
       auto e = timeout_error(*op, "no matching receive was posted");
       complete(std::move(op), p, e);
     }
+    for (auto it = st.held.begin(); it != st.held.end();) {
+      if ((*it)->deadline > now) {
+        ++it;
+        continue;
+      }
+      auto op = std::move(*it);
+      it = st.held.erase(it);
+      auto e = timeout_error(*op, "the receiver did not take the messages sent before it");
+      complete(std::move(op), p, e);
+    }
+    release_held(p);
     for (size_t i = 0; i < st.out.size(); ++i) {
       OutFrame& f = st.out[i];
       if (!f.op || f.op->deadline > now) continue;
@@ -573,7 +648,7 @@ void P2PEngine::expire(Clock::time_point now) {
       }
       auto op = std::move(f.op);
       if (f.eager) {
-        st.credit += f.bytes;
+        st.credit += eager_cost(f.bytes);
       } else {
         queue_control(p, kCancel, op->tag, 0, f.id);  // the receiver waits for this DATA
       }
@@ -594,6 +669,7 @@ P2PEngine::Clock::time_point P2PEngine::next_deadline() const {
       if (op) d = std::min(d, op->deadline);
     }
     for (const auto& [id, op] : st.awaiting_cts) d = std::min(d, op->deadline);
+    for (const auto& op : st.held) d = std::min(d, op->deadline);
     for (const auto& f : st.out) {
       if (f.op) d = std::min(d, f.op->deadline);
     }

@@ -13,9 +13,16 @@
 //     DATA    the payload of `id`, only after its CTS;
 //     CREDIT  the receiver returns `bytes` of eager credit (the buffer they used is free);
 //     CANCEL  the sender gave up on `id` (its send timed out before the CTS came).
-//   Each rank starts with kEagerCredit bytes of credit toward every peer, so a receiver holds at
-//   most that many bytes of unexpected eager payload per peer; every other frame is a header,
-//   and the engine always reads every connection (no head-of-line blocking between tags).
+//   Each rank starts with kEagerCredit bytes of credit toward every peer; an eager message costs
+//   its payload and its 32-byte header (so empty messages count too), and CREDIT returns that
+//   cost. A sender keeps at most kMaxAnnounced messages announced (RTS) and not yet cleared
+//   (CTS) or cancelled per peer; later sends to that peer wait on the sender's side, in order.
+//   A receiver therefore holds at most kEagerCredit bytes of eager messages and kMaxAnnounced
+//   unmatched announcements per peer, and it enforces both: a peer that exceeds either broke the
+//   protocol, and its pair alone fails (its connection is shut down; the operations that need
+//   it fail with an error naming it and what it did; the rest of the group goes on). Every
+//   other frame is a header, and the engine always reads every connection (no head-of-line
+//   blocking between tags).
 //   Matching: a message (EAGER or RTS, in arrival order) goes to the first posted receive whose
 //   source is the sender or any and whose tag is equal; a receive posted later takes the first
 //   matching unexpected message in arrival order. Messages of one (source, tag) therefore match
@@ -85,9 +92,10 @@ class P2PEngine {
   P2PEngine(const P2PEngine&) = delete;
   P2PEngine& operator=(const P2PEngine&) = delete;
 
-  // Per-peer eager limits (Note [Point-to-point protocol]).
+  // Per-peer limits (Note [Point-to-point protocol]).
   static constexpr uint64_t kEagerMax = 64 * 1024;
   static constexpr uint64_t kEagerCredit = 256 * 1024;
+  static constexpr uint64_t kMaxAnnounced = 1024;  // RTS not yet cleared, per peer
 
   // `data` must stay valid until done runs. src = -1 receives from any rank.
   void send(const void* data, size_t bytes, int dst, uint32_t tag, Clock::time_point deadline,
@@ -141,9 +149,10 @@ class P2PEngine {
   struct PeerState {
     // Writing.
     std::deque<OutFrame> out;
-    uint64_t credit = 0;  // eager bytes this rank may still send to the peer
+    uint64_t credit = 0;  // eager credit this rank may still spend on the peer
     uint64_t next_id = 0;
     std::map<uint64_t, std::unique_ptr<Op>> awaiting_cts;  // RTS sent, by id
+    std::deque<std::unique_ptr<Op>> held;  // sends that wait for room under kMaxAnnounced
     bool stalled = false;  // the next bytes to write are a payload's that are not ready
     // Reading: the current frame.
     uint8_t header[32];
@@ -157,6 +166,10 @@ class P2PEngine {
     std::exception_ptr reading_error;          // completes `reading` with this (size mismatch)
     // Receives that sent a CTS and wait for the DATA, by id (null: drop the payload).
     std::map<uint64_t, std::unique_ptr<Op>> bound;
+    // What this rank holds of the peer's limits: eager credit not yet returned, and the peer's
+    // announcements in unexpected_.
+    uint64_t eager_held = 0;
+    uint64_t announced = 0;
     bool closed = false;
   };
 
@@ -164,6 +177,8 @@ class P2PEngine {
   void post(std::unique_ptr<Op> op);
   void wake();
   void start_send(std::unique_ptr<Op> op);
+  bool try_send(int peer, std::unique_ptr<Op>& op);
+  void release_held(int peer);
   void start_recv(std::unique_ptr<Op> op);
   void queue_control(int peer, uint32_t kind, uint32_t tag, uint64_t bytes, uint64_t id);
   void return_credit(int peer, uint64_t bytes);
@@ -176,6 +191,8 @@ class P2PEngine {
                std::vector<char>* data);
   void deliver_mismatch(int peer, std::unique_ptr<Op> op);
   void lost_peer(int peer, const std::string& cause);
+  void broke_protocol(int peer, const std::string& what);
+  void close_pair(int peer, const std::function<std::exception_ptr(const Op&)>& error);
   void expire(Clock::time_point now);
   Clock::time_point next_deadline() const;
   void complete(std::unique_ptr<Op> op, int source, std::exception_ptr error);

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <optional>
@@ -262,11 +263,29 @@ Listener::~Listener() {
 
 void Listener::shutdown() { ::shutdown(fd_, SHUT_RDWR); }
 
+// Out of descriptors (EMFILE: this process, ENFILE: the system), the connection stays queued:
+// it is accepted once one is free, so accept backs off (1 ms doubling to 100 ms) and retries
+// until its deadline rather than failing (issue 41, item 4). Logged like the store's refusals.
 int Listener::accept(Clock::time_point deadline) {
+  static std::atomic<int64_t> short_of_descriptors{0};
+  auto backoff = std::chrono::milliseconds(1);
   for (;;) {
     int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd >= 0) return fd;
     if (errno == EINTR || errno == ECONNABORTED) continue;
+    if (errno == EMFILE || errno == ENFILE) {
+      const int64_t n = short_of_descriptors.fetch_add(1) + 1;
+      if (n == 1 || n % 1000 == 0) {
+        TDIST_LOG_WARN("accept on ", host_port(host_, port_), ": ", errno_text(errno),
+                       "; the connection waits until a descriptor is free (", n,
+                       " times so far)");
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) return -1;
+      std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(100));
+      continue;
+    }
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       TDIST_THROW(NetworkError, "accept on ", host_port(host_, port_), " failed: ", errno_text(errno));
     }

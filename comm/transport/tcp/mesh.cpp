@@ -19,6 +19,9 @@ namespace {
 
 constexpr size_t kHelloFields = 1 + 4 + 8;  // channel, rank, group (Note [Mesh handshake])
 constexpr auto kHelloTimeout = std::chrono::seconds(10);
+// Connections in their handshake beyond the expected ones (Note [Mesh handshake]).
+constexpr size_t kMaxStrangers = 64;
+constexpr auto kMaxAcceptBackoff = std::chrono::milliseconds(100);
 
 std::string addr_key(int rank) { return str("addr/", rank); }
 
@@ -99,7 +102,7 @@ void Mesh::connect_lower(Store& store, uint64_t group, const std::string& token,
 // Accepts the higher ranks' connections. Hellos are read from every accepted connection at once
 // (one poll over the listener and the connections still in their handshake), so a stranger that
 // connects and sends nothing (or trickles) holds up no one: it costs one connection until its own
-// 10 s pass, then one log line.
+// 10 s pass, or until it is the oldest when the list is full or descriptors run out.
 void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_point deadline,
                          net::Listener& listener) {
   struct Pending {
@@ -109,12 +112,26 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
     size_t got = 0;
     Clock::time_point until;
   };
-  std::vector<Pending> pending;
+  std::vector<Pending> pending;  // in the order they were accepted
   int expected = (size_ - 1 - rank_) * channels_;
+  const size_t max_pending = static_cast<size_t>(expected) + kMaxStrangers;
+  int64_t rejected = 0;
+  // Logged like the store's refusals: the first ten, then every thousandth.
+  const auto note_rejected = [&](const std::string& why) {
+    ++rejected;
+    if (rejected <= 10 || rejected % 1000 == 0) {
+      TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ", why,
+                     " (", rejected, " rejected so far)");
+    }
+  };
   const auto reject = [&](size_t i, const std::string& why) {
-    TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ", why);
+    note_rejected(why);
     pending.erase(pending.begin() + static_cast<long>(i));
   };
+  // While the process is out of descriptors and none is ours to free, the listener rests.
+  auto listen_again = Clock::time_point::min();
+  auto backoff = std::chrono::milliseconds(1);
+  bool warned_short = false;
   while (expected > 0) {
     const auto now = Clock::now();
     if (now >= deadline) {
@@ -134,7 +151,9 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
       if (now >= pending[i].until) reject(i, "the handshake was not over within 10 s");
     }
     auto wake = deadline;
-    std::vector<pollfd> fds{{listener.fd(), POLLIN, 0}};
+    const bool listening = now >= listen_again;
+    if (!listening) wake = std::min(wake, listen_again);
+    std::vector<pollfd> fds{{listener.fd(), static_cast<short>(listening ? POLLIN : 0), 0}};
     for (const auto& p : pending) {
       fds.push_back({p.conn->fd(), POLLIN, 0});
       wake = std::min(wake, p.until);
@@ -187,24 +206,44 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
         --expected;
       }
     }
-    if (fds[0].revents != 0) {
-      int fd = listener.accept(Clock::now());
-      if (fd >= 0) {
-        Connection::configure(fd);
-        Pending p{std::make_unique<Connection>(fd, -1),
-                  net::ServerHandshake(token, net::Service::kMesh),
-                  Bytes(net::hello_bytes(kHelloFields)), 0, Clock::now() + kHelloTimeout};
-        try {
-          const Bytes& challenge = p.handshake.challenge();
-          net::write_all(fd, challenge.data(), challenge.size(), p.until,
-                         "the handshake challenge");
-          pending.push_back(std::move(p));
-        } catch (const Error& e) {
-          TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ",
-                         e.what());
+    if (fds[0].revents == 0) continue;
+    int fd = listener.accept(Clock::now());
+    if (fd < 0) {
+      // A connection waits but could not be taken: this process is out of descriptors
+      // (net::Listener::accept). Free one by dropping the oldest connection in its handshake (an
+      // honest rank answers its challenge at once); with none to drop, rest a while.
+      if (!pending.empty()) {
+        reject(0, "dropped to free a descriptor: this process is out of file descriptors");
+      } else {
+        if (!warned_short) {
+          warned_short = true;
+          TDIST_LOG_WARN("rank ", rank_, ": out of file descriptors while building the mesh; ",
+                         "waiting for one to accept the next connection");
         }
+        listen_again = Clock::now() + backoff;
+        backoff = std::min<std::chrono::milliseconds>(backoff * 2, kMaxAcceptBackoff);
       }
+      continue;
     }
+    backoff = std::chrono::milliseconds(1);
+    if (pending.size() >= max_pending) {
+      reject(0, str("dropped the oldest connection in its handshake (at most ", max_pending,
+                    " may wait: the ranks expected and ", kMaxStrangers, " more)"));
+    }
+    Connection::configure(fd);
+    Pending p{std::make_unique<Connection>(fd, -1), net::ServerHandshake(token, net::Service::kMesh),
+              Bytes(net::hello_bytes(kHelloFields)), 0, Clock::now() + kHelloTimeout};
+    try {
+      const Bytes& challenge = p.handshake.challenge();
+      net::write_all(fd, challenge.data(), challenge.size(), p.until, "the handshake challenge");
+      pending.push_back(std::move(p));
+    } catch (const Error& e) {
+      note_rejected(e.what());
+    }
+  }
+  if (rejected > 10) {
+    TDIST_LOG_WARN("rank ", rank_, ": rejected ", rejected,
+                   " connections in all while building the mesh");
   }
 }
 

@@ -18,8 +18,14 @@
 //      handshake on all of them at once (one poll loop): a stranger that connects and says
 //      nothing, or trickles, holds up no one and is dropped after 10 s. It checks the MAC (the
 //      token), the group, the rank (above r, in range) and the channel (not yet connected). A
-//      connection that fails any check is closed without an answer and logged; the rank keeps
-//      accepting until the deadline.
+//      connection that fails any check is closed without an answer and logged (the first ten
+//      and every thousandth, as the store does); the rank keeps accepting until the deadline.
+//      At most the expected connections plus 64 wait in their handshake: the oldest is dropped
+//      for a newer one, and for a descriptor when the process runs out of them (EMFILE/ENFILE;
+//      with none to drop, the rank waits 1 ms doubling to 100 ms and accepts again), so a flood
+//      of strangers costs a bounded number of descriptors and never fails the group's creation.
+//      An honest rank answers its challenge at once, so it is seldom the oldest; a flood fast
+//      enough to drop it anyway fails that rank's creation with "connection closed by the peer".
 // Every step is bounded by one deadline; a TimeoutError names the ranks that did not show up.
 //
 // Thread safety: built by one thread; afterwards connections are used as documented in
