@@ -46,7 +46,7 @@ TEST(P2P, TagsMatchOutOfOrderAndLargeMessagesCross) {
     }
     // Rank 0's eager sends complete once written; destroying its group before rank 1 has read
     // them can reset the connection under rank 1's unread bytes (the engine closes without
-    // draining: Note [Point-to-point protocol]), so both finish together.
+    // draining what its peer still writes, e.g. credit), so both finish together.
     pg->barrier()->wait();
   });
 }
