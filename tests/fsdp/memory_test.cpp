@@ -160,19 +160,20 @@ TDIST_TEST_CHILD(fsdp_allocator_memory_child) {
   torch::set_num_threads(1);
   auto pg = env_process_group(std::chrono::seconds(30));
   auto x = torch::randn({4, 256});
-  auto measure = [&](const std::function<void(Wide&)>& train, const char* name) {
+  // train(net, record): record() runs after the steps, while the model and optimizer live.
+  using Record = std::function<void()>;
+  auto measure = [&](const std::function<void(Wide&, const Record&)>& train, const char* name) {
     const int64_t before = cpu_memory_stats().allocated_bytes;
     reset_peak_cpu_memory();
-    {
-      torch::manual_seed(0);
-      Wide net;
-      train(net);
+    torch::manual_seed(0);
+    Wide net;
+    train(net, [&] {
       const CpuMemoryStats s = cpu_memory_stats();
       std::cout << "MEMORY " << name << " " << s.allocated_bytes - before << " "
                 << s.peak_bytes - before << std::endl;
-    }
+    });
   };
-  measure([&](Wide& net) {
+  measure([&](Wide& net, const Record& record) {
     std::vector<std::shared_ptr<torch::nn::Module>> units;
     for (auto& l : net->layers) units.push_back(l.ptr());
     auto model = fsdp::fully_shard(net, units, pg);
@@ -182,8 +183,9 @@ TDIST_TEST_CHILD(fsdp_allocator_memory_child) {
       model(x).square().mean().backward();
       opt.step();
     }
+    record();
   }, "fsdp");
-  measure([&](Wide& net) {
+  measure([&](Wide& net, const Record& record) {
     ddp::DDPOptions opts;
     opts.gradient_as_bucket_view = true;
     ddp::DistributedDataParallel<Wide> model(net, pg, opts);
@@ -193,6 +195,7 @@ TDIST_TEST_CHILD(fsdp_allocator_memory_child) {
       model(x).square().mean().backward();
       opt.step();
     }
+    record();
   }, "ddp");
   return 0;
 }
