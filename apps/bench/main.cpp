@@ -26,6 +26,8 @@ const SelfContained kSelfContained[] = {
      tdist::bench::run_net_bench},
     {"pipeline", "pipeline schedules: samples/s and measured vs analytic bubble",
      tdist::bench::run_pipeline_bench},
+    {"fsdp", "sharded data parallel: tdist fsdp and DDP vs PyTorch FSDP2 and DDP (GPT, Adam, CPU)",
+     tdist::bench::run_fsdp_bench},
 };
 
 }  // namespace

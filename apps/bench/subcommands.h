@@ -7,6 +7,7 @@
 //                                 DistributedOptimizer vs torch.distributed.autograd
 //   net         (net.cpp)         POSIX, poll and Boost.Asio I/O on each stack's traffic
 //   pipeline    (pipeline.cpp)    a pipeline's samples/s and measured vs analytic bubble
+//   fsdp        (fsdp.cpp)        tdist fsdp and DDP (tdist-train) vs PyTorch FSDP2 and DDP
 // What they share is in common.h (all) and two_workers.h (rpc and autograd).
 #include <CLI/CLI.hpp>
 
@@ -23,5 +24,6 @@ int run_rpc_bench(int argc, char** argv);
 int run_autograd_bench(int argc, char** argv);
 int run_net_bench(int argc, char** argv);
 int run_pipeline_bench(int argc, char** argv);
+int run_fsdp_bench(int argc, char** argv);
 
 }  // namespace tdist::bench

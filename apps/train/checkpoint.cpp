@@ -47,9 +47,12 @@ double read_double(torch::serialize::InputArchive& ar, const char* key) {
 
 std::string checkpoint_path(const std::string& dir) { return dir + "/" + kCheckpointFile; }
 
-void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
-                     const torch::optim::Optimizer& optimizer, const TrainState& state,
-                     const std::string& fingerprint) {
+namespace {
+
+// model and optimizer null: they are in the sharded checkpoint state.sharded_subdir names.
+void save(const std::string& dir, const torch::nn::Module* model,
+          const torch::optim::Optimizer* optimizer, const TrainState& state,
+          const std::string& fingerprint) {
   TDIST_CHECK_ARG(fingerprint.size() <= kMaxFingerprint, "checkpoint fingerprint of ",
                   fingerprint.size(), " bytes exceeds ", kMaxFingerprint);
   torch::serialize::OutputArchive archive;
@@ -60,12 +63,16 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   archive.write("last_loss", c10::IValue(state.last_loss));
   archive.write("last_train_accuracy", c10::IValue(state.last_train_accuracy));
   if (state.rng_state.defined()) archive.write("rng_state", state.rng_state);
-  torch::serialize::OutputArchive model_archive;
-  model.save(model_archive);
-  archive.write("model", model_archive);
-  torch::serialize::OutputArchive optimizer_archive;
-  optimizer.save(optimizer_archive);
-  archive.write("optimizer", optimizer_archive);
+  if (model != nullptr) {
+    torch::serialize::OutputArchive model_archive;
+    model->save(model_archive);
+    archive.write("model", model_archive);
+    torch::serialize::OutputArchive optimizer_archive;
+    optimizer->save(optimizer_archive);
+    archive.write("optimizer", optimizer_archive);
+  } else {
+    archive.write("sharded", c10::IValue(state.sharded_subdir));
+  }
   std::ostringstream archive_bytes;
   archive.save_to(archive_bytes);
   const std::string body = archive_bytes.str();
@@ -79,6 +86,20 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
   write_file_atomically(checkpoint_path(dir),
                         {std::string_view(reinterpret_cast<const char*>(head.data()), head.size()),
                          std::string_view(body)});
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
+                     const torch::optim::Optimizer& optimizer, const TrainState& state,
+                     const std::string& fingerprint) {
+  save(dir, &model, &optimizer, state, fingerprint);
+}
+
+void save_training_state(const std::string& dir, const TrainState& state,
+                         const std::string& fingerprint) {
+  TDIST_CHECK_ARG(!state.sharded_subdir.empty(), "save_training_state: no sharded_subdir");
+  save(dir, nullptr, nullptr, state, fingerprint);
 }
 
 std::optional<std::vector<char>> read_checkpoint_file(const std::string& dir) {
@@ -120,9 +141,11 @@ std::optional<std::vector<char>> share_checkpoint(comm::ProcessGroup& pg,
   return root ? bytes : std::optional<std::vector<char>>(std::move(out));
 }
 
-TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& model,
-                           torch::optim::Optimizer& optimizer, const std::string& fingerprint,
-                           c10::Device device) {
+namespace {
+
+TrainState load(const std::vector<char>& bytes, torch::nn::Module* model,
+                torch::optim::Optimizer* optimizer, const std::string& fingerprint,
+                c10::Device device) {
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   wire::Reader r(data, bytes.size());
   std::string saved;
@@ -163,14 +186,30 @@ TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& mo
     state.last_train_accuracy = read_double(archive, "last_train_accuracy");
     at::Tensor rng;
     if (archive.try_read("rng_state", rng)) state.rng_state = rng.to(at::kCPU);
-    torch::serialize::InputArchive model_archive;
-    archive.read("model", model_archive);
-    model.load(model_archive);
-    torch::serialize::InputArchive optimizer_archive;
-    archive.read("optimizer", optimizer_archive);
-    optimizer.load(optimizer_archive);
+    c10::IValue sharded;
+    const bool is_sharded = archive.try_read("sharded", sharded);
+    if (is_sharded != (model == nullptr)) {
+      throw InvalidArgument(
+          is_sharded ? "the checkpoint was written under --strategy fsdp or hsdp (its model and "
+                       "optimizer are sharded); resume it with one of those"
+                     : "the checkpoint was written under --strategy ddp (it holds the whole "
+                       "model and optimizer); resume it with --strategy ddp");
+    }
+    if (is_sharded) {
+      TDIST_CHECK(sharded.isString() && !sharded.toStringRef().empty() &&
+                      sharded.toStringRef().find('/') == std::string::npos,
+                  "checkpoint entry 'sharded' is not the name of a subdirectory");
+      state.sharded_subdir = sharded.toStringRef();
+    } else {
+      torch::serialize::InputArchive model_archive;
+      archive.read("model", model_archive);
+      model->load(model_archive);
+      torch::serialize::InputArchive optimizer_archive;
+      archive.read("optimizer", optimizer_archive);
+      optimizer->load(optimizer_archive);
+    }
   } catch (const Error&) {
-    throw;  // read_int / read_double: an entry of the wrong type
+    throw;  // read_int / read_double: an entry of the wrong type; InvalidArgument
   } catch (const c10::Error& e) {
     TDIST_THROW(Error, "the checkpoint is not readable: ", e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -179,6 +218,18 @@ TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& mo
     TDIST_THROW(Error, "the checkpoint is not readable: ", e.what());
   }
   return state;
+}
+
+}  // namespace
+
+TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& model,
+                           torch::optim::Optimizer& optimizer, const std::string& fingerprint,
+                           c10::Device device) {
+  return load(bytes, &model, &optimizer, fingerprint, device);
+}
+
+TrainState load_training_state(const std::vector<char>& bytes, const std::string& fingerprint) {
+  return load(bytes, nullptr, nullptr, fingerprint, c10::Device(c10::kCPU));
 }
 
 }  // namespace tdist::train

@@ -25,6 +25,17 @@
 //  5. The sampler position (epoch, samples of it consumed) and the step determine the next
 //     batch on every rank; with the RNG state restored, a run resumed at the same world size
 //     computes exactly the steps the interrupted one would have.
+//  6. --strategy fsdp and hsdp: no rank holds the whole model or optimizer, so they go into a
+//     sharded checkpoint (tdist/fsdp/checkpoint.h: every rank writes its shards, and it loads
+//     at any world or shard size) in the subdirectory sharded-<step> of the directory, written
+//     by every rank (a collective that ends once all succeeded); then rank 0 writes
+//     checkpoint.pt as in 1-4 with the training state and that subdirectory's name instead of
+//     the model and optimizer (save_training_state), and removes the other sharded-*
+//     subdirectories. A crash before the rename leaves the previous checkpoint.pt and the
+//     subdirectory it names. Resume shares checkpoint.pt as in 3 (load_training_state), wraps
+//     the model, then every rank loads the sharded checkpoint it names (so the directory must
+//     be readable by every rank: a shared file system, or one machine). A checkpoint of ddp is
+//     refused under fsdp or hsdp and the other way round (InvalidArgument naming the strategy).
 //
 // Plain functions, blocking (file I/O; share_checkpoint is a collective).
 
@@ -58,6 +69,9 @@ struct TrainState {
   at::Tensor rng_state;        // libtorch's default CPU generator (undefined: leave it)
   double last_loss = -1;       // the last reported training loss (negative: none yet)
   double last_train_accuracy = -1;
+  // fsdp, hsdp: the subdirectory of the checkpoint directory with the sharded model and
+  // optimizer (Note [Checkpoint protocol] 6); empty: checkpoint.pt holds them.
+  std::string sharded_subdir;
 };
 
 inline constexpr const char* kCheckpointFile = "checkpoint.pt";
@@ -69,6 +83,11 @@ std::string checkpoint_path(const std::string& dir);
 void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
                      const torch::optim::Optimizer& optimizer, const TrainState& state,
                      const std::string& fingerprint);
+
+// Rank 0 under fsdp or hsdp: writes checkpoint.pt with `state` (whose sharded_subdir must be
+// set) and no model or optimizer (Note [Checkpoint protocol] 6), atomically as save_checkpoint.
+void save_training_state(const std::string& dir, const TrainState& state,
+                         const std::string& fingerprint);
 
 // Rank 0: the bytes of <dir>/checkpoint.pt, or nullopt when there is none.
 std::optional<std::vector<char>> read_checkpoint_file(const std::string& dir);
@@ -88,5 +107,10 @@ std::optional<std::vector<char>> share_checkpoint(comm::ProcessGroup& pg,
 TrainState load_checkpoint(const std::vector<char>& bytes, torch::nn::Module& model,
                            torch::optim::Optimizer& optimizer, const std::string& fingerprint,
                            c10::Device device = c10::Device(c10::kCPU));
+
+// The training state of a checkpoint save_training_state wrote (its sharded_subdir names the
+// sharded checkpoint), with load_checkpoint's checks. InvalidArgument also when the checkpoint
+// holds a whole model (written under ddp); load_checkpoint refuses a sharded one likewise.
+TrainState load_training_state(const std::vector<char>& bytes, const std::string& fingerprint);
 
 }  // namespace tdist::train

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <thread>
@@ -20,12 +21,14 @@
 #include "apps/train/checkpoint.h"
 #include "apps/train/progress.h"
 #include "tdist/core/atomic_file.h"
+#include "tdist/core/cpu_memory.h"
 #include "tdist/core/hash.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/hash_store.h"
 #include "tdist/core/logging.h"
 #include "tdist/ddp/distributed_data_parallel.h"
+#include "tdist/fsdp/checkpoint.h"
 #include "tdist/fsdp/fully_shard.h"
 #include "tdist/fsdp/zero_redundancy_optimizer.h"
 
@@ -240,6 +243,9 @@ struct MemoryUse {
   int64_t gradient_bytes = 0;
   int64_t optimizer_state_bytes = 0;
   int64_t peak_rss_bytes = 0;  // the process's peak resident set (getrusage): everything
+  // The most bytes of CPU tensors held at once since the model was built, less those held just
+  // before (the data): from the counting allocator (core/cpu_memory.h). -1 on a GPU.
+  int64_t peak_allocated_bytes = -1;
 };
 
 int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
@@ -350,9 +356,9 @@ void validate(const TrainOptions& o) {
     bad("--mixed-precision must be none or bf16 (got '" + o.mixed_precision + "')");
   if (o.mixed_precision != "none" && !o.sharded())
     bad("--mixed-precision applies to --strategy fsdp or hsdp only");
-  if (o.strategy != "ddp" && !o.checkpoint_dir.empty())
-    bad("--checkpoint-dir: tdist-train writes checkpoints for --strategy ddp only (not " +
-        o.strategy + ": its sharded optimizer state has no checkpoint format here yet)");
+  if (o.strategy == "zero1" && !o.checkpoint_dir.empty())
+    bad("--checkpoint-dir: tdist-train writes checkpoints for --strategy ddp, fsdp and hsdp, not "
+        "zero1 (ZeroRedundancyOptimizer's sharded state has no checkpoint format yet)");
   if (o.sharded() && o.comm_hook != "allreduce")
     bad("--comm-hook is DDP's: it applies to --strategy ddp or zero1, not " + o.strategy);
   if (!o.sharded() && !o.reshard_after_forward)
@@ -443,6 +449,7 @@ class Trainer {
   int64_t measured_steps_ = 0;  // steps after the warm-up ones: the summary's samples_per_sec
   double measured_s_ = 0;
   Window window_;
+  int64_t allocated_before_model_ = 0;  // CPU tensor bytes held when the model was built
 };
 
 Trainer::Trainer(const TrainOptions& o) : o_(o) {
@@ -469,6 +476,8 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   // The model is initialised on the host and then moved: the same seed gives the same initial
   // parameters on every device.
   torch::manual_seed(o.seed);
+  reset_peak_cpu_memory();
+  allocated_before_model_ = cpu_memory_stats().allocated_bytes;
   model_ = build_train_model(o.model);
   model_->to(o.device);
   if (o.strategy == "ddp") optimizer_ = make_optimizer(o, model_->parameters());
@@ -498,7 +507,10 @@ void Trainer::resume() {
     progress_->note(str("no checkpoint in ", o_.checkpoint_dir, ": starting from step 0"));
     return;
   }
-  state_ = load_checkpoint(*shared, *model_, *optimizer_, fingerprint_, o_.device);
+  // Under fsdp and hsdp the model and optimizer are loaded from the sharded checkpoint once
+  // start_training() has wrapped the model (Note [Checkpoint protocol] 6).
+  state_ = o_.sharded() ? load_training_state(*shared, fingerprint_)
+                        : load_checkpoint(*shared, *model_, *optimizer_, fingerprint_, o_.device);
   const int64_t n = data_.train->size();
   if (state_.step < 0 || state_.epoch < 0 || state_.epoch_position < 0 ||
       state_.epoch_position > n) {
@@ -544,6 +556,11 @@ void Trainer::start_training() {
     sharded_ =
         std::make_unique<ShardedModel>(fsdp::fully_shard(model_, model_->units(), pg_, fopts));
     optimizer_ = make_optimizer(o_, sharded_->parameters());
+    if (!state_.sharded_subdir.empty()) {  // resumed (Note [Checkpoint protocol] 6)
+      const std::string dir = o_.checkpoint_dir + "/" + state_.sharded_subdir;
+      fsdp::load_sharded_checkpoint(dir, *sharded_, optimizer_.get());
+      progress_->note(str("loaded the sharded model and optimizer from ", dir));
+    }
     // No gradient watch: the sharded gradients are written at the end of backward, not by
     // autograd, so comm_wait_ms stays 0 under fsdp.
   } else {
@@ -601,15 +618,17 @@ MemoryUse Trainer::measure_memory() const {
   m.optimizer_state_bytes = static_cast<int64_t>(
       zero_ ? zero_->local_state_bytes() : fsdp::optimizer_state_bytes(*optimizer_));
   m.peak_rss_bytes = peak_rss_bytes();
+  if (!o_.device.is_cuda()) m.peak_allocated_bytes = cpu_memory_stats().peak_bytes - allocated_before_model_;
   return m;
 }
 
 std::vector<MemoryUse> Trainer::memory_per_rank(const MemoryUse& mine) const {
-  at::Tensor all = at::zeros({world_, 4}, at::kDouble);
+  at::Tensor all = at::zeros({world_, 5}, at::kDouble);
   all[rank_].copy_(at::tensor({static_cast<double>(mine.parameter_bytes),
                            static_cast<double>(mine.gradient_bytes),
                            static_cast<double>(mine.optimizer_state_bytes),
-                           static_cast<double>(mine.peak_rss_bytes)}, at::kDouble));
+                           static_cast<double>(mine.peak_rss_bytes),
+                           static_cast<double>(mine.peak_allocated_bytes)}, at::kDouble));
   comm::AllreduceOptions aopts;
   aopts.timeout = timeout_;
   pg_->allreduce(all, aopts)->wait();
@@ -619,7 +638,8 @@ std::vector<MemoryUse> Trainer::memory_per_rank(const MemoryUse& mine) const {
     out[r] = MemoryUse{static_cast<int64_t>(row[0].item<double>()),
                        static_cast<int64_t>(row[1].item<double>()),
                        static_cast<int64_t>(row[2].item<double>()),
-                       static_cast<int64_t>(row[3].item<double>())};
+                       static_cast<int64_t>(row[3].item<double>()),
+                       static_cast<int64_t>(row[4].item<double>())};
   }
   return out;
 }
@@ -731,7 +751,24 @@ EvalResult Trainer::evaluate_now() {
 void Trainer::save() {
   state_.rng_state = rng_state();
   state_.world_size = world_;
-  if (rank_ == 0) save_checkpoint(o_.checkpoint_dir, *model_, *optimizer_, state_, fingerprint_);
+  if (sharded_) {
+    // Note [Checkpoint protocol] 6: every rank's shards, then rank 0's checkpoint.pt naming them.
+    state_.sharded_subdir = "sharded-" + std::to_string(state_.step);
+    fsdp::save_sharded_checkpoint(o_.checkpoint_dir + "/" + state_.sharded_subdir, *sharded_,
+                                  optimizer_.get());
+    if (rank_ == 0) {
+      save_training_state(o_.checkpoint_dir, state_, fingerprint_);
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator(o_.checkpoint_dir, ec)) {
+        const std::string name = e.path().filename().string();
+        if (name.rfind("sharded-", 0) == 0 && name != state_.sharded_subdir) {
+          std::filesystem::remove_all(e.path(), ec);  // an older checkpoint's: best effort
+        }
+      }
+    }
+  } else if (rank_ == 0) {
+    save_checkpoint(o_.checkpoint_dir, *model_, *optimizer_, state_, fingerprint_);
+  }
   saved_step_ = state_.step;
 }
 
@@ -740,14 +777,17 @@ void Trainer::finish() {
   if (!o_.checkpoint_dir.empty() && saved_step_ != state_.step) save();
   const std::vector<MemoryUse> memory = memory_per_rank(measure_memory());
   const EvalResult final_eval = evaluate_now();
-  std::string mem_line = "memory per rank (parameters + gradients + optimizer state; peak RSS):";
+  std::string mem_line =
+      "memory per rank (parameters + gradients + optimizer state; peak RSS; peak of tensors):";
   for (int r = 0; r < world_; ++r) {
     const MemoryUse& m = memory[static_cast<size_t>(r)];
     mem_line += str(r ? "," : "", " rank ", r, " ",
                     format_mb(m.parameter_bytes), " + ", format_mb(m.gradient_bytes), " + ",
                     format_mb(m.optimizer_state_bytes), " = ",
                     format_mb(m.parameter_bytes + m.gradient_bytes + m.optimizer_state_bytes),
-                    " MB; ", format_mb(m.peak_rss_bytes), " MB");
+                    " MB; ", format_mb(m.peak_rss_bytes), " MB; ",
+                    m.peak_allocated_bytes >= 0 ? format_mb(m.peak_allocated_bytes) + " MB"
+                                                : std::string("-"));
   }
   progress_->note(mem_line);
   progress_->finish();
@@ -814,7 +854,10 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
     mem.push_back({{"parameter_bytes", m.parameter_bytes},
                    {"gradient_bytes", m.gradient_bytes},
                    {"optimizer_state_bytes", m.optimizer_state_bytes},
-                   {"peak_rss_bytes", m.peak_rss_bytes}});
+                   {"peak_rss_bytes", m.peak_rss_bytes},
+                   {"peak_allocated_bytes", m.peak_allocated_bytes >= 0
+                                                ? nlohmann::json(m.peak_allocated_bytes)
+                                                : nlohmann::json(nullptr)}});
   }
   s["memory_per_rank"] = mem;
   // core/atomic_file.h: a fresh 0600 temporary file (never one planted at its name), renamed.
@@ -827,6 +870,7 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
 void run_training(const TrainOptions& o) {
   validate(o);
   if (o.threads > 0) at::set_num_threads(o.threads);
+  track_cpu_memory();  // the summary's peak_allocated_bytes
   Trainer trainer(o);
   if (o.resume) trainer.resume();
   trainer.start_training();

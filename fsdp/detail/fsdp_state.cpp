@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -32,12 +33,6 @@ struct Registry {
 Registry& registry() {
   static Registry* r = new Registry();  // never destroyed: states may outlive static teardown
   return *r;
-}
-
-std::unordered_set<const Module*> descendants(const Module& m) {
-  std::unordered_set<const Module*> out;
-  for (const auto& child : m.modules(/*include_self=*/false)) out.insert(child.get());
-  return out;
 }
 
 }  // namespace
@@ -174,23 +169,36 @@ void FSDPState::build(const std::vector<std::shared_ptr<Module>>& units) {
     std::vector<at::Tensor> params;
     std::vector<std::string> names;
   };
+  std::unordered_set<const Module*> unit_set;
+  for (const auto& u : units) unit_set.insert(u.get());
+  // The parameters of m's own modules: m and its submodules but for the units inside it (and
+  // theirs), which claimed their parameters before m. One already claimed by another unit is
+  // shared by two units (a tied weight): each would free it while the other may be using it.
   auto claim = [&](const Module& m, const std::string& name, const std::string& prefix) {
     Claim c{name, &m, {}, {}};
-    const auto inside = descendants(m);
-    for (const auto& item : m.named_parameters(/*recurse=*/true)) {
-      const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
-      auto it = owner.find(impl);
-      if (it != owner.end()) {
-        if (it->second == &m || inside.count(it->second)) continue;  // tied inside, or inner unit
-        TDIST_THROW(InvalidArgument, "fully_shard: parameter ", prefix, item.key(),
-                    " is shared by units ", path[it->second], " and ", name,
-                    "; a parameter shared by two units (tied weights) is not supported yet: make "
-                    "one unit that contains both users");
+    std::function<void(const Module&, const std::string&)> visit = [&](const Module& mod,
+                                                                       const std::string& at) {
+      for (const auto& item : mod.named_parameters(/*recurse=*/false)) {
+        const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
+        auto it = owner.find(impl);
+        if (it != owner.end()) {
+          if (it->second == &m) continue;  // tied inside this unit: one parameter of its group
+          TDIST_THROW(InvalidArgument, "fully_shard: parameter ", prefix, at, item.key(),
+                      " is shared by units ", path[it->second], " and ", name,
+                      "; a parameter shared by two units (tied weights) is not supported: make "
+                      "one unit that contains every module using it (e.g. keep a tied embedding "
+                      "and output layer both in the root, outside the units)");
+        }
+        owner[impl] = &m;
+        c.params.push_back(item.value());
+        c.names.push_back(prefix + at + item.key());
       }
-      owner[impl] = &m;
-      c.params.push_back(item.value());
-      c.names.push_back(prefix + item.key());
-    }
+      for (const auto& child : mod.named_children()) {
+        if (unit_set.count(child.value().get()) != 0) continue;  // an inner unit: claimed
+        visit(*child.value(), at + child.key() + ".");
+      }
+    };
+    visit(m, "");
     return c;
   };
   std::vector<Claim> claims;

@@ -12,6 +12,7 @@
 
 #include <utility>
 
+#include "tdist/core/cpu_memory.h"
 #include "tdist/python/tdist_c10d/backend.h"
 
 namespace py = pybind11;
@@ -115,6 +116,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("backend_options"),
         "The creator torch.distributed calls for backend \"tdist\" (extended API).");
   m.attr("BACKEND_NAME") = kBackendName;
+
+  // The counting CPU allocator of core/cpu_memory.h, so that a Python program's CPU tensors are
+  // measured as tdist-train measures its own (tdist-bench fsdp compares the two).
+  m.def("track_cpu_memory", &tdist::track_cpu_memory,
+        "Counts CPU tensors' bytes from now on (wraps libtorch's CPU allocator; once per "
+        "process).");
+  m.def(
+      "cpu_memory_stats",
+      [] {
+        const tdist::CpuMemoryStats s = tdist::cpu_memory_stats();
+        py::dict d;
+        d["allocated_bytes"] = s.allocated_bytes;
+        d["peak_bytes"] = s.peak_bytes;
+        d["allocations"] = s.allocations;
+        d["tracked"] = tdist::cpu_memory_tracked();
+        return d;
+      },
+      "Bytes of counted CPU tensors held now (allocated_bytes) and at most at once (peak_bytes).");
+  m.def("reset_peak_cpu_memory", &tdist::reset_peak_cpu_memory,
+        "Sets the peak to what is held now.");
 
   py::list devices;
   devices.append("cpu");
