@@ -43,6 +43,10 @@ struct ContextState {
 // The distributed autograd state of one RPC agent. Thread safe.
 class Container {
  public:
+  // Contexts a peer's messages may open here before it releases some (Note [Distributed
+  // backward], "Cleanup"): beyond it a request naming a new context is refused.
+  static constexpr size_t kMaxContextsPerPeer = 1024;
+
   explicit Container(int rank) : rank_(rank) {}
   int rank() const { return rank_; }
 
