@@ -226,6 +226,7 @@ TEST_F(AutogradContext, APeerCreatesBoundedContextsAndReleasesOnlyItsOwn) {
     // w2 took no part in ctx: it cannot release it on w1, under its own rank or w0's.
     for (int32_t claimed : {2, 0}) {
       auto what = as_worker(w2, [&] {
+        detail::ThreadContextScope outside(0);  // w2 calls outside ctx (it is w0's)
         return expect_throw<rpc::RemoteError>([&] {
           rpc::rpc_sync<void>("w1", detail::kReleaseFn, ctx.id(), claimed);
         });
@@ -238,6 +239,7 @@ TEST_F(AutogradContext, APeerCreatesBoundedContextsAndReleasesOnlyItsOwn) {
   // w0 releasing its context still frees it on w1; w2 releases its own.
   EXPECT_TRUE(rpc::test::eventually([&] { return contexts_on(w1).size() == limit; }));
   as_worker(w2, [&] {
+    detail::ThreadContextScope outside(0);
     rpc::rpc_sync<void>("w1", detail::kReleaseFn,
                         (int64_t{2} << detail::kContextRankShift) | int64_t{1000},
                         int32_t{2});
