@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -192,11 +193,14 @@ int authenticated(uint16_t port, int rank) {
 
 TEST(RpcFlood, APeerGetsNoMoreThanItsShareOfConnections) {
   auto a = start_agents(3, limited([](RpcOptions& o) { o.max_connections_per_peer = 2; }));
-  std::vector<int> fds{authenticated(a[0]->port(), 2), authenticated(a[0]->port(), 2)};
-  int third = authenticated(a[0]->port(), 2);
-  EXPECT_TRUE(closed_by_peer(third)) << "a third connection from rank 2 stayed open";
-  ::close(third);
-  for (int fd : fds) EXPECT_FALSE(closed_now(fd));
+  // Three at once: whichever of them the worker counts third (after its handshake) is closed.
+  std::vector<int> fds;
+  for (int i = 0; i < 3; ++i) fds.push_back(authenticated(a[0]->port(), 2));
+  auto closed = [&] {
+    return std::count_if(fds.begin(), fds.end(), [](int fd) { return closed_now(fd); });
+  };
+  EXPECT_TRUE(eventually([&] { return closed() >= 1; }, 10s)) << "3 connections from rank 2";
+  EXPECT_EQ(closed(), 1);
   // Another worker is not counted against rank 2.
   EXPECT_EQ(a[1]->rpc_sync<int64_t>("w0", "add", int64_t{2}, int64_t{3}), 5);
   for (int fd : fds) ::close(fd);
