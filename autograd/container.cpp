@@ -53,10 +53,20 @@ std::shared_ptr<ContextState> Container::find(int64_t id) {
   return it == contexts_.end() ? nullptr : it->second;
 }
 
-std::shared_ptr<ContextState> Container::get_or_create(int64_t id) {
+std::shared_ptr<ContextState> Container::get_or_create(int64_t id, int from) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto& st = contexts_[id];
-  if (!st) st = std::make_shared<ContextState>(id);
+  auto it = contexts_.find(id);
+  if (it != contexts_.end()) return it->second;
+  const bool counted = from != rank_;
+  if (counted && opened_[from] >= kMaxContextsPerPeer) {
+    throw InvalidArgument(str("worker rank ", from, " has ", kMaxContextsPerPeer,
+                              " distributed autograd contexts open on worker rank ", rank_,
+                              " (Container::kMaxContextsPerPeer): context ", id,
+                              " refused until it releases some"));
+  }
+  auto st = std::make_shared<ContextState>(id, counted ? from : -1);
+  contexts_.emplace(id, st);
+  if (counted) ++opened_[from];
   return st;
 }
 
@@ -66,6 +76,10 @@ std::shared_ptr<ContextState> Container::remove(int64_t id) {
   if (it == contexts_.end()) return nullptr;
   auto st = std::move(it->second);
   contexts_.erase(it);
+  if (st->opened_by >= 0) {
+    auto o = opened_.find(st->opened_by);
+    if (o != opened_.end() && --o->second == 0) opened_.erase(o);
+  }
   for (auto r = replies_.begin(); r != replies_.end();) {
     if (r->second == id) {
       r = replies_.erase(r);

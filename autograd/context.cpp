@@ -45,8 +45,24 @@ void release(rpc::RpcAgent& agent, int64_t context_id, int except) {
 
 }  // namespace
 
+// Only a worker that took part in the context (its creator, or one this worker exchanged a
+// message of the context with) may release it here; the rank it names must be its own.
 void handle_release(int64_t context_id, int32_t from) {
-  release(*rpc::current_agent(), context_id, from);
+  auto agent = rpc::current_agent();
+  const int caller = rpc::current_caller();
+  auto st = container_for(*agent)->find(context_id);
+  if (!st) return;  // released already (idempotent)
+  bool took_part =
+      caller == from && (caller == context_creator(context_id) || caller == agent->rank());
+  if (!took_part && caller == from) {
+    std::lock_guard<std::mutex> lock(st->mu);
+    took_part = st->workers.count(caller) > 0;
+  }
+  TDIST_CHECK_ARG(took_part, "worker rank ", caller, " did not take part in distributed autograd "
+                  "context ", context_id, " on worker '", agent->info().name, "'",
+                  caller == from ? std::string() : str(" (it named rank ", from, ")"),
+                  ": release refused");
+  release(*agent, context_id, from);
 }
 
 }  // namespace detail

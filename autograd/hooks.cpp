@@ -107,7 +107,7 @@ class Hooks final : public rpc::detail::AutogradHooks {
   std::shared_ptr<void> on_recv_request(rpc::RpcAgent& agent, Message& m) override {
     Header h = take_header(m, agent.world_size());
     auto c = container_for(agent);
-    auto st = c->get_or_create(h.context_id);
+    auto st = c->get_or_create(h.context_id, m.from);  // bounded per peer
     record_recv(*st, m, h);
     c->add_reply(m.from, m.id, h.context_id);
     return std::make_shared<ThreadContextScope>(h.context_id);
@@ -115,7 +115,7 @@ class Hooks final : public rpc::detail::AutogradHooks {
 
   void on_recv_response(rpc::RpcAgent& agent, Message& m) override {
     Header h = take_header(m, agent.world_size());
-    auto st = container_for(agent)->get_or_create(h.context_id);
+    auto st = container_for(agent)->get_or_create(h.context_id, m.from);
     record_recv(*st, m, h);
   }
 };

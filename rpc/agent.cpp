@@ -33,6 +33,9 @@ namespace {
 const std::string kPrefix = "tdist_rpc/";
 constexpr Millis kDefaultHandshakeTimeout{10000};
 constexpr int64_t kDefaultMaxPendingHandshakes = 64;
+constexpr int64_t kDefaultMaxConnections = 1024;
+constexpr int64_t kDefaultMaxConnectionsPerPeer = 8;
+constexpr int64_t kDefaultMaxRequestsInFlight = 1024;
 
 // Note [RPC waits spin first]
 // A small call's round trip crosses two sockets and two thread hand-offs: the server's reader
@@ -81,6 +84,22 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
     options_.max_pending_handshakes = static_cast<int>(env::get_int(
         "TDIST_RPC_MAX_PENDING_HANDSHAKES", kDefaultMaxPendingHandshakes, 1, 1 << 20));
   }
+  TDIST_CHECK_ARG(options_.max_connections >= 0 && options_.max_connections_per_peer >= 0 &&
+                      options_.max_requests_in_flight >= 0,
+                  "max_connections, max_connections_per_peer and max_requests_in_flight must "
+                  "not be negative (0: the default)");
+  if (options_.max_connections == 0) {
+    options_.max_connections = static_cast<int>(
+        env::get_int("TDIST_RPC_MAX_CONNECTIONS", kDefaultMaxConnections, 1, 1 << 20));
+  }
+  if (options_.max_connections_per_peer == 0) {
+    options_.max_connections_per_peer = static_cast<int>(env::get_int(
+        "TDIST_RPC_MAX_CONNECTIONS_PER_PEER", kDefaultMaxConnectionsPerPeer, 1, 1 << 20));
+  }
+  if (options_.max_requests_in_flight == 0) {
+    options_.max_requests_in_flight = static_cast<int>(env::get_int(
+        "TDIST_RPC_MAX_REQUESTS_IN_FLIGHT", kDefaultMaxRequestsInFlight, 1, 1 << 24));
+  }
   TDIST_CHECK_ARG(options_.spin_us >= -1, "spin_us must be -1 (the default) or more, got ",
                   options_.spin_us);
   if (options_.spin_us == -1) {
@@ -89,6 +108,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   }
   const Millis hs_timeout = options_.handshake_timeout;
   conn_options_.max_frame_bytes = options_.max_frame_bytes;
+  conn_options_.max_requests_in_flight = options_.max_requests_in_flight;
   conn_options_.send_timeout = options_.rpc_timeout;
   conn_options_.frame_timeout = options_.rpc_timeout;
   Token token = resolve_token(options_.token, "RpcOptions::token");

@@ -292,6 +292,7 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   void on_message(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) override;
   void on_closed(const std::shared_ptr<detail::Connection>& conn,
                  const std::string& reason) override;
+  std::string on_authenticated(const std::shared_ptr<detail::Connection>& conn) override;
 
   // Request handlers (worker threads; request_handlers.cpp).
   // pool_->try_post with the agent kept alive until the task ends (agent_dispatch.cpp).
@@ -303,6 +304,10 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   void handle_method(const std::shared_ptr<detail::Connection>& conn,
                      std::shared_ptr<detail::Message> msg, bool remote);
   void handle_control(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  void handle_fork_request(const std::shared_ptr<detail::Connection>& conn,
+                           const detail::Message& msg);
+  // InvalidArgument unless worker `from` holds a fork of `id` or is this worker.
+  void check_fork_held(const RRefId& id, int from) const;
   void reply_value(const std::shared_ptr<detail::Connection>& conn, uint64_t id, int to,
                    const detail::AnyValue& value);
   void reply_empty(const std::shared_ptr<detail::Connection>& conn, uint64_t id,

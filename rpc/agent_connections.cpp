@@ -6,13 +6,15 @@
 //   hands every accepted socket to a Connection, which runs the server side of the handshake on
 //   its reader thread (rpc/auth.h); finished incoming connections are reaped on the next accept.
 //   At most RpcOptions::max_pending_handshakes accepted connections are in their handshake: a
-//   new one closes the oldest, and each handshake has one deadline for all of it.
+//   new one closes the oldest whose HELLO has not verified (telling it to retry, Note [RPC
+//   handshake]), and each handshake has one deadline for all of it.
 // - connection_to(rank, deadline): the one outgoing connection to a peer, made on first use
 //   (net::connect_once: IPv4, IPv6 or a host name, each address it resolves to in turn).
 //   A connect or handshake that fails is retried with backoff (10 ms doubling to 1 s) until the
-//   deadline, except a refused handshake (ProtocolError: another token), which fails at once.
-//   Only the loss of an established connection marks the peer failed: later calls to it fail
-//   at once with NetworkError naming the peer and the reason (see RpcAgent::Peer).
+//   deadline, except a refused handshake (ProtocolError: another token), which fails at once;
+//   a busy server (Note [RPC handshake]) is retried. Only the loss of an established
+//   connection (one that brought a frame) marks the peer failed: later calls to it fail at once
+//   with NetworkError naming the peer and the reason (see RpcAgent::Peer).
 // - on_closed() (reader thread): an outgoing connection that closes fails every call pending on
 //   it (agent_pending.cpp); incoming ones only log.
 #include "tdist/rpc/agent.h"
@@ -22,6 +24,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <system_error>
 
 #include "tdist/core/logging.h"
 #include "tdist/rpc/detail/deadline.h"
@@ -58,7 +61,7 @@ void RpcAgent::accept_loop() {
     }
     auto conn = detail::Connection::incoming(fd, conn_options_, this, pool_.get());
     std::vector<std::shared_ptr<detail::Connection>> done;
-    std::shared_ptr<detail::Connection> evicted;
+    bool refused = false;
     {
       std::lock_guard<std::mutex> lock(conns_mu_);
       if (stopped_.load()) return;  // conn's destructor closes the socket
@@ -67,29 +70,63 @@ void RpcAgent::accept_loop() {
       done.assign(std::make_move_iterator(it), std::make_move_iterator(incoming_.end()));
       incoming_.erase(it, incoming_.end());
       incoming_.push_back(conn);
-      // Bounded handshakes: the oldest unauthenticated connection makes room for the newest,
-      // so strangers that connect and wait cannot lock a real peer out (its handshake takes
-      // milliseconds; theirs end at the handshake deadline anyway).
+      // Bounded handshakes: the oldest connection whose HELLO has not verified makes room for
+      // the newest, so strangers that connect and wait cannot lock a real peer out (its
+      // handshake takes milliseconds; theirs end at the handshake deadline anyway). One whose
+      // HELLO verified is a peer with the token: it is let finish, and an evicted one is told
+      // to retry (Note [RPC handshake], busy).
       handshaking_.erase(std::remove_if(handshaking_.begin(), handshaking_.end(),
                                         [](const auto& w) {
                                           auto c = w.lock();
-                                          return !c || c->finished() || c->peer_rank() >= 0;
+                                          return !c || c->finished() || c->hello_verified();
                                         }),
                          handshaking_.end());
-      if (handshaking_.size() >= static_cast<size_t>(options_.max_pending_handshakes)) {
-        evicted = handshaking_.front().lock();
+      while (handshaking_.size() >= static_cast<size_t>(options_.max_pending_handshakes)) {
+        auto oldest = handshaking_.front().lock();
         handshaking_.pop_front();
+        if (oldest && oldest->evict()) break;
       }
       handshaking_.push_back(conn);
-    }
-    if (evicted) {
-      evicted->close(str(evicted->peer(), ": more than ", options_.max_pending_handshakes,
-                         " connections in their handshake (RpcOptions::max_pending_handshakes, "
-                         "TDIST_RPC_MAX_PENDING_HANDSHAKES): closed the oldest"));
+      // Bounded connections: beyond max_connections (what the handshake bound above left) the
+      // newest is told busy, before it costs a thread.
+      if (incoming_.size() > static_cast<size_t>(options_.max_connections)) {
+        incoming_.pop_back();
+        handshaking_.pop_back();
+        refused = true;
+      }
     }
     for (auto& c : done) c->join();
-    conn->start();
+    if (refused) {
+      detail::send_busy(fd);
+      TDIST_LOG_DEBUG("rpc: refused a connection from ", conn->peer(), ": ",
+                      options_.max_connections, " connections are open (RpcOptions::"
+                      "max_connections, TDIST_RPC_MAX_CONNECTIONS)");
+      continue;  // conn's destructor closes the socket
+    }
+    try {
+      conn->start();
+    } catch (const std::system_error& e) {
+      // No thread for it (the process is at its thread limit): it goes, the agent stays.
+      {
+        std::lock_guard<std::mutex> lock(conns_mu_);
+        incoming_.erase(std::remove(incoming_.begin(), incoming_.end(), conn), incoming_.end());
+      }
+      TDIST_LOG_WARN("rpc: closed a new connection from ", conn->peer(),
+                     ": cannot start its thread: ", e.what());
+    }
   }
+}
+
+std::string RpcAgent::on_authenticated(const std::shared_ptr<detail::Connection>& conn) {
+  const int rank = conn->peer_rank();
+  std::lock_guard<std::mutex> lock(conns_mu_);
+  const auto open = std::count_if(incoming_.begin(), incoming_.end(), [rank](const auto& c) {
+    return c->peer_rank() == rank && !c->closed() && !c->finished();
+  });
+  if (open <= options_.max_connections_per_peer) return "";
+  return str(peer_name(rank), " already has ", options_.max_connections_per_peer,
+             " connections open here (RpcOptions::max_connections_per_peer, "
+             "TDIST_RPC_MAX_CONNECTIONS_PER_PEER)");
 }
 
 // See RpcAgent::Peer for when a peer counts as failed.
@@ -97,7 +134,7 @@ std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank, Clock::tim
   Peer& p = *peers_.at(rank);
   std::lock_guard<std::mutex> lock(p.mu);
   if (p.conn && !p.conn->closed()) return p.conn;
-  if (p.conn && p.failed.empty()) {
+  if (p.conn && p.failed.empty() && p.conn->received_a_frame()) {
     p.failed = str("connection to ", peer_name(rank), " was lost: ", p.conn->close_reason());
   }
   if (!p.failed.empty()) throw NetworkError(p.failed);
@@ -145,7 +182,12 @@ std::shared_ptr<detail::Connection> RpcAgent::connect(int rank, Millis timeout) 
     throw;
   }
   auto conn = detail::Connection::outgoing(fd, hs, conn_options_, this, pool_.get());
-  conn->start();
+  try {
+    conn->start();
+  } catch (const std::system_error& e) {
+    throw NetworkError(str("connecting to ", peer_name(rank), ": cannot start the connection's "
+                           "thread: ", e.what()));
+  }
   TDIST_LOG_DEBUG("rpc: connected to ", peer_name(rank), hs.send_remote_tensors
                                                            ? " (same-host fast path)"
                                                            : "");
@@ -172,7 +214,9 @@ void RpcAgent::on_closed(const std::shared_ptr<detail::Connection>& conn,
   {
     Peer& p = *peers_.at(rank);
     std::lock_guard<std::mutex> lock(p.mu);
-    if (p.conn == conn && p.failed.empty()) {
+    // A connection that closes before its first frame came was never established: the next
+    // call connects again.
+    if (p.conn == conn && p.failed.empty() && conn->received_a_frame()) {
       p.failed = str("connection to ", peer_name(rank), " was lost: ", reason);
     }
   }

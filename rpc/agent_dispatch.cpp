@@ -1,7 +1,8 @@
 // RpcAgent, part 3 of 4: dispatch (agent.h has the whole contract; agent.cpp lists the parts).
 // Contract of this part:
 // - on_message() runs on a connection's reader thread for every complete frame and never runs
-//   user code there. A request counts as received and goes to the worker pool, where the
+//   user code there. A RREF_FORK_REQUEST is registered right there, in order (its answer goes
+//   out from the pool). Any other request counts as received and goes to the worker pool, where the
 //   autograd hook (rpc/autograd_hooks.h) sees it first and request_handlers.cpp answers it. A
 //   response or error completes its pending call (agent_pending.cpp): an ERROR frame becomes a
 //   RemoteError naming the remote worker; a response to a call that already timed out or failed
@@ -21,6 +22,19 @@
 namespace tdist::rpc {
 
 using detail::Message;
+
+namespace {
+thread_local int tl_caller = -1;  // rpc/api.h current_caller()
+
+// The caller of the request a worker thread runs, for the scope of the handler.
+struct CallerScope {
+  explicit CallerScope(int rank) : previous(tl_caller) { tl_caller = rank; }
+  ~CallerScope() { tl_caller = previous; }
+  int previous;
+};
+}  // namespace
+
+int current_caller() { return tl_caller; }
 
 void RpcAgent::post_work(std::function<void()> fn) {
   {
@@ -57,7 +71,16 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
       std::lock_guard<std::mutex> lock(pending_mu_);
       ++processing_;
     }
+    if (msg.type == detail::MessageType::kRRefForkRequest &&
+        (msg.flags & detail::kFlagAutograd) == 0) {
+      handle_fork_request(conn, msg);  // here, in order (Note [RRef protocol] invariant 7)
+      conn->request_done();
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      if (--processing_ == 0 && pending_.empty()) idle_cv_.notify_all();
+      return;
+    }
     bool posted = post_to_pool([this, conn, m = std::move(msg)]() mutable {
+      CallerScope caller(m.from);
       std::shared_ptr<void> autograd_scope;  // see rpc/autograd_hooks.h
       bool ok = true;
       if (m.flags & detail::kFlagAutograd) {
@@ -72,10 +95,12 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
       }
       if (ok) handle_request(conn, m);
       autograd_scope.reset();
+      conn->request_done();
       std::lock_guard<std::mutex> lock(pending_mu_);
       if (--processing_ == 0 && pending_.empty()) idle_cv_.notify_all();
     });
     if (!posted) {
+      conn->request_done();
       std::lock_guard<std::mutex> lock(pending_mu_);
       --processing_;
     }

@@ -125,8 +125,15 @@ void RpcAgent::fail_pending_to(int rank, const std::string& reason) {
   std::vector<Pending> failed;
   {
     std::lock_guard<std::mutex> lock(pending_mu_);
+    const std::weak_ptr<detail::Connection> none;
     for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.to == rank) {
+      // Only the calls that left on a closed connection: a call still connecting, or sent on a
+      // newer connection (a connection that closed before its first frame is made again), is
+      // not this close's to fail.
+      const auto& w = it->second.conn;
+      const bool connecting = !w.owner_before(none) && !none.owner_before(w);
+      auto c = w.lock();
+      if (it->second.to == rank && !connecting && (!c || c->closed())) {
         if (it->second.has_deadline) deadlines_.erase({it->second.deadline, it->first});
         failed.push_back(std::move(it->second));
         it = pending_.erase(it);

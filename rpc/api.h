@@ -48,6 +48,11 @@ std::shared_ptr<RpcAgent> current_agent();
 // Sets the calling thread's current agent (nullptr: back to the process's).
 void set_current_agent(std::shared_ptr<RpcAgent> agent);
 
+// Inside a function or method that runs for a request from another worker (or this one): the
+// rank of the worker that sent it, as its connection's handshake established; -1 on any other
+// thread. Lets a function decide what the caller may do.
+int current_caller();
+
 WorkerInfo get_worker_info();  // this worker
 WorkerInfo get_worker_info(const std::string& name);
 WorkerInfo get_worker_info(int rank);

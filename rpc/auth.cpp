@@ -1,6 +1,11 @@
 #include "tdist/rpc/auth.h"
 
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
@@ -15,6 +20,33 @@ namespace {
 constexpr size_t kHelloFields = 4 + 4 + 4;   // rank, pid, wants the fast path
 constexpr size_t kAcceptFields = 4 + 4 + 4;  // pid, reads the client's tensors, offers
 constexpr size_t kConfirmFields = 4;         // reads the server's tensors
+constexpr uint8_t kBusy[4] = {'T', 'B', 'S', 'Y'};
+
+// Reads the server's ACCEPT (Note [RPC handshake], busy): the busy marker or a reset is
+// NetworkError (retried), a close before ACCEPT a refusal (ProtocolError, not retried).
+void read_accept(int fd, Bytes& accept, net::Clock::time_point deadline, const std::string& who) {
+  const std::string where = "handshake with " + who;
+  size_t got = 0;
+  while (got < accept.size()) {
+    if (net::poll_one(fd, POLLIN, deadline) == 0) {
+      throw TimeoutError(str(where, ": no answer to the hello in time"));
+    }
+    ssize_t n = ::recv(fd, accept.data() + got, accept.size() - got, MSG_DONTWAIT);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+      if (got >= sizeof(kBusy) && std::memcmp(accept.data(), kBusy, sizeof(kBusy)) == 0) {
+        throw NetworkError(str(where, ": busy (more connections in their handshake than it "
+                                      "takes at once); retrying"));
+      }
+    } else if (n == 0) {
+      throw ProtocolError(str(where, ": connection closed by the peer (", who,
+                              " refused this connection: is the token the same on every "
+                              "process?)"));
+    } else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) {
+      throw NetworkError(str(where, ": ", net::errno_text(errno)));
+    }
+  }
+}
 
 // The reading side's fast-path decision (Note [RPC handshake]): from its own checks only.
 bool may_read_peer(bool fast_path, bool peer_wants, int fd, pid_t pid, const std::string& who) {
@@ -27,7 +59,10 @@ bool may_read_peer(bool fast_path, bool peer_wants, int fd, pid_t pid, const std
 
 }  // namespace
 
-HandshakeResult server_handshake(int fd, const HandshakeOptions& o) {
+void send_busy(int fd) { ::send(fd, kBusy, sizeof(kBusy), MSG_NOSIGNAL | MSG_DONTWAIT); }
+
+HandshakeResult server_handshake(int fd, const HandshakeOptions& o,
+                                 const std::function<bool()>& after_hello) {
   const auto deadline = net::Clock::now() + o.timeout;
   net::ServerHandshake hs(o.token, net::Service::kRpc, o.issued);
   const std::string what = "handshake";
@@ -37,6 +72,9 @@ HandshakeResult server_handshake(int fd, const HandshakeOptions& o) {
   Bytes hello(net::hello_bytes(kHelloFields));
   net::read_exact(fd, hello.data(), hello.size(), deadline, what + ": reading the hello");
   const Bytes fields = hs.verify_hello(hello.data(), hello.size(), kHelloFields);
+  if (after_hello && !after_hello()) {
+    throw NetworkError("closed before its hello was read, to make room for other connections");
+  }
   wire::Reader c(fields);
   HandshakeResult r;
   r.peer_rank = static_cast<int32_t>(c.u32());
@@ -78,7 +116,22 @@ HandshakeResult client_handshake(int fd, const HandshakeOptions& o, int expected
   // A call to this worker itself connects to its own server: only then is its challenge ours.
   net::ClientHandshake hs(o.token, net::Service::kRpc,
                           expected_peer == o.my_rank ? nullptr : o.issued);
-  const Bytes theirs = net::client_handshake(fd, hs, ours, kAcceptFields, deadline, who);
+  uint8_t challenge[net::kChallengeBytes];
+  net::read_exact(fd, challenge, sizeof(challenge), deadline, "handshake with " + who);
+  Bytes hello;
+  try {
+    hello = hs.hello(challenge, sizeof(challenge), ours);
+  } catch (const ProtocolError& e) {
+    throw ProtocolError(str("handshake with ", who, ": ", e.what()));
+  }
+  net::write_all(fd, hello.data(), hello.size(), deadline, "handshake with " + who);
+  Bytes theirs(net::accept_bytes(kAcceptFields));
+  read_accept(fd, theirs, deadline, who);
+  try {
+    theirs = hs.verify_accept(theirs.data(), theirs.size(), kAcceptFields);
+  } catch (const ProtocolError& e) {
+    throw ProtocolError(str("handshake with ", who, ": ", e.what()));
+  }
   wire::Reader a(theirs);
   HandshakeResult r;
   r.peer_rank = expected_peer;

@@ -13,6 +13,12 @@
 //   CONFIRM  (client) u32 reads the server's tensors
 // The server also closes the connection when the rank is not in [0, world size). A worker that
 // has a token rejects one that has none.
+// Busy: a server with too many connections in their handshake closes one whose HELLO has not
+// verified yet (RpcOptions::max_pending_handshakes) and writes the 4 bytes "TBSY" first, where
+// ACCEPT would come (never after a verified HELLO: that connection is let finish). A client that
+// reads them, or whose connection is reset before ACCEPT, retries (NetworkError); a plain close
+// after its HELLO is a refusal (ProtocolError: another token), which it does not retry. The
+// marker is not authenticated: whoever can close the connection can make the client retry.
 //
 // Same-host fast path: a receiver may read a sender's large tensors straight from the sender's
 // memory (process_vm_readv), and the sender then sends addresses instead of bytes
@@ -28,6 +34,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -58,8 +65,13 @@ struct HandshakeOptions {
 };
 
 // The accepting side. Throws (NetworkError / ProtocolError / TimeoutError) when the peer fails;
-// the caller then closes the socket.
-HandshakeResult server_handshake(int fd, const HandshakeOptions& options);
+// the caller then closes the socket. `after_hello` (optional) runs once the HELLO verified; when
+// it returns false (the connection was chosen to make room) the handshake stops with
+// NetworkError and the caller sends send_busy().
+HandshakeResult server_handshake(int fd, const HandshakeOptions& options,
+                                 const std::function<bool()>& after_hello = {});
+// Writes the busy marker (Note [RPC handshake]) if the socket takes it at once; never blocks.
+void send_busy(int fd);
 // The connecting side; `expected_peer` is the rank it meant to reach (for error messages).
 HandshakeResult client_handshake(int fd, const HandshakeOptions& options, int expected_peer);
 

@@ -86,6 +86,11 @@ Connection::~Connection() {
     if (reader_.get_id() == std::this_thread::get_id()) {
       reader_.detach();
     } else {
+      closing_ = true;
+      {
+        std::lock_guard<std::mutex> lock(flight_mu_);  // a reader waiting for room wakes
+      }
+      flight_cv_.notify_all();
       ::shutdown(fd_, SHUT_RDWR);
       reader_.join();
     }
@@ -119,12 +124,24 @@ void Connection::close(const std::string& reason) {
     close_reason_ = reason;
   }
   closing_ = true;
+  {
+    std::lock_guard<std::mutex> lock(flight_mu_);  // a reader waiting for room wakes
+  }
+  flight_cv_.notify_all();
   // shutdown() (not close()) wakes the reader blocked in recv and a writer blocked in sendmsg;
   // the descriptor is closed by the destructor once nobody uses it. A side sleeping on a
   // shared-memory ring does not see the socket: its futex is rung.
   ::shutdown(fd_, SHUT_RDWR);
   if (ShmStream* rx = rx_active_.load()) rx->wake_self();
   if (tx_state_.load() >= kOffered) tx_stream_->wake_self();
+}
+
+bool Connection::evict() {
+  int in_handshake = kInHandshake;
+  if (outgoing_ || !hs_state_.compare_exchange_strong(in_handshake, kEvicted)) return false;
+  // Wakes the reader in its handshake read; it writes the busy marker and closes.
+  ::shutdown(fd_, SHUT_RD);
+  return true;
 }
 
 void Connection::run() {
@@ -134,11 +151,23 @@ void Connection::run() {
   try {
     if (!outgoing_) {
       try {
-        hs_ = server_handshake(fd_, options_.handshake);
+        hs_ = server_handshake(fd_, options_.handshake, [this] {
+          int in_handshake = kInHandshake;
+          return hs_state_.compare_exchange_strong(in_handshake, kHelloVerified);
+        });
       } catch (const std::exception& e) {
+        if (hs_state_.load() == kEvicted) {
+          send_busy(fd_);
+          throw NetworkError(str(peer(), ": closed before its handshake finished, to make room: "
+                                 "more connections were in their handshake than "
+                                 "RpcOptions::max_pending_handshakes "
+                                 "(TDIST_RPC_MAX_PENDING_HANDSHAKES); told to retry"));
+        }
         throw ProtocolError(str(peer(), ": ", e.what()));
       }
       peer_rank_ = hs_.peer_rank;
+      const std::string refused = handler_->on_authenticated(self);
+      if (!refused.empty()) throw ProtocolError(str(peer(), ": ", refused));
     }
     in_.resize(kReadBuffer);
     set_timeout(SO_SNDTIMEO, options_.send_timeout);
@@ -284,13 +313,34 @@ void Connection::read(void* dst, size_t size) {
   }
 }
 
+void Connection::request_done() {
+  if (in_flight_.fetch_sub(1) == options_.max_requests_in_flight) {
+    std::lock_guard<std::mutex> lock(flight_mu_);
+    flight_cv_.notify_all();
+  }
+}
+
+void Connection::wait_for_room() {
+  if (options_.max_requests_in_flight <= 0 ||
+      in_flight_.load() < options_.max_requests_in_flight) {
+    return;
+  }
+  std::unique_lock<std::mutex> lock(flight_mu_);
+  flight_cv_.wait(lock, [this] {
+    return closing_.load() || in_flight_.load() < options_.max_requests_in_flight;
+  });
+  if (closing_.load()) throw NetworkError(str("connection to ", peer(), " is closing"));
+}
+
 void Connection::read_frames() {
   auto self = shared_from_this();
   uint8_t hdr[kHeaderSize];
   for (;;) {
+    wait_for_room();  // backpressure: the peer's requests wait in TCP, not in our memory
     between_frames_ = in_pos_ == in_end_;
     read(hdr, sizeof(hdr));
     FrameHeader h = decode_header(hdr, options_.max_frame_bytes);
+    received_frame_ = true;
     if (h.type == MessageType::kTensorRelease) {
       if (h.length != 0) throw ProtocolError("TENSOR_RELEASE frame with a body");
       release(h.id);
@@ -326,6 +376,7 @@ void Connection::read_frames() {
     }
     TensorSection section = take_tensor_section(h, m.body);
     read_frame_tensors(h, m, section);
+    if (is_request(m.type)) in_flight_.fetch_add(1);
     handler_->on_message(self, std::move(m));
   }
 }

@@ -37,6 +37,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -58,14 +59,21 @@ class Connection;
 class ConnectionHandler {
  public:
   virtual ~ConnectionHandler() = default;
-  // A complete frame (reader thread).
+  // A complete frame (reader thread). A request counts against the connection's
+  // max_requests_in_flight until the handler calls conn->request_done().
   virtual void on_message(const std::shared_ptr<Connection>& conn, Message&& msg) = 0;
+  // An incoming connection passed its handshake (reader thread): a non-empty answer is why it
+  // is refused (it closes without reading a frame).
+  virtual std::string on_authenticated(const std::shared_ptr<Connection>& conn) = 0;
   // The connection closed (reader thread; once).
   virtual void on_closed(const std::shared_ptr<Connection>& conn, const std::string& reason) = 0;
 };
 
 struct ConnectionOptions {
   uint64_t max_frame_bytes = uint64_t{4} << 30;
+  // Requests handed to the handler and not yet done (request_done), at most: at the limit the
+  // reader waits before the next frame (backpressure). 0: no limit.
+  int max_requests_in_flight = 0;
   Millis send_timeout{0};                    // SO_SNDTIMEO once established; 0: none
   // Once a frame's first byte has come, each read of the rest must progress within this
   // (TimeoutError naming the peer, the connection closes); between frames no limit. 0: none.
@@ -114,6 +122,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
   int peer_rank() const { return peer_rank_.load(); }
   bool closed() const;
   bool finished() const { return finished_.load(); }  // the reader thread has returned
+  // An incoming connection whose HELLO verified (it is let finish its handshake).
+  bool hello_verified() const { return hs_state_.load() == kHelloVerified; }
+  // Closes an incoming connection whose HELLO has not verified, to make room (Note [RPC
+  // handshake], busy: it is told so); false, changing nothing, once its HELLO verified.
+  bool evict();
+  // Whether a frame came from the peer (a connection that closes before one does not count as
+  // the loss of an established connection: RpcAgent::Peer).
+  bool received_a_frame() const { return received_frame_.load(); }
+  // A request handed to on_message() was handled (any thread; see max_requests_in_flight).
+  void request_done();
+  int requests_in_flight() const { return in_flight_.load(); }
   std::string close_reason() const;
 
  private:
@@ -174,6 +193,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::thread reader_;
   std::atomic<bool> finished_{false};
   std::atomic<bool> stray_logged_{false};
+  std::atomic<bool> received_frame_{false};
+  // Requests handed to the handler and not done; the reader waits on flight_cv_ at the limit.
+  std::atomic<int> in_flight_{0};
+  std::mutex flight_mu_;
+  std::condition_variable flight_cv_;
+  void wait_for_room();
+  // Incoming connections: whether the HELLO verified or the accept loop evicted it first.
+  enum HandshakeState : int { kInHandshake, kHelloVerified, kEvicted };
+  std::atomic<int> hs_state_{kInHandshake};
 
   mutable std::mutex mu_;
   std::deque<OutMessage> queue_;  // guarded by mu_

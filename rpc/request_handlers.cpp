@@ -78,7 +78,9 @@ void RpcAgent::handle_request(const std::shared_ptr<Connection>& conn, Message& 
         handle_method(conn, std::make_shared<Message>(std::move(msg)), remote);
         return;
       }
-      case MessageType::kRRefForkRequest:
+      case MessageType::kRRefForkRequest:  // with an autograd header: not on the reader thread
+        handle_fork_request(conn, msg);
+        return;
       case MessageType::kRRefUserDelete:
       case MessageType::kRRefChildAccept:
         handle_control(conn, msg);
@@ -108,6 +110,7 @@ void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Messa
   RRefId rref_id;
   ForkId fork_id;
   size_t offset = read_fields(msg, h, rref_id, fork_id);
+  rrefs_->check_new_rref(rref_id, fork_id, msg.from);  // Note [RRef protocol] invariant 7
   auto owner = rrefs_->create_owner_for_call(rref_id);
   if (fork_id.created_on >= 0 && !rrefs_->add_fork(rref_id, fork_id, msg.from)) {
     throw InvalidArgument(str("fork ", fork_id.str(), " of RRef ", rref_id.str(),
@@ -148,7 +151,8 @@ void RpcAgent::handle_fetch(const std::shared_ptr<Connection>& conn, Message& ms
     auto self = weak.lock();
     if (!self) return;
     try {
-      AnyValue v = owner->value();
+      AnyValue v = owner->value();  // a failed or expired creation's error first
+      self->check_fork_held(owner->id(), from);
       if (!v.type || v.type->hash != type_hash) {
         throw InvalidArgument(str("RRef ", owner->id().str(), " holds ",
                                   v.type ? v.type->name : std::string("nothing"),
@@ -172,6 +176,7 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
                          : read_fields(*msg, h, target, phantom);
   std::shared_ptr<detail::OwnerRRef> result;
   if (remote) {
+    rrefs_->check_new_rref(result_id, result_fork, msg->from);
     result = rrefs_->create_owner_for_call(result_id);
     if (result_fork.created_on >= 0) rrefs_->add_fork(result_id, result_fork, msg->from);
   }
@@ -201,6 +206,7 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
     AnyValue value;
     try {
       AnyValue obj = owner->value();
+      self->check_fork_held(owner->id(), msg->from);
       if (!obj.ptr || !obj.type) throw InvalidArgument("the RRef holds no object");
       auto m = registry().find_method(obj.type->hash, h.name);
       if (!m) {
@@ -238,25 +244,44 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
   });
 }
 
-void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& msg) {
-  switch (msg.type) {
-    case MessageType::kRRefForkRequest: {
-      auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
-      // Answered once the RRef is known here, or with an error (Note [RRef protocol]).
-      std::weak_ptr<RpcAgent> weak = weak_from_this();
-      const uint64_t request = msg.id;
-      auto reply = [weak, conn, request](std::exception_ptr error) {
-        auto self = weak.lock();
-        if (!self) return;
+void RpcAgent::check_fork_held(const RRefId& id, int from) const {
+  if (from == self_.rank || rrefs_->holds_fork(id, from)) return;
+  throw InvalidArgument(str("worker rank ", from, " holds no fork of RRef ", id.str(),
+                            " (refused: only a holder may read it or call its methods)"));
+}
+
+// On the connection's reader thread (agent_dispatch.cpp), so that the fork is registered before
+// the requests read after it run (Note [RRef protocol] invariant 7); the answer goes out from
+// the pool.
+void RpcAgent::handle_fork_request(const std::shared_ptr<Connection>& conn, const Message& msg) {
+  std::weak_ptr<RpcAgent> weak = weak_from_this();
+  const uint64_t request = msg.id;
+  auto reply = [weak, conn, request](std::exception_ptr error) {
+    auto self = weak.lock();
+    if (!self) return;
+    self->post_to_pool([self, conn, request, error] {
+      try {
         if (error) {
           self->reply_error(conn, request, describe_exception(error));
         } else {
           self->reply_empty(conn, request);
         }
-      };
-      rrefs_->add_fork_when_known(id, fork, msg.from, std::move(reply));
-      return;
-    }
+      } catch (const std::exception& e) {
+        TDIST_LOG_DEBUG("rpc: cannot answer RREF_FORK_REQUEST ", request, ": ", e.what());
+      }
+    });
+  };
+  try {
+    auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
+    // Answered once the RRef is known here, or with an error (Note [RRef protocol]).
+    rrefs_->add_fork_when_known(id, fork, msg.from, reply);
+  } catch (...) {
+    reply(std::current_exception());
+  }
+}
+
+void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& msg) {
+  switch (msg.type) {
     case MessageType::kRRefUserDelete: {
       auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
       if (!rrefs_->delete_fork(id, fork, msg.from)) {

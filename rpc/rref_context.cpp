@@ -228,6 +228,33 @@ std::shared_ptr<OwnerRRef> RRefContext::create_owner_for_call(const RRefId& id) 
   return owner;
 }
 
+void RRefContext::check_new_rref(const RRefId& id, const ForkId& fork, int from) const {
+  if (id.created_on != from) {
+    throw InvalidArgument(str("RRef id ", id.str(), " was made by worker rank ", id.created_on,
+                              ", not by rank ", from, " that creates it (refused)"));
+  }
+  if (fork.created_on >= 0 && fork.created_on != from) {
+    throw InvalidArgument(str("fork id ", fork.str(), " was made by worker rank ",
+                              fork.created_on, ", not by rank ", from, " (refused)"));
+  }
+  if (from == rank_) return;  // remote() to ourselves registered the owner before sending
+  std::lock_guard<std::mutex> lock(mu_);
+  if (owners_.count(id)) {
+    throw InvalidArgument(str("RRef ", id.str(), " already exists on its owner (rank ", rank_,
+                              "): a creating call cannot reuse it (refused)"));
+  }
+}
+
+bool RRefContext::holds_fork(const RRefId& id, int rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = forks_.find(id);
+  if (it == forks_.end()) return false;
+  for (const auto& [fork, holder] : it->second) {
+    if (holder == rank) return true;
+  }
+  return false;
+}
+
 std::exception_ptr RRefContext::foreign_fork_error(const RRefId& id, const ForkId& fork,
                                                    int holder) const {
   return std::make_exception_ptr(InvalidArgument(

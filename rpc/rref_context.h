@@ -60,6 +60,14 @@
 //      fork another worker holds, and a RREF_CHILD_ACCEPT from a worker the child was not sent
 //      to. Requests waiting on placeholders (invariant 5) are bounded per requesting worker
 //      (kMaxParkedPerPeer); beyond that they fail at once, so bogus ids cost no memory.
+//   7. A peer reaches only what it was given: a REMOTE_CALL (or RREF_METHOD_REMOTE) creates
+//      only an RRef id and a fork id made by its sender, and only an id not registered here
+//      (ids are a predictable {creator, counter}: otherwise a worker could squat another's next
+//      id, or hijack a live RRef). A FETCH or METHOD_CALL is answered only for a worker that
+//      holds a fork of the target (checked once the target's value exists, so after the
+//      creating call added the creator's fork), or for the owner itself. A child's
+//      FORK_REQUEST is registered on the connection's reader thread, before the requests read
+//      after it are dispatched, so the child's own FETCH cannot overtake it.
 // Graceful shutdown (agent.h) waits until no control message is in flight anywhere; what is
 // still registered then is leaked (a handle kept past shutdown) and is reported.
 //
@@ -238,6 +246,12 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   // not hold it, change nothing and return false (invariant 6).
   bool add_fork(const RRefId& id, const ForkId& fork, int holder);
   bool delete_fork(const RRefId& id, const ForkId& fork, int holder);
+  // REMOTE_CALL / RREF_METHOD_REMOTE from rank `from` creating `id` with the user fork `fork`
+  // (none: created_on < 0): InvalidArgument unless both were made by `from` and `id` is new
+  // here (remote() to ourselves registered it first: from == rank()). Invariant 7.
+  void check_new_rref(const RRefId& id, const ForkId& fork, int from) const;
+  // Whether worker `rank` holds a fork of the RRef `id` owned here (invariant 7).
+  bool holds_fork(const RRefId& id, int rank) const;
   // The owner's value was just set: leave owners_ when no fork is left.
   void owner_ready(const RRefId& id);
   // Parent side (idempotent): only the worker the child fork was sent to may accept it.

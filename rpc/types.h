@@ -77,6 +77,19 @@ struct RpcOptions {
   // oldest (so idle strangers cannot lock real peers out). 0: TDIST_RPC_MAX_PENDING_HANDSHAKES,
   // else 64.
   int max_pending_handshakes = 0;
+  // Accepted connections open at once (in their handshake or authenticated), at most; beyond it
+  // a new one is told busy (Note [RPC handshake]) and closed. 0: TDIST_RPC_MAX_CONNECTIONS,
+  // else 1024.
+  int max_connections = 0;
+  // Authenticated connections from one worker at once, at most (a worker keeps one to each
+  // peer; a few more cover reconnects); beyond it a new one is closed. 0:
+  // TDIST_RPC_MAX_CONNECTIONS_PER_PEER, else 8.
+  int max_connections_per_peer = 0;
+  // Requests read from one connection whose handlers have not returned, at most; at the limit
+  // the connection's reader stops reading until one returns (the peer's sends then wait on
+  // TCP). Bounds the worker pool's queue to max_connections times this. 0:
+  // TDIST_RPC_MAX_REQUESTS_IN_FLIGHT, else 1024.
+  int max_requests_in_flight = 0;
   // Microseconds an idle worker thread keeps looking for the next incoming call (yielding the
   // core between looks) before it sleeps; one thread at a time. A small call then starts without
   // a thread wake-up. -1: TDIST_RPC_SPIN_US, else 50; 0: never.

@@ -27,8 +27,11 @@ struct SendRpcBackward;
 
 // One context on one worker.
 struct ContextState {
-  explicit ContextState(int64_t id) : id(id) {}
+  explicit ContextState(int64_t id, int opened_by = -1) : id(id), opened_by(opened_by) {}
   const int64_t id;
+  // The peer whose message made this worker join the context (-1: created here); counted
+  // against that peer's Container::kMaxContextsPerPeer until the context is released.
+  const int opened_by;
 
   std::mutex mu;
   // Send nodes recorded here, by this worker's autograd message id. Guarded by mu.
@@ -43,14 +46,19 @@ struct ContextState {
 // The distributed autograd state of one RPC agent. Thread safe.
 class Container {
  public:
+  // Contexts a peer's messages may open here before it releases some (Note [Distributed
+  // backward], "Cleanup"): beyond it a request naming a new context is refused.
+  static constexpr size_t kMaxContextsPerPeer = 1024;
+
   explicit Container(int rank) : rank_(rank) {}
   int rank() const { return rank_; }
 
   std::shared_ptr<ContextState> create();
   // nullptr when this worker does not know `id` (never did, or released it).
   std::shared_ptr<ContextState> find(int64_t id);
-  // The context, created on first use (a receiver joins lazily).
-  std::shared_ptr<ContextState> get_or_create(int64_t id);
+  // The context, created on first use for a message from rank `from` (a receiver joins
+  // lazily). InvalidArgument when `from` already opened kMaxContextsPerPeer contexts here.
+  std::shared_ptr<ContextState> get_or_create(int64_t id, int from);
   // Forgets the context (nullptr when unknown) and what was pending for it.
   std::shared_ptr<ContextState> remove(int64_t id);
   std::vector<int64_t> context_ids();
@@ -69,6 +77,7 @@ class Container {
   std::mutex mu_;
   std::unordered_map<int64_t, std::shared_ptr<ContextState>> contexts_;  // guarded by mu_
   std::map<std::pair<int, uint64_t>, int64_t> replies_;                 // guarded by mu_
+  std::unordered_map<int, size_t> opened_;  // contexts opened by each peer; guarded by mu_
 };
 
 // The container of `agent` (created on first use; dropped when the agent is gone).

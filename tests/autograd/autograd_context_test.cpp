@@ -2,7 +2,10 @@
 // retain_graph, bad input, a worker that died before backward.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <thread>
+
+#include "tdist/autograd/detail/engine.h"
 
 #include "tests/autograd/autograd_test_util.h"
 #include "tests/harness/expect.h"
@@ -187,6 +190,62 @@ TEST_F(AutogradContext, AWorkerThatDiedFailsBackwardNamingIt) {
   // The survivors hold nothing for the context.
   EXPECT_TRUE(contexts_on(agents_[0]).empty());
   EXPECT_TRUE(rpc::test::eventually([&] { return contexts_on(agents_[1]).empty(); }));
+}
+
+
+// Issue 41 item 8: a peer cannot fill a worker with contexts, nor release a context it had no
+// part in. Before, every context id a peer named was created, and RELEASE believed the rank its
+// sender wrote into it.
+TEST_F(AutogradContext, APeerCreatesBoundedContextsAndReleasesOnlyItsOwn) {
+  auto& w1 = agents_[1];
+  auto& w2 = agents_[2];
+  std::atomic<size_t> answered{0};
+  std::atomic<size_t> refused{0};
+  const size_t limit = detail::Container::kMaxContextsPerPeer;
+  for (size_t i = 0; i < limit + 20; ++i) {
+    auto m = rpc::detail::encode_message(
+        rpc::detail::MessageType::kCall, &w2->rref_context(), 1,
+        std::make_tuple(rpc::detail::CallHeader{"ag.context_here",
+                                                rpc::signature_of<int64_t>().hash}));
+    detail::Header h;
+    h.context_id = (int64_t{2} << detail::kContextRankShift) | static_cast<int64_t>(1000 + i);
+    detail::prepend_header(m, h);
+    w2->send_request(1, std::move(m), 10s,
+                     [&](rpc::detail::Message*, std::exception_ptr e) {
+                       ++(e ? refused : answered);
+                     },
+                     "a context per call");
+  }
+  ASSERT_TRUE(rpc::test::eventually([&] { return answered + refused == limit + 20; }));
+  EXPECT_EQ(answered.load(), limit);
+  EXPECT_EQ(contexts_on(w1).size(), limit);
+  // w0's own contexts still reach w1.
+  {
+    Context ctx;
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("w1", "ag.context_here"), ctx.id());
+    // w2 took no part in ctx: it cannot release it on w1, under its own rank or w0's.
+    for (int32_t claimed : {2, 0}) {
+      auto what = as_worker(w2, [&] {
+        detail::ThreadContextScope outside(0);  // w2 calls outside ctx (it is w0's)
+        return expect_throw<rpc::RemoteError>([&] {
+          rpc::rpc_sync<void>("w1", detail::kReleaseFn, ctx.id(), claimed);
+        });
+      });
+      expect_contains(what, "did not take part");
+    }
+    const auto held = contexts_on(w1);
+    EXPECT_NE(std::find(held.begin(), held.end(), ctx.id()), held.end());
+  }
+  // w0 releasing its context still frees it on w1; w2 releases its own.
+  EXPECT_TRUE(rpc::test::eventually([&] { return contexts_on(w1).size() == limit; }));
+  as_worker(w2, [&] {
+    detail::ThreadContextScope outside(0);
+    rpc::rpc_sync<void>("w1", detail::kReleaseFn,
+                        (int64_t{2} << detail::kContextRankShift) | int64_t{1000},
+                        int32_t{2});
+    return 0;
+  });
+  EXPECT_EQ(contexts_on(w1).size(), limit - 1);
 }
 
 }  // namespace

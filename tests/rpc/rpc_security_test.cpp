@@ -431,5 +431,73 @@ TEST(RpcConnectionLimits, APeerStalledMidFrameIsDisconnectedAnIdleOneIsNot) {
   shutdown_all(a);
 }
 
+
+// ---- 5. RRef authorization (issue 41 item 7) ------------------------------------------------
+
+// A REMOTE_CALL from `from` to rank `to` creating `id` with fork `fork`, running "add"(a, b).
+detail::OutMessage remote_add(RpcAgent& from, int to, RRefId id, ForkId fork, int64_t a,
+                              int64_t b) {
+  return detail::encode_message(
+      MessageType::kRemoteCall, &from.rref_context(), to,
+      std::make_tuple(detail::CallHeader{"add", signature_of<int64_t, int64_t, int64_t>().hash},
+                      id, fork),
+      a, b);
+}
+
+// RRef ids are {creator, counter}: w2 can tell w0's next one. Before, w2's REMOTE_CALL under
+// that id made the owner, and w0's own remote() then found it: w0 read w2's value.
+TEST(RpcRRefSecurity, ARemoteCallCannotSquatOrReuseAnRRefId) {
+  register_test_functions();
+  auto a = start_agents(3);
+  const RRefId taken = a[0]->rref_context().new_id();
+  // w0's next remote() takes the next two ids (its RRef's and its fork's, in either order).
+  const RRefId next[2] = {{0, taken.local_id + 1}, {0, taken.local_id + 2}};
+  for (const RRefId& id : next) {
+    std::string error = request(*a[2], 1, remote_add(*a[2], 1, id, ForkId{2, 1'000'001}, 40, 2));
+    EXPECT_NE(error.find("made by worker rank 0"), std::string::npos) << error;
+  }
+  auto r = a[0]->remote<int64_t>("w1", "add", int64_t{1}, int64_t{2});
+  ASSERT_TRUE(r.id() == next[0] || r.id() == next[1]) << r.id().str();
+  EXPECT_EQ(r.to_here(), 3);
+  std::string error;
+  // Its own ids, once: a second REMOTE_CALL under an id that exists is refused.
+  const RRefId own = a[2]->rref_context().new_id();  // with a fork: it stays registered
+  EXPECT_EQ(request(*a[2], 1, remote_add(*a[2], 1, own, a[2]->rref_context().new_id(), 1, 1)),
+            "");
+  error = request(*a[2], 1, remote_add(*a[2], 1, own, ForkId{}, 5, 5));
+  EXPECT_NE(error.find("already exists"), std::string::npos) << error;
+  // Nor may the new user fork be another worker's.
+  error = request(*a[2], 1, remote_add(*a[2], 1, a[2]->rref_context().new_id(),
+                                      ForkId{0, 1'000'002}, 1, 1));
+  EXPECT_NE(error.find("made by worker rank 0"), std::string::npos) << error;
+  shutdown_all(a, false);
+}
+
+// Only a worker that holds a fork of an RRef reads it or calls its methods: before, any worker
+// that named the id (a predictable {creator, counter}) got the value.
+TEST(RpcRRefSecurity, FetchesAndMethodCallsNeedAFork) {
+  register_test_functions();
+  auto a = start_agents(3);
+  auto rref = a[0]->remote<Tracked>("w1", "Tracked", int64_t{7});
+  ASSERT_EQ(rref.to_here().id(), 7);
+  const auto& ti = detail::type_info_of<Tracked>();
+  auto fetch = detail::encode_message(MessageType::kRRefFetch, &a[2]->rref_context(), 1,
+                                      std::make_tuple(rref.id(), ti.hash, ti.name));
+  std::string error = request(*a[2], 1, std::move(fetch));
+  EXPECT_NE(error.find("holds no fork"), std::string::npos) << error;
+  auto method = detail::encode_message(
+      MessageType::kRRefMethodCall, &a[2]->rref_context(), 1,
+      std::make_tuple(detail::CallHeader{"add", signature_of<int64_t, int64_t>().hash}, rref.id(),
+                      ForkId{}),
+      int64_t{100});
+  error = request(*a[2], 1, std::move(method));
+  EXPECT_NE(error.find("holds no fork"), std::string::npos) << error;
+  EXPECT_EQ(rref.to_here().id(), 7) << "a refused method call changed the value";
+  // The holder, and a worker it shared the RRef with, still can.
+  EXPECT_EQ(rref.rpc_sync<int64_t>("add", int64_t{1}), 8);
+  EXPECT_EQ(a[0]->rpc_sync<int64_t>("w2", "rref_id_of", rref), 8);
+  shutdown_all(a);
+}
+
 }  // namespace
 }  // namespace tdist::rpc::test
