@@ -30,7 +30,10 @@
 // instead of waiting for its own timeout; the pipeline is then broken (later steps throw).
 // Construction is collective too: the pipeline talks over its own subgroup of the group's ranks
 // (new_group), where it keeps a receive for failure notices posted; the caller's messages on
-// the group never meet the pipeline's. Not thread safe: one thread drives a Pipeline.
+// the group never meet the pipeline's. Destruction is collective as well unless the pipeline is
+// broken: every rank waits (bounded by the timeout) until all are done with the subgroup, since
+// a small send completes before its receiver read it. Not thread safe: one thread drives a
+// Pipeline.
 //
 // Note [Pipeline schedules]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
