@@ -91,6 +91,12 @@
 // with those gradients into the parameters (autograd::backward with inputs = the parameters), so
 // a Linear's I computes only x.W-gradient products and its W only the weight products.
 //
+// W placement: the lists come from unit costs, real ones differ (measured W 1.2-2.3x I, the
+// last stage slower than the first: docs/perf.md, "Pipeline"). So at run time, while the next
+// action's activation or gradient has not arrived, the rank runs its oldest pending W (one whose
+// I ran) instead of waiting; the list's own W for it is then skipped. W needs no message, so this
+// cannot deadlock, and it only moves W earlier, so memory stays within the list's bound.
+//
 // Transfers: the activation that virtual stage s receives for microbatch i has tag
 // kTagBase + 2(i S + s), its gradient kTagBase + 2(i S + s) + 1 (S virtual stages): one tag per
 // microbatch, stage and direction, so receives match whatever order the sends arrive in. A
