@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <deque>
 #include <cstring>
 #include <mutex>
 
@@ -71,7 +72,7 @@ struct Pipeline::Impl {
   Schedule sched;
   int p = 1, S = 1, m = 1;
   Millis timeout{0};
-  std::vector<int> last_weight_action;  // per chunk: index of its last B or W in the list
+  std::vector<int> last_weight_action;  // per chunk: index of its last B in the list (not split)
 
   // Set by setup():
   bool ready = false;
@@ -90,6 +91,11 @@ struct Pipeline::Impl {
   // Step state.
   std::vector<std::vector<Slot>> slots;  // [chunk][microbatch]
   std::vector<bool> posted;              // per action: its receive was posted
+  // Zero-bubble: the W passes whose I ran, oldest first (Note [Pipeline schedules], "W
+  // placement"), which of them ran early, and per chunk how many W ran this step.
+  std::deque<Action> pending_w;
+  std::vector<std::vector<bool>> w_done;  // [chunk][microbatch]
+  std::vector<int> weights_done;          // per chunk
   struct Sent {
     std::shared_ptr<comm::Work> work;
     at::Tensor tensor;  // kept alive until the send completes
@@ -196,6 +202,19 @@ struct Pipeline::Impl {
     }
   }
 
+  // Whether the message action `a` waits for (an activation or a gradient) is here, or it
+  // waits for none.
+  bool input_arrived(const Action& a) const {
+    const int s = stage.stage_index(a.chunk);
+    const Slot& slot = slots[a.chunk][a.microbatch];
+    std::shared_ptr<comm::Work> w;
+    if (a.type == Action::Type::kForward && s > 0) w = slot.act_recv;
+    if ((a.type == Action::Type::kBackward || a.type == Action::Type::kBackwardInput) && s + 1 < S) {
+      w = slot.grad_recv;
+    }
+    return !w || w->is_completed();
+  }
+
   void setup(const at::Tensor& sample);
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
   void post_recvs(size_t from);
@@ -203,7 +222,7 @@ struct Pipeline::Impl {
   void forward(const Action& a);
   void backward(size_t index, const Action& a);
   void backward_input(const Action& a);
-  void backward_weight(size_t index, const Action& a);
+  void backward_weight(const Action& a);
   void send(const at::Tensor& t, int to_stage, int dir, int i);
 };
 
@@ -410,9 +429,10 @@ void Pipeline::Impl::backward_input(const Action& a) {
   }
   if (s > 0) send(g, s - 1, 1, a.microbatch);
   slot.grad_buf = at::Tensor();
+  pending_w.push_back(Action{Action::Type::kBackwardWeight, a.microbatch, a.chunk});
 }
 
-void Pipeline::Impl::backward_weight(size_t index, const Action& a) {
+void Pipeline::Impl::backward_weight(const Action& a) {
   Slot& slot = slots[a.chunk][a.microbatch];
   auto chunk = stage.chunk(a.chunk);
   std::vector<at::Tensor> roots, grads, params;
@@ -426,9 +446,11 @@ void Pipeline::Impl::backward_weight(size_t index, const Action& a) {
     grads.push_back(slot.layer_grad[k]);
     params.insert(params.end(), ps.begin(), ps.end());
   }
-  if (opts.before_last_weight_pass && last_weight_action[a.chunk] == static_cast<int>(index)) {
+  // The chunk's last W of the step, wherever it ran (W placement may move it).
+  if (opts.before_last_weight_pass && ++weights_done[a.chunk] == m) {
     opts.before_last_weight_pass(a.chunk, roots);
   }
+  w_done[a.chunk][a.microbatch] = true;
   if (!roots.empty()) {
     torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false,
                               params);
@@ -455,7 +477,7 @@ void Pipeline::Impl::run(size_t index, const Action& a, StepTimeline& tl) {
     case Action::Type::kForward: forward(a); break;
     case Action::Type::kBackward: backward(index, a); break;
     case Action::Type::kBackwardInput: backward_input(a); break;
-    case Action::Type::kBackwardWeight: backward_weight(index, a); break;
+    case Action::Type::kBackwardWeight: backward_weight(a); break;
   }
   tl.events.push_back({name, t1, now_us(), true});
 }
@@ -487,9 +509,22 @@ at::Tensor Pipeline::Impl::step(const at::Tensor& inputs, const at::Tensor& targ
     slots.assign(v, std::vector<Slot>(m));
     posted.assign(list.size(), false);
     sends.clear();
+    pending_w.clear();
+    w_done.assign(v, std::vector<bool>(m, false));
+    weights_done.assign(v, 0);
     for (size_t k = 0; k < list.size(); ++k) {
       post_recvs(k);
-      run(k, list[k], tl);
+      const Action& a = list[k];
+      if (split()) {
+        if (a.type == Action::Type::kBackwardWeight && w_done[a.chunk][a.microbatch]) continue;
+        // W placement: while this action's input has not arrived, run pending W passes.
+        while (!pending_w.empty() && !input_arrived(a)) {
+          const Action w = pending_w.front();
+          pending_w.pop_front();
+          if (!w_done[w.chunk][w.microbatch]) run(k, w, tl);
+        }
+      }
+      run(k, a, tl);
     }
     const int64_t t0 = now_us();
     for (auto& sent : sends) wait(sent.work, sent.peer, "a send to it");
@@ -539,7 +574,7 @@ Pipeline::Pipeline(PipelineStage stage, std::shared_ptr<comm::ProcessGroup> pg,
   d.last_weight_action.assign(d.stage.num_chunks(), -1);
   const auto& list = d.sched.actions[static_cast<size_t>(d.pg->rank())];
   for (size_t k = 0; k < list.size(); ++k) {
-    if (list[k].type == Action::Type::kBackward || list[k].type == Action::Type::kBackwardWeight) {
+    if (list[k].type == Action::Type::kBackward) {
       d.last_weight_action[list[k].chunk] = static_cast<int>(k);
     }
   }
@@ -547,6 +582,18 @@ Pipeline::Pipeline(PipelineStage stage, std::shared_ptr<comm::ProcessGroup> pg,
 }
 
 Pipeline::~Pipeline() {
+  // A send completes once its bytes are written (a small one before the receiver read them),
+  // so a rank done with its last step may still owe a peer a message that peer has not read:
+  // closing the subgroup now could fail the peer's receive. Every rank leaves together.
+  if (!impl_->broken) {
+    try {
+      comm::BarrierOptions o;
+      o.timeout = impl_->timeout;
+      impl_->pg->barrier(o)->wait();
+    } catch (const std::exception& e) {
+      TDIST_LOG_WARN("pipeline: leaving without the other stages: ", e.what());
+    }
+  }
   if (!impl_->opts.trace_path.empty() && !impl_->timelines.empty()) {
     try {
       write_trace();

@@ -30,7 +30,10 @@
 // instead of waiting for its own timeout; the pipeline is then broken (later steps throw).
 // Construction is collective too: the pipeline talks over its own subgroup of the group's ranks
 // (new_group), where it keeps a receive for failure notices posted; the caller's messages on
-// the group never meet the pipeline's. Not thread safe: one thread drives a Pipeline.
+// the group never meet the pipeline's. Destruction is collective as well unless the pipeline is
+// broken: every rank waits (bounded by the timeout) until all are done with the subgroup, since
+// a small send completes before its receiver read it. Not thread safe: one thread drives a
+// Pipeline.
 //
 // Note [Pipeline schedules]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -87,6 +90,12 @@
 // retain_graph), keeping each layer's output gradient; W is one backward of every layer's output
 // with those gradients into the parameters (autograd::backward with inputs = the parameters), so
 // a Linear's I computes only x.W-gradient products and its W only the weight products.
+//
+// W placement: the lists come from unit costs, real ones differ (measured W 1.2-2.3x I, the
+// last stage slower than the first: docs/perf.md, "Pipeline"). So at run time, while the next
+// action's activation or gradient has not arrived, the rank runs its oldest pending W (one whose
+// I ran) instead of waiting; the list's own W for it is then skipped. W needs no message, so this
+// cannot deadlock, and it only moves W earlier, so memory stays within the list's bound.
 //
 // Transfers: the activation that virtual stage s receives for microbatch i has tag
 // kTagBase + 2(i S + s), its gradient kTagBase + 2(i S + s) + 1 (S virtual stages): one tag per

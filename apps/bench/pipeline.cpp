@@ -1,18 +1,26 @@
 // tdist-bench pipeline: a pipeline's samples/s and its measured bubble (the stages' idle share
 // of a step, from their timelines) next to the analytic (p-1)/(m+p-1) and the schedule's
-// simulated bubble, per schedule. Starts --stages processes of itself per schedule (loopback,
-// one intra-op thread each); rank 0 prints one line per schedule.
+// simulated bubble, per schedule; beside it, PyTorch's torch.distributed.pipelining over gloo on
+// the same model, cut, schedule and microbatches (scripts/bench_pipeline_torch.py), and the
+// ratio of the two. Starts --stages processes of itself per schedule and round (loopback, one
+// intra-op thread each); rank 0 writes its figures to a file the parent reads and prints.
 #include <signal.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "apps/bench/common.h"
 #include "apps/bench/subcommands.h"
 #include "tdist/comm/process_group.h"
+#include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/pipeline/pipeline.h"
 
@@ -29,27 +37,48 @@ struct Config {
   int micro_batch_size = 32;
   int warmup = 2;
   int steps = 5;
+  int rounds = 1;
+  bool compare_torch = true;
+  std::string python = "python3";
+  std::string torch_script;  // --torch-script; empty: find_script("bench_pipeline_torch.py")
+  std::string json_file;
   std::string worker;  // internal: the schedule this worker process runs
 };
 
-int worker_main(const Config& c) {
-  torch::set_num_threads(1);
-  auto pg = comm::create_process_group("env://");
-  const auto kind = pipeline::parse_schedule(c.worker);
+// What one run of a schedule measured (rank 0's means over the measured steps and the ranks).
+struct Figures {
+  double samples_per_s = 0;
+  double step_ms = 0;
+  double bubble = 0;  // tdist only: the measured idle share
+};
+
+torch::nn::Sequential make_model(const Config& c) {
   torch::manual_seed(0);
   torch::nn::Sequential model;
   for (int l = 0; l < c.layers; ++l) {
     model->push_back(torch::nn::Linear(c.width, c.width));
     model->push_back(torch::nn::Tanh());
   }
+  return model;
+}
+
+// The layer bounds of the run (both implementations cut the model there).
+std::vector<int64_t> bounds_of(const Config& c, pipeline::ScheduleKind kind) {
   const int parts = kind == pipeline::ScheduleKind::kInterleaved1F1B ? 2 * c.stages : c.stages;
+  return pipeline::PipelineStage::balanced_bounds(make_model(c), parts);
+}
+
+int worker_main(const Config& c) {
+  torch::set_num_threads(1);
+  auto pg = comm::create_process_group("env://");
+  const auto kind = pipeline::parse_schedule(c.worker);
+  auto model = make_model(c);
   pipeline::PipelineOptions o;
   o.schedule = kind;
   o.microbatches = c.microbatches;
   o.loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); };
   pipeline::Pipeline pipe(
-      pipeline::PipelineStage(model, pipeline::PipelineStage::balanced_bounds(model, parts),
-                              pg->rank(), pg->size()),
+      pipeline::PipelineStage(model, bounds_of(c, kind), pg->rank(), pg->size()),
       pg, o);
   const int64_t batch = static_cast<int64_t>(c.micro_batch_size) * c.microbatches;
   auto x = torch::randn({batch, c.width});
@@ -73,19 +102,22 @@ int worker_main(const Config& c) {
   if (pg->rank() == 0) {
     const double bubble = sums[0].item<double>() / pg->size();
     const double ms = sums[1].item<double>() / pg->size() / 1000.0;
-    std::printf("%-12s p=%d m=%-3d %10.1f samples/s  step %8.1f ms  bubble measured %5.3f  "
-                "analytic %5.3f  simulated %5.3f\n",
-                c.worker.c_str(), pg->size(), c.microbatches, batch / (ms / 1000.0), ms, bubble,
-                pipeline::analytic_bubble(pg->size(), c.microbatches),
-                pipe.schedule().simulated_bubble());
-    std::fflush(stdout);
+    std::ofstream out(env::require("TDIST_BENCH_PIPELINE_RESULT"));
+    out << std::setprecision(17) << batch / (ms / 1000.0) << " " << ms << " " << bubble << "\n";
+    TDIST_CHECK(out.good(), "cannot write the result file");
   }
   return 0;
 }
 
-int run_schedule(const Config& c, const std::string& schedule,
-                 const std::vector<std::string>& args) {
+// One tdist run of `schedule`: c.stages processes of this binary.
+Figures run_tdist(const Config& c, const std::string& schedule,
+                  const std::vector<std::string>& args) {
   const int port = free_port();
+  char tmpl[] = "/tmp/tdist-bench-pipeline-XXXXXX";
+  const int fd = ::mkstemp(tmpl);
+  TDIST_CHECK(fd >= 0, "mkstemp failed");
+  ::close(fd);
+  const std::string result_path = tmpl;
   std::vector<std::string> worker_args{self_exe(), "pipeline", "--worker", schedule};
   worker_args.insert(worker_args.end(), args.begin(), args.end());
   std::vector<pid_t> pids;
@@ -94,21 +126,70 @@ int run_schedule(const Config& c, const std::string& schedule,
                                  {"RANK=" + std::to_string(r),
                                   "WORLD_SIZE=" + std::to_string(c.stages),
                                   "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-                                  "OMP_NUM_THREADS=1"},
+                                  "OMP_NUM_THREADS=1", "TDIST_BENCH_PIPELINE_RESULT=" + result_path},
                                  "rank " + std::to_string(r)));
   }
-  int failed = 0;
+  std::string failed;
   for (size_t r = 0; r < pids.size(); ++r) {
     int status = 0;
     ::waitpid(pids[r], &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      ++failed;
+      failed += " " + std::to_string(r);
       for (size_t k = 0; k < pids.size(); ++k) {
         if (k != r) ::kill(pids[k], SIGTERM);
       }
     }
   }
-  return failed == 0 ? 0 : 1;
+  Figures f;
+  std::ifstream in(result_path);
+  in >> f.samples_per_s >> f.step_ms >> f.bubble;
+  std::remove(result_path.c_str());
+  TDIST_CHECK(failed.empty() && f.samples_per_s > 0, "the tdist ", schedule,
+              " run failed on rank(s)", failed);
+  return f;
+}
+
+// One run of torch.distributed.pipelining (scripts/bench_pipeline_torch.py) on the same model.
+Figures run_torch(const Config& c, const std::string& schedule) {
+  std::string bounds;
+  for (int64_t b : bounds_of(c, pipeline::parse_schedule(schedule))) {
+    bounds += (bounds.empty() ? "" : ",") + std::to_string(b);
+  }
+  std::ostringstream cmd;
+  cmd << "OMP_NUM_THREADS=1 " << c.python << " " << c.torch_script << " --stages " << c.stages
+      << " --schedule " << schedule << " --microbatches " << c.microbatches << " --width "
+      << c.width << " --layers " << c.layers << " --micro-batch-size " << c.micro_batch_size
+      << " --bounds " << bounds << " --warmup " << c.warmup << " --steps " << c.steps
+      << " --threads 1 2>&1";
+  int status = 0;
+  const std::string out = capture_output(cmd.str(), &status);
+  Figures f;
+  std::istringstream lines(out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind("samples_per_s=", 0) == 0) {
+      std::sscanf(line.c_str(), "samples_per_s=%lf step_ms=%lf", &f.samples_per_s, &f.step_ms);
+    }
+  }
+  TDIST_CHECK(status == 0 && f.samples_per_s > 0, "the torch.distributed.pipelining run failed (",
+              cmd.str(), "):\n", out);
+  return f;
+}
+
+// PyTorch's pipelining has these three of tdist's schedules (its zero-bubble schedules are
+// ZBV and interleaved zero-bubble, not ZB-H1).
+bool torch_has(const std::string& schedule) {
+  return schedule == "gpipe" || schedule == "1f1b" || schedule == "interleaved";
+}
+
+Figures median_of(const std::vector<Figures>& runs) {
+  std::vector<double> a, b, c;
+  for (const auto& r : runs) {
+    a.push_back(r.samples_per_s);
+    b.push_back(r.step_ms);
+    c.push_back(r.bubble);
+  }
+  return Figures{median(a), median(b), median(c)};
 }
 
 }  // namespace
@@ -127,6 +208,12 @@ int run_pipeline_bench(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--warmup", c.warmup, "steps not measured")->check(CLI::Range(0, 1000));
   app.add_option("--steps", c.steps, "measured steps")->check(CLI::Range(1, 100000));
+  app.add_option("--rounds", c.rounds, "alternating rounds per schedule; medians are reported")
+      ->check(CLI::Range(1, 100));
+  app.add_flag("!--no-torch", c.compare_torch, "skip torch.distributed.pipelining");
+  app.add_option("--python", c.python, "Python with torch (the anchor)");
+  app.add_option("--torch-script", c.torch_script, "path of bench_pipeline_torch.py");
+  app.add_option("--json", c.json_file, "also write the results as JSON to this file");
   app.add_option("--worker", c.worker)->group("");  // internal
   try {
     app.parse(argc, argv);
@@ -138,14 +225,68 @@ int run_pipeline_bench(int argc, char** argv) {
     // The workers get this run's flags again.
     std::vector<std::string> args;
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    std::istringstream names(c.schedules);
-    std::string name;
-    int rc = 0;
-    while (std::getline(names, name, ',')) {
-      pipeline::parse_schedule(name);  // InvalidArgument before any process starts
-      rc |= run_schedule(c, name, args);
+    std::vector<std::string> schedules;
+    {
+      std::istringstream names(c.schedules);
+      for (std::string name; std::getline(names, name, ',');) {
+        pipeline::parse_schedule(name);  // InvalidArgument before any process starts
+        schedules.push_back(name);
+      }
     }
-    return rc;
+    if (c.compare_torch && c.torch_script.empty()) {
+      c.torch_script = find_script("bench_pipeline_torch.py");
+    }
+    std::cout << "model " << c.layers << " x (Linear " << c.width << "x" << c.width
+              << " + Tanh), MSE, SGD; " << c.stages << " stages (processes, 1 thread each), "
+              << c.microbatches << " microbatches of " << c.micro_batch_size << "; " << c.steps
+              << " measured steps (+" << c.warmup << " warm-up), median of " << c.rounds
+              << " round(s); anchor: torch.distributed.pipelining over gloo\n\n";
+    std::cout << std::left << std::setw(13) << "schedule" << std::setw(26) << "implementation"
+              << std::right << std::setw(11) << "samples/s" << std::setw(10) << "step ms"
+              << "   bubble measured/analytic/simulated, ratio\n";
+    nlohmann::json report{{"stages", c.stages}, {"microbatches", c.microbatches},
+                          {"width", c.width}, {"layers", c.layers},
+                          {"micro_batch_size", c.micro_batch_size}, {"steps", c.steps},
+                          {"rounds", c.rounds}, {"schedules", nlohmann::json::array()}};
+    for (const auto& name : schedules) {
+      const auto kind = pipeline::parse_schedule(name);
+      const bool with_torch = c.compare_torch && torch_has(name);
+      std::vector<Figures> ours, theirs;
+      for (int r = 0; r < c.rounds; ++r) {  // alternate which goes first
+        if (with_torch && r % 2 == 1) theirs.push_back(run_torch(c, name));
+        ours.push_back(run_tdist(c, name, args));
+        if (with_torch && r % 2 == 0) theirs.push_back(run_torch(c, name));
+      }
+      const Figures o = median_of(ours);
+      const auto sched = pipeline::make_schedule(kind, c.stages, c.microbatches,
+                                                 kind == pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1);
+      nlohmann::json entry{{"schedule", name},
+                           {"tdist", {{"samples_per_s", o.samples_per_s}, {"step_ms", o.step_ms},
+                                      {"bubble_measured", o.bubble}}},
+                           {"bubble_analytic", pipeline::analytic_bubble(c.stages, c.microbatches)},
+                           {"bubble_simulated", sched.simulated_bubble()}};
+      std::ostringstream tail;
+      tail << std::fixed << std::setprecision(3) << "   " << o.bubble << " / "
+           << pipeline::analytic_bubble(c.stages, c.microbatches) << " / "
+           << sched.simulated_bubble();
+      if (with_torch) {
+        const Figures t = median_of(theirs);
+        const double ratio = o.samples_per_s / t.samples_per_s;
+        std::cout << std::left << std::setw(13) << name << std::setw(26) << "torch pipelining (gloo)"
+                  << std::right << std::fixed << std::setw(11) << std::setprecision(1)
+                  << t.samples_per_s << std::setw(10) << t.step_ms << "\n";
+        tail << ", " << std::setprecision(2) << ratio << "x of torch (target >= 1.2: "
+             << (ratio >= 1.2 ? "met" : "NOT MET") << ")";
+        entry["torch"] = {{"samples_per_s", t.samples_per_s}, {"step_ms", t.step_ms}};
+        entry["tdist_over_torch"] = ratio;
+      }
+      std::cout << std::left << std::setw(13) << name << std::setw(26) << "tdist (ring)" << std::right
+                << std::fixed << std::setw(11) << std::setprecision(1) << o.samples_per_s
+                << std::setw(10) << o.step_ms << tail.str() << std::endl;
+      report["schedules"].push_back(entry);
+    }
+    if (!c.json_file.empty()) std::ofstream(c.json_file) << report.dump(1) << "\n";
+    return 0;
   });
 }
 

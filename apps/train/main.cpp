@@ -116,6 +116,19 @@ int main(int argc, char** argv) {
                        "bf16; fp32 shards, gradients reduced in fp32)")
       ->check(CLI::IsMember({"none", "bf16"}));
 
+  auto* pp = app.add_option_group("Pipeline");
+  pp->add_option("--pp-stages", o.pp_stages,
+                 "pipeline stages: the world is pp-stages x data-parallel replicas (DDP across "
+                 "them); a gpt's blocks, or a classifier's layers, are cut into the stages")
+      ->check(CLI::Range(1, 1024));
+  pp->add_option("--schedule", o.schedule,
+                 "with --pp-stages > 1: gpipe, 1f1b, interleaved (two stages per rank) or zb "
+                 "(zero-bubble ZB-H1)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb"}));
+  pp->add_option("--microbatches", o.microbatches,
+                 "with --pp-stages > 1: microbatches per step (divides --batch-size)")
+      ->check(CLI::Range(1, 1 << 20));
+
   auto* ddp = app.add_option_group("DDP");
   ddp->add_option("--bucket-cap-mb", o.ddp.bucket_cap_mb, "gradient bucket size (MiB)")
       ->check(CLI::Range(0.0, 65536.0));

@@ -47,6 +47,7 @@ struct ClassifierImpl : TrainModelImpl {
     for (const auto& item : seq_->named_children()) register_module(item.key(), item.value());
   }
   at::Tensor forward(at::Tensor inputs) override { return seq_->forward(inputs); }
+  torch::nn::Sequential layers() override { return seq_; }
   torch::nn::Sequential seq_;
 };
 
@@ -78,6 +79,29 @@ struct BlockImpl : torch::nn::Module {
   torch::nn::Linear fc, out;
 };
 TORCH_MODULE(Block);
+
+// The first and last layers of a gpt's layers(): modules over the gpt's own embedding, position
+// table, final LayerNorm and head (registered again here, so the tensors are shared).
+struct EmbedImpl : torch::nn::Module {
+  EmbedImpl(torch::nn::Embedding t, at::Tensor p)
+      : tokens(register_module("tokens", std::move(t))),
+        positions(register_parameter("positions", std::move(p))) {}
+  at::Tensor forward(at::Tensor inputs) {
+    return tokens(inputs) + positions.narrow(0, 0, inputs.size(1));
+  }
+  torch::nn::Embedding tokens;
+  at::Tensor positions;
+};
+TORCH_MODULE(Embed);
+
+struct HeadImpl : torch::nn::Module {
+  HeadImpl(torch::nn::LayerNorm l, torch::nn::Linear h)
+      : ln_f(register_module("ln_f", std::move(l))), head(register_module("head", std::move(h))) {}
+  at::Tensor forward(at::Tensor x) { return head(ln_f(x)); }
+  torch::nn::LayerNorm ln_f;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Head);
 
 struct GPTImpl : TrainModelImpl {
   // Registered in the order the forward uses them (DDP's buckets follow the reverse order).
@@ -112,6 +136,14 @@ struct GPTImpl : TrainModelImpl {
     std::vector<std::shared_ptr<torch::nn::Module>> out;
     for (auto& block : blocks) out.push_back(block.ptr());
     return out;
+  }
+
+  torch::nn::Sequential layers() override {
+    torch::nn::Sequential seq;
+    seq->push_back(Embed(tokens, positions));
+    for (auto& block : blocks) seq->push_back(block);
+    seq->push_back(Head(ln_f, head));
+    return seq;
   }
 
   int64_t context_;

@@ -45,6 +45,11 @@ inline constexpr int64_t kVocabSize = 256;  // gpt: one token per byte
 struct TrainModelImpl : torch::nn::Module {
   virtual at::Tensor forward(at::Tensor inputs) = 0;
   virtual std::vector<std::shared_ptr<torch::nn::Module>> units() { return {}; }
+  // The model as a Sequential of its layers, sharing this model's parameter tensors (nothing is
+  // copied), whose forward equals forward(): what --pp-stages cuts into pipeline stages. A
+  // classifier's own layers; gpt: [embedding (tokens + positions), block 0, ..., block L-1,
+  // head (final LayerNorm and Linear)].
+  virtual torch::nn::Sequential layers() = 0;
 };
 using TrainModel = std::shared_ptr<TrainModelImpl>;
 

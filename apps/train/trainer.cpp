@@ -19,10 +19,12 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/train/checkpoint.h"
+#include "apps/train/pipeline_strategy.h"
 #include "apps/train/progress.h"
 #include "tdist/core/atomic_file.h"
 #include "tdist/core/cpu_memory.h"
 #include "tdist/core/hash.h"
+#include "tdist/comm/device_mesh.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/hash_store.h"
@@ -31,6 +33,7 @@
 #include "tdist/fsdp/checkpoint.h"
 #include "tdist/fsdp/fully_shard.h"
 #include "tdist/fsdp/zero_redundancy_optimizer.h"
+#include "tdist/pipeline/schedule.h"
 
 namespace tdist::train {
 namespace {
@@ -363,6 +366,22 @@ void validate(const TrainOptions& o) {
     bad("--comm-hook is DDP's: it applies to --strategy ddp or zero1, not " + o.strategy);
   if (!o.sharded() && !o.reshard_after_forward)
     bad("--reshard-after-forward applies to --strategy fsdp or hsdp only");
+  if (o.pp_stages < 1) bad("--pp-stages must be >= 1");
+  if (o.microbatches < 1) bad("--microbatches must be >= 1");
+  if (o.pp_stages > 1) {
+    pipeline::parse_schedule(o.schedule);  // InvalidArgument naming the known ones
+    if (o.strategy != "ddp")
+      bad("--pp-stages runs DDP across the pipelines' replicas: --strategy " + o.strategy +
+          " is not supported with it (use --strategy ddp)");
+    if (o.comm_hook != "allreduce") bad("--comm-hook does not apply to --pp-stages > 1");
+    if (!o.checkpoint_dir.empty())
+      bad("--checkpoint-dir: tdist-train writes no checkpoints with --pp-stages > 1 yet");
+    if (o.batch_size % o.microbatches != 0)
+      bad(str("--microbatches ", o.microbatches, " does not divide --batch-size ", o.batch_size,
+              " (the batch of each pipeline)"));
+  } else if (o.microbatches != 1 || o.schedule != "1f1b") {
+    bad("--microbatches and --schedule apply to --pp-stages > 1 only");
+  }
   parse_progress_mode(o.progress);
   describe_model(o.model);  // checks the model's settings
 }
@@ -422,6 +441,11 @@ class Trainer {
   std::shared_ptr<comm::ProcessGroup> pg_;
   int rank_ = 0;
   int world_ = 1;
+  // --pp-stages > 1: the world as {"pp", "dp"} (else null); the data-parallel size and this
+  // rank's replica (world and rank without pipeline stages): the sampler's split.
+  std::shared_ptr<comm::DeviceMesh> mesh_;
+  int dp_size_ = 1;
+  int dp_rank_ = 0;
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<DistributedSampler> sampler_;
@@ -443,6 +467,7 @@ class Trainer {
   std::unique_ptr<Model> ddp_model_;            // ddp, zero1
   std::unique_ptr<ShardedModel> sharded_;        // fsdp
   std::unique_ptr<fsdp::ZeroRedundancyOptimizer> zero_;  // zero1
+  std::unique_ptr<PipelineStrategy> pipeline_;          // pp_stages > 1
   std::shared_ptr<GradTiming> timing_ = std::make_shared<GradTiming>();
   Clock::time_point start_;
   int64_t steps_run_ = 0;
@@ -462,14 +487,26 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   set_log_rank(rank_);
   timeout_ = timeout_of(o);
   progress_ = std::make_unique<Progress>(parse_progress_mode(o.progress), rank_ == 0, o.metrics_path);
+  dp_size_ = world_;
+  dp_rank_ = rank_;
+  if (o.pp_stages > 1) {
+    if (world_ % o.pp_stages != 0) {
+      throw InvalidArgument(str("--pp-stages ", o.pp_stages, " does not divide the world size ",
+                                world_, " (the world is pp-stages x data-parallel replicas)"));
+    }
+    mesh_ = std::make_shared<comm::DeviceMesh>(
+        pg_, std::vector<comm::DeviceMesh::Dim>{{"pp", o.pp_stages}, {"dp", world_ / o.pp_stages}});
+    dp_size_ = mesh_->size("dp");
+    dp_rank_ = mesh_->coordinate("dp");
+  }
 
-  sampler_ = std::make_unique<DistributedSampler>(data_.train->size(), world_, rank_,
+  sampler_ = std::make_unique<DistributedSampler>(data_.train->size(), dp_size_, dp_rank_,
                                                   /*shuffle=*/true, o.seed);
   steps_per_epoch_ = sampler_->steps_left(0, o.batch_size);
   if (steps_per_epoch_ < 1) {
     throw InvalidArgument(str("the training set has ", data_.train->size(), " samples, fewer than ",
-                              "one step needs (--batch-size ", o.batch_size, " x world size ", world_,
-                              ")"));
+                              "one step needs (--batch-size ", o.batch_size, " x ",
+                              mesh_ ? "data-parallel replicas " : "world size ", dp_size_, ")"));
   }
   total_steps_ = planned_steps();
 
@@ -480,14 +517,15 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   allocated_before_model_ = cpu_memory_stats().allocated_bytes;
   model_ = build_train_model(o.model);
   model_->to(o.device);
-  if (o.strategy == "ddp") optimizer_ = make_optimizer(o, model_->parameters());
+  if (o.strategy == "ddp" && !mesh_) optimizer_ = make_optimizer(o, model_->parameters());
   fingerprint_ = fingerprint(o, data_.train->size());
   num_params_ = count_parameters(*model_);
   progress_->note(str("tdist-train: ", describe_model(o.model), " (", num_params_, " parameters) on ",
                       data_.description, "; world size ", world_, " on ", o.device.str(),
                       ", strategy ", o.strategy,
-                      ", batch ", o.batch_size,
-                      " per rank, ", o.optimizer, " lr ", o.lr > 0 ? o.lr : default_lr(o.optimizer),
+                      mesh_ ? str(" across ", dp_size_, " pipelines of ", o.pp_stages, " stages")
+                            : std::string(),
+                      ", batch ", o.batch_size, mesh_ ? " per pipeline, " : " per rank, ", o.optimizer, " lr ", o.lr > 0 ? o.lr : default_lr(o.optimizer),
                       "; ", steps_per_epoch_, " steps per epoch, ", total_steps_, " steps"));
   failure_ = FailureInjection::from_env(rank_, world_);
 }
@@ -547,7 +585,19 @@ int64_t Trainer::planned_steps() const {
 }
 
 void Trainer::start_training() {
-  if (o_.sharded()) {
+  if (mesh_) {
+    PipelineConfig pc;
+    pc.stages = o_.pp_stages;
+    pc.schedule = o_.schedule;
+    pc.microbatches = o_.microbatches;
+    pc.timeout = timeout_;
+    pipeline_ = std::make_unique<PipelineStrategy>(
+        model_, is_language_model(o_.model), mesh_, pc,
+        [](const at::Tensor& logits, const at::Tensor& labels) { return loss_of(logits, labels); },
+        o_.ddp);
+    optimizer_ = make_optimizer(o_, pipeline_->parameters());
+    if (rank_ == 0) progress_->note("pipeline: " + pipeline_->describe());
+  } else if (o_.sharded()) {
     fsdp::FSDPOptions fopts;
     fopts.reshard_after_forward = o_.reshard_after_forward;
     fopts.shard_size = o_.shard_size;  // 0 (the whole group) unless hsdp
@@ -670,37 +720,54 @@ void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
   batch.images = batch.images.to(o_.device);
   batch.labels = batch.labels.to(o_.device);
   const auto t1 = Clock::now();
+  Clock::time_point t4;
   zero_grad();
-  at::Tensor logits = forward(batch.images);
-  at::Tensor loss = loss_of(logits, batch.labels);
-  const auto t2 = Clock::now();
-  const int64_t backward_begin = now_us();
-  loss.backward();
-  const int64_t backward_end = now_us();
-  const auto t3 = Clock::now();
-  optimizer_step();
-  const auto t4 = Clock::now();
-
-  const int64_t last_grad = timing_->last_grad_us.load(std::memory_order_relaxed);
   Window& w = window_;
+  if (pipeline_) {
+    // The schedule interleaves forwards and backwards: their compute time from the pipeline's
+    // timeline, and its idle time (waiting for neighbours, DDP's reduction) as comm_wait_ms.
+    const PipelineStepResult r = pipeline_->step(batch.images, batch.labels);
+    const auto t2 = Clock::now();
+    optimizer_step();
+    const auto t3 = Clock::now();
+    w.loss_sum += r.loss;  // 0 on the ranks without the last stage
+    w.correct += r.correct;
+    w.predictions += r.predictions;
+    w.forward_ms += r.compute_forward_ms;
+    w.backward_ms += r.compute_backward_ms;
+    w.comm_wait_ms += r.idle_ms;
+    w.optimizer_ms += 1e3 * seconds_between(t2, t3);
+    t4 = t3;
+  } else {
+    at::Tensor logits = forward(batch.images);
+    at::Tensor loss = loss_of(logits, batch.labels);
+    const auto t2 = Clock::now();
+    const int64_t backward_begin = now_us();
+    loss.backward();
+    const int64_t backward_end = now_us();
+    const auto t3 = Clock::now();
+    optimizer_step();
+    t4 = Clock::now();
+    const int64_t last_grad = timing_->last_grad_us.load(std::memory_order_relaxed);
+    w.loss_sum += loss.item<double>();
+    w.correct += logits.argmax(-1).eq(batch.labels).sum().item<int64_t>();
+    w.predictions += batch.labels.numel();
+    w.forward_ms += 1e3 * seconds_between(t1, t2);
+    w.backward_ms += 1e3 * seconds_between(t2, t3);
+    w.comm_wait_ms += last_grad >= backward_begin ? (backward_end - last_grad) / 1e3 : 0.0;
+    w.optimizer_ms += 1e3 * seconds_between(t3, t4);
+  }
   w.steps += 1;
-  w.loss_sum += loss.item<double>();
-  w.correct += logits.argmax(-1).eq(batch.labels).sum().item<int64_t>();
-  w.predictions += batch.labels.numel();
   w.samples += o_.batch_size;
   w.step_s += seconds_between(t0, t4);
   w.data_ms += 1e3 * seconds_between(t0, t1);
-  w.forward_ms += 1e3 * seconds_between(t1, t2);
-  w.backward_ms += 1e3 * seconds_between(t2, t3);
-  w.comm_wait_ms += last_grad >= backward_begin ? (backward_end - last_grad) / 1e3 : 0.0;
-  w.optimizer_ms += 1e3 * seconds_between(t3, t4);
   ++steps_run_;
   if (steps_run_ > o_.warmup_steps) {
     measured_s_ += seconds_between(t0, t4);
     ++measured_steps_;
   }
   state_.step += 1;
-  state_.epoch_position += o_.batch_size * world_;
+  state_.epoch_position += o_.batch_size * dp_size_;
   roll_over_epoch();
 }
 
@@ -717,9 +784,10 @@ void Trainer::report_window(int64_t epoch) {
   r.total_steps = total_steps_;
   r.epoch = epoch;
   r.window_steps = w.steps;
-  r.loss = sums[0].item<double>() / static_cast<double>(w.steps * world_);
+  // Each replica's loss once: on every rank, or (pipelines) on its last stage's rank only.
+  r.loss = sums[0].item<double>() / static_cast<double>(w.steps * dp_size_);
   r.train_accuracy = sums[1].item<double>() / sums[2].item<double>();
-  r.samples_per_sec = w.step_s > 0 ? static_cast<double>(w.samples * world_) / w.step_s : 0.0;
+  r.samples_per_sec = w.step_s > 0 ? static_cast<double>(w.samples * dp_size_) / w.step_s : 0.0;
   const double n = static_cast<double>(w.steps);
   r.data_ms = w.data_ms / n;
   r.forward_ms = w.forward_ms / n;
@@ -738,6 +806,8 @@ void Trainer::report_window(int64_t epoch) {
 }
 
 EvalResult Trainer::evaluate_now() {
+  // Pipelines: every rank holds the whole model again first (each trained only its stage).
+  if (pipeline_) pipeline_->sync_full_model();
   // Outside DDP's forward (evaluation needs none of its work); through the sharded model's
   // (a collective) under fsdp.
   EvalResult e = evaluate(
@@ -812,7 +882,7 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
                             const std::vector<MemoryUse>& memory) const {
   const double samples_per_sec =
       measured_steps_ > 0
-          ? static_cast<double>(measured_steps_ * o_.batch_size * world_) / measured_s_
+          ? static_cast<double>(measured_steps_ * o_.batch_size * dp_size_) / measured_s_
           : std::nan("");
   nlohmann::json s = {
       {"world_size", world_},
@@ -845,6 +915,11 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
     s["mixed_precision"] = o_.mixed_precision;
   }
   if (o_.strategy == "hsdp") s["shard_size"] = o_.shard_size;
+  if (pipeline_) {
+    s["pp_stages"] = o_.pp_stages;
+    s["schedule"] = o_.schedule;
+    s["microbatches"] = o_.microbatches;
+  }
   if (is_language_model(o_.model)) {
     s["eval_loss"] = number_or_null(final_eval.loss);
     s["perplexity"] = number_or_null(std::exp(final_eval.loss));

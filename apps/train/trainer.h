@@ -29,7 +29,7 @@ struct TrainOptions {
   double weight_decay = 0.0;
   int64_t epochs = 0;             // exactly one of epochs and steps is > 0
   int64_t steps = 0;
-  int64_t batch_size = 64;        // per rank
+  int64_t batch_size = 64;        // per rank (per data-parallel replica with pp_stages > 1)
   uint64_t seed = 0;
   // "ddp" (every rank holds everything), "fsdp" (fully_shard: the model's units and the rest
   // sharded), "hsdp" (fully_shard inside groups of shard_size ranks, replicated across them) or
@@ -40,6 +40,12 @@ struct TrainOptions {
   std::string mixed_precision = "none";  // fsdp, hsdp: "bf16" gathers and computes in bf16
   // fsdp or hsdp: the model is wrapped by fully_shard.
   bool sharded() const { return strategy == "fsdp" || strategy == "hsdp"; }
+  // Pipeline parallelism (apps/train/pipeline_strategy.h): pp_stages > 1 lays the world out as
+  // pp_stages x (world / pp_stages), a pipeline of that many stages per data-parallel replica
+  // (--strategy ddp across the replicas); batch_size is then per replica, cut into microbatches.
+  int pp_stages = 1;
+  std::string schedule = "1f1b";  // gpipe, 1f1b, interleaved, zb
+  int microbatches = 1;
   ddp::DDPOptions ddp;
   std::string comm_hook = "allreduce";  // allreduce, fp16, bf16, powersgd
   int powersgd_rank = 1;

@@ -790,6 +790,13 @@ TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--device", "tpu"}, "--device"},
       {{"--no-such-flag"}, "--no-such-flag"},
       {{"--train-samples", "10", "--batch-size", "64", "--steps", "1"}, "fewer than one step needs"},
+      {{"--pp-stages", "2"}, "--pp-stages 2 does not divide the world size 1"},
+      {{"--pp-stages", "2", "--strategy", "fsdp"}, "--strategy fsdp is not supported with it"},
+      {{"--pp-stages", "2", "--microbatches", "3"}, "--microbatches 3 does not divide --batch-size 64"},
+      {{"--pp-stages", "2", "--schedule", "zbv"}, "--schedule"},
+      {{"--pp-stages", "0"}, "--pp-stages"},
+      {{"--microbatches", "2"}, "--microbatches and --schedule apply to --pp-stages > 1 only"},
+      {{"--pp-stages", "2", "--checkpoint-dir", "/tmp"}, "no checkpoints with --pp-stages > 1"},
   };
   for (const auto& c : cases) {
     auto r = train(c.args);
@@ -914,6 +921,80 @@ TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
             8 * numel);
   EXPECT_LT(z0["optimizer_state_bytes"].get<int64_t>(), 8 * numel * 3 / 4) << z0;
   EXPECT_LT(z1["optimizer_state_bytes"].get<int64_t>(), 8 * numel * 3 / 4) << z1;
+}
+
+// --pp-stages: a pipeline trains with the losses of the same run without one, step by step (to
+// float rounding: the microbatches' means are added in another order). A gpt in 2 stages x 2
+// replicas (world 4, zero-bubble, DDP across the replicas) against DDP at world 2 (the same
+// samples per replica); an mlp in 2 stages with two chunks each (interleaved, world 2) against
+// one process. After each run every rank holds the same whole model (the stages' parts are
+// gathered for evaluation and the final hash).
+TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
+  const std::string text = write_text_dir(5, 120);
+  const std::string dir = test::temp_dir();
+  auto run = [&](const std::string& name, int nproc, std::vector<std::string> args) {
+    const std::vector<std::string> common = {"--steps", "4", "--log-every", "1",
+                                             "--progress", "log",
+                                             "--metrics", dir + "/" + name + ".jsonl",
+                                             "--summary", dir + "/" + name + ".json"};
+    args.insert(args.end(), common.begin(), common.end());
+    if (nproc > 1) args.insert(args.end(), {"--threads", "1"});  // train() adds it alone
+    auto r = nproc == 1 ? train(args) : train_under_run(nproc, {}, args);
+    EXPECT_EQ(r.exit_code, 0) << name << ": " << r.describe();
+    auto hashes = final_hashes(r.out);
+    EXPECT_EQ(hashes.size(), static_cast<size_t>(nproc)) << name << ": " << r.out;
+    for (const auto& [rank, hash] : hashes) {
+      EXPECT_EQ(hash, hashes[0]) << name << ": rank " << rank << "'s model differs";
+    }
+    std::vector<double> losses;
+    for (const auto& l : read_json_lines(dir + "/" + name + ".jsonl")) {
+      if (l["event"] == "train") losses.push_back(l["loss"].get<double>());
+    }
+    EXPECT_EQ(losses.size(), 4u) << name << ": " << r.out;
+    return std::make_pair(losses, read_json(dir + "/" + name + ".json"));
+  };
+  auto expect_same_losses = [](const std::vector<double>& a, const std::vector<double>& b,
+                               const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_NEAR(a[i], b[i], 1e-4 * std::max(1.0, std::abs(b[i]))) << what << " step " << i + 1;
+    }
+  };
+  const std::vector<std::string> gpt = {"--model", "gpt", "--layers", "2", "--width", "32",
+                                        "--heads", "2", "--context", "32", "--data-dir", text,
+                                        "--batch-size", "4", "--optimizer", "adam", "--lr",
+                                        "0.003", "--seed", "3", "--test-samples", "5",
+                                        "--eval-batch-size", "2"};
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const auto [ddp, ddp_s] = run("gpt-ddp", 2, gpt);
+  const auto [pp, pp_s] = run("gpt-pp", 4, with(gpt, {"--pp-stages", "2", "--schedule", "zb",
+                                                      "--microbatches", "2"}));
+  expect_same_losses(pp, ddp, "gpt, 2 stages x 2 replicas (zb) against ddp at world 2");
+  EXPECT_EQ(pp_s["pp_stages"], 2);
+  EXPECT_EQ(pp_s["schedule"], "zb");
+  EXPECT_NEAR(pp_s["eval_loss"].get<double>(), ddp_s["eval_loss"].get<double>(), 1e-4);
+
+  const std::vector<std::string> mlp = {"--dataset", "synthetic", "--model", "mlp", "--hidden",
+                                        "32", "--layers", "3", "--batch-size", "16",
+                                        "--train-samples", "256", "--test-samples", "64",
+                                        "--seed", "5"};
+  const auto [alone, alone_s] = run("mlp-alone", 1, mlp);
+  const auto [inter, inter_s] = run("mlp-pp", 2, with(mlp, {"--pp-stages", "2", "--schedule",
+                                                            "interleaved", "--microbatches", "4"}));
+  expect_same_losses(inter, alone, "mlp, 2 stages of 2 chunks (interleaved) against one process");
+  EXPECT_NEAR(inter_s["accuracy"].get<double>(), alone_s["accuracy"].get<double>(), 1e-9);
+
+  // A cut that cannot be made: more stages than the gpt has blocks, on every rank.
+  std::vector<std::string> one_block = gpt;
+  one_block[3] = "1";  // --layers 1
+  auto r = train_under_run(2, {}, with(one_block, {"--pp-stages", "2", "--steps", "1",
+                                                   "--threads", "1"}));
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_TRUE(contains(r.out + r.err, "the model has 1 blocks, fewer than the 2 pipeline stages"))
+      << r.describe();
 }
 
 // The default --data-dir: the Python standard library's sources (skipped where there is none).

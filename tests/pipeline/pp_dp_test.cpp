@@ -1,11 +1,13 @@
-// pp x dp = 2 x 2 (four processes): each stage's data-parallel pair runs DDP over the stage's
-// chunk, armed by the pipeline before the last weight pass; after 10 SGD steps every parameter
-// equals single-process training of the whole model on the whole batch.
+// pp x dp = 2 x 2 (four processes, laid out by comm's DeviceMesh {pp, dp}): each stage's
+// data-parallel pair runs DDP over the stage's chunk, armed by the pipeline before the last
+// weight pass; after 10 SGD steps every parameter equals single-process training of the whole
+// model on the whole batch.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <iostream>
 
+#include "tdist/comm/device_mesh.h"
 #include "tdist/ddp/distributed_data_parallel.h"
 #include "tdist/ddp/reducer.h"
 #include "tests/harness/process.h"
@@ -19,47 +21,25 @@ using pipeline::PipelineOptions;
 using pipeline::PipelineStage;
 using pipeline::ScheduleKind;
 
-struct Groups {
-  std::shared_ptr<comm::ProcessGroup> pp;  // this rank's pipeline (stage = rank % pp)
-  std::shared_ptr<comm::ProcessGroup> dp;  // the ranks holding this rank's stage
-};
-
-// World rank w is stage w % pp of pipeline w / pp. The one place that lays the world out:
-// comm's DeviceMesh (pipeline x data) replaces it once it exists.
-Groups make_pp_dp_groups(comm::ProcessGroup& world, int pp) {
-  const int n = world.size();
-  const int dp = n / pp;
-  Groups g;
-  for (int d = 0; d < dp; ++d) {
-    std::vector<int> ranks;
-    for (int s = 0; s < pp; ++s) ranks.push_back(d * pp + s);
-    if (auto pg = world.new_group(ranks)) g.pp = pg;
-  }
-  for (int s = 0; s < pp; ++s) {
-    std::vector<int> ranks;
-    for (int d = 0; d < dp; ++d) ranks.push_back(d * pp + s);
-    if (auto pg = world.new_group(ranks)) g.dp = pg;
-  }
-  return g;
-}
-
 constexpr int kPP = 2;
 constexpr int kSteps = 10;
 constexpr double kLr = 0.05;
 
-int run_pp_dp(comm::ProcessGroup& world, ScheduleKind kind) {
-  const int rank = world.rank();
-  auto groups = make_pp_dp_groups(world, kPP);
-  const int replica = rank / kPP;
-  const int replicas = world.size() / kPP;
+int run_pp_dp(const std::shared_ptr<comm::ProcessGroup>& world, ScheduleKind kind) {
+  const int rank = world->rank();
+  // Note [Device mesh layout]: stage s holds world ranks s * dp .. s * dp + dp - 1; the "pp"
+  // group is this rank's pipeline (its rank there is its stage), "dp" its stage's replicas.
+  const int replicas = world->size() / kPP;
+  comm::DeviceMesh mesh(world, {{"pp", kPP}, {"dp", replicas}});
+  const int replica = mesh.coordinate("dp");
   const uint64_t seed = 40 + static_cast<uint64_t>(kind);
   auto model = make_model(kPP, seed);
   auto reference = make_model(kPP, seed);
-  PipelineStage stage(model, even_bounds(model->size(), kPP), groups.pp->rank(), kPP);
+  PipelineStage stage(model, even_bounds(model->size(), kPP), mesh.group("pp")->rank(), kPP);
   std::vector<std::unique_ptr<ddp::DistributedDataParallel<torch::nn::Sequential>>> ddps;
   for (int c = 0; c < stage.num_chunks(); ++c) {
     ddps.push_back(std::make_unique<ddp::DistributedDataParallel<torch::nn::Sequential>>(
-        stage.chunk(c), groups.dp));
+        stage.chunk(c), mesh.group("dp")));
   }
   PipelineOptions o;
   o.schedule = kind;
@@ -69,7 +49,7 @@ int run_pp_dp(comm::ProcessGroup& world, ScheduleKind kind) {
     ddps[static_cast<size_t>(c)]->reducer().prepare_for_forward();
     ddps[static_cast<size_t>(c)]->reducer().prepare_for_backward(roots);
   };
-  Pipeline pipe(stage, groups.pp, o);
+  Pipeline pipe(stage, mesh.group("pp"), o);
   const int64_t local = 6;
   pipe.setup(torch::zeros({local, kWidth}));
   torch::optim::SGD opt(stage.parameters(), kLr);
@@ -103,7 +83,7 @@ TDIST_TEST_CHILD(pipeline_pp_dp_child) {
   torch::set_num_threads(1);
   auto world = comm::create_process_group(child_store(), rank, world_size,
                                           group_options(Millis(60000)));
-  int bad = run_pp_dp(*world, ScheduleKind::k1F1B) + run_pp_dp(*world, ScheduleKind::kZeroBubbleH1);
+  int bad = run_pp_dp(world, ScheduleKind::k1F1B) + run_pp_dp(world, ScheduleKind::kZeroBubbleH1);
   std::cout << "rank " << rank << ": " << bad << " mismatches" << std::endl;
   return std::min(bad, 100);
 }

@@ -1,0 +1,184 @@
+#include "apps/train/pipeline_strategy.h"
+
+#include <torch/torch.h>
+
+#include "tdist/comm/device_mesh.h"
+#include "tdist/comm/process_group.h"
+#include "tdist/core/error.h"
+#include "tdist/ddp/distributed_data_parallel.h"
+#include "tdist/ddp/reducer.h"
+#include "tdist/pipeline/pipeline.h"
+
+namespace tdist::train {
+namespace {
+
+using ChunkDDP = ddp::DistributedDataParallel<torch::nn::Sequential>;
+
+bool has_parameters(const torch::nn::Module& m) { return !m.parameters().empty(); }
+
+// Virtual-stage bounds over `layers` (see the file comment of pipeline_strategy.h): the layers
+// where a unit starts, dealt evenly to `parts` stages; stage 0 starts at layer 0, the last ends
+// at the last layer.
+std::vector<int64_t> stage_bounds(torch::nn::Sequential layers, bool language_model,
+                                  int parts, int stages) {
+  const auto n_layers = static_cast<int64_t>(layers->size());
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const bool unit = language_model ? (i >= 1 && i + 1 < n_layers)
+                                     : has_parameters(*layers[static_cast<size_t>(i)]);
+    if (unit) starts.push_back(i);
+  }
+  const auto units = static_cast<int64_t>(starts.size());
+  TDIST_CHECK_ARG(units >= parts, "--pp-stages ", stages, ": the model has ", units,
+                  language_model ? " blocks" : " layers with parameters", ", fewer than the ",
+                  parts, " pipeline stages it would be cut into",
+                  parts > stages ? " (the interleaved schedule puts two on each rank)" : "",
+                  language_model ? "; give --layers at least that many" : "");
+  std::vector<int64_t> bounds{0};
+  for (int s = 1; s < parts; ++s) bounds.push_back(starts[static_cast<size_t>(units * s / parts)]);
+  bounds.push_back(n_layers);
+  return bounds;
+}
+
+}  // namespace
+
+struct PipelineStrategy::Impl {
+  TrainModel model;
+  std::shared_ptr<comm::DeviceMesh> mesh;
+  PipelineConfig config;
+  std::unique_ptr<pipeline::Pipeline> pipe;
+  std::vector<std::unique_ptr<ChunkDDP>> ddps;  // per chunk; null: no DDP over it
+  bool ready = false;                           // set up (at the first step)
+  // The current step's counts, added to by the loss function on the last stage.
+  int64_t correct = 0;
+  int64_t predictions = 0;
+};
+
+PipelineStrategy::PipelineStrategy(TrainModel model, bool language_model,
+                                   std::shared_ptr<comm::DeviceMesh> mesh, PipelineConfig config,
+                                   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>
+                                       loss,
+                                   ddp::DDPOptions ddp_options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& d = *impl_;
+  d.model = std::move(model);
+  d.mesh = std::move(mesh);
+  d.config = std::move(config);
+  const auto kind = pipeline::parse_schedule(d.config.schedule);
+  const int p = d.mesh->size("pp");
+  TDIST_CHECK_ARG(p == d.config.stages, "PipelineStrategy: the mesh's pp dimension is ", p,
+                  ", not --pp-stages ", d.config.stages);
+  const int parts = kind == pipeline::ScheduleKind::kInterleaved1F1B ? 2 * p : p;
+  auto layers = d.model->layers();
+  pipeline::PipelineStage stage(layers, stage_bounds(layers, language_model, parts, p),
+                                d.mesh->coordinate("pp"), p);
+  const auto& dp_group = d.mesh->group("dp");
+  for (int c = 0; c < stage.num_chunks(); ++c) {
+    auto chunk = stage.chunk(c);
+    if (dp_group->size() > 1 && has_parameters(*chunk)) {
+      ddp::DDPOptions o = ddp_options;
+      o.timeout = d.config.timeout;
+      d.ddps.push_back(std::make_unique<ChunkDDP>(chunk, dp_group, o));
+    } else {
+      d.ddps.push_back(nullptr);
+    }
+  }
+  pipeline::PipelineOptions o;
+  o.schedule = kind;
+  o.microbatches = d.config.microbatches;
+  o.timeout = d.config.timeout;
+  Impl* self = impl_.get();
+  o.loss_fn = [self, loss = std::move(loss)](const at::Tensor& out, const at::Tensor& y) {
+    {
+      torch::NoGradGuard no_grad;
+      self->correct += out.argmax(-1).eq(y).sum().item<int64_t>();
+      self->predictions += y.numel();
+    }
+    return loss(out, y);
+  };
+  o.before_last_weight_pass = [self](int c, const std::vector<at::Tensor>& roots) {
+    auto& ddp = self->ddps[static_cast<size_t>(c)];
+    if (!ddp) return;
+    ddp->reducer().prepare_for_forward();
+    ddp->reducer().prepare_for_backward(roots);
+  };
+  d.pipe = std::make_unique<pipeline::Pipeline>(std::move(stage), d.mesh->group("pp"), o);
+}
+
+PipelineStrategy::~PipelineStrategy() = default;
+
+std::vector<at::Tensor> PipelineStrategy::parameters() const {
+  return impl_->pipe->stage().parameters();
+}
+
+PipelineStepResult PipelineStrategy::step(const at::Tensor& inputs, const at::Tensor& labels) {
+  Impl& d = *impl_;
+  if (!d.ready) {
+    d.pipe->setup(torch::zeros_like(inputs));
+    d.ready = true;
+  }
+  d.correct = 0;
+  d.predictions = 0;
+  at::Tensor loss = d.pipe->step(inputs, labels);
+  PipelineStepResult r;
+  r.has_loss = loss.defined();
+  if (r.has_loss) r.loss = loss.item<double>();
+  r.correct = d.correct;
+  r.predictions = d.predictions;
+  const auto& tl = d.pipe->last_timeline();
+  double compute_us = 0;
+  for (const auto& e : tl.events) {
+    if (!e.compute) continue;
+    const double us = static_cast<double>(e.end_us - e.begin_us);
+    compute_us += us;
+    (e.name[0] == 'F' ? r.compute_forward_ms : r.compute_backward_ms) += us / 1e3;
+  }
+  r.idle_ms = (static_cast<double>(tl.end_us - tl.begin_us) - compute_us) / 1e3;
+  return r;
+}
+
+void PipelineStrategy::sync_full_model() {
+  Impl& d = *impl_;
+  auto layers = d.model->layers();
+  const auto& stage = d.pipe->stage();
+  const auto& bounds = stage.bounds();
+  const auto& pp = d.mesh->group("pp");
+  torch::NoGradGuard no_grad;
+  // One broadcast per stage rank: its virtual stages' parameters, flattened in order.
+  for (int r = 0; r < pp->size(); ++r) {
+    std::vector<at::Tensor> params;
+    for (int s = r; s + 1 < static_cast<int>(bounds.size()); s += pp->size()) {
+      for (int64_t l = bounds[static_cast<size_t>(s)]; l < bounds[static_cast<size_t>(s) + 1];
+           ++l) {
+        for (auto& p : layers[static_cast<size_t>(l)]->parameters()) params.push_back(p);
+      }
+    }
+    if (params.empty()) continue;
+    std::vector<at::Tensor> flat_parts;
+    for (auto& p : params) flat_parts.push_back(p.detach().reshape({-1}));
+    at::Tensor flat = torch::cat(flat_parts);
+    comm::BroadcastOptions o;
+    o.root = r;
+    o.timeout = d.config.timeout;
+    pp->broadcast(flat, o)->wait();
+    if (r == pp->rank()) continue;
+    int64_t offset = 0;
+    for (auto& p : params) {
+      p.detach().copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+      offset += p.numel();
+    }
+  }
+}
+
+std::string PipelineStrategy::describe() const {
+  const Impl& d = *impl_;
+  const auto& stage = d.pipe->stage();
+  std::string parts;
+  for (int c = 0; c < stage.num_chunks(); ++c) {
+    parts += (c ? ", " : "") + stage.describe_stage(stage.stage_index(c));
+  }
+  return str("pp ", d.mesh->size("pp"), " x dp ", d.mesh->size("dp"), ", ", d.config.schedule,
+             ", ", d.config.microbatches, " microbatches; this rank: ", parts);
+}
+
+}  // namespace tdist::train
