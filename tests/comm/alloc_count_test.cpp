@@ -133,7 +133,10 @@ void expect_within(const Counts& c) {
         << "rank " << r << "'s calling thread allocated " << c.caller[r] << " times in " << kOps
         << " allreduces";
   }
-  EXPECT_LE(c.all, 2 * (kPerOp * kOps + kOnce))
+  // Over all threads the count varies with timing: 512 to 577 were seen for 2 x 256 operations
+  // on the loaded 2-core machine (a calling thread now and then allocates too). Half an
+  // allocation per operation of slack still fails as soon as one more is added to every call.
+  EXPECT_LE(c.all, 2 * (kPerOp * kOps + kOps / 2 + kOnce))
       << "the process allocated " << c.all << " times in " << kOps
       << " allreduces on each of 2 ranks (" << c.caller[0] + c.caller[1]
       << " of them on the calling threads, the rest on the groups' workers)";

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "tdist/core/error.h"
@@ -76,9 +77,15 @@ TEST(DDPTrace, EveryRankWritesForwardBackwardBucketsAndWait) {
 }
 
 TEST(DDPTrace, UnwritablePathIsReportedByFlush) {
-  ddp::Trace t("/nonexistent-dir/x/trace.json", 0);
+  // A path below a regular file: no directory can be made there, not even by root (the writer
+  // creates missing directories, so a missing one is not unwritable).
+  const auto file = std::filesystem::temp_directory_path() /
+                    ("tdist-trace-not-a-dir-" + std::to_string(::getpid()));
+  std::ofstream(file) << "x";
+  ddp::Trace t((file / "x" / "trace.json").string(), 0);
   t.add("forward", ddp::Trace::Track::kCompute, 0, 1);
   EXPECT_THROW(t.flush(), Error);
+  std::filesystem::remove(file);
 }
 
 }  // namespace
