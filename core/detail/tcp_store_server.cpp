@@ -189,9 +189,9 @@ void TCPStoreConnection::on_header() {
 }
 
 void TCPStoreConnection::start_body() {
+  // The budget is taken for the whole body; the buffer grows as bytes arrive
+  // (read_body_chunk), so announcing a body allocates nothing.
   body_reserved_ = header_.body_bytes;
-  // Address space for the whole body (granted by the budget); pages are touched as bytes arrive.
-  body_.reserve(static_cast<size_t>(header_.body_bytes));
   arm_frame_deadline();
   read_body_chunk();
 }
@@ -225,10 +225,15 @@ void TCPStoreConnection::on_skipped(const error_code& ec, size_t n) {
 }
 
 void TCPStoreConnection::read_body_chunk() {
-  // The body grows as bytes arrive, so a peer that announces a large body but sends little
-  // cannot make the server allocate what it announced.
+  // The body grows as bytes arrive, so a peer that announces a large body but sends nothing
+  // makes the server allocate nothing; after a first chunk the announced size is reserved
+  // (address space; pages are touched as bytes land), within the in-flight budget.
   const size_t chunk = static_cast<size_t>(
       std::min<uint64_t>(header_.body_bytes - body_received_, kBodyChunkBytes));
+  // Reserving at once keeps a large body from being copied over and over as the buffer doubles.
+  if (body_received_ > 0 && body_.capacity() < header_.body_bytes) {
+    body_.reserve(static_cast<size_t>(header_.body_bytes));
+  }
   body_.resize(body_received_ + chunk);
   asio::async_read(socket_, asio::buffer(body_.data() + body_received_, chunk),
                    [self = shared_from_this()](const error_code& ec, size_t n) {
