@@ -4,6 +4,7 @@
 #   1. srun --nodes 2 --ntasks-per-node 2 tdist-train ...: four tasks, two per host;
 #   2. srun --nodes 2 --ntasks-per-node 1 tdist-run --nproc-per-node 2 tdist-train ...: one
 #      launcher per host.
+# The job token netns_hosts exports is passed on (a job beyond loopback needs one).
 # Each time the four ranks train together (rank 0 on node1, found from SLURM_STEP_NODELIST
 # "node[1-2]") and end with the same parameters. Exits 77 (ctest: skipped) with the reason
 # when namespaces cannot be made.
@@ -21,7 +22,7 @@ task() {
   local vars=()
   while [ "$1" != "--" ]; do vars+=("$1"); shift; done
   shift
-  env -i PATH="$PATH" OMP_NUM_THREADS=1 SLURM_STEP_NODELIST="node[1-2]" SLURM_JOB_NODELIST="node[1-2]" \
+  env -i PATH="$PATH" TDIST_TOKEN="$TDIST_TOKEN" OMP_NUM_THREADS=1 SLURM_STEP_NODELIST="node[1-2]" SLURM_JOB_NODELIST="node[1-2]" \
     SLURM_STEP_NUM_NODES=2 "${vars[@]}" timeout -k 5 120 ip netns exec "${id}h$host" "$@" \
     >"$out" 2>&1 &
 }
