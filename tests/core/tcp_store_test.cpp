@@ -98,16 +98,7 @@ class RawSocket {
   }
   // True when the server closed the connection (EOF or reset) within `limit`.
   bool sees_eof(Millis limit = 10s) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    for (;;) {
-      auto left = std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return false;
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
-      uint8_t buf[256];
-      ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-      if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
-    }
+    return tdist::test::sees_eof(fd_, limit);
   }
 
  private:

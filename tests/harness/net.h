@@ -1,10 +1,16 @@
 #pragma once
-// A free TCP port on 127.0.0.1 (bound to port 0, then released), for tests that must name a
-// port before the server starts (init_method URLs, MASTER_PORT for child processes).
+// Socket helpers of the tests.
+#include <chrono>
 #include <cstdint>
 
 namespace tdist::test {
 
+// A free TCP port on 127.0.0.1 (bound to port 0, then released), for tests that must name a
+// port before the server starts (init_method URLs, MASTER_PORT for child processes).
 uint16_t free_port();
+
+// True when the other end closed the connection on `fd` (EOF or reset) within `limit`; bytes
+// that arrive before are read and dropped.
+bool sees_eof(int fd, std::chrono::milliseconds limit);
 
 }  // namespace tdist::test
