@@ -173,10 +173,8 @@ TDIST_TEST_CHILD(fsdp_allocator_memory_child) {
                 << s.peak_bytes - before << std::endl;
     });
   };
-  measure([&](Wide& net, const Record& record) {
-    std::vector<std::shared_ptr<torch::nn::Module>> units;
-    for (auto& l : net->layers) units.push_back(l.ptr());
-    auto model = fsdp::fully_shard(net, units, pg);
+  // Three Adam steps of either wrapper, then record() while the optimizer (and its state) lives.
+  auto adam_steps = [&](auto& model, const Record& record) {
     torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
     for (int step = 0; step < 3; ++step) {
       opt.zero_grad();
@@ -184,18 +182,18 @@ TDIST_TEST_CHILD(fsdp_allocator_memory_child) {
       opt.step();
     }
     record();
+  };
+  measure([&](Wide& net, const Record& record) {
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    for (auto& l : net->layers) units.push_back(l.ptr());
+    auto model = fsdp::fully_shard(net, units, pg);
+    adam_steps(model, record);
   }, "fsdp");
   measure([&](Wide& net, const Record& record) {
     ddp::DDPOptions opts;
     opts.gradient_as_bucket_view = true;
     ddp::DistributedDataParallel<Wide> model(net, pg, opts);
-    torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(kLr));
-    for (int step = 0; step < 3; ++step) {
-      opt.zero_grad();
-      model(x).square().mean().backward();
-      opt.step();
-    }
-    record();
+    adam_steps(model, record);
   }, "ddp");
   return 0;
 }
