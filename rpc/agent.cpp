@@ -16,13 +16,13 @@
 
 #include <algorithm>
 
-#include "tdist/core/env.h"
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/logging.h"
 #include "tdist/core/rendezvous.h"
 #include "tdist/core/token.h"
 #include "tdist/rpc/api.h"
 #include "tdist/rpc/detail/deadline.h"
+#include "tdist/rpc/detail/options.h"
 
 namespace tdist::rpc {
 
@@ -31,11 +31,6 @@ using detail::remaining;
 namespace {
 
 const std::string kPrefix = "tdist_rpc/";
-constexpr Millis kDefaultHandshakeTimeout{10000};
-constexpr int64_t kDefaultMaxPendingHandshakes = 64;
-constexpr int64_t kDefaultMaxConnections = 1024;
-constexpr int64_t kDefaultMaxConnectionsPerPeer = 8;
-constexpr int64_t kDefaultMaxRequestsInFlight = 1024;
 
 // Note [RPC waits spin first]
 // A small call's round trip crosses two sockets and two thread hand-offs: the server's reader
@@ -47,14 +42,11 @@ constexpr int64_t kDefaultMaxRequestsInFlight = 1024;
 // Future::wait for up to 50 us (rpc/future.h); one idle worker of the pool for up to spin_us
 // (default 50 us, rpc/detail/thread_pool.h); and each connection's reader, between frames, reads
 // without blocking for up to spin_us before it sleeps in recv, or, once frames come through a
-// shared-memory ring, looks at the ring before it sleeps on its futex (rpc/connection.cpp,
+// shared-memory ring, looks at the ring before it sleeps on its futex (rpc/detail/connection.cpp,
 // Note [RPC shared-memory frame streams]). A busy caller
 // keeps them looking between calls; an idle agent looks once per message and then sleeps, so it
 // burns no core. spin_us = 0 (TDIST_RPC_SPIN_US=0) restores the plain hand-offs (the future's
 // spin stays). Measured with tdist-bench rpc (docs/perf-history.md, "RPC waits spin first").
-constexpr int64_t kDefaultSpinUs = 50;
-constexpr int64_t kDefaultShmBytes = int64_t{256} << 20;  // Note [RPC shared-memory slots]
-constexpr int64_t kDefaultStreamBytes = int64_t{256} << 10;  // Note [RPC shared-memory frame streams]
 
 }  // namespace
 
@@ -64,48 +56,9 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   TDIST_CHECK_ARG(rank >= 0 && rank < world_size, "rank ", rank, " is not in [0, ", world_size,
                   ")");
   TDIST_CHECK_ARG(!name.empty(), "a worker needs a name");
-  TDIST_CHECK_ARG(options_.num_worker_threads > 0, "num_worker_threads must be positive, got ",
-                  options_.num_worker_threads);
-  TDIST_CHECK_ARG(options_.rpc_timeout.count() >= 0, "rpc_timeout must not be negative");
   self_.name = name;
   self_.rank = rank;
-  TDIST_CHECK_ARG(options_.handshake_timeout.count() >= 0, "handshake_timeout must not be "
-                  "negative");
-  TDIST_CHECK_ARG(options_.max_pending_handshakes >= 0, "max_pending_handshakes must not be "
-                  "negative");
-  if (options_.handshake_timeout.count() == 0) {
-    const Millis fallback = options_.rpc_timeout.count() > 0
-                                ? std::min(options_.rpc_timeout, kDefaultHandshakeTimeout)
-                                : kDefaultHandshakeTimeout;
-    options_.handshake_timeout =
-        Millis(env::get_int("TDIST_RPC_HANDSHAKE_TIMEOUT_MS", fallback.count(), 1, INT32_MAX));
-  }
-  if (options_.max_pending_handshakes == 0) {
-    options_.max_pending_handshakes = static_cast<int>(env::get_int(
-        "TDIST_RPC_MAX_PENDING_HANDSHAKES", kDefaultMaxPendingHandshakes, 1, 1 << 20));
-  }
-  TDIST_CHECK_ARG(options_.max_connections >= 0 && options_.max_connections_per_peer >= 0 &&
-                      options_.max_requests_in_flight >= 0,
-                  "max_connections, max_connections_per_peer and max_requests_in_flight must "
-                  "not be negative (0: the default)");
-  if (options_.max_connections == 0) {
-    options_.max_connections = static_cast<int>(
-        env::get_int("TDIST_RPC_MAX_CONNECTIONS", kDefaultMaxConnections, 1, 1 << 20));
-  }
-  if (options_.max_connections_per_peer == 0) {
-    options_.max_connections_per_peer = static_cast<int>(env::get_int(
-        "TDIST_RPC_MAX_CONNECTIONS_PER_PEER", kDefaultMaxConnectionsPerPeer, 1, 1 << 20));
-  }
-  if (options_.max_requests_in_flight == 0) {
-    options_.max_requests_in_flight = static_cast<int>(env::get_int(
-        "TDIST_RPC_MAX_REQUESTS_IN_FLIGHT", kDefaultMaxRequestsInFlight, 1, 1 << 24));
-  }
-  TDIST_CHECK_ARG(options_.spin_us >= -1, "spin_us must be -1 (the default) or more, got ",
-                  options_.spin_us);
-  if (options_.spin_us == -1) {
-    options_.spin_us = static_cast<int>(env::get_int("TDIST_RPC_SPIN_US", kDefaultSpinUs, 0,
-                                                     1000000));
-  }
+  options_ = detail::resolve_options(std::move(options_));
   const Millis hs_timeout = options_.handshake_timeout;
   conn_options_.max_frame_bytes = options_.max_frame_bytes;
   conn_options_.max_requests_in_flight = options_.max_requests_in_flight;
@@ -122,23 +75,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcOptions
   conn_options_.handshake.timeout = hs_timeout;
   conn_options_.socket_buffer_bytes = options_.socket_buffer_bytes;
   conn_options_.spin = std::chrono::microseconds(options_.spin_us);
-  TDIST_CHECK_ARG(options_.shm_bytes >= -1, "shm_bytes must be -1 (the default) or more, got ",
-                  options_.shm_bytes);
-  if (options_.shm_bytes == -1) {
-    options_.shm_bytes = env::get_int("TDIST_RPC_SHM_BYTES", kDefaultShmBytes, 0, INT64_MAX);
-  }
   conn_options_.shm_bytes = static_cast<uint64_t>(options_.shm_bytes);
-  TDIST_CHECK_ARG(options_.stream_bytes == -1 || options_.stream_bytes == 0 ||
-                      (options_.stream_bytes >= static_cast<int64_t>(detail::kMinStreamBytes) &&
-                       options_.stream_bytes <= static_cast<int64_t>(detail::kMaxStreamBytes)),
-                  "stream_bytes must be -1 (the default), 0 (off) or from ",
-                  detail::kMinStreamBytes, " to ", detail::kMaxStreamBytes, ", got ",
-                  options_.stream_bytes);
-  if (options_.stream_bytes == -1) {
-    const int64_t bytes = env::get_int("TDIST_RPC_STREAM_BYTES", kDefaultStreamBytes, 0,
-                                       static_cast<int64_t>(detail::kMaxStreamBytes));
-    options_.stream_bytes = bytes == 0 ? 0 : std::max<int64_t>(bytes, detail::kMinStreamBytes);
-  }
   conn_options_.stream_bytes = static_cast<uint64_t>(options_.stream_bytes);
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<Peer>());
 }
@@ -165,8 +102,8 @@ std::shared_ptr<RpcAgent> RpcAgent::start(const std::string& name, int rank, int
                  a->host_, ":", a->port_,
                  a->options_.token->empty() ? "" : " (token from " + a->token_source_ + ")");
   if (a->options_.token->empty()) {
-    TDIST_LOG_WARN("rpc: worker '", name, "': the RPC port ", a->host_, ":",
-                   a->port_, " is unauthenticated: anyone who can reach it can call every "
+    TDIST_LOG_WARN("rpc: worker '", name, "': the RPC port ", a->host_, ":", a->port_,
+                   " is unauthenticated: anyone who can reach it can call every "
                    "registered function (set TDIST_TOKEN or TDIST_TOKEN_FILE on every worker)");
   }
   return a;
@@ -195,7 +132,8 @@ void RpcAgent::join_group(int world_size) {
   store_->set(store_prefix_ + "worker/" + std::to_string(self_.rank),
               encode(self_.name, host_, port_));
   std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back(store_prefix_ + "worker/" + std::to_string(r));
+  for (int r = 0; r < world_size; ++r)
+    keys.push_back(store_prefix_ + "worker/" + std::to_string(r));
   try {
     store_->wait(keys, timeout);
   } catch (const TimeoutError& e) {
@@ -242,8 +180,8 @@ void RpcAgent::publish_lost_peers() {
   for (int r : fresh) {
     // A worker that finished its shutdown closes its connections too: not gone, just left.
     if (store_->check({store_prefix_ + "shutdown/exit/" + std::to_string(r)})) continue;
-    TDIST_LOG_WARN("rpc: shutdown: worker '", self_.name, "' lost its connection to ",
-                   peer_name(r), "; the other workers' shutdown will not wait for it");
+    TDIST_LOG_WARN("rpc: shutdown: worker '", self_.name, "' lost its connection to ", peer_name(r),
+                   "; the other workers' shutdown will not wait for it");
     store_->set(store_prefix_ + "shutdown/gone/" + std::to_string(r), "1");
   }
 }
@@ -270,8 +208,8 @@ std::vector<bool> RpcAgent::wait_for_workers(const std::string& prefix, int firs
         for (int r = first_rank; r < n; ++r) {
           if (!resolved[r]) who += (who.empty() ? "" : ", ") + peer_name(r);
         }
-        throw TimeoutError(str("no key ", prefix, "<rank> from ", who,
-                               ", and none of them was seen gone"));
+        throw TimeoutError(
+            str("no key ", prefix, "<rank> from ", who, ", and none of them was seen gone"));
       }
     }
     publish_lost_peers();
@@ -287,7 +225,8 @@ std::vector<bool> RpcAgent::wait_for_workers(const std::string& prefix, int firs
       }
     }
     if (store_->check({gone + std::to_string(self_.rank)})) {
-      throw Error(str("worker '", self_.name, "' was declared gone by another worker (a "
+      throw Error(str("worker '", self_.name,
+                      "' was declared gone by another worker (a "
                       "connection to it broke) while it was still shutting down"));
     }
   }
@@ -319,21 +258,21 @@ void RpcAgent::graceful_barrier() {
                              " ms for its own work to finish: ", what));
     }
     const std::string round_prefix = store_prefix_ + "shutdown/" + std::to_string(round) + "/";
-    store_->set(round_prefix + std::to_string(self_.rank),
-                encode(sent_.load(), received_.load()));
+    store_->set(round_prefix + std::to_string(self_.rank), encode(sent_.load(), received_.load()));
     std::vector<bool> present;
     try {
       present = wait_for_workers(round_prefix, 0, deadline);
     } catch (const TimeoutError& e) {
       throw TimeoutError(str("shutdown of worker '", self_.name, "' waited ", limit.count(),
-                             " ms for the other workers to shut down (round ", round, "): ",
-                             e.what()));
+                             " ms for the other workers to shut down (round ", round,
+                             "): ", e.what()));
     }
     // A gone worker that never published this round counts as (-1, -1) for everybody alike.
     std::vector<std::pair<int64_t, int64_t>> counts(n, {-1, -1});
     for (int r = 0; r < n; ++r) {
       if (present[r]) {
-        counts[r] = decode<std::pair<int64_t, int64_t>>(store_->get(round_prefix + std::to_string(r)));
+        counts[r] =
+            decode<std::pair<int64_t, int64_t>>(store_->get(round_prefix + std::to_string(r)));
       }
     }
     if (round > 0 && counts == prev) break;
@@ -356,14 +295,14 @@ void RpcAgent::graceful_barrier() {
   } else {
     try {
       store_->set(left + std::to_string(self_.rank), "1");
-    } catch (const std::exception&) {
-    }
+    } catch (const std::exception&) {}
   }
 }
 
 void RpcAgent::shutdown(bool graceful) {
-  TDIST_CHECK_ARG(!(graceful && pool_ && pool_->in_pool_thread()),
-                  "shutdown() of worker '", self_.name, "' called on one of its own worker "
+  TDIST_CHECK_ARG(!(graceful && pool_ && pool_->in_pool_thread()), "shutdown() of worker '",
+                  self_.name,
+                  "' called on one of its own worker "
                   "threads (from a function called over RPC): it would wait for that very call; "
                   "shut down from the program's own thread");
   std::lock_guard<std::mutex> guard(shutdown_mu_);
@@ -412,8 +351,8 @@ void RpcAgent::stop_everything(const std::string& reason) {
   timeout_cv_.notify_all();
   for (auto& p : failed) {
     complete(p, nullptr,
-             std::make_exception_ptr(Error(str(p.what, " failed: worker '", self_.name,
-                                               "' ", reason, " before it finished"))));
+             std::make_exception_ptr(Error(str(p.what, " failed: worker '", self_.name, "' ",
+                                               reason, " before it finished"))));
   }
   if (listener_) listener_->shutdown();
   if (accept_thread_.joinable()) accept_thread_.join();

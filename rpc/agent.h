@@ -70,11 +70,11 @@
 
 #include "tdist/core/net/address.h"
 #include "tdist/core/serialize.h"
-#include "tdist/rpc/connection.h"
+#include "tdist/rpc/detail/connection.h"
 #include "tdist/rpc/detail/thread_pool.h"
 #include "tdist/rpc/errors.h"
 #include "tdist/rpc/future.h"
-#include "tdist/rpc/message.h"
+#include "tdist/rpc/detail/message.h"
 #include "tdist/rpc/registry.h"
 #include "tdist/rpc/rref_context.h"
 #include "tdist/rpc/types.h"
@@ -100,8 +100,8 @@ void write_fields(Bytes& body, const Fields&... fields) {
 
 // Encodes a message: core-archive fields, then arguments with the RPC archive.
 template <class FieldsTuple, class... A>
-OutMessage encode_message(MessageType type, RRefContext* rrefs, int dest,
-                          const FieldsTuple& fields, const A&... args) {
+OutMessage encode_message(MessageType type, RRefContext* rrefs, int dest, const FieldsTuple& fields,
+                          const A&... args) {
   OutMessage m;
   m.type = type;
   std::apply([&](const auto&... f) { write_fields(m.body, f...); }, fields);
@@ -159,8 +159,7 @@ ResponseFn result_handler(Future<R> fut, std::weak_ptr<RRefContext> rrefs, Execu
 
 }  // namespace detail
 
-class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
-                 private detail::ConnectionHandler {
+class RpcAgent : public std::enable_shared_from_this<RpcAgent>, private detail::ConnectionHandler {
  public:
   // Starts a worker: meets the others' store, listens (RpcOptions::listen_host, else the address
   // net::local_address picks toward the store's host), publishes its address and name in the
@@ -310,8 +309,7 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   void check_fork_held(const RRefId& id, int from) const;
   void reply_value(const std::shared_ptr<detail::Connection>& conn, uint64_t id, int to,
                    const detail::AnyValue& value);
-  void reply_empty(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
-                   Bytes body = {});
+  void reply_empty(const std::shared_ptr<detail::Connection>& conn, uint64_t id, Bytes body = {});
   void reply_error(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
                    const std::string& message);
   void send_reply(const std::shared_ptr<detail::Connection>& conn, detail::OutMessage&& m);
@@ -342,15 +340,15 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   std::deque<std::weak_ptr<detail::Connection>> handshaking_;  // guarded by conns_mu_
 
   mutable std::mutex pending_mu_;
-  std::condition_variable idle_cv_;     // pending_ emptied or processing_ reached 0
-  std::condition_variable timeout_cv_;  // a new earliest deadline or timer, or stopping
-  std::unordered_map<uint64_t, Pending> pending_;                 // guarded by pending_mu_
-  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;    // guarded by pending_mu_
+  std::condition_variable idle_cv_;                // pending_ emptied or processing_ reached 0
+  std::condition_variable timeout_cv_;             // a new earliest deadline or timer, or stopping
+  std::unordered_map<uint64_t, Pending> pending_;  // guarded by pending_mu_
+  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;      // guarded by pending_mu_
   std::multimap<Clock::time_point, std::function<void()>> timers_;  // guarded by pending_mu_
   // When timeout_loop wakes up next by itself (max: only when notified; min: it is awake).
   Clock::time_point timeout_wakes_at_ = Clock::time_point::min();  // guarded by pending_mu_
-  int64_t processing_ = 0;                                        // guarded by pending_mu_
-  bool stopping_ = false;                                         // guarded by pending_mu_
+  int64_t processing_ = 0;                                         // guarded by pending_mu_
+  bool stopping_ = false;                                          // guarded by pending_mu_
 
   std::atomic<uint64_t> next_request_id_{1};
   std::atomic<int64_t> sent_{0};
@@ -365,14 +363,13 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
 };
 
 template <class R, class... A>
-Future<R> RpcAgent::rpc_async(const To& to, const std::string& fn, Timeout timeout,
-                              A&&... args) {
+Future<R> RpcAgent::rpc_async(const To& to, const std::string& fn, Timeout timeout, A&&... args) {
   const int dest = resolve(to);
   const Signature& sig = signature_of<R, wire_t<A>...>();
   Future<R> fut;
-  detail::OutMessage m = detail::encode_message(
-      detail::MessageType::kCall, rrefs_.get(), dest,
-      std::make_tuple(detail::CallHeader{fn, sig.hash}), wire_arg(std::forward<A>(args))...);
+  detail::OutMessage m = detail::encode_message(detail::MessageType::kCall, rrefs_.get(), dest,
+                                                std::make_tuple(detail::CallHeader{fn, sig.hash}),
+                                                wire_arg(std::forward<A>(args))...);
   std::string what = str("rpc '", fn, "' as ", sig.text, " to worker '", workers_[dest].name, "'");
   fut.set_description(what);
   send_request(dest, std::move(m), call_timeout(timeout),

@@ -4,7 +4,7 @@
 //   on net::local_address(the store's host), at listen_port (port 0 picks one; host() and port()
 //   tell which: that is what the worker publishes). accept_loop() (its own thread)
 //   hands every accepted socket to a Connection, which runs the server side of the handshake on
-//   its reader thread (rpc/auth.h); finished incoming connections are reaped on the next accept.
+//   its reader thread (rpc/detail/auth.h); finished incoming connections are reaped on the next accept.
 //   At most RpcOptions::max_pending_handshakes accepted connections are in their handshake: a
 //   new one closes the oldest whose HELLO has not verified (telling it to retry, Note [RPC
 //   handshake]), and each handshake has one deadline for all of it.
@@ -23,10 +23,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <system_error>
 
 #include "tdist/core/logging.h"
+#include "tdist/core/token.h"
 #include "tdist/rpc/detail/deadline.h"
 
 namespace tdist::rpc {
@@ -36,6 +38,9 @@ using detail::remaining;
 void RpcAgent::listen() {
   host_ = options_.listen_host.empty() ? net::local_address(store_->server_host())
                                        : options_.listen_host;
+  // Note [Secure by default] (core/token.h): decided from the address this worker binds.
+  require_token_beyond_loopback(str("the RPC agent of worker '", self_.name, "'"),
+                                !options_.token->empty(), host_, "RpcOptions::token");
   const int buffer_bytes = options_.socket_buffer_bytes;
   try {
     // Accepted sockets inherit the listener's buffer sizes.
@@ -99,7 +104,8 @@ void RpcAgent::accept_loop() {
     if (refused) {
       detail::send_busy(fd);
       TDIST_LOG_DEBUG("rpc: refused a connection from ", conn->peer(), ": ",
-                      options_.max_connections, " connections are open (RpcOptions::"
+                      options_.max_connections,
+                      " connections are open (RpcOptions::"
                       "max_connections, TDIST_RPC_MAX_CONNECTIONS)");
       continue;  // conn's destructor closes the socket
     }
@@ -185,12 +191,13 @@ std::shared_ptr<detail::Connection> RpcAgent::connect(int rank, Millis timeout) 
   try {
     conn->start();
   } catch (const std::system_error& e) {
-    throw NetworkError(str("connecting to ", peer_name(rank), ": cannot start the connection's "
-                           "thread: ", e.what()));
+    throw NetworkError(str("connecting to ", peer_name(rank),
+                           ": cannot start the connection's "
+                           "thread: ",
+                           e.what()));
   }
-  TDIST_LOG_DEBUG("rpc: connected to ", peer_name(rank), hs.send_remote_tensors
-                                                           ? " (same-host fast path)"
-                                                           : "");
+  TDIST_LOG_DEBUG("rpc: connected to ", peer_name(rank),
+                  hs.send_remote_tensors ? " (same-host fast path)" : "");
   return conn;
 }
 
@@ -198,7 +205,15 @@ void RpcAgent::on_closed(const std::shared_ptr<detail::Connection>& conn,
                          const std::string& reason) {
   const int rank = conn->peer_rank();
   if (rank < 0) {
-    if (!stopped_.load()) TDIST_LOG_WARN("rpc: rejected a connection: ", reason);
+    if (!stopped_.load()) {
+      // Logged like the store's and the mesh's refusals: the first ten, then every thousandth
+      // (counted per process), so a flood of strangers cannot fill the log.
+      static std::atomic<int64_t> rejected{0};
+      const int64_t n = ++rejected;
+      if (n <= 10 || n % 1000 == 0) {
+        TDIST_LOG_WARN("rpc: rejected a connection: ", reason, " (", n, " rejected so far)");
+      }
+    }
     return;
   }
   if (!stopped_.load()) {

@@ -85,7 +85,7 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
       bool ok = true;
       if (m.flags & detail::kFlagAutograd) {
         try {
-          auto* hooks = detail::autograd_hooks();
+          auto* hooks = autograd_hooks();
           if (!hooks) throw ProtocolError("an autograd frame reached a worker without autograd");
           autograd_scope = hooks->on_recv_request(*this, m);
         } catch (const std::exception& e) {
@@ -128,8 +128,8 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
         TDIST_LOG_WARN("rpc: worker '", self_.name, "' dropped a response to request ", msg.id,
                        " from ", conn->peer(), ": ", stray, " (further ones from it: debug)");
       } else {
-        TDIST_LOG_DEBUG("rpc: dropped a response to request ", msg.id, " from ", conn->peer(),
-                        ": ", stray);
+        TDIST_LOG_DEBUG("rpc: dropped a response to request ", msg.id, " from ", conn->peer(), ": ",
+                        stray);
       }
       return;
     }
@@ -142,9 +142,9 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
   if (msg.type == detail::MessageType::kError) {
     try {
       auto body = decode<detail::ErrorBody>(msg.body);
-      error = std::make_exception_ptr(RemoteError(
-          str(p.what, " failed on worker '", body.worker, "': ", body.message), body.worker,
-          body.message));
+      error = std::make_exception_ptr(
+          RemoteError(str(p.what, " failed on worker '", body.worker, "': ", body.message),
+                      body.worker, body.message));
     } catch (const std::exception& e) {
       error = std::make_exception_ptr(
           ProtocolError(str(p.what, " failed with an unreadable error: ", e.what())));
@@ -152,7 +152,7 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
   }
   if (!error && (msg.flags & detail::kFlagAutograd)) {  // see rpc/autograd_hooks.h
     try {
-      auto* hooks = detail::autograd_hooks();
+      auto* hooks = autograd_hooks();
       if (!hooks) throw ProtocolError("an autograd frame reached a worker without autograd");
       hooks->on_recv_response(*this, msg);
     } catch (const std::exception& e) {
@@ -162,9 +162,8 @@ void RpcAgent::on_message(const std::shared_ptr<detail::Connection>& conn, Messa
   }
   if (p.on_pool || (msg.flags & detail::kFlagHasRRefs)) {
     auto shared = std::make_shared<std::pair<Pending, Message>>(std::move(p), std::move(msg));
-    bool posted = post_to_pool([this, shared, error] {
-      complete(shared->first, &shared->second, error);
-    });
+    bool posted =
+        post_to_pool([this, shared, error] { complete(shared->first, &shared->second, error); });
     if (!posted) complete(shared->first, &shared->second, error);
     return;
   }

@@ -4,7 +4,8 @@
 //   and the connection it leaves on before sending it, so a response can never arrive for an
 //   unknown id, and only a response on that connection completes it; its on_done runs
 //   exactly once: with the response (agent_dispatch.cpp), or with the failure: a send or connect
-//   that throws (NetworkError, InvalidArgument as is), a lost connection (fail_pending_to),
+//   that throws (NetworkError; InvalidArgument as is; TimeoutError for a send that stalled past
+//   the RPC timeout), a lost connection (fail_pending_to),
 //   the deadline (timeout_loop: TimeoutError naming the peer), or the agent stopping.
 // - Whoever takes a call out of pending_ counts it in processing_ until its completion ran
 //   (complete()), so idle() (no call pending, nothing processing) is never true in between;
@@ -57,11 +58,11 @@ void RpcAgent::send_request(int to, detail::OutMessage&& m, Millis timeout,
     if (wake) timeout_cv_.notify_one();
   }
   try {
-    if (auto* hooks = detail::autograd_hooks()) hooks->on_send_request(*this, to, m);
+    if (auto* hooks = autograd_hooks()) hooks->on_send_request(*this, to, m);
     // A call without a timeout still gives up connecting after one handshake timeout.
-    auto conn = connection_to(to, timeout.count() > 0
-                                      ? Clock::now() + timeout
-                                      : Clock::now() + conn_options_.handshake.timeout);
+    auto conn =
+        connection_to(to, timeout.count() > 0 ? Clock::now() + timeout
+                                              : Clock::now() + conn_options_.handshake.timeout);
     {
       std::lock_guard<std::mutex> lock(pending_mu_);
       auto it = pending_.find(id);
@@ -83,6 +84,10 @@ void RpcAgent::send_request(int to, detail::OutMessage&& m, Millis timeout,
     std::exception_ptr err;
     if (dynamic_cast<const InvalidArgument*>(&e)) {
       err = std::current_exception();
+    } else if (dynamic_cast<const TimeoutError*>(&e)) {
+      // A send stalled past the RPC timeout (a peer that stopped reading): the same kind of
+      // error as the call's own deadline, which expires at about the same moment.
+      err = std::make_exception_ptr(TimeoutError(str(p.what, " failed: ", e.what())));
     } else {
       err = std::make_exception_ptr(NetworkError(str(p.what, " failed: ", e.what())));
     }
@@ -194,8 +199,8 @@ void RpcAgent::timeout_loop() {
     pending_.erase(it);
     ++processing_;
     lock.unlock();
-    auto err = std::make_exception_ptr(TimeoutError(str(
-        p.what, " timed out: no answer from ", peer_name(p.to), " within the call's timeout")));
+    auto err = std::make_exception_ptr(TimeoutError(
+        str(p.what, " timed out: no answer from ", peer_name(p.to), " within the call's timeout")));
     complete(p, nullptr, err);
     lock.lock();
   }
@@ -203,8 +208,7 @@ void RpcAgent::timeout_loop() {
 
 bool RpcAgent::wait_idle(Clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(pending_mu_);
-  return idle_cv_.wait_until(lock, deadline,
-                             [&] { return pending_.empty() && processing_ == 0; });
+  return idle_cv_.wait_until(lock, deadline, [&] { return pending_.empty() && processing_ == 0; });
 }
 
 }  // namespace tdist::rpc

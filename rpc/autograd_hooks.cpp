@@ -4,7 +4,7 @@
 
 #include "tdist/core/error.h"
 
-namespace tdist::rpc::detail {
+namespace tdist::rpc {
 namespace {
 std::atomic<AutogradHooks*> g_hooks{nullptr};
 }  // namespace
@@ -17,4 +17,4 @@ void set_autograd_hooks(AutogradHooks* hooks) {
 
 AutogradHooks* autograd_hooks() { return g_hooks.load(std::memory_order_acquire); }
 
-}  // namespace tdist::rpc::detail
+}  // namespace tdist::rpc

@@ -22,8 +22,6 @@ namespace tdist::rpc {
 
 class RpcAgent;
 
-namespace detail {
-
 class AutogradHooks {
  public:
   virtual ~AutogradHooks() = default;
@@ -44,5 +42,4 @@ void set_autograd_hooks(AutogradHooks* hooks);
 // The installed hooks, or nullptr.
 AutogradHooks* autograd_hooks();
 
-}  // namespace detail
 }  // namespace tdist::rpc

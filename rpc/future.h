@@ -104,10 +104,10 @@ class Future {
     std::unique_lock<std::mutex> lock(state_->mu);
     if (timeout.count() > 0) {
       if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) {
-        throw TimeoutError(str("waited ", timeout.count(), " ms for ",
-                               state_->description.empty() ? std::string("a future")
-                                                           : state_->description,
-                               " without a result"));
+        throw TimeoutError(
+            str("waited ", timeout.count(), " ms for ",
+                state_->description.empty() ? std::string("a future") : state_->description,
+                " without a result"));
       }
     } else {
       state_->cv.wait(lock, [&] { return state_->done; });

@@ -56,8 +56,8 @@ void load_tensor(ArgInputArchive& ar, at::Tensor& t) {
   }
   const auto& tensors = *ar.context().tensors;
   if (index >= tensors.size()) {
-    throw ProtocolError(str("tensor index ", index, " but the message carries ", tensors.size(),
-                            " tensors"));
+    throw ProtocolError(
+        str("tensor index ", index, " but the message carries ", tensors.size(), " tensors"));
   }
   t = tensors[index];
 }
@@ -84,8 +84,8 @@ void Registry::add_class(const std::string& name, const detail::TypeInfo& type) 
   TDIST_CHECK_ARG(!name.empty(), "an RPC class needs a name");
   std::unique_lock<std::shared_mutex> lock(mu_);
   auto [it, inserted] = classes_.emplace(type.hash, ClassEntry{name, {}});
-  TDIST_CHECK_ARG(inserted, "RPC class ", type.name, " is already registered as '",
-                  it->second.name, "'");
+  TDIST_CHECK_ARG(inserted, "RPC class ", type.name, " is already registered as '", it->second.name,
+                  "'");
 }
 
 void Registry::add_method(const detail::TypeInfo& type, detail::MethodEntry entry) {

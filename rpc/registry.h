@@ -198,7 +198,8 @@ class ClassBuilder {
     e.signature = signature_of<T, A...>();
     e.invoke = [what = "constructor arguments of '" + name_ + "'"](detail::ArgInputArchive& ar) {
       auto make = [](A... a) { return std::make_shared<T>(std::move(a)...); };
-      detail::AnyValue v = detail::Invoker<std::shared_ptr<T>, std::tuple<A...>>::call(make, ar, what);
+      detail::AnyValue v =
+          detail::Invoker<std::shared_ptr<T>, std::tuple<A...>>::call(make, ar, what);
       // Unwrap: the value is the T itself, not a shared_ptr to it.
       return detail::AnyValue{*std::static_pointer_cast<std::shared_ptr<T>>(v.ptr),
                               &detail::type_info_of<T>()};

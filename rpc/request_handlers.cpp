@@ -109,12 +109,13 @@ void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Messa
   CallHeader h;
   RRefId rref_id;
   ForkId fork_id;
-  size_t offset = read_fields(msg, h, rref_id, fork_id);
-  rrefs_->check_new_rref(rref_id, fork_id, msg.from);  // Note [RRef protocol] invariant 7
-  auto owner = rrefs_->create_owner_for_call(rref_id);
+  detail::RRefSecret secret;
+  size_t offset = read_fields(msg, h, rref_id, fork_id, secret);
+  rrefs_->check_new_rref(rref_id, fork_id, msg.from);           // Note [RRef protocol] invariant 7
+  auto owner = rrefs_->create_owner_for_call(rref_id, secret);  // invariant 8
   if (fork_id.created_on >= 0 && !rrefs_->add_fork(rref_id, fork_id, msg.from)) {
-    throw InvalidArgument(str("fork ", fork_id.str(), " of RRef ", rref_id.str(),
-                              " is held by another worker"));
+    throw InvalidArgument(
+        str("fork ", fork_id.str(), " of RRef ", rref_id.str(), " is held by another worker"));
   }
   std::string error;
   try {
@@ -165,19 +166,21 @@ void RpcAgent::handle_fetch(const std::shared_ptr<Connection>& conn, Message& ms
   });
 }
 
-void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
-                             std::shared_ptr<Message> msg, bool remote) {
+void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn, std::shared_ptr<Message> msg,
+                             bool remote) {
   CallHeader h;
   RRefId target;
   ForkId phantom;
   RRefId result_id;
   ForkId result_fork;
-  size_t offset = remote ? read_fields(*msg, h, target, phantom, result_id, result_fork)
-                         : read_fields(*msg, h, target, phantom);
+  detail::RRefSecret result_secret;
+  size_t offset = remote
+                      ? read_fields(*msg, h, target, phantom, result_id, result_fork, result_secret)
+                      : read_fields(*msg, h, target, phantom);
   std::shared_ptr<detail::OwnerRRef> result;
   if (remote) {
     rrefs_->check_new_rref(result_id, result_fork, msg->from);
-    result = rrefs_->create_owner_for_call(result_id);
+    result = rrefs_->create_owner_for_call(result_id, result_secret);
     if (result_fork.created_on >= 0) rrefs_->add_fork(result_id, result_fork, msg->from);
   }
   std::shared_ptr<detail::OwnerRRef> owner;
@@ -190,8 +193,10 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn,
   if (!owner) {
     // Deleted (invariant 5): a failed stand-in answers like a target whose creation failed.
     owner = std::make_shared<detail::OwnerRRef>(rrefs_, target, self_.rank, nullptr);
-    owner->set_error(missing ? missing : std::make_exception_ptr(InvalidArgument(str(
-        "RRef ", target.str(), " is unknown on its owner: it was deleted, or never existed"))));
+    owner->set_error(missing ? missing
+                             : std::make_exception_ptr(InvalidArgument(str(
+                                   "RRef ", target.str(),
+                                   " is unknown on its owner: it was deleted, or never existed"))));
   }
   if (phantom.created_on >= 0) {
     rrefs_->delete_fork(target, phantom, msg->from);  // see RRef::phantom_fork
@@ -272,9 +277,10 @@ void RpcAgent::handle_fork_request(const std::shared_ptr<Connection>& conn, cons
     });
   };
   try {
-    auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
-    // Answered once the RRef is known here, or with an error (Note [RRef protocol]).
-    rrefs_->add_fork_when_known(id, fork, msg.from, reply);
+    auto [id, fork, secret] = decode<std::tuple<RRefId, ForkId, detail::RRefSecret>>(msg.body);
+    // Answered once the RRef is known here, or with an error (Note [RRef protocol]; the secret:
+    // invariant 8).
+    rrefs_->add_fork_when_known(id, fork, msg.from, secret, reply);
   } catch (...) {
     reply(std::current_exception());
   }
@@ -296,8 +302,8 @@ void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& 
     case MessageType::kRRefChildAccept: {
       auto fork = decode<ForkId>(msg.body);
       if (!rrefs_->child_accepted(fork, msg.from)) {
-        throw InvalidArgument(str("child fork ", fork.str(), " was not sent to worker rank ",
-                                  msg.from));
+        throw InvalidArgument(
+            str("child fork ", fork.str(), " was not sent to worker rank ", msg.from));
       }
       break;
     }
@@ -347,7 +353,7 @@ void RpcAgent::reply_error(const std::shared_ptr<Connection>& conn, uint64_t id,
 
 void RpcAgent::send_reply(const std::shared_ptr<Connection>& conn, OutMessage&& m) {
   try {
-    if (auto* hooks = detail::autograd_hooks()) {
+    if (auto* hooks = autograd_hooks()) {
       try {
         hooks->on_send_response(*this, conn->peer_rank(), m);
       } catch (const std::exception& e) {

@@ -104,8 +104,8 @@ template <class T>
 RRef<std::decay_t<T>> make_rref(const std::shared_ptr<RpcAgent>& agent, T&& value) {
   using V = std::decay_t<T>;
   auto owner = agent->rref_context().create_owner(&detail::type_info_of<V>(), false);
-  owner->set_value(detail::AnyValue{std::make_shared<V>(std::forward<T>(value)),
-                                    &detail::type_info_of<V>()});
+  owner->set_value(
+      detail::AnyValue{std::make_shared<V>(std::forward<T>(value)), &detail::type_info_of<V>()});
   return RRef<V>(owner);
 }
 
@@ -137,15 +137,15 @@ Future<T> RRef<T>::to_here_async(Millis timeout) const {
     return fut;
   }
   const auto& ti = detail::type_info_of<T>();
-  auto m = detail::encode_message(detail::MessageType::kRRefFetch, &agent->rref_context(),
-                                  owner(), std::make_tuple(impl_->id(), ti.hash, ti.name));
+  auto m = detail::encode_message(detail::MessageType::kRRefFetch, &agent->rref_context(), owner(),
+                                  std::make_tuple(impl_->id(), ti.hash, ti.name));
   std::string what = str("to_here() of RRef ", impl_->id().str(), " from worker '",
                          agent->worker_info(owner()).name, "'");
   fut.set_description(what);
-  agent->send_request(owner(), std::move(m), agent->call_timeout(Timeout{timeout}),
-                      detail::result_handler<T>(fut, agent->rref_context_ptr(), agent->executor(),
-                                                impl_),
-                      std::move(what));
+  agent->send_request(
+      owner(), std::move(m), agent->call_timeout(Timeout{timeout}),
+      detail::result_handler<T>(fut, agent->rref_context_ptr(), agent->executor(), impl_),
+      std::move(what));
   return fut;
 }
 
@@ -173,10 +173,10 @@ Future<R> RRef<T>::rpc_async(const std::string& method, Timeout timeout, A&&... 
   std::string what = str("method '", method, "' as ", sig.text, " of RRef ", impl_->id().str(),
                          " on worker '", agent->worker_info(owner()).name, "'");
   fut.set_description(what);
-  agent->send_request(owner(), std::move(m), agent->call_timeout(timeout),
-                      detail::result_handler<R>(fut, agent->rref_context_ptr(), agent->executor(),
-                                                impl_),
-                      std::move(what));
+  agent->send_request(
+      owner(), std::move(m), agent->call_timeout(timeout),
+      detail::result_handler<R>(fut, agent->rref_context_ptr(), agent->executor(), impl_),
+      std::move(what));
   return fut;
 }
 
@@ -198,9 +198,8 @@ inline ResponseFn remote_user_handler(std::weak_ptr<RRefContext> ctx, ForkId for
     try {
       auto remote_error = decode<std::string>(msg->body);
       if (!remote_error.empty()) {
-        call_error = std::make_exception_ptr(
-            RemoteError(str(what, " failed on worker '", worker, "': ", remote_error), worker,
-                        remote_error));
+        call_error = std::make_exception_ptr(RemoteError(
+            str(what, " failed on worker '", worker, "': ", remote_error), worker, remote_error));
       }
     } catch (...) {
       call_error = std::current_exception();
@@ -227,25 +226,25 @@ RRef<R> RRef<T>::remote(const std::string& method, A&&... args) const {
   auto& ctx = agent->rref_context();
   const Signature& sig = signature_of<R, wire_t<A>...>();
   const int dest = owner();
-  std::string what = str("remote method '", method, "' as ", sig.text, " of RRef ",
-                         impl_->id().str());
+  std::string what =
+      str("remote method '", method, "' as ", sig.text, " of RRef ", impl_->id().str());
   if (dest == agent->rank()) {
     auto result = ctx.create_owner(&detail::type_info_of<R>(), true);
     auto m = detail::encode_message(
         detail::MessageType::kRRefMethodRemote, &ctx, dest,
         std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id(), phantom_fork(*agent),
-                        result->id(), ForkId{}),
+                        result->id(), ForkId{}, result->secret()),
         wire_arg(std::forward<A>(args))...);
     agent->send_request(dest, std::move(m), agent->options().rpc_timeout,
                         detail::remote_owner_handler(result, impl_), std::move(what), true);
     return RRef<R>(result);
   }
   auto user = ctx.create_user_for_remote(dest, &detail::type_info_of<R>());
-  auto m = detail::encode_message(
-      detail::MessageType::kRRefMethodRemote, &ctx, dest,
-      std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id(), ForkId{}, user->id(),
-                      user->fork_id()),
-      wire_arg(std::forward<A>(args))...);
+  auto m =
+      detail::encode_message(detail::MessageType::kRRefMethodRemote, &ctx, dest,
+                             std::make_tuple(detail::CallHeader{method, sig.hash}, impl_->id(),
+                                             ForkId{}, user->id(), user->fork_id(), user->secret()),
+                             wire_arg(std::forward<A>(args))...);
   auto handler = detail::remote_user_handler(agent->rref_context_ptr(), user->fork_id(),
                                              agent->worker_info(dest).name, what, impl_);
   agent->send_request(dest, std::move(m), agent->options().rpc_timeout, std::move(handler),
@@ -257,25 +256,24 @@ template <class T, class... A>
 RRef<T> RpcAgent::remote(const To& to, const std::string& fn, Timeout timeout, A&&... args) {
   const int dest = resolve(to);
   const Signature& sig = signature_of<T, wire_t<A>...>();
-  std::string what = str("remote '", fn, "' as ", sig.text, " on worker '", workers_[dest].name,
-                         "'");
+  std::string what =
+      str("remote '", fn, "' as ", sig.text, " on worker '", workers_[dest].name, "'");
   if (dest == rank()) {
     auto owner = rrefs_->create_owner(&detail::type_info_of<T>(), true);
     auto m = detail::encode_message(
         detail::MessageType::kRemoteCall, rrefs_.get(), dest,
-        std::make_tuple(detail::CallHeader{fn, sig.hash}, owner->id(), ForkId{}),
+        std::make_tuple(detail::CallHeader{fn, sig.hash}, owner->id(), ForkId{}, owner->secret()),
         wire_arg(std::forward<A>(args))...);
     send_request(dest, std::move(m), call_timeout(timeout), detail::remote_owner_handler(owner),
                  std::move(what), true);
     return RRef<T>(owner);
   }
   auto user = rrefs_->create_user_for_remote(dest, &detail::type_info_of<T>());
-  auto m = detail::encode_message(
-      detail::MessageType::kRemoteCall, rrefs_.get(), dest,
-      std::make_tuple(detail::CallHeader{fn, sig.hash}, user->id(), user->fork_id()),
-      wire_arg(std::forward<A>(args))...);
-  auto handler =
-      detail::remote_user_handler(rrefs_, user->fork_id(), workers_[dest].name, what);
+  auto m = detail::encode_message(detail::MessageType::kRemoteCall, rrefs_.get(), dest,
+                                  std::make_tuple(detail::CallHeader{fn, sig.hash}, user->id(),
+                                                  user->fork_id(), user->secret()),
+                                  wire_arg(std::forward<A>(args))...);
+  auto handler = detail::remote_user_handler(rrefs_, user->fork_id(), workers_[dest].name, what);
   send_request(dest, std::move(m), call_timeout(timeout), std::move(handler), std::move(what),
                true);
   return RRef<T>(user);
@@ -301,8 +299,8 @@ void RRef<T>::load(detail::ArgInputArchive& ar) {
   TDIST_CHECK(rc.rrefs != nullptr, "an RRef can only be received by an RPC agent");
   impl_ = rc.rrefs->rref_from_fork(fd, rc.from_rank, &detail::type_info_of<T>());
   if (fd.type_hash != 0 && fd.type_hash != detail::type_info_of<T>().hash) {
-    throw InvalidArgument(str("received an RRef of ", fd.type_name, " where RRef<",
-                              type_name<T>(), "> was expected"));
+    throw InvalidArgument(str("received an RRef of ", fd.type_name, " where RRef<", type_name<T>(),
+                              "> was expected"));
   }
 }
 

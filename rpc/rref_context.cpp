@@ -1,9 +1,34 @@
 #include "tdist/rpc/rref_context.h"
 
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "tdist/core/logging.h"
 #include "tdist/rpc/agent.h"
 
 namespace tdist::rpc::detail {
+
+// ---- RRefSecret (Note [RRef protocol] invariant 8) ----
+
+RRefSecret RRefSecret::random() {
+  uint64_t words[2];
+  auto* p = reinterpret_cast<char*>(words);
+  size_t left = sizeof(words);
+  while (left > 0) {
+    const ssize_t n = ::getrandom(p, left, 0);
+    if (n < 0 && errno == EINTR) continue;
+    TDIST_CHECK(n > 0, "getrandom failed: ", std::strerror(errno));
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  return RRefSecret{words[0], words[1]};
+}
+
+bool RRefSecret::matches(const RRefSecret& other) const {
+  return ((hi ^ other.hi) | (lo ^ other.lo)) == 0;  // no early exit
+}
 
 std::shared_ptr<RpcAgent> RRefBase::agent() const {
   auto ctx = ctx_.lock();
@@ -93,8 +118,8 @@ AnyValue OwnerRRef::value() const {
 // ---- UserRRef ----
 
 UserRRef::UserRRef(std::shared_ptr<RRefContext> ctx, RRefId id, ForkId fork, int owner,
-                   const TypeInfo* type)
-    : RRefBase(ctx, id, owner, type), strong_ctx_(std::move(ctx)), fork_(fork) {}
+                   const TypeInfo* type, RRefSecret secret)
+    : RRefBase(ctx, id, owner, type), strong_ctx_(std::move(ctx)), fork_(fork), secret_(secret) {}
 
 UserRRef::~UserRRef() {
   try {
@@ -131,8 +156,8 @@ std::shared_ptr<OwnerRRef> RRefContext::create_owner(const TypeInfo* type, bool 
   return owner;
 }
 
-RRefContext::Unborn& RRefContext::unborn_locked(const RRefId& id, const TypeInfo* type,
-                                                int from, bool& created) {
+RRefContext::Unborn& RRefContext::unborn_locked(const RRefId& id, const TypeInfo* type, int from,
+                                                bool& created) {
   size_t& parked = parked_[from];
   if (parked >= kMaxParkedPerPeer) {
     throw InvalidArgument(str("RRef ", id.str(), " is unknown on its owner (rank ", rank_,
@@ -165,16 +190,16 @@ void RRefContext::schedule_expiry(const RRefId& id) {
 
 std::exception_ptr RRefContext::unknown_error(const RRefId& id, bool waited) const {
   if (!waited) {
-    return std::make_exception_ptr(InvalidArgument(
-        str("RRef ", id.str(), " is unknown on its owner (rank ", rank_,
-            "): it was deleted, or never existed")));
+    return std::make_exception_ptr(
+        InvalidArgument(str("RRef ", id.str(), " is unknown on its owner (rank ", rank_,
+                            "): it was deleted, or never existed")));
   }
   auto agent = agent_.lock();
   const int64_t ms = agent ? agent->options().rpc_timeout.count() : 0;
-  return std::make_exception_ptr(TimeoutError(
-      str("RRef ", id.str(), " is unknown on its owner (rank ", rank_,
-          "): the call creating it did not arrive within ", ms,
-          " ms (it failed, or the RRef was deleted)")));
+  return std::make_exception_ptr(
+      TimeoutError(str("RRef ", id.str(), " is unknown on its owner (rank ", rank_,
+                       "): the call creating it did not arrive within ", ms,
+                       " ms (it failed, or the RRef was deleted)")));
 }
 
 void RRefContext::expire_unborn(const RRefId& id) {
@@ -206,7 +231,8 @@ std::shared_ptr<OwnerRRef> RRefContext::find_owner(const RRefId& id, const TypeI
   return owner;
 }
 
-std::shared_ptr<OwnerRRef> RRefContext::create_owner_for_call(const RRefId& id) {
+std::shared_ptr<OwnerRRef> RRefContext::create_owner_for_call(const RRefId& id,
+                                                              const RRefSecret& secret) {
   std::shared_ptr<OwnerRRef> owner;
   std::vector<std::function<void(bool)>> waiting;
   {
@@ -222,6 +248,7 @@ std::shared_ptr<OwnerRRef> RRefContext::create_owner_for_call(const RRefId& id) 
     } else {
       owner = std::make_shared<OwnerRRef>(weak_from_this(), id, rank_, nullptr);
     }
+    owner->set_secret(secret);  // before anyone can find it (invariant 8)
     owners_.emplace(id, owner);
   }
   for (auto& f : waiting) f(true);
@@ -234,8 +261,8 @@ void RRefContext::check_new_rref(const RRefId& id, const ForkId& fork, int from)
                               ", not by rank ", from, " that creates it (refused)"));
   }
   if (fork.created_on >= 0 && fork.created_on != from) {
-    throw InvalidArgument(str("fork id ", fork.str(), " was made by worker rank ",
-                              fork.created_on, ", not by rank ", from, " (refused)"));
+    throw InvalidArgument(str("fork id ", fork.str(), " was made by worker rank ", fork.created_on,
+                              ", not by rank ", from, " (refused)"));
   }
   if (from == rank_) return;  // remote() to ourselves registered the owner before sending
   std::lock_guard<std::mutex> lock(mu_);
@@ -255,21 +282,38 @@ bool RRefContext::holds_fork(const RRefId& id, int rank) const {
   return false;
 }
 
-std::exception_ptr RRefContext::foreign_fork_error(const RRefId& id, const ForkId& fork,
+std::exception_ptr RRefContext::wrong_secret_error(const RRefId& id, const ForkId& fork,
                                                    int holder) const {
   return std::make_exception_ptr(InvalidArgument(
-      str("fork ", fork.str(), " of RRef ", id.str(), " is held by another worker, not by rank ",
-          holder, " (refused)")));
+      str("fork ", fork.str(), " of RRef ", id.str(), " requested by rank ", holder,
+          " does not carry the RRef's secret: that worker was never given the RRef (refused)")));
+}
+
+bool RRefContext::secret_matches_locked(const RRefId& id, const RRefSecret& secret) const {
+  auto it = owners_.find(id);
+  return it != owners_.end() && it->second->secret().matches(secret);
+}
+
+std::exception_ptr RRefContext::foreign_fork_error(const RRefId& id, const ForkId& fork,
+                                                   int holder) const {
+  return std::make_exception_ptr(
+      InvalidArgument(str("fork ", fork.str(), " of RRef ", id.str(),
+                          " is held by another worker, not by rank ", holder, " (refused)")));
 }
 
 void RRefContext::add_fork_when_known(const RRefId& id, const ForkId& fork, int holder,
+                                      const RRefSecret& secret,
                                       std::function<void(std::exception_ptr)> done) {
-  enum class Outcome { kAdded, kForeign, kUnknown, kWaiting, kWaitingNew } outcome;
+  enum class Outcome { kAdded, kForeign, kForged, kUnknown, kWaiting, kWaitingNew } outcome;
   std::exception_ptr refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (owners_.count(id)) {
-      outcome = add_fork_locked(id, fork, holder) ? Outcome::kAdded : Outcome::kForeign;
+      if (!secret_matches_locked(id, secret)) {
+        outcome = Outcome::kForged;
+      } else {
+        outcome = add_fork_locked(id, fork, holder) ? Outcome::kAdded : Outcome::kForeign;
+      }
     } else if (id.created_on == rank_) {
       outcome = Outcome::kUnknown;  // made here and gone (invariant 5)
     } else {
@@ -277,11 +321,18 @@ void RRefContext::add_fork_when_known(const RRefId& id, const ForkId& fork, int 
       bool created = false;
       try {
         unborn_locked(id, nullptr, holder, created)
-            .on_birth.push_back([weak, id, fork, holder, done](bool born) {
+            .on_birth.push_back([weak, id, fork, holder, secret, done](bool born) {
               auto ctx = weak.lock();
               if (!ctx) return;
+              bool genuine = false;
+              if (born) {
+                std::lock_guard<std::mutex> lock(ctx->mu_);
+                genuine = ctx->secret_matches_locked(id, secret);
+              }
               if (!born) {
                 done(ctx->unknown_error(id, true));
+              } else if (!genuine) {
+                done(ctx->wrong_secret_error(id, fork, holder));
               } else if (!ctx->add_fork(id, fork, holder)) {
                 done(ctx->foreign_fork_error(id, fork, holder));
               } else {
@@ -302,6 +353,9 @@ void RRefContext::add_fork_when_known(const RRefId& id, const ForkId& fork, int 
     case Outcome::kForeign:
       done(foreign_fork_error(id, fork, holder));
       break;
+    case Outcome::kForged:
+      done(wrong_secret_error(id, fork, holder));
+      break;
     case Outcome::kUnknown:
       done(refused ? refused : unknown_error(id, false));
       break;
@@ -314,13 +368,13 @@ void RRefContext::add_fork_when_known(const RRefId& id, const ForkId& fork, int 
 }
 
 std::shared_ptr<UserRRef> RRefContext::create_user_for_remote(int owner, const TypeInfo* type) {
-  auto user = std::make_shared<UserRRef>(shared_from_this(), new_id(), new_id(), owner, type);
+  auto user = std::make_shared<UserRRef>(shared_from_this(), new_id(), new_id(), owner, type,
+                                         RRefSecret::random());
   std::lock_guard<std::mutex> lock(mu_);
   pending_users_.emplace(user->fork_id(), user);
   users_.emplace(user->fork_id(),
-                 LiveUser{user, str("user RRef ", user->id().str(), " fork ",
-                                    user->fork_id().str(), " of ", type ? type->name : "?",
-                                    " owned by rank ", owner)});
+                 LiveUser{user, str("user RRef ", user->id().str(), " fork ", user->fork_id().str(),
+                                    " of ", type ? type->name : "?", " owned by rank ", owner)});
   return user;
 }
 
@@ -348,8 +402,7 @@ void RRefContext::fork_request_failed(const ForkId& fork, std::exception_ptr err
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
     why = e.what();
-  } catch (...) {
-  }
+  } catch (...) {}
   TDIST_LOG_WARN("rpc: RREF_FORK_REQUEST for fork ", fork.str(), " failed: ", why,
                  "; the fork stays pending and its parent keeps its reference (a leak, reported "
                  "at shutdown, rather than a value freed while this worker holds it)");
@@ -369,6 +422,9 @@ ForkData RRefContext::prepare_child_fork(const std::shared_ptr<RRefBase>& rref, 
     fd.type_name = t->name;
   }
   std::lock_guard<std::mutex> lock(mu_);
+  // Invariant 8: the child presents the secret (an owner's is set under mu_).
+  fd.secret = rref->is_owner() ? static_cast<const OwnerRRef&>(*rref).secret()
+                               : static_cast<const UserRRef&>(*rref).secret();
   if (rref->is_owner()) {
     // Early registration: the owner knows the child before it exists.
     owners_.emplace(rref->id(), std::static_pointer_cast<OwnerRRef>(rref));
@@ -386,12 +442,19 @@ std::shared_ptr<RRefBase> RRefContext::rref_from_fork(const ForkData& fd, int fr
   const int world = agent ? agent->world_size() : 0;
   if (fd.owner < 0 || fd.owner >= world || fd.parent < 0 || fd.parent >= world ||
       fd.parent != from) {
-    throw ProtocolError(str("bad RRef fork data from rank ", from, ": owner ", fd.owner,
-                            ", parent ", fd.parent));
+    throw ProtocolError(
+        str("bad RRef fork data from rank ", from, ": owner ", fd.owner, ", parent ", fd.parent));
   }
   if (fd.owner == rank_) {
     auto owner = find_owner(fd.rref_id, type, from);
     if (!owner) std::rethrow_exception(unknown_error(fd.rref_id, false));
+    {
+      // Invariant 8: a registered owner's RRef comes back only from a worker that was given it.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (owners_.count(fd.rref_id) && !secret_matches_locked(fd.rref_id, fd.secret)) {
+        std::rethrow_exception(wrong_secret_error(fd.rref_id, fd.fork_id, from));
+      }
+    }
     if (fd.parent == rank_) {
       delete_fork(fd.rref_id, fd.fork_id, rank_);  // added when we sent it to ourselves
     } else {
@@ -399,8 +462,8 @@ std::shared_ptr<RRefBase> RRefContext::rref_from_fork(const ForkData& fd, int fr
     }
     return owner;
   }
-  auto user = std::make_shared<UserRRef>(shared_from_this(), fd.rref_id, fd.fork_id, fd.owner,
-                                         type);
+  auto user = std::make_shared<UserRRef>(shared_from_this(), fd.rref_id, fd.fork_id, fd.owner, type,
+                                         fd.secret);
   {
     std::lock_guard<std::mutex> lock(mu_);
     users_.emplace(fd.fork_id,
@@ -424,7 +487,7 @@ void RRefContext::send_fork_request(const std::shared_ptr<UserRRef>& user, int p
     return;
   }
   auto m = encode_message(MessageType::kRRefForkRequest, this, user->owner(),
-                          std::make_tuple(user->id(), fork));
+                          std::make_tuple(user->id(), fork, user->secret()));
   std::weak_ptr<RRefContext> weak = weak_from_this();
   agent->send_request(
       user->owner(), std::move(m), agent->options().rpc_timeout,
@@ -541,8 +604,8 @@ void RRefContext::send_user_delete(int owner, const RRefId& id, const ForkId& fo
     auto ctx = weak.lock();
     auto agent = ctx ? ctx->agent() : nullptr;
     if (!agent) return;
-    auto m = encode_message(MessageType::kRRefUserDelete, ctx.get(), owner,
-                            std::make_tuple(id, fork));
+    auto m =
+        encode_message(MessageType::kRRefUserDelete, ctx.get(), owner, std::make_tuple(id, fork));
     agent->send_request(
         owner, std::move(m), agent->options().rpc_timeout,
         [id](Message*, std::exception_ptr error) {

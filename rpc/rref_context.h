@@ -68,6 +68,14 @@
 //      creating call added the creator's fork), or for the owner itself. A child's
 //      FORK_REQUEST is registered on the connection's reader thread, before the requests read
 //      after it are dispatched, so the child's own FETCH cannot overtake it.
+//   8. Only a worker that was given an RRef can become its holder: every RRef has a secret, 128
+//      random bits made by its creator (the remote() caller, which sends it in REMOTE_CALL /
+//      RREF_METHOD_REMOTE, or the owner for an RRef it made itself), known to the owner and
+//      carried in every fork's data. A FORK_REQUEST must present it, and an RRef sent back to
+//      its owner must carry it (checked once the owner is registered): a fork id made up by a
+//      worker that was never sent the RRef (ids are predictable) is refused, and the RRef is not
+//      held (before, the sender became a holder and could fetch the value). The secret travels
+//      in the clear inside the job's authenticated connections, like the values themselves.
 // Graceful shutdown (agent.h) waits until no control message is in flight anywhere; what is
 // still registered then is leaked (a handle kept past shutdown) and is reported.
 //
@@ -97,6 +105,20 @@ namespace detail {
 
 class RRefContext;
 
+// An RRef's secret (Note [RRef protocol] invariant 8).
+struct RRefSecret {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  static RRefSecret random();  // from the kernel (getrandom)
+  // Compared in constant time.
+  bool matches(const RRefSecret& other) const;
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(hi, lo);
+  }
+};
+
 // What travels when an RRef is sent (Note [RRef protocol]).
 struct ForkData {
   int32_t owner = -1;
@@ -105,10 +127,11 @@ struct ForkData {
   int32_t parent = -1;
   uint64_t type_hash = 0;
   std::string type_name;
+  RRefSecret secret;
 
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(owner, rref_id, fork_id, parent, type_hash, type_name);
+    ar(owner, rref_id, fork_id, parent, type_hash, type_name, secret);
   }
 };
 
@@ -164,24 +187,31 @@ class OwnerRRef : public RRefBase {
   // never came would keep the two, and what the waiter holds, alive for ever.
   void drop_waiters();
 
+  // The RRef's secret (invariant 8): random for an RRef made here; the creating call sets its
+  // creator's before the owner is registered. Set and read under the RRefContext's mutex.
+  const RRefSecret& secret() const { return secret_; }
+  void set_secret(const RRefSecret& s) { secret_ = s; }
+
  private:
+  RRefSecret secret_ = RRefSecret::random();
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  bool ready_ = false;                             // guarded by mu_
-  AnyValue value_;                                 // guarded by mu_
-  std::exception_ptr error_;                       // guarded by mu_
-  std::vector<std::function<void()>> waiters_;     // guarded by mu_
+  bool ready_ = false;                          // guarded by mu_
+  AnyValue value_;                              // guarded by mu_
+  std::exception_ptr error_;                    // guarded by mu_
+  std::vector<std::function<void()>> waiters_;  // guarded by mu_
 };
 
 // A user's RRef: one fork. Its destruction tells the owner.
 class UserRRef : public RRefBase {
  public:
   UserRRef(std::shared_ptr<RRefContext> ctx, RRefId id, ForkId fork, int owner,
-           const TypeInfo* type);
+           const TypeInfo* type, RRefSecret secret);
   ~UserRRef() override;
   bool is_owner() const override { return false; }
   bool confirmed() const override { return confirmed_.load(); }
   const ForkId& fork_id() const { return fork_; }
+  const RRefSecret& secret() const { return secret_; }
   // The error of the remote() call that created this RRef, if any.
   std::exception_ptr creation_error() const;
 
@@ -190,6 +220,7 @@ class UserRRef : public RRefBase {
   // Keeps the context (and so the means to send the deletion) alive as long as any user is.
   const std::shared_ptr<RRefContext> strong_ctx_;
   const ForkId fork_;
+  const RRefSecret secret_;
   std::atomic<bool> confirmed_{false};
   std::atomic<bool> deleted_{false};  // the owner was told (at most once)
   mutable std::mutex mu_;
@@ -217,15 +248,16 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   // (invariant 5). InvalidArgument when `from` already has kMaxParkedPerPeer requests waiting
   // on placeholders (invariant 6).
   std::shared_ptr<OwnerRRef> find_owner(const RRefId& id, const TypeInfo* type, int from);
-  // The OwnerRRef of the call that creates it (REMOTE_CALL, RREF_METHOD_REMOTE): registers it,
-  // adopting a placeholder that requests already wait on.
-  std::shared_ptr<OwnerRRef> create_owner_for_call(const RRefId& id);
+  // The OwnerRRef of the call that creates it (REMOTE_CALL, RREF_METHOD_REMOTE) with its
+  // creator's `secret`: registers it, adopting a placeholder that requests already wait on.
+  std::shared_ptr<OwnerRRef> create_owner_for_call(const RRefId& id, const RRefSecret& secret);
   // RREF_FORK_REQUEST: adds the fork once the RRef is known here and calls done(nullptr), or
   // calls done(error) when it is unknown (see find_owner). `done` may run later, on another
   // thread.
-  // `holder`: the requesting worker, which holds the fork from then on (invariant 6).
+  // `holder`: the requesting worker, which holds the fork from then on (invariant 6), if the
+  // `secret` it presents is the RRef's (invariant 8; else done(InvalidArgument)).
   void add_fork_when_known(const RRefId& id, const ForkId& fork, int holder,
-                           std::function<void(std::exception_ptr)> done);
+                           const RRefSecret& secret, std::function<void(std::exception_ptr)> done);
   // A pending UserRRef for remote(owner, ...) from here.
   std::shared_ptr<UserRRef> create_user_for_remote(int owner, const TypeInfo* type);
   // The owner answered the REMOTE_CALL / FORK_REQUEST (error: the remote call failed, or the
@@ -279,9 +311,9 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
  private:
   // Requests waiting for an RRef made elsewhere whose creating call has not arrived.
   struct Unborn {
-    std::shared_ptr<OwnerRRef> owner;                  // adopted by the creating call
-    std::vector<std::function<void(bool)>> on_birth;   // true: created; false: given up
-    std::vector<int> parked_by;                        // one entry per waiting request
+    std::shared_ptr<OwnerRRef> owner;                 // adopted by the creating call
+    std::vector<std::function<void(bool)>> on_birth;  // true: created; false: given up
+    std::vector<int> parked_by;                       // one entry per waiting request
   };
   void send_fork_request(const std::shared_ptr<UserRRef>& user, int parent);
   void send_child_accept(int parent, const ForkId& fork);
@@ -294,6 +326,9 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   void expire_unborn(const RRefId& id);
   std::exception_ptr unknown_error(const RRefId& id, bool waited) const;
   std::exception_ptr foreign_fork_error(const RRefId& id, const ForkId& fork, int holder) const;
+  std::exception_ptr wrong_secret_error(const RRefId& id, const ForkId& fork, int holder) const;
+  // Whether `secret` is the secret of the registered owner `id` (mu_ held; false if unknown).
+  bool secret_matches_locked(const RRefId& id, const RRefSecret& secret) const;
   bool add_fork_locked(const RRefId& id, const ForkId& fork, int holder);  // mu_ held
 
   const std::weak_ptr<RpcAgent> agent_;

@@ -43,7 +43,7 @@ struct RpcOptions {
   // Threads that run incoming calls. Calls that block on nested RPCs hold a thread each.
   int num_worker_threads = 8;
   // The shared secret: every connection must pass an HMAC-SHA256 challenge keyed with it
-  // (rpc/auth.h) before any message is read; all workers must use the same one. Unset (the
+  // (rpc/detail/auth.h) before any message is read; all workers must use the same one. Unset (the
   // default): TDIST_TOKEN or TDIST_TOKEN_FILE (core/token.h). Empty, set or loaded: no
   // authentication, and the agent logs one warning naming its port.
   std::optional<std::string> token;
@@ -99,9 +99,9 @@ struct RpcOptions {
 // Where a call goes: a worker name, a rank or a WorkerInfo.
 class To {
  public:
-  To(const std::string& name) : name_(name) {}  // NOLINT(runtime/explicit)
-  To(const char* name) : name_(name) {}         // NOLINT(runtime/explicit)
-  To(int rank) : rank_(rank) {}                 // NOLINT(runtime/explicit)
+  To(const std::string& name) : name_(name) {}      // NOLINT(runtime/explicit)
+  To(const char* name) : name_(name) {}             // NOLINT(runtime/explicit)
+  To(int rank) : rank_(rank) {}                     // NOLINT(runtime/explicit)
   To(const WorkerInfo& info) : rank_(info.rank) {}  // NOLINT(runtime/explicit)
 
   bool by_rank() const { return rank_ >= 0; }

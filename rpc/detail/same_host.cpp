@@ -52,8 +52,7 @@ bool endpoint_of(const sockaddr_storage& ss, Endpoint* out) {
 
 // The inode of the ESTABLISHED socket with this local and remote endpoint, created by `uid`;
 // 0 when there is none.
-uint64_t socket_inode(const Endpoint& local, const Endpoint& remote, uid_t uid,
-                      std::string* why) {
+uint64_t socket_inode(const Endpoint& local, const Endpoint& remote, uid_t uid, std::string* why) {
   std::ifstream in(local.v6 ? "/proc/net/tcp6" : "/proc/net/tcp");
   if (!in) {
     *why = "cannot read /proc/net/tcp";

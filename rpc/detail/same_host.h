@@ -1,6 +1,6 @@
 #pragma once
 // Whether the process on the other end of a TCP connection is a given local process whose
-// memory we may read: the same-host fast path's decision (Note [RPC handshake] in rpc/auth.h).
+// memory we may read: the same-host fast path's decision (Note [RPC handshake] in rpc/detail/auth.h).
 //
 // Decided from facts the kernel gives, never from what the peer says about itself (its pid is
 // only a hint, checked here):

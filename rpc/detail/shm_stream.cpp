@@ -4,10 +4,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "tdist/core/byte_ring.h"
 #include "tdist/core/error.h"
 #include "tdist/core/futex.h"
+#include "tdist/rpc/bounds.h"
 #include "tdist/rpc/detail/shm_tensors.h"
 
 namespace tdist::rpc::detail {
@@ -56,7 +61,8 @@ void ShmStream::close_fd() {
 }
 
 std::unique_ptr<ShmStream> ShmStream::create(uint64_t capacity) {
-  std::optional<SealedMemfd> m = create_sealed_memfd(kStreamMemfdName, kStreamDataOffset + capacity);
+  std::optional<SealedMemfd> m =
+      create_sealed_memfd(kStreamMemfdName, kStreamDataOffset + capacity);
   if (!m) return nullptr;
   // A fresh memfd reads as zeros: counters, flags and bells start at 0.
   auto* s = reinterpret_cast<Shared*>(m->base);
@@ -74,13 +80,14 @@ std::unique_ptr<ShmStream> ShmStream::open(pid_t pid, int fd, uint64_t tag, uint
                             " bytes (accepted: ", kMinStreamBytes, " to ", kMaxStreamBytes, ")"));
   }
   std::optional<PeerMapping> p =
-      map_peer_memfd(pid, fd, kStreamMemfdName, "shared-memory stream", kStreamDataOffset + capacity,
-                     kStreamDataOffset + capacity, why);
+      map_peer_memfd(pid, fd, kStreamMemfdName, "shared-memory stream",
+                     kStreamDataOffset + capacity, kStreamDataOffset + capacity, why);
   if (!p) return nullptr;
   std::unique_ptr<ShmStream> s(new ShmStream(false, p->base, p->length, -1, tag, capacity));
   const Shared& h = *s->shared_;
   if (h.magic != kStreamMagic || h.tag != tag || h.capacity != capacity) {
-    throw ProtocolError(str("peer's shared-memory stream ", fd, " has a header that does not "
+    throw ProtocolError(str("peer's shared-memory stream ", fd,
+                            " has a header that does not "
                             "match its offer (magic, tag or capacity)"));
   }
   return s;
@@ -89,8 +96,8 @@ std::unique_ptr<ShmStream> ShmStream::open(pid_t pid, int fd, uint64_t tag, uint
 uint64_t ShmStream::readable() {
   const uint64_t head = shared_->head.load(std::memory_order_acquire);
   if (head < tail_ || head - tail_ > capacity_) {
-    throw ProtocolError(str("peer's shared-memory stream: head ", head, " against our tail ",
-                            tail_, " in a ring of ", capacity_, " bytes"));
+    throw ProtocolError(str("peer's shared-memory stream: head ", head, " against our tail ", tail_,
+                            " in a ring of ", capacity_, " bytes"));
   }
   return head - tail_;
 }
@@ -98,8 +105,8 @@ uint64_t ShmStream::readable() {
 uint64_t ShmStream::writable() {
   const uint64_t tail = shared_->tail.load(std::memory_order_acquire);
   if (tail > head_ || head_ - tail > capacity_) {
-    throw ProtocolError(str("peer's shared-memory stream: tail ", tail, " against our head ",
-                            head_, " in a ring of ", capacity_, " bytes"));
+    throw ProtocolError(str("peer's shared-memory stream: tail ", tail, " against our head ", head_,
+                            " in a ring of ", capacity_, " bytes"));
   }
   return capacity_ - (head_ - tail);
 }
@@ -143,3 +150,48 @@ void ShmStream::wait(int64_t ns) {
 void ShmStream::wake_self() { ring_bell(writer_ ? shared_->writer_bell : shared_->reader_bell); }
 
 }  // namespace tdist::rpc::detail
+
+namespace tdist::rpc {
+
+std::vector<double> shm_ring_round_trips(size_t bytes, int warmup, int iters) {
+  using detail::ShmStream;
+  using Clock = std::chrono::steady_clock;
+  constexpr uint64_t kCapacity = 256 << 10;
+  auto open_own = [](const ShmStream& w) {
+    std::string why;
+    auto r = ShmStream::open(::getpid(), w.fd(), w.tag(), w.capacity(), &why);
+    TDIST_CHECK(r != nullptr, "cannot map a shared-memory ring: ", why);
+    return r;
+  };
+  auto there = ShmStream::create(kCapacity), back = ShmStream::create(kCapacity);
+  TDIST_CHECK(there && back, "no shared memory for the ring round trips");
+  auto there_in = open_own(*there), back_in = open_own(*back);
+  std::vector<uint8_t> out(bytes, 1), in(bytes);
+  auto move = [](ShmStream& s, uint8_t* p, size_t n, bool write) {
+    while (n > 0) {
+      const size_t k = write ? s.write_some(p, n) : s.read_some(p, n);
+      if (k == 0) std::this_thread::yield();
+      p += k;
+      n -= k;
+    }
+  };
+  const int total = warmup + iters;
+  std::thread echo([&] {
+    std::vector<uint8_t> buf(bytes);
+    for (int i = 0; i < total; ++i) {
+      move(*there_in, buf.data(), bytes, false);
+      move(*back, buf.data(), bytes, true);
+    }
+  });
+  std::vector<double> times;
+  for (int i = 0; i < total; ++i) {
+    const auto t0 = Clock::now();
+    move(*there, out.data(), bytes, true);
+    move(*back_in, in.data(), bytes, false);
+    if (i >= warmup) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  echo.join();
+  return times;
+}
+
+}  // namespace tdist::rpc

@@ -118,8 +118,8 @@ std::optional<PeerMapping> map_peer_memfd(pid_t pid, int fd, const char* name, c
   if (::fstat(opened, &st) != 0 || !S_ISREG(st.st_mode) ||
       static_cast<uint64_t>(st.st_size) < std::max<uint64_t>(min_bytes, 1)) {
     ::close(opened);
-    throw ProtocolError(str("peer named descriptor ", fd, " (", target, ") as a ", what,
-                            ": not one"));
+    throw ProtocolError(
+        str("peer named descriptor ", fd, " (", target, ") as a ", what, ": not one"));
   }
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
     ::close(opened);
@@ -134,8 +134,7 @@ std::optional<PeerMapping> map_peer_memfd(pid_t pid, int fd, const char* name, c
   }
   PeerMapping m;
   m.length = static_cast<size_t>(st.st_size);
-  void* p =
-      ::mmap(nullptr, m.length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, opened, 0);
+  void* p = ::mmap(nullptr, m.length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, opened, 0);
   const int err = errno;
   ::close(opened);
   if (p == MAP_FAILED) {
@@ -170,7 +169,8 @@ bool ShmSlots::make_room(uint64_t mapped) {
     }
     auto oldest = slots_.end();
     for (auto it = slots_.begin(); it != slots_.end(); ++it) {
-      if (!it->second.busy && (oldest == slots_.end() || it->second.last_use < oldest->second.last_use)) {
+      if (!it->second.busy &&
+          (oldest == slots_.end() || it->second.last_use < oldest->second.last_use)) {
         oldest = it;
       }
     }
@@ -266,15 +266,14 @@ size_t ShmSlots::busy() const {
   return n;
 }
 
-std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
-                                              const TensorMeta& meta,
+std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref, const TensorMeta& meta,
                                               const std::shared_ptr<ReleaseQueue>& releases) {
   if (disabled_) return std::nullopt;
   auto it = maps_.find(ref.tag);
   if (it == maps_.end()) {
     if (maps_.size() >= kMaxShmMappings) {
-      throw ProtocolError(str("peer names more than ", kMaxShmMappings,
-                              " shared-memory slots at once"));
+      throw ProtocolError(
+          str("peer names more than ", kMaxShmMappings, " shared-memory slots at once"));
     }
     std::string why;
     // The sender made this slot for this tensor or one at most twice as large (ShmSlots::put
@@ -294,7 +293,8 @@ std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
     Header h{};
     std::memcpy(&h, m->base, sizeof(h));
     if (h.magic != kShmSlotMagic || h.tag != ref.tag || h.capacity > m->length - kShmHeaderBytes) {
-      throw ProtocolError(str("peer's shared-memory slot ", ref.fd, " has a header that does not "
+      throw ProtocolError(str("peer's shared-memory slot ", ref.fd,
+                              " has a header that does not "
                               "match the frame (tag, magic or capacity)"));
     }
     m->capacity = h.capacity;
@@ -302,8 +302,10 @@ std::optional<at::Tensor> ShmMappings::tensor(pid_t pid, const ShmRef& ref,
   }
   const auto& m = it->second;
   if (meta.nbytes > m->capacity) {
-    throw ProtocolError(str("peer put a tensor of ", meta.nbytes, " bytes in a shared-memory "
-                            "slot of ", m->capacity));
+    throw ProtocolError(str("peer put a tensor of ", meta.nbytes,
+                            " bytes in a shared-memory "
+                            "slot of ",
+                            m->capacity));
   }
   auto* hold = new Hold{m, releases, ref.tag};
   c10::DataPtr data(static_cast<uint8_t*>(m->base) + kShmHeaderBytes, hold, &drop_hold,

@@ -55,7 +55,7 @@
 #include <vector>
 
 #include "tdist/core/tensor_wire.h"
-#include "tdist/rpc/message.h"
+#include "tdist/rpc/detail/message.h"
 
 namespace tdist::rpc::detail {
 
@@ -162,8 +162,7 @@ struct PeerMapping {
   size_t length = 0;
 };
 std::optional<PeerMapping> map_peer_memfd(pid_t pid, int fd, const char* name, const char* what,
-                                          uint64_t min_bytes, uint64_t max_bytes,
-                                          std::string* why);
+                                          uint64_t min_bytes, uint64_t max_bytes, std::string* why);
 
 // The first word of a slot's header page ("TDSHMBUF"); the slot's tag and capacity follow.
 constexpr uint64_t kShmSlotMagic = 0x4655424d48534454;

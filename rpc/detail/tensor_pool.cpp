@@ -225,7 +225,8 @@ at::Tensor receive_tensor(const TensorMeta& meta,
 
 void parallel_copy(uint64_t total, const std::function<void(uint64_t, uint64_t)>& copy) {
   auto& helpers = CopyHelpers::instance();
-  const uint64_t parts = std::min<uint64_t>(helpers.size() + 1, std::max<uint64_t>(1, total / kChunk));
+  const uint64_t parts =
+      std::min<uint64_t>(helpers.size() + 1, std::max<uint64_t>(1, total / kChunk));
   if (parts <= 1) {
     copy(0, total);
     return;
@@ -247,7 +248,8 @@ void parallel_copy(uint64_t total, const std::function<void(uint64_t, uint64_t)>
     if (--left == 0) cv.notify_all();
   };
   std::vector<std::pair<uint64_t, uint64_t>> chunks;
-  for (uint64_t off = 0; off < total; off += per) chunks.emplace_back(off, std::min(per, total - off));
+  for (uint64_t off = 0; off < total; off += per)
+    chunks.emplace_back(off, std::min(per, total - off));
   left = chunks.size();
   for (size_t i = 1; i < chunks.size(); ++i) {
     helpers.post([&run, c = chunks[i]] { run(c.first, c.second); });

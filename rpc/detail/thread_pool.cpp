@@ -10,8 +10,7 @@ thread_local const ThreadPool* tl_pool = nullptr;
 thread_local bool tl_released = false;
 }  // namespace
 
-ThreadPool::ThreadPool(int threads, std::function<void()> on_start,
-                       std::chrono::microseconds spin)
+ThreadPool::ThreadPool(int threads, std::function<void()> on_start, std::chrono::microseconds spin)
     : on_start_(std::move(on_start)), spin_(spin) {
   TDIST_CHECK_ARG(threads > 0, "a thread pool needs at least one thread, got ", threads);
   threads_.reserve(threads);
@@ -72,8 +71,8 @@ void ThreadPool::stop() {
 
 void ThreadPool::spin_for_task() {
   const auto until = std::chrono::steady_clock::now() + spin_;
-  while (!queued_.load(std::memory_order_acquire) &&
-         !stop_seen_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {
+  while (!queued_.load(std::memory_order_acquire) && !stop_seen_.load(std::memory_order_acquire) &&
+         std::chrono::steady_clock::now() < until) {
     std::this_thread::yield();
   }
 }

@@ -1,6 +1,6 @@
 #pragma once
 // A hostile or broken peer for the RPC tests: a raw TCP client that speaks the wire format
-// (Note [RPC handshake] in rpc/auth.h, Note [RPC wire format] in rpc/message.h) and can lie.
+// (Note [RPC handshake] in rpc/detail/auth.h, Note [RPC wire format] in rpc/detail/message.h) and can lie.
 
 #include <sys/types.h>
 
@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "tdist/core/net/socket_io.h"
-#include "tdist/rpc/auth.h"
-#include "tdist/rpc/message.h"
+#include "tdist/rpc/detail/auth.h"
+#include "tdist/rpc/detail/message.h"
 
 namespace tdist::rpc::test {
 

@@ -5,10 +5,12 @@
 // same across IPv6-only hosts.
 #include <gtest/gtest.h>
 
+#include "tdist/core/logging.h"
 #include "tdist/core/net/address.h"
 #include "tdist/core/serialize.h"
 #include "tdist/core/tcp_store.h"
 #include "tests/harness/env_guard.h"
+#include "tests/harness/expect.h"
 #include "tests/rpc/rpc_test_util.h"
 
 namespace tdist::rpc::test {
@@ -95,8 +97,8 @@ TEST(RpcAddress, AStoreAtANonLoopbackAddressGivesThatInterfacesAddress) {
                  << "); tests/apps/ipv6_test.sh covers it on namespace hosts";
   }
   // A store beyond loopback needs the job's token (issue 41, item 5).
-  tdist::test::EnvGuard token(
-      tdist::test::EnvVars{{"TDIST_TOKEN", "rpc-address-test"}, {"TDIST_TOKEN_FILE", std::nullopt}});
+  tdist::test::EnvGuard token(tdist::test::EnvVars{{"TDIST_TOKEN", "rpc-address-test"},
+                                                   {"TDIST_TOKEN_FILE", std::nullopt}});
   const auto hosts = two_agents_call(own, "");
   EXPECT_EQ(hosts[0], own);
   EXPECT_EQ(hosts[1], own);
@@ -104,6 +106,9 @@ TEST(RpcAddress, AStoreAtANonLoopbackAddressGivesThatInterfacesAddress) {
 }
 
 TEST(RpcAddress, AListenHostThatDoesNotResolveFailsStartNamingWorkerAndHost) {
+  // Beyond loopback, so with a token (else the refusal below comes first).
+  tdist::test::EnvGuard token(tdist::test::EnvVars{{"TDIST_TOKEN", "rpc-address-test"},
+                                                   {"TDIST_TOKEN_FILE", std::nullopt}});
   RpcOptions o;
   o.store = std::make_shared<HashStore>(10000ms);
   o.listen_host = "no-such-host.invalid";
@@ -114,6 +119,55 @@ TEST(RpcAddress, AListenHostThatDoesNotResolveFailsStartNamingWorkerAndHost) {
     EXPECT_NE(std::string(e.what()).find("worker 'w0'"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("no-such-host.invalid"), std::string::npos) << e.what();
   }
+}
+
+// Secure by default (issue 41, item 5; Note [Secure by default] in core/token.h): an agent that
+// would listen beyond loopback (this host's LAN address, or the wildcard) without a token
+// refuses to start, naming the worker, the address and the ways out, whatever its store (here a
+// HashStore, which names no network host); TDIST_ALLOW_NO_TOKEN=1 lets it start with one loud
+// warning; loopback needs no token.
+TEST(RpcAddress, AnAgentBeyondLoopbackWithoutATokenRefusesToStartUnlessAllowed) {
+  const std::string own = net::local_address();
+  if (net::is_loopback_host(own)) {
+    GTEST_SKIP() << "this host has no non-loopback interface up (local_address() = " << own << ")";
+  }
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TOKEN", std::nullopt},
+                                                 {"TDIST_TOKEN_FILE", std::nullopt},
+                                                 {"TDIST_ALLOW_NO_TOKEN", std::nullopt}});
+  register_test_functions();
+  auto start = [](const std::string& host) {
+    RpcOptions o;
+    o.store = std::make_shared<HashStore>(10000ms);
+    o.listen_host = host;
+    return RpcAgent::start("w0", 0, 1, o);
+  };
+  for (const std::string& host : {own, std::string("0.0.0.0")}) {
+    const std::string msg = tdist::test::expect_throw<InvalidArgument>([&] { start(host); });
+    tdist::test::expect_contains(msg, "the RPC agent of worker 'w0'");
+    tdist::test::expect_contains(msg, host);
+    tdist::test::expect_contains(msg, "without a token");
+    tdist::test::expect_contains(msg, "TDIST_ALLOW_NO_TOKEN=1");
+  }
+  {
+    auto loopback = start("127.0.0.1");
+    EXPECT_EQ(loopback->rpc_sync<int64_t>(0, "add", int64_t{2}, int64_t{3}), 5);
+    loopback->shutdown(true);
+  }
+  tdist::test::EnvGuard allow(tdist::test::EnvVars{{"TDIST_ALLOW_NO_TOKEN", "1"}});
+  const LogLevel saved = log_level();
+  set_log_level(LogLevel::kWarn);
+  ::testing::internal::CaptureStderr();
+  for (int round = 0; round < 2; ++round) {
+    auto agent = start(own);
+    EXPECT_EQ(agent->host(), own);
+    EXPECT_EQ(agent->rpc_sync<int64_t>(0, "add", int64_t{1}, int64_t{1}), 2);
+    agent->shutdown(true);
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  set_log_level(saved);
+  tdist::test::expect_contains(log, "WITHOUT A TOKEN");
+  EXPECT_EQ(log.find("WITHOUT A TOKEN"), log.rfind("WITHOUT A TOKEN"))
+      << "said more than once: " << log;
 }
 
 // A peer that published a host name that does not resolve: calls to it fail (retried until

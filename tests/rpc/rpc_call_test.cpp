@@ -29,8 +29,7 @@ TEST_P(RpcCall, ArithmeticAndStrings) {
   EXPECT_EQ(a_[1]->rpc_sync<std::string>("w0", "concat", "ab", std::string("cd")), "abcd");
   EXPECT_EQ(a_[0]->rpc_sync<std::string>("w1", "whoami"), "w1");
   auto t = a_[0]->rpc_sync<std::tuple<bool, int8_t, uint16_t, int32_t, uint64_t, float>>(
-      "w1", "small_types", true, int8_t{-3}, uint16_t{65534}, int32_t{7},
-      uint64_t{1} << 63, 1.5f);
+      "w1", "small_types", true, int8_t{-3}, uint16_t{65534}, int32_t{7}, uint64_t{1} << 63, 1.5f);
   EXPECT_EQ(t, std::make_tuple(false, int8_t{-2}, uint16_t{65535}, int32_t{8},
                                (uint64_t{1} << 63) + 1, 3.0f));
   a_[0]->rpc_sync<void>("w1", "noop");
@@ -45,11 +44,10 @@ TEST_P(RpcCall, ContainersOptionalsAndStructs) {
   auto sw = a_[0]->rpc_sync<std::tuple<std::string, int64_t>>(
       "w1", "swap", std::make_tuple(int64_t{9}, std::string("nine")));
   EXPECT_EQ(sw, std::make_tuple(std::string("nine"), int64_t{9}));
-  EXPECT_EQ(a_[0]->rpc_sync<std::optional<int64_t>>("w1", "maybe_double",
-                                                    std::optional<int64_t>(21)),
-            std::optional<int64_t>(42));
-  EXPECT_EQ(a_[0]->rpc_sync<std::optional<int64_t>>("w1", "maybe_double",
-                                                    std::optional<int64_t>()),
+  EXPECT_EQ(
+      a_[0]->rpc_sync<std::optional<int64_t>>("w1", "maybe_double", std::optional<int64_t>(21)),
+      std::optional<int64_t>(42));
+  EXPECT_EQ(a_[0]->rpc_sync<std::optional<int64_t>>("w1", "maybe_double", std::optional<int64_t>()),
             std::nullopt);
   Point p = a_[0]->rpc_sync<Point>("w1", "mirror", Point{1, -2, "p"});
   EXPECT_EQ(p, (Point{-1, 2, "p'"}));
@@ -140,8 +138,7 @@ TEST_P(RpcCall, UnknownFunctionAndSignatureMismatch) {
 }
 
 TEST_P(RpcCall, BadTargetsAndArgumentsThrowAtTheCaller) {
-  EXPECT_THROW(a_[0]->rpc_async<int64_t>("nobody", "add", int64_t{1}, int64_t{2}),
-               InvalidArgument);
+  EXPECT_THROW(a_[0]->rpc_async<int64_t>("nobody", "add", int64_t{1}, int64_t{2}), InvalidArgument);
   EXPECT_THROW(a_[0]->rpc_async<int64_t>(5, "add", int64_t{1}, int64_t{2}), InvalidArgument);
   auto meta = torch::empty({2}, torch::TensorOptions().device(torch::kMeta));
   EXPECT_THROW(a_[0]->rpc_async<at::Tensor>("w1", "echo", meta), InvalidArgument);
@@ -189,8 +186,8 @@ TEST_P(RpcCall, ManyOutstandingCallsFromSeveralThreads) {
       fs.reserve(kCalls);
       auto& agent = a_[t % 2];
       for (int i = 0; i < kCalls; ++i) {
-        fs.push_back(agent->rpc_async<int64_t>(t % 2 == 0 ? "w1" : "w0", "add", int64_t{i},
-                                               int64_t{t}));
+        fs.push_back(
+            agent->rpc_async<int64_t>(t % 2 == 0 ? "w1" : "w0", "add", int64_t{i}, int64_t{t}));
       }
       for (int i = 0; i < kCalls; ++i) {
         if (fs[i].value() != i + t) ++wrong;
@@ -237,8 +234,8 @@ TEST(RpcNested, ThreeWorkersChainAndCycle) {
   // A -> B -> C.
   EXPECT_EQ(a[0]->rpc_sync<int64_t>("w1", "relay", std::string("w2"), int64_t{4}), 50);
   // A -> B -> C -> A -> B: each hop holds a worker thread of its callee while it waits.
-  EXPECT_EQ(a[0]->rpc_sync<int64_t>(
-                "w1", "relay_chain", std::vector<std::string>{"w2", "w0", "w1"}, int64_t{0}),
+  EXPECT_EQ(a[0]->rpc_sync<int64_t>("w1", "relay_chain", std::vector<std::string>{"w2", "w0", "w1"},
+                                    int64_t{0}),
             3);
   shutdown_all(a);
 }

@@ -16,8 +16,9 @@
 #include "tdist/core/net/frame.h"
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/tcp_store.h"
-#include "tdist/rpc/auth.h"
+#include "tdist/rpc/detail/auth.h"
 #include "tests/harness/memory.h"
+#include "tests/harness/net.h"
 #include "tests/harness/proc_counts.h"
 #include "tests/harness/process.h"
 #include "tests/rpc/raw_peer.h"
@@ -155,8 +156,8 @@ TEST_F(RpcBadPeer, InconsistentFramesCloseTheConnection) {
   {
     // A tensor section announcing 2^40 elements with 8 bytes of data.
     detail::TensorSection section;
-    section.metas.push_back(TensorMeta{static_cast<int8_t>(c10::ScalarType::Float), {1LL << 40},
-                                       uint64_t{4} << 40});
+    section.metas.push_back(
+        TensorMeta{static_cast<int8_t>(c10::ScalarType::Float), {1LL << 40}, uint64_t{4} << 40});
     Bytes body = encode(section);
     FrameHeader h;
     h.body_len = static_cast<uint32_t>(body.size());
@@ -193,8 +194,8 @@ TEST_F(RpcBadPeer, AnnouncedTensorThatNeverArrivesCostsWhatArrived) {
   // word.
   int fd = authenticated();
   detail::TensorSection section;
-  section.metas.push_back(TensorMeta{static_cast<int8_t>(c10::ScalarType::Float), {1LL << 28},
-                                     uint64_t{1} << 30});
+  section.metas.push_back(
+      TensorMeta{static_cast<int8_t>(c10::ScalarType::Float), {1LL << 28}, uint64_t{1} << 30});
   Bytes body = encode(section);
   FrameHeader h;
   h.type = MessageType::kCall;
@@ -286,8 +287,9 @@ TEST(FramePrefix, EachProtocolNamesItselfWhenFedAnothersFrame) {
     detail::decode_header(rpc_frame, 1 << 20);
     ADD_FAILURE() << "version 9 accepted";
   } catch (const ProtocolError& e) {
-    EXPECT_NE(std::string(e.what()).find("unsupported protocol version 9 (tdist RPC here speaks 1)"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("unsupported protocol version 9 (tdist RPC here speaks 1)"),
+        std::string::npos)
         << e.what();
   }
   EXPECT_EQ(store::header_problem(StoreHeader{store::kMagic, 9, 2, 0}, 1 << 20),
@@ -445,7 +447,8 @@ TEST(RpcShutdown, GracefulWaitsForWorkInFlight) {
 TEST(RpcShutdown, NotGracefulFailsPendingCallsAtOnce) {
   auto a = start_agents(2);
   std::vector<Future<int64_t>> fs;
-  for (int i = 0; i < 4; ++i) fs.push_back(a[0]->rpc_async<int64_t>("w1", "sleep_ms", int64_t{800}));
+  for (int i = 0; i < 4; ++i)
+    fs.push_back(a[0]->rpc_async<int64_t>("w1", "sleep_ms", int64_t{800}));
   a[0]->shutdown(false);
   for (auto& f : fs) {
     ASSERT_TRUE(f.done());
@@ -486,7 +489,8 @@ TDIST_TEST_CHILD(rpc_killed_peer) {
     return 3;
   }
   std::vector<Future<int64_t>> pending;
-  for (int i = 0; i < 4; ++i) pending.push_back(agent->rpc_async<int64_t>(1, "sleep_ms", int64_t{100000}));
+  for (int i = 0; i < 4; ++i)
+    pending.push_back(agent->rpc_async<int64_t>(1, "sleep_ms", int64_t{100000}));
   // An RRef whose value never comes: its to_here() is pending too.
   auto rref = agent->remote<int64_t>(1, "sleep_ms", int64_t{100000});
   auto fetch = rref.to_here_async();
@@ -519,8 +523,7 @@ TDIST_TEST_CHILD(rpc_killed_peer) {
   try {
     agent->rpc_sync<int64_t>(1, "add", int64_t{1}, int64_t{1});
     return 5;
-  } catch (const NetworkError&) {
-  }
+  } catch (const NetworkError&) {}
   const int other = rank == 0 ? 2 : 0;
   if (agent->rpc_sync<int64_t>(other, "add", int64_t{rank}, int64_t{1}) != rank + 1) return 6;
   store->set("done/" + std::to_string(rank), "1");
@@ -539,6 +542,69 @@ TEST(RpcKilledWorker, PendingCallsFailOnTheOthers) {
   EXPECT_TRUE(results[0].ok()) << results[0].describe() << "\n" << results[0].output;
   EXPECT_TRUE(results[2].ok()) << results[2].describe() << "\n" << results[2].output;
   EXPECT_FALSE(results[1].exited) << results[1].describe();
+}
+
+// ---- a vanished host (Note [Vanished hosts] in core/net/socket_io.h; issue 41, item 13) --------
+
+constexpr int kNoNamespace = 77;
+
+// In a network namespace of its own: two workers, w0 calling w1's sleep_ms (6 s) with a 30 s
+// RPC timeout; then the namespace's only link goes down, so no byte, FIN or reset reaches either
+// end (a host that lost power). The pending call must fail with a NetworkError naming w1, from
+// the keepalive and TCP_USER_TIMEOUT of TDIST_TCP_USER_TIMEOUT_MS (2 s here), not with the
+// TimeoutError of its own 30 s, and a new call to w1 must fail too.
+TDIST_TEST_CHILD(rpc_host_vanishes) {
+  if (!tdist::test::enter_own_network_namespace()) {
+    std::printf("cannot make a network namespace here: %s\n", std::strerror(errno));
+    return kNoNamespace;
+  }
+  torch::set_num_threads(1);
+  register_test_functions();
+  RpcOptions o;
+  o.rpc_timeout = 30s;
+  o.same_host_fast_path = false;  // hosts apart: frames on the socket only
+  auto a = start_agents(2, o);
+  if (a[0]->rpc_sync<int64_t>("w1", "add", int64_t{1}, int64_t{2}) != 3) return 2;
+  auto pending = a[0]->rpc_async<int64_t>("w1", "sleep_ms", int64_t{6000});
+  std::this_thread::sleep_for(300ms);  // the request reaches w1 (if not, its bytes are unacked)
+  if (!tdist::test::set_loopback_up(false)) {
+    std::printf("cannot take loopback down: %s\n", std::strerror(errno));
+    return 2;
+  }
+  const auto down = std::chrono::steady_clock::now();
+  std::string outcome = "no error";
+  try {
+    pending.wait();
+  } catch (const NetworkError& e) {
+    outcome = std::string("NetworkError: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another error: ") + e.what();
+  }
+  const auto ms =
+      std::chrono::duration_cast<Millis>(std::chrono::steady_clock::now() - down).count();
+  std::printf("pending call: %s (after %lld ms)\n", outcome.c_str(), static_cast<long long>(ms));
+  bool next_failed = false;
+  try {
+    a[0]->rpc_sync<int64_t>("w1", "add", Timeout{Millis(3000)}, int64_t{1}, int64_t{1});
+  } catch (const Error& e) {
+    next_failed = true;
+    std::printf("next call: %s\n", e.what());
+  }
+  shutdown_all(a, false);
+  return outcome.rfind("NetworkError", 0) == 0 && outcome.find("w1") != std::string::npos &&
+                 next_failed
+             ? 0
+             : 1;
+}
+
+TEST(RpcKeepalive, AVanishedHostFailsAPendingCallWithinTheUserTimeout) {
+  tdist::test::Processes child("rpc_host_vanishes", 1, {{"TDIST_TCP_USER_TIMEOUT_MS", "2000"}});
+  auto results = child.wait_all(90s);
+  if (results[0].exited && results[0].exit_code == kNoNamespace) {
+    GTEST_SKIP() << results[0].output;
+  }
+  EXPECT_TRUE(results[0].ok()) << results[0].describe() << "\n" << results[0].output;
+  std::printf("%s", results[0].output.c_str());
 }
 
 // Nothing left behind by RPC: two agents that call each other, create and fetch RRefs and are
@@ -563,9 +629,9 @@ void expect_rpc_leaves_nothing(bool graceful) {
   const int threads = tdist::test::thread_count(), fds = tdist::test::fd_count();
   for (int round = 2; round <= 4; ++round) {
     one_rpc_round(graceful);
-    const bool settled = eventually([&] {
-      return tdist::test::thread_count() == threads && tdist::test::fd_count() == fds;
-    }, 10s);
+    const bool settled = eventually(
+        [&] { return tdist::test::thread_count() == threads && tdist::test::fd_count() == fds; },
+        10s);
     EXPECT_TRUE(settled) << "round " << round << ": " << tdist::test::thread_count()
                          << " threads and " << tdist::test::fd_count()
                          << " descriptors 10 s after shutdown, against " << threads << " and "

@@ -14,6 +14,8 @@
 #include "tdist/core/net/handshake.h"
 #include "tdist/core/serialize.h"
 #include "tdist/rpc/signature.h"
+#include "tdist/core/logging.h"
+#include "tests/harness/net.h"
 #include "tests/rpc/raw_peer.h"
 #include "tests/rpc/rpc_test_util.h"
 
@@ -65,8 +67,7 @@ TEST(RpcFlood, TwoHundredWorkersConnectingAtOnceAllGetIn) {
   // The other workers' entries, as their agents would publish them (incarnation 1; never dialled).
   for (int r = 1; r < kWorld; ++r) {
     store->set("tdist_rpc/1/worker/" + std::to_string(r),
-               encode(std::string("c") + std::to_string(r), std::string("127.0.0.1"),
-                      uint16_t{1}));
+               encode(std::string("c") + std::to_string(r), std::string("127.0.0.1"), uint16_t{1}));
   }
   RpcOptions o;
   o.store = store;
@@ -121,7 +122,6 @@ TEST(RpcFlood, TwoHundredWorkersConnectingAtOnceAllGetIn) {
   EXPECT_TRUE(failures.empty()) << failures.size() << " failed, the first: " << failures[0];
   server->shutdown(false);
 }
-
 
 // A worker whose connection closes before a frame came was never reached: before, the first
 // such close marked it failed for the agent's life, and every later call failed at once.
@@ -233,6 +233,35 @@ bool g_gate_open = false;
 
 // Requests beyond max_requests_in_flight stay in the peer's socket until a handler returns:
 // before, a peer could queue any number of them in the worker's memory.
+// Strangers are logged like the store's and the mesh's refusals (issue 41 item 4): 40 that send
+// garbage and are closed give at most ten warnings (the first ten of the process, then every
+// thousandth), not one each (as up to this change: the 30-minute flood soak wrote thousands).
+TEST(RpcFlood, RejectedStrangersAreLoggedTenTimesNotOnceEach) {
+  register_test_functions();
+  auto a = start_agents(1);
+  const LogLevel saved = log_level();
+  set_log_level(LogLevel::kWarn);
+  ::testing::internal::CaptureStderr();
+  const Bytes garbage(4096, 0xab);  // more than a HELLO: refused on its bad magic at once
+  for (int i = 0; i < 40; ++i) {
+    int fd = connect_raw(a[0]->port());
+    (void)::write(fd, garbage.data(), garbage.size());
+    EXPECT_TRUE(tdist::test::sees_eof(fd, 20000ms)) << "stranger " << i << " was not closed";
+    ::close(fd);
+  }
+  // The agent is still up for its own.
+  EXPECT_EQ(a[0]->rpc_sync<int64_t>("w0", "add", int64_t{1}, int64_t{1}), 2);
+  shutdown_all(a);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  set_log_level(saved);
+  size_t lines = 0;
+  for (size_t at = log.find("rpc: rejected a connection"); at != std::string::npos;
+       at = log.find("rpc: rejected a connection", at + 1)) {
+    ++lines;
+  }
+  EXPECT_LE(lines, 10u) << log;
+}
+
 TEST(RpcFlood, AConnectionWithFullQueueIsNotRead) {
   static std::once_flag once;
   std::call_once(once, [] {

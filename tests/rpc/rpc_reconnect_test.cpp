@@ -34,8 +34,8 @@ TDIST_TEST_CHILD(rpc_stopped_peer) {
     store->wait({"stopped"}, 60s);
     try {
       // Timeout 30 s: the first attempts time out while rank 1 is stopped (about 5 s).
-      int64_t v = agent->rpc_sync<int64_t>(1, "add", Timeout{Millis(30000)}, int64_t{40},
-                                           int64_t{2});
+      int64_t v =
+          agent->rpc_sync<int64_t>(1, "add", Timeout{Millis(30000)}, int64_t{40}, int64_t{2});
       if (v != 42) return 4;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "rank 0: the call to a stopped and resumed worker failed: %s\n",

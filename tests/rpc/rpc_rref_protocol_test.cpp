@@ -63,8 +63,8 @@ void send_raw(Agents& a, int from, int to, detail::MessageType type, Fields fiel
               Millis timeout = 10s) {
   Future<void> done;
   auto m = detail::encode_message(type, &a[from]->rref_context(), to, fields);
-  a[from]->send_request(to, std::move(m), timeout,
-                        detail::result_handler<void>(done, {}, nullptr), "test message");
+  a[from]->send_request(to, std::move(m), timeout, detail::result_handler<void>(done, {}, nullptr),
+                        "test message");
   done.wait();
 }
 
@@ -148,7 +148,7 @@ TEST(RRefForkFailure, RequestsForADeletedRRefFail) {
   ASSERT_TRUE(eventually([&] { return a[1]->rref_context().num_owned() == 0; }));
   ASSERT_TRUE(eventually([&] { return Tracked::live.load() == live_before; }));
   EXPECT_THROW(send_raw(a, 2, 1, MessageType::kRRefForkRequest,
-                        std::make_tuple(remote_id, ForkId{2, 1000001})),
+                        std::make_tuple(remote_id, ForkId{2, 1000001}, detail::RRefSecret{})),
                RemoteError);
   EXPECT_THROW(send_raw(a, 2, 1, MessageType::kRRefFetch, fetch_fields(remote_id), 5s),
                RemoteError);
@@ -159,10 +159,9 @@ TEST(RRefForkFailure, RequestsForADeletedRRefFail) {
   l = RRef<Tracked>();
   ASSERT_TRUE(eventually([&] { return a[1]->rref_context().num_owned() == 0; }));
   EXPECT_THROW(send_raw(a, 2, 1, MessageType::kRRefForkRequest,
-                        std::make_tuple(local_id, ForkId{2, 1000002})),
+                        std::make_tuple(local_id, ForkId{2, 1000002}, detail::RRefSecret{})),
                RemoteError);
-  EXPECT_THROW(send_raw(a, 2, 1, MessageType::kRRefFetch, fetch_fields(local_id), 5s),
-               RemoteError);
+  EXPECT_THROW(send_raw(a, 2, 1, MessageType::kRRefFetch, fetch_fields(local_id), 5s), RemoteError);
 
   ASSERT_TRUE(quiet(a));
   EXPECT_EQ(a[1]->rref_context().num_owned(), 0u);
@@ -231,8 +230,8 @@ TEST(RRefDeletion, ThousandsOfDropsUnderFullSocketBuffers) {
   ASSERT_TRUE(quiet(a));
   ASSERT_TRUE(eventually([&] {
     return a[0]->rref_context().num_owned() == 0 && a[1]->rref_context().num_owned() == 0;
-  })) << "owned: " << a[0]->rref_context().num_owned() << ", "
-      << a[1]->rref_context().num_owned();
+  })) << "owned: "
+      << a[0]->rref_context().num_owned() << ", " << a[1]->rref_context().num_owned();
   EXPECT_EQ(Tracked::live.load(), live_before);
   shutdown_all(a);
   for (auto& agent : a.agents) EXPECT_TRUE(agent->leaked_rrefs().empty());

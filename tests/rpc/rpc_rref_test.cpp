@@ -129,7 +129,7 @@ TEST_F(RRefTest, RRefsAsResultsAndInContainers) {
   EXPECT_EQ(back.rpc_sync<int64_t>("id"), 9);
   RRef<Tracked> other = a_[0]->remote<Tracked>("w2", "Tracked", int64_t{4});
   EXPECT_EQ(a_[0]->rpc_sync<std::vector<int64_t>>("w1", "rref_vector_ids",
-                                                   std::vector<RRef<Tracked>>{r, other, back}),
+                                                  std::vector<RRef<Tracked>>{r, other, back}),
             (std::vector<int64_t>{9, 4, 9}));
   r = back = other = RRef<Tracked>();
   EXPECT_TRUE(eventually([&] { return live() == 0; }));
@@ -204,9 +204,10 @@ TEST_F(RRefTest, ControlMessagesAreIdempotent) {
     done.wait();
   };
   using detail::MessageType;
-  send(0, 1, MessageType::kRRefForkRequest, std::make_tuple(id, fork));  // again
+  send(0, 1, MessageType::kRRefForkRequest, std::make_tuple(id, fork, user->secret()));  // again
   // From elsewhere: refused, w0 holds that fork (rpc_security_test.cpp has the rest).
-  EXPECT_THROW(send(2, 1, MessageType::kRRefForkRequest, std::make_tuple(id, fork)), RemoteError);
+  EXPECT_THROW(send(2, 1, MessageType::kRRefForkRequest, std::make_tuple(id, fork, user->secret())),
+               RemoteError);
   EXPECT_EQ(a_[1]->rref_context().num_forks(id), 1u);
   send(0, 1, MessageType::kRRefUserDelete, std::make_tuple(id, ForkId{0, 999999}));  // unknown
   send(0, 1, MessageType::kRRefUserDelete, std::make_tuple(RRefId{2, 999999}, fork));

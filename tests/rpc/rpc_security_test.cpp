@@ -57,9 +57,8 @@ void register_probe() {
     register_test_functions();
     register_function("security_probe", [](at::Tensor t) -> int64_t {
       const auto* p = static_cast<const uint8_t*>(t.data_ptr());
-      const bool leaked = t.nbytes() > 0 && std::all_of(p, p + t.nbytes(), [](uint8_t b) {
-                            return b == kSecretByte;
-                          });
+      const bool leaked = t.nbytes() > 0 && std::all_of(p, p + t.nbytes(),
+                                                        [](uint8_t b) { return b == kSecretByte; });
       if (leaked) ++probes_with_secret;
       return leaked ? 1 : 0;
     });
@@ -76,11 +75,11 @@ TDIST_TEST_CHILD(rpc_forged_pid) {
   int fd = connect_raw(port);
   const bool believed = forged_handshake(fd, kToken, 0, victim);
   at::Tensor t = torch::empty({static_cast<int64_t>(kSecretBytes)}, torch::kUInt8);
-  detail::OutMessage m = detail::encode_message(
-      MessageType::kCall, nullptr, 1,
-      std::make_tuple(
-          detail::CallHeader{"security_probe", signature_of<int64_t, at::Tensor>().hash}),
-      t);
+  detail::OutMessage m =
+      detail::encode_message(MessageType::kCall, nullptr, 1,
+                             std::make_tuple(detail::CallHeader{
+                                 "security_probe", signature_of<int64_t, at::Tensor>().hash}),
+                             t);
   detail::TensorSection section;
   section.metas.push_back(describe_tensor(t));
   section.addresses.push_back(address);
@@ -199,8 +198,7 @@ TEST(RpcTokenSource, NoTokenLogsOneWarningNamingThePort) {
     ++count;
   }
   EXPECT_EQ(count, 1u) << err;
-  EXPECT_NE(err.find(":" + std::to_string(a[0]->port()) + " is unauthenticated"),
-            std::string::npos)
+  EXPECT_NE(err.find(":" + std::to_string(a[0]->port()) + " is unauthenticated"), std::string::npos)
       << err;
   shutdown_all(a);
 }
@@ -263,9 +261,10 @@ TEST(RpcRRefSecurity, AWorkerCannotDeleteAForkItDoesNotHold) {
     EXPECT_NE(error.find("not held by worker rank 2"), std::string::npos) << error;
     EXPECT_EQ(a[1]->rref_context().num_forks(rref.id()), 1u);
     EXPECT_EQ(rref.to_here().id(), 7);
-    // Nor can w2 claim that fork as its own.
+    // Nor can w2 claim that fork as its own, even with the RRef's secret.
+    const auto secret = std::static_pointer_cast<detail::UserRRef>(rref.impl())->secret();
     auto claim = detail::encode_message(MessageType::kRRefForkRequest, &a[2]->rref_context(), 1,
-                                        std::make_tuple(rref.id(), fork));
+                                        std::make_tuple(rref.id(), fork, secret));
     EXPECT_NE(request(*a[2], 1, std::move(claim)).find("held by another worker"),
               std::string::npos);
   }
@@ -287,20 +286,19 @@ TEST(RpcRRefSecurity, BogusFetchesAreBoundedAndCreateNoOwners) {
     for (size_t i = 0; i < n; ++i) {
       // Ids "made by w2" that w2 never made: the owner cannot tell them from a creating call
       // still on its way, so it parks them, up to the limit.
-      auto m = detail::encode_message(
-          MessageType::kRRefFetch, &a[2]->rref_context(), 1,
-          std::make_tuple(RRefId{2, first + static_cast<int64_t>(i)}, uint64_t{0},
-                          std::string("bogus")));
-      a[2]->send_request(1, std::move(m), 2s,
-                         [&refused](detail::Message*, std::exception_ptr e) {
-                           try {
-                             if (e) std::rethrow_exception(e);
-                           } catch (const RemoteError&) {
-                             ++refused;  // answered by the owner (not our own timeout)
-                           } catch (...) {
-                           }
-                         },
-                         "bogus fetch");
+      auto m = detail::encode_message(MessageType::kRRefFetch, &a[2]->rref_context(), 1,
+                                      std::make_tuple(RRefId{2, first + static_cast<int64_t>(i)},
+                                                      uint64_t{0}, std::string("bogus")));
+      a[2]->send_request(
+          1, std::move(m), 2s,
+          [&refused](detail::Message*, std::exception_ptr e) {
+            try {
+              if (e) std::rethrow_exception(e);
+            } catch (const RemoteError&) {
+              ++refused;  // answered by the owner (not our own timeout)
+            } catch (...) {}
+          },
+          "bogus fetch");
     }
   };
   bogus_fetches(1'000'000, limit + 50);
@@ -332,8 +330,9 @@ TEST(RpcRRefSecurity, AMethodCallWaitingForAnUnbornRRefIsFreedWithTheAgent) {
   const RRefId never{0, 123456789};  // "made by w0", which never creates it
   auto m = detail::encode_message(MessageType::kRRefMethodCall, &a[0]->rref_context(), 1,
                                   std::make_tuple(detail::CallHeader{"add", 0}, never, ForkId{}));
-  a[0]->send_request(1, std::move(m), 2s, [](detail::Message*, std::exception_ptr) {},
-                     "method call on an unborn RRef");
+  a[0]->send_request(
+      1, std::move(m), 2s, [](detail::Message*, std::exception_ptr) {},
+      "method call on an unborn RRef");
   ASSERT_TRUE(eventually([&] { return a[1]->rref_context().num_unborn() == 1; }));
   std::weak_ptr<detail::OwnerRRef> placeholder = a[1]->rref_context().find_owner(never, nullptr, 0);
   ASSERT_FALSE(placeholder.expired());
@@ -431,7 +430,6 @@ TEST(RpcConnectionLimits, APeerStalledMidFrameIsDisconnectedAnIdleOneIsNot) {
   shutdown_all(a);
 }
 
-
 // ---- 5. RRef authorization (issue 41 item 7) ------------------------------------------------
 
 // A REMOTE_CALL from `from` to rank `to` creating `id` with fork `fork`, running "add"(a, b).
@@ -439,8 +437,8 @@ detail::OutMessage remote_add(RpcAgent& from, int to, RRefId id, ForkId fork, in
                               int64_t b) {
   return detail::encode_message(
       MessageType::kRemoteCall, &from.rref_context(), to,
-      std::make_tuple(detail::CallHeader{"add", signature_of<int64_t, int64_t, int64_t>().hash},
-                      id, fork),
+      std::make_tuple(detail::CallHeader{"add", signature_of<int64_t, int64_t, int64_t>().hash}, id,
+                      fork, detail::RRefSecret::random()),
       a, b);
 }
 
@@ -462,13 +460,12 @@ TEST(RpcRRefSecurity, ARemoteCallCannotSquatOrReuseAnRRefId) {
   std::string error;
   // Its own ids, once: a second REMOTE_CALL under an id that exists is refused.
   const RRefId own = a[2]->rref_context().new_id();  // with a fork: it stays registered
-  EXPECT_EQ(request(*a[2], 1, remote_add(*a[2], 1, own, a[2]->rref_context().new_id(), 1, 1)),
-            "");
+  EXPECT_EQ(request(*a[2], 1, remote_add(*a[2], 1, own, a[2]->rref_context().new_id(), 1, 1)), "");
   error = request(*a[2], 1, remote_add(*a[2], 1, own, ForkId{}, 5, 5));
   EXPECT_NE(error.find("already exists"), std::string::npos) << error;
   // Nor may the new user fork be another worker's.
-  error = request(*a[2], 1, remote_add(*a[2], 1, a[2]->rref_context().new_id(),
-                                      ForkId{0, 1'000'002}, 1, 1));
+  error = request(*a[2], 1,
+                  remote_add(*a[2], 1, a[2]->rref_context().new_id(), ForkId{0, 1'000'002}, 1, 1));
   EXPECT_NE(error.find("made by worker rank 0"), std::string::npos) << error;
   shutdown_all(a, false);
 }
@@ -497,6 +494,47 @@ TEST(RpcRRefSecurity, FetchesAndMethodCallsNeedAFork) {
   EXPECT_EQ(rref.rpc_sync<int64_t>("add", int64_t{1}), 8);
   EXPECT_EQ(a[0]->rpc_sync<int64_t>("w2", "rref_id_of", rref), 8);
   shutdown_all(a);
+}
+
+// Note [RRef protocol] invariant 8 (issue 41 item 7's gap): a worker that was never given an RRef
+// cannot become its holder by a FORK_REQUEST with a fork id it made up (on main up to this
+// change the owner registered any such fork: docs/rpc.md said "Not closed"), nor by sending the
+// RRef back to its owner as an argument; the fork and the value stay the real holder's.
+TEST(RpcRRefSecurity, AForgedForkRequestIsRefusedAndTheRRefIsNotHeld) {
+  register_test_functions();
+  auto a = start_agents(3);
+  auto rref = a[0]->remote<Tracked>("w1", "Tracked", int64_t{7});
+  ASSERT_EQ(rref.to_here().id(), 7);
+  auto& owner = a[1]->rref_context();
+  ASSERT_EQ(owner.num_forks(rref.id()), 1u);
+  for (const detail::RRefSecret& guess : {detail::RRefSecret{}, detail::RRefSecret::random()}) {
+    auto claim = detail::encode_message(MessageType::kRRefForkRequest, &a[2]->rref_context(), 1,
+                                        std::make_tuple(rref.id(), ForkId{2, 1'000'003}, guess));
+    const std::string error = request(*a[2], 1, std::move(claim));
+    EXPECT_NE(error.find("does not carry the RRef's secret"), std::string::npos) << error;
+  }
+  EXPECT_EQ(owner.num_forks(rref.id()), 1u);
+  EXPECT_FALSE(owner.holds_fork(rref.id(), 2)) << "the forged fork request made w2 a holder";
+  const auto& ti = detail::type_info_of<Tracked>();
+  auto fetch = detail::encode_message(MessageType::kRRefFetch, &a[2]->rref_context(), 1,
+                                      std::make_tuple(rref.id(), ti.hash, ti.name));
+  std::string error = request(*a[2], 1, std::move(fetch));
+  EXPECT_NE(error.find("holds no fork"), std::string::npos) << error;
+  // The RRef sent back to its owner in a call's arguments, with fork data w2 made up.
+  detail::ForkData forged{1,       rref.id(), ForkId{2, 1'000'004},        2,
+                          ti.hash, ti.name,   detail::RRefSecret::random()};
+  auto call =
+      detail::encode_message(MessageType::kCall, &a[2]->rref_context(), 1,
+                             std::make_tuple(detail::CallHeader{
+                                 "rref_fetch", signature_of<int64_t, RRef<Tracked>>().hash}),
+                             forged);
+  error = request(*a[2], 1, std::move(call));
+  EXPECT_NE(error.find("does not carry the RRef's secret"), std::string::npos) << error;
+  // A worker the holder gave it to still becomes a holder (its fork request carries the secret).
+  EXPECT_EQ(a[0]->rpc_sync<int64_t>("w2", "rref_id_of", rref), 7);
+  EXPECT_EQ(rref.to_here().id(), 7);
+  shutdown_all(a);
+  for (auto& agent : a.agents) EXPECT_TRUE(agent->leaked_rrefs().empty());
 }
 
 }  // namespace

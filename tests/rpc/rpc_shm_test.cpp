@@ -68,8 +68,7 @@ std::set<ino_t> own_fds(const char* name) {
     const std::string path = std::string("/proc/self/fd/") + e->d_name;
     struct stat st {};
     if (::readlink(path.c_str(), target, sizeof(target) - 1) > 0 &&
-        std::strncmp(target, name, std::strlen(name)) == 0 &&
-        ::stat(path.c_str(), &st) == 0) {
+        std::strncmp(target, name, std::strlen(name)) == 0 && ::stat(path.c_str(), &st) == 0) {
       own.insert(st.st_ino);
     }
   }
@@ -145,8 +144,9 @@ void register_shm_functions() {
       return t.to(at::kDouble).sum().item<double>();
     });
     register_function("total", [](at::Tensor t) { return t.to(at::kDouble).sum().item<double>(); });
-    register_function("tensor_and_text",
-                      [](at::Tensor t, std::string s) { return t.numel() + static_cast<int64_t>(s.size()); });
+    register_function("tensor_and_text", [](at::Tensor t, std::string s) {
+      return t.numel() + static_cast<int64_t>(s.size());
+    });
     register_function("drop_kept", [] {
       std::lock_guard<std::mutex> lock(kept_mu);
       auto n = static_cast<int64_t>(kept.size());
@@ -223,8 +223,8 @@ TEST_F(RpcSharedMemory, LargeTensorsArriveInSlotsBothWaysAndComeBackEqual) {
     // The threshold (256 KiB) exactly, an odd size above it, and 16 MiB.
     for (int64_t bytes : {int64_t{256} << 10, (int64_t{1} << 20) + 16, int64_t{16} << 20}) {
       const int64_t n = bytes / c10::elementSize(dtype);
-      at::Tensor t = dtype == at::kBool ? at::rand({n}) > 0.5
-                                        : (at::rand({n}, at::kDouble) * 100).to(dtype);
+      at::Tensor t =
+          dtype == at::kBool ? at::rand({n}) > 0.5 : (at::rand({n}, at::kDouble) * 100).to(dtype);
       at::Tensor back = echo(t);
       ASSERT_TRUE(back.equal(t)) << dtype << " " << bytes;
       EXPECT_TRUE(in_slot(back)) << dtype << " " << bytes << ": " << mapping_of(back.data_ptr());
@@ -234,7 +234,8 @@ TEST_F(RpcSharedMemory, LargeTensorsArriveInSlotsBothWaysAndComeBackEqual) {
   // A view with an offset, a transposed (non-contiguous) one and a conjugate one travel as the
   // values they show.
   at::Tensor m = at::rand({1024, 512});
-  for (const at::Tensor& v : {m.narrow(0, 100, 600), m.t(), at::rand({1 << 17}, at::kComplexFloat).conj()}) {
+  for (const at::Tensor& v :
+       {m.narrow(0, 100, 600), m.t(), at::rand({1 << 17}, at::kComplexFloat).conj()}) {
     at::Tensor back = echo(v);
     EXPECT_TRUE(back.equal(v.resolve_conj().contiguous()));
     EXPECT_TRUE(in_slot(back));
@@ -243,7 +244,8 @@ TEST_F(RpcSharedMemory, LargeTensorsArriveInSlotsBothWaysAndComeBackEqual) {
   at::Tensor small = at::rand({100});
   EXPECT_TRUE(echo(small).equal(small));
   EXPECT_FALSE(in_slot(echo(small)));
-  std::vector<at::Tensor> several{at::rand({1 << 18}), small, at::rand({1 << 19}), at::rand({1 << 18})};
+  std::vector<at::Tensor> several{at::rand({1 << 18}), small, at::rand({1 << 19}),
+                                  at::rand({1 << 18})};
   auto back = agent_->rpc_sync<std::vector<at::Tensor>>("w1", "echo_tensors", several);
   ASSERT_EQ(back.size(), several.size());
   for (size_t i = 0; i < several.size(); ++i) {
@@ -282,7 +284,8 @@ TEST_F(RpcSharedMemory, AMessageThatCannotBeSentFreesItsSlots) {
   // The calls after it need more only while the peer has not yet released the earlier ones
   // (each release rides on the peer's next frame, which may come before the tensor dies).
   for (int i = 0; i < 2; ++i) {
-    EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "tensor_and_text", t, std::string("y")), (1 << 20) + 1);
+    EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "tensor_and_text", t, std::string("y")),
+              (1 << 20) + 1);
   }
   EXPECT_LE(slot_fds(), 3);
   finish();
@@ -338,7 +341,8 @@ TEST_F(RpcSharedMemory, SlotsHeldByTheReceiverAndAFullCapFallBackToProcessVmRead
   for (int i = 0; i < 5; ++i) {
     sent.push_back(at::rand({1 << 19}));
     EXPECT_EQ(agent_->rpc_sync<double>("w1", "keep", sent.back()),
-              sent.back().to(at::kDouble).sum().item<double>()) << i;
+              sent.back().to(at::kDouble).sum().item<double>())
+        << i;
     EXPECT_LE(slot_fds(), 3) << i;
   }
   EXPECT_EQ(agent_->rpc_sync<int64_t>("w1", "drop_kept"), 5);
@@ -391,7 +395,8 @@ TEST_F(RpcSharedMemory, FramesBetweenWorkersOfOneHostGoThroughSharedMemoryRings)
   for (int k = 0; k < 4; ++k) {
     threads.emplace_back([&, k] {
       for (int64_t i = 0; i < 200; ++i) {
-        const std::string text(static_cast<size_t>((i * 977 + k * 131) % 9000), static_cast<char>('A' + k));
+        const std::string text(static_cast<size_t>((i * 977 + k * 131) % 9000),
+                               static_cast<char>('A' + k));
         if (agent_->rpc_sync<std::string>("w1", "echo_text", text) != text) ++wrong;
         if (agent_->rpc_sync<int64_t>("w1", "add", i, int64_t{k}) != i + k) ++wrong;
       }
@@ -552,7 +557,9 @@ TDIST_TEST_CHILD(rpc_lying_stream_peer) {
       {"a tag that is not the ring's",
        [&](int sock, detail::ShmStream& ring) { offer(sock, ring.fd(), ring.tag() + 1, 4096); }},
       {"a switch to a ring never offered",
-       [&](int sock, detail::ShmStream& ring) { control(sock, MessageType::kStreamSwitch, ring.tag()); }},
+       [&](int sock, detail::ShmStream& ring) {
+         control(sock, MessageType::kStreamSwitch, ring.tag());
+       }},
       {"an acceptance of a ring never offered",
        [&](int sock, detail::ShmStream&) { control(sock, MessageType::kStreamAccept, 99); }},
       {"a head beyond the ring",
@@ -653,7 +660,7 @@ TEST(RpcSharedMemoryChecks, SlotsStayUnderTheCap) {
   EXPECT_NE(a->ref.tag, b->ref.tag);
   EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(a->address), src.data(), mib), 0);
   EXPECT_TRUE(slots.release(a->ref.tag));
-  EXPECT_FALSE(slots.release(a->ref.tag));  // twice: ignored
+  EXPECT_FALSE(slots.release(a->ref.tag));    // twice: ignored
   auto c = slots.put(src.data(), mib - 100);  // reuses a's slot
   ASSERT_TRUE(c);
   EXPECT_EQ(c->ref.tag, a->ref.tag);

@@ -23,9 +23,7 @@ std::mutex& held_mu() {
 
 namespace {
 
-std::string holder_key(const std::string& key) {
-  return current_agent()->info().name + "/" + key;
-}
+std::string holder_key(const std::string& key) { return current_agent()->info().name + "/" + key; }
 
 void register_once() {
   register_function("add", [](int64_t a, int64_t b) { return a + b; });
@@ -50,18 +48,15 @@ void register_once() {
     if (!v) return std::nullopt;
     return *v * 2;
   });
-  register_function("mirror", [](Point p) {
-    return Point{-p.x, -p.y, p.label + "'"};
-  });
-  register_function("small_types", [](bool b, int8_t i8, uint16_t u16, int32_t i32, uint64_t u64,
-                                      float f) {
-    return std::make_tuple(!b, static_cast<int8_t>(i8 + 1), static_cast<uint16_t>(u16 + 1),
-                           i32 + 1, u64 + 1, f * 2);
-  });
+  register_function("mirror", [](Point p) { return Point{-p.x, -p.y, p.label + "'"}; });
+  register_function(
+      "small_types", [](bool b, int8_t i8, uint16_t u16, int32_t i32, uint64_t u64, float f) {
+        return std::make_tuple(!b, static_cast<int8_t>(i8 + 1), static_cast<uint16_t>(u16 + 1),
+                               i32 + 1, u64 + 1, f * 2);
+      });
   register_function("noop", []() {});
-  register_function("throws", [](std::string what) -> int64_t {
-    throw std::runtime_error("boom: " + what);
-  });
+  register_function("throws",
+                    [](std::string what) -> int64_t { throw std::runtime_error("boom: " + what); });
   register_function("sleep_ms", [](int64_t ms) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     return ms;
@@ -196,9 +191,7 @@ bool quiet(Agents& a) {
   });
 }
 
-uint16_t master_port() {
-  return static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535));
-}
+uint16_t master_port() { return static_cast<uint16_t>(env::require_int("MASTER_PORT", 1, 65535)); }
 
 double cpu_seconds() {
   rusage u{};

@@ -71,9 +71,8 @@ TEST(ThreadPoolStop, DestroyedFromItsOwnTask) {
 TEST(ThreadPoolStop, ShutdownFromTheAgentsOwnWorkerThreadIsRefused) {
   register_test_functions();
   static std::once_flag once;
-  std::call_once(once, [] {
-    register_function("shutdown_self", [] { current_agent()->shutdown(true); });
-  });
+  std::call_once(
+      once, [] { register_function("shutdown_self", [] { current_agent()->shutdown(true); }); });
   RpcOptions o;
   o.shutdown_timeout = 3s;  // bounds the wait should the refusal be missing
   auto a = start_agents(2, o);

@@ -1,4 +1,4 @@
-#include "tdist/rpc/message.h"
+#include "tdist/rpc/detail/message.h"
 
 #include <cstring>
 
@@ -27,21 +27,36 @@ T get(const uint8_t*& p) {
 
 const char* message_type_name(MessageType type) {
   switch (type) {
-    case MessageType::kCall: return "CALL";
-    case MessageType::kResponse: return "RESPONSE";
-    case MessageType::kError: return "ERROR";
-    case MessageType::kRemoteCall: return "REMOTE_CALL";
-    case MessageType::kRRefFetch: return "RREF_FETCH";
-    case MessageType::kRRefMethodCall: return "RREF_METHOD_CALL";
-    case MessageType::kRRefMethodRemote: return "RREF_METHOD_REMOTE";
-    case MessageType::kRRefForkRequest: return "RREF_FORK_REQUEST";
-    case MessageType::kRRefUserDelete: return "RREF_USER_DELETE";
-    case MessageType::kRRefChildAccept: return "RREF_CHILD_ACCEPT";
-    case MessageType::kTensorRelease: return "TENSOR_RELEASE";
-    case MessageType::kShmRelease: return "SHM_RELEASE";
-    case MessageType::kStreamOffer: return "STREAM_OFFER";
-    case MessageType::kStreamAccept: return "STREAM_ACCEPT";
-    case MessageType::kStreamSwitch: return "STREAM_SWITCH";
+    case MessageType::kCall:
+      return "CALL";
+    case MessageType::kResponse:
+      return "RESPONSE";
+    case MessageType::kError:
+      return "ERROR";
+    case MessageType::kRemoteCall:
+      return "REMOTE_CALL";
+    case MessageType::kRRefFetch:
+      return "RREF_FETCH";
+    case MessageType::kRRefMethodCall:
+      return "RREF_METHOD_CALL";
+    case MessageType::kRRefMethodRemote:
+      return "RREF_METHOD_REMOTE";
+    case MessageType::kRRefForkRequest:
+      return "RREF_FORK_REQUEST";
+    case MessageType::kRRefUserDelete:
+      return "RREF_USER_DELETE";
+    case MessageType::kRRefChildAccept:
+      return "RREF_CHILD_ACCEPT";
+    case MessageType::kTensorRelease:
+      return "TENSOR_RELEASE";
+    case MessageType::kShmRelease:
+      return "SHM_RELEASE";
+    case MessageType::kStreamOffer:
+      return "STREAM_OFFER";
+    case MessageType::kStreamAccept:
+      return "STREAM_ACCEPT";
+    case MessageType::kStreamSwitch:
+      return "STREAM_SWITCH";
   }
   return "UNKNOWN";
 }
@@ -79,8 +94,8 @@ FrameHeader decode_header(const uint8_t* in, uint64_t max_frame_bytes) {
     throw ProtocolError(problem);
   }
   if (h.body_len > h.length || h.meta_len > h.body_len) {
-    throw ProtocolError(str("inconsistent frame lengths: length ", h.length, ", body ",
-                            h.body_len, ", tensor section ", h.meta_len));
+    throw ProtocolError(str("inconsistent frame lengths: length ", h.length, ", body ", h.body_len,
+                            ", tensor section ", h.meta_len));
   }
   return h;
 }
@@ -114,8 +129,8 @@ void check_tensor_section(const FrameHeader& h, const TensorSection& section, bo
                               section.shm.size(), " slot names"));
     }
     if (section.retired.size() > kMaxRetired) {
-      throw ProtocolError(str("peer retired ", section.retired.size(),
-                              " shared-memory slots in one frame"));
+      throw ProtocolError(
+          str("peer retired ", section.retired.size(), " shared-memory slots in one frame"));
     }
     for (size_t i = 0; i < section.shm.size(); ++i) {
       if (section.shm[i].tag != 0 && section.addresses[i] == 0) {
@@ -136,8 +151,8 @@ void check_tensor_section(const FrameHeader& h, const TensorSection& section, bo
     }
   }
   if (inline_sum != inline_total) {
-    throw ProtocolError(str("frame carries ", inline_total, " tensor bytes but its tensors need ",
-                            inline_sum));
+    throw ProtocolError(
+        str("frame carries ", inline_total, " tensor bytes but its tensors need ", inline_sum));
   }
 }
 

@@ -1,5 +1,5 @@
 #pragma once
-// One TCP connection between two agents, after the handshake (rpc/auth.h).
+// One TCP connection between two agents, after the handshake (rpc/detail/auth.h).
 //
 // Reading: one thread per connection reads frames (Note [RPC wire format]) through a small
 // buffer; a large body or tensor is read straight into its destination (a tensor's own storage),
@@ -46,11 +46,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tdist/rpc/auth.h"
+#include "tdist/rpc/detail/auth.h"
 #include "tdist/rpc/detail/shm_stream.h"
 #include "tdist/rpc/detail/shm_tensors.h"
 #include "tdist/rpc/future.h"
-#include "tdist/rpc/message.h"
+#include "tdist/rpc/detail/message.h"
 
 namespace tdist::rpc::detail {
 
@@ -74,7 +74,7 @@ struct ConnectionOptions {
   // Requests handed to the handler and not yet done (request_done), at most: at the limit the
   // reader waits before the next frame (backpressure). 0: no limit.
   int max_requests_in_flight = 0;
-  Millis send_timeout{0};                    // SO_SNDTIMEO once established; 0: none
+  Millis send_timeout{0};  // SO_SNDTIMEO once established; 0: none
   // Once a frame's first byte has come, each read of the rest must progress within this
   // (TimeoutError naming the peer, the connection closes); between frames no limit. 0: none.
   Millis frame_timeout{0};
@@ -82,8 +82,8 @@ struct ConnectionOptions {
   // Shared-memory slots of the fast path, at most this many bytes on one connection (Note [RPC
   // shared-memory slots] in rpc/detail/shm_tensors.h); 0: process_vm_readv only.
   uint64_t shm_bytes = uint64_t{256} << 20;
-  HandshakeOptions handshake;                // incoming connections handshake on their thread
-  int socket_buffer_bytes = 0;               // SO_SNDBUF / SO_RCVBUF; 0: the system's
+  HandshakeOptions handshake;   // incoming connections handshake on their thread
+  int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0: the system's
   // Between frames the reader keeps reading without blocking this long (yielding the core
   // between tries) before it sleeps in recv (Note [RPC waits spin first] in rpc/agent.cpp).
   std::chrono::microseconds spin{0};

@@ -1,4 +1,4 @@
-#include "tdist/rpc/connection.h"
+#include "tdist/rpc/detail/connection.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -158,7 +158,8 @@ void Connection::run() {
       } catch (const std::exception& e) {
         if (hs_state_.load() == kEvicted) {
           send_busy(fd_);
-          throw NetworkError(str(peer(), ": closed before its handshake finished, to make room: "
+          throw NetworkError(str(peer(),
+                                 ": closed before its handshake finished, to make room: "
                                  "more connections were in their handshake than "
                                  "RpcOptions::max_pending_handshakes "
                                  "(TDIST_RPC_MAX_PENDING_HANDSHAKES); told to retry"));
@@ -271,7 +272,8 @@ size_t Connection::check_socket_after_switch(void* dst, size_t n) {
   const ssize_t r = ::recv(fd_, &byte, 1, MSG_DONTWAIT);
   if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
   if (r > 0) {
-    throw ProtocolError(str(peer(), " wrote to its socket after it moved its frames to shared "
+    throw ProtocolError(str(peer(),
+                            " wrote to its socket after it moved its frames to shared "
                             "memory"));
   }
   // End-of-file or an error: what the peer wrote into the ring before it went is still read.
@@ -321,8 +323,7 @@ void Connection::request_done() {
 }
 
 void Connection::wait_for_room() {
-  if (options_.max_requests_in_flight <= 0 ||
-      in_flight_.load() < options_.max_requests_in_flight) {
+  if (options_.max_requests_in_flight <= 0 || in_flight_.load() < options_.max_requests_in_flight) {
     return;
   }
   std::unique_lock<std::mutex> lock(flight_mu_);
@@ -445,7 +446,8 @@ void Connection::on_stream_frame(const FrameHeader& h, const Bytes& body) {
   const StreamOffer offer = check_stream_frame(h, body);
   if (h.type == MessageType::kStreamOffer) {
     if (!hs_.read_remote_tensors) {
-      throw ProtocolError(str(peer(), " offered a shared-memory stream without the same-host "
+      throw ProtocolError(str(peer(),
+                              " offered a shared-memory stream without the same-host "
                               "fast path"));
     }
     if (rx_stream_) throw ProtocolError(str(peer(), " offered a second shared-memory stream"));
@@ -465,11 +467,13 @@ void Connection::on_stream_frame(const FrameHeader& h, const Bytes& body) {
     tx_stream_->close_fd();  // the peer has mapped it; the writer no longer reads fd()
   } else {
     if (!rx_stream_ || rx_stream_->tag() != h.id || rx_active_.load()) {
-      throw ProtocolError(str(peer(), " switched to a shared-memory stream that was not "
+      throw ProtocolError(str(peer(),
+                              " switched to a shared-memory stream that was not "
                               "accepted"));
     }
     if (in_pos_ != in_end_) {
-      throw ProtocolError(str(peer(), " wrote to its socket after it moved its frames to shared "
+      throw ProtocolError(str(peer(),
+                              " wrote to its socket after it moved its frames to shared "
                               "memory"));
     }
     rx_active_ = rx_stream_.get();
@@ -508,7 +512,8 @@ void Connection::frame(OutMessage& m) {
   for (auto& t : m.tensors) {
     at::Tensor c = contiguous_values(t);  // resolves conjugate / negative views
     TensorMeta meta = describe_tensor(c);
-    const bool is_remote = hs_.send_remote_tensors && meta.nbytes >= options_.remote_tensor_threshold;
+    const bool is_remote =
+        hs_.send_remote_tensors && meta.nbytes >= options_.remote_tensor_threshold;
     std::optional<ShmSlots::Put> slot;
     if (is_remote && options_.shm_bytes > 0) {
       slot = slots_.put(c.data_ptr(), meta.nbytes);
@@ -561,13 +566,15 @@ void Connection::frame(OutMessage& m) {
 void Connection::send(OutMessage&& m) {
   // A reader that blocks in sendmsg stops reading: the responses behind it wait, and so does
   // every peer thread that writes to it. Whatever a reader must send is posted.
-  TDIST_CHECK(tl_reader == nullptr, "send() on the reader thread of the connection to worker "
-              "rank ", tl_reader ? tl_reader->peer_rank() : -1, " (post it to a worker thread)");
+  TDIST_CHECK(tl_reader == nullptr,
+              "send() on the reader thread of the connection to worker "
+              "rank ",
+              tl_reader ? tl_reader->peer_rank() : -1, " (post it to a worker thread)");
   frame(m);
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {
-    throw NetworkError(str("connection to worker rank ", peer_rank(), " is closed: ",
-                           close_reason_));
+    throw NetworkError(
+        str("connection to worker rank ", peer_rank(), " is closed: ", close_reason_));
   }
   queue_.push_back(std::move(m));
   if (writing_) return;  // the writing thread picks it up
@@ -642,12 +649,15 @@ void Connection::switch_to_stream() {
 
 void Connection::check_writable_socket() {
   if (closing_.load()) {
-    throw NetworkError(str("connection to worker rank ", peer_rank(), " is closed: ",
-                           close_reason()));
+    throw NetworkError(
+        str("connection to worker rank ", peer_rank(), " is closed: ", close_reason()));
   }
-  struct pollfd p {fd_, POLLRDHUP, 0};
+  struct pollfd p {
+    fd_, POLLRDHUP, 0
+  };
   if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
-    throw NetworkError(str("sending to worker rank ", peer_rank(), ": the peer closed the "
+    throw NetworkError(str("sending to worker rank ", peer_rank(),
+                           ": the peer closed the "
                            "connection"));
   }
 }

@@ -1,4 +1,4 @@
-#include "tdist/rpc/auth.h"
+#include "tdist/rpc/detail/auth.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -35,8 +35,9 @@ void read_accept(int fd, Bytes& accept, net::Clock::time_point deadline, const s
     if (n > 0) {
       got += static_cast<size_t>(n);
       if (got >= sizeof(kBusy) && std::memcmp(accept.data(), kBusy, sizeof(kBusy)) == 0) {
-        throw NetworkError(str(where, ": busy (more connections in their handshake than it "
-                                      "takes at once); retrying"));
+        throw NetworkError(str(where,
+                               ": busy (more connections in their handshake than it "
+                               "takes at once); retrying"));
       }
     } else if (n == 0) {
       throw ProtocolError(str(where, ": connection closed by the peer (", who,
@@ -84,8 +85,8 @@ HandshakeResult server_handshake(int fd, const HandshakeOptions& o,
     throw ProtocolError(str("handshake: rank ", r.peer_rank, " is not in [0, ", o.world_size, ")"));
   }
   // Authenticated: from here on the peer may learn our pid, and we check its claim.
-  r.read_remote_tensors = may_read_peer(o.fast_path, client_wants, fd, claimed_pid,
-                                        str("worker rank ", r.peer_rank));
+  r.read_remote_tensors =
+      may_read_peer(o.fast_path, client_wants, fd, claimed_pid, str("worker rank ", r.peer_rank));
   if (r.read_remote_tensors) r.peer_pid = claimed_pid;
 
   Bytes ours;
