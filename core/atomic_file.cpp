@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
@@ -44,7 +45,8 @@ void write_file_atomically(const std::string& path, const std::vector<std::strin
   if (fd < 0) TDIST_THROW(Error, "cannot create '", tmp_path, "': ", std::strerror(errno));
   try {
     for (std::string_view p : pieces) write_all(fd, p.data(), p.size(), tmp_path);
-    if (::fsync(fd) != 0) TDIST_THROW(Error, "cannot fsync '", tmp_path, "': ", std::strerror(errno));
+    if (::fsync(fd) != 0)
+      TDIST_THROW(Error, "cannot fsync '", tmp_path, "': ", std::strerror(errno));
   } catch (...) {
     ::close(fd);
     ::unlink(tmp_path.c_str());
@@ -61,6 +63,46 @@ void write_file_atomically(const std::string& path, const std::vector<std::strin
     ::fsync(dfd);  // best effort: the rename is durable once the directory is
     ::close(dfd);
   }
+}
+
+bool check_private_directory(const std::string& dir_in, bool create) {
+  std::string dir = dir_in;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "d/" would follow a link
+  TDIST_CHECK_ARG(!dir.empty(), "an empty directory name");
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) {
+    if (errno != ENOENT) TDIST_THROW(Error, "cannot stat '", dir, "': ", std::strerror(errno));
+    if (!create) return false;
+    const std::filesystem::path path(dir);
+    std::error_code ec;
+    if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
+    if (ec)
+      TDIST_THROW(Error, "cannot create directory '", path.parent_path().string(),
+                  "': ", ec.message());
+    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      TDIST_THROW(Error, "cannot create directory '", dir, "': ", std::strerror(errno));
+    }
+    if (::lstat(dir.c_str(), &st) != 0) {
+      TDIST_THROW(Error, "cannot stat '", dir, "': ", std::strerror(errno));
+    }
+  }
+  TDIST_CHECK_ARG(!S_ISLNK(st.st_mode), "'", dir,
+                  "' is a symbolic link: give the directory "
+                  "itself (a link could be turned to another directory between two writes)");
+  TDIST_CHECK_ARG(S_ISDIR(st.st_mode), "'", dir, "' is not a directory");
+  TDIST_CHECK_ARG(st.st_uid == ::geteuid(), "the directory '", dir, "' belongs to uid ", st.st_uid,
+                  ", not to this user (uid ", ::geteuid(),
+                  "): its owner could "
+                  "replace what is written there");
+  if ((st.st_mode & 022) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    TDIST_THROW(InvalidArgument, "the directory '", dir, "' has mode ", mode,
+                ": group or others "
+                "can write it, so they could replace what is written there (chmod go-w '",
+                dir, "')");
+  }
+  return true;
 }
 
 std::optional<std::vector<char>> read_file(const std::string& path, uint64_t max_bytes) {
@@ -115,8 +157,8 @@ Sha256Digest sha256(const void* data, size_t size) {
 }
 
 Sha256::Sha256() : ctx_(EVP_MD_CTX_new()) {
-  TDIST_CHECK(ctx_ != nullptr && EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(),
-                                                   nullptr) == 1,
+  TDIST_CHECK(ctx_ != nullptr &&
+                  EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr) == 1,
               "SHA-256 failed");
 }
 

@@ -26,6 +26,13 @@ namespace tdist {
 // any, stays).
 void write_file_atomically(const std::string& path, const std::vector<std::string_view>& pieces);
 
+// A directory for files that only this user may plant or replace (checkpoints): when it does not
+// exist and `create`, it is made with mode 0700 (missing parents as mkdir -p would). Then it must
+// be a directory itself, not a symbolic link to one (lstat), owned by this user (the effective
+// uid), and writable by neither group nor others. Returns false when it does not exist and not
+// `create`; throws InvalidArgument naming the directory, its owner or its mode otherwise.
+bool check_private_directory(const std::string& dir, bool create);
+
 // The whole file, or nullopt when it does not exist. Throws Error naming the file when it
 // cannot be read, or is larger than max_bytes.
 std::optional<std::vector<char>> read_file(const std::string& path,

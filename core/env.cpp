@@ -51,7 +51,8 @@ bool get_bool(const std::string& name, bool fallback) {
   std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
   if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
   if (s == "0" || s == "false" || s == "no" || s == "off") return false;
-  throw InvalidArgument(str(name, "='", *v, "' is not a boolean (1/0, true/false, yes/no, on/off)"));
+  throw InvalidArgument(
+      str(name, "='", *v, "' is not a boolean (1/0, true/false, yes/no, on/off)"));
 }
 
 namespace {
@@ -168,7 +169,8 @@ std::vector<std::string> expand_slurm_nodelist(const std::string& list, size_t m
     size_t end = list.find(',', close);
     if (end == std::string::npos) end = list.size();
     const std::string suffix = list.substr(close + 1, end - close - 1);
-    if (suffix.find_first_of("[]") != std::string::npos) throw bad("more than one '[...]' in a name");
+    if (suffix.find_first_of("[]") != std::string::npos)
+      throw bad("more than one '[...]' in a name");
     const std::string ranges = list.substr(open + 1, close - open - 1);
     size_t rpos = 0;
     while (rpos <= ranges.size()) {

@@ -77,31 +77,31 @@ template <typename E, typename... Args>
 #define TDIST_THROW(ErrorType, ...) \
   ::tdist::detail::throw_at<ErrorType>(__FILE__, __LINE__, __VA_ARGS__)
 
-#define TDIST_CHECK(cond, ...)                                                         \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
-      ::tdist::detail::throw_at<::tdist::Error>(__FILE__, __LINE__,                    \
-                                                "check failed: " #cond ": ", ##__VA_ARGS__); \
-    }                                                                                  \
+#define TDIST_CHECK(cond, ...)                                                                   \
+  do {                                                                                           \
+    if (!(cond)) {                                                                               \
+      ::tdist::detail::throw_at<::tdist::Error>(__FILE__, __LINE__, "check failed: " #cond ": ", \
+                                                ##__VA_ARGS__);                                  \
+    }                                                                                            \
   } while (0)
 
-#define TDIST_CHECK_ARG(cond, ...)                                                      \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      ::tdist::detail::throw_at<::tdist::InvalidArgument>(__FILE__, __LINE__,           \
+#define TDIST_CHECK_ARG(cond, ...)                                                              \
+  do {                                                                                          \
+    if (!(cond)) {                                                                              \
+      ::tdist::detail::throw_at<::tdist::InvalidArgument>(__FILE__, __LINE__,                   \
                                                           "invalid argument: ", ##__VA_ARGS__); \
-    }                                                                                   \
+    }                                                                                           \
   } while (0)
 
-#define TDIST_CHECK_OP_(a, b, op, ...)                                                  \
-  do {                                                                                  \
-    const auto& tdist_a_ = (a);                                                         \
-    const auto& tdist_b_ = (b);                                                         \
-    if (!(tdist_a_ op tdist_b_)) {                                                      \
-      ::tdist::detail::throw_at<::tdist::Error>(                                        \
-          __FILE__, __LINE__, "check failed: " #a " " #op " " #b " (", tdist_a_,        \
-          " vs ", tdist_b_, ") ", ##__VA_ARGS__);                                       \
-    }                                                                                   \
+#define TDIST_CHECK_OP_(a, b, op, ...)                                                             \
+  do {                                                                                             \
+    const auto& tdist_a_ = (a);                                                                    \
+    const auto& tdist_b_ = (b);                                                                    \
+    if (!(tdist_a_ op tdist_b_)) {                                                                 \
+      ::tdist::detail::throw_at<::tdist::Error>(__FILE__, __LINE__,                                \
+                                                "check failed: " #a " " #op " " #b " (", tdist_a_, \
+                                                " vs ", tdist_b_, ") ", ##__VA_ARGS__);            \
+    }                                                                                              \
   } while (0)
 
 #define TDIST_CHECK_EQ(a, b, ...) TDIST_CHECK_OP_(a, b, ==, ##__VA_ARGS__)

@@ -66,7 +66,7 @@ class FileStore::LockedFile {
                   "': it is a symbolic link (the store must be a regular file)");
     }
     if (fd_ < 0) TDIST_THROW(Error, "FileStore cannot open '", path, "': ", errno_text());
-    struct stat st{};
+    struct stat st {};
     if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
       ::close(fd_);
       TDIST_THROW(Error, "FileStore refuses '", path, "': it is not a regular file");
@@ -109,7 +109,8 @@ class FileStore::LockedFile {
   };
   Stat stat() const {
     struct stat st;
-    if (::fstat(fd_, &st) != 0) TDIST_THROW(Error, "FileStore cannot stat '", path_, "': ", errno_text());
+    if (::fstat(fd_, &st) != 0)
+      TDIST_THROW(Error, "FileStore cannot stat '", path_, "': ", errno_text());
     return {static_cast<uint64_t>(st.st_size), static_cast<uint64_t>(st.st_ino)};
   }
 
@@ -130,8 +131,8 @@ class FileStore::LockedFile {
   void write(uint64_t offset, const Bytes& data) {
     uint64_t done = 0;
     while (done < data.size()) {
-      ssize_t n = ::pwrite(fd_, data.data() + done, data.size() - done,
-                           static_cast<off_t>(offset + done));
+      ssize_t n =
+          ::pwrite(fd_, data.data() + done, data.size() - done, static_cast<off_t>(offset + done));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) TDIST_THROW(Error, "FileStore cannot write '", path_, "': ", errno_text());
       done += static_cast<uint64_t>(n);

@@ -22,6 +22,9 @@ class HashStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
+  // "127.0.0.1": every user of a HashStore is a thread of this process, so of this host; the
+  // groups and RPC agents over it bind loopback (Note [Secure by default], core/token.h).
+  std::string server_host() const override { return "127.0.0.1"; }
   using Store::set;
   using Store::wait;
 
@@ -31,7 +34,7 @@ class HashStore : public Store {
                    Millis timeout);
 
   std::mutex mu_;
-  std::condition_variable cv_;  // notified on every change
+  std::condition_variable cv_;         // notified on every change
   std::map<std::string, Bytes> data_;  // guarded by mu_
 };
 

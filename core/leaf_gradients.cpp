@@ -1,6 +1,6 @@
 #include "tdist/core/leaf_gradients.h"
 
-namespace tdist::detail {
+namespace tdist {
 namespace {
 thread_local std::shared_ptr<LeafGradients> t_current;
 }  // namespace
@@ -22,4 +22,4 @@ void with_leaf_gradient(const std::shared_ptr<LeafGradients>& g, const at::Tenso
   }
 }
 
-}  // namespace tdist::detail
+}  // namespace tdist

@@ -20,7 +20,7 @@
 #include <memory>
 #include <utility>
 
-namespace tdist::detail {
+namespace tdist {
 
 class LeafGradients {
  public:
@@ -51,4 +51,4 @@ class LeafGradientsScope {
 void with_leaf_gradient(const std::shared_ptr<LeafGradients>& g, const at::Tensor& leaf,
                         const std::function<void(at::Tensor& grad)>& fn);
 
-}  // namespace tdist::detail
+}  // namespace tdist

@@ -27,11 +27,11 @@ void log_line(LogLevel level, const std::string& message);
 
 }  // namespace tdist
 
-#define TDIST_LOG(level, ...)                                      \
-  do {                                                             \
-    if (::tdist::log_enabled(level)) {                             \
-      ::tdist::log_line(level, ::tdist::str(__VA_ARGS__));         \
-    }                                                              \
+#define TDIST_LOG(level, ...)                              \
+  do {                                                     \
+    if (::tdist::log_enabled(level)) {                     \
+      ::tdist::log_line(level, ::tdist::str(__VA_ARGS__)); \
+    }                                                      \
   } while (0)
 #define TDIST_LOG_TRACE(...) TDIST_LOG(::tdist::LogLevel::kTrace, __VA_ARGS__)
 #define TDIST_LOG_DEBUG(...) TDIST_LOG(::tdist::LogLevel::kDebug, __VA_ARGS__)

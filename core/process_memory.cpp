@@ -47,8 +47,8 @@ int try_write_process_memory(pid_t pid, uint64_t address, const void* in, size_t
 
 void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) {
   if (int err = try_read_process_memory(pid, address, out, size)) {
-    throw NetworkError(str("cannot read ", size, " bytes of process ", pid, " memory: ",
-                           std::strerror(err)));
+    throw NetworkError(
+        str("cannot read ", size, " bytes of process ", pid, " memory: ", std::strerror(err)));
   }
 }
 

@@ -83,7 +83,8 @@ RankAndSize resolve_rank(const std::string& init_method, const Url& url, int ran
   out.world_size = world_size;
   out.rank = rank;
   if (out.world_size < 0 && url.query.count("world_size")) {
-    out.world_size = parse_param(init_method, "world_size", url.query.at("world_size"), 1, kMaxRanks);
+    out.world_size =
+        parse_param(init_method, "world_size", url.query.at("world_size"), 1, kMaxRanks);
   }
   if (out.rank < 0 && url.query.count("rank")) {
     out.rank = parse_param(init_method, "rank", url.query.at("rank"), 0, kMaxRanks);
@@ -121,7 +122,8 @@ HostPort parse_host_port(const std::string& init_method, const std::string& auth
     if (close == std::string::npos) bad(init_method, str("unclosed '[' in '", authority, "'"));
     hp.host = authority.substr(1, close - 1);
     if (close + 1 < authority.size()) {
-      if (authority[close + 1] != ':') bad(init_method, str("expected ':' after ']' in '", authority, "'"));
+      if (authority[close + 1] != ':')
+        bad(init_method, str("expected ':' after ']' in '", authority, "'"));
       port_text = authority.substr(close + 2);
     } else {
       bad(init_method, str("missing port in '", authority, "' (expected tcp://host:port)"));

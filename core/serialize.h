@@ -158,7 +158,7 @@ using BoundedInputArchive = WireInputArchive<NoContext>;
 
 template <class C, class T>
 std::enable_if_t<std::is_arithmetic_v<T>> CEREAL_SAVE_FUNCTION_NAME(WireOutputArchive<C>& ar,
-                                                                     const T& t) {
+                                                                    const T& t) {
   ar.saveBinary(std::addressof(t), sizeof(t));
 }
 

@@ -63,7 +63,8 @@ class Store {
   std::string get_string(const std::string& key) { return to_string(get(key)); }
 
   // The host name or address this store's server is reached at (a TCPStore, or a store that
-  // wraps one); empty when the store has no network server (HashStore, FileStore). A process
+  // wraps one); "127.0.0.1" for a HashStore (its users are threads of this process); empty when
+  // the store has no network server and may be shared between hosts (FileStore). A process
   // group publishes the address of the interface that routes to it (core/net/address.h).
   virtual std::string server_host() const { return {}; }
 

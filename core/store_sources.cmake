@@ -16,5 +16,6 @@ set(TDIST_CORE_STORE_SOURCES
   detail/store_util.cpp
   detail/tcp_store_client.cpp
   detail/tcp_store_protocol.cpp
+  detail/tcp_store_connection.cpp
   detail/tcp_store_server.cpp
-  detail/tcp_store_server_requests.cpp)
+  detail/tcp_store_table.cpp)

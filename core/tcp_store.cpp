@@ -96,8 +96,7 @@ using detail::tcp_store::Status;
 // scheduling and the network, between 1 and 5 s.
 Millis reply_grace(Millis timeout) { return std::clamp(timeout, Millis(1000), Millis(5000)); }
 const std::string kJoinedKey = std::string(detail::tcp_store::kInternalKeyPrefix) + "joined";
-const std::string kAllJoinedKey =
-    std::string(detail::tcp_store::kInternalKeyPrefix) + "all_joined";
+const std::string kAllJoinedKey = std::string(detail::tcp_store::kInternalKeyPrefix) + "all_joined";
 
 std::string quoted(const std::string& key) { return "'" + key + "'"; }
 
@@ -136,14 +135,16 @@ Bytes read_value(const detail::TCPStoreClient::Reply& reply) {
 }  // namespace
 
 TCPStore::TCPStore(const std::string& host, uint16_t port, bool is_server, Millis timeout)
-    : TCPStore(TCPStoreOptions{host, port, is_server, -1, timeout}) {}
+    : TCPStore(TCPStoreOptions{host, port, is_server, -1, timeout, std::nullopt, {}}) {}
 
 TCPStore::TCPStore(TCPStoreOptions options) : Store(options.timeout), options_(std::move(options)) {
   TDIST_CHECK_ARG(!options_.host.empty(), "TCPStore needs a host");
   TDIST_CHECK_ARG(options_.is_server || options_.port != 0,
                   "TCPStore client needs a port (only a server may use port 0)");
   if (options_.is_server) {
-    server_ = std::make_unique<TCPStoreServer>(options_.host, options_.port, options_.token);
+    TCPStoreServerOptions server = options_.server;
+    if (!server.token) server.token = options_.token;
+    server_ = std::make_unique<TCPStoreServer>(options_.host, options_.port, server);
     options_.port = server_->port();
   }
   client_ = std::make_unique<detail::TCPStoreClient>(
@@ -176,7 +177,8 @@ void TCPStore::set(const std::string& key, const Bytes& value) {
   wire::Writer w(body);
   w.string(key);
   w.blob(value);
-  auto reply = call(*client_, Command::kSet, body, limit_for(timeout()), "set(" + quoted(key) + ")");
+  auto reply =
+      call(*client_, Command::kSet, body, limit_for(timeout()), "set(" + quoted(key) + ")");
   wire::Reader(reply.body).expect_end("set reply");
 }
 
@@ -196,7 +198,8 @@ int64_t TCPStore::add(const std::string& key, int64_t delta) {
   wire::Writer w(body);
   w.string(key);
   w.i64(delta);
-  auto reply = call(*client_, Command::kAdd, body, limit_for(timeout()), "add(" + quoted(key) + ")");
+  auto reply =
+      call(*client_, Command::kAdd, body, limit_for(timeout()), "add(" + quoted(key) + ")");
   wire::Reader r(reply.body);
   int64_t value = r.i64("value");
   r.expect_end("add reply");
@@ -229,7 +232,7 @@ bool TCPStore::check(const std::vector<std::string>& keys) {
   wire::Writer w(body);
   detail::tcp_store::write_keys(w, keys);
   auto reply = call(*client_, Command::kCheck, body, limit_for(timeout()),
-                       "check(" + detail::join_keys(keys) + ")");
+                    "check(" + detail::join_keys(keys) + ")");
   wire::Reader r(reply.body);
   bool present = r.u8("present") != 0;
   r.expect_end("check reply");
@@ -239,8 +242,8 @@ bool TCPStore::check(const std::vector<std::string>& keys) {
 bool TCPStore::delete_key(const std::string& key) {
   Bytes body;
   wire::Writer(body).string(key);
-  auto reply =
-      call(*client_, Command::kDelete, body, limit_for(timeout()), "delete_key(" + quoted(key) + ")");
+  auto reply = call(*client_, Command::kDelete, body, limit_for(timeout()),
+                    "delete_key(" + quoted(key) + ")");
   wire::Reader r(reply.body);
   bool existed = r.u8("existed") != 0;
   r.expect_end("delete_key reply");

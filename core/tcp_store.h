@@ -35,6 +35,32 @@ class TCPStoreServerImpl;
 class TCPStoreClient;
 }  // namespace detail
 
+// A store server's settings. Each limit that is unset takes its TDIST_STORE_* variable, else
+// the default (docs/configuration.md has the table); the environment is read once, when the
+// server starts. A value out of range is an InvalidArgument naming the field or the variable.
+struct TCPStoreServerOptions {
+  // The connection handshake's token; unset: TDIST_TOKEN / TDIST_TOKEN_FILE (core/token.h);
+  // empty: none (refused beyond loopback unless allow_no_token).
+  std::optional<std::string> token;
+  // Connections open at once (TDIST_STORE_MAX_CONNECTIONS; 3/4 of the descriptor limit, at
+  // least 64); beyond it the oldest connection still in its handshake is displaced, else the
+  // new one is closed.
+  std::optional<int64_t> max_connections;
+  std::optional<int64_t> max_keys;   // keys held (TDIST_STORE_MAX_KEYS; 2^20)
+  std::optional<int64_t> max_bytes;  // bytes of keys and values held (TDIST_STORE_MAX_BYTES; 4 GiB)
+  // A frame, once begun, must be whole within it (TDIST_STORE_FRAME_TIMEOUT_MS; 60 s).
+  std::optional<Millis> frame_timeout;
+  // The handshake must end within it (TDIST_STORE_HANDSHAKE_TIMEOUT_MS; 10 s).
+  std::optional<Millis> handshake_timeout;
+  // Connections of one address in their handshake at once
+  // (TDIST_STORE_MAX_HANDSHAKES_PER_ADDRESS; 16).
+  std::optional<int64_t> max_handshakes_per_address;
+  // Bytes of request bodies taken in at once (TDIST_STORE_MAX_INFLIGHT_BYTES; kMaxFrameBytes).
+  std::optional<int64_t> max_inflight_bytes;
+  // Listen beyond loopback without a token (TDIST_ALLOW_NO_TOKEN; false).
+  std::optional<bool> allow_no_token;
+};
+
 // A running store server. Stops (and closes every connection) when destroyed.
 class TCPStoreServer {
  public:
@@ -45,6 +71,8 @@ class TCPStoreServer {
   // empty: none). Throws NetworkError when the address cannot be bound.
   TCPStoreServer(const std::string& host, uint16_t port,
                  const std::optional<std::string>& token = std::nullopt);
+  // The same with every setting (`options.token` as `token` above).
+  TCPStoreServer(const std::string& host, uint16_t port, const TCPStoreServerOptions& options);
   ~TCPStoreServer();
   TCPStoreServer(const TCPStoreServer&) = delete;
   TCPStoreServer& operator=(const TCPStoreServer&) = delete;
@@ -72,13 +100,15 @@ class TCPStoreServer {
 
 struct TCPStoreOptions {
   std::string host = "127.0.0.1";
-  uint16_t port = 0;          // with is_server, 0 picks a free port (see TCPStore::port())
-  bool is_server = false;     // start a TCPStoreServer in this process
-  int num_workers = -1;       // when > 0, the constructor waits until that many stores joined
+  uint16_t port = 0;       // with is_server, 0 picks a free port (see TCPStore::port())
+  bool is_server = false;  // start a TCPStoreServer in this process
+  int num_workers = -1;    // when > 0, the constructor waits until that many stores joined
   Millis timeout = Store::kDefaultTimeout;  // for get/wait and for connecting
   // The shared secret of the connection handshake (client and, with is_server, server); all
   // processes of a job use the same one. Unset: TDIST_TOKEN / TDIST_TOKEN_FILE (core/token.h).
   std::optional<std::string> token;
+  // With is_server: the server's limits (its token, when unset there, is `token`).
+  TCPStoreServerOptions server;
 };
 
 class TCPStore : public Store {

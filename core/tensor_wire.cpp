@@ -85,19 +85,19 @@ void validate_tensor_meta(const TensorMeta& meta, uint64_t available) {
   }
   if (elem > kLimit / nonzero) throw ProtocolError("tensor size overflows");
   if (numel * elem != meta.nbytes) {
-    throw ProtocolError(str("tensor byte count ", meta.nbytes, " does not match its shape (",
-                            numel, " elements of ", elem, " bytes)"));
+    throw ProtocolError(str("tensor byte count ", meta.nbytes, " does not match its shape (", numel,
+                            " elements of ", elem, " bytes)"));
   }
   if (meta.nbytes > available) {
-    throw ProtocolError(str("tensor needs ", meta.nbytes, " bytes but only ", available,
-                            " are available"));
+    throw ProtocolError(
+        str("tensor needs ", meta.nbytes, " bytes but only ", available, " are available"));
   }
 }
 
 at::Tensor tensor_from_bytes(const TensorMeta& meta, const uint8_t* data, uint64_t available) {
   validate_tensor_meta(meta, available);
-  at::Tensor t = at::empty(meta.shape, at::TensorOptions().dtype(
-                                           static_cast<c10::ScalarType>(meta.dtype)));
+  at::Tensor t =
+      at::empty(meta.shape, at::TensorOptions().dtype(static_cast<c10::ScalarType>(meta.dtype)));
   if (meta.nbytes) std::memcpy(t.data_ptr(), data, meta.nbytes);
   return t;
 }

@@ -8,9 +8,13 @@
 
 #include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+#include "tdist/core/net/address.h"
 
 namespace tdist {
 namespace {
@@ -45,17 +49,16 @@ std::string read_token_file(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
   if (fd.get() < 0) {
     const int err = errno;
-    throw InvalidArgument(str(what, ": cannot open the token file: ",
-                              err == ELOOP ? "it is a symbolic link (refused)"
-                                           : std::strerror(err)));
+    throw InvalidArgument(
+        str(what, ": cannot open the token file: ",
+            err == ELOOP ? "it is a symbolic link (refused)" : std::strerror(err)));
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) {
     throw InvalidArgument(str(what, ": cannot stat the token file: ", std::strerror(errno)));
   }
   if (!S_ISREG(st.st_mode)) {
-    throw InvalidArgument(str(what, " is not a regular file (mode ", octal_mode(st.st_mode),
-                              ")"));
+    throw InvalidArgument(str(what, " is not a regular file (mode ", octal_mode(st.st_mode), ")"));
   }
   if (st.st_mode & (S_IRGRP | S_IWGRP | S_IROTH | S_IWOTH)) {
     throw InvalidArgument(str(what, " has mode ", octal_mode(st.st_mode),
@@ -63,8 +66,8 @@ std::string read_token_file(const std::string& path) {
                               "others (chmod 600 it)"));
   }
   if (static_cast<uint64_t>(st.st_size) > kMaxTokenBytes) {
-    throw InvalidArgument(str(what, " holds ", st.st_size, " bytes; a token has at most ",
-                              kMaxTokenBytes));
+    throw InvalidArgument(
+        str(what, " holds ", st.st_size, " bytes; a token has at most ", kMaxTokenBytes));
   }
   std::string token(kMaxTokenBytes + 1, '\0');
   size_t got = 0;
@@ -119,6 +122,25 @@ std::string random_hex(size_t bytes) {
     hex += kDigits[b & 15];
   }
   return hex;
+}
+
+void require_token_beyond_loopback(const std::string& what, bool has_token, const std::string& host,
+                                   const char* option, std::optional<bool> allow_no_token) {
+  if (has_token || net::is_loopback_host(host)) return;
+  const bool allowed =
+      allow_no_token ? *allow_no_token : env::get_bool("TDIST_ALLOW_NO_TOKEN", false);
+  TDIST_CHECK_ARG(allowed, what, " would listen on ", host,
+                  ", beyond loopback, without a token: set TDIST_TOKEN or TDIST_TOKEN_FILE (or ",
+                  option,
+                  ") on every process of the job, or set TDIST_ALLOW_NO_TOKEN=1 "
+                  "(tdist-run --insecure) to run without");
+  static std::mutex mu;
+  static std::set<std::string> said;  // one warning per process and listener kind
+  std::lock_guard<std::mutex> lock(mu);
+  if (!said.insert(what).second) return;
+  TDIST_LOG_WARN(what, " listens on ", host,
+                 " WITHOUT A TOKEN (TDIST_ALLOW_NO_TOKEN=1): anyone "
+                 "who can reach it can connect as a member of the job");
 }
 
 }  // namespace tdist

@@ -33,6 +33,22 @@ Token resolve_token(const std::optional<std::string>& given, const char* option)
 // a regular file without group/other read or write permission, at most 4 KiB, not empty.
 std::string read_token_file(const std::string& path);
 
+// Note [Secure by default]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A port that listens beyond loopback without a token lets anyone who reaches it in: the store's
+// keys, the mesh's collectives, RPC's registered functions. Every listener (the TCPStore server,
+// the collective mesh, the RPC agent, and so the Python backend, whose groups are meshes) calls
+// this with the address it is about to bind, decided by that address alone: a group over a
+// HashStore or FileStore is covered as well as one over a TCPStore. Loopback needs no token: only
+// this host's users reach it. Beyond loopback without a token it throws InvalidArgument naming
+// `what`, the address and the ways out (TDIST_TOKEN, TDIST_TOKEN_FILE, the `option` field), unless
+// TDIST_ALLOW_NO_TOKEN=1 (tdist-run --insecure); then it warns once per process and `what`, loudly.
+// A wildcard address (0.0.0.0, ::) counts as beyond loopback. `allow_no_token`, when set (an
+// Options field), wins over the variable.
+void require_token_beyond_loopback(const std::string& what, bool has_token, const std::string& host,
+                                   const char* option,
+                                   std::optional<bool> allow_no_token = std::nullopt);
+
 // `bytes` random bytes from the kernel (getrandom), as 2 * bytes lowercase hex digits: a fresh
 // token, key or name no one else can guess.
 std::string random_hex(size_t bytes);

@@ -16,7 +16,8 @@
 
 namespace tdist::wire {
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "tdist's wire format assumes a little-endian host");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "tdist's wire format assumes a little-endian host");
 
 class Writer {
  public:

@@ -36,13 +36,13 @@ int64_t parse_counter(const std::string& key, const Bytes& value) {
 
 void throw_wait_timeout(const std::string& store, const std::vector<std::string>& missing,
                         Millis timeout) {
-  throw TimeoutError(str(store, ": timed out after ", seconds_text(timeout),
-                         " s waiting for key", missing.size() == 1 ? " " : "s ",
-                         join_keys(missing)));
+  throw TimeoutError(str(store, ": timed out after ", seconds_text(timeout), " s waiting for key",
+                         missing.size() == 1 ? " " : "s ", join_keys(missing)));
 }
 
 std::chrono::steady_clock::time_point deadline_after(Millis timeout) {
-  if (effective_timeout(timeout) == Store::kNoTimeout) return std::chrono::steady_clock::time_point::max();
+  if (effective_timeout(timeout) == Store::kNoTimeout)
+    return std::chrono::steady_clock::time_point::max();
   return std::chrono::steady_clock::now() + timeout;
 }
 

@@ -20,8 +20,8 @@ int64_t parse_counter(const std::string& key, const Bytes& value);
 
 // The TimeoutError every store throws when a wait runs out: names the store, the keys and
 // the seconds.
-[[noreturn]] void throw_wait_timeout(const std::string& store, const std::vector<std::string>& missing,
-                                     Millis timeout);
+[[noreturn]] void throw_wait_timeout(const std::string& store,
+                                     const std::vector<std::string>& missing, Millis timeout);
 
 // Timeouts longer than this (about 35 years) mean "none": longer ones would overflow the clocks'
 // nanosecond arithmetic (found by tests/fuzz/store_server).

@@ -61,8 +61,8 @@ int TCPStoreClient::connect(Clock::time_point deadline, Millis limit) {
     int fd = -1;
     try {
       // One attempt is bounded so that a dropped SYN is retried rather than waited on for minutes.
-      fd = net::connect_once(host_, port_, std::min(deadline, Clock::now() + std::chrono::seconds(2)),
-                             "the TCPStore");
+      fd = net::connect_once(
+          host_, port_, std::min(deadline, Clock::now() + std::chrono::seconds(2)), "the TCPStore");
     } catch (const NetworkError& e) {
       last_error = e.what();
     }
@@ -110,10 +110,10 @@ int TCPStoreClient::take_socket(Clock::time_point deadline, Millis limit) {
   }
   // Connecting is bounded by both the request's limit and the store's connect timeout.
   Clock::time_point connect_deadline = std::min(deadline, deadline_after(connect_timeout_));
-  Millis connect_limit = limit == Store::kNoTimeout
-                             ? connect_timeout_
-                             : (connect_timeout_ == Store::kNoTimeout ? limit
-                                                                      : std::min(limit, connect_timeout_));
+  Millis connect_limit =
+      limit == Store::kNoTimeout
+          ? connect_timeout_
+          : (connect_timeout_ == Store::kNoTimeout ? limit : std::min(limit, connect_timeout_));
   return connect(connect_deadline, connect_limit);
 }
 
@@ -129,7 +129,8 @@ void TCPStoreClient::give_back(int fd) {
 TCPStoreClient::Reply TCPStoreClient::request(Command cmd, const Bytes& body, Millis limit,
                                               const std::string& what) {
   TDIST_CHECK_ARG(body.size() <= TCPStoreServer::kMaxFrameBytes, "TCPStore ", what, ": request of ",
-                  body.size(), " bytes exceeds the frame limit of ", TCPStoreServer::kMaxFrameBytes);
+                  body.size(), " bytes exceeds the frame limit of ",
+                  TCPStoreServer::kMaxFrameBytes);
   const Clock::time_point deadline = deadline_after(limit);
   int fd = take_socket(deadline, limit);
   try {

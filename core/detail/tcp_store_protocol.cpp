@@ -8,14 +8,22 @@ namespace tdist::detail::tcp_store {
 
 const char* command_name(uint16_t code) {
   switch (static_cast<Command>(code)) {
-    case Command::kSet: return "set";
-    case Command::kGet: return "get";
-    case Command::kAdd: return "add";
-    case Command::kCompareSet: return "compare_set";
-    case Command::kWait: return "wait";
-    case Command::kCheck: return "check";
-    case Command::kDelete: return "delete_key";
-    case Command::kNumKeys: return "num_keys";
+    case Command::kSet:
+      return "set";
+    case Command::kGet:
+      return "get";
+    case Command::kAdd:
+      return "add";
+    case Command::kCompareSet:
+      return "compare_set";
+    case Command::kWait:
+      return "wait";
+    case Command::kCheck:
+      return "check";
+    case Command::kDelete:
+      return "delete_key";
+    case Command::kNumKeys:
+      return "num_keys";
   }
   return "unknown";
 }
@@ -65,8 +73,8 @@ std::vector<std::string> read_keys(wire::Reader& r) {
   const uint64_t n = r.u64("key count");
   if (n > kMaxKeys) throw ProtocolError(str("key count ", n, " exceeds the limit of ", kMaxKeys));
   if (n > r.remaining() / 8) {
-    throw ProtocolError(str("key count ", n, " is larger than the ", r.remaining(),
-                            " remaining bytes allow"));
+    throw ProtocolError(
+        str("key count ", n, " is larger than the ", r.remaining(), " remaining bytes allow"));
   }
   std::vector<std::string> keys;
   keys.reserve(n);

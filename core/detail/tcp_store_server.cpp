@@ -1,6 +1,5 @@
-// The TCPStore server, part 1 of 2: the connections (handshake, framing, replies), accepting, and
-// the server's life. The classes are in tcp_store_server_impl.h; the requests and the parked
-// waiters are part 2, tcp_store_server_requests.cpp.
+// The TCPStore server: accepting and bounding connections, the body budget, the server's life
+// (the contract is in tcp_store_server.h), and the resolution of its limits.
 
 #include <sys/resource.h>
 
@@ -8,8 +7,8 @@
 #include <mutex>
 #include <utility>
 
-#include "tdist/core/detail/store_util.h"
-#include "tdist/core/detail/tcp_store_server_impl.h"
+#include "tdist/core/detail/tcp_store_server.h"
+
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
@@ -18,392 +17,83 @@
 
 namespace tdist {
 namespace detail {
-namespace {
-
-constexpr size_t kBodyChunkBytes = 64 * 1024;
-
-}  // namespace
-
-// ---- TCPStoreConnection -------------------------------------------------------------------------
-
-void TCPStoreConnection::start() {
-  // The handshake must be over within the handshake timeout (short: it costs a client two round
-  // trips, and a stranger that stalls holds one of its address's few slots meanwhile).
-  handshake_.emplace(server_.token(), net::Service::kStore);
-  arm_frame_deadline(server_.handshake_timeout());
-  asio::async_write(socket_, asio::buffer(handshake_->challenge()),
-                    [self = shared_from_this()](const error_code& ec, size_t) {
-                      self->on_challenge_sent(ec);
-                    });
-}
-
-void TCPStoreConnection::on_challenge_sent(const error_code& ec) {
-  if (closed_) return;
-  if (ec) {
-    TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": ", peer_, " left before the ",
-                    "handshake (", ec.message(), ")");
-    close();
-    return;
-  }
-  hello_.resize(net::hello_bytes(0));
-  asio::async_read(socket_, asio::buffer(hello_),
-                   [self = shared_from_this()](const error_code& ec, size_t n) {
-                     self->on_hello(ec, n);
-                   });
-}
-
-void TCPStoreConnection::on_hello(const error_code& ec, size_t n) {
-  if (closed_) return;
-  std::string why;
-  if (ec && n == 0) {
-    // Connected and left without a word (a port probe): not worth a warning.
-    TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": ", peer_, " left before the ",
-                    "handshake (", ec.message(), ")");
-    close();
-    return;
-  }
-  if (ec) {
-    why = str("the connection ended after ", n, " of ", hello_.size(), " hello bytes");
-  } else {
-    try {
-      handshake_->verify_hello(hello_.data(), hello_.size(), 0);
-    } catch (const ProtocolError& e) {
-      why = e.what();
-    }
-  }
-  if (!why.empty()) {
-    server_.on_failed_handshake(peer_, why);
-    close(/*rejected=*/true);
-    return;
-  }
-  disarm_frame_deadline();
-  out_.push_back(handshake_->accept({}));
-  handshake_.reset();
-  server_.on_handshake_over(*this);
-  hello_ = Bytes();
-  read_after_write_ = true;  // requests are read once the acceptance is written
-  write_next();
-}
-
-void TCPStoreConnection::read_header() {
-  header_received_ = 0;
-  read_header_part();
-}
-
-void TCPStoreConnection::read_header_part() {
-  socket_.async_read_some(
-      asio::buffer(header_bytes_.data() + header_received_, header_bytes_.size() - header_received_),
-      [self = shared_from_this()](const error_code& ec, size_t n) { self->on_header_part(ec, n); });
-}
-
-void TCPStoreConnection::on_header_part(const error_code& ec, size_t n) {
-  if (closed_) return;
-  header_received_ += n;
-  if (ec) {
-    if (header_received_ > 0) {
-      reject(str("connection ended inside a frame header (", header_received_, " of ",
-                 header_bytes_.size(), " bytes)"));
-    } else {
-      TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": ", peer_, " disconnected (",
-                      ec.message(), ")");
-      close();
-    }
-    return;
-  }
-  if (header_received_ < header_bytes_.size()) {
-    arm_frame_deadline();
-    read_header_part();
-    return;
-  }
-  on_header();
-}
-
-void TCPStoreConnection::arm_frame_deadline(Millis limit) {
-  if (frame_armed_) return;
-  frame_armed_ = true;
-  const uint64_t generation = ++frame_generation_;
-  frame_timer_.expires_after(limit);
-  frame_timer_.async_wait([self = shared_from_this(), generation](const error_code& ec) {
-    if (ec || self->closed_ || !self->frame_armed_ || self->frame_generation_ != generation) return;
-    if (self->handshake_) {
-      self->server_.on_failed_handshake(
-          self->peer_, str("the handshake was not over within ",
-                           seconds_text(self->server_.handshake_timeout()),
-                           " s (TDIST_STORE_HANDSHAKE_TIMEOUT_MS)"));
-      self->close(/*rejected=*/true);
-      return;
-    }
-    const bool in_header = self->header_received_ < self->header_bytes_.size();
-    self->reject(str("the peer stalled inside a frame for ",
-                     seconds_text(self->server_.frame_timeout()), " s (TDIST_STORE_FRAME_TIMEOUT_MS), ",
-                     in_header ? str("after ", self->header_received_, " of ",
-                                     self->header_bytes_.size(), " header bytes")
-                               : str("in the ", self->header_.body_bytes, "-byte body of '",
-                                     tcp_store::command_name(self->header_.code), "'")));
-  });
-}
-
-void TCPStoreConnection::disarm_frame_deadline() {
-  if (!frame_armed_) return;
-  frame_armed_ = false;
-  ++frame_generation_;
-  frame_timer_.cancel();
-}
-
-void TCPStoreConnection::on_header() {
-  header_ = tcp_store::decode_header(header_bytes_.data());
-  // Validated before a single byte of the body is read or allocated.
-  std::string problem = tcp_store::header_problem(header_, TCPStoreServer::kMaxFrameBytes);
-  if (problem.empty() && !tcp_store::is_known_command(header_.code)) {
-    problem = str("unknown command ", header_.code);
-  }
-  if (problem.empty() && waiter_) {
-    // A client sends one request at a time; this one arrived before the parked one was answered.
-    problem = str("request '", tcp_store::command_name(header_.code), "' arrived while '",
-                  tcp_store::command_name(static_cast<uint16_t>(waiter_->cmd)),
-                  "' is still pending");
-  }
-  if (!problem.empty()) {
-    reject(problem);
-    return;
-  }
-  body_.clear();
-  body_received_ = 0;
-  // The header is whole: a body's deadline starts when its reading does (a body that waits for
-  // the in-flight budget waits on other peers, not on this one).
-  disarm_frame_deadline();
-  if (header_.body_bytes == 0) {
-    dispatch();
-    return;
-  }
-  if (std::string why = server_.refusal_before_body(header_); !why.empty()) {
-    // A well-formed request that cannot be done: refused now, its body skipped unbuffered.
-    Bytes out;
-    wire::Writer(out).string(why);
-    reply(Status::kInvalid, out);
-    skip_body();
-    return;
-  }
-  // Waits here, reading nothing, while other connections' bodies use the in-flight budget.
-  if (server_.reserve_body(shared_from_this(), header_.body_bytes)) start_body();
-}
-
-void TCPStoreConnection::start_body() {
-  // The budget is taken for the whole body; the buffer grows as bytes arrive
-  // (read_body_chunk), so announcing a body allocates nothing.
-  body_reserved_ = header_.body_bytes;
-  arm_frame_deadline();
-  read_body_chunk();
-}
-
-void TCPStoreConnection::skip_body() {
-  arm_frame_deadline();
-  Bytes& sink = server_.discard_buffer();
-  const size_t chunk = static_cast<size_t>(
-      std::min<uint64_t>(header_.body_bytes - body_received_, sink.size()));
-  asio::async_read(socket_, asio::buffer(sink.data(), chunk),
-                   [self = shared_from_this()](const error_code& ec, size_t n) {
-                     self->on_skipped(ec, n);
-                   });
-}
-
-void TCPStoreConnection::on_skipped(const error_code& ec, size_t n) {
-  if (closed_) return;
-  if (ec) {
-    reject(str("connection ended inside the body of a refused '",
-               tcp_store::command_name(header_.code), "' (", body_received_ + n, " of ",
-               header_.body_bytes, " bytes)"));
-    return;
-  }
-  body_received_ += n;
-  if (body_received_ < header_.body_bytes) {
-    skip_body();
-    return;
-  }
-  disarm_frame_deadline();
-  read_next();
-}
-
-void TCPStoreConnection::read_body_chunk() {
-  // The body grows as bytes arrive, so a peer that announces a large body but sends nothing
-  // makes the server allocate nothing; after a first chunk the announced size is reserved
-  // (address space; pages are touched as bytes land), within the in-flight budget.
-  const size_t chunk = static_cast<size_t>(
-      std::min<uint64_t>(header_.body_bytes - body_received_, kBodyChunkBytes));
-  // Reserving at once keeps a large body from being copied over and over as the buffer doubles.
-  if (body_received_ > 0 && body_.capacity() < header_.body_bytes) {
-    body_.reserve(static_cast<size_t>(header_.body_bytes));
-  }
-  body_.resize(body_received_ + chunk);
-  asio::async_read(socket_, asio::buffer(body_.data() + body_received_, chunk),
-                   [self = shared_from_this()](const error_code& ec, size_t n) {
-                     self->on_body_chunk(ec, n);
-                   });
-}
-
-void TCPStoreConnection::on_body_chunk(const error_code& ec, size_t n) {
-  if (closed_) return;
-  if (ec) {
-    reject(str("connection ended inside the body of '", tcp_store::command_name(header_.code),
-               "' (", body_received_ + n, " of ", header_.body_bytes, " bytes)"));
-    return;
-  }
-  body_received_ += n;
-  if (body_received_ < header_.body_bytes) {
-    read_body_chunk();
-  } else {
-    dispatch();
-  }
-}
-
-void TCPStoreConnection::dispatch() {
-  disarm_frame_deadline();
-  auto self = shared_from_this();
-  try {
-    wire::Reader reader(body_);
-    server_.handle_request(self, header_.code, reader);
-  } catch (const ProtocolError& e) {
-    reject(str("malformed '", tcp_store::command_name(header_.code), "' request: ", e.what()));
-    return;
-  }
-  body_ = Bytes();
-  if (body_reserved_ > 0) {
-    server_.release_body(std::exchange(body_reserved_, 0));
-  }
-  if (closed_) return;
-  read_next();
-}
-
-void TCPStoreConnection::read_next() {
-  // Backpressure: the next request is read only once this one's reply is written, so a peer
-  // that pipelines requests without reading the replies holds at most one reply here (the
-  // rest wait in its socket). A parked get/wait has no reply yet: read on, which is how a
-  // peer's disconnect is noticed (and a request that comes before the answer is rejected).
-  if (out_.empty()) {
-    read_header();
-  } else {
-    read_after_write_ = true;
-  }
-}
-
-void TCPStoreConnection::reply(Status status, const Bytes& body) {
-  if (closed_) return;
-  out_.push_back(tcp_store::make_frame(static_cast<uint16_t>(status), body));
-  if (out_.size() == 1) write_next();
-}
-
-void TCPStoreConnection::write_next() {
-  asio::async_write(socket_, asio::buffer(out_.front()),
-                    [self = shared_from_this()](const error_code& ec, size_t n) {
-                      self->on_write(ec, n);
-                    });
-}
-
-void TCPStoreConnection::on_write(const error_code& ec, size_t /*n*/) {
-  if (closed_) return;
-  if (ec) {
-    TDIST_LOG_DEBUG("TCPStore server ", server_.address(), ": write to ", peer_, " failed (",
-                    ec.message(), ")");
-    close();
-    return;
-  }
-  out_.pop_front();
-  if (!out_.empty()) {
-    write_next();
-  } else if (read_after_write_) {
-    read_after_write_ = false;
-    read_header();
-  }
-}
-
-void TCPStoreConnection::reject(const std::string& why) {
-  TDIST_LOG_ERROR("TCPStore server ", server_.address(), ": closing the connection from ",
-                  peer_, ": ", why);
-  close(/*rejected=*/true);
-}
-
-void TCPStoreConnection::close(bool rejected) {
-  if (closed_) return;
-  closed_ = true;
-  // Counted before the socket closes: whoever sees the end of the stream also sees the count.
-  if (rejected) server_.on_rejected_frame();
-  error_code ignored;
-  socket_.shutdown(tcp::socket::shutdown_both, ignored);
-  socket_.close(ignored);
-  disarm_frame_deadline();
-  out_.clear();
-  body_ = Bytes();
-  if (body_reserved_ > 0) server_.release_body(std::exchange(body_reserved_, 0));
-  server_.on_connection_closed(this);
-}
 
 // ---- TCPStoreServerImpl -------------------------------------------------------------------------
 
 namespace {
 
-// Note [Secure by default]: a server that listens beyond loopback without a token lets anyone
-// who reaches it read and change every key of the job (addresses, the run's state). Refused,
-// naming the ways out, unless TDIST_ALLOW_NO_TOKEN=1 (tdist-run --insecure), which is said once
-// per process, loudly. Loopback needs no token: only this host's users reach it.
-void require_token_beyond_loopback(const std::string& token, const std::string& host,
-                                   uint16_t port) {
-  if (!token.empty() || net::is_loopback_host(host)) return;
-  TDIST_CHECK_ARG(env::get_bool("TDIST_ALLOW_NO_TOKEN", false), "the TCPStore server would listen on ",
-                  net::host_port(host, port), ", beyond loopback, without a token: set "
-                  "TDIST_TOKEN or TDIST_TOKEN_FILE (or TCPStoreOptions::token) on every process "
-                  "of the job, or set TDIST_ALLOW_NO_TOKEN=1 (tdist-run --insecure) to run without");
-  static std::once_flag said;
-  std::call_once(said, [&] {
-    TDIST_LOG_WARN("TCPStore server on ", net::host_port(host, port), " runs WITHOUT A TOKEN ",
-                   "(TDIST_ALLOW_NO_TOKEN=1): anyone who can reach it can read and change every ",
-                   "key of the job");
-  });
-}
-
-// Connections the server keeps open at most: TDIST_STORE_MAX_CONNECTIONS, by default 3/4 of the
-// process's descriptor limit (the rest stays for the process itself), at least 64.
-size_t connection_limit() {
+// Connections the server keeps open at most by default: 3/4 of the process's descriptor limit
+// (the rest stays for the process itself), at least 64.
+int64_t default_connection_limit() {
   rlimit rl{};
   int64_t fallback = 1024;
   if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
     fallback = static_cast<int64_t>(rl.rlim_cur);
   }
-  fallback = std::clamp<int64_t>(fallback * 3 / 4, 64, int64_t(1) << 20);
-  return static_cast<size_t>(
-      env::get_int("TDIST_STORE_MAX_CONNECTIONS", fallback, 1, int64_t(1) << 20));
+  return std::clamp<int64_t>(fallback * 3 / 4, 64, int64_t(1) << 20);
 }
 
-constexpr int64_t kDefaultMaxKeys = int64_t(1) << 20;
-constexpr int64_t kDefaultMaxBytes = int64_t(4) << 30;
-constexpr int64_t kDefaultFrameTimeoutMs = 60000;
-constexpr int64_t kDefaultHandshakeTimeoutMs = 10000;
-constexpr int64_t kDefaultHandshakesPerAddress = 16;
+// A set field, checked against [min, max] (InvalidArgument naming it), else the variable (whose
+// value env::get_int checks, naming it), else the default.
+int64_t resolve_int(const std::optional<int64_t>& set, const char* field, const char* variable,
+                    int64_t fallback, int64_t min, int64_t max) {
+  if (!set) return env::get_int(variable, fallback, min, max);
+  TDIST_CHECK_ARG(*set >= min && *set <= max, "TCPStoreServerOptions::", field, " must be in [",
+                  min, ", ", max, "], got ", *set);
+  return *set;
+}
+
+std::optional<int64_t> count_of(const std::optional<Millis>& t) {
+  return t ? std::optional<int64_t>(t->count()) : std::nullopt;
+}
 
 }  // namespace
 
-TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port, std::string token)
+StoreServerLimits resolve_server_limits(const TCPStoreServerOptions& o) {
+  StoreServerLimits l;
+  l.max_connections = static_cast<size_t>(
+      resolve_int(o.max_connections, "max_connections", "TDIST_STORE_MAX_CONNECTIONS",
+                  default_connection_limit(), 1, int64_t(1) << 20));
+  l.max_keys =
+      static_cast<size_t>(resolve_int(o.max_keys, "max_keys", "TDIST_STORE_MAX_KEYS",
+                                      static_cast<int64_t>(l.max_keys), 1, int64_t(1) << 40));
+  l.max_bytes =
+      static_cast<uint64_t>(resolve_int(o.max_bytes, "max_bytes", "TDIST_STORE_MAX_BYTES",
+                                        static_cast<int64_t>(l.max_bytes), 1, int64_t(1) << 50));
+  l.frame_timeout =
+      Millis(resolve_int(count_of(o.frame_timeout), "frame_timeout", "TDIST_STORE_FRAME_TIMEOUT_MS",
+                         l.frame_timeout.count(), 1, int64_t(1) << 40));
+  l.handshake_timeout = Millis(resolve_int(count_of(o.handshake_timeout), "handshake_timeout",
+                                           "TDIST_STORE_HANDSHAKE_TIMEOUT_MS",
+                                           l.handshake_timeout.count(), 1, int64_t(1) << 40));
+  l.max_handshakes_per_address = static_cast<size_t>(
+      resolve_int(o.max_handshakes_per_address, "max_handshakes_per_address",
+                  "TDIST_STORE_MAX_HANDSHAKES_PER_ADDRESS",
+                  static_cast<int64_t>(l.max_handshakes_per_address), 1, int64_t(1) << 20));
+  l.max_inflight_bytes = static_cast<uint64_t>(
+      resolve_int(o.max_inflight_bytes, "max_inflight_bytes", "TDIST_STORE_MAX_INFLIGHT_BYTES",
+                  static_cast<int64_t>(l.max_inflight_bytes), 1, int64_t(1) << 50));
+  l.allow_no_token =
+      o.allow_no_token ? *o.allow_no_token : env::get_bool("TDIST_ALLOW_NO_TOKEN", false);
+  return l;
+}
+
+TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port, std::string token,
+                                       const StoreServerLimits& limits)
     : host_(host),
       token_(std::move(token)),
       acceptor_(io_),
       accept_retry_timer_(io_),
-      max_connections_(connection_limit()),
-      max_keys_(static_cast<size_t>(
-          env::get_int("TDIST_STORE_MAX_KEYS", kDefaultMaxKeys, 1, int64_t(1) << 40))),
-      max_bytes_(static_cast<uint64_t>(
-          env::get_int("TDIST_STORE_MAX_BYTES", kDefaultMaxBytes, 1, int64_t(1) << 50))),
-      frame_timeout_(
-          env::get_int("TDIST_STORE_FRAME_TIMEOUT_MS", kDefaultFrameTimeoutMs, 1, int64_t(1) << 40)),
-      handshake_timeout_(env::get_int("TDIST_STORE_HANDSHAKE_TIMEOUT_MS",
-                                      kDefaultHandshakeTimeoutMs, 1, int64_t(1) << 40)),
-      max_handshakes_per_address_(static_cast<size_t>(
-          env::get_int("TDIST_STORE_MAX_HANDSHAKES_PER_ADDRESS", kDefaultHandshakesPerAddress, 1,
-                       int64_t(1) << 20))),
-      max_body_bytes_in_flight_(static_cast<uint64_t>(
-          env::get_int("TDIST_STORE_MAX_INFLIGHT_BYTES",
-                       static_cast<int64_t>(TCPStoreServer::kMaxFrameBytes), 1, int64_t(1) << 50))),
+      max_connections_(limits.max_connections),
+      frame_timeout_(limits.frame_timeout),
+      handshake_timeout_(limits.handshake_timeout),
+      max_handshakes_per_address_(limits.max_handshakes_per_address),
+      max_body_bytes_in_flight_(limits.max_inflight_bytes),
       dead_peer_timeout_(net::dead_peer_timeout()),
       discard_buffer_(kBodyChunkBytes) {
-  require_token_beyond_loopback(token_, host, port);
+  // Note [Secure by default] (core/token.h).
+  require_token_beyond_loopback("the TCPStore server", !token_.empty(), host,
+                                "TCPStoreOptions::token", limits.allow_no_token);
   try {
     tcp::resolver resolver(io_);
     auto results = resolver.resolve(host, std::to_string(port),
@@ -418,6 +108,7 @@ TCPStoreServerImpl::TCPStoreServerImpl(const std::string& host, uint16_t port, s
     TDIST_THROW(NetworkError, "TCPStore server cannot listen on ", net::host_port(host, port), ": ",
                 e.code().message());
   }
+  table_ = std::make_unique<StoreTable>(io_, address(), limits.max_keys, limits.max_bytes);
   start_accept();
   thread_ = std::thread([this] { run(); });
   TDIST_LOG_DEBUG("TCPStore server listening on ", address());
@@ -453,9 +144,8 @@ void TCPStoreServerImpl::shutdown() {
 }
 
 void TCPStoreServerImpl::start_accept() {
-  acceptor_.async_accept([this](const error_code& ec, tcp::socket socket) {
-    on_accept(ec, std::move(socket));
-  });
+  acceptor_.async_accept(
+      [this](const error_code& ec, tcp::socket socket) { on_accept(ec, std::move(socket)); });
 }
 
 void TCPStoreServerImpl::on_accept(const error_code& ec, tcp::socket socket) {
@@ -505,8 +195,10 @@ void TCPStoreServerImpl::on_accept(const error_code& ec, tcp::socket socket) {
   {
     error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
-    net::set_dead_peer_timeout(socket.native_handle(), dead_peer_timeout_);  // Note [Vanished hosts]
-    auto conn = std::make_shared<TCPStoreConnection>(*this, std::move(socket), next_accept_number_++);
+    net::set_dead_peer_timeout(socket.native_handle(),
+                               dead_peer_timeout_);  // Note [Vanished hosts]
+    auto conn =
+        std::make_shared<TCPStoreConnection>(*this, std::move(socket), next_accept_number_++);
     connections_.insert(conn);
     num_connections_.fetch_add(1);
     handshakes_.emplace(conn->accept_number(), conn.get());
@@ -525,8 +217,8 @@ void TCPStoreServerImpl::on_accept_retry(const error_code& ec) {
 void TCPStoreServerImpl::on_failed_handshake(const std::string& peer, const std::string& why) {
   const int64_t n = num_failed_handshakes_.fetch_add(1) + 1;
   if (n <= 10 || n % 1000 == 0) {
-    TDIST_LOG_WARN("TCPStore server ", address(), ": refused the connection from ", peer, ": ",
-                   why, " (", n, " refused handshakes so far)");
+    TDIST_LOG_WARN("TCPStore server ", address(), ": refused the connection from ", peer, ": ", why,
+                   " (", n, " refused handshakes so far)");
   }
 }
 
@@ -542,20 +234,7 @@ void TCPStoreServerImpl::on_handshake_over(TCPStoreConnection& conn) {
 }
 
 std::string TCPStoreServerImpl::refusal_before_body(const tcp_store::Header& header) const {
-  // What a write stores is at least its body less the length prefixes; it may replace an
-  // entry no larger than the largest ever stored. Beyond that it cannot fit, whatever its key.
-  const auto code = static_cast<Command>(header.code);
-  if (code == Command::kSet || code == Command::kCompareSet) {
-    const uint64_t prefixes = code == Command::kSet ? 16 : 24;
-    const uint64_t replaced = code == Command::kSet ? largest_entry_bytes_ : 2 * largest_entry_bytes_;
-    const uint64_t room = max_bytes_ - std::min(held_bytes_, max_bytes_);
-    if (header.body_bytes > prefixes && header.body_bytes - prefixes > room + replaced) {
-      return str("the store at ", address(), " holds ", held_bytes_, " bytes of keys and values; ",
-                 "a '", tcp_store::command_name(header.code), "' of ", header.body_bytes,
-                 " bytes would pass its limit of ", max_bytes_,
-                 " (TDIST_STORE_MAX_BYTES) and is refused before its body is read");
-    }
-  }
+  if (std::string why = table_->write_refusal(header); !why.empty()) return why;
   if (header.body_bytes > max_body_bytes_in_flight_) {
     return str("a '", tcp_store::command_name(header.code), "' of ", header.body_bytes,
                " bytes is larger than the store at ", address(), " takes in at once (",
@@ -594,12 +273,11 @@ void TCPStoreServerImpl::release_body(uint64_t bytes) {
 }
 
 void TCPStoreServerImpl::on_connection_closed(TCPStoreConnection* conn) {
-  unpark(*conn);
+  table_->unpark(*conn);
   on_handshake_over(*conn);
-  waiting_for_budget_.erase(
-      std::remove_if(waiting_for_budget_.begin(), waiting_for_budget_.end(),
-                     [conn](const auto& c) { return c.get() == conn; }),
-      waiting_for_budget_.end());
+  waiting_for_budget_.erase(std::remove_if(waiting_for_budget_.begin(), waiting_for_budget_.end(),
+                                           [conn](const auto& c) { return c.get() == conn; }),
+                            waiting_for_budget_.end());
   auto it = std::find_if(connections_.begin(), connections_.end(),
                          [conn](const auto& c) { return c.get() == conn; });
   if (it != connections_.end()) {
@@ -610,17 +288,7 @@ void TCPStoreServerImpl::on_connection_closed(TCPStoreConnection* conn) {
 
 void TCPStoreServerImpl::handle_request(const std::shared_ptr<TCPStoreConnection>& conn,
                                         uint16_t code, wire::Reader& body) {
-  switch (static_cast<Command>(code)) {
-    case Command::kSet: return on_set(*conn, body);
-    case Command::kGet: return on_get(conn, body);
-    case Command::kAdd: return on_add(*conn, body);
-    case Command::kCompareSet: return on_compare_set(*conn, body);
-    case Command::kWait: return on_wait(conn, body);
-    case Command::kCheck: return on_check(*conn, body);
-    case Command::kDelete: return on_delete(*conn, body);
-    case Command::kNumKeys: return on_num_keys(*conn, body);
-  }
-  throw ProtocolError(str("unknown command ", code));
+  table_->handle(conn, code, body);
 }
 
 }  // namespace detail
@@ -629,8 +297,17 @@ void TCPStoreServerImpl::handle_request(const std::shared_ptr<TCPStoreConnection
 
 TCPStoreServer::TCPStoreServer(const std::string& host, uint16_t port,
                                const std::optional<std::string>& token)
+    : TCPStoreServer(host, port, [&] {
+        TCPStoreServerOptions o;
+        o.token = token;
+        return o;
+      }()) {}
+
+TCPStoreServer::TCPStoreServer(const std::string& host, uint16_t port,
+                               const TCPStoreServerOptions& options)
     : impl_(std::make_unique<detail::TCPStoreServerImpl>(
-          host, port, resolve_token(token, "the TCPStoreServer's token").value)) {}
+          host, port, resolve_token(options.token, "the TCPStoreServer's token").value,
+          detail::resolve_server_limits(options))) {}
 
 TCPStoreServer::~TCPStoreServer() = default;
 

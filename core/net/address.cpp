@@ -99,9 +99,10 @@ int try_connect(const std::vector<Address>& addresses, Clock::time_point deadlin
       short ev = poll_one(fd, POLLOUT, deadline);
       if (ev == 0) {
         ::close(fd);
-        error = str("timed out after ",
-                    std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count(),
-                    " ms");
+        error =
+            str("timed out after ",
+                std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count(),
+                " ms");
         return -1;  // the deadline is spent for every address
       }
       int err = 0;
@@ -149,7 +150,8 @@ std::vector<Interface> interfaces() {
     } else if (a->ifa_addr->sa_family == AF_INET6) {
       std::memcpy(&addr.storage, a->ifa_addr, sizeof(sockaddr_in6));
       const auto* v6 = reinterpret_cast<const sockaddr_in6*>(a->ifa_addr);
-      if (it->address6.empty() && !IN6_IS_ADDR_LINKLOCAL(&v6->sin6_addr)) it->address6 = addr.text();
+      if (it->address6.empty() && !IN6_IS_ADDR_LINKLOCAL(&v6->sin6_addr))
+        it->address6 = addr.text();
     }
   }
   ::freeifaddrs(list);
@@ -161,7 +163,8 @@ std::string interface_address(const char* var, const std::string& name) {
   auto all = interfaces();
   std::string known;
   for (const Interface& i : all) known += str(known.empty() ? "" : ", ", i.name);
-  auto it = std::find_if(all.begin(), all.end(), [&](const Interface& i) { return i.name == name; });
+  auto it =
+      std::find_if(all.begin(), all.end(), [&](const Interface& i) { return i.name == name; });
   TDIST_CHECK_ARG(it != all.end(), var, "='", name, "' names no network interface of this host (",
                   "there are: ", known, ")");
   TDIST_CHECK_ARG(it->up, var, "='", name, "': that interface is down");
@@ -277,8 +280,7 @@ int Listener::accept(Clock::time_point deadline) {
       const int64_t n = short_of_descriptors.fetch_add(1) + 1;
       if (n == 1 || n % 1000 == 0) {
         TDIST_LOG_WARN("accept on ", host_port(host_, port_), ": ", errno_text(errno),
-                       "; the connection waits until a descriptor is free (", n,
-                       " times so far)");
+                       "; the connection waits until a descriptor is free (", n, " times so far)");
       }
       const auto now = Clock::now();
       if (now >= deadline) return -1;
@@ -287,7 +289,8 @@ int Listener::accept(Clock::time_point deadline) {
       continue;
     }
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      TDIST_THROW(NetworkError, "accept on ", host_port(host_, port_), " failed: ", errno_text(errno));
+      TDIST_THROW(NetworkError, "accept on ", host_port(host_, port_),
+                  " failed: ", errno_text(errno));
     }
     if (poll_one(fd_, POLLIN, deadline) == 0) return -1;
   }
@@ -348,9 +351,12 @@ int connect_once(const std::string& host, uint16_t port, Clock::time_point deadl
                  const std::string& who, const SocketSetup& setup) {
   std::vector<Address> addresses;
   std::string error;
-  int fd = resolve_into(host, port, addresses, error) ? try_connect(addresses, deadline, setup, error)
-                                                     : -1;
-  if (fd < 0) TDIST_THROW(NetworkError, "cannot connect to ", who, " at ", host_port(host, port), ": ", error);
+  int fd = resolve_into(host, port, addresses, error)
+               ? try_connect(addresses, deadline, setup, error)
+               : -1;
+  if (fd < 0)
+    TDIST_THROW(NetworkError, "cannot connect to ", who, " at ", host_port(host, port), ": ",
+                error);
   return fd;
 }
 

@@ -12,7 +12,7 @@
 // told apart from a corrupt frame; the version is the protocol's own; the code is what the
 // message is (a store command or status, an RPC message type, the handshake's service). What
 // follows is each protocol's own: the store's u64 body length (core/detail/tcp_store_protocol.h),
-// RPC's flags, lengths and id (Note [RPC wire format] in rpc/message.h), the handshake's nonce
+// RPC's flags, lengths and id (Note [RPC wire format] in rpc/detail/message.h), the handshake's nonce
 // (Note [Connection handshake] in core/net/handshake.h). The collective mesh frames nothing after
 // its handshake: both ends of a step know its sizes (Note [Mesh handshake] in
 // comm/transport/tcp/mesh.h).

@@ -48,8 +48,8 @@ Digest mac_of(const std::string& token, const char* label, Service service, cons
   return hmac_sha256(token, data.data(), data.size());
 }
 
-void seal(Bytes& msg, const std::string& token, const char* label, Service service,
-          const Nonce& n1, const Nonce* n2) {
+void seal(Bytes& msg, const std::string& token, const char* label, Service service, const Nonce& n1,
+          const Nonce* n2) {
   const Digest mac = mac_of(token, label, service, msg.data(), msg.size(), n1, n2);
   msg.insert(msg.end(), mac.begin(), mac.end());
 }
@@ -104,9 +104,12 @@ Bytes fields_of(const uint8_t* msg, size_t size, size_t offset) {
 
 const char* service_name(Service service) {
   switch (service) {
-    case Service::kStore: return "store";
-    case Service::kMesh: return "collective mesh";
-    case Service::kRpc: return "RPC";
+    case Service::kStore:
+      return "store";
+    case Service::kMesh:
+      return "collective mesh";
+    case Service::kRpc:
+      return "RPC";
   }
   return "unknown";
 }
@@ -127,7 +130,8 @@ Digest hmac_sha256(const std::string& key, const uint8_t* data, size_t size) {
 // ---- IssuedChallenges ---------------------------------------------------------------------------
 
 struct IssuedChallenges::Registration {
-  Registration(std::shared_ptr<IssuedChallenges> in, const Nonce& n) : set(std::move(in)), nonce(n) {
+  Registration(std::shared_ptr<IssuedChallenges> in, const Nonce& n)
+      : set(std::move(in)), nonce(n) {
     std::lock_guard<std::mutex> lock(set->mu_);
     set->live_.insert(nonce);
   }
@@ -156,8 +160,8 @@ ServerHandshake::ServerHandshake(std::string token, Service service,
   write_preamble(w, service_);
   w.raw(nonce_s_.data(), nonce_s_.size());
   if (issued) {
-    registration_ = std::make_shared<const IssuedChallenges::Registration>(std::move(issued),
-                                                                            nonce_s_);
+    registration_ =
+        std::make_shared<const IssuedChallenges::Registration>(std::move(issued), nonce_s_);
   }
 }
 
@@ -253,8 +257,9 @@ Bytes client_handshake(int fd, ClientHandshake& handshake, const Bytes& fields,
   } catch (const NetworkError& e) {
     // The server closed after reading our hello: it refused it. A ProtocolError, so that
     // callers do not retry the connect.
-    throw ProtocolError(str(e.what(), " (", who, " refused this connection: is the token the "
-                                      "same on every process?)"));
+    throw ProtocolError(str(e.what(), " (", who,
+                            " refused this connection: is the token the "
+                            "same on every process?)"));
   }
   try {
     return handshake.verify_accept(accept.data(), accept.size(), accept_fields);

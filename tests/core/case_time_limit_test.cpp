@@ -84,7 +84,8 @@ TEST(CaseTimeLimit, TheEnvironmentGivesWholePositiveSecondsOrAClearError) {
       case_timeout_from_env();
       ADD_FAILURE() << "'" << bad << "' was accepted";
     } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("TDIST_TEST_CASE_TIMEOUT"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("TDIST_TEST_CASE_TIMEOUT"), std::string::npos)
+          << e.what();
       EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
     }
   }
@@ -100,8 +101,9 @@ TDIST_TEST_CHILD(case_time_limit_sleeper) {
 TEST(CaseTimeLimitProbe, HangsWithAChild) {
   const char* pid_file = std::getenv("TDIST_CASE_TIME_LIMIT_PROBE");
   if (pid_file == nullptr) {
-    GTEST_SKIP() << "the probe of CaseTimeLimit.AHungCaseEndsItsShardNamingItselfAndItsChildrenDie, "
-                    "which runs it in a process of its own";
+    GTEST_SKIP()
+        << "the probe of CaseTimeLimit.AHungCaseEndsItsShardNamingItselfAndItsChildrenDie, "
+           "which runs it in a process of its own";
   }
   Processes child("case_time_limit_sleeper", 1);
   {
@@ -123,12 +125,12 @@ char probe_child_state(pid_t pid) {
 TEST(CaseTimeLimit, AHungCaseEndsItsShardNamingItselfAndItsChildrenDie) {
   const std::string pid_file = temp_dir("tdist-case-limit") + "/child.pid";
   // One shard of one (a shard's own GTEST_SHARD_* would otherwise pick the cases again).
-  CommandResult r = run_command(
-      {"/proc/self/exe", "--gtest_filter=CaseTimeLimitProbe.HangsWithAChild"},
-      with_timeout(120, {{"TDIST_TEST_CASE_TIMEOUT", "1"},
-                         {"TDIST_CASE_TIME_LIMIT_PROBE", pid_file},
-                         {"GTEST_SHARD_INDEX", "0"},
-                         {"GTEST_TOTAL_SHARDS", "1"}}));
+  CommandResult r =
+      run_command({"/proc/self/exe", "--gtest_filter=CaseTimeLimitProbe.HangsWithAChild"},
+                  with_timeout(120, {{"TDIST_TEST_CASE_TIMEOUT", "1"},
+                                     {"TDIST_CASE_TIME_LIMIT_PROBE", pid_file},
+                                     {"GTEST_SHARD_INDEX", "0"},
+                                     {"GTEST_TOTAL_SHARDS", "1"}}));
   ASSERT_FALSE(r.timed_out) << "the hung case outlived its limit: " << r.describe();
   EXPECT_TRUE(r.exited && r.exit_code == 1) << r.describe();
   EXPECT_NE(r.err.find("[  TIMEOUT ] CaseTimeLimitProbe.HangsWithAChild ran past its limit of 1 s"),
@@ -147,8 +149,8 @@ TEST(CaseTimeLimit, AHungCaseEndsItsShardNamingItselfAndItsChildrenDie) {
     std::this_thread::sleep_for(milliseconds(20));
     state = probe_child_state(child);
   }
-  EXPECT_TRUE(state == 0 || state == 'Z') << "child " << child << " still runs (state " << state
-                                           << ")";
+  EXPECT_TRUE(state == 0 || state == 'Z')
+      << "child " << child << " still runs (state " << state << ")";
   if (state != 0 && state != 'Z') ::kill(child, SIGKILL);
 }
 

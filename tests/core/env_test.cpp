@@ -13,14 +13,26 @@ using test::expect_invalid;
 const std::nullopt_t unset = std::nullopt;
 
 const std::map<std::string, std::optional<std::string>> kClean = {
-    {"RANK", unset},         {"WORLD_SIZE", unset},           {"LOCAL_RANK", unset},
-    {"LOCAL_WORLD_SIZE", unset}, {"GROUP_RANK", unset},       {"SLURM_PROCID", unset},
-    {"SLURM_NTASKS", unset}, {"SLURM_LOCALID", unset},        {"SLURM_NTASKS_PER_NODE", unset},
-    {"OMPI_COMM_WORLD_RANK", unset}, {"OMPI_COMM_WORLD_SIZE", unset},
-    {"OMPI_COMM_WORLD_LOCAL_RANK", unset}, {"OMPI_COMM_WORLD_LOCAL_SIZE", unset},
-    {"MASTER_ADDR", unset},  {"MASTER_PORT", unset},
-    {"SLURM_STEP_NODELIST", unset}, {"SLURM_JOB_NODELIST", unset}, {"SLURM_JOB_ID", unset},
-    {"SLURM_STEP_NUM_NODES", unset}, {"SLURM_NODEID", unset}};
+    {"RANK", unset},
+    {"WORLD_SIZE", unset},
+    {"LOCAL_RANK", unset},
+    {"LOCAL_WORLD_SIZE", unset},
+    {"GROUP_RANK", unset},
+    {"SLURM_PROCID", unset},
+    {"SLURM_NTASKS", unset},
+    {"SLURM_LOCALID", unset},
+    {"SLURM_NTASKS_PER_NODE", unset},
+    {"OMPI_COMM_WORLD_RANK", unset},
+    {"OMPI_COMM_WORLD_SIZE", unset},
+    {"OMPI_COMM_WORLD_LOCAL_RANK", unset},
+    {"OMPI_COMM_WORLD_LOCAL_SIZE", unset},
+    {"MASTER_ADDR", unset},
+    {"MASTER_PORT", unset},
+    {"SLURM_STEP_NODELIST", unset},
+    {"SLURM_JOB_NODELIST", unset},
+    {"SLURM_JOB_ID", unset},
+    {"SLURM_STEP_NUM_NODES", unset},
+    {"SLURM_NODEID", unset}};
 
 TEST(Env, ReadsTorchrunVariables) {
   EnvGuard clean(kClean);
@@ -76,7 +88,9 @@ TEST(Env, MissingVariablesAreNamed) {
 TEST(Env, FallsBackToSlurmThenOpenMpi) {
   EnvGuard clean(kClean);
   {
-    EnvGuard g({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+    EnvGuard g({{"SLURM_PROCID", "5"},
+                {"SLURM_NTASKS", "8"},
+                {"SLURM_LOCALID", "1"},
                 {"SLURM_NTASKS_PER_NODE", "4(x2)"}});
     auto e = env::read_dist_env();
     EXPECT_EQ(e.source, "slurm");
@@ -87,8 +101,10 @@ TEST(Env, FallsBackToSlurmThenOpenMpi) {
     EXPECT_EQ(e.group_rank, 1);
   }
   {
-    EnvGuard g({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+    EnvGuard g({{"OMPI_COMM_WORLD_RANK", "1"},
+                {"OMPI_COMM_WORLD_SIZE", "2"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
     auto e = env::read_dist_env();
     EXPECT_EQ(e.source, "openmpi");
     EXPECT_EQ(e.rank, 1);
@@ -104,8 +120,10 @@ TEST(Env, ExpandsSlurmNodeLists) {
   using V = std::vector<std::string>;
   EXPECT_EQ(env::expand_slurm_nodelist("node[1-3,5]"), (V{"node1", "node2", "node3", "node5"}));
   EXPECT_EQ(env::expand_slurm_nodelist("gpu07,gpu08"), (V{"gpu07", "gpu08"}));
-  EXPECT_EQ(env::expand_slurm_nodelist("rack[01-02]-ib,login"), (V{"rack01-ib", "rack02-ib", "login"}));
-  EXPECT_EQ(env::expand_slurm_nodelist("n[08-10],m[9-11]"), (V{"n08", "n09", "n10", "m9", "m10", "m11"}));
+  EXPECT_EQ(env::expand_slurm_nodelist("rack[01-02]-ib,login"),
+            (V{"rack01-ib", "rack02-ib", "login"}));
+  EXPECT_EQ(env::expand_slurm_nodelist("n[08-10],m[9-11]"),
+            (V{"n08", "n09", "n10", "m9", "m10", "m11"}));
   EXPECT_EQ(env::expand_slurm_nodelist("cn[003-004],x", 1), (V{"cn003"}));
   EXPECT_EQ(env::expand_slurm_nodelist("single"), (V{"single"}));
   expect_invalid([] { env::expand_slurm_nodelist("node[1-3"); }, {"node[1-3", "unclosed"});
@@ -119,15 +137,16 @@ TEST(Env, ExpandsSlurmNodeLists) {
 TEST(Env, MasterAddressFromSlurm) {
   EnvGuard clean(kClean);
   {
-    EnvGuard g({{"SLURM_STEP_NODELIST", "cn[003-004]"}, {"SLURM_JOB_NODELIST", "cn[001-004]"},
+    EnvGuard g({{"SLURM_STEP_NODELIST", "cn[003-004]"},
+                {"SLURM_JOB_NODELIST", "cn[001-004]"},
                 {"SLURM_JOB_ID", "123456"}});
     auto m = env::read_master_address();
     EXPECT_EQ(m.host, "cn003") << "the step's first host";
     EXPECT_EQ(m.port, 20000 + 123456 % 20000);
   }
   {
-    EnvGuard g({{"SLURM_JOB_NODELIST", "cn[001-004]"}, {"SLURM_JOB_ID", "7"},
-                {"MASTER_PORT", "29500"}});
+    EnvGuard g(
+        {{"SLURM_JOB_NODELIST", "cn[001-004]"}, {"SLURM_JOB_ID", "7"}, {"MASTER_PORT", "29500"}});
     auto m = env::read_master_address();
     EXPECT_EQ(m.host, "cn001") << "the job's first host when there is no step";
     EXPECT_EQ(m.port, 29500) << "MASTER_PORT wins over the derived port";
@@ -145,8 +164,10 @@ TEST(Env, MasterAddressFromSlurm) {
 TEST(Env, SlurmStepForOneLauncherPerNode) {
   EnvGuard clean(kClean);
   EXPECT_FALSE(env::read_slurm_step().has_value()) << "outside srun";
-  EnvGuard g({{"SLURM_STEP_NUM_NODES", "3"}, {"SLURM_NODEID", "2"},
-              {"SLURM_STEP_NODELIST", "gpu[10-12]"}, {"SLURM_JOB_ID", "42"}});
+  EnvGuard g({{"SLURM_STEP_NUM_NODES", "3"},
+              {"SLURM_NODEID", "2"},
+              {"SLURM_STEP_NODELIST", "gpu[10-12]"},
+              {"SLURM_JOB_ID", "42"}});
   auto s = env::read_slurm_step();
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->num_nodes, 3);

@@ -66,9 +66,9 @@ TEST(Handshake, AWrongOrMissingTokenFailsOnTheServer) {
   for (const std::string token : {"other", ""}) {
     Exchange x("secret", token);
     const Bytes hello = x.hello({});
-    expect_contains(expect_throw<ProtocolError>(
-                        [&] { x.server.verify_hello(hello.data(), hello.size(), 0); }),
-                    "authentication failed (wrong or missing token)");
+    expect_contains(
+        expect_throw<ProtocolError>([&] { x.server.verify_hello(hello.data(), hello.size(), 0); }),
+        "authentication failed (wrong or missing token)");
     EXPECT_THROW(x.server.accept({}), Error) << "no acceptance before the hello verified";
   }
 }
@@ -94,9 +94,9 @@ TEST(Handshake, ChangedFieldsFailTheMacOnEitherSide) {
   x.server.verify_hello(hello.data(), hello.size(), 3);
   Bytes accept = x.server.accept({4});
   accept[4] ^= 1;  // the server's field, as a man in the middle would change it
-  expect_contains(expect_throw<ProtocolError>(
-                      [&] { x.client.verify_accept(accept.data(), accept.size(), 1); }),
-                  "the server failed authentication (wrong or missing token)");
+  expect_contains(
+      expect_throw<ProtocolError>([&] { x.client.verify_accept(accept.data(), accept.size(), 1); }),
+      "the server failed authentication (wrong or missing token)");
 }
 
 TEST(Handshake, AnotherServiceOrSizeIsRefusedByName) {
@@ -112,9 +112,9 @@ TEST(Handshake, AnotherServiceOrSizeIsRefusedByName) {
                       [&] { x.server.verify_hello(hello.data(), hello.size() - 1, 0); }),
                   "the hello has 71 bytes, not 72");
   Bytes junk(net::hello_bytes(0), 'x');
-  expect_contains(expect_throw<ProtocolError>(
-                      [&] { x.server.verify_hello(junk.data(), junk.size(), 0); }),
-                  "bad magic");
+  expect_contains(
+      expect_throw<ProtocolError>([&] { x.server.verify_hello(junk.data(), junk.size(), 0); }),
+      "bad magic");
 }
 
 // Reflection (issue 41, item 14): whoever answers at a peer's address hands the client the
@@ -134,9 +134,9 @@ TEST(Handshake, AClientRefusesTheChallengeOfItsOwnEndpointsServer) {
     EXPECT_EQ(server->verify_hello(hello.data(), hello.size(), 1), Bytes{7});
   }
   ClientHandshake guarded("secret", Service::kRpc, issued);
-  expect_contains(expect_throw<ProtocolError>(
-                      [&] { guarded.hello(challenge.data(), challenge.size(), {7}); }),
-                  "the RPC challenge came from this endpoint's own server");
+  expect_contains(
+      expect_throw<ProtocolError>([&] { guarded.hello(challenge.data(), challenge.size(), {7}); }),
+      "the RPC challenge came from this endpoint's own server");
   EXPECT_TRUE(issued->issued(challenge.data(), challenge.size()));
   // Another endpoint's challenges are answered.
   ServerHandshake other("secret", Service::kRpc, std::make_shared<net::IssuedChallenges>());
@@ -192,8 +192,8 @@ TEST(TCPStoreAuth, ClientsWithTheTokenAreServedOthersAreRefusedAtOnce) {
 }
 
 TEST(TCPStoreAuth, TheTokenComesFromTheEnvironmentWhenNotGiven) {
-  test::EnvGuard env(test::EnvVars{{"TDIST_TOKEN", std::string("from-env")},
-                                   {"TDIST_TOKEN_FILE", std::nullopt}});
+  test::EnvGuard env(
+      test::EnvVars{{"TDIST_TOKEN", std::string("from-env")}, {"TDIST_TOKEN_FILE", std::nullopt}});
   const LogLevel saved = log_level();
   set_log_level(LogLevel::kOff);
   TCPStoreServer server("127.0.0.1", 0);
@@ -231,7 +231,8 @@ TEST(TCPStoreAuth, StrangersReplaysAndStallsAreRefusedAndTheStoreGoesOn) {
   const std::string log = ::testing::internal::GetCapturedStderr();
   set_log_level(saved);
   expect_contains(log, "authentication failed (wrong or missing token)");
-  expect_contains(log, "the handshake was not over within 0.3 s (TDIST_STORE_HANDSHAKE_TIMEOUT_MS)");
+  expect_contains(log,
+                  "the handshake was not over within 0.3 s (TDIST_STORE_HANDSHAKE_TIMEOUT_MS)");
 }
 
 // Secure by default (issue 41, item 5): a store server that would listen beyond loopback
@@ -256,8 +257,8 @@ TEST(TCPStoreAuth, AServerBeyondLoopbackWithoutATokenRefusesToStartUnlessAllowed
   const std::string log = ::testing::internal::GetCapturedStderr();
   set_log_level(saved);
   expect_contains(log, "WITHOUT A TOKEN");
-  EXPECT_EQ(log.find("WITHOUT A TOKEN"), log.rfind("WITHOUT A TOKEN")) << "said more than once: "
-                                                                       << log;
+  EXPECT_EQ(log.find("WITHOUT A TOKEN"), log.rfind("WITHOUT A TOKEN"))
+      << "said more than once: " << log;
 }
 
 // A job whose store is on loopback is a job of one host: its ranks publish (and the mesh and RPC

@@ -65,8 +65,7 @@ const BadInput kBadInputs[] = {
     {"ArgumentWorldSizeZero", "tcp://127.0.0.1:29500", 0, 0, "world_size=0"},
     {"FileRelativePath", "file://relative/path?rank=0&world_size=1", -1, -1, "'relative/path'"},
     {"FileNoPath", "file://?rank=0&world_size=1", -1, -1, "absolute path"},
-    {"FileRankOutOfRange", "file:///tmp/tdist-never-created?rank=3&world_size=2", -1, -1,
-     "rank=3"},
+    {"FileRankOutOfRange", "file:///tmp/tdist-never-created?rank=3&world_size=2", -1, -1, "rank=3"},
     {"EnvWithAnAddress", "env://127.0.0.1:29500", -1, -1, "'127.0.0.1:29500'"},
 };
 
@@ -80,7 +79,8 @@ TEST_P(RendezvousBadInput, IsInvalidArgumentNamingTheValue) {
     FAIL() << "expected InvalidArgument for " << in.init_method;
   } catch (const InvalidArgument& e) {
     const std::string msg = e.what();
-    EXPECT_NE(msg.find(in.fragment), std::string::npos) << "'" << in.fragment << "' not in: " << msg;
+    EXPECT_NE(msg.find(in.fragment), std::string::npos)
+        << "'" << in.fragment << "' not in: " << msg;
     EXPECT_NE(msg.find(in.init_method), std::string::npos) << msg;
   }
   // Nothing was created for a refused file:// input.
@@ -110,8 +110,8 @@ TEST(Rendezvous, EnvWithoutRankNamesTheVariable) {
 
 TEST(Rendezvous, EnvWithABadMasterPortNamesTheValue) {
   EnvGuard clean(kCleanEnv);
-  EnvGuard env({{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "abc"}, {"RANK", "0"},
-                {"WORLD_SIZE", "1"}});
+  EnvGuard env(
+      {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "abc"}, {"RANK", "0"}, {"WORLD_SIZE", "1"}});
   std::string msg = invalid_message([] { rendezvous("env://", -1, -1, 2s); });
   EXPECT_NE(msg.find("MASTER_PORT='abc'"), std::string::npos) << msg;
 }
@@ -164,8 +164,10 @@ TEST(Rendezvous, TcpTimesOutWhenARankNeverComes) {
 TEST(Rendezvous, EnvBringsTwoRanksTogetherAndArgumentsWin) {
   EnvGuard clean(kCleanEnv);
   // RANK=0 in the (shared) environment; rank 1 passes its rank as an argument, which wins.
-  EnvGuard env({{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
-                {"RANK", "0"}, {"WORLD_SIZE", "2"}});
+  EnvGuard env({{"MASTER_ADDR", "127.0.0.1"},
+                {"MASTER_PORT", std::to_string(free_port())},
+                {"RANK", "0"},
+                {"WORLD_SIZE", "2"}});
   std::vector<std::string> errors(2);
   std::vector<std::thread> threads;
   for (int rank = 0; rank < 2; ++rank) {

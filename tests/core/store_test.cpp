@@ -26,8 +26,8 @@
 namespace tdist {
 namespace {
 
-using test::expect_throw;
 using test::expect_contains;
+using test::expect_throw;
 
 using namespace std::chrono_literals;
 
@@ -233,8 +233,9 @@ TEST_P(StoreSuite, WaitReturnsOnceEveryKeyExists) {
 
 TEST_P(StoreSuite, WaitTimeoutNamesTheMissingKeysAndTheSeconds) {
   store_->set("present", "1");
-  std::string msg = expect_throw<TimeoutError>(
-      [&] { store_->wait({"present", "missing-one", "missing-two"}, kShortTimeout); });
+  std::string msg = expect_throw<TimeoutError>([&] {
+    store_->wait({"present", "missing-one", "missing-two"}, kShortTimeout);
+  });
   expect_contains(msg, "missing-one");
   expect_contains(msg, "missing-two");
   expect_contains(msg, "0.5 s");
@@ -326,7 +327,10 @@ TEST_F(FileStoreTest, TheLastOfNumWorkersRemovesTheFile) {
 
 TEST_F(FileStoreTest, WithoutNumWorkersTheLastAliveRemovesTheFile) {
   auto a = std::make_unique<FileStore>(path_, -1, kTimeout);
-  { FileStore brief(path_, -1, kTimeout); brief.set("k", "v"); }
+  {
+    FileStore brief(path_, -1, kTimeout);
+    brief.set("k", "v");
+  }
   EXPECT_TRUE(std::filesystem::exists(path_));
   EXPECT_EQ(a->get_string("k"), "v");
   a.reset();
@@ -345,7 +349,8 @@ TEST_F(FileStoreTest, ATornRecordFromADeadWriterIsSkippedAndReplaced) {
     wire::Writer(torn).u64(100);
     torn.push_back(1);
     std::ofstream out(path_, std::ios::binary | std::ios::app);
-    out.write(reinterpret_cast<const char*>(torn.data()), static_cast<std::streamsize>(torn.size()));
+    out.write(reinterpret_cast<const char*>(torn.data()),
+              static_cast<std::streamsize>(torn.size()));
   }
   FileStore other(path_, -1, kTimeout);
   EXPECT_EQ(other.get_string("a"), "1");
@@ -380,7 +385,7 @@ TEST_F(FileStoreTest, AnUnopenablePathIsAnErrorNamingIt) {
 TEST_F(FileStoreTest, TheFileIsReadableByItsUserOnly) {
   FileStore store(path_, -1, kTimeout);
   store.set("k", "v");
-  struct stat st{};
+  struct stat st {};
   ASSERT_EQ(::stat(path_.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
 }

@@ -120,9 +120,7 @@ class Peer {
     return {header, body};
   }
   // True when the server closed the connection (EOF or reset) within `limit`.
-  bool sees_eof(Millis limit) {
-    return tdist::test::sees_eof(fd_, limit);
-  }
+  bool sees_eof(Millis limit) { return tdist::test::sees_eof(fd_, limit); }
 
  private:
   int fd_ = -1;
@@ -192,10 +190,9 @@ TEST(TCPStoreLimits, AWriteThatCannotBeStoredIsRefusedFromItsHeader) {
   EXPECT_EQ(h2.code, static_cast<uint16_t>(proto::Status::kOk));
   EXPECT_EQ(server.num_rejected_frames(), 0);
   TCPStore store(client_options(server.port(), 10s));
-  expect_contains(expect_throw<InvalidArgument>([&] {
-                    store.set("big", Bytes(size_t(2) << 20, 1));
-                  }),
-                  "TDIST_STORE_MAX_BYTES");
+  expect_contains(
+      expect_throw<InvalidArgument>([&] { store.set("big", Bytes(size_t(2) << 20, 1)); }),
+      "TDIST_STORE_MAX_BYTES");
   store.set("small", "v");
   EXPECT_EQ(store.get_string("small"), "v");
 }
@@ -225,12 +222,14 @@ TEST(TCPStoreLimits, ClientsStreamingBigBodiesAreHeldToTheInFlightBudget) {
     threads.emplace_back([&, i] { peers[i]->stream(streamed, sent[i]); });
   }
   // Some client is read to its end; then the others get the time to push what they can.
-  ASSERT_TRUE(eventually([&] {
-    for (auto& s : sent) {
-      if (s == streamed) return true;
-    }
-    return false;
-  }, 30s));
+  ASSERT_TRUE(eventually(
+      [&] {
+        for (auto& s : sent) {
+          if (s == streamed) return true;
+        }
+        return false;
+      },
+      30s));
   size_t total = 0;
   do {
     total = 0;
@@ -249,33 +248,19 @@ TEST(TCPStoreLimits, ClientsStreamingBigBodiesAreHeldToTheInFlightBudget) {
   store.set("whole", Bytes(value_bytes, 3));
   EXPECT_EQ(store.get("whole").size(), value_bytes);
   EXPECT_GT(server.peak_body_bytes(), 0u);
-  EXPECT_LE(server.peak_body_bytes(), budget) << "more request bodies were taken in than the budget";
+  EXPECT_LE(server.peak_body_bytes(), budget)
+      << "more request bodies were taken in than the budget";
   if (before < 0 || after < 0) GTEST_SKIP() << "no /proc/self/status here";
   std::printf("peak RSS grew by %ld KiB; %zu KiB streamed; %llu KiB of bodies taken in at most\n",
               after - before, total / 1024,
               static_cast<unsigned long long>(server.peak_body_bytes() / 1024));
   EXPECT_LT(after - before, 32 * 1024)
       << "peak RSS grew from " << before << " KiB to " << after << " KiB while " << kClients
-      << " peers streamed " << total / 1024 << " KiB in all, against a budget of "
-      << budget / 1024 << " KiB";
+      << " peers streamed " << total / 1024 << " KiB in all, against a budget of " << budget / 1024
+      << " KiB";
 }
 
 // ---- a vanished host (Note [Vanished hosts]) ----------------------------------------------------
-
-// Sets the loopback interface of this process's network namespace up or down; false on failure.
-bool set_loopback_up(bool up) {
-  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  ifreq ifr{};
-  std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
-  bool ok = ::ioctl(fd, SIOCGIFFLAGS, &ifr) == 0;
-  if (ok) {
-    ifr.ifr_flags = static_cast<short>(up ? (ifr.ifr_flags | IFF_UP) : (ifr.ifr_flags & ~IFF_UP));
-    ok = ::ioctl(fd, SIOCSIFFLAGS, &ifr) == 0;
-  }
-  ::close(fd);
-  return ok;
-}
 
 constexpr int kNoNamespace = 77;
 
@@ -284,7 +269,7 @@ constexpr int kNoNamespace = 77;
 // by the keepalive of TDIST_TCP_USER_TIMEOUT_MS: the client's get fails with a NetworkError (not
 // the TimeoutError of its 20 s), the server drops the connection.
 TDIST_TEST_CHILD(store_host_vanishes) {
-  if (::unshare(CLONE_NEWNET) != 0 || !set_loopback_up(true)) {
+  if (!test::enter_own_network_namespace()) {
     std::printf("cannot make a network namespace here: %s\n", std::strerror(errno));
     return kNoNamespace;
   }
@@ -302,7 +287,7 @@ TDIST_TEST_CHILD(store_host_vanishes) {
     }
   });
   std::this_thread::sleep_for(300ms);  // the get reaches the server (if not, its bytes are unacked)
-  if (!set_loopback_up(false)) {
+  if (!test::set_loopback_up(false)) {
     std::printf("cannot take loopback down: %s\n", std::strerror(errno));
     getter.join();
     return 2;

@@ -36,9 +36,9 @@
 namespace tdist {
 namespace {
 
-using test::free_port;
-using test::expect_throw;
 using test::expect_contains;
+using test::expect_throw;
+using test::free_port;
 using test::peak_rss_kib;
 
 using namespace std::chrono_literals;
@@ -97,9 +97,7 @@ class RawSocket {
     fd_ = -1;
   }
   // True when the server closed the connection (EOF or reset) within `limit`.
-  bool sees_eof(Millis limit = 10s) {
-    return tdist::test::sees_eof(fd_, limit);
-  }
+  bool sees_eof(Millis limit = 10s) { return tdist::test::sees_eof(fd_, limit); }
 
  private:
   int fd_ = -1;
@@ -193,8 +191,12 @@ TEST(TCPStore, SixteenThreadsMixedOpsAllLand) {
         std::string last_cs;
         for (int i = 0; i < kOps; ++i) {
           switch (i % 5) {
-            case 0: store->add("counter", 1); break;
-            case 1: store->set(me + "/k" + std::to_string(i), std::to_string(i)); break;
+            case 0:
+              store->add("counter", 1);
+              break;
+            case 1:
+              store->set(me + "/k" + std::to_string(i), std::to_string(i));
+              break;
             case 2:
               if (store->get_string(me + "/k" + std::to_string(i - 1)) != std::to_string(i - 1))
                 failures++;
@@ -252,7 +254,10 @@ TEST(TCPStore, ClientsThatDisconnectDoNotStopTheServer) {
   TCPStoreServer server("127.0.0.1", 0);
   TCPStore keeper("127.0.0.1", server.port(), false, kTimeout);
   keeper.set("a", "1");
-  { TCPStore brief("127.0.0.1", server.port(), false, kTimeout); brief.set("b", "2"); }
+  {
+    TCPStore brief("127.0.0.1", server.port(), false, kTimeout);
+    brief.set("b", "2");
+  }
   {
     RawSocket parked(server.port());  // parked in a wait, then reset mid-wait
     parked.send(wait_frame("never", Millis(0)));
@@ -275,9 +280,7 @@ TEST(TCPStore, ServerThatGoesAwayGivesBlockedClientsAnError) {
   const uint16_t port = server->port();
   TCPStore client("127.0.0.1", port, false, 2s);
   std::string error;
-  std::thread blocked([&] {
-    error = expect_throw<NetworkError>([&] { client.get("never"); });
-  });
+  std::thread blocked([&] { error = expect_throw<NetworkError>([&] { client.get("never"); }); });
   std::this_thread::sleep_for(100ms);  // let the get reach the server (either way it must fail)
   server.reset();                      // must not hang with a parked client
   blocked.join();
@@ -293,7 +296,8 @@ TEST(TCPStore, UnresponsiveServerGivesTimeoutError) {
   uint16_t port = 0;
   const int fd = listening_socket(port);
   ASSERT_GE(fd, 0);
-  std::string msg = expect_throw<TimeoutError>([&] { TCPStore client("127.0.0.1", port, false, 500ms); });
+  std::string msg =
+      expect_throw<TimeoutError>([&] { TCPStore client("127.0.0.1", port, false, 500ms); });
   expect_contains(msg, "127.0.0.1:" + std::to_string(port));
   expect_contains(msg, "no handshake within 0.5 s");
   ::close(fd);
@@ -435,7 +439,8 @@ TEST(TCPStore, ConnectionsBeyondTheLimitAreClosedAtOnce) {
 // Note [TCPStore protocol], limits: a write past TDIST_STORE_MAX_KEYS or TDIST_STORE_MAX_BYTES is
 // refused with InvalidArgument naming the limit; what is stored stays, the connection stays usable.
 TEST(TCPStore, WritesPastTheKeyAndByteLimitsAreRefusedAndNothingIsLost) {
-  test::EnvGuard env(test::EnvVars{{"TDIST_STORE_MAX_KEYS", "3"}, {"TDIST_STORE_MAX_BYTES", "1000"}});
+  test::EnvGuard env(
+      test::EnvVars{{"TDIST_STORE_MAX_KEYS", "3"}, {"TDIST_STORE_MAX_BYTES", "1000"}});
   TCPStoreServer server("127.0.0.1", 0);
   TCPStore store("127.0.0.1", server.port(), false, kTimeout);
   store.set("a", "1");
@@ -443,9 +448,11 @@ TEST(TCPStore, WritesPastTheKeyAndByteLimitsAreRefusedAndNothingIsLost) {
   EXPECT_EQ(store.add("c", 5), 5);
   expect_contains(expect_throw<InvalidArgument>([&] { store.set("d", "4"); }),
                   "holds 3 keys, its limit (TDIST_STORE_MAX_KEYS)");
-  expect_contains(expect_throw<InvalidArgument>([&] { store.add("e", 1); }), "TDIST_STORE_MAX_KEYS");
-  expect_contains(expect_throw<InvalidArgument>([&] { store.compare_set("f", Bytes{}, to_bytes("x")); }),
+  expect_contains(expect_throw<InvalidArgument>([&] { store.add("e", 1); }),
                   "TDIST_STORE_MAX_KEYS");
+  expect_contains(
+      expect_throw<InvalidArgument>([&] { store.compare_set("f", Bytes{}, to_bytes("x")); }),
+      "TDIST_STORE_MAX_KEYS");
   store.set("a", "changed");  // an existing key may change
   EXPECT_EQ(store.add("c", 1), 6);
   expect_contains(expect_throw<InvalidArgument>([&] { store.set("b", std::string(1000, 'x')); }),
@@ -456,6 +463,34 @@ TEST(TCPStore, WritesPastTheKeyAndByteLimitsAreRefusedAndNothingIsLost) {
   store.set("d", std::string(900, 'y'));  // room again, in keys and in bytes
   EXPECT_EQ(store.get_string("d").size(), 900u);
   EXPECT_EQ(store.get_string("a"), "changed");
+}
+
+// TCPStoreServerOptions (core/tcp_store.h): a field that is set wins over its variable, an unset
+// one takes the variable; a field out of range is refused naming it, and no server starts.
+TEST(TCPStore, ServerOptionsWinOverTheirVariablesAndABadOneIsRefused) {
+  test::EnvGuard env(
+      test::EnvVars{{"TDIST_STORE_MAX_KEYS", "1"}, {"TDIST_STORE_MAX_BYTES", "1000"}});
+  TCPStoreOptions o;
+  o.is_server = true;
+  o.timeout = kTimeout;
+  o.server.max_keys =
+      2;  // the field wins over TDIST_STORE_MAX_KEYS=1; max_bytes takes its variable
+  TCPStore store(o);
+  store.set("a", "1");
+  store.set("b", "2");
+  expect_contains(expect_throw<InvalidArgument>([&] { store.set("c", "3"); }),
+                  "holds 2 keys, its limit (TDIST_STORE_MAX_KEYS)");
+  expect_contains(expect_throw<InvalidArgument>([&] { store.set("a", std::string(1000, 'x')); }),
+                  "would pass its limit of 1000 (TDIST_STORE_MAX_BYTES)");
+
+  TCPStoreServerOptions bad;
+  bad.max_handshakes_per_address = 0;
+  expect_contains(expect_throw<InvalidArgument>([&] { TCPStoreServer("127.0.0.1", 0, bad); }),
+                  "TCPStoreServerOptions::max_handshakes_per_address must be in [1, ");
+  bad = TCPStoreServerOptions{};
+  bad.frame_timeout = Millis(-5);
+  expect_contains(expect_throw<InvalidArgument>([&] { TCPStoreServer("127.0.0.1", 0, bad); }),
+                  "TCPStoreServerOptions::frame_timeout");
 }
 
 // A peer that stops inside a frame (in its header or its body) loses its connection after
@@ -484,8 +519,9 @@ TEST(TCPStore, APeerStalledInsideAFrameLosesItsConnection) {
   EXPECT_TRUE(eventually([&] { return server.num_rejected_frames() == 2; }));
   std::string log = ::testing::internal::GetCapturedStderr();
   set_log_level(saved);
-  expect_contains(log, "stalled inside a frame for 0.3 s (TDIST_STORE_FRAME_TIMEOUT_MS), after 5 "
-                       "of 16 header bytes");
+  expect_contains(log,
+                  "stalled inside a frame for 0.3 s (TDIST_STORE_FRAME_TIMEOUT_MS), after 5 "
+                  "of 16 header bytes");
   expect_contains(log, "in the 100-byte body of 'set'");
   EXPECT_FALSE(idle.sees_eof(Millis(600))) << "a connection idle between frames was closed";
   EXPECT_EQ(server.num_rejected_frames(), 2);
@@ -583,8 +619,8 @@ Bytes set_with_lying_key_length() {
 const BadFrame kBadFrames[] = {
     {"Garbage", [](RawSocket& s) { s.send(to_bytes("GET / HTTP/1.1\r\nHost: x\r\n\r\n")); },
      "bad magic"},
-    {"WrongMagic",
-     [](RawSocket& s) { s.send(header(0xdeadbeef, proto::kVersion, 1, 0)); }, "bad magic"},
+    {"WrongMagic", [](RawSocket& s) { s.send(header(0xdeadbeef, proto::kVersion, 1, 0)); },
+     "bad magic"},
     {"WrongVersion", [](RawSocket& s) { s.send(header(proto::kMagic, 99, 1, 0)); },
      "unsupported protocol version 99"},
     {"BodyLength2Pow62",

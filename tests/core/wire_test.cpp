@@ -41,8 +41,8 @@ TEST(Wire, LengthsAreCheckedBeforeAllocating) {
 }
 
 TEST(TensorWire, RoundTripsEveryDtypeAndShape) {
-  std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16,
-                                        at::kInt,   at::kLong,   at::kByte, at::kChar,
+  std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf,        at::kBFloat16,
+                                        at::kInt,   at::kLong,   at::kByte,        at::kChar,
                                         at::kShort, at::kBool,   at::kComplexFloat};
   std::vector<std::vector<int64_t>> shapes = {{}, {0}, {1}, {3, 5}, {2, 0, 4}, {2, 3, 4, 5}};
   for (auto dt : dtypes) {
@@ -64,9 +64,11 @@ TEST(TensorWire, NonContiguousIsSentAsContiguous) {
 // A conjugate or negative view shares its base's storage and carries a bit: what travels is the
 // values the view shows.
 TEST(TensorWire, ConjugateAndNegativeViewsAreSentAsTheirValues) {
-  at::Tensor z = torch::complex(torch::arange(6, torch::kDouble), torch::arange(6, torch::kDouble) + 1);
+  at::Tensor z =
+      torch::complex(torch::arange(6, torch::kDouble), torch::arange(6, torch::kDouble) + 1);
   at::Tensor f = torch::arange(6, torch::kFloat) + 1;
-  for (const at::Tensor& v : {z.conj(), f._neg_view(), z._neg_view(), z.conj().reshape({2, 3}).t()}) {
+  for (const at::Tensor& v :
+       {z.conj(), f._neg_view(), z._neg_view(), z.conj().reshape({2, 3}).t()}) {
     ASSERT_TRUE(v.is_conj() || v.is_neg());
     at::Tensor want = v.resolve_conj().resolve_neg();
     at::Tensor back = decode<at::Tensor>(encode(v));
@@ -196,8 +198,7 @@ TEST(Serialize, ForgedCountCostsNoMoreThanTheMessage) {
   const long after = test::peak_rss_kib(false);
   if (before < 0 || after < 0) GTEST_SKIP() << "no /proc/self/status here";
   EXPECT_LT(after - before, 8 * 1024) << "peak RSS grew from " << before << " KiB to " << after
-                                      << " KiB decoding a " << big.size() / 1024
-                                      << " KiB message";
+                                      << " KiB decoding a " << big.size() / 1024 << " KiB message";
 }
 
 }  // namespace

@@ -1,7 +1,10 @@
 #include "tests/harness/net.h"
 
 #include <arpa/inet.h>
+#include <net/if.h>
 #include <netinet/in.h>
+#include <sched.h>
+#include <sys/ioctl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -43,5 +46,21 @@ bool sees_eof(int fd, std::chrono::milliseconds limit) {
     if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
   }
 }
+
+bool set_loopback_up(bool up) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  ifreq ifr{};
+  std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+  bool ok = ::ioctl(fd, SIOCGIFFLAGS, &ifr) == 0;
+  if (ok) {
+    ifr.ifr_flags = static_cast<short>(up ? (ifr.ifr_flags | IFF_UP) : (ifr.ifr_flags & ~IFF_UP));
+    ok = ::ioctl(fd, SIOCSIFFLAGS, &ifr) == 0;
+  }
+  ::close(fd);
+  return ok;
+}
+
+bool enter_own_network_namespace() { return ::unshare(CLONE_NEWNET) == 0 && set_loopback_up(true); }
 
 }  // namespace tdist::test

@@ -13,4 +13,12 @@ uint16_t free_port();
 // that arrive before are read and dropped.
 bool sees_eof(int fd, std::chrono::milliseconds limit);
 
+// Sets the loopback interface of this process's network namespace up or down; false on failure.
+bool set_loopback_up(bool up);
+
+// Moves this process into a network namespace of its own (unshare) with loopback up, where
+// taking loopback down later makes every connection of the process vanish (no FIN, no reset):
+// a vanished host. False when it cannot (not root, no user namespaces): callers skip.
+bool enter_own_network_namespace();
+
 }  // namespace tdist::test

@@ -42,7 +42,8 @@ inline int fd_count() { return dir_entries("/proc/self/fd"); }
 struct Held {
   int threads = 0, fds = 0, shm_files = 0, shm_maps = 0;
   bool operator==(const Held& o) const {
-    return threads == o.threads && fds == o.fds && shm_files == o.shm_files && shm_maps == o.shm_maps;
+    return threads == o.threads && fds == o.fds && shm_files == o.shm_files &&
+           shm_maps == o.shm_maps;
   }
 };
 

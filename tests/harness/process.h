@@ -31,9 +31,9 @@ struct ChildRegistrar {
   ChildRegistrar(const std::string& name, ChildFn fn);
 };
 
-#define TDIST_TEST_CHILD(name)                                                   \
-  static int name##_body(int rank, int world_size);                              \
-  static ::tdist::test::ChildRegistrar name##_registrar(#name, name##_body);     \
+#define TDIST_TEST_CHILD(name)                                               \
+  static int name##_body(int rank, int world_size);                          \
+  static ::tdist::test::ChildRegistrar name##_registrar(#name, name##_body); \
   static int name##_body([[maybe_unused]] int rank, [[maybe_unused]] int world_size)
 
 // Called first thing in main(): when this process is a child, runs its body and returns its exit
@@ -42,11 +42,11 @@ int run_child_if_requested();
 
 struct ProcessResult {
   int rank = -1;
-  bool exited = false;   // exited normally with exit_code
+  bool exited = false;  // exited normally with exit_code
   int exit_code = -1;
-  int signal = 0;        // the signal that ended it, when !exited
+  int signal = 0;          // the signal that ended it, when !exited
   bool timed_out = false;  // killed by wait_all's timeout
-  std::string output;    // stdout + stderr
+  std::string output;      // stdout + stderr
 
   bool ok() const { return exited && exit_code == 0; }
   std::string describe() const;  // "rank 1 exited with code 3" / "rank 0 killed by signal 9"

@@ -1,16 +1,14 @@
-// The TCPStore server, part 2 of 2: the requests (set, get, add, compare_set, wait, check, delete,
-// num_keys), the limits on what it holds, and the gets and waits parked until their keys exist.
-// Part 1, tcp_store_server.cpp, has the connections and the server's life.
+// The TCPStore's data and the requests on it (the contract is in tcp_store_table.h).
+
+#include "tdist/core/detail/tcp_store_table.h"
 
 #include <algorithm>
 
 #include "tdist/core/detail/store_util.h"
-#include "tdist/core/detail/tcp_store_server_impl.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 
-namespace tdist {
-namespace detail {
+namespace tdist::detail {
 namespace {
 
 // Keys the TCPStore uses for itself (the num_workers join); num_keys() does not count them.
@@ -33,7 +31,51 @@ Bytes encode_keys(const std::vector<std::string>& keys) {
 
 }  // namespace
 
-void TCPStoreServerImpl::on_set(TCPStoreConnection& conn, wire::Reader& body) {
+StoreTable::StoreTable(asio::io_context& io, std::string address, size_t max_keys,
+                       uint64_t max_bytes)
+    : io_(io), address_(std::move(address)), max_keys_(max_keys), max_bytes_(max_bytes) {}
+
+void StoreTable::handle(const std::shared_ptr<TCPStoreConnection>& conn, uint16_t code,
+                        wire::Reader& body) {
+  switch (static_cast<Command>(code)) {
+    case Command::kSet:
+      return on_set(*conn, body);
+    case Command::kGet:
+      return on_get(conn, body);
+    case Command::kAdd:
+      return on_add(*conn, body);
+    case Command::kCompareSet:
+      return on_compare_set(*conn, body);
+    case Command::kWait:
+      return on_wait(conn, body);
+    case Command::kCheck:
+      return on_check(*conn, body);
+    case Command::kDelete:
+      return on_delete(*conn, body);
+    case Command::kNumKeys:
+      return on_num_keys(*conn, body);
+  }
+  throw ProtocolError(str("unknown command ", code));
+}
+
+std::string StoreTable::write_refusal(const tcp_store::Header& header) const {
+  // What a write stores is at least its body less the length prefixes; it may replace an
+  // entry no larger than the largest ever stored. Beyond that it cannot fit, whatever its key.
+  const auto code = static_cast<Command>(header.code);
+  if (code != Command::kSet && code != Command::kCompareSet) return {};
+  const uint64_t prefixes = code == Command::kSet ? 16 : 24;
+  const uint64_t replaced = code == Command::kSet ? largest_entry_bytes_ : 2 * largest_entry_bytes_;
+  const uint64_t room = max_bytes_ - std::min(held_bytes_, max_bytes_);
+  if (header.body_bytes > prefixes && header.body_bytes - prefixes > room + replaced) {
+    return str("the store at ", address_, " holds ", held_bytes_, " bytes of keys and values; ",
+               "a '", tcp_store::command_name(header.code), "' of ", header.body_bytes,
+               " bytes would pass its limit of ", max_bytes_,
+               " (TDIST_STORE_MAX_BYTES) and is refused before its body is read");
+  }
+  return {};
+}
+
+void StoreTable::on_set(TCPStoreConnection& conn, wire::Reader& body) {
   std::string key = body.string("key");
   Bytes value = body.blob("value");
   body.expect_end("set request");
@@ -43,8 +85,7 @@ void TCPStoreServerImpl::on_set(TCPStoreConnection& conn, wire::Reader& body) {
   on_key_changed(key);
 }
 
-void TCPStoreServerImpl::on_get(const std::shared_ptr<TCPStoreConnection>& conn,
-                                wire::Reader& body) {
+void StoreTable::on_get(const std::shared_ptr<TCPStoreConnection>& conn, wire::Reader& body) {
   std::string key = body.string("key");
   Millis timeout = read_timeout(body);
   body.expect_end("get request");
@@ -58,7 +99,7 @@ void TCPStoreServerImpl::on_get(const std::shared_ptr<TCPStoreConnection>& conn,
   park(conn, Command::kGet, {key}, timeout);
 }
 
-void TCPStoreServerImpl::on_add(TCPStoreConnection& conn, wire::Reader& body) {
+void StoreTable::on_add(TCPStoreConnection& conn, wire::Reader& body) {
   std::string key = body.string("key");
   int64_t delta = body.i64("delta");
   body.expect_end("add request");
@@ -81,7 +122,7 @@ void TCPStoreServerImpl::on_add(TCPStoreConnection& conn, wire::Reader& body) {
   on_key_changed(key);
 }
 
-void TCPStoreServerImpl::on_compare_set(TCPStoreConnection& conn, wire::Reader& body) {
+void StoreTable::on_compare_set(TCPStoreConnection& conn, wire::Reader& body) {
   std::string key = body.string("key");
   Bytes expected = body.blob("expected");
   Bytes desired = body.blob("desired");
@@ -104,8 +145,7 @@ void TCPStoreServerImpl::on_compare_set(TCPStoreConnection& conn, wire::Reader& 
   if (changed) on_key_changed(key);
 }
 
-void TCPStoreServerImpl::on_wait(const std::shared_ptr<TCPStoreConnection>& conn,
-                                 wire::Reader& body) {
+void StoreTable::on_wait(const std::shared_ptr<TCPStoreConnection>& conn, wire::Reader& body) {
   std::vector<std::string> keys = tcp_store::read_keys(body);
   Millis timeout = read_timeout(body);
   body.expect_end("wait request");
@@ -116,7 +156,7 @@ void TCPStoreServerImpl::on_wait(const std::shared_ptr<TCPStoreConnection>& conn
   park(conn, Command::kWait, std::move(keys), timeout);
 }
 
-void TCPStoreServerImpl::on_check(TCPStoreConnection& conn, wire::Reader& body) {
+void StoreTable::on_check(TCPStoreConnection& conn, wire::Reader& body) {
   std::vector<std::string> keys = tcp_store::read_keys(body);
   body.expect_end("check request");
   Bytes out;
@@ -124,7 +164,7 @@ void TCPStoreServerImpl::on_check(TCPStoreConnection& conn, wire::Reader& body) 
   conn.reply(Status::kOk, out);
 }
 
-void TCPStoreServerImpl::on_delete(TCPStoreConnection& conn, wire::Reader& body) {
+void StoreTable::on_delete(TCPStoreConnection& conn, wire::Reader& body) {
   std::string key = body.string("key");
   body.expect_end("delete_key request");
   auto it = data_.find(key);
@@ -138,7 +178,7 @@ void TCPStoreServerImpl::on_delete(TCPStoreConnection& conn, wire::Reader& body)
   conn.reply(Status::kOk, out);
 }
 
-void TCPStoreServerImpl::on_num_keys(TCPStoreConnection& conn, wire::Reader& body) {
+void StoreTable::on_num_keys(TCPStoreConnection& conn, wire::Reader& body) {
   body.expect_end("num_keys request");
   int64_t n = 0;
   for (const auto& kv : data_)
@@ -148,22 +188,22 @@ void TCPStoreServerImpl::on_num_keys(TCPStoreConnection& conn, wire::Reader& bod
   conn.reply(Status::kOk, out);
 }
 
-std::string TCPStoreServerImpl::over_limit(const std::string& key, size_t value_bytes) const {
+std::string StoreTable::over_limit(const std::string& key, size_t value_bytes) const {
   auto it = data_.find(key);
   const uint64_t freed = it == data_.end() ? 0 : key.size() + it->second.size();
   if (it == data_.end() && data_.size() >= max_keys_) {
-    return str("the store at ", address(), " holds ", data_.size(), " keys, its limit ",
+    return str("the store at ", address_, " holds ", data_.size(), " keys, its limit ",
                "(TDIST_STORE_MAX_KEYS); setting the new key '", key, "' is refused");
   }
   if (held_bytes_ - freed + key.size() + value_bytes > max_bytes_) {
-    return str("the store at ", address(), " holds ", held_bytes_, " bytes of keys and values; ",
+    return str("the store at ", address_, " holds ", held_bytes_, " bytes of keys and values; ",
                "storing ", value_bytes, " bytes at '", key, "' would pass its limit of ",
                max_bytes_, " (TDIST_STORE_MAX_BYTES)");
   }
   return {};
 }
 
-void TCPStoreServerImpl::put(const std::string& key, Bytes value) {
+void StoreTable::put(const std::string& key, Bytes value) {
   auto [it, inserted] = data_.try_emplace(key);
   if (!inserted) held_bytes_ -= key.size() + it->second.size();
   held_bytes_ += key.size() + value.size();
@@ -171,22 +211,21 @@ void TCPStoreServerImpl::put(const std::string& key, Bytes value) {
   it->second = std::move(value);
 }
 
-void TCPStoreServerImpl::refuse(TCPStoreConnection& conn, const std::string& why) {
+void StoreTable::refuse(TCPStoreConnection& conn, const std::string& why) {
   Bytes out;
   wire::Writer(out).string(why);
   conn.reply(Status::kInvalid, out);
 }
 
-std::vector<std::string> TCPStoreServerImpl::missing_keys(
-    const std::vector<std::string>& keys) const {
+std::vector<std::string> StoreTable::missing_keys(const std::vector<std::string>& keys) const {
   std::vector<std::string> missing;
   for (const auto& k : keys)
     if (!data_.count(k)) missing.push_back(k);
   return missing;
 }
 
-void TCPStoreServerImpl::park(const std::shared_ptr<TCPStoreConnection>& conn, Command cmd,
-                              std::vector<std::string> keys, Millis timeout) {
+void StoreTable::park(const std::shared_ptr<TCPStoreConnection>& conn, Command cmd,
+                      std::vector<std::string> keys, Millis timeout) {
   TCPStoreConnection::Waiter w;
   w.id = next_waiter_id_++;
   w.cmd = cmd;
@@ -195,14 +234,13 @@ void TCPStoreServerImpl::park(const std::shared_ptr<TCPStoreConnection>& conn, C
   for (const auto& k : missing_keys(w.keys)) waiting_[k].insert(conn.get());
   if (timeout != Store::kNoTimeout) {
     w.timer = std::make_unique<asio::steady_timer>(io_, timeout);
-    w.timer->async_wait([this, conn, id = w.id](const error_code& ec) {
-      on_wait_timeout(conn, id, ec);
-    });
+    w.timer->async_wait(
+        [this, conn, id = w.id](const error_code& ec) { on_wait_timeout(conn, id, ec); });
   }
   conn->waiter() = std::move(w);
 }
 
-void TCPStoreServerImpl::unpark(TCPStoreConnection& conn) {
+void StoreTable::unpark(TCPStoreConnection& conn) {
   auto& waiter = conn.waiter();
   if (!waiter) return;
   for (const auto& k : waiter->keys) {
@@ -215,7 +253,7 @@ void TCPStoreServerImpl::unpark(TCPStoreConnection& conn) {
   waiter.reset();
 }
 
-void TCPStoreServerImpl::on_key_changed(const std::string& key) {
+void StoreTable::on_key_changed(const std::string& key) {
   auto it = waiting_.find(key);
   if (it == waiting_.end()) return;
   std::vector<TCPStoreConnection*> parked(it->second.begin(), it->second.end());
@@ -231,18 +269,17 @@ void TCPStoreServerImpl::on_key_changed(const std::string& key) {
   }
 }
 
-void TCPStoreServerImpl::on_wait_timeout(const std::shared_ptr<TCPStoreConnection>& conn,
-                                         uint64_t waiter_id, const error_code& ec) {
+void StoreTable::on_wait_timeout(const std::shared_ptr<TCPStoreConnection>& conn,
+                                 uint64_t waiter_id, const error_code& ec) {
   auto& waiter = conn->waiter();
   if (ec == asio::error::operation_aborted || !waiter || waiter->id != waiter_id) return;
   std::vector<std::string> missing = missing_keys(waiter->keys);
-  TDIST_LOG_DEBUG("TCPStore server ", address(), ": ",
+  TDIST_LOG_DEBUG("TCPStore server ", address_, ": ",
                   tcp_store::command_name(static_cast<uint16_t>(waiter->cmd)), " from ",
-                  conn->peer(), " timed out after ", seconds_text(waiter->timeout),
-                  " s; missing ", join_keys(missing));
+                  conn->peer(), " timed out after ", seconds_text(waiter->timeout), " s; missing ",
+                  join_keys(missing));
   unpark(*conn);
   conn->reply(Status::kTimeout, encode_keys(missing));
 }
 
-}  // namespace detail
-}  // namespace tdist
+}  // namespace tdist::detail
