@@ -49,8 +49,7 @@ std::map<std::string, std::string> parse_backend(const std::string& spec) {
   std::map<std::string, std::string> out;
   TDIST_CHECK_ARG(!spec.empty(), "empty backend name; expected ", known_names());
   if (spec.find(':') == std::string::npos) {
-    TDIST_CHECK_ARG(known("cpu", spec), "unknown backend '", spec,
-                    "'; expected ", known_names());
+    TDIST_CHECK_ARG(known("cpu", spec), "unknown backend '", spec, "'; expected ", known_names());
     out["cpu"] = spec;
     return out;
   }
@@ -79,15 +78,17 @@ std::map<std::string, std::string> parse_backend(const std::string& spec) {
 // loads, as c10d does (unless TDIST_CUDA_BACKEND=ring); else the ring for every device.
 std::string resolve_auto(int rank) {
   const std::string cuda = env::get("TDIST_CUDA_BACKEND").value_or("nccl");
-  TDIST_CHECK_ARG(cuda == "nccl" || cuda == "ring", "TDIST_CUDA_BACKEND must be nccl or ring, got '",
-                  cuda, "'");
+  TDIST_CHECK_ARG(cuda == "nccl" || cuda == "ring",
+                  "TDIST_CUDA_BACKEND must be nccl or ring, got '", cuda, "'");
   if (cuda == "ring" || !at::hasCUDA()) return "ring";
   try {
     detail::load_nccl_backend();
     return "cpu:ring,cuda:nccl";
   } catch (const std::exception& e) {
-    TDIST_LOG_WARN("rank ", rank, ": a GPU is visible but the NCCL backend is not available, so "
-                   "CUDA tensors are staged through the ring backend: ", e.what());
+    TDIST_LOG_WARN("rank ", rank,
+                   ": a GPU is visible but the NCCL backend is not available, so "
+                   "CUDA tensors are staged through the ring backend: ",
+                   e.what());
     return "ring";
   }
 }
@@ -98,8 +99,8 @@ std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store,
                                                    ProcessGroup::Options opts) {
   TDIST_CHECK_ARG(store != nullptr, "create_process_group: the store is null");
   TDIST_CHECK_ARG(size >= 1, "create_process_group: world size must be >= 1, got ", size);
-  TDIST_CHECK_ARG(rank >= 0 && rank < size, "create_process_group: rank ", rank,
-                  " is not in [0, ", size, ")");
+  TDIST_CHECK_ARG(rank >= 0 && rank < size, "create_process_group: rank ", rank, " is not in [0, ",
+                  size, ")");
   TDIST_CHECK_ARG(!opts.device_id || *opts.device_id >= 0,
                   "create_process_group: device_id must be >= 0, got ", opts.device_id.value_or(0));
   const bool automatic = opts.backend == "auto";
@@ -120,8 +121,10 @@ std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store,
     cuda_group = make_nccl(std::move(store), prefix + "/nccl", rank, size, opts);
   } catch (const std::exception& e) {
     if (automatic) {  // the ring serves CUDA tensors too
-      TDIST_LOG_WARN("rank ", rank, ": the nccl backend cannot start, so CUDA tensors are staged "
-                     "through the ring backend: ", e.what());
+      TDIST_LOG_WARN("rank ", rank,
+                     ": the nccl backend cannot start, so CUDA tensors are staged "
+                     "through the ring backend: ",
+                     e.what());
       return cpu_group;
     }
     TDIST_THROW(InvalidArgument, "backend '", opts.backend, "': the nccl backend cannot start on ",

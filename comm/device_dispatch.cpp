@@ -28,8 +28,10 @@ BackendFactory load_nccl_backend() {
     if (!entry) return {nullptr, str(kName, " has no ", nccl::kFactorySymbol)};
     return {entry(), ""};
   }();
-  TDIST_CHECK_ARG(loaded.first != nullptr, "the nccl backend is not available: this build of "
-                  "tdist has no NCCL backend, or it cannot be loaded (", loaded.second, ")");
+  TDIST_CHECK_ARG(loaded.first != nullptr,
+                  "the nccl backend is not available: this build of "
+                  "tdist has no NCCL backend, or it cannot be loaded (",
+                  loaded.second, ")");
   return loaded.first;
 }
 
@@ -50,7 +52,8 @@ ProcessGroup& DispatchProcessGroup::route(
       (t.is_cuda() ? cuda : other)++;
     }
   }
-  TDIST_CHECK_ARG(cuda == 0 || other == 0, op, ": ", cuda, " CUDA and ", other, " other tensors "
+  TDIST_CHECK_ARG(cuda == 0 || other == 0, op, ": ", cuda, " CUDA and ", other,
+                  " other tensors "
                   "in one operation; the backends are chosen per device type ('",
                   backend_name(), "'), so all tensors of an operation must be on one");
   return cuda > 0 ? *cuda_ : *cpu_;
@@ -134,7 +137,8 @@ std::shared_ptr<Work> DispatchProcessGroup::alltoall_base(at::Tensor output, at:
 std::shared_ptr<Work> DispatchProcessGroup::alltoall(std::vector<at::Tensor> outputs,
                                                      std::vector<at::Tensor> inputs,
                                                      const AllToAllOptions& opts) {
-  return route("alltoall", {&outputs, &inputs}).alltoall(std::move(outputs), std::move(inputs), opts);
+  return route("alltoall", {&outputs, &inputs})
+      .alltoall(std::move(outputs), std::move(inputs), opts);
 }
 
 std::shared_ptr<Work> DispatchProcessGroup::barrier(const BarrierOptions& opts) {

@@ -73,7 +73,8 @@ class DispatchProcessGroup : public ProcessGroup {
 
  private:
   // The backend for an operation on `tensors` (Note [Device dispatch]).
-  ProcessGroup& route(const char* op, std::initializer_list<const std::vector<at::Tensor>*> tensors);
+  ProcessGroup& route(const char* op,
+                      std::initializer_list<const std::vector<at::Tensor>*> tensors);
 
   // Constant after construction.
   const std::shared_ptr<ProcessGroup> cpu_;

@@ -113,8 +113,8 @@ int DeviceMesh::rank_of(const std::vector<int>& coords) const {
 }
 
 std::vector<int> DeviceMesh::coordinates_of(int rank) const {
-  TDIST_CHECK_ARG(rank >= 0 && rank < world_->size(), "DeviceMesh: rank ", rank,
-                  " is not in [0, ", world_->size(), ")");
+  TDIST_CHECK_ARG(rank >= 0 && rank < world_->size(), "DeviceMesh: rank ", rank, " is not in [0, ",
+                  world_->size(), ")");
   std::vector<int> c(dims_.size());
   for (size_t i = dims_.size(); i-- > 0;) {
     c[i] = rank % dims_[i].size;

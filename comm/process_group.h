@@ -58,20 +58,23 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
     // that is set, else the default (resolve_ring_tuning in comm/ring/ring_tuning.h is the one
     // place that reads them; docs/configuration.md lists every knob with its default and why).
     struct RingTuning {
-      std::optional<size_t> chunk_bytes;            // TDIST_CHUNK_BYTES: pipelining chunk
-      std::optional<size_t> small_allreduce_bytes;  // TDIST_SMALL_ALLREDUCE_BYTES: below, recursive doubling
-      std::optional<std::string> allreduce_algo;    // TDIST_ALLREDUCE_ALGO: auto|ring|recursive_doubling|hierarchical
-      std::optional<size_t> window_bytes;           // TDIST_WINDOW_BYTES: Note [Windows]
-      std::optional<size_t> staging_piece_bytes;    // TDIST_STAGING_PIECE_BYTES: Note [Overlapped staging]
-      std::optional<bool> debug_detail;             // TDIST_DEBUG=DETAIL: Note [Fingerprint check]
-      std::optional<bool> run_on_waiter;            // TDIST_RUN_ON_WAITER
-      std::optional<bool> shared_memory;            // TDIST_TRANSPORT=auto (true) | tcp (false)
-      std::optional<size_t> shm_bytes;              // TDIST_SHM_BYTES: each ring's capacity
-      std::optional<int> spin_us;                   // TDIST_SPIN_US: Note [Spin, then sleep]
-      std::optional<int> busy_poll_ns;              // TDIST_BUSY_POLL_NS: the same Note
-      std::optional<bool> shm_futex;                // TDIST_SHM_FUTEX
-      std::optional<bool> single_copy;              // TDIST_SINGLE_COPY
-      std::optional<size_t> single_copy_bytes;      // TDIST_SINGLE_COPY_BYTES
+      std::optional<size_t> chunk_bytes;  // TDIST_CHUNK_BYTES: pipelining chunk
+      std::optional<size_t>
+          small_allreduce_bytes;  // TDIST_SMALL_ALLREDUCE_BYTES: below, recursive doubling
+      std::optional<std::string>
+          allreduce_algo;  // TDIST_ALLREDUCE_ALGO: auto|ring|recursive_doubling|hierarchical
+      std::optional<size_t> window_bytes;  // TDIST_WINDOW_BYTES: Note [Windows]
+      std::optional<size_t>
+          staging_piece_bytes;            // TDIST_STAGING_PIECE_BYTES: Note [Overlapped staging]
+      std::optional<bool> debug_detail;   // TDIST_DEBUG=DETAIL: Note [Fingerprint check]
+      std::optional<bool> run_on_waiter;  // TDIST_RUN_ON_WAITER
+      std::optional<bool> shared_memory;  // TDIST_TRANSPORT=auto (true) | tcp (false)
+      std::optional<size_t> shm_bytes;    // TDIST_SHM_BYTES: each ring's capacity
+      std::optional<int> spin_us;         // TDIST_SPIN_US: Note [Spin, then sleep]
+      std::optional<int> busy_poll_ns;    // TDIST_BUSY_POLL_NS: the same Note
+      std::optional<bool> shm_futex;      // TDIST_SHM_FUTEX
+      std::optional<bool> single_copy;    // TDIST_SINGLE_COPY
+      std::optional<size_t> single_copy_bytes;  // TDIST_SINGLE_COPY_BYTES
     };
     RingTuning ring;
   };
@@ -126,8 +129,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // ranks[i] after sorting). Every rank of this group must call it, in the same order relative
   // to other new_group calls; ranks not in the subgroup get nullptr. The subgroup has its own
   // connections, store prefix and sequence numbers.
-  virtual std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks,
-                                                  const Options& opts) = 0;
+  virtual std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) = 0;
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) {
     return new_group(std::move(ranks), options());
   }
@@ -139,13 +141,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 // Creates the group: ranks exchange their addresses through `store` (under a prefix of its own)
 // and connect. Blocks until every rank joined or opts.timeout passed (TimeoutError naming the
 // ranks that did not arrive). Unknown backend names throw InvalidArgument listing the known ones.
-std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store, int rank,
-                                                   int size,
+std::shared_ptr<ProcessGroup> create_process_group(std::shared_ptr<Store> store, int rank, int size,
                                                    ProcessGroup::Options opts = {});
 
 // Same, from an init_method URL (env://, tcp://host:port, file:///path; see rendezvous.h).
-std::shared_ptr<ProcessGroup> create_process_group(const std::string& init_method,
-                                                   int rank = -1, int size = -1,
-                                                   ProcessGroup::Options opts = {});
+std::shared_ptr<ProcessGroup> create_process_group(const std::string& init_method, int rank = -1,
+                                                   int size = -1, ProcessGroup::Options opts = {});
 
 }  // namespace tdist::comm

@@ -67,16 +67,24 @@ class Future : public std::enable_shared_from_this<Future> {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::atomic<bool> done_{false};                       // set under mu_; read without it
-  Value value_;                                         // guarded by mu_; constant once done_
-  std::exception_ptr error_;                            // guarded by mu_; constant once done_
-  std::vector<std::function<void(Future&)>> callbacks_; // guarded by mu_
+  std::atomic<bool> done_{false};                        // set under mu_; read without it
+  Value value_;                                          // guarded by mu_; constant once done_
+  std::exception_ptr error_;                             // guarded by mu_; constant once done_
+  std::vector<std::function<void(Future&)>> callbacks_;  // guarded by mu_
 };
 
 class Work {
  public:
   Work(std::string op, uint64_t seq, std::shared_ptr<Future> future)
       : op_(std::move(op)), seq_(seq), future_(std::move(future)) {}
+  // A name that lives as long as the program (a string literal): kept as the pointer, so that
+  // making the Work allocates nothing for a name longer than std::string's inline buffer (Note
+  // [Small operations] in comm/ring/ring_process_group.cpp).
+  struct StaticName {
+    const char* name;
+  };
+  Work(StaticName op, uint64_t seq, std::shared_ptr<Future> future)
+      : static_op_(op.name), seq_(seq), future_(std::move(future)) {}
   virtual ~Work() { progress(false); }
 
   bool is_completed() const {
@@ -113,11 +121,12 @@ class Work {
   // recv_any_source: the rank the message came from (valid once complete); -1 otherwise.
   virtual int source_rank() const { return -1; }
 
-  const std::string& op() const { return op_; }
+  std::string op() const { return static_op_ != nullptr ? std::string(static_op_) : op_; }
   uint64_t sequence_number() const { return seq_; }
 
  private:
-  const std::string op_;
+  const std::string op_;  // unless static_op_ is set
+  const char* const static_op_ = nullptr;
   const uint64_t seq_;
   const std::shared_ptr<Future> future_;
   void progress(bool may_run_here) const {

@@ -40,8 +40,7 @@ std::atomic<size_t> peak_scratch{0};
 
 char* scratch(Context& c, size_t bytes) {
   size_t seen = peak_scratch.load(std::memory_order_relaxed);
-  while (bytes > seen && !peak_scratch.compare_exchange_weak(seen, bytes)) {
-  }
+  while (bytes > seen && !peak_scratch.compare_exchange_weak(seen, bytes)) {}
   return c.scratch.get(bytes);
 }
 

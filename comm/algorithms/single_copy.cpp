@@ -3,6 +3,7 @@
 
 #include <errno.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "tdist/comm/algorithms/single_copy.h"
@@ -18,8 +19,8 @@ namespace {
 void check_moved(Context& c, int err, int peer, const char* verb, size_t bytes) {
   if (err == 0) return;
   if (err == ESRCH) {
-    throw NetworkError(str(c.ex.where(), ": lost rank ", peer, ": its process is gone (", verb,
-                           " ", bytes, " bytes of its memory)"));
+    throw NetworkError(str(c.ex.where(), ": lost rank ", peer, ": its process is gone (", verb, " ",
+                           bytes, " bytes of its memory)"));
   }
   throw NetworkError(str(c.ex.where(), ": ", verb, " ", bytes, " bytes of the memory of rank ",
                          peer, " failed: ", std::strerror(err)));
@@ -107,6 +108,38 @@ void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t 
     const int p = (r + s) % n;
     read_peer(c, p, addresses[p], blocks[p], block_bytes);
     if (staging != nullptr) staging->finished_at(blocks[p], block_bytes);
+  }
+  all_passed(c);
+}
+
+void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpec& rs) {
+  const int n = c.size;
+  const int r = c.rank;
+  if (n == 1 || count == 0) return;
+  const size_t es = rs.elem_size;
+  const std::vector<uint64_t> addresses = exchange_addresses(c, data, count * es);
+  // Segment s: elements [first(s), first(s + 1)).
+  const size_t per = (count + static_cast<size_t>(n) - 1) / static_cast<size_t>(n);
+  auto first = [&](int s) { return std::min(count, per * static_cast<size_t>(s)); };
+  const size_t lo = first(r);
+  const size_t len = first(r + 1) - lo;
+  if (len > 0) {
+    char* mine = data + lo * es;
+    char* theirs = c.scratch.get(len * es);
+    // Each rank starts with its right neighbour, so the ranks do not all read one rank at once.
+    for (int s = 1; s < n; ++s) {
+      const int p = (r + s) % n;
+      read_peer(c, p, addresses[p] + lo * es, theirs, len * es);
+      rs.fn(mine, mine, theirs, len);
+    }
+    if (rs.op == ReduceOp::AVG) detail::divide_in_place(mine, rs.dtype, len, n);
+  }
+  all_passed(c);
+  for (int s = 1; s < n; ++s) {
+    const int p = (r + s) % n;
+    const size_t plo = first(p);
+    const size_t plen = first(p + 1) - plo;
+    if (plen > 0) read_peer(c, p, addresses[p] + plo * es, data + plo * es, plen * es);
   }
   all_passed(c);
 }

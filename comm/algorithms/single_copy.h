@@ -45,4 +45,23 @@ void broadcast_single_copy(Context& c, char* data, size_t bytes, int root,
 void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t block_bytes,
                            Staging* staging = nullptr);
 
+// Note [Single-copy allreduce]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The ring allreduce makes 2(n-1) hops one after the other, each a wait for the left
+// neighbour (a wake-up when it sleeps); recursive doubling log2 n rounds that each move the
+// whole buffer. Where every rank may read every peer (Note [Single-copy collectives]) the
+// allreduce is a reduce-scatter and an allgather that read the peers' buffers directly:
+//   1. every rank sends every peer its buffer's address and size (a mismatch fails here);
+//   2. rank s reduces its segment s (count / n elements, the last ones shorter) by reading
+//      segment s of each peer's buffer into scratch and reducing it into its own;
+//   3. all ranks meet (one byte to and from each peer): every segment is final on its owner;
+//   4. every rank reads each peer's own segment into the same place of its buffer;
+//   5. all ranks meet again, so no rank returns while a peer still reads its buffer.
+// In step 2 a rank writes only its own segment, which no peer reads before step 4; in step 4
+// it writes only the others' segments, which nobody reads any more. Each segment is reduced by
+// one rank and copied to the others, so every rank ends bit-identical. Each rank waits three
+// times whatever the world size (steps 1, 3 and 5) and copies 2(n-1)/n of the buffer, the
+// same bytes as the ring's hops but once each and with no forwarding.
+void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpec& rs);
+
 }  // namespace tdist::comm::algorithms

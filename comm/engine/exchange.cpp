@@ -48,6 +48,7 @@ void Exchange::begin(const char* op, uint64_t seq, Clock::time_point now,
   started_ = now;
   bounce_left_ = 0;
   counts_ = Counts{};
+  in_callback_ = false;  // a callback that threw left it set
   for (auto* qs : {&sends_, &recvs_}) {
     for (auto& q : *qs) {
       q.items.clear();
@@ -63,6 +64,7 @@ void Exchange::send(int peer, const void* data, size_t n, Gate gate) {
   q.items.emplace_back(static_cast<char*>(const_cast<void*>(data)), n, 0, gate);
   q.posted += n;
   ++counts_.sends;
+  if (in_callback_) ++counts_.forwards;
   counts_.bytes_sent += n;
 }
 
@@ -193,7 +195,11 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
     uint64_t cookie = it.cookie;
     ++q.head;
     progressed = true;
-    if (cb != nullptr) cb(ctx, peer, cookie);
+    if (cb != nullptr) {
+      in_callback_ = true;
+      cb(ctx, peer, cookie);
+      in_callback_ = false;
+    }
   }
   return progressed;
 }
@@ -279,7 +285,8 @@ bool Exchange::progress_reduce(int peer, Callback cb, void* ctx) {
       if (avail == Channel::kClosed) fail_closed(peer, "receiving from", 0);
       if (avail == Channel::kError) fail_closed(peer, "receiving from", errno);
       if (avail <= 0) break;
-      size_t used = reduce_spans(it, spans, std::min(static_cast<size_t>(avail), it.size - it.done));
+      size_t used =
+          reduce_spans(it, spans, std::min(static_cast<size_t>(avail), it.size - it.done));
       if (used == 0) break;
       ch->consume(used);
       q.moved += used;
@@ -293,7 +300,11 @@ bool Exchange::progress_reduce(int peer, Callback cb, void* ctx) {
     if (it.done < it.size) continue;
     uint64_t cookie = it.cookie;
     ++q.head;
-    if (cb != nullptr) cb(ctx, peer, cookie);
+    if (cb != nullptr) {
+      in_callback_ = true;
+      cb(ctx, peer, cookie);
+      in_callback_ = false;
+    }
   }
   return progressed;
 }
@@ -433,12 +444,12 @@ void Exchange::fail_closed(int peer, const char* direction, int err) {
   check_aborted();
   const auto& s = sends_[peer];
   const auto& r = recvs_[peer];
-  std::string cause = err == 0 ? std::string("the connection was closed (rank ") + std::to_string(peer) +
-                                     " exited, crashed or aborted)"
-                    : err == EPROTO
-                        ? "it published an impossible counter in the shared-memory ring (" +
-                              net::errno_text(err) + ")"
-                        : net::errno_text(err);
+  std::string cause = err == 0 ? std::string("the connection was closed (rank ") +
+                                     std::to_string(peer) + " exited, crashed or aborted)"
+                      : err == EPROTO
+                          ? "it published an impossible counter in the shared-memory ring (" +
+                                net::errno_text(err) + ")"
+                          : net::errno_text(err);
   TDIST_THROW(NetworkError, where(), ": lost rank ", peer, " while ", direction, " it: ", cause,
               "; received ", r.moved, " of the ", r.posted, " bytes posted so far from it, sent ",
               s.moved, " of ", s.posted, " to it");
@@ -452,9 +463,9 @@ void Exchange::fail_timeout() {
     const auto& s = sends_[p];
     const auto& r = recvs_[p];
     if (!s.pending() && !r.pending()) continue;
-    waiting += str(waiting.empty() ? "" : "; ", "rank ", p, " (received ", r.moved, " of the ",
-                   r.posted, " bytes posted so far from it, sent ", s.moved, " of ", s.posted,
-                   " to it)");
+    waiting +=
+        str(waiting.empty() ? "" : "; ", "rank ", p, " (received ", r.moved, " of the ", r.posted,
+            " bytes posted so far from it, sent ", s.moved, " of ", s.posted, " to it)");
   }
   if (const Item* it = held_by_arrivals()) {
     waiting += str(waiting.empty() ? "" : "; ",

@@ -110,6 +110,9 @@ class Exchange {
     uint64_t sends = 0;           // non-empty send posts (a ring's hops, chunk by chunk)
     uint64_t bytes_sent = 0;      // bytes posted to send
     uint64_t bytes_received = 0;  // bytes posted to receive (plain or reduced)
+    uint64_t forwards = 0;        // sends posted by a completion callback of run(): each
+                                  // waited for a receive, so a chain of them is as many
+                                  // dependent hand-offs (a wake-up each where a rank sleeps)
     uint64_t sleeps = 0;          // waits in poll or on a channel's futex: a wake-up each
     uint64_t spins_run_out = 0;   // spins that ended without progress (Note [Spin, then sleep])
   };
@@ -172,6 +175,7 @@ class Exchange {
   uint64_t seq_ = 0;
   Clock::time_point deadline_;
   Clock::time_point started_;
+  bool in_callback_ = false;  // a completion callback of run() is running (Counts::forwards)
   int spin_us_ = 0;
   int busy_poll_ns_ = 0;
   int spin_skip_ = 0;     // waits left that sleep without spinning first

@@ -29,9 +29,7 @@ std::string dtype_text(int32_t d) {
   return c10::toString(static_cast<c10::ScalarType>(d));
 }
 
-std::string redop_text(int32_t r) {
-  return r < 0 ? "none" : to_string(static_cast<ReduceOp>(r));
-}
+std::string redop_text(int32_t r) { return r < 0 ? "none" : to_string(static_cast<ReduceOp>(r)); }
 
 }  // namespace
 
@@ -112,7 +110,8 @@ void check_fingerprints(Exchange& ex, const Fingerprint& mine) {
   std::string diffs;
   for (int p = 1; p < n; ++p) {
     std::string d = all[0].difference(all[p]);
-    if (!d.empty()) diffs += str(diffs.empty() ? "" : "; ", "rank ", p, " differs from rank 0: ", d);
+    if (!d.empty())
+      diffs += str(diffs.empty() ? "" : "; ", "rank ", p, " differs from rank 0: ", d);
   }
   if (!diffs.empty()) {
     TDIST_THROW(MismatchError, ex.where(),

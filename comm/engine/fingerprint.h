@@ -25,9 +25,9 @@ namespace tdist::comm::detail {
 struct Fingerprint {
   std::string op;
   uint64_t seq = 0;
-  int32_t dtype = -1;   // c10::ScalarType, -1 when the operation has no tensor
-  int32_t redop = -1;   // ReduceOp, -1 when none
-  int32_t root = -1;    // -1 when none
+  int32_t dtype = -1;  // c10::ScalarType, -1 when the operation has no tensor
+  int32_t redop = -1;  // ReduceOp, -1 when none
+  int32_t root = -1;   // -1 when none
   std::vector<std::vector<int64_t>> shapes;
 
   Bytes encode() const;

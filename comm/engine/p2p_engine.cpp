@@ -221,7 +221,7 @@ void P2PEngine::release_held(int peer) {
 bool P2PEngine::progress_send(int peer) {
   auto& st = state_[peer];
   st.stalled = false;
-  if (st.out.empty() || st.closed) return false;
+  if (st.out.empty() || st.closed || !st.write_failed.empty()) return false;
   iovec iov[kMaxFrameIov];
   int count = 0;
   for (size_t i = 0; i < st.out.size() && count + 2 <= kMaxFrameIov; ++i) {
@@ -244,7 +244,7 @@ bool P2PEngine::progress_send(int peer) {
   if (count == 0) return false;
   long n = peers_[peer]->writev(iov, count);
   if (n == tcp::Connection::kError) {
-    lost_peer(peer, net::errno_text(errno));
+    st.write_failed = net::errno_text(errno);  // read what is left first (Note [Losing a peer])
     return true;
   }
   if (n <= 0) return false;
@@ -288,9 +288,9 @@ void P2PEngine::deliver(int peer, std::unique_ptr<Op> op, bool eager, uint64_t b
                         std::vector<char>* data) {
   std::exception_ptr error;
   if (op->bytes != bytes) {
-    error = make_error<InvalidArgument>(where(*op), ": rank ", peer, " sent ", bytes,
-                                        " bytes but the receive buffer holds ", op->bytes,
-                                        " bytes");
+    error =
+        make_error<InvalidArgument>(where(*op), ": rank ", peer, " sent ", bytes,
+                                    " bytes but the receive buffer holds ", op->bytes, " bytes");
   }
   if (eager) {
     // A streamed receive is larger than any eager message: the sizes differ.
@@ -341,14 +341,15 @@ void P2PEngine::on_header(int peer) {
   switch (st.kind) {
     case kEager: {
       if (st.bytes > kEagerMax) {
-        fatal(make_error<ProtocolError>("rank ", rank_, ": rank ", peer, " sent an eager message of ",
-                                        st.bytes, " bytes (at most ", kEagerMax, " are allowed)"));
+        fatal(make_error<ProtocolError>("rank ", rank_, ": rank ", peer,
+                                        " sent an eager message of ", st.bytes, " bytes (at most ",
+                                        kEagerMax, " are allowed)"));
         return;
       }
       if (st.eager_held + eager_cost(st.bytes) > kEagerCredit) {
-        broke_protocol(peer, str("it sent an eager message of ", st.bytes,
-                                 " bytes beyond its eager credit (", st.eager_held, " of ",
-                                 kEagerCredit, " bytes in use)"));
+        broke_protocol(
+            peer, str("it sent an eager message of ", st.bytes, " bytes beyond its eager credit (",
+                      st.eager_held, " of ", kEagerCredit, " bytes in use)"));
         return;
       }
       st.eager_held += eager_cost(st.bytes);
@@ -491,20 +492,22 @@ bool P2PEngine::progress_read(int peer) {
     iov = iovec{st.header + st.header_got, kHeader - st.header_got};
   } else if (payload != nullptr) {
     char* at = nullptr;
-    const size_t room = std::min<uint64_t>(payload->span(st.payload_got, &at),
-                                           st.bytes - st.payload_got);
+    const size_t room =
+        std::min<uint64_t>(payload->span(st.payload_got, &at), st.bytes - st.payload_got);
     TDIST_CHECK(room > 0, where(*st.reading), ": no room for byte ", st.payload_got);
     iov = iovec{at, room};
   } else if (st.target != nullptr) {
     iov = iovec{st.target + st.payload_got, st.bytes - st.payload_got};
   } else {
-    iov = iovec{discard_buf_.data(), std::min<uint64_t>(st.bytes - st.payload_got,
-                                                        discard_buf_.size())};
+    iov = iovec{discard_buf_.data(),
+                std::min<uint64_t>(st.bytes - st.payload_got, discard_buf_.size())};
   }
   long n = peers_[peer]->readv(&iov, 1);
   if (n == tcp::Connection::kClosed || n == tcp::Connection::kError) {
-    lost_peer(peer, n == tcp::Connection::kError ? net::errno_text(errno)
-                                                  : std::string("the connection was closed"));
+    std::string cause = n == tcp::Connection::kError ? net::errno_text(errno)
+                                                     : std::string("the connection was closed");
+    if (!st.write_failed.empty()) cause = str(st.write_failed, " writing, then ", cause);
+    lost_peer(peer, cause);
     return true;
   }
   if (n == 0) return false;
@@ -557,8 +560,7 @@ void P2PEngine::broke_protocol(int peer, const std::string& what) {
 }
 
 // Fails every operation bound to `peer` with error(op); its announcements are gone.
-void P2PEngine::close_pair(int peer,
-                           const std::function<std::exception_ptr(const Op&)>& error) {
+void P2PEngine::close_pair(int peer, const std::function<std::exception_ptr(const Op&)>& error) {
   auto& st = state_[peer];
   st.announced = 0;
   for (auto it = recvs_.begin(); it != recvs_.end();) {
@@ -734,7 +736,7 @@ void P2PEngine::loop() {
       auto& st = state_[p];
       if (p == rank_ || st.closed) continue;
       short events = POLLIN;  // every connection is always read (Note [Point-to-point protocol])
-      if (!st.out.empty() && !st.stalled) events |= POLLOUT;
+      if (!st.out.empty() && !st.stalled && st.write_failed.empty()) events |= POLLOUT;
       stalled |= st.stalled;
       fds.push_back(pollfd{peers_[p]->fd(), events, 0});
     }

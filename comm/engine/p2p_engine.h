@@ -35,6 +35,15 @@
 //   connection in the middle of a frame leaves the stream unusable and aborts the group
 //   (on_fatal).
 //
+// Note [Losing a peer]
+//   A peer that finished and destroyed its group may close its connection while this rank
+//   still has bytes of it to read: its last eager messages complete once written. A close with
+//   bytes of ours unread (credit we returned) resets the connection, and our next write to it
+//   fails while its last messages may still wait in our socket. So a failed write only stops
+//   writing to that peer: the engine reads on until the stream ends (end of file or the reset,
+//   which the kernel reports after the queued bytes), delivering every whole message, and only
+//   then closes the pair (lost_peer). Its queued frames fail then, with the write's cause.
+//
 // Note [Streamed payloads]
 //   A send or receive may give a Payload instead of a buffer: its bytes pass through memory the
 //   payload lends piece by piece (a CUDA tensor staged through host memory window by window,
@@ -142,8 +151,8 @@ class P2PEngine {
     int peer;
     uint32_t tag;
     uint64_t bytes;
-    uint64_t id;               // RTS: the message to ask for
-    bool eager;                // EAGER: `data` holds the payload
+    uint64_t id;  // RTS: the message to ask for
+    bool eager;   // EAGER: `data` holds the payload
     std::vector<char> data;
   };
   struct PeerState {
@@ -159,9 +168,9 @@ class P2PEngine {
     size_t header_got = 0;
     uint32_t kind = 0, tag = 0;
     uint64_t bytes = 0, id = 0;
-    char* target = nullptr;         // where the payload goes (null: discard)
+    char* target = nullptr;  // where the payload goes (null: discard)
     uint64_t payload_got = 0;
-    std::unique_ptr<Op> reading;    // the receive the payload completes (if any)
+    std::unique_ptr<Op> reading;               // the receive the payload completes (if any)
     std::unique_ptr<std::vector<char>> stash;  // an unexpected EAGER payload being read
     std::exception_ptr reading_error;          // completes `reading` with this (size mismatch)
     // Receives that sent a CTS and wait for the DATA, by id (null: drop the payload).
@@ -171,6 +180,9 @@ class P2PEngine {
     uint64_t eager_held = 0;
     uint64_t announced = 0;
     bool closed = false;
+    // A write to the peer failed (Note [Losing a peer]): nothing more is written; reading goes
+    // on until the stream ends, then the pair closes with this cause.
+    std::string write_failed;
   };
 
   void loop();

@@ -18,11 +18,15 @@ namespace {
 
 struct Sum {
   template <typename T>
-  static T apply(T a, T b) { return a + b; }
+  static T apply(T a, T b) {
+    return a + b;
+  }
 };
 struct Prod {
   template <typename T>
-  static T apply(T a, T b) { return a * b; }
+  static T apply(T a, T b) {
+    return a * b;
+  }
 };
 // Note [MIN/MAX semantics]
 //   Floating point follows torch.minimum / torch.maximum: a NaN in either operand gives NaN.
@@ -53,15 +57,21 @@ struct Max {
 };
 struct BAnd {
   template <typename T>
-  static T apply(T a, T b) { return a & b; }
+  static T apply(T a, T b) {
+    return a & b;
+  }
 };
 struct BOr {
   template <typename T>
-  static T apply(T a, T b) { return a | b; }
+  static T apply(T a, T b) {
+    return a | b;
+  }
 };
 struct BXor {
   template <typename T>
-  static T apply(T a, T b) { return a ^ b; }
+  static T apply(T a, T b) {
+    return a ^ b;
+  }
 };
 
 // One loop per (T, Op); GCC vectorizes it (the file is compiled with -O3). `out` may alias `a`,
@@ -101,14 +111,22 @@ void kernel_bool(void* out, const void* a, const void* b, size_t n) {
 template <typename T>
 ReduceFn integer_kernel(ReduceOp op) {
   switch (op) {
-    case ReduceOp::SUM: return &kernel<T, Sum>;
-    case ReduceOp::PRODUCT: return &kernel<T, Prod>;
-    case ReduceOp::MIN: return &kernel<T, Min>;
-    case ReduceOp::MAX: return &kernel<T, Max>;
-    case ReduceOp::BAND: return &kernel<T, BAnd>;
-    case ReduceOp::BOR: return &kernel<T, BOr>;
-    case ReduceOp::BXOR: return &kernel<T, BXor>;
-    case ReduceOp::AVG: return nullptr;
+    case ReduceOp::SUM:
+      return &kernel<T, Sum>;
+    case ReduceOp::PRODUCT:
+      return &kernel<T, Prod>;
+    case ReduceOp::MIN:
+      return &kernel<T, Min>;
+    case ReduceOp::MAX:
+      return &kernel<T, Max>;
+    case ReduceOp::BAND:
+      return &kernel<T, BAnd>;
+    case ReduceOp::BOR:
+      return &kernel<T, BOr>;
+    case ReduceOp::BXOR:
+      return &kernel<T, BXor>;
+    case ReduceOp::AVG:
+      return nullptr;
   }
   return nullptr;
 }
@@ -117,11 +135,16 @@ template <typename T>
 ReduceFn float_kernel(ReduceOp op) {
   switch (op) {
     case ReduceOp::SUM:
-    case ReduceOp::AVG: return &kernel<T, Sum>;
-    case ReduceOp::PRODUCT: return &kernel<T, Prod>;
-    case ReduceOp::MIN: return &kernel<T, Min>;
-    case ReduceOp::MAX: return &kernel<T, Max>;
-    default: return nullptr;
+    case ReduceOp::AVG:
+      return &kernel<T, Sum>;
+    case ReduceOp::PRODUCT:
+      return &kernel<T, Prod>;
+    case ReduceOp::MIN:
+      return &kernel<T, Min>;
+    case ReduceOp::MAX:
+      return &kernel<T, Max>;
+    default:
+      return nullptr;
   }
 }
 
@@ -129,11 +152,16 @@ template <typename T>
 ReduceFn lowp_kernel(ReduceOp op) {
   switch (op) {
     case ReduceOp::SUM:
-    case ReduceOp::AVG: return &kernel_lowp<T, Sum>;
-    case ReduceOp::PRODUCT: return &kernel_lowp<T, Prod>;
-    case ReduceOp::MIN: return &kernel_lowp<T, Min>;
-    case ReduceOp::MAX: return &kernel_lowp<T, Max>;
-    default: return nullptr;
+    case ReduceOp::AVG:
+      return &kernel_lowp<T, Sum>;
+    case ReduceOp::PRODUCT:
+      return &kernel_lowp<T, Prod>;
+    case ReduceOp::MIN:
+      return &kernel_lowp<T, Min>;
+    case ReduceOp::MAX:
+      return &kernel_lowp<T, Max>;
+    default:
+      return nullptr;
   }
 }
 
@@ -141,9 +169,12 @@ template <typename T>
 ReduceFn complex_kernel(ReduceOp op) {
   switch (op) {
     case ReduceOp::SUM:
-    case ReduceOp::AVG: return &kernel<T, Sum>;
-    case ReduceOp::PRODUCT: return &kernel<T, Prod>;
-    default: return nullptr;
+    case ReduceOp::AVG:
+      return &kernel<T, Sum>;
+    case ReduceOp::PRODUCT:
+      return &kernel<T, Prod>;
+    default:
+      return nullptr;
   }
 }
 
@@ -151,12 +182,16 @@ ReduceFn bool_kernel(ReduceOp op) {
   switch (op) {
     case ReduceOp::SUM:
     case ReduceOp::MAX:
-    case ReduceOp::BOR: return &kernel_bool<BOr>;
+    case ReduceOp::BOR:
+      return &kernel_bool<BOr>;
     case ReduceOp::PRODUCT:
     case ReduceOp::MIN:
-    case ReduceOp::BAND: return &kernel_bool<BAnd>;
-    case ReduceOp::BXOR: return &kernel_bool<BXor>;
-    case ReduceOp::AVG: return nullptr;
+    case ReduceOp::BAND:
+      return &kernel_bool<BAnd>;
+    case ReduceOp::BXOR:
+      return &kernel_bool<BXor>;
+    case ReduceOp::AVG:
+      return nullptr;
   }
   return nullptr;
 }
@@ -164,22 +199,38 @@ ReduceFn bool_kernel(ReduceOp op) {
 ReduceFn lookup(c10::ScalarType dtype, ReduceOp op) {
   using c10::ScalarType;
   switch (dtype) {
-    case ScalarType::Byte: return integer_kernel<uint8_t>(op);
-    case ScalarType::Char: return integer_kernel<int8_t>(op);
-    case ScalarType::Short: return integer_kernel<int16_t>(op);
-    case ScalarType::Int: return integer_kernel<int32_t>(op);
-    case ScalarType::Long: return integer_kernel<int64_t>(op);
-    case ScalarType::UInt16: return integer_kernel<uint16_t>(op);
-    case ScalarType::UInt32: return integer_kernel<uint32_t>(op);
-    case ScalarType::UInt64: return integer_kernel<uint64_t>(op);
-    case ScalarType::Float: return float_kernel<float>(op);
-    case ScalarType::Double: return float_kernel<double>(op);
-    case ScalarType::Half: return lowp_kernel<c10::Half>(op);
-    case ScalarType::BFloat16: return lowp_kernel<c10::BFloat16>(op);
-    case ScalarType::ComplexFloat: return complex_kernel<c10::complex<float>>(op);
-    case ScalarType::ComplexDouble: return complex_kernel<c10::complex<double>>(op);
-    case ScalarType::Bool: return bool_kernel(op);
-    default: return nullptr;
+    case ScalarType::Byte:
+      return integer_kernel<uint8_t>(op);
+    case ScalarType::Char:
+      return integer_kernel<int8_t>(op);
+    case ScalarType::Short:
+      return integer_kernel<int16_t>(op);
+    case ScalarType::Int:
+      return integer_kernel<int32_t>(op);
+    case ScalarType::Long:
+      return integer_kernel<int64_t>(op);
+    case ScalarType::UInt16:
+      return integer_kernel<uint16_t>(op);
+    case ScalarType::UInt32:
+      return integer_kernel<uint32_t>(op);
+    case ScalarType::UInt64:
+      return integer_kernel<uint64_t>(op);
+    case ScalarType::Float:
+      return float_kernel<float>(op);
+    case ScalarType::Double:
+      return float_kernel<double>(op);
+    case ScalarType::Half:
+      return lowp_kernel<c10::Half>(op);
+    case ScalarType::BFloat16:
+      return lowp_kernel<c10::BFloat16>(op);
+    case ScalarType::ComplexFloat:
+      return complex_kernel<c10::complex<float>>(op);
+    case ScalarType::ComplexDouble:
+      return complex_kernel<c10::complex<double>>(op);
+    case ScalarType::Bool:
+      return bool_kernel(op);
+    default:
+      return nullptr;
   }
 }
 
@@ -205,9 +256,12 @@ ReduceFn reduce_kernel(c10::ScalarType dtype, ReduceOp op) {
 void divide_in_place(void* data, c10::ScalarType dtype, size_t n, int divisor) {
   using c10::ScalarType;
   switch (dtype) {
-    case ScalarType::Float: return divide<float, float>(data, n, static_cast<float>(divisor));
-    case ScalarType::Double: return divide<double, double>(data, n, divisor);
-    case ScalarType::Half: return divide<c10::Half, float>(data, n, static_cast<float>(divisor));
+    case ScalarType::Float:
+      return divide<float, float>(data, n, static_cast<float>(divisor));
+    case ScalarType::Double:
+      return divide<double, double>(data, n, divisor);
+    case ScalarType::Half:
+      return divide<c10::Half, float>(data, n, static_cast<float>(divisor));
     case ScalarType::BFloat16:
       return divide<c10::BFloat16, float>(data, n, static_cast<float>(divisor));
     case ScalarType::ComplexFloat:

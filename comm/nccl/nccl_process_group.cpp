@@ -16,14 +16,22 @@ namespace {
 
 ::c10d::ReduceOp c10d_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::SUM: return ::c10d::ReduceOp::SUM;
-    case ReduceOp::AVG: return ::c10d::ReduceOp::AVG;
-    case ReduceOp::PRODUCT: return ::c10d::ReduceOp::PRODUCT;
-    case ReduceOp::MIN: return ::c10d::ReduceOp::MIN;
-    case ReduceOp::MAX: return ::c10d::ReduceOp::MAX;
-    case ReduceOp::BAND: return ::c10d::ReduceOp::BAND;
-    case ReduceOp::BOR: return ::c10d::ReduceOp::BOR;
-    case ReduceOp::BXOR: return ::c10d::ReduceOp::BXOR;
+    case ReduceOp::SUM:
+      return ::c10d::ReduceOp::SUM;
+    case ReduceOp::AVG:
+      return ::c10d::ReduceOp::AVG;
+    case ReduceOp::PRODUCT:
+      return ::c10d::ReduceOp::PRODUCT;
+    case ReduceOp::MIN:
+      return ::c10d::ReduceOp::MIN;
+    case ReduceOp::MAX:
+      return ::c10d::ReduceOp::MAX;
+    case ReduceOp::BAND:
+      return ::c10d::ReduceOp::BAND;
+    case ReduceOp::BOR:
+      return ::c10d::ReduceOp::BOR;
+    case ReduceOp::BXOR:
+      return ::c10d::ReduceOp::BXOR;
   }
   TDIST_THROW(InvalidArgument, "unknown reduce op ", static_cast<int>(op));
 }
@@ -190,8 +198,7 @@ void NcclProcessGroup::complete_loop() {
         std::rethrow_exception(error);
       } catch (const std::exception& e) {
         what = e.what();
-      } catch (...) {
-      }
+      } catch (...) {}
       finished.future->set_error(
           std::make_exception_ptr(op_error(rank_, finished.op, finished.seq, "failed: " + what)));
     } else {
@@ -203,8 +210,8 @@ void NcclProcessGroup::complete_loop() {
   while (!pending_.empty()) {
     Pending p = std::move(pending_.front());
     pending_.pop_front();
-    p.future->set_error(std::make_exception_ptr(op_error(
-        rank_, p.op, p.seq, "the group was destroyed before the operation finished")));
+    p.future->set_error(std::make_exception_ptr(
+        op_error(rank_, p.op, p.seq, "the group was destroyed before the operation finished")));
   }
 }
 
@@ -395,7 +402,8 @@ std::shared_ptr<Work> NcclProcessGroup::recv(at::Tensor tensor, int src, int tag
 }
 
 std::shared_ptr<Work> NcclProcessGroup::recv_any_source(at::Tensor, int, const SendRecvOptions&) {
-  TDIST_THROW(InvalidArgument, "recv_any_source: NCCL cannot receive from any source; name the "
+  TDIST_THROW(InvalidArgument,
+              "recv_any_source: NCCL cannot receive from any source; name the "
               "source rank, or use a CPU tensor (the ring backend serves it)");
 }
 
@@ -448,8 +456,7 @@ tdist_comm_nccl_factory() {
   return [](std::shared_ptr<tdist::Store> store, std::string prefix, int rank, int size,
             const tdist::comm::ProcessGroup::Options& opts)
              -> std::shared_ptr<tdist::comm::ProcessGroup> {
-    return std::make_shared<tdist::comm::nccl::NcclProcessGroup>(std::move(store),
-                                                                 std::move(prefix), rank, size,
-                                                                 opts);
+    return std::make_shared<tdist::comm::nccl::NcclProcessGroup>(
+        std::move(store), std::move(prefix), rank, size, opts);
   };
 }

@@ -43,8 +43,14 @@ Clock::time_point deadline_after(Millis timeout, Clock::time_point now = Clock::
 // together):
 //   - The op lives in a list node that moves between queue_, the running thread and free_ops_ by
 //     splicing (OpList), so queueing one allocates nothing once the group is warm.
-//   - A plain allreduce keeps its tensors and reduction in the Op (AllreduceArgs) instead of a
-//     capturing std::function, which would not fit std::function's inline buffer.
+//   - An allreduce, a broadcast, an allgather (list or flat) and a reduce-scatter (list or flat)
+//     of host tensors keep their tensors, reduction and root in the Op (SmallArgs, by Kind)
+//     instead of a capturing std::function, which would not fit std::function's inline buffer;
+//     a list is moved in, and an allgather's comes back as its result (no allocation at all).
+//     Their block lists are the group's own vectors (reserved at construction), a buffer that
+//     fits one window needs no slice list (Note [Windows]), and StagedTensors::may_stage
+//     answers before any list is built for the staging checks. The other operations, and a
+//     list holding strided tensors, still build a Run.
 //   - The Future and the Work are made with allocate_shared from PooledBlocks: blocks freed go
 //     to a cache of the freeing thread and are taken from the allocating thread's cache, so a
 //     caller that issues, waits and drops its Works on one thread reuses the same blocks with no
@@ -141,9 +147,13 @@ struct PoolAllocator {
     PooledBlocks<kBytes>::put(p);
   }
   template <typename U>
-  bool operator==(const PoolAllocator<U>&) const { return true; }
+  bool operator==(const PoolAllocator<U>&) const {
+    return true;
+  }
   template <typename U>
-  bool operator!=(const PoolAllocator<U>&) const { return false; }
+  bool operator!=(const PoolAllocator<U>&) const {
+    return false;
+  }
 };
 
 // Note [Spin, then sleep]
@@ -186,7 +196,8 @@ int default_busy_poll_ns(const std::vector<std::string>& hosts, int rank) {
 // The hosts of the group from every rank's host key, when each has the same number of ranks (at
 // least two) and there are at least two of them. Hosts are ordered by their lowest rank, so
 // every rank derives the same hierarchy.
-std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::string>& hosts, int rank) {
+std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::string>& hosts,
+                                                    int rank) {
   std::vector<std::vector<int>> groups;
   std::vector<const std::string*> keys;
   for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
@@ -257,9 +268,9 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
 
   auto store = std::make_shared<PrefixStore>(prefix_, root_store_);
   const auto setup_deadline = deadline_after(opts_.timeout);
-  mesh_ = std::make_unique<tcp::Mesh>(*store, rank_, size_, 2, tcp::fnv1a(prefix_),
-                                      resolve_token(opts_.token, "ProcessGroup::Options::token").value,
-                                      setup_deadline);
+  mesh_ = std::make_unique<tcp::Mesh>(
+      *store, rank_, size_, 2, tcp::fnv1a(prefix_),
+      resolve_token(opts_.token, "ProcessGroup::Options::token").value, setup_deadline);
   ChannelOptions copts;
   copts.allow_shm = tuning.shared_memory;
   copts.shm_capacity = tuning.shm_bytes;
@@ -287,8 +298,7 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
     }
     const uint64_t threshold = tuning.single_copy_bytes;
     const Agreed agreed = agree_group_values(
-        *exchange_, Agreed{readable ? threshold : kNoSingleCopy, window_bytes_},
-        setup_deadline);
+        *exchange_, Agreed{readable ? threshold : kNoSingleCopy, window_bytes_}, setup_deadline);
     single_copy_bytes_ = agreed.single_copy_bytes;
     window_bytes_ = static_cast<size_t>(agreed.window_bytes);
     if (single_copy_bytes_ != kNoSingleCopy) {
@@ -298,6 +308,8 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   }
   p2p_ = std::make_unique<P2PEngine>(mesh_->channel(1), rank_,
                                      [this](std::exception_ptr e) { abort_with(e); });
+  blocks_.reserve(static_cast<size_t>(size_));
+  in_blocks_.reserve(static_cast<size_t>(size_));
   worker_ = std::thread([this] { worker_loop(); });
   TDIST_LOG_DEBUG("rank ", rank_, ": process group '", prefix_, "' of ", size_, " ranks is up");
 }
@@ -366,17 +378,16 @@ void RingProcessGroup::abort_with(std::exception_ptr cause) {
 
 std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout, Fingerprint fp,
                                                 Run run) {
-  return enqueue_impl(name, timeout, std::move(fp), &run, nullptr);
+  return enqueue_impl(name, Kind::kRun, timeout, std::move(fp), &run, nullptr);
 }
 
-std::shared_ptr<Work> RingProcessGroup::enqueue_allreduce(Millis timeout, Fingerprint fp,
-                                                          AllreduceArgs args) {
-  return enqueue_impl("allreduce", timeout, std::move(fp), nullptr, &args);
+std::shared_ptr<Work> RingProcessGroup::enqueue_small(const char* name, Kind kind, Millis timeout,
+                                                      Fingerprint fp, SmallArgs args) {
+  return enqueue_impl(name, kind, timeout, std::move(fp), nullptr, &args);
 }
 
-std::shared_ptr<Work> RingProcessGroup::enqueue_impl(const char* name, Millis timeout,
-                                                     Fingerprint fp, Run* run,
-                                                     AllreduceArgs* args) {
+std::shared_ptr<Work> RingProcessGroup::enqueue_impl(const char* name, Kind kind, Millis timeout,
+                                                     Fingerprint fp, Run* run, SmallArgs* args) {
   // Note [Small operations]: pooled Future and Work, a recycled Op.
   auto future = std::allocate_shared<Future>(PoolAllocator<Future>());
   const auto enqueued = Clock::now();
@@ -396,9 +407,9 @@ std::shared_ptr<Work> RingProcessGroup::enqueue_impl(const char* name, Millis ti
       op.seq = seq;
       op.timeout = effective(timeout);
       op.future = future;
+      op.kind = kind;
       if (args != nullptr) {
-        op.is_allreduce = true;
-        op.allreduce = std::move(*args);
+        op.args = std::move(*args);
       } else {
         op.run = std::move(*run);
       }
@@ -410,7 +421,9 @@ std::shared_ptr<Work> RingProcessGroup::enqueue_impl(const char* name, Millis ti
       tell = op.worker_told = !lazy_;
     }
   }
-  auto work = std::allocate_shared<Work>(PoolAllocator<Work>(), name, seq, future);
+  // Every op name is a string literal (Work::StaticName: no copy of it).
+  auto work =
+      std::allocate_shared<Work>(PoolAllocator<Work>(), Work::StaticName{name}, seq, future);
   if (aborted) {
     future->set_error(aborted_error(name, seq));
     return work;
@@ -531,7 +544,8 @@ void RingProcessGroup::worker_loop() {
       }
       idle_rounds = 0;
       op.splice(op.end(), queue_, queue_.begin());
-      if (!op.front()->worker_told) {  // nobody claimed it within kLazyPickup: the caller is asynchronous
+      if (!op.front()
+               ->worker_told) {  // nobody claimed it within kLazyPickup: the caller is asynchronous
         lazy_ = false;
         prompt_waits_ = 0;
         tell_worker_locked();
@@ -548,8 +562,8 @@ void RingProcessGroup::finish_running(OpList& node) {
   op.future.reset();
   op.fingerprint = Fingerprint{};
   op.run = nullptr;
-  op.is_allreduce = false;
-  op.allreduce = AllreduceArgs{};  // the caller's tensors are not kept
+  op.kind = Kind::kRun;
+  op.args = SmallArgs{};  // the caller's tensors are not kept
   op.worker_told = false;
   bool more;
   {
@@ -560,13 +574,6 @@ void RingProcessGroup::finish_running(OpList& node) {
   }
   // The worker waits for running_ to clear when a waiter ran the operation.
   if (more) cv_.notify_one();
-}
-
-Future::Value RingProcessGroup::allreduce_op(algorithms::Context& c, const AllreduceArgs& a) const {
-  allreduce_flat(c, static_cast<char*>(a.work.data_ptr()), static_cast<size_t>(a.work.numel()),
-                 a.rs);
-  if (!a.work.is_same(a.orig)) a.orig.copy_(a.work);
-  return Future::Value{a.orig};
 }
 
 void RingProcessGroup::execute(OpList& node, Clock::time_point now) {
@@ -584,9 +591,9 @@ void RingProcessGroup::execute(OpList& node, Clock::time_point now) {
   try {
     exchange_->begin(name, seq, now, deadline_after(op.timeout, now));
     if (debug_detail_) check_fingerprints(*exchange_, op.fingerprint);
-    algorithms::Context ctx{*exchange_, rank_, size_, chunk_bytes_, scratch_, &peer_pids_,
-                            window_bytes_};
-    value = op.is_allreduce ? allreduce_op(ctx, op.allreduce) : op.run(ctx);
+    algorithms::Context ctx{*exchange_, rank_,       size_,        chunk_bytes_,
+                            scratch_,   &peer_pids_, window_bytes_};
+    value = op.kind == Kind::kRun ? op.run(ctx) : run_small(ctx, op.kind, op.args);
   } catch (const MismatchError&) {
     error = std::current_exception();
   } catch (...) {
@@ -609,14 +616,15 @@ void RingProcessGroup::execute(OpList& node, Clock::time_point now) {
   }
 }
 
-std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor, int peer,
-                                                 int tag, Millis timeout) {
+std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor, int peer, int tag,
+                                                 Millis timeout) {
   const char* name = is_send ? "send" : (peer < 0 ? "recv_any_source" : "recv");
   check_stageable(tensor, name, "the tensor");
   if (peer >= 0 || is_send) {
-    TDIST_CHECK_ARG(peer >= 0 && peer < size_, name, ": peer rank ", peer, " is not in [0, ",
-                    size_, ")");
-    TDIST_CHECK_ARG(peer != rank_, name, ": rank ", rank_, " cannot send to or receive from itself");
+    TDIST_CHECK_ARG(peer >= 0 && peer < size_, name, ": peer rank ", peer, " is not in [0, ", size_,
+                    ")");
+    TDIST_CHECK_ARG(peer != rank_, name, ": rank ", rank_,
+                    " cannot send to or receive from itself");
   }
   TDIST_CHECK_ARG(tag >= 0, name, ": tag must be >= 0, got ", tag);
   const uint64_t seq = next_p2p_seq_++;
@@ -641,8 +649,8 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
     buffer = is_send ? host_values(tensor) : host_output(tensor);
   }
   std::weak_ptr<RecvWork> weak = work;
-  auto done = [tensor, buffer, staged, stand_ins, future, weak, is_send](
-                  int source, std::exception_ptr error) {
+  auto done = [tensor, buffer, staged, stand_ins, future, weak, is_send](int source,
+                                                                         std::exception_ptr error) {
     if (!error && !is_send) {
       try {
         if (staged) {

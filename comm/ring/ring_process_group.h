@@ -16,10 +16,12 @@
 //
 // Knobs read when the group is created (tests and benchmarks use them):
 //   TDIST_CHUNK_BYTES        pipelining chunk of the ring algorithms (default 256 KiB)
-//   TDIST_ALLREDUCE_ALGO     auto | ring | recursive_doubling | hierarchical (default auto:
-//                            recursive doubling up to the small size, above it hierarchical
-//                            when the group spans hosts of equal rank counts, else ring;
-//                            hierarchical where the group has no such hosts runs the ring)
+//   TDIST_ALLREDUCE_ALGO     auto | ring | recursive_doubling | hierarchical | single_copy
+//                            (default auto: recursive doubling up to the small size, above it
+//                            hierarchical when the group spans hosts of equal rank counts, else
+//                            ring; hierarchical where the group has no such hosts, and
+//                            single_copy where it cannot read every peer, run the ring;
+//                            Note [Single-copy allreduce] in algorithms/single_copy.h)
 //   TDIST_SMALL_ALLREDUCE_BYTES  auto: recursive doubling up to this size (default 64 KiB)
 //   TDIST_STAGING_PIECE_BYTES    piece of the overlapped staging of CUDA tensors (default 1 MiB;
 //                            0: copy them in and out whole, Note [Overlapped staging])
@@ -129,12 +131,24 @@ class RingProcessGroup final : public ProcessGroup {
 
  private:
   using Run = std::function<Future::Value(algorithms::Context&)>;
-  // A plain allreduce's arguments, kept in the Op itself rather than captured by a Run (which
-  // would allocate): Note [Small operations] in ring_process_group.cpp.
-  struct AllreduceArgs {
-    at::Tensor orig;  // the caller's tensor
+  // The small operations whose arguments the Op keeps itself rather than in a capturing Run
+  // (which would allocate): Note [Small operations] in ring_process_group.cpp.
+  enum class Kind {
+    kRun,                  // op.run
+    kAllreduce,            // `work` reduced in place
+    kBroadcast,            // `work` from args.root
+    kAllgatherInto,        // `in` (this rank's block) into `work`, size_ blocks
+    kAllgatherList,        // `in` into `list` (one contiguous host tensor per rank)
+    kReduceScatterTensor,  // `in` (size_ blocks) reduced into `work`
+    kReduceScatterList,    // `list` (one contiguous host tensor per rank) reduced into `work`
+  };
+  struct SmallArgs {
+    at::Tensor orig;  // the caller's tensor (the output, where the op has one)
     at::Tensor work;  // its contiguous host values (orig itself when it is one)
+    at::Tensor in;    // the contiguous host values of an allgather's or reduce-scatter's input
+    std::vector<at::Tensor> list;  // the caller's list, moved in (given back as the result)
     algorithms::ReduceSpec rs{};
+    int root = 0;
   };
   struct Op {
     const char* name;
@@ -142,9 +156,9 @@ class RingProcessGroup final : public ProcessGroup {
     Millis timeout;
     std::shared_ptr<Future> future;
     Fingerprint fingerprint;
-    Run run;                    // empty when `allreduce` is set
-    bool is_allreduce = false;  // run allreduce_op(allreduce) instead of run
-    AllreduceArgs allreduce;
+    Kind kind = Kind::kRun;
+    Run run;         // kRun only
+    SmallArgs args;  // every other kind
     Clock::time_point enqueued;
     bool worker_told = false;  // guarded by mu_: the worker was notified of this op
   };
@@ -154,12 +168,15 @@ class RingProcessGroup final : public ProcessGroup {
 
   // Queues a collective; returns its Work at once (already failed when the group is aborted).
   std::shared_ptr<Work> enqueue(const char* name, Millis timeout, Fingerprint fp, Run run);
-  // The same for a plain allreduce (no Run built).
-  std::shared_ptr<Work> enqueue_allreduce(Millis timeout, Fingerprint fp, AllreduceArgs args);
-  std::shared_ptr<Work> enqueue_impl(const char* name, Millis timeout, Fingerprint fp, Run* run,
-                                     AllreduceArgs* args);
-  Future::Value allreduce_op(algorithms::Context& c, const AllreduceArgs& a) const;
-  std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag, Millis timeout);
+  // The same for a small operation (no Run built).
+  std::shared_ptr<Work> enqueue_small(const char* name, Kind kind, Millis timeout, Fingerprint fp,
+                                      SmallArgs args);
+  std::shared_ptr<Work> enqueue_impl(const char* name, Kind kind, Millis timeout, Fingerprint fp,
+                                     Run* run, SmallArgs* args);
+  // Runs a small operation (any kind but kRun) on the thread that holds running_.
+  Future::Value run_small(algorithms::Context& c, Kind kind, SmallArgs& a);
+  std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag,
+                                 Millis timeout);
   void worker_loop();
   // `now`: when the operation starts (its deadline counts from it). `node` holds the op alone;
   // it goes back to free_ops_ before the op's future completes.
@@ -176,7 +193,7 @@ class RingProcessGroup final : public ProcessGroup {
   Millis effective(Millis timeout) const { return timeout.count() < 0 ? opts_.timeout : timeout; }
   algorithms::ReduceSpec reduce_spec(const at::Tensor& t, ReduceOp op) const;
   // The algorithm allreduce_flat runs for `count` elements of `elem` bytes.
-  enum class AllreduceAlgo { kRecursiveDoubling, kHierarchical, kRing };
+  enum class AllreduceAlgo { kRecursiveDoubling, kHierarchical, kRing, kSingleCopy };
   AllreduceAlgo allreduce_algorithm(size_t count, size_t elem) const;
   void allreduce_flat(algorithms::Context& c, char* data, size_t count,
                       const algorithms::ReduceSpec& rs) const;
@@ -234,7 +251,6 @@ class RingProcessGroup final : public ProcessGroup {
                                               const algorithms::ReduceSpec& rs, Millis timeout,
                                               Fingerprint fp);
 
-
   // Constant after construction.
   const std::shared_ptr<Store> root_store_;
   const std::string prefix_;
@@ -259,6 +275,8 @@ class RingProcessGroup final : public ProcessGroup {
   std::vector<pid_t> peer_pids_;
   std::unique_ptr<Exchange> exchange_;  // used by the thread that set running_
   algorithms::Scratch scratch_;         // used by the thread that set running_
+  std::vector<char*> blocks_;           // used by the thread that set running_ (size_ capacity)
+  std::vector<const char*> in_blocks_;  // used by the thread that set running_ (size_ capacity)
   std::unique_ptr<P2PEngine> p2p_;
 
   std::atomic<bool> aborted_{false};
@@ -267,14 +285,14 @@ class RingProcessGroup final : public ProcessGroup {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  OpList queue_;                           // guarded by mu_
-  OpList free_ops_;                        // guarded by mu_: reset ops for later operations
-  uint64_t next_seq_ = 0;                  // guarded by mu_
-  bool running_ = false;                   // guarded by mu_: an op is executing (worker or waiter)
-  bool lazy_ = false;                      // guarded by mu_: new ops are left for their waiter
-  int prompt_waits_ = 0;                   // guarded by mu_: ops waited on promptly in a row
-  bool stop_ = false;                      // guarded by mu_
-  std::exception_ptr abort_cause_;         // guarded by mu_
+  OpList queue_;                    // guarded by mu_
+  OpList free_ops_;                 // guarded by mu_: reset ops for later operations
+  uint64_t next_seq_ = 0;           // guarded by mu_
+  bool running_ = false;            // guarded by mu_: an op is executing (worker or waiter)
+  bool lazy_ = false;               // guarded by mu_: new ops are left for their waiter
+  int prompt_waits_ = 0;            // guarded by mu_: ops waited on promptly in a row
+  bool stop_ = false;               // guarded by mu_
+  std::exception_ptr abort_cause_;  // guarded by mu_
   std::thread worker_;
 };
 

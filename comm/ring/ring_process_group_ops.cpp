@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 
@@ -87,6 +88,17 @@ Fingerprint fingerprint(bool on, const at::Tensor* t, int redop = -1, int root =
   return f;
 }
 
+// A host tensor the algorithms can work in directly (host_values and host_output return it).
+bool host_dense(const at::Tensor& t) {
+  return t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg();
+}
+
+bool all_host_dense(const std::vector<at::Tensor>& ts) {
+  return std::all_of(ts.begin(), ts.end(), host_dense);
+}
+
+char* bytes_of(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
 // ts and t, in one list.
 std::vector<at::Tensor> with(std::vector<at::Tensor> ts, const at::Tensor& t) {
   ts.push_back(t);
@@ -102,11 +114,13 @@ int64_t row_elems(const at::Tensor& t) {
 
 std::vector<int64_t> resolve_splits(std::vector<int64_t> splits, const at::Tensor& t, int size,
                                     const char* what) {
-  TDIST_CHECK_ARG(t.dim() >= 1, "alltoall_base: the ", what, " tensor must have at least one "
+  TDIST_CHECK_ARG(t.dim() >= 1, "alltoall_base: the ", what,
+                  " tensor must have at least one "
                   "dimension");
   if (splits.empty()) {
-    TDIST_CHECK_ARG(t.size(0) % size == 0, "alltoall_base: the ", what, " tensor's first dimension (",
-                    t.size(0), ") is not divisible by the group size ", size);
+    TDIST_CHECK_ARG(t.size(0) % size == 0, "alltoall_base: the ", what,
+                    " tensor's first dimension (", t.size(0),
+                    ") is not divisible by the group size ", size);
     return std::vector<int64_t>(static_cast<size_t>(size), t.size(0) / size);
   }
   check_count(splits.size(), size, "alltoall_base", what);
@@ -128,10 +142,13 @@ algo::ReduceSpec RingProcessGroup::reduce_spec(const at::Tensor& t, ReduceOp op)
 }
 
 RingProcessGroup::AllreduceAlgo RingProcessGroup::allreduce_algorithm(size_t count,
-                                                                     size_t elem) const {
+                                                                      size_t elem) const {
   bool small = count * elem <= small_allreduce_bytes_ || count < static_cast<size_t>(size_);
   if (allreduce_algo_ == "recursive_doubling" || (allreduce_algo_ == "auto" && small)) {
     return AllreduceAlgo::kRecursiveDoubling;
+  }
+  if (allreduce_algo_ == "single_copy") {  // the ring where a peer cannot be read
+    return single_copy_bytes_ != kNoSingleCopy ? AllreduceAlgo::kSingleCopy : AllreduceAlgo::kRing;
   }
   if (hierarchy_ && allreduce_algo_ != "ring") return AllreduceAlgo::kHierarchical;
   return AllreduceAlgo::kRing;
@@ -141,14 +158,19 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
                                       const algo::ReduceSpec& rs) const {
   switch (allreduce_algorithm(count, rs.elem_size)) {
     case AllreduceAlgo::kRecursiveDoubling:
-      algo::for_each_window(count, algo::window_elems(c.window_bytes, rs.elem_size),
-                            [&](size_t begin, size_t n) {
-                              algo::allreduce_recursive_doubling(c, data + begin * rs.elem_size,
-                                                                 n, rs);
-                            });
+      algo::for_each_window(
+          count, algo::window_elems(c.window_bytes, rs.elem_size), [&](size_t begin, size_t n) {
+            algo::allreduce_recursive_doubling(c, data + begin * rs.elem_size, n, rs);
+          });
       break;
     case AllreduceAlgo::kHierarchical:
       algo::allreduce_hierarchical(c, *hierarchy_, data, count, rs);
+      break;
+    case AllreduceAlgo::kSingleCopy:
+      algo::for_each_window(count, algo::window_elems(c.window_bytes, rs.elem_size),
+                            [&](size_t begin, size_t n) {
+                              algo::allreduce_single_copy(c, data + begin * rs.elem_size, n, rs);
+                            });
       break;
     case AllreduceAlgo::kRing:
       algo::for_each_window(count, algo::window_elems(c.window_bytes, rs.elem_size),
@@ -175,11 +197,11 @@ std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const Allre
   if (StagedTensors::wanted(tensor, size_, staging_piece_bytes_)) {
     if (auto staged = allreduce_staged("allreduce", {tensor}, rs, opts.timeout, fp)) return staged;
   }
-  AllreduceArgs args;
+  SmallArgs args;
   args.work = host_values(tensor);
   args.orig = std::move(tensor);
   args.rs = rs;
-  return enqueue_allreduce(opts.timeout, std::move(fp), std::move(args));
+  return enqueue_small("allreduce", Kind::kAllreduce, opts.timeout, std::move(fp), std::move(args));
 }
 
 std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tensor> tensors,
@@ -237,9 +259,8 @@ void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t byte
 
 void RingProcessGroup::broadcast_windows(algo::Context& c, char* data, size_t bytes,
                                          int root) const {
-  algo::for_each_window(bytes, window_bytes_, [&](size_t off, size_t n) {
-    broadcast_bytes(c, data + off, n, root);
-  });
+  algo::for_each_window(bytes, window_bytes_,
+                        [&](size_t off, size_t n) { broadcast_bytes(c, data + off, n, root); });
 }
 
 void RingProcessGroup::reduce_windows(algo::Context& c, char* data, size_t count,
@@ -262,6 +283,8 @@ void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char
 
 void RingProcessGroup::allgather_windows(algo::Context& c, const std::vector<char*>& blocks,
                                          size_t block_bytes) const {
+  const size_t window = algo::block_window_bytes(window_bytes_, size_);
+  if (block_bytes <= window) return allgather_blocks(c, blocks, block_bytes);  // no slice list
   std::vector<char*> slice(blocks.size());
   algo::for_each_window(block_bytes, algo::block_window_bytes(window_bytes_, size_),
                         [&](size_t off, size_t n) {
@@ -273,13 +296,58 @@ void RingProcessGroup::allgather_windows(algo::Context& c, const std::vector<cha
 void RingProcessGroup::reduce_scatter_windows(algo::Context& c,
                                               const std::vector<const char*>& blocks, char* output,
                                               size_t count, const algo::ReduceSpec& rs) const {
+  const size_t window = algo::block_window_elems(window_bytes_, size_, rs.elem_size);
+  if (count <= window) return algo::reduce_scatter_ring(c, blocks, output, count, rs);
   std::vector<const char*> slice(blocks.size());
-  algo::for_each_window(count, algo::block_window_elems(window_bytes_, size_, rs.elem_size),
-                        [&](size_t begin, size_t n) {
-                          const size_t off = begin * rs.elem_size;
-                          for (size_t i = 0; i < blocks.size(); ++i) slice[i] = blocks[i] + off;
-                          algo::reduce_scatter_ring(c, slice, output + off, n, rs);
-                        });
+  algo::for_each_window(count, window, [&](size_t begin, size_t n) {
+    const size_t off = begin * rs.elem_size;
+    for (size_t i = 0; i < blocks.size(); ++i) slice[i] = blocks[i] + off;
+    algo::reduce_scatter_ring(c, slice, output + off, n, rs);
+  });
+}
+
+// Note [Small operations] in ring_process_group.cpp: the block lists are the group's own
+// (blocks_, in_blocks_, of size_ capacity), and the result is the one allocation.
+Value RingProcessGroup::run_small(algo::Context& c, Kind kind, SmallArgs& a) {
+  switch (kind) {
+    case Kind::kAllreduce:
+      allreduce_flat(c, bytes_of(a.work), static_cast<size_t>(a.work.numel()), a.rs);
+      break;
+    case Kind::kBroadcast:
+      broadcast_windows(c, bytes_of(a.work), a.work.nbytes(), a.root);
+      if (rank_ == a.root) return Value{std::move(a.orig)};  // nothing written
+      break;
+    case Kind::kAllgatherInto:
+    case Kind::kAllgatherList: {
+      const size_t b = a.in.nbytes();
+      blocks_.clear();
+      for (int i = 0; i < size_; ++i) {
+        blocks_.push_back(kind == Kind::kAllgatherList ? bytes_of(a.list[i])
+                                                       : bytes_of(a.work) + i * b);
+      }
+      if (b > 0 && blocks_[rank_] != bytes_of(a.in)) {  // else in place already
+        std::memmove(blocks_[rank_], bytes_of(a.in), b);
+      }
+      allgather_windows(c, blocks_, b);
+      if (kind == Kind::kAllgatherList) return std::move(a.list);  // written in place
+      break;
+    }
+    case Kind::kReduceScatterTensor:
+    case Kind::kReduceScatterList: {
+      const size_t b = a.work.nbytes();
+      in_blocks_.clear();
+      for (int i = 0; i < size_; ++i) {
+        in_blocks_.push_back(kind == Kind::kReduceScatterList ? bytes_of(a.list[i])
+                                                              : bytes_of(a.in) + i * b);
+      }
+      reduce_scatter_windows(c, in_blocks_, bytes_of(a.work), a.work.numel(), a.rs);
+      break;
+    }
+    case Kind::kRun:
+      TDIST_CHECK(false, "run_small called for an operation with a Run");
+  }
+  if (!a.work.is_same(a.orig)) a.orig.copy_(a.work);
+  return Value{std::move(a.orig)};
 }
 
 std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
@@ -293,13 +361,11 @@ std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const Broad
   }
   Fingerprint fp = fingerprint(debug_detail_, &tensor, -1, root);
   if (auto staged = broadcast_staged(tensor, root, opts.timeout, fp)) return staged;
-  Contig buf(tensor, rank_ == root ? Contig::kRead : Contig::kWriteOnly);
-  return enqueue("broadcast", opts.timeout, std::move(fp),
-                 [this, buf, root](algo::Context& c) {
-                   broadcast_windows(c, buf.data(), buf.bytes(), root);
-                   if (rank_ != root) buf.write_back();
-                   return Value{buf.orig};
-                 });
+  SmallArgs args;
+  args.work = rank_ == root ? host_values(tensor) : host_output(tensor);
+  args.orig = std::move(tensor);
+  args.root = root;
+  return enqueue_small("broadcast", Kind::kBroadcast, opts.timeout, std::move(fp), std::move(args));
 }
 
 std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOptions& opts) {
@@ -315,27 +381,36 @@ std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOp
   Fingerprint fp = fingerprint(debug_detail_, &tensor, int(opts.op), root);
   if (auto staged = reduce_staged(tensor, rs, root, opts.timeout, fp)) return staged;
   Contig buf(tensor);
-  return enqueue("reduce", opts.timeout, std::move(fp),
-                 [this, buf, rs, root](algo::Context& c) {
-                   reduce_windows(c, buf.data(), buf.work.numel(), rs, root);
-                   if (rank_ == root) buf.write_back();
-                   return Value{buf.orig};
-                 });
+  return enqueue("reduce", opts.timeout, std::move(fp), [this, buf, rs, root](algo::Context& c) {
+    reduce_windows(c, buf.data(), buf.work.numel(), rs, root);
+    if (rank_ == root) buf.write_back();
+    return Value{buf.orig};
+  });
 }
 
 std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> outputs, at::Tensor input,
                                                   const AllgatherOptions& opts) {
   check_stageable(input, "allgather", "the input");
   check_count(outputs.size(), size_, "allgather", "output tensors");
-  for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "allgather", "outputs", i);
-  if (StandIns::wanted(with(outputs, input), size_, staging_piece_bytes_)) {
-    StandIns s;
-    auto inner = allgather(s.written(outputs), s.read(input), opts);
-    return s.finish(inner, outputs);
+  for (size_t i = 0; i < outputs.size(); ++i)
+    check_like(outputs[i], input, "allgather", "outputs", i);
+  if (StagedTensors::may_stage(input)) {  // else neither builds its list
+    if (StandIns::wanted(with(outputs, input), size_, staging_piece_bytes_)) {
+      StandIns s;
+      auto inner = allgather(s.written(outputs), s.read(input), opts);
+      return s.finish(inner, outputs);
+    }
+    if (auto staged = allgather_staged("allgather", input, outputs, outputs, opts.timeout,
+                                       fingerprint(debug_detail_, &input))) {
+      return staged;
+    }
   }
-  if (auto staged = allgather_staged("allgather", input, outputs, outputs, opts.timeout,
-                                     fingerprint(debug_detail_, &input))) {
-    return staged;
+  if (all_host_dense(outputs)) {
+    SmallArgs args;
+    args.in = host_values(input);
+    args.list = std::move(outputs);
+    return enqueue_small("allgather", Kind::kAllgatherList, opts.timeout,
+                         fingerprint(debug_detail_, &input), std::move(args));
   }
   Contig in(input);
   auto outs = contig_all(outputs, Contig::kWriteOnly);
@@ -354,37 +429,32 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
                                                               const AllgatherOptions& opts) {
   check_stageable(input, "allgather_into_tensor", "the input");
   check_stageable(output, "allgather_into_tensor", "the output");
-  TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "allgather_into_tensor: output dtype ",
-                  output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(),
+                  "allgather_into_tensor: output dtype ", output.scalar_type(),
+                  " differs from input dtype ", input.scalar_type());
   TDIST_CHECK_ARG(output.numel() == input.numel() * size_, "allgather_into_tensor: the output has ",
                   output.numel(), " elements but ", size_, " x ", input.numel(), " are needed");
-  if (StandIns::wanted({output, input}, size_, staging_piece_bytes_)) {
-    StandIns s;
-    auto inner = allgather_into_tensor(s.written(output), s.read(input), opts);
-    return s.finish(inner, {output});
-  }
-  // (Its blocks are views of the output only if it is contiguous.)
-  if (output.is_contiguous()) {
-    if (auto staged = allgather_staged("allgather_into_tensor", input,
-                                       output.reshape({-1}).chunk(size_), Value{output},
-                                       opts.timeout, fingerprint(debug_detail_, &input))) {
-      return staged;
+  if (StagedTensors::may_stage(output)) {  // else neither builds its list
+    if (StandIns::wanted({output, input}, size_, staging_piece_bytes_)) {
+      StandIns s;
+      auto inner = allgather_into_tensor(s.written(output), s.read(input), opts);
+      return s.finish(inner, {output});
+    }
+    // (Its blocks are views of the output only if it is contiguous.)
+    if (output.is_contiguous()) {
+      if (auto staged =
+              allgather_staged("allgather_into_tensor", input, output.reshape({-1}).chunk(size_),
+                               Value{output}, opts.timeout, fingerprint(debug_detail_, &input))) {
+        return staged;
+      }
     }
   }
-  Contig in(input);
-  Contig out(output, Contig::kWriteOnly);
-  return enqueue("allgather_into_tensor", opts.timeout, fingerprint(debug_detail_, &input),
-                 [this, in, out](algo::Context& c) {
-                   const size_t b = in.bytes();
-                   std::vector<char*> blocks;
-                   for (int i = 0; i < size_; ++i) blocks.push_back(out.data() + i * b);
-                   if (b > 0 && blocks[rank_] != in.data()) {  // else in place already
-                     std::memmove(blocks[rank_], in.data(), b);
-                   }
-                   allgather_windows(c, blocks, b);
-                   out.write_back();
-                   return Value{out.orig};
-                 });
+  SmallArgs args;
+  args.in = host_values(input);
+  args.work = host_output(output);
+  args.orig = std::move(output);
+  return enqueue_small("allgather_into_tensor", Kind::kAllgatherInto, opts.timeout,
+                       fingerprint(debug_detail_, &input), std::move(args));
 }
 
 std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
@@ -394,7 +464,8 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
   const int root = opts.root;
   if (rank_ == root) {
     check_count(outputs.size(), size_, "gather", "output tensors on the root");
-    for (size_t i = 0; i < outputs.size(); ++i) check_like(outputs[i], input, "gather", "outputs", i);
+    for (size_t i = 0; i < outputs.size(); ++i)
+      check_like(outputs[i], input, "gather", "outputs", i);
   } else {
     TDIST_CHECK_ARG(outputs.empty(), "gather: only the root (rank ", root,
                     ") passes output tensors; rank ", rank_, " passed ", outputs.size());
@@ -415,7 +486,8 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
                  [this, in, outs, outputs, root](algo::Context& c) {
                    std::vector<char*> blocks;
                    for (const auto& o : outs) blocks.push_back(o.data());
-                   if (rank_ == root && in.bytes() > 0) std::memmove(blocks[root], in.data(), in.bytes());
+                   if (rank_ == root && in.bytes() > 0)
+                     std::memmove(blocks[root], in.data(), in.bytes());
                    algo::gather_direct(c, in.data(), blocks, in.bytes(), root);
                    for (const auto& o : outs) o.write_back();
                    return outputs;
@@ -429,7 +501,8 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
   const int root = opts.root;
   if (rank_ == root) {
     check_count(inputs.size(), size_, "scatter", "input tensors on the root");
-    for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "scatter", "inputs", i);
+    for (size_t i = 0; i < inputs.size(); ++i)
+      check_like(inputs[i], output, "scatter", "inputs", i);
   } else {
     TDIST_CHECK_ARG(inputs.empty(), "scatter: only the root (rank ", root,
                     ") passes input tensors; rank ", rank_, " passed ", inputs.size());
@@ -446,15 +519,14 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
   }
   Contig out(output, Contig::kWriteOnly);
   auto ins = contig_all(inputs);
-  return enqueue("scatter", opts.timeout, std::move(fp),
-                 [this, out, ins, root](algo::Context& c) {
-                   std::vector<const char*> blocks;
-                   for (const auto& i : ins) blocks.push_back(i.data());
-                   if (rank_ == root && out.bytes() > 0) std::memmove(out.data(), blocks[root], out.bytes());
-                   algo::scatter_direct(c, blocks, out.data(), out.bytes(), root);
-                   out.write_back();
-                   return Value{out.orig};
-                 });
+  return enqueue("scatter", opts.timeout, std::move(fp), [this, out, ins, root](algo::Context& c) {
+    std::vector<const char*> blocks;
+    for (const auto& i : ins) blocks.push_back(i.data());
+    if (rank_ == root && out.bytes() > 0) std::memmove(out.data(), blocks[root], out.bytes());
+    algo::scatter_direct(c, blocks, out.data(), out.bytes(), root);
+    out.write_back();
+    return Value{out.orig};
+  });
 }
 
 std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
@@ -462,16 +534,30 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
                                                        const ReduceScatterOptions& opts) {
   check_stageable(output, "reduce_scatter", "the output");
   check_count(inputs.size(), size_, "reduce_scatter", "input tensors");
-  for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], output, "reduce_scatter", "inputs", i);
-  if (StandIns::wanted(with(inputs, output), size_, staging_piece_bytes_)) {
+  for (size_t i = 0; i < inputs.size(); ++i)
+    check_like(inputs[i], output, "reduce_scatter", "inputs", i);
+  const bool may_stage = StagedTensors::may_stage(output);  // else neither builds its list
+  if (may_stage && StandIns::wanted(with(inputs, output), size_, staging_piece_bytes_)) {
     StandIns s;
     auto inner = reduce_scatter(s.written(output), s.read(inputs), opts);
     return s.finish(inner, {output});
   }
   auto rs = reduce_spec(output, opts.op);
   Fingerprint fp = fingerprint(debug_detail_, &output, int(opts.op));
-  if (auto staged = reduce_scatter_staged("reduce_scatter", inputs, output, rs, opts.timeout, fp)) {
-    return staged;
+  if (may_stage) {
+    if (auto staged =
+            reduce_scatter_staged("reduce_scatter", inputs, output, rs, opts.timeout, fp)) {
+      return staged;
+    }
+  }
+  if (all_host_dense(inputs)) {
+    SmallArgs args;
+    args.work = host_output(output);
+    args.orig = std::move(output);
+    args.list = std::move(inputs);
+    args.rs = rs;
+    return enqueue_small("reduce_scatter", Kind::kReduceScatterList, opts.timeout, std::move(fp),
+                         std::move(args));
   }
   Contig out(output, Contig::kWriteOnly);
   auto ins = contig_all(inputs);
@@ -489,31 +575,32 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
                                                               const ReduceScatterOptions& opts) {
   check_stageable(output, "reduce_scatter_tensor", "the output");
   check_stageable(input, "reduce_scatter_tensor", "the input");
-  TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "reduce_scatter_tensor: output dtype ",
-                  output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(),
+                  "reduce_scatter_tensor: output dtype ", output.scalar_type(),
+                  " differs from input dtype ", input.scalar_type());
   TDIST_CHECK_ARG(input.numel() == output.numel() * size_, "reduce_scatter_tensor: the input has ",
                   input.numel(), " elements but ", size_, " x ", output.numel(), " are needed");
-  if (StandIns::wanted({output, input}, size_, staging_piece_bytes_)) {
+  const bool may_stage = StagedTensors::may_stage(output);  // else neither builds its list
+  if (may_stage && StandIns::wanted({output, input}, size_, staging_piece_bytes_)) {
     StandIns s;
     auto inner = reduce_scatter_tensor(s.written(output), s.read(input), opts);
     return s.finish(inner, {output});
   }
   auto rs = reduce_spec(output, opts.op);
   Fingerprint fp = fingerprint(debug_detail_, &output, int(opts.op));
-  if (auto staged =
-          reduce_scatter_staged("reduce_scatter_tensor", {input}, output, rs, opts.timeout, fp)) {
-    return staged;
+  if (may_stage) {
+    if (auto staged =
+            reduce_scatter_staged("reduce_scatter_tensor", {input}, output, rs, opts.timeout, fp)) {
+      return staged;
+    }
   }
-  Contig out(output, Contig::kWriteOnly);
-  Contig in(input);
-  return enqueue("reduce_scatter_tensor", opts.timeout, std::move(fp),
-                 [this, out, in, rs](algo::Context& c) {
-                   std::vector<const char*> blocks;
-                   for (int i = 0; i < size_; ++i) blocks.push_back(in.data() + i * out.bytes());
-                   reduce_scatter_windows(c, blocks, out.data(), out.work.numel(), rs);
-                   out.write_back();
-                   return Value{out.orig};
-                 });
+  SmallArgs args;
+  args.work = host_output(output);
+  args.orig = std::move(output);
+  args.in = host_values(input);
+  args.rs = rs;
+  return enqueue_small("reduce_scatter_tensor", Kind::kReduceScatterTensor, opts.timeout,
+                       std::move(fp), std::move(args));
 }
 
 std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Tensor input,
@@ -547,8 +634,8 @@ std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Ten
   TDIST_CHECK_ARG(send_bytes[rank_] == recv_bytes[rank_], "alltoall_base: this rank sends ",
                   send_bytes[rank_], " bytes to itself but expects ", recv_bytes[rank_]);
   // With explicit splits the shapes legitimately differ between ranks: compare the dtype only.
-  auto fp = equal ? fingerprint(debug_detail_, &input)
-                  : fingerprint(debug_detail_, &input, -1, -1, {{}});
+  auto fp =
+      equal ? fingerprint(debug_detail_, &input) : fingerprint(debug_detail_, &input, -1, -1, {{}});
   if (StagedTensors::wanted({input, output}, size_, staging_piece_bytes_)) {
     std::vector<at::Tensor> sends, recvs;
     const at::Tensor in_bytes = flat_bytes(input), out_bytes = flat_bytes(output);

@@ -52,13 +52,13 @@ void over_windows(size_t count, size_t window, std::shared_ptr<StagedTensors> fi
 }  // namespace
 
 std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
-                                                       const std::vector<at::Tensor>& ts,
-                                                       const algo::ReduceSpec& rs, Millis timeout,
-                                                       Fingerprint fp) {
+                                                         const std::vector<at::Tensor>& ts,
+                                                         const algo::ReduceSpec& rs, Millis timeout,
+                                                         Fingerprint fp) {
   size_t count = 0;
   for (const auto& t : ts) count += static_cast<size_t>(t.numel());
   const AllreduceAlgo algorithm = allreduce_algorithm(count, rs.elem_size);
-  if (algorithm == AllreduceAlgo::kHierarchical ||
+  if (algorithm == AllreduceAlgo::kHierarchical || algorithm == AllreduceAlgo::kSingleCopy ||
       !StagedTensors::wanted(ts, size_, staging_piece_bytes_)) {
     return nullptr;
   }
@@ -71,7 +71,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
   const size_t window = algo::window_elems(window_bytes_, rs.elem_size);
   auto stage = [ts, rs, ring, piece = staging_piece_bytes_, size = size_, rank = rank_,
                 issue = count > window ? StagedTensors::mark_issue(ts) : nullptr](size_t begin,
-                                                                                   size_t n) {
+                                                                                  size_t n) {
     return std::make_shared<StagedTensors>(
         StagedTensors::in_and_out(element_range(ts, begin, begin + n)),
         ring ? algo::ring_allreduce_pieces(n, rs.elem_size, size, rank, piece)
@@ -111,7 +111,7 @@ std::shared_ptr<Work> RingProcessGroup::allgather_staged(const char* name, const
   // the input, in pieces, and out to its own output like the others.
   auto stage = [outs, in = flat_bytes(input), piece = staging_piece_bytes_, rank = rank_,
                 issue = block > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
-                                                                                    size_t n) {
+                                                                                   size_t n) {
     std::vector<StagedTensors::Slot> slots;
     for (size_t i = 0; i < outs.size(); ++i) {
       slots.push_back(StagedTensors::Slot{
@@ -126,7 +126,8 @@ std::shared_ptr<Work> RingProcessGroup::allgather_staged(const char* name, const
                    over_windows(block, window, std::move(first), stage,
                                 [&](StagedTensors& w, size_t n) {
                                   std::vector<char*> blocks;
-                                  for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
+                                  for (int i = 0; i < size_; ++i)
+                                    blocks.push_back(w.data() + i * n);
                                   allgather_blocks(c, blocks, n, &w);
                                   // Its pieces have arrived: they were sent, or their address was.
                                   w.finished_at(blocks[rank_], n);
@@ -135,9 +136,11 @@ std::shared_ptr<Work> RingProcessGroup::allgather_staged(const char* name, const
                  });
 }
 
-std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
-    const char* name, const std::vector<at::Tensor>& inputs, const at::Tensor& output,
-    const algo::ReduceSpec& rs, Millis timeout, Fingerprint fp) {
+std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(const char* name,
+                                                              const std::vector<at::Tensor>& inputs,
+                                                              const at::Tensor& output,
+                                                              const algo::ReduceSpec& rs,
+                                                              Millis timeout, Fingerprint fp) {
   std::vector<at::Tensor> all = inputs;
   all.push_back(output);
   if (!StagedTensors::wanted(all, size_, staging_piece_bytes_)) return nullptr;
@@ -156,7 +159,7 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
   auto stage = [blocks, out, rs, size = size_, rank = rank_, chunk = chunk_bytes_,
                 piece = staging_piece_bytes_,
                 issue = count > window ? StagedTensors::mark_issue(all) : nullptr](size_t begin,
-                                                                                    size_t n) {
+                                                                                   size_t n) {
     std::vector<StagedTensors::Slot> slots;
     for (const at::Tensor& b : blocks) slots.push_back(StagedTensors::Slot{slice(b, begin, n), {}});
     slots.push_back(StagedTensors::Slot{at::Tensor(), slice(out, begin, n)});
@@ -171,7 +174,8 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_staged(
                                 [&](StagedTensors& w, size_t n) {
                                   const size_t bytes = n * rs.elem_size;
                                   std::vector<const char*> ins;
-                                  for (int i = 0; i < size_; ++i) ins.push_back(w.data() + i * bytes);
+                                  for (int i = 0; i < size_; ++i)
+                                    ins.push_back(w.data() + i * bytes);
                                   char* result = w.data() + size_ * bytes;
                                   algo::reduce_scatter_ring(c, ins, result, n, rs, &w);
                                   w.finished_at(result, bytes);
@@ -216,8 +220,8 @@ std::shared_ptr<Work> RingProcessGroup::reduce_staged(const at::Tensor& tensor,
   // not written).
   auto stage = [flat = tensor.reshape({-1}), is_root = rank_ == root, rs,
                 piece = staging_piece_bytes_,
-                issue = count > window ? StagedTensors::mark_issue({tensor}) : nullptr](size_t begin,
-                                                                                     size_t n) {
+                issue = count > window ? StagedTensors::mark_issue({tensor}) : nullptr](
+                   size_t begin, size_t n) {
     const at::Tensor part = slice(flat, begin, n);
     return std::make_shared<StagedTensors>(
         std::vector<StagedTensors::Slot>{{part, is_root ? part : at::Tensor()}},
@@ -250,7 +254,7 @@ std::shared_ptr<Work> RingProcessGroup::gather_or_scatter_staged(
   auto stage = [gather, flat, m = flat_bytes(mine), piece = staging_piece_bytes_, rank = rank_,
                 root, size = size_,
                 issue = block > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
-                                                                                    size_t n) {
+                                                                                   size_t n) {
     const at::Tensor own = slice(m, off, n);
     std::vector<StagedTensors::Slot> slots;
     if (rank != root) {
@@ -259,7 +263,8 @@ std::shared_ptr<Work> RingProcessGroup::gather_or_scatter_staged(
       for (size_t i = 0; i < flat.size(); ++i) {
         const at::Tensor other = slice(flat[i], off, n);
         const at::Tensor self = static_cast<int>(i) == root ? own : at::Tensor();
-        slots.push_back(gather ? StagedTensors::Slot{self, other} : StagedTensors::Slot{other, self});
+        slots.push_back(gather ? StagedTensors::Slot{self, other}
+                               : StagedTensors::Slot{other, self});
       }
     }
     std::vector<algo::ByteRange> order;
@@ -274,34 +279,31 @@ std::shared_ptr<Work> RingProcessGroup::gather_or_scatter_staged(
   return enqueue(gather ? "gather" : "scatter", timeout, std::move(fp),
                  [this, gather, stage, block, window, root, result,
                   first = stage(0, std::min(window, block))](algo::Context& c) mutable {
-                   over_windows(block, window, std::move(first), stage,
-                                [&](StagedTensors& w, size_t n) {
-                                  std::vector<char*> blocks;
-                                  if (rank_ == root) {
-                                    for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
-                                  }
-                                  if (gather) {
-                                    algo::gather_direct(c, w.data(), blocks, n, root, &w);
-                                  } else {
-                                    const std::vector<const char*> sent(blocks.begin(), blocks.end());
-                                    algo::scatter_direct(c, sent, w.data(), n, root, &w);
-                                  }
-                                  if (rank_ != root) return;
-                                  // The root's own slice goes from its input to its output
-                                  // through host memory.
-                                  w.await_arrival(root * n, (root + 1) * n);
-                                  w.finished_at(blocks[root], n);
-                                });
+                   over_windows(
+                       block, window, std::move(first), stage, [&](StagedTensors& w, size_t n) {
+                         std::vector<char*> blocks;
+                         if (rank_ == root) {
+                           for (int i = 0; i < size_; ++i) blocks.push_back(w.data() + i * n);
+                         }
+                         if (gather) {
+                           algo::gather_direct(c, w.data(), blocks, n, root, &w);
+                         } else {
+                           const std::vector<const char*> sent(blocks.begin(), blocks.end());
+                           algo::scatter_direct(c, sent, w.data(), n, root, &w);
+                         }
+                         if (rank_ != root) return;
+                         // The root's own slice goes from its input to its output
+                         // through host memory.
+                         w.await_arrival(root * n, (root + 1) * n);
+                         w.finished_at(blocks[root], n);
+                       });
                    return result;
                  });
 }
 
-std::shared_ptr<Work> RingProcessGroup::alltoall_staged(const char* name,
-                                                        std::vector<at::Tensor> sends,
-                                                        std::vector<at::Tensor> recvs,
-                                                        const std::vector<at::Tensor>& all,
-                                                        Value result, Millis timeout,
-                                                        Fingerprint fp) {
+std::shared_ptr<Work> RingProcessGroup::alltoall_staged(
+    const char* name, std::vector<at::Tensor> sends, std::vector<at::Tensor> recvs,
+    const std::vector<at::Tensor>& all, Value result, Millis timeout, Fingerprint fp) {
   std::vector<size_t> send_bytes, recv_bytes;
   size_t longest = 0;
   for (int i = 0; i < size_; ++i) {
@@ -319,17 +321,18 @@ std::shared_ptr<Work> RingProcessGroup::alltoall_staged(const char* name,
   // received block), then the slices received from the others.
   auto stage = [sends, recvs, clip, piece = staging_piece_bytes_, rank = rank_,
                 issue = longest > window ? StagedTensors::mark_issue(all) : nullptr](size_t off,
-                                                                                      size_t n) {
+                                                                                     size_t n) {
     std::vector<StagedTensors::Slot> slots;
     size_t sent = 0;
     for (size_t p = 0; p < sends.size(); ++p) {
-      slots.push_back(StagedTensors::Slot{
-          clip(sends[p], off, n),
-          static_cast<int>(p) == rank ? clip(recvs[p], off, n) : at::Tensor()});
+      slots.push_back(StagedTensors::Slot{clip(sends[p], off, n), static_cast<int>(p) == rank
+                                                                      ? clip(recvs[p], off, n)
+                                                                      : at::Tensor()});
       sent += slots.back().in.nbytes();
     }
     for (size_t p = 0; p < recvs.size(); ++p) {
-      if (static_cast<int>(p) != rank) slots.push_back(StagedTensors::Slot{{}, clip(recvs[p], off, n)});
+      if (static_cast<int>(p) != rank)
+        slots.push_back(StagedTensors::Slot{{}, clip(recvs[p], off, n)});
     }
     return std::make_shared<StagedTensors>(std::move(slots), ascending_pieces(0, sent, piece),
                                            piece, off == 0 ? nullptr : issue);

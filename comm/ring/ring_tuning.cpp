@@ -12,18 +12,18 @@ size_t bytes(const std::optional<size_t>& field, const char* field_name, const c
              size_t fallback, int64_t min, int64_t max) {
   if (field) {
     TDIST_CHECK_ARG(*field >= static_cast<uint64_t>(min) && *field <= static_cast<uint64_t>(max),
-                    "ProcessGroup::Options::ring.", field_name, " = ", *field,
-                    " is out of range [", min, ", ", max, "]");
+                    "ProcessGroup::Options::ring.", field_name, " = ", *field, " is out of range [",
+                    min, ", ", max, "]");
     return *field;
   }
   return static_cast<size_t>(env::get_int(var, static_cast<int64_t>(fallback), min, max));
 }
 
-std::optional<int> count(const std::optional<int>& field, const char* field_name,
-                         const char* var, int max) {
+std::optional<int> count(const std::optional<int>& field, const char* field_name, const char* var,
+                         int max) {
   if (field) {
-    TDIST_CHECK_ARG(*field >= 0 && *field <= max, "ProcessGroup::Options::ring.", field_name,
-                    " = ", *field, " is out of range [0, ", max, "]");
+    TDIST_CHECK_ARG(*field >= 0 && *field <= max, "ProcessGroup::Options::ring.", field_name, " = ",
+                    *field, " is out of range [0, ", max, "]");
     return field;
   }
   if (!env::get(var)) return std::nullopt;
@@ -43,19 +43,20 @@ RingTuningValues resolve_ring_tuning(const ProcessGroup::Options::RingTuning& se
   v.small_allreduce_bytes =
       bytes(set.small_allreduce_bytes, "small_allreduce_bytes", "TDIST_SMALL_ALLREDUCE_BYTES",
             v.small_allreduce_bytes, 0, int64_t(1) << 40);
-  v.staging_piece_bytes = bytes(set.staging_piece_bytes, "staging_piece_bytes",
-                                "TDIST_STAGING_PIECE_BYTES", v.staging_piece_bytes, 0,
-                                int64_t(1) << 30);
-  v.window_bytes = bytes(set.window_bytes, "window_bytes", "TDIST_WINDOW_BYTES", v.window_bytes,
-                         1, int64_t(1) << 62);
-  const char* algo_from = set.allreduce_algo ? "ProcessGroup::Options::ring.allreduce_algo"
-                                             : "TDIST_ALLREDUCE_ALGO";
-  v.allreduce_algo = set.allreduce_algo ? *set.allreduce_algo
-                                        : env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
+  v.staging_piece_bytes =
+      bytes(set.staging_piece_bytes, "staging_piece_bytes", "TDIST_STAGING_PIECE_BYTES",
+            v.staging_piece_bytes, 0, int64_t(1) << 30);
+  v.window_bytes = bytes(set.window_bytes, "window_bytes", "TDIST_WINDOW_BYTES", v.window_bytes, 1,
+                         int64_t(1) << 62);
+  const char* algo_from =
+      set.allreduce_algo ? "ProcessGroup::Options::ring.allreduce_algo" : "TDIST_ALLREDUCE_ALGO";
+  v.allreduce_algo =
+      set.allreduce_algo ? *set.allreduce_algo : env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
   TDIST_CHECK_ARG(v.allreduce_algo == "auto" || v.allreduce_algo == "ring" ||
-                      v.allreduce_algo == "recursive_doubling" || v.allreduce_algo == "hierarchical",
+                      v.allreduce_algo == "recursive_doubling" ||
+                      v.allreduce_algo == "hierarchical" || v.allreduce_algo == "single_copy",
                   algo_from, "='", v.allreduce_algo,
-                  "' is not one of auto, ring, recursive_doubling, hierarchical");
+                  "' is not one of auto, ring, recursive_doubling, hierarchical, single_copy");
   if (set.debug_detail) {
     v.debug_detail = *set.debug_detail;
   } else {
@@ -71,16 +72,15 @@ RingTuningValues resolve_ring_tuning(const ProcessGroup::Options::RingTuning& se
                     "' is not one of auto, tcp");
     v.shared_memory = transport == "auto";
   }
-  v.shm_bytes = bytes(set.shm_bytes, "shm_bytes", "TDIST_SHM_BYTES", v.shm_bytes,
-                      static_cast<int64_t>(shm::kMinCapacity),
-                      static_cast<int64_t>(shm::kMaxCapacity));
+  v.shm_bytes =
+      bytes(set.shm_bytes, "shm_bytes", "TDIST_SHM_BYTES", v.shm_bytes,
+            static_cast<int64_t>(shm::kMinCapacity), static_cast<int64_t>(shm::kMaxCapacity));
   v.spin_us = count(set.spin_us, "spin_us", "TDIST_SPIN_US", 1000000);
   v.busy_poll_ns = count(set.busy_poll_ns, "busy_poll_ns", "TDIST_BUSY_POLL_NS", 1000000000);
   v.shm_futex = flag(set.shm_futex, "TDIST_SHM_FUTEX", v.shm_futex);
   v.single_copy = flag(set.single_copy, "TDIST_SINGLE_COPY", v.single_copy);
-  v.single_copy_bytes = bytes(set.single_copy_bytes, "single_copy_bytes",
-                              "TDIST_SINGLE_COPY_BYTES", v.single_copy_bytes, 1,
-                              int64_t(1) << 62);
+  v.single_copy_bytes = bytes(set.single_copy_bytes, "single_copy_bytes", "TDIST_SINGLE_COPY_BYTES",
+                              v.single_copy_bytes, 1, int64_t(1) << 62);
   return v;
 }
 

@@ -84,8 +84,7 @@ at::Tensor byte_range(const at::Tensor& bytes, size_t begin, size_t end) {
 // the part's `in` or `out` byte tensor (`which`) viewed at that share. A range that reaches a
 // part without that tensor is a bug of the algorithm.
 template <typename F>
-void for_parts(const std::vector<Part>& parts, at::Tensor Part::*which, size_t b, size_t e,
-               F&& f) {
+void for_parts(const std::vector<Part>& parts, at::Tensor Part::*which, size_t b, size_t e, F&& f) {
   for (const Part& p : parts) {
     const size_t lo = std::max(b, p.offset);
     const size_t hi = std::min(e, p.offset + p.size);
@@ -160,7 +159,7 @@ class DeviceEngine final : public StagedTensors::Engine {
 
  private:
   std::vector<Part> parts_;
-  at::Tensor host_;  // flat bytes
+  at::Tensor host_;                    // flat bytes
   std::optional<c10::Stream> own_in_;  // the copies in's side stream, if not the caller's
   c10::Stream side_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
   c10::Event start_;  // where the copies in start from
@@ -234,8 +233,8 @@ class ThreadEngine final : public StagedTensors::Engine {
               [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
     std::vector<ByteRange> covered;  // the finished bytes, as maximal runs
     for (const ByteRange& r : outs_) {
-      TDIST_CHECK(covered.empty() || r.begin >= covered.back().end, "staging: bytes from ",
-                  r.begin, " were finished twice");
+      TDIST_CHECK(covered.empty() || r.begin >= covered.back().end, "staging: bytes from ", r.begin,
+                  " were finished twice");
       if (!covered.empty() && r.begin == covered.back().end) {
         covered.back().end = r.end;
       } else {
@@ -303,7 +302,8 @@ void check_stageable(const at::Tensor& t, const char* op, const char* what) {
   TDIST_CHECK_ARG(t.defined(), op, ": ", what, " is undefined");
   TDIST_CHECK_ARG(t.device().is_cpu() || t.device().is_cuda(), op, ": ", what, " is a ",
                   t.device().str(), " tensor; the ring backend serves CPU and CUDA tensors");
-  TDIST_CHECK_ARG(t.layout() == c10::kStrided, op, ": ", what, " is sparse; only dense tensors "
+  TDIST_CHECK_ARG(t.layout() == c10::kStrided, op, ": ", what,
+                  " is sparse; only dense tensors "
                   "are supported");
 }
 
@@ -333,7 +333,8 @@ void reset_staged_peak_for_tests() { staged_peak_bytes.store(staged_live_bytes.l
 
 std::vector<ByteRange> ascending_pieces(size_t begin, size_t n, size_t piece) {
   std::vector<ByteRange> order;
-  for (size_t b = 0; b < n; b += piece) order.push_back({begin + b, begin + std::min(n, b + piece)});
+  for (size_t b = 0; b < n; b += piece)
+    order.push_back({begin + b, begin + std::min(n, b + piece)});
   return order;
 }
 
@@ -376,6 +377,11 @@ bool StagedTensors::wanted(at::ArrayRef<at::Tensor> ts, int size, size_t piece_b
     bytes += t.nbytes();
   }
   return bytes >= 2 * piece_bytes;
+}
+
+bool StagedTensors::may_stage(const at::Tensor& t) {
+  const c10::Device dev = t.device();
+  return dev.is_cpu() ? hook_cpu.load(std::memory_order_relaxed) : dev.is_cuda();
 }
 
 bool StandIns::wanted(at::ArrayRef<at::Tensor> ts, int size, size_t piece_bytes) {
@@ -469,19 +475,18 @@ StagedTensors::StagedTensors(at::Tensor host, std::vector<Part> parts, c10::Devi
       host_(std::move(host)),
       piece_(piece_bytes) {
   if (dev.is_cuda()) {
-    engine_ = std::make_unique<DeviceEngine>(std::move(parts), host_, this->order(), issue.get(),
-                                             dev);
+    engine_ =
+        std::make_unique<DeviceEngine>(std::move(parts), host_, this->order(), issue.get(), dev);
   } else {
     std::memset(data(), 0xff, host_.nbytes());
-    engine_ = std::make_unique<ThreadEngine>(std::move(parts), host_, this->order(),
-                                             current_hook());
+    engine_ =
+        std::make_unique<ThreadEngine>(std::move(parts), host_, this->order(), current_hook());
   }
   // Counted once constructed: the destructor, which uncounts, runs only then.
   staged_count.fetch_add(1);
   const size_t live = staged_live_bytes.fetch_add(host_.nbytes()) + host_.nbytes();
   size_t peak = staged_peak_bytes.load();
-  while (live > peak && !staged_peak_bytes.compare_exchange_weak(peak, live)) {
-  }
+  while (live > peak && !staged_peak_bytes.compare_exchange_weak(peak, live)) {}
 }
 
 StagedTensors::~StagedTensors() {

@@ -61,6 +61,10 @@ class StagedTensors final : public algorithms::Staging {
   // tensor contiguous without those bits (Note [Strided device tensors]).
   static bool wanted(at::ArrayRef<at::Tensor> ts, int size, size_t piece_bytes,
                      bool once_dense = false);
+  // False when no list that holds `t` is staged (neither by wanted nor by StandIns::wanted): t
+  // is a host tensor and the testing hook is off. Asked before building a list for wanted, so
+  // that a host operation builds none (Note [Small operations]).
+  static bool may_stage(const at::Tensor& t);
   // The default piece size (a group's ring.staging_piece_bytes or TDIST_STAGING_PIECE_BYTES
   // overrides it).
   static constexpr size_t kPieceBytes = kDefaultStagingPieceBytes;
@@ -120,7 +124,7 @@ class StagedTensors final : public algorithms::Staging {
   at::Tensor host_;
   std::unique_ptr<Engine> engine_;
   size_t piece_;
-  size_t known_ = 0;  // pieces 0..known_-1 have arrived
+  size_t known_ = 0;                     // pieces 0..known_-1 have arrived
   algorithms::ByteRange pending_{0, 0};  // finished, not yet copied out
 };
 

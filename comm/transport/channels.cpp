@@ -115,8 +115,8 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
                        std::chrono::steady_clock::time_point deadline) {
   const int n = mesh.size();
   const int me = mesh.rank();
-  TDIST_CHECK_ARG(!opts.host.empty() && opts.host.size() <= kMaxHost, "the host key must have 1 to ",
-                  kMaxHost, " bytes, got ", opts.host.size());
+  TDIST_CHECK_ARG(!opts.host.empty() && opts.host.size() <= kMaxHost,
+                  "the host key must have 1 to ", kMaxHost, " bytes, got ", opts.host.size());
   Channels result;
   auto& out = result.peers;
   out.resize(static_cast<size_t>(n));
@@ -249,8 +249,8 @@ Channels make_channels(tcp::Mesh& mesh, int channel, const ChannelOptions& opts,
     uint8_t mapped = 0;
     conn->read_all(&mapped, 1, deadline, "the shared-memory confirmation");
     if (mapped == 1 && o.sent) {
-      out[p] = std::make_unique<shm::ShmChannel>(std::move(o.segment), opts.shm_capacity, true,
-                                                 conn);
+      out[p] =
+          std::make_unique<shm::ShmChannel>(std::move(o.segment), opts.shm_capacity, true, conn);
       result.readable_pids[p] = readable_pid(o.peer);
     }
   }

@@ -67,7 +67,7 @@ namespace tdist::comm {
 std::string host_key();
 
 struct ChannelOptions {
-  bool allow_shm = true;       // TDIST_TRANSPORT != "tcp"
+  bool allow_shm = true;  // TDIST_TRANSPORT != "tcp"
   // Bytes per direction (TDIST_SHM_BYTES). 2 MiB rather than 4: what a sender writes is more
   // often still in the caches when its peer reads it (docs/perf-history.md, "Ring size").
   size_t shm_capacity = 2 << 20;

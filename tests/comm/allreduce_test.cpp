@@ -24,8 +24,8 @@ class AllreduceTest : public ::testing::TestWithParam<std::tuple<int, const char
 
 // `hosts`: rank r's host key is hosts[r] (Options::host); empty: the real one.
 void check_every_op_and_dtype(int world, const std::string& algo, const std::string& hosts = "") {
-  tdist::test::EnvGuard env(
-      tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", algo}, {"TDIST_CHUNK_BYTES", std::string("24")}});
+  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", algo},
+                                                 {"TDIST_CHUNK_BYTES", std::string("24")}});
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
     auto opts = test::test_options();
     if (!hosts.empty()) opts.host = std::string(1, hosts[rank]);
@@ -205,14 +205,12 @@ TEST_P(HierarchicalAllreduceTest, AutoChoiceLargeBufferSameBitsEverywhere) {
   for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(results[0], results[r])) << r;
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, HierarchicalAllreduceTest,
-                         ::testing::Values(std::make_tuple("aabb", true),
-                                           std::make_tuple("abab", true),
-                                           std::make_tuple("aaabbb", true),
-                                           std::make_tuple("abcabc", true),
-                                           std::make_tuple("aabbb", false),
-                                           std::make_tuple("ab", false),
-                                           std::make_tuple("aaaa", false)));
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, HierarchicalAllreduceTest,
+    ::testing::Values(std::make_tuple("aabb", true), std::make_tuple("abab", true),
+                      std::make_tuple("aaabbb", true), std::make_tuple("abcabc", true),
+                      std::make_tuple("aabbb", false), std::make_tuple("ab", false),
+                      std::make_tuple("aaaa", false)));
 
 TEST(HostKey, EmptyOrLongerThan255BytesIsRefused) {
   for (const std::string& bad : {std::string(), std::string(256, 'h')}) {

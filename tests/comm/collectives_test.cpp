@@ -25,8 +25,7 @@ class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, const ch
         {"TDIST_CHUNK_BYTES", std::string(chunk)},
         {"TDIST_TRANSPORT", single_copy ? std::string("auto") : transport()},
         {"TDIST_SINGLE_COPY", std::nullopt},
-        {"TDIST_SINGLE_COPY_BYTES",
-         single_copy ? std::optional<std::string>("1") : std::nullopt}});
+        {"TDIST_SINGLE_COPY_BYTES", single_copy ? std::optional<std::string>("1") : std::nullopt}});
     tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
       auto pg = create_process_group(store, rank, world, test::test_options());
       fn(rank, *pg);
@@ -46,17 +45,17 @@ TEST_P(CollectivesTest, RanksInOneProcessNeverUseSingleCopy) {
   });
 }
 
-const std::vector<c10::ScalarType> kSomeDtypes = {torch::kFloat, torch::kLong, torch::kHalf,
-                                                  torch::kBFloat16, torch::kUInt8, torch::kBool,
-                                                  torch::kComplexDouble, torch::kDouble};
+const std::vector<c10::ScalarType> kSomeDtypes = {
+    torch::kFloat, torch::kLong, torch::kHalf,          torch::kBFloat16,
+    torch::kUInt8, torch::kBool, torch::kComplexDouble, torch::kDouble};
 
 TEST_P(CollectivesTest, Broadcast) {
   run([&](int rank, ProcessGroup& pg) {
     for (int root = 0; root < world(); ++root) {
       for (int64_t n : {0, 1, 37, 1000}) {
         for (auto t : kSomeDtypes) {
-          auto x = rank == root ? test::make_input(t, ReduceOp::SUM, n, root, 5)
-                                : torch::zeros({n}, t);
+          auto x =
+              rank == root ? test::make_input(t, ReduceOp::SUM, n, root, 5) : torch::zeros({n}, t);
           BroadcastOptions o;
           o.root = root;
           pg.broadcast(x, o)->wait();
@@ -132,7 +131,8 @@ TEST_P(CollectivesTest, GatherAndScatter) {
         g.root = root;
         pg.gather(outs, in, g)->wait();
         for (size_t r = 0; r < outs.size(); ++r) {
-          ASSERT_TRUE(test::same(outs[r], test::make_input(torch::kFloat, ReduceOp::SUM, n, r, root)));
+          ASSERT_TRUE(
+              test::same(outs[r], test::make_input(torch::kFloat, ReduceOp::SUM, n, r, root)));
         }
         std::vector<at::Tensor> ins;
         if (rank == root) {
@@ -151,7 +151,8 @@ TEST_P(CollectivesTest, GatherAndScatter) {
 TEST_P(CollectivesTest, ReduceScatterListAndFlatEveryOp) {
   run([&](int rank, ProcessGroup& pg) {
     for (int64_t n : {0, 1, 37, 300}) {
-      for (auto t : {torch::kFloat, torch::kLong, torch::kBFloat16, torch::kBool, torch::kComplexFloat}) {
+      for (auto t :
+           {torch::kFloat, torch::kLong, torch::kBFloat16, torch::kBool, torch::kComplexFloat}) {
         for (auto op : test::all_ops()) {
           if (!test::op_supported(t, op)) continue;
           // Rank r's block i is input(seed = i).
@@ -190,7 +191,8 @@ TEST_P(CollectivesTest, AlltoallEqualSplitsAndLists) {
       pg.alltoall_base(out, in, {}, {})->wait();
       for (int s = 0; s < w; ++s) {
         for (int64_t j = 0; j < rows; ++j) {
-          ASSERT_TRUE(torch::equal(out[s * rows + j], torch::full({3}, 100.0 * s + 10.0 * rank + j)));
+          ASSERT_TRUE(
+              torch::equal(out[s * rows + j], torch::full({3}, 100.0 * s + 10.0 * rank + j)));
         }
       }
       std::vector<at::Tensor> ins, outs;
@@ -200,7 +202,8 @@ TEST_P(CollectivesTest, AlltoallEqualSplitsAndLists) {
       }
       pg.alltoall(outs, ins)->wait();
       for (int s = 0; s < w; ++s) {
-        ASSERT_TRUE(torch::equal(outs[s], torch::full({rows + rank}, 100.0 * s + rank, torch::kLong)));
+        ASSERT_TRUE(
+            torch::equal(outs[s], torch::full({rows + rank}, 100.0 * s + rank, torch::kLong)));
       }
     }
   });

@@ -23,15 +23,16 @@ inline ProcessGroup::Options test_options(Millis timeout = Millis(60000)) {
 
 inline std::vector<c10::ScalarType> all_dtypes() {
   using c10::ScalarType;
-  return {ScalarType::Byte,   ScalarType::Char,     ScalarType::Short,  ScalarType::Int,
-          ScalarType::Long,   ScalarType::UInt16,   ScalarType::UInt32, ScalarType::UInt64,
-          ScalarType::Half,   ScalarType::BFloat16, ScalarType::Float,  ScalarType::Double,
+  return {ScalarType::Byte,         ScalarType::Char,          ScalarType::Short,
+          ScalarType::Int,          ScalarType::Long,          ScalarType::UInt16,
+          ScalarType::UInt32,       ScalarType::UInt64,        ScalarType::Half,
+          ScalarType::BFloat16,     ScalarType::Float,         ScalarType::Double,
           ScalarType::ComplexFloat, ScalarType::ComplexDouble, ScalarType::Bool};
 }
 
 inline std::vector<ReduceOp> all_ops() {
-  return {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::PRODUCT, ReduceOp::MIN,
-          ReduceOp::MAX, ReduceOp::BAND, ReduceOp::BOR,   ReduceOp::BXOR};
+  return {ReduceOp::SUM, ReduceOp::AVG,  ReduceOp::PRODUCT, ReduceOp::MIN,
+          ReduceOp::MAX, ReduceOp::BAND, ReduceOp::BOR,     ReduceOp::BXOR};
 }
 
 inline bool op_supported(c10::ScalarType t, ReduceOp op) {
@@ -73,7 +74,7 @@ inline at::Tensor reference(const std::vector<at::Tensor>& inputs, ReduceOp op) 
   auto t = inputs[0].scalar_type();
   const int64_t n = static_cast<int64_t>(inputs.size());
   std::vector<at::Tensor> wide;
-  auto wide_type = c10::isComplexType(t) ? torch::kComplexDouble
+  auto wide_type = c10::isComplexType(t)    ? torch::kComplexDouble
                    : c10::isFloatingType(t) ? torch::kDouble
                                             : torch::kLong;
   for (auto& x : inputs) wide.push_back(x.to(wide_type));
@@ -81,22 +82,44 @@ inline at::Tensor reference(const std::vector<at::Tensor>& inputs, ReduceOp op) 
   at::Tensor r;
   if (t == c10::ScalarType::Bool) {
     switch (op) {
-      case ReduceOp::SUM: case ReduceOp::MAX: case ReduceOp::BOR: r = s.amax(0); break;
-      case ReduceOp::PRODUCT: case ReduceOp::MIN: case ReduceOp::BAND: r = s.amin(0); break;
-      default: r = s.sum(0) % 2; break;
+      case ReduceOp::SUM:
+      case ReduceOp::MAX:
+      case ReduceOp::BOR:
+        r = s.amax(0);
+        break;
+      case ReduceOp::PRODUCT:
+      case ReduceOp::MIN:
+      case ReduceOp::BAND:
+        r = s.amin(0);
+        break;
+      default:
+        r = s.sum(0) % 2;
+        break;
     }
     return r.to(t);
   }
   switch (op) {
-    case ReduceOp::SUM: r = s.sum(0); break;
-    case ReduceOp::AVG: r = s.sum(0) / static_cast<double>(n); break;
-    case ReduceOp::PRODUCT: r = s.prod(0); break;
-    case ReduceOp::MIN: r = s.amin(0); break;
-    case ReduceOp::MAX: r = s.amax(0); break;
-    case ReduceOp::BAND: case ReduceOp::BOR: case ReduceOp::BXOR: {
+    case ReduceOp::SUM:
+      r = s.sum(0);
+      break;
+    case ReduceOp::AVG:
+      r = s.sum(0) / static_cast<double>(n);
+      break;
+    case ReduceOp::PRODUCT:
+      r = s.prod(0);
+      break;
+    case ReduceOp::MIN:
+      r = s.amin(0);
+      break;
+    case ReduceOp::MAX:
+      r = s.amax(0);
+      break;
+    case ReduceOp::BAND:
+    case ReduceOp::BOR:
+    case ReduceOp::BXOR: {
       r = wide[0].clone();
       for (size_t k = 1; k < wide.size(); ++k) {
-        r = op == ReduceOp::BAND ? r.bitwise_and(wide[k])
+        r = op == ReduceOp::BAND  ? r.bitwise_and(wide[k])
             : op == ReduceOp::BOR ? r.bitwise_or(wide[k])
                                   : r.bitwise_xor(wide[k]);
       }

@@ -30,8 +30,8 @@ using tdist::test::contains;
 using tdist::test::spawn;
 using test::test_options;
 
-#define SKIP_WITHOUT_GPUS(n)                                                             \
-  if (!torch::cuda::is_available() || torch::cuda::device_count() < (n))                 \
+#define SKIP_WITHOUT_GPUS(n)                                                                 \
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < (n))                     \
   GTEST_SKIP() << "needs " << (n) << " visible GPU(s); " << int(torch::cuda::device_count()) \
                << " visible"
 
@@ -139,8 +139,8 @@ TEST(RingOnCuda, EveryOpWithRanksSharingOneGpu) {
                                                    {"TDIST_WINDOW_BYTES", window},
                                                    {"TDIST_ALLREDUCE_ALGO", algo}});
     for (int n : {2, 4}) {
-      SCOPED_TRACE(str("TDIST_STAGING_PIECE_BYTES=", piece, ", window ", window, ", ", algo,
-                       ", world ", n));
+      SCOPED_TRACE(
+          str("TDIST_STAGING_PIECE_BYTES=", piece, ", window ", window, ", ", algo, ", world ", n));
       const size_t before = detail::staged_buffers_for_tests();
       spawn(n, [&](int rank, std::shared_ptr<Store> store) {
         c10::DeviceGuard on(c10::Device(c10::kCUDA, 0));
@@ -199,8 +199,8 @@ TEST(RingOnCuda, WindowedCollectivesKeepTheCallersStreamOrder) {
     in.fill_(rank + 1.0);
     gathered.fill_(-1.0);
     pg->allgather_into_tensor(gathered, in)->wait();
-    EXPECT_TRUE(torch::equal(gathered.cpu(), torch::cat({torch::full({len}, 1.0),
-                                                          torch::full({len}, 2.0)})))
+    EXPECT_TRUE(torch::equal(gathered.cpu(),
+                             torch::cat({torch::full({len}, 1.0), torch::full({len}, 2.0)})))
         << "allgather_into_tensor";
     auto rs_in = torch::zeros({2 * len}, torch::kCUDA), rs_out = torch::zeros({len}, torch::kCUDA);
     slow();
@@ -331,10 +331,13 @@ TEST(NcclBackend, EveryOpAgainstTheRingOnOneRankPerGpu) {
     EXPECT_TRUE(torch::equal(rs.cpu(), torch::full({4}, static_cast<float>(n))));
     pg->barrier()->wait();
     std::atomic<bool> ran{false};
-    pg->allreduce(x)->future()->then([&](Future& f) {
-      ran = true;
-      return f.value();
-    })->wait();
+    pg->allreduce(x)
+        ->future()
+        ->then([&](Future& f) {
+          ran = true;
+          return f.value();
+        })
+        ->wait();
     EXPECT_TRUE(ran.load());
   });
 }

@@ -116,23 +116,35 @@ void expect_invalid(Fn&& fn, const std::string& needle) {
 TEST(DeviceMesh, BadDimensionsAtWorld3) {
   with_world(3, Millis(30000), [](int rank, std::shared_ptr<ProcessGroup> world) {
     using Dims = std::vector<DeviceMesh::Dim>;
-    expect_invalid([&] { DeviceMesh(world, Dims{{"replicate", 2}, {"shard", 2}}); },
-                   "the sizes of {\"replicate\": 2, \"shard\": 2} multiply to 4, not to the "
-                   "world size 3");
-    expect_invalid([&] { DeviceMesh(world, Dims{{"dp", 2}}); }, "multiply to 2, not to the "
-                                                                "world size 3");
-    expect_invalid([&] { DeviceMesh(world, Dims{{"a", 3}, {"a", 1}}); },
-                   "dimension \"a\" is named twice");
-    expect_invalid([&] { DeviceMesh(world, Dims{{"a", 3}, {"b", 0}}); },
-                   "dimension \"b\" has size 0");
+    expect_invalid(
+        [&] {
+          DeviceMesh(world, Dims{{"replicate", 2}, {"shard", 2}});
+        },
+        "the sizes of {\"replicate\": 2, \"shard\": 2} multiply to 4, not to the "
+        "world size 3");
+    expect_invalid(
+        [&] {
+          DeviceMesh(world, Dims{{"dp", 2}});
+        },
+        "multiply to 2, not to the "
+        "world size 3");
+    expect_invalid(
+        [&] {
+          DeviceMesh(world, Dims{{"a", 3}, {"a", 1}});
+        },
+        "dimension \"a\" is named twice");
+    expect_invalid(
+        [&] {
+          DeviceMesh(world, Dims{{"a", 3}, {"b", 0}});
+        },
+        "dimension \"b\" has size 0");
     expect_invalid([&] { DeviceMesh(world, Dims{{"", 3}}); }, "a dimension has an empty name");
     expect_invalid([&] { DeviceMesh(world, Dims{}); }, "no dimensions");
     expect_invalid([&] { DeviceMesh(nullptr, Dims{{"dp", 3}}); }, "world process group is null");
 
     DeviceMesh mesh(world, {{"dp", 3}});
     expect_layout(mesh, rank);
-    expect_invalid([&] { mesh.group("shard"); },
-                   "no dimension \"shard\"; the mesh is {\"dp\": 3}");
+    expect_invalid([&] { mesh.group("shard"); }, "no dimension \"shard\"; the mesh is {\"dp\": 3}");
     expect_invalid([&] { mesh.coordinate("replicate"); }, "no dimension \"replicate\"");
     expect_invalid([&] { mesh.group(1); }, "dimension 1 is not in [0, 1)");
     expect_invalid([&] { mesh.rank_of({3}); }, "coordinate 3 of \"dp\" is not in [0, 3)");

@@ -20,7 +20,9 @@ namespace tdist::comm::test {
 inline void check_every_op(const std::shared_ptr<ProcessGroup>& pg, c10::Device dev) {
   const int r = pg->rank(), n = pg->size();
   const auto on = torch::TensorOptions().device(dev);
-  auto input = [&](int rank, int64_t len) { return torch::arange(len, torch::kFloat) + rank * 100; };
+  auto input = [&](int rank, int64_t len) {
+    return torch::arange(len, torch::kFloat) + rank * 100;
+  };
   // allreduce, every op on floats and ints, and a non-contiguous tensor.
   for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
     auto x = input(r, 1000).to(dev);
@@ -120,8 +122,7 @@ inline void check_every_op(const std::shared_ptr<ProcessGroup>& pg, c10::Device 
     EXPECT_TRUE(torch::equal(rs_out.cpu(), sum.narrow(0, len * r, len)));
     EXPECT_TRUE(torch::equal(rs_out_list.cpu(), sum.narrow(0, len * r, len)));
     // allreduce_coalesced: two tensors staged as one buffer
-    std::vector<at::Tensor> big_parts{input(r, len).to(dev),
-                                      input(r, len / 2 + 3).to(dev)};
+    std::vector<at::Tensor> big_parts{input(r, len).to(dev), input(r, len / 2 + 3).to(dev)};
     pg->allreduce_coalesced(big_parts)->wait();
     at::Tensor p0 = torch::zeros({len}), p1 = torch::zeros({len / 2 + 3});
     for (int k = 0; k < n; ++k) {
@@ -177,7 +178,8 @@ inline void check_every_op(const std::shared_ptr<ProcessGroup>& pg, c10::Device 
   GatherOptions go;
   go.root = n - 1;
   pg->gather(g, input(r, 9).to(dev), go)->wait();
-  for (int k = 0; k < static_cast<int>(g.size()); ++k) EXPECT_TRUE(torch::equal(g[k].cpu(), input(k, 9)));
+  for (int k = 0; k < static_cast<int>(g.size()); ++k)
+    EXPECT_TRUE(torch::equal(g[k].cpu(), input(k, 9)));
   std::vector<at::Tensor> s;
   if (r == n - 1) {
     for (int k = 0; k < n; ++k) s.push_back(input(k, 6).to(dev));

@@ -48,8 +48,9 @@ TEST(Failure, TimeoutNamesRankOpPeerAndSequenceThenAborts) {
       // Aborted: later operations fail at once, naming the cause.
       auto later = pg->barrier();
       EXPECT_TRUE(later->is_completed());
-      EXPECT_TRUE(contains(message_of(later), "rank 0: barrier (seq 2) failed: the process group "
-                                              "was aborted after: rank 0: allreduce (seq 1)"))
+      EXPECT_TRUE(contains(message_of(later),
+                           "rank 0: barrier (seq 2) failed: the process group "
+                           "was aborted after: rank 0: allreduce (seq 1)"))
           << message_of(later);
     } else {
       // Rank 1 waits on rank 0 over the point-to-point channel instead; rank 0's abort closes
@@ -87,8 +88,9 @@ TEST(Failure, AbortFailsPendingWorkOnEveryRankAndDestroyDoesNotHang) {
 // one-second spin that busy-polls throughout, a 200 ms timeout and an abort 200 ms into an
 // operation both fail it well before the spin would have ended.
 TEST(Failure, ABusyPollingSpinEndsAtTheDeadlineAndOnAbort) {
-  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_SPIN_US", std::string("1000000")},
-                                                 {"TDIST_BUSY_POLL_NS", std::string("1000000000")}});
+  tdist::test::EnvGuard env(
+      tdist::test::EnvVars{{"TDIST_SPIN_US", std::string("1000000")},
+                           {"TDIST_BUSY_POLL_NS", std::string("1000000000")}});
   using Clock = std::chrono::steady_clock;
   for (bool abort : {false, true}) {
     tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
@@ -155,8 +157,9 @@ TEST(Failure, AStrangerThatSaysNothingDoesNotHoldUpGroupCreation) {
   // The stranger connects as soon as rank 0 published its address, before rank 1 starts.
   const std::string addr = store->get_string("tdist/pg1/addr/0");
   const auto colon = addr.rfind(':');
-  int stranger = net::connect_to(addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
-                                 std::chrono::steady_clock::now() + std::chrono::seconds(5), "rank 0");
+  int stranger = net::connect_to(
+      addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
+      std::chrono::steady_clock::now() + std::chrono::seconds(5), "rank 0");
   std::this_thread::sleep_for(Millis(200));  // rank 0 accepts it before rank 1 connects
   auto pg = create_process_group(store, 1, 2, test::test_options(Millis(3000)));
   pg->barrier()->wait();
@@ -166,7 +169,8 @@ TEST(Failure, AStrangerThatSaysNothingDoesNotHoldUpGroupCreation) {
   set_log_level(saved);
   if (first_error) std::rethrow_exception(first_error);
   EXPECT_EQ(log.find("rejected a connection"), std::string::npos)
-      << "the group waited for the stranger's hello:\n" << log;
+      << "the group waited for the stranger's hello:\n"
+      << log;
 }
 
 // The mesh's port under hostile clients (the same attacks as the store's and RPC's ports,
@@ -191,8 +195,8 @@ TEST(Failure, StrangersReplaysAndStallsAtTheMeshAreRefusedAndTheGroupComesUp) {
   const std::string addr = store->get_string("tdist/pg1/addr/0");
   const auto colon = addr.rfind(':');
   tdist::test::HandshakePort port{addr.substr(0, colon),
-                           static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
-                           net::Service::kMesh, 13};
+                                  static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
+                                  net::Service::kMesh, 13};
   EXPECT_TRUE(tdist::test::refuses_token(port, ""));
   EXPECT_TRUE(tdist::test::refuses_token(port, "wrong"));
   EXPECT_TRUE(tdist::test::refuses_replayed_hello(port, "s3cret"));
@@ -218,11 +222,12 @@ TEST(Failure, RanksWithDifferentTokensFailGroupCreationWithAClearError) {
     options.token = rank == 0 ? "one" : "another";
     if (rank == 0) {
       tdist::test::expect_contains(tdist::test::expect_throw<TimeoutError>(
-                                [&] { create_process_group(store, rank, 2, options); }),
-                            "rank(s) 1 did not connect");
+                                       [&] { create_process_group(store, rank, 2, options); }),
+                                   "rank(s) 1 did not connect");
     } else {
       tdist::test::expect_contains(
-          tdist::test::expect_throw<ProtocolError>([&] { create_process_group(store, rank, 2, options); }),
+          tdist::test::expect_throw<ProtocolError>(
+              [&] { create_process_group(store, rank, 2, options); }),
           "rank 1: handshake with rank 0: connection closed by the peer (rank 0 refused this "
           "connection: is the token the same on every process?)");
     }
@@ -286,8 +291,7 @@ TDIST_TEST_CHILD(comm_single_copy_sizes_child) {
     std::rethrow_exception(w->exception());
   } catch (const InvalidArgument&) {
     invalid = true;
-  } catch (...) {
-  }
+  } catch (...) {}
   if (!invalid) ++bad;
   if (!torch::equal(x, torch::full({n}, double(rank)))) ++bad;  // untouched
   if (!torch::equal(guard, torch::full({8}, -1.0))) ++bad;
@@ -328,7 +332,8 @@ TEST(Failure, BadArgumentsThrowInvalidArgumentAndChangeNothing) {
     EXPECT_THROW(pg->alltoall_base(torch::empty({3}), torch::empty({3}), {}, {}), InvalidArgument);
     EXPECT_THROW(pg->alltoall_base(torch::empty({4}), torch::empty({4}), {1, 1}, {3, 2}),
                  InvalidArgument);
-    EXPECT_THROW(pg->gather({torch::empty({4})}, x), InvalidArgument);  // wrong count on root/non-root
+    EXPECT_THROW(pg->gather({torch::empty({4})}, x),
+                 InvalidArgument);  // wrong count on root/non-root
     AllreduceOptions avg;
     avg.op = ReduceOp::AVG;
     EXPECT_THROW(pg->allreduce(torch::ones({4}, torch::kInt), avg), InvalidArgument);

@@ -12,9 +12,7 @@ namespace {
 TEST(Future, ValueAndContinuations) {
   auto f = std::make_shared<Future>();
   EXPECT_FALSE(f->completed());
-  auto doubled = f->then([](Future& self) {
-    return Future::Value{self.value()[0] * 2};
-  });
+  auto doubled = f->then([](Future& self) { return Future::Value{self.value()[0] * 2}; });
   std::thread t([f] { f->set_value({torch::ones({3})}); });
   EXPECT_TRUE(torch::equal(f->wait(Millis(10000))[0], torch::ones({3})));
   t.join();

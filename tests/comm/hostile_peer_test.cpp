@@ -76,9 +76,9 @@ int count_lines(const std::string& text, const std::string& needle) {
 
 TEST(HostilePeer, MeshFormsUnderAStrangerFloodOnARankOutOfDescriptors) {
   TCPStoreServer server("127.0.0.1", 0, "");
-  tdist::test::Processes procs("mesh_flood_child", 2,
-                               {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
-                                {"TDIST_LOG_LEVEL", "warn"}});
+  tdist::test::Processes procs(
+      "mesh_flood_child", 2,
+      {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())}, {"TDIST_LOG_LEVEL", "warn"}});
   TCPStore store("127.0.0.1", server.port(), false, Millis(30000));
   store.wait({"tdist/pg1/addr/0"}, Millis(30000));
   const std::string addr = store.get_string("tdist/pg1/addr/0");
@@ -102,8 +102,7 @@ TEST(HostilePeer, MeshFormsUnderAStrangerFloodOnARankOutOfDescriptors) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   for (int fd : strangers) {
     pollfd p{fd, POLLIN, 0};
-    while (::poll(&p, 1, 100) == 0 && std::chrono::steady_clock::now() < until) {
-    }
+    while (::poll(&p, 1, 100) == 0 && std::chrono::steady_clock::now() < until) {}
   }
   rlimit limit{};
   ::getrlimit(RLIMIT_NOFILE, &limit);
@@ -167,7 +166,7 @@ struct ForgedGroup {
   ~ForgedGroup() {
     e0->stop();
     e2->stop();
-    ::close(forged);
+    if (forged >= 0) ::close(forged);
     ::close(idle);
   }
   // Writes until rank 0 has read everything or has shut the connection (EPIPE, no signal).
@@ -186,7 +185,9 @@ std::future<Result> recv_on(detail::P2PEngine& e, void* buf, size_t n, int src, 
   auto done = std::make_shared<std::promise<Result>>();
   auto f = done->get_future();
   e.recv(buf, n, src, tag, detail::P2PEngine::Clock::now() + std::chrono::seconds(15), 0,
-         [done](int source, std::exception_ptr error) { done->set_value({source, error}); });
+         [done](int source, std::exception_ptr error) {
+           done->set_value({source, error});
+         });
   return f;
 }
 
@@ -195,7 +196,9 @@ std::future<Result> send_on(detail::P2PEngine& e, const void* buf, size_t n, int
   auto done = std::make_shared<std::promise<Result>>();
   auto f = done->get_future();
   e.send(buf, n, dst, tag, detail::P2PEngine::Clock::now() + std::chrono::seconds(15), 0,
-         [done](int source, std::exception_ptr error) { done->set_value({source, error}); });
+         [done](int source, std::exception_ptr error) {
+           done->set_value({source, error});
+         });
   return f;
 }
 
@@ -244,7 +247,8 @@ TEST(HostilePeer, EmptyEagerMessagesCannotPileUpWithoutLimit) {
   char buf[4];
   auto pending = recv_on(*g.e0, buf, sizeof(buf), 1, 99);
   std::string burst;
-  for (uint64_t i = 0; i <= detail::P2PEngine::kEagerCredit / 32; ++i) burst += frame(kEager, 1, 0, 0);
+  for (uint64_t i = 0; i <= detail::P2PEngine::kEagerCredit / 32; ++i)
+    burst += frame(kEager, 1, 0, 0);
   g.forge(burst);
   expect_only_the_pair_failed(g, pending, "eager credit");
 }
@@ -280,6 +284,79 @@ TEST(HostilePeer, AnHonestSenderHoldsSendsBeyondTheAnnouncementLimit) {
   }
   for (auto& s : sends) EXPECT_EQ(message(s.get().second), "");
   EXPECT_EQ(g.fatal_calls.load(), 0);
+}
+
+// ---- a peer that leaves with its last messages still unread (Note [Losing a peer]) -----------
+
+// A streamed payload whose first span() holds the engine thread until the test opens the gate:
+// what arrives meanwhile waits in the socket, to be read in one known order.
+class Gate : public detail::P2PEngine::Payload {
+ public:
+  size_t span(size_t offset, char** at) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return open_; });
+    *at = bytes_ + offset;
+    return sizeof(bytes_) - offset;
+  }
+  void moved(size_t) override {}
+  void wait_entered() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return entered_; });
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false, open_ = false;
+  char bytes_[16] = {};
+};
+
+// Rank 1 sends two eager messages and closes its connection at once. Rank 0's engine reads the
+// first, returns its credit, and the write of that credit fails (rank 1 is gone) while the
+// second message still waits in rank 0's socket: it must still be delivered. Before the fix the
+// failed write closed the pair at once and the second receive failed with "closed its
+// connection (Broken pipe)".
+TEST(HostilePeer, MessagesOfAPeerThatLeftAreDeliveredAfterAFailedWrite) {
+  ForgedGroup g;
+  char a[4] = {}, b[4] = {};
+  auto got_a = recv_on(*g.e0, a, sizeof(a), 1, 1);
+  auto got_b = recv_on(*g.e0, b, sizeof(b), 1, 2);
+  // Rank 0's engine thread is held inside a payload of a send to rank 2 while rank 1 writes.
+  auto gate = std::make_shared<Gate>();
+  char sink[16];
+  auto done = std::make_shared<std::promise<Result>>();
+  auto sent = done->get_future();
+  g.e0->send(gate, sizeof(sink), 2, 7, detail::P2PEngine::Clock::now() + std::chrono::seconds(15),
+             0, [done](int source, std::exception_ptr error) {
+               done->set_value({source, error});
+             });
+  auto received = recv_on(*g.e2, sink, sizeof(sink), 0, 7);
+  gate->wait_entered();
+  g.forge(frame(kEager, 1, 4, 0) + frame(kEager, 2, 4, 0));
+  ::close(g.forged);
+  g.forged = -1;
+  gate->open();
+  ASSERT_EQ(got_a.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  ASSERT_EQ(got_b.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  EXPECT_EQ(message(got_a.get().second), "");
+  EXPECT_EQ(message(got_b.get().second), "");
+  EXPECT_EQ(std::string(a, 4), "xxxx");
+  EXPECT_EQ(std::string(b, 4), "xxxx");
+  EXPECT_EQ(message(sent.get().second), "");
+  EXPECT_EQ(message(received.get().second), "");
+  EXPECT_EQ(g.fatal_calls.load(), 0);
+  // Once the stream ended, the pair is closed: a later receive from rank 1 fails, naming it.
+  auto later = recv_on(*g.e0, a, sizeof(a), 1, 3);
+  ASSERT_EQ(later.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  const std::string why = message(later.get().second);
+  EXPECT_NE(why.find("rank 1"), std::string::npos) << why;
 }
 
 }  // namespace

@@ -48,17 +48,20 @@ at::Tensor torch_fold(const std::vector<at::Tensor>& inputs, ReduceOp op) {
   }
   auto mask = ~w.isnan();
   if (!torch::equal(g.masked_select(mask), w.masked_select(mask))) {
-    return ::testing::AssertionFailure() << "values differ: got " << test::describe(got)
-                                         << " want " << test::describe(want);
+    return ::testing::AssertionFailure()
+           << "values differ: got " << test::describe(got) << " want " << test::describe(want);
   }
   return ::testing::AssertionSuccess();
 }
 
 at::Tensor bits(const at::Tensor& t) {
   switch (t.element_size()) {
-    case 2: return t.contiguous().view(torch::kShort);
-    case 4: return t.contiguous().view(torch::kInt);
-    default: return t.contiguous().view(torch::kLong);
+    case 2:
+      return t.contiguous().view(torch::kShort);
+    case 4:
+      return t.contiguous().view(torch::kInt);
+    default:
+      return t.contiguous().view(torch::kLong);
   }
 }
 
@@ -89,8 +92,8 @@ void check_world(int world, const std::string& algo) {
     auto pg = create_process_group(store, rank, world, test::test_options(Millis(30000)));
     for (auto t : float_dtypes()) {
       for (auto op : {ReduceOp::MIN, ReduceOp::MAX}) {
-        SCOPED_TRACE(str(algo, " world=", world, " rank=", rank, " ", c10::toString(t), " ",
-                         to_string(op)));
+        SCOPED_TRACE(
+            str(algo, " world=", world, " rank=", rank, " ", c10::toString(t), " ", to_string(op)));
         std::vector<at::Tensor> all;
         for (int r = 0; r < world; ++r) all.push_back(nan_input(t, r, kLen));
         auto want = torch_fold(all, op);

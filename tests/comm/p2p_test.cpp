@@ -31,7 +31,8 @@ TEST(P2P, TagsMatchOutOfOrderAndLargeMessagesCross) {
         works.push_back(pg->recv(got[tag], 0, tag));
       }
       for (auto& w : works) w->wait();
-      for (int tag = 1; tag <= 3; ++tag) EXPECT_TRUE(torch::equal(got[tag], torch::full({4}, tag * 1.0)));
+      for (int tag = 1; tag <= 3; ++tag)
+        EXPECT_TRUE(torch::equal(got[tag], torch::full({4}, tag * 1.0)));
     }
     // Empty and non-contiguous tensors.
     auto empty = torch::empty({0});
@@ -44,10 +45,8 @@ TEST(P2P, TagsMatchOutOfOrderAndLargeMessagesCross) {
       pg->recv(dst, 0)->wait();
       EXPECT_TRUE(torch::equal(dst, torch::arange(6, torch::kFloat).reshape({2, 3}).t()));
     }
-    // Rank 0's eager sends complete once written; destroying its group before rank 1 has read
-    // them can reset the connection under rank 1's unread bytes (the engine closes without
-    // draining what its peer still writes, e.g. credit), so both finish together.
-    pg->barrier()->wait();
+    // No barrier at the end: rank 0 may destroy its group while its last eager messages are
+    // still unread by rank 1 (Note [Losing a peer]).
   });
 }
 
@@ -163,7 +162,8 @@ TEST(P2P, SizeMismatchTimeoutAndBadArguments) {
         ADD_FAILURE() << "size mismatch not detected";
       } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("sent 20 bytes but the receive buffer holds 12"),
-                  std::string::npos) << e.what();
+                  std::string::npos)
+            << e.what();
       }
       // The stream stayed in step: the next message arrives intact.
       auto next = torch::empty({2});

@@ -57,11 +57,13 @@ int run_collectives(ProcessGroup& pg) {
   auto in = torch::full({3}, double(rank));
   auto flat = torch::empty({3 * world});
   pg.allgather_into_tensor(flat, in)->wait();
-  for (int r = 0; r < world; ++r) expect(torch::equal(flat.narrow(0, 3 * r, 3), torch::full({3}, double(r))), "allgather");
+  for (int r = 0; r < world; ++r)
+    expect(torch::equal(flat.narrow(0, 3 * r, 3), torch::full({3}, double(r))), "allgather");
   auto rs_in = torch::arange(world * 4, torch::kFloat);
   auto rs_out = torch::empty({4});
   pg.reduce_scatter_tensor(rs_out, rs_in)->wait();
-  expect(torch::equal(rs_out, torch::arange(rank * 4, rank * 4 + 4, torch::kFloat) * world), "reduce_scatter");
+  expect(torch::equal(rs_out, torch::arange(rank * 4, rank * 4 + 4, torch::kFloat) * world),
+         "reduce_scatter");
   auto a_in = torch::full({world}, double(rank));
   auto a_out = torch::empty({world});
   pg.alltoall_base(a_out, a_in, {}, {})->wait();
@@ -92,6 +94,66 @@ TDIST_TEST_CHILD(comm_env_init_child) {
 
 // Allreduces of 1 MiB in a loop until one fails; exits 0 when the failure names this rank, the
 // operation, its sequence number and a peer.
+// The single-copy allreduce (Note [Single-copy allreduce] in comm/algorithms/single_copy.h),
+// asked for by name in a group of its own: right below the world size (segments of nothing),
+// at an odd size and over several windows, for SUM, AVG and MAX; three rounds and no forwarded
+// hop per operation at every world (a ring would forward 2(n-1) - 1); and ranks that pass
+// different sizes all fail with the sizes named, before any memory is read, and the group
+// stays usable. Returns the number of mismatches (printed).
+int check_single_copy_allreduce(int rank, int world) {
+  ProcessGroup::Options o = test::test_options();
+  o.ring.allreduce_algo = "single_copy";
+  auto pg = create_process_group(child_store(), rank, world, o);
+  auto* ring = dynamic_cast<detail::RingProcessGroup*>(pg.get());
+  if (ring == nullptr) return 1;
+  int bad = 0;
+  for (int64_t n : {int64_t{1}, int64_t{1001}, int64_t{300001}}) {
+    for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX}) {
+      auto x = torch::arange(n, torch::kDouble) + rank;
+      AllreduceOptions ao;
+      ao.op = op;
+      pg->allreduce(x, ao)->wait();
+      const auto base = torch::arange(n, torch::kDouble);
+      const at::Tensor want = op == ReduceOp::SUM   ? base * world + world * (world - 1) / 2.0
+                              : op == ReduceOp::AVG ? base + (world - 1) / 2.0
+                                                    : base + (world - 1);
+      if (!torch::allclose(x, want)) {
+        std::cerr << "rank " << rank << ": wrong single-copy allreduce of " << n << " (op "
+                  << int(op) << ")" << std::endl;
+        ++bad;
+      }
+      const auto c = ring->last_counts();
+      const auto peers = static_cast<uint64_t>(world - 1);
+      if (static_cast<size_t>(n) * 8 <= ring->window_bytes() &&
+          (c.runs != 3 || c.forwards != 0 || c.sends != 3 * peers)) {
+        std::cerr << "rank " << rank << ": single-copy allreduce of " << n << ": runs " << c.runs
+                  << ", forwards " << c.forwards << ", sends " << c.sends << "; expected 3, 0, "
+                  << 3 * peers << std::endl;
+        ++bad;
+      }
+    }
+  }
+  auto odd = torch::ones({rank == 0 ? 100 : 101}, torch::kDouble);
+  try {
+    pg->allreduce(odd)->wait();
+    std::cerr << "rank " << rank << ": allreduces of 100 and 101 elements did not fail"
+              << std::endl;
+    ++bad;
+  } catch (const std::exception& e) {
+    if (std::string(e.what()).find("bytes per rank") == std::string::npos) {
+      std::cerr << "rank " << rank << ": unexpected error: " << e.what() << std::endl;
+      ++bad;
+    }
+  }
+  auto after = torch::ones({5}, torch::kDouble);
+  pg->allreduce(after)->wait();
+  if (!torch::equal(after, torch::full({5}, double(world), torch::kDouble))) {
+    std::cerr << "rank " << rank << ": wrong allreduce after the mismatch" << std::endl;
+    ++bad;
+  }
+  return bad;
+}
+
 // Processes that read each other's memory (Note [Single-copy collectives]). TDIST_TEST_SC_MODE:
 // "all": every rank asks for single copy from one byte; "max": rank 1 asks from 4096 bytes and
 // the group must take the largest, and the same for the window (rank 1 40000 bytes, the others
@@ -99,7 +161,8 @@ TDIST_TEST_CHILD(comm_env_init_child) {
 // desynchronise unless all agree; an allgather window's blocks are still single copies);
 // "off": the last rank disables it, so no rank may use it.
 // Allgathers (in place and not) and broadcasts of several sizes from every root must be right
-// either way, and so must every other collective.
+// either way, and so must every other collective; where single copy is on, the single-copy
+// allreduce too (check_single_copy_allreduce).
 TDIST_TEST_CHILD(comm_single_copy_child) {
   torch::set_num_threads(1);
   const std::string mode = env::get("TDIST_TEST_SC_MODE").value_or("all");
@@ -119,8 +182,8 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
   }
   const size_t want_window = mode == "max" ? 40000 : size_t{64} << 20;
   if (ring->window_bytes() != want_window) {
-    std::cerr << "rank " << rank << ": window " << ring->window_bytes()
-              << ", expected " << want_window << std::endl;
+    std::cerr << "rank " << rank << ": window " << ring->window_bytes() << ", expected "
+              << want_window << std::endl;
     return 32;
   }
   int bad = 0;
@@ -160,6 +223,7 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
       }
     }
   }
+  if (mode != "off") bad += check_single_copy_allreduce(rank, world_size);
   return bad + run_collectives(*pg);
 }
 
@@ -205,13 +269,16 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
       std::cerr << "rank " << rank << " failed at iteration " << i << ": " << msg << std::endl;
       // The names errors give the operations run_op calls.
       const std::map<std::string, std::string> names = {
-          {"allgather", "allgather_into_tensor (seq "}, {"reduce_scatter", "reduce_scatter_tensor (seq "},
-          {"alltoall", "alltoall_base (seq "}, {"send", ""}};
+          {"allgather", "allgather_into_tensor (seq "},
+          {"reduce_scatter", "reduce_scatter_tensor (seq "},
+          {"alltoall", "alltoall_base (seq "},
+          {"send", ""}};
       const auto it = names.find(op);
       const std::string name = it != names.end() ? it->second : op + " (seq ";
       bool named = msg.find(str("rank ", rank, ": ", name)) != std::string::npos;
       bool peer = false;
-      for (const char* why : {"lost rank", "waiting for rank", "Timed out", "closed its connection"}) {
+      for (const char* why :
+           {"lost rank", "waiting for rank", "Timed out", "closed its connection"}) {
         peer = peer || msg.find(why) != std::string::npos;
       }
       // Later operations fail too, promptly (at once after a collective's failure, which
@@ -219,8 +286,7 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
       auto later = pg->barrier();
       try {
         later->wait(Millis(10000));
-      } catch (const std::exception&) {
-      }
+      } catch (const std::exception&) {}
       bool failed_later = later->is_completed() && !later->is_success();
       return named && peer && failed_later ? 0 : 11;
     }
@@ -247,8 +313,8 @@ TDIST_TEST_CHILD(comm_rendezvous_child) {
     const std::string msg = e.what();
     std::cerr << "rank " << rank << ": " << msg << std::endl;
     const bool creating = msg.find("creating the process group") != std::string::npos;
-    const bool names_1 = msg.find("rank 1") != std::string::npos ||
-                         msg.find("rank(s) 1") != std::string::npos;
+    const bool names_1 =
+        msg.find("rank 1") != std::string::npos || msg.find("rank(s) 1") != std::string::npos;
     return creating && names_1 ? 0 : 13;
   }
   return 12;
@@ -287,9 +353,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, SingleCopyProcesses,
 
 // env://: rank 0's process hosts the TCPStore on MASTER_PORT.
 TEST(ProcessTest, EnvInitMethod) {
-  tdist::test::Processes procs("comm_env_init_child", 2,
-                               {{"MASTER_ADDR", "127.0.0.1"},
-                                {"MASTER_PORT", std::to_string(free_port())}});
+  tdist::test::Processes procs(
+      "comm_env_init_child", 2,
+      {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())}});
   auto results = procs.wait_all(Millis(90000));
   EXPECT_EQ(tdist::test::Processes::failures(results), "");
 }
@@ -376,12 +442,13 @@ INSTANTIATE_TEST_SUITE_P(Signals, RendezvousFailure, ::testing::Values(SIGKILL, 
 
 std::vector<Fault> faults() {
   std::vector<Fault> out;
-  for (const char* op : {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall",
-                         "barrier", "send"}) {
+  for (const char* op :
+       {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier", "send"}) {
     out.push_back({op, SIGKILL, "auto"});
   }
   for (const char* transport : {"auto", "tcp"}) {
-    for (int sig : {SIGKILL, SIGTERM, SIGABRT, SIGSTOP}) out.push_back({"allreduce", sig, transport});
+    for (int sig : {SIGKILL, SIGTERM, SIGABRT, SIGSTOP})
+      out.push_back({"allreduce", sig, transport});
   }
   out.erase(out.begin() + 7);  // allreduce SIGKILL auto is in the first list already
   // At world 3 the allgathers of run_op (768 KiB blocks) read the peers' memory (Note
@@ -396,7 +463,8 @@ INSTANTIATE_TEST_SUITE_P(Matrix, ProcessFailure, ::testing::ValuesIn(faults()),
                            std::ostringstream name;
                            name << info.param;
                            std::string s = name.str();
-                           for (char& c : s) if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           for (char& c : s)
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
                            return s;
                          });
 

@@ -37,14 +37,15 @@ void run_case(int world, const std::string& transport, size_t chunk_bytes,
           ReduceScatterOptions o;
           o.op = op;
           pg->reduce_scatter_tensor(out, all[rank], o)->wait();
-          ASSERT_TRUE(test::same(out, want)) << test::describe(out) << " vs " << test::describe(want);
+          ASSERT_TRUE(test::same(out, want))
+              << test::describe(out) << " vs " << test::describe(want);
           // The list form too (a separate input tensor per block).
           std::vector<at::Tensor> ins;
           for (int b = 0; b < world; ++b) ins.push_back(all[rank].narrow(0, b * n, n).clone());
           auto out2 = torch::empty({n}, all[rank].options());
           pg->reduce_scatter(out2, ins, o)->wait();
-          ASSERT_TRUE(test::same(out2, want)) << test::describe(out2) << " vs "
-                                              << test::describe(want);
+          ASSERT_TRUE(test::same(out2, want))
+              << test::describe(out2) << " vs " << test::describe(want);
         }
       }
     }
@@ -64,13 +65,13 @@ TEST_P(ReduceScatterScratch, LargeBlocksScratchStaysBounded) {
   run_case(world(), transport(), 4096, {100003});
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldsAndTransports, ReduceScatterScratch,
-    ::testing::Combine(::testing::Values(2, 3, 4, 7), ::testing::Values("auto", "tcp")),
-    [](const auto& info) {
-      return "world" + std::to_string(std::get<0>(info.param)) + "_" +
-             std::string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(WorldsAndTransports, ReduceScatterScratch,
+                         ::testing::Combine(::testing::Values(2, 3, 4, 7),
+                                            ::testing::Values("auto", "tcp")),
+                         [](const auto& info) {
+                           return "world" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  std::string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace tdist::comm

@@ -97,9 +97,11 @@ TEST(RingTuning, BadValuesNameTheFieldOrTheVariable) {
     set.spin_us = -1;
     expect_invalid(set, "ring.spin_us");
   }
-  for (const auto& [var, value] : std::vector<std::pair<std::string, std::string>>{
-           {"TDIST_CHUNK_BYTES", "0"}, {"TDIST_TRANSPORT", "udp"},
-           {"TDIST_ALLREDUCE_ALGO", "tree"}, {"TDIST_WINDOW_BYTES", "lots"}}) {
+  for (const auto& [var, value] :
+       std::vector<std::pair<std::string, std::string>>{{"TDIST_CHUNK_BYTES", "0"},
+                                                        {"TDIST_TRANSPORT", "udp"},
+                                                        {"TDIST_ALLREDUCE_ALGO", "tree"},
+                                                        {"TDIST_WINDOW_BYTES", "lots"}}) {
     auto bad = vars;
     bad[var] = value;
     tdist::test::EnvGuard env(bad);

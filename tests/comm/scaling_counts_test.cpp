@@ -3,7 +3,9 @@
 // algorithm the group picked at each size against its Note's arithmetic: recursive doubling
 // (Note [Recursive doubling]) moves the whole buffer once per round, log2 n rounds at a power
 // of two; the ring (Note [Streaming ring]) makes 2(n-1) hops of one segment each, 2(n-1)/n of the
-// buffer per rank. Wake-ups (sleeps) depend on timing and are printed, not checked. Worlds 2, 3
+// buffer per rank. The dependent hand-offs are counted exactly (runs, and forwards: sends that
+// waited for a receive); the wake-ups they cost (sleeps) depend on timing and are printed, not
+// checked. Worlds 2, 3
 // and 4 here; TDIST_TEST_COUNT_WORLD=<n> adds world n (docs/perf.md's world-8 counts came from
 // it, run by hand).
 
@@ -51,8 +53,8 @@ void print(const char* algo, int world, uint64_t bytes, const std::vector<Counts
     const Counts& c = cs[r];
     std::cout << algo << " world " << world << " " << bytes << " B rank " << r << ": runs "
               << c.runs << ", sends " << c.sends << ", sent " << c.bytes_sent << ", received "
-              << c.bytes_received << ", sleeps " << c.sleeps << ", spins run out "
-              << c.spins_run_out << "\n";
+              << c.bytes_received << ", forwards " << c.forwards << ", sleeps " << c.sleeps
+              << ", spins run out " << c.spins_run_out << "\n";
   }
 }
 
@@ -78,6 +80,7 @@ TEST(ScalingCounts, RecursiveDoublingMovesTheBufferOncePerRound) {
         sends = rounds, received = rounds, runs = rounds;
       }
       EXPECT_EQ(c.sends, sends);
+      EXPECT_EQ(c.forwards, 0u);  // every round's send waits for the round before, not a hop
       EXPECT_EQ(c.bytes_sent, sends * b);
       EXPECT_EQ(c.bytes_received, received * b);
       EXPECT_EQ(c.runs, runs);
@@ -96,6 +99,11 @@ TEST(ScalingCounts, RingMakesTwoNMinusOneHopsOfOneSegment) {
       SCOPED_TRACE(testing::Message() << "rank " << r);
       const Counts& c = cs[static_cast<size_t>(r)];
       EXPECT_EQ(c.sends, static_cast<uint64_t>(2 * (n - 1)));
+      // Every hop but the first forwards what arrived: 2(n-1) - 1 dependent hand-offs per
+      // rank, one run() (Note [Single-copy allreduce] in algorithms/single_copy.h: 3 runs
+      // and no forwards at any world).
+      EXPECT_EQ(c.forwards, static_cast<uint64_t>(2 * (n - 1) - 1));
+      EXPECT_EQ(c.runs, 1u);
       EXPECT_EQ(c.bytes_sent, 2 * (n - 1) * b / n);
       EXPECT_EQ(c.bytes_received, 2 * (n - 1) * b / n);
     }

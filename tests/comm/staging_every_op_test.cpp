@@ -22,8 +22,7 @@ namespace tdist::comm {
 namespace {
 
 // Parameters: world size, pieces (0: nothing staged) and window bytes.
-class StagingEveryOp
-    : public ::testing::TestWithParam<std::tuple<int, size_t, const char*>> {};
+class StagingEveryOp : public ::testing::TestWithParam<std::tuple<int, size_t, const char*>> {};
 
 TEST_P(StagingEveryOp, GivesExactResultsWithCopiesLateAndUnordered) {
   const auto [world, piece, window] = GetParam();
@@ -42,16 +41,15 @@ TEST_P(StagingEveryOp, GivesExactResultsWithCopiesLateAndUnordered) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldsPiecesWindows, StagingEveryOp,
-    ::testing::Combine(::testing::Values(2, 3, 4),
-                       ::testing::Values(size_t{1} << 20, size_t{0}),
-                       ::testing::Values("67108864", "3145728")),
-    [](const auto& info) {
-      return "world" + std::to_string(std::get<0>(info.param)) +
-             (std::get<1>(info.param) == 0 ? "_unstaged" : "_staged") + "_window" +
-             std::get<2>(info.param);
-    });
+INSTANTIATE_TEST_SUITE_P(WorldsPiecesWindows, StagingEveryOp,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(size_t{1} << 20, size_t{0}),
+                                            ::testing::Values("67108864", "3145728")),
+                         [](const auto& info) {
+                           return "world" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) == 0 ? "_unstaged" : "_staged") +
+                                  "_window" + std::get<2>(info.param);
+                         });
 
 }  // namespace
 }  // namespace tdist::comm

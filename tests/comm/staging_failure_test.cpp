@@ -72,8 +72,8 @@ TEST(OverlappedStagingFailure, AlltoallSplitsThatDisagreeFailNamingBothSizes) {
 }
 
 TEST(OverlappedStagingFailure, AWindowedCollectiveWhosePeerNeverCallsFailsAndFreesItsWindows) {
-  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"},
-                                                 {"TDIST_WINDOW_BYTES", "8000"}});
+  tdist::test::EnvGuard env(
+      tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"}, {"TDIST_WINDOW_BYTES", "8000"}});
   CpuStaging on(1000, 20);
   const int64_t n = 20000;  // doubles: 20 windows and more
   using Op = std::function<void(ProcessGroup&)>;
@@ -83,12 +83,14 @@ TEST(OverlappedStagingFailure, AWindowedCollectiveWhosePeerNeverCallsFailsAndFre
       {"allgather_into_tensor",
        [&](ProcessGroup& pg) {
          pg.allgather_into_tensor(torch::empty({2 * n}, torch::kDouble),
-                                  torch::ones({n}, torch::kDouble))->wait();
+                                  torch::ones({n}, torch::kDouble))
+             ->wait();
        }},
       {"reduce_scatter_tensor",
        [&](ProcessGroup& pg) {
          pg.reduce_scatter_tensor(torch::empty({n}, torch::kDouble),
-                                  torch::ones({2 * n}, torch::kDouble))->wait();
+                                  torch::ones({2 * n}, torch::kDouble))
+             ->wait();
        }},
       {"broadcast",  // from the absent rank (a root's sends may all fit in the transport)
        [&](ProcessGroup& pg) {
@@ -117,8 +119,8 @@ TEST(OverlappedStagingFailure, AWindowedCollectiveWhosePeerNeverCallsFailsAndFre
 // never calls fails within the timeout with the operation's own error (its name and sequence
 // number), and the caller's tensor keeps its values: a failed operation copies nothing back.
 TEST(OverlappedStagingFailure, AStridedOperationWhosePeerNeverCallsFailsAndLeavesTheTensor) {
-  tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"},
-                                                 {"TDIST_WINDOW_BYTES", "8000"}});
+  tdist::test::EnvGuard env(
+      tdist::test::EnvVars{{"TDIST_ALLREDUCE_ALGO", "ring"}, {"TDIST_WINDOW_BYTES", "8000"}});
   CpuStaging on(1000, 20, /*strided=*/true);
   tdist::test::spawn(2, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, 2, test::test_options(Millis(300)));
@@ -222,8 +224,10 @@ TEST(OverlappedStagingKnob, ZeroTurnsItOffAndABadValueIsRefused) {
     EXPECT_EQ(staged, piece == 0 ? 0u : 2u) << "piece " << piece;
   }
   const std::vector<std::pair<std::string, std::string>> bad{
-      {"TDIST_STAGING_PIECE_BYTES", "-1"}, {"TDIST_STAGING_PIECE_BYTES", "1M"},
-      {"TDIST_STAGING_PIECE_BYTES", "2000000000"}, {"TDIST_WINDOW_BYTES", "0"},
+      {"TDIST_STAGING_PIECE_BYTES", "-1"},
+      {"TDIST_STAGING_PIECE_BYTES", "1M"},
+      {"TDIST_STAGING_PIECE_BYTES", "2000000000"},
+      {"TDIST_WINDOW_BYTES", "0"},
       {"TDIST_WINDOW_BYTES", "64M"}};
   for (const auto& [name, value] : bad) {
     tdist::test::EnvGuard knob(tdist::test::EnvVars{{name, value}});

@@ -39,9 +39,9 @@ void check(int world, const std::string& transport, const std::string& algo, siz
       {"TDIST_TRANSPORT", transport},
       {"TDIST_ALLREDUCE_ALGO", algo},
       {"TDIST_CHUNK_BYTES", std::to_string(chunk_bytes)},
-      {"TDIST_WINDOW_BYTES",
-       window_bytes > 0 ? std::optional<std::string>(std::to_string(window_bytes))
-                        : std::nullopt}});
+      {"TDIST_WINDOW_BYTES", window_bytes > 0
+                                 ? std::optional<std::string>(std::to_string(window_bytes))
+                                 : std::nullopt}});
   CpuStaging on(piece_bytes, delay_us);
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, world, test::test_options());
@@ -150,8 +150,8 @@ TEST_P(OverlappedStaging, AllreduceCoalescedOfStagedTensors) {
         pg->allreduce_coalesced(xs, o)->wait();
         for (size_t i = 0; i < lengths.size(); ++i) {
           auto want = test::expected(c10::ScalarType::Double, op, lengths[i], w, int(i));
-          ASSERT_TRUE(test::same(xs[i], want)) << to_string(op) << " tensor " << i << ": "
-                                               << test::describe(xs[i]);
+          ASSERT_TRUE(test::same(xs[i], want))
+              << to_string(op) << " tensor " << i << ": " << test::describe(xs[i]);
         }
       }
     });
@@ -197,9 +197,8 @@ TEST_P(OverlappedStaging, AllgatherIntoAStagedOutput) {
       auto pg = create_process_group(store, rank, w, test::test_options());
       for (int64_t n : {1001, 20000}) {
         SCOPED_TRACE(str("n=", n));
-        check_allgathers(*pg, rank, n, [](int64_t len) {
-          return torch::full({len}, -7.0, torch::kDouble);
-        });
+        check_allgathers(*pg, rank, n,
+                         [](int64_t len) { return torch::full({len}, -7.0, torch::kDouble); });
       }
     });
   }
@@ -219,14 +218,18 @@ TEST_P(OverlappedStaging, ReduceScatterFromAStagedInput) {
       for (int64_t n : {1001, 7000}) {
         for (auto op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
           for (bool in_place : {false, true}) {
-            SCOPED_TRACE(str("chunk ", chunk, " n=", n, " ", to_string(op), in_place ? " in place" : ""));
+            SCOPED_TRACE(
+                str("chunk ", chunk, " n=", n, " ", to_string(op), in_place ? " in place" : ""));
             auto x = test::make_input(c10::ScalarType::Double, op, n * w, rank);
-            auto want = test::expected(c10::ScalarType::Double, op, n * w, w).narrow(0, rank * n, n);
-            at::Tensor out = in_place ? x.narrow(0, rank * n, n) : torch::empty({n}, torch::kDouble);
+            auto want =
+                test::expected(c10::ScalarType::Double, op, n * w, w).narrow(0, rank * n, n);
+            at::Tensor out =
+                in_place ? x.narrow(0, rank * n, n) : torch::empty({n}, torch::kDouble);
             ReduceScatterOptions o;
             o.op = op;
             pg->reduce_scatter_tensor(out, x, o)->wait();
-            ASSERT_TRUE(test::same(out, want)) << test::describe(out) << " vs " << test::describe(want);
+            ASSERT_TRUE(test::same(out, want))
+                << test::describe(out) << " vs " << test::describe(want);
           }
           auto want = test::expected(c10::ScalarType::Double, op, n * w, w).narrow(0, rank * n, n);
           auto x2 = test::make_input(c10::ScalarType::Double, op, n * w, rank);
@@ -256,11 +259,12 @@ TEST_P(OverlappedStaging, AllgatherAndReduceScatterWindowsBoundTheStagedMemory) 
   for (const char* single : {"0", "1"}) {
     for (int unstaged : {-1, w - 1}) {
       SCOPED_TRACE(str("TDIST_SINGLE_COPY=", single, " unstaged rank ", unstaged));
-      tdist::test::EnvGuard env(tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
-                                                     {"TDIST_CHUNK_BYTES", "333"},
-                                                     {"TDIST_SINGLE_COPY", single},
-                                                     {"TDIST_SINGLE_COPY_BYTES", "1024"},
-                                                     {"TDIST_WINDOW_BYTES", std::to_string(window)}});
+      tdist::test::EnvGuard env(
+          tdist::test::EnvVars{{"TDIST_TRANSPORT", transport()},
+                               {"TDIST_CHUNK_BYTES", "333"},
+                               {"TDIST_SINGLE_COPY", single},
+                               {"TDIST_SINGLE_COPY_BYTES", "1024"},
+                               {"TDIST_WINDOW_BYTES", std::to_string(window)}});
       CpuStaging on(1000, 20);
       detail::reset_staged_peak_for_tests();
       const size_t before = detail::staged_buffers_for_tests();
@@ -294,8 +298,8 @@ TEST_P(OverlappedStaging, AllgatherAndReduceScatterWindowsBoundTheStagedMemory) 
       });
       EXPECT_LE(detail::staged_peak_bytes_for_tests(), 2 * window * static_cast<size_t>(w + 1));
       // Per staged rank: three allgathers and four reduce-scatters, each window staged once.
-      const size_t ag = (n * 8 + algo::block_window_bytes(window, w) - 1) /
-                        algo::block_window_bytes(window, w);
+      const size_t ag =
+          (n * 8 + algo::block_window_bytes(window, w) - 1) / algo::block_window_bytes(window, w);
       const size_t e = algo::block_window_elems(window, w, 8);
       const size_t rs = (n + e - 1) / e;
       const size_t staged_ranks = static_cast<size_t>(w - (unstaged >= 0 ? 1 : 0));
@@ -348,37 +352,39 @@ TEST_P(OverlappedStaging, BroadcastAndReduceOfStagedTensors) {
   for (const char* window : {"67108864", "8000"}) {
     for (const char* single : {"0", "1"}) {
       for (int unstaged : {-1, 0}) {
-        SCOPED_TRACE(str("window ", window, " TDIST_SINGLE_COPY=", single, " unstaged rank ",
-                         unstaged));
+        SCOPED_TRACE(
+            str("window ", window, " TDIST_SINGLE_COPY=", single, " unstaged rank ", unstaged));
         const tdist::test::EnvVars env{{"TDIST_SINGLE_COPY", single},
                                        {"TDIST_SINGLE_COPY_BYTES", "1024"}};
-        const size_t staged = on_staged_ranks(w, transport(), window, unstaged, env,
-                                              [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
-          for (int root = 0; root < w; ++root) {
-            SCOPED_TRACE(str("root ", root));
-            const auto want = torch::arange(n, torch::kDouble) * (root + 1);
-            at::Tensor b = fresh(rank == root ? want : torch::full({n}, -7.0, torch::kDouble));
-            BroadcastOptions bo;
-            bo.root = root;
-            pg.broadcast(b, bo)->wait();
-            ASSERT_TRUE(torch::equal(b, want)) << "broadcast: " << test::describe(b);
-            for (auto op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
-              SCOPED_TRACE(to_string(op));
-              const auto mine = test::make_input(c10::ScalarType::Double, op, n, rank);
-              at::Tensor x = fresh(mine);
-              ReduceOptions ro;
-              ro.root = root;
-              ro.op = op;
-              // The chain's first rank sends at once; the later ones' copies start later, so a
-              // partial sum that did not wait for them would meet garbage.
-              if (rank != (root + 1) % w) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-              pg.reduce(x, ro)->wait();
-              const auto expect =
-                  rank == root ? test::expected(c10::ScalarType::Double, op, n, w) : mine;
-              ASSERT_TRUE(test::same(x, expect)) << "reduce: " << test::describe(x);
-            }
-          }
-        });
+        const size_t staged = on_staged_ranks(
+            w, transport(), window, unstaged, env,
+            [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
+              for (int root = 0; root < w; ++root) {
+                SCOPED_TRACE(str("root ", root));
+                const auto want = torch::arange(n, torch::kDouble) * (root + 1);
+                at::Tensor b = fresh(rank == root ? want : torch::full({n}, -7.0, torch::kDouble));
+                BroadcastOptions bo;
+                bo.root = root;
+                pg.broadcast(b, bo)->wait();
+                ASSERT_TRUE(torch::equal(b, want)) << "broadcast: " << test::describe(b);
+                for (auto op : {ReduceOp::SUM, ReduceOp::MAX, ReduceOp::AVG}) {
+                  SCOPED_TRACE(to_string(op));
+                  const auto mine = test::make_input(c10::ScalarType::Double, op, n, rank);
+                  at::Tensor x = fresh(mine);
+                  ReduceOptions ro;
+                  ro.root = root;
+                  ro.op = op;
+                  // The chain's first rank sends at once; the later ones' copies start later, so a
+                  // partial sum that did not wait for them would meet garbage.
+                  if (rank != (root + 1) % w)
+                    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                  pg.reduce(x, ro)->wait();
+                  const auto expect =
+                      rank == root ? test::expected(c10::ScalarType::Double, op, n, w) : mine;
+                  ASSERT_TRUE(test::same(x, expect)) << "reduce: " << test::describe(x);
+                }
+              }
+            });
         const size_t bytes = n * 8, win = std::stoul(window);
         EXPECT_LE(detail::staged_peak_bytes_for_tests(),
                   2 * std::min(win, bytes) * static_cast<size_t>(w));
@@ -400,38 +406,41 @@ TEST_P(OverlappedStaging, GatherAndScatterOfStagedTensors) {
   for (const char* window : {"67108864", "8000"}) {
     for (int unstaged : {-1, 0}) {
       SCOPED_TRACE(str("window ", window, " unstaged rank ", unstaged));
-      const size_t staged = on_staged_ranks(w, transport(), window, unstaged, {},
-                                            [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
-        auto block = [&](int of, int root) {
-          return torch::arange(n, torch::kDouble) * (of + 1) + root * 1000000;
-        };
-        const auto untouched = torch::full({n}, -7.0, torch::kDouble);
-        for (int root = 0; root < w; ++root) {
-          SCOPED_TRACE(str("root ", root));
-          std::vector<at::Tensor> outs, ins;
-          if (rank == root) {
-            for (int i = 0; i < w; ++i) {
-              outs.push_back(fresh(untouched));
-              ins.push_back(fresh(block(i, root) * -1));
-            }
-          }
-          GatherOptions go;
-          go.root = root;
-          // The root's receives are posted at once; the others' copies start later, so a send
-          // that did not wait for them would carry garbage.
-          if (rank != root) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          pg.gather(outs, fresh(block(rank, root)), go)->wait();
-          for (int i = 0; i < static_cast<int>(outs.size()); ++i) {
-            ASSERT_TRUE(torch::equal(outs[i], block(i, root)))
-                << "gather, block " << i << ": " << test::describe(outs[i]);
-          }
-          ScatterOptions so;
-          so.root = root;
-          at::Tensor out = fresh(untouched);
-          pg.scatter(out, ins, so)->wait();
-          ASSERT_TRUE(torch::equal(out, block(rank, root) * -1)) << "scatter: " << test::describe(out);
-        }
-      });
+      const size_t staged =
+          on_staged_ranks(w, transport(), window, unstaged, {},
+                          [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
+                            auto block = [&](int of, int root) {
+                              return torch::arange(n, torch::kDouble) * (of + 1) + root * 1000000;
+                            };
+                            const auto untouched = torch::full({n}, -7.0, torch::kDouble);
+                            for (int root = 0; root < w; ++root) {
+                              SCOPED_TRACE(str("root ", root));
+                              std::vector<at::Tensor> outs, ins;
+                              if (rank == root) {
+                                for (int i = 0; i < w; ++i) {
+                                  outs.push_back(fresh(untouched));
+                                  ins.push_back(fresh(block(i, root) * -1));
+                                }
+                              }
+                              GatherOptions go;
+                              go.root = root;
+                              // The root's receives are posted at once; the others' copies start later, so a send
+                              // that did not wait for them would carry garbage.
+                              if (rank != root)
+                                std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                              pg.gather(outs, fresh(block(rank, root)), go)->wait();
+                              for (int i = 0; i < static_cast<int>(outs.size()); ++i) {
+                                ASSERT_TRUE(torch::equal(outs[i], block(i, root)))
+                                    << "gather, block " << i << ": " << test::describe(outs[i]);
+                              }
+                              ScatterOptions so;
+                              so.root = root;
+                              at::Tensor out = fresh(untouched);
+                              pg.scatter(out, ins, so)->wait();
+                              ASSERT_TRUE(torch::equal(out, block(rank, root) * -1))
+                                  << "scatter: " << test::describe(out);
+                            }
+                          });
       const size_t bytes = n * 8, win = std::stoul(window);
       // The root holds two windows of every rank's slice at most, the others two of their own.
       const size_t slice = std::min(algo::block_window_bytes(win, w), bytes);
@@ -458,29 +467,31 @@ TEST_P(OverlappedStaging, AlltoallOfStagedTensors) {
   for (const char* window : {"67108864", "8000"}) {
     for (int unstaged : {-1, 0}) {
       SCOPED_TRACE(str("window ", window, " unstaged rank ", unstaged));
-      const size_t staged = on_staged_ranks(w, transport(), window, unstaged, {},
-                                            [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
-        std::vector<at::Tensor> ins, outs, want;
-        std::vector<int64_t> in_splits, out_splits;
-        for (int d = 0; d < w; ++d) {
-          ins.push_back(fresh(alltoall_block(rank, d)));
-          want.push_back(alltoall_block(d, rank));
-          outs.push_back(fresh(torch::full({alltoall_rows(d, rank)}, -7, torch::kLong)));
-          in_splits.push_back(alltoall_rows(rank, d));
-          out_splits.push_back(alltoall_rows(d, rank));
-        }
-        // The others' copies start later, so a send that did not wait for them would carry
-        // garbage.
-        if (rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-        pg.alltoall(outs, ins)->wait();
-        for (int s = 0; s < w; ++s) {
-          ASSERT_TRUE(torch::equal(outs[s], want[s])) << "alltoall from " << s << ": "
-                                                      << test::describe(outs[s]);
-        }
-        at::Tensor out = fresh(torch::full({torch::cat(want).numel()}, -7, torch::kLong));
-        pg.alltoall_base(out, fresh(torch::cat(ins)), out_splits, in_splits)->wait();
-        ASSERT_TRUE(torch::equal(out, torch::cat(want))) << "alltoall_base: " << test::describe(out);
-      });
+      const size_t staged = on_staged_ranks(
+          w, transport(), window, unstaged, {},
+          [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
+            std::vector<at::Tensor> ins, outs, want;
+            std::vector<int64_t> in_splits, out_splits;
+            for (int d = 0; d < w; ++d) {
+              ins.push_back(fresh(alltoall_block(rank, d)));
+              want.push_back(alltoall_block(d, rank));
+              outs.push_back(fresh(torch::full({alltoall_rows(d, rank)}, -7, torch::kLong)));
+              in_splits.push_back(alltoall_rows(rank, d));
+              out_splits.push_back(alltoall_rows(d, rank));
+            }
+            // The others' copies start later, so a send that did not wait for them would carry
+            // garbage.
+            if (rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            pg.alltoall(outs, ins)->wait();
+            for (int s = 0; s < w; ++s) {
+              ASSERT_TRUE(torch::equal(outs[s], want[s]))
+                  << "alltoall from " << s << ": " << test::describe(outs[s]);
+            }
+            at::Tensor out = fresh(torch::full({torch::cat(want).numel()}, -7, torch::kLong));
+            pg.alltoall_base(out, fresh(torch::cat(ins)), out_splits, in_splits)->wait();
+            ASSERT_TRUE(torch::equal(out, torch::cat(want)))
+                << "alltoall_base: " << test::describe(out);
+          });
       const size_t win = std::stoul(window);
       const size_t slice = algo::block_window_bytes(win, 2 * w);
       // A window holds a slice of every block sent and received: two windows per rank at most.
@@ -512,100 +523,105 @@ TEST_P(OverlappedStaging, StridedTensorsStageThroughContiguousStandIns) {
   const int64_t n = 10001;  // doubles: 80008 bytes, windows of 8000 bytes
   const auto kD = torch::kDouble;
   int ops = 0;  // per rank, each staging at least one window
-  const size_t staged = on_staged_ranks(w, transport(), "8000", -1, {},
-                                        [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
-    auto count = [&] {
-      if (rank == 0) ++ops;
-    };
-    const auto untouched = torch::full({n}, -7.0, kD);
-    const auto mine = test::make_input(c10::ScalarType::Double, ReduceOp::SUM, n, rank);
-    const auto sum = test::expected(c10::ScalarType::Double, ReduceOp::SUM, n, w);
-    at::Tensor x = fresh(mine);
-    ASSERT_FALSE(x.is_contiguous());
-    pg.allreduce(x)->wait();
-    count();
-    ASSERT_TRUE(test::same(x, sum)) << "allreduce: " << test::describe(x);
-    at::Tensor neg = at::_neg_view(mine.neg());
-    pg.allreduce(neg)->wait();
-    count();
-    ASSERT_TRUE(neg.is_neg());
-    ASSERT_TRUE(test::same(neg, sum)) << "allreduce of a negative view: " << test::describe(neg);
-    std::vector<at::Tensor> pair{fresh(mine), fresh(mine * 2)};
-    pg.allreduce_coalesced(pair)->wait();
-    count();
-    ASSERT_TRUE(test::same(pair[0], sum) && test::same(pair[1], sum * 2)) << "coalesced";
-    for (int root = 0; root < w; ++root) {
-      SCOPED_TRACE(str("root ", root));
-      const auto want = torch::arange(n, kD) * (root + 1);
-      at::Tensor b = fresh(rank == root ? want : untouched);
-      BroadcastOptions bo;
-      bo.root = root;
-      pg.broadcast(b, bo)->wait();
-      count();
-      ASSERT_TRUE(torch::equal(b, want)) << "broadcast: " << test::describe(b);
-      at::Tensor r = fresh(mine);
-      ReduceOptions ro;
-      ro.root = root;
-      pg.reduce(r, ro)->wait();
-      count();
-      ASSERT_TRUE(test::same(r, rank == root ? sum : mine)) << "reduce: " << test::describe(r);
-    }
-    auto block = [&](int of) { return torch::arange(n, kD) * (of + 1); };
-    std::vector<at::Tensor> outs;
-    for (int i = 0; i < w; ++i) outs.push_back(fresh(untouched));
-    at::Tensor in = fresh(block(rank));
-    pg.allgather(outs, in)->wait();
-    count();
-    for (int i = 0; i < w; ++i) ASSERT_TRUE(torch::equal(outs[i], block(i))) << "allgather " << i;
-    ASSERT_TRUE(torch::equal(in, block(rank))) << "the allgather's input changed";
-    at::Tensor all = fresh(torch::full({n * w}, -7.0, kD));
-    pg.allgather_into_tensor(all, in)->wait();
-    count();
-    ASSERT_TRUE(torch::equal(all, torch::cat(outs))) << "allgather_into_tensor";
-    std::vector<at::Tensor> gathered, scattered;
-    if (rank == 0) {
-      for (int i = 0; i < w; ++i) {
-        gathered.push_back(fresh(untouched));
-        scattered.push_back(fresh(block(i) * -1));
-      }
-    }
-    pg.gather(gathered, in)->wait();
-    count();
-    for (size_t i = 0; i < gathered.size(); ++i) {
-      ASSERT_TRUE(torch::equal(gathered[i], block(static_cast<int>(i)))) << "gather " << i;
-    }
-    at::Tensor one = fresh(untouched);
-    pg.scatter(one, scattered)->wait();
-    count();
-    ASSERT_TRUE(torch::equal(one, block(rank) * -1)) << "scatter: " << test::describe(one);
-    // Rank r's block i is mine + i; the reduce-scatter's block `rank` sums to sum + w * rank.
-    std::vector<at::Tensor> blocks;
-    for (int i = 0; i < w; ++i) blocks.push_back(fresh(mine + i));
-    at::Tensor rs = fresh(untouched);
-    pg.reduce_scatter(rs, blocks)->wait();
-    count();
-    ASSERT_TRUE(test::same(rs, sum + w * rank)) << "reduce_scatter: " << test::describe(rs);
-    at::Tensor rst = fresh(untouched);
-    pg.reduce_scatter_tensor(rst, fresh(torch::cat(blocks)))->wait();
-    count();
-    ASSERT_TRUE(test::same(rst, sum + w * rank)) << "reduce_scatter_tensor";
-    std::vector<at::Tensor> ins, recvs, expect;
-    std::vector<int64_t> in_splits, out_splits;
-    for (int d = 0; d < w; ++d) {
-      ins.push_back(fresh(alltoall_block(rank, d)));
-      expect.push_back(alltoall_block(d, rank));
-      recvs.push_back(fresh(torch::full({alltoall_rows(d, rank)}, -7, torch::kLong)));
-      in_splits.push_back(alltoall_rows(rank, d));
-      out_splits.push_back(alltoall_rows(d, rank));
-    }
-    pg.alltoall(recvs, ins)->wait();
-    count();
-    for (int s = 0; s < w; ++s) ASSERT_TRUE(torch::equal(recvs[s], expect[s])) << "alltoall " << s;
-    at::Tensor got = fresh(torch::full({torch::cat(expect).numel()}, -7, torch::kLong));
-    pg.alltoall_base(got, fresh(torch::cat(ins)), out_splits, in_splits)->wait();
-    count();
-    ASSERT_TRUE(torch::equal(got, torch::cat(expect))) << "alltoall_base";
-  }, /*strided=*/true);
+  const size_t staged = on_staged_ranks(
+      w, transport(), "8000", -1, {},
+      [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
+        auto count = [&] {
+          if (rank == 0) ++ops;
+        };
+        const auto untouched = torch::full({n}, -7.0, kD);
+        const auto mine = test::make_input(c10::ScalarType::Double, ReduceOp::SUM, n, rank);
+        const auto sum = test::expected(c10::ScalarType::Double, ReduceOp::SUM, n, w);
+        at::Tensor x = fresh(mine);
+        ASSERT_FALSE(x.is_contiguous());
+        pg.allreduce(x)->wait();
+        count();
+        ASSERT_TRUE(test::same(x, sum)) << "allreduce: " << test::describe(x);
+        at::Tensor neg = at::_neg_view(mine.neg());
+        pg.allreduce(neg)->wait();
+        count();
+        ASSERT_TRUE(neg.is_neg());
+        ASSERT_TRUE(test::same(neg, sum))
+            << "allreduce of a negative view: " << test::describe(neg);
+        std::vector<at::Tensor> pair{fresh(mine), fresh(mine * 2)};
+        pg.allreduce_coalesced(pair)->wait();
+        count();
+        ASSERT_TRUE(test::same(pair[0], sum) && test::same(pair[1], sum * 2)) << "coalesced";
+        for (int root = 0; root < w; ++root) {
+          SCOPED_TRACE(str("root ", root));
+          const auto want = torch::arange(n, kD) * (root + 1);
+          at::Tensor b = fresh(rank == root ? want : untouched);
+          BroadcastOptions bo;
+          bo.root = root;
+          pg.broadcast(b, bo)->wait();
+          count();
+          ASSERT_TRUE(torch::equal(b, want)) << "broadcast: " << test::describe(b);
+          at::Tensor r = fresh(mine);
+          ReduceOptions ro;
+          ro.root = root;
+          pg.reduce(r, ro)->wait();
+          count();
+          ASSERT_TRUE(test::same(r, rank == root ? sum : mine)) << "reduce: " << test::describe(r);
+        }
+        auto block = [&](int of) { return torch::arange(n, kD) * (of + 1); };
+        std::vector<at::Tensor> outs;
+        for (int i = 0; i < w; ++i) outs.push_back(fresh(untouched));
+        at::Tensor in = fresh(block(rank));
+        pg.allgather(outs, in)->wait();
+        count();
+        for (int i = 0; i < w; ++i)
+          ASSERT_TRUE(torch::equal(outs[i], block(i))) << "allgather " << i;
+        ASSERT_TRUE(torch::equal(in, block(rank))) << "the allgather's input changed";
+        at::Tensor all = fresh(torch::full({n * w}, -7.0, kD));
+        pg.allgather_into_tensor(all, in)->wait();
+        count();
+        ASSERT_TRUE(torch::equal(all, torch::cat(outs))) << "allgather_into_tensor";
+        std::vector<at::Tensor> gathered, scattered;
+        if (rank == 0) {
+          for (int i = 0; i < w; ++i) {
+            gathered.push_back(fresh(untouched));
+            scattered.push_back(fresh(block(i) * -1));
+          }
+        }
+        pg.gather(gathered, in)->wait();
+        count();
+        for (size_t i = 0; i < gathered.size(); ++i) {
+          ASSERT_TRUE(torch::equal(gathered[i], block(static_cast<int>(i)))) << "gather " << i;
+        }
+        at::Tensor one = fresh(untouched);
+        pg.scatter(one, scattered)->wait();
+        count();
+        ASSERT_TRUE(torch::equal(one, block(rank) * -1)) << "scatter: " << test::describe(one);
+        // Rank r's block i is mine + i; the reduce-scatter's block `rank` sums to sum + w * rank.
+        std::vector<at::Tensor> blocks;
+        for (int i = 0; i < w; ++i) blocks.push_back(fresh(mine + i));
+        at::Tensor rs = fresh(untouched);
+        pg.reduce_scatter(rs, blocks)->wait();
+        count();
+        ASSERT_TRUE(test::same(rs, sum + w * rank)) << "reduce_scatter: " << test::describe(rs);
+        at::Tensor rst = fresh(untouched);
+        pg.reduce_scatter_tensor(rst, fresh(torch::cat(blocks)))->wait();
+        count();
+        ASSERT_TRUE(test::same(rst, sum + w * rank)) << "reduce_scatter_tensor";
+        std::vector<at::Tensor> ins, recvs, expect;
+        std::vector<int64_t> in_splits, out_splits;
+        for (int d = 0; d < w; ++d) {
+          ins.push_back(fresh(alltoall_block(rank, d)));
+          expect.push_back(alltoall_block(d, rank));
+          recvs.push_back(fresh(torch::full({alltoall_rows(d, rank)}, -7, torch::kLong)));
+          in_splits.push_back(alltoall_rows(rank, d));
+          out_splits.push_back(alltoall_rows(d, rank));
+        }
+        pg.alltoall(recvs, ins)->wait();
+        count();
+        for (int s = 0; s < w; ++s)
+          ASSERT_TRUE(torch::equal(recvs[s], expect[s])) << "alltoall " << s;
+        at::Tensor got = fresh(torch::full({torch::cat(expect).numel()}, -7, torch::kLong));
+        pg.alltoall_base(got, fresh(torch::cat(ins)), out_splits, in_splits)->wait();
+        count();
+        ASSERT_TRUE(torch::equal(got, torch::cat(expect))) << "alltoall_base";
+      },
+      /*strided=*/true);
   EXPECT_GE(staged, static_cast<size_t>(w * ops));
   // Two windows per rank at most (a root's of every rank's slice), as on contiguous tensors.
   EXPECT_LE(detail::staged_peak_bytes_for_tests(), 4 * size_t{8000} * static_cast<size_t>(w));
@@ -622,26 +638,30 @@ TEST_P(OverlappedStaging, SendAndReceiveOfStagedTensors) {
   for (const char* window : {"67108864", "8000"}) {
     for (auto [unstaged, strided] : {std::pair{-1, false}, {0, false}, {-1, true}}) {
       SCOPED_TRACE(str("window ", window, " unstaged rank ", unstaged, strided ? " strided" : ""));
-      const size_t staged = on_staged_ranks(w, transport(), window, unstaged, {},
-                                            [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
-        const int to = (rank + 1) % w, from = (rank + w - 1) % w;
-        auto values = [&](int of, int k) { return torch::arange(n, torch::kDouble) * (of + 1) + k; };
-        const auto untouched = torch::full({n}, -7.0, torch::kDouble);
-        // Posted first: the message finds its receive waiting.
-        at::Tensor early = fresh(untouched);
-        auto r0 = pg.recv(early, from, /*tag=*/1);
-        // Sent first (the receive comes 2 ms later): the message waits as unexpected.
-        auto s0 = pg.send(fresh(values(rank, 1)), to, 1);
-        auto s1 = pg.send(fresh(values(rank, 2)), to, 2);
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-        at::Tensor late = fresh(untouched);
-        auto r1 = pg.recv_any_source(late, 2);
-        for (const auto& work : {s0, s1, r0, r1}) work->wait();
-        EXPECT_EQ(r1->source_rank(), from);
-        ASSERT_TRUE(torch::equal(early, values(from, 1))) << "recv: " << test::describe(early);
-        ASSERT_TRUE(torch::equal(late, values(from, 2))) << "recv_any_source: "
-                                                         << test::describe(late);
-      }, strided);
+      const size_t staged = on_staged_ranks(
+          w, transport(), window, unstaged, {},
+          [&](int rank, ProcessGroup& pg, const Fresh& fresh) {
+            const int to = (rank + 1) % w, from = (rank + w - 1) % w;
+            auto values = [&](int of, int k) {
+              return torch::arange(n, torch::kDouble) * (of + 1) + k;
+            };
+            const auto untouched = torch::full({n}, -7.0, torch::kDouble);
+            // Posted first: the message finds its receive waiting.
+            at::Tensor early = fresh(untouched);
+            auto r0 = pg.recv(early, from, /*tag=*/1);
+            // Sent first (the receive comes 2 ms later): the message waits as unexpected.
+            auto s0 = pg.send(fresh(values(rank, 1)), to, 1);
+            auto s1 = pg.send(fresh(values(rank, 2)), to, 2);
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            at::Tensor late = fresh(untouched);
+            auto r1 = pg.recv_any_source(late, 2);
+            for (const auto& work : {s0, s1, r0, r1}) work->wait();
+            EXPECT_EQ(r1->source_rank(), from);
+            ASSERT_TRUE(torch::equal(early, values(from, 1))) << "recv: " << test::describe(early);
+            ASSERT_TRUE(torch::equal(late, values(from, 2)))
+                << "recv_any_source: " << test::describe(late);
+          },
+          strided);
       const size_t bytes = n * 8, win = std::stoul(window);
       // A send holds the window it writes and the next one, a receive the one landing and the one
       // before it; a rank has four messages in flight at once.
@@ -655,13 +675,13 @@ TEST_P(OverlappedStaging, SendAndReceiveOfStagedTensors) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldsAndTransports, OverlappedStaging,
-    ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("auto", "tcp")),
-    [](const auto& info) {
-      return "world" + std::to_string(std::get<0>(info.param)) + "_" +
-             std::string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(WorldsAndTransports, OverlappedStaging,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values("auto", "tcp")),
+                         [](const auto& info) {
+                           return "world" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  std::string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace tdist::comm

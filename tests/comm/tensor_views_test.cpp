@@ -27,7 +27,7 @@ TEST(TensorViews, CollectivesMoveConjugateAndNegativeViewsAsTheirValues) {
     // broadcast: the root sends its conjugate view; rank 1 receives into a plain tensor, rank 2
     // into a conjugate view (which must then show the root's values).
     {
-      at::Tensor t = rank == 0 ? mine.clone().conj()
+      at::Tensor t = rank == 0   ? mine.clone().conj()
                      : rank == 1 ? torch::zeros_like(mine)
                                  : torch::zeros_like(mine).conj();
       pg->broadcast(t)->wait();
@@ -70,8 +70,8 @@ TEST(TensorViews, CollectivesMoveConjugateAndNegativeViewsAsTheirValues) {
       at::Tensor t = rank == 0 ? x.clone()._neg_view() : torch::zeros({5});
       ASSERT_TRUE(rank != 0 || t.is_neg());
       pg->broadcast(t)->wait();
-      EXPECT_TRUE(torch::equal(t.resolve_neg(), -x)) << "broadcast of a negative view on rank "
-                                                      << rank;
+      EXPECT_TRUE(torch::equal(t.resolve_neg(), -x))
+          << "broadcast of a negative view on rank " << rank;
     }
     pg->barrier()->wait();
   });

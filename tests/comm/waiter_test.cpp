@@ -74,12 +74,11 @@ TEST(Waiter, ADroppedWorkAndAFutureStillComplete) {
     blocking_warmup(*pg);
     auto dropped = torch::full({64}, 1.0f);
     { auto work = pg->allreduce(dropped); }  // the Work is gone at once
-    blocking_warmup(*pg);    // ordered after it: it ran
+    blocking_warmup(*pg);                    // ordered after it: it ran
     EXPECT_EQ(dropped[0].item<float>(), 2.0f);
     auto chained = torch::full({64}, 2.0f);
-    auto doubled = pg->allreduce(chained)->future()->then([](Future& f) {
-      return Future::Value{f.value()[0] * 2};
-    });
+    auto doubled = pg->allreduce(chained)->future()->then(
+        [](Future& f) { return Future::Value{f.value()[0] * 2}; });
     // Waited on through the future only (as DDP and comm hooks do), after some work.
     std::this_thread::sleep_for(20ms);
     EXPECT_EQ(doubled->wait(Millis(20000))[0][0].item<float>(), 8.0f);

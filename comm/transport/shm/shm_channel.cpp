@@ -65,8 +65,8 @@ std::unique_ptr<Segment> Segment::map_peer(int fd, size_t bytes, std::string* wh
     return nullptr;
   }
   if ((st.st_mode & 077) != 0) {
-    *why = str("the peer's segment has mode 0", std::oct, st.st_mode & 0777,
-               " (others may open it)");
+    *why =
+        str("the peer's segment has mode 0", std::oct, st.st_mode & 0777, " (others may open it)");
     return nullptr;
   }
   if (static_cast<uint64_t>(st.st_size) != bytes) {
@@ -158,8 +158,8 @@ long ShmChannel::writev(const iovec* iov, int count) {
   }
   const long space = writable();
   if (space < 0) return kError;
-  const size_t moved = byte_ring::copy(byte_ring::Direction::kIntoRing, tx_data_, capacity_, tx_head_, iov, count,
-                                 static_cast<size_t>(space));
+  const size_t moved = byte_ring::copy(byte_ring::Direction::kIntoRing, tx_data_, capacity_,
+                                       tx_head_, iov, count, static_cast<size_t>(space));
   if (moved == 0) return 0;
   tx_head_ += moved;
   tx_->head.store(tx_head_, std::memory_order_release);
@@ -172,8 +172,8 @@ long ShmChannel::readv(const iovec* iov, int count) {
   const long avail = readable();
   if (avail < 0) return kError;
   if (avail == 0) return closed_ ? kClosed : 0;
-  const size_t moved = byte_ring::copy(byte_ring::Direction::kOutOfRing, rx_data_, capacity_, rx_tail_, iov, count,
-                                 static_cast<size_t>(avail));
+  const size_t moved = byte_ring::copy(byte_ring::Direction::kOutOfRing, rx_data_, capacity_,
+                                       rx_tail_, iov, count, static_cast<size_t>(avail));
   consume(moved);
   return static_cast<long>(moved);
 }
@@ -203,8 +203,7 @@ bool ShmChannel::announce_wait(bool want_read, bool want_write, uint32_t how) {
   if (want_write) tx_->writer_waiting.store(how, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   // An impossible counter counts as ready: the next readv/writev reports it.
-  bool ready = closed_ ||
-               (want_read && rx_->head.load(std::memory_order_acquire) != rx_tail_) ||
+  bool ready = closed_ || (want_read && rx_->head.load(std::memory_order_acquire) != rx_tail_) ||
                (want_write && tx_head_ - tx_->tail.load(std::memory_order_acquire) != capacity_);
   if (ready) clear_wait();
   return ready;
@@ -233,7 +232,7 @@ bool ShmChannel::wait_alone(bool want_read, bool want_write,
     if (now >= deadline) break;
     const auto slice = std::min<steady_clock::duration>(deadline - now, kLivenessSlice);
     futex::wait(rx_->bell, seen,
-               std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count());
+                std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count());
     if (rx_->bell.load(std::memory_order_acquire) != seen) {
       woken = true;
       break;

@@ -70,7 +70,8 @@ void Connection::write_all(const void* data, size_t n, Clock::time_point deadlin
     iovec iov{const_cast<char*>(p), n};
     long k = writev(&iov, 1);
     if (k == kError) {
-      TDIST_THROW(NetworkError, "sending ", what, " to rank ", peer_, " failed: ", errno_text(errno));
+      TDIST_THROW(NetworkError, "sending ", what, " to rank ", peer_,
+                  " failed: ", errno_text(errno));
     }
     if (k > 0) {
       p += k;
@@ -92,8 +93,8 @@ void Connection::read_all(void* data, size_t n, Clock::time_point deadline, cons
       TDIST_THROW(NetworkError, "rank ", peer_, " closed the connection while sending ", what);
     }
     if (k == kError) {
-      TDIST_THROW(NetworkError, "receiving ", what, " from rank ", peer_, " failed: ",
-                  errno_text(errno));
+      TDIST_THROW(NetworkError, "receiving ", what, " from rank ", peer_,
+                  " failed: ", errno_text(errno));
     }
     if (k > 0) {
       p += k;

@@ -12,6 +12,7 @@
 #include "tdist/core/logging.h"
 #include "tdist/core/net/address.h"
 #include "tdist/core/net/handshake.h"
+#include "tdist/core/token.h"
 #include "tdist/core/wire.h"
 
 namespace tdist::comm::tcp {
@@ -37,13 +38,18 @@ void parse_host_port(const std::string& text, int peer, std::string& host, uint1
 
 uint64_t fnv1a(const std::string& s) { return fnv1a64(s); }
 
-Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t group,
-           const std::string& token, Clock::time_point deadline)
+Mesh::Mesh(Store& store, int rank, int size, int channels, uint64_t group, const std::string& token,
+           Clock::time_point deadline)
     : rank_(rank), size_(size), channels_(channels) {
   conns_.resize(static_cast<size_t>(channels));
   for (auto& c : conns_) c.resize(static_cast<size_t>(size));
   if (size == 1) return;
-  net::Listener listener(net::local_address(store.server_host()), 0, 2 * size * channels + 16);
+  const std::string host = net::local_address(store.server_host());
+  // Note [Secure by default] (core/token.h): decided from the address this rank binds, whatever
+  // the store (a group over a HashStore or FileStore as well as a TCPStore).
+  require_token_beyond_loopback("the collective mesh", !token.empty(), host,
+                                "ProcessGroup::Options::token");
+  net::Listener listener(host, 0, 2 * size * channels + 16);
   store.set(addr_key(rank), str(listener.host(), ":", listener.port()));
   connect_lower(store, group, token, deadline);
   accept_higher(group, token, deadline, listener);
@@ -59,10 +65,12 @@ void Mesh::connect_lower(Store& store, uint64_t group, const std::string& token,
       } catch (const TimeoutError&) {
         std::string missing;
         for (int p = peer; p < size_; ++p) {
-          if (p != rank_ && !store.check({addr_key(p)})) missing += str(missing.empty() ? "" : ", ", p);
+          if (p != rank_ && !store.check({addr_key(p)}))
+            missing += str(missing.empty() ? "" : ", ", p);
         }
-        TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
-                    "rank(s) ", missing, " did not publish their address");
+        TDIST_THROW(TimeoutError, "rank ", rank_,
+                    ": timed out creating the process group: ", "rank(s) ", missing,
+                    " did not publish their address");
       }
     }
     std::string host;
@@ -73,8 +81,8 @@ void Mesh::connect_lower(Store& store, uint64_t group, const std::string& token,
       try {
         fd = net::connect_to(host, port, deadline, str("rank ", peer));
       } catch (const TimeoutError& e) {
-        TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
-                    e.what());
+        TDIST_THROW(TimeoutError, "rank ", rank_,
+                    ": timed out creating the process group: ", e.what());
       } catch (const NetworkError& e) {
         TDIST_THROW(NetworkError, "rank ", rank_, ": creating the process group: ", e.what());
       }
@@ -89,8 +97,8 @@ void Mesh::connect_lower(Store& store, uint64_t group, const std::string& token,
       try {
         net::client_handshake(fd, handshake, fields, 0, deadline, str("rank ", peer));
       } catch (const TimeoutError& e) {
-        TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
-                    e.what());
+        TDIST_THROW(TimeoutError, "rank ", rank_,
+                    ": timed out creating the process group: ", e.what());
       } catch (const ProtocolError& e) {
         TDIST_THROW(ProtocolError, "rank ", rank_, ": ", e.what());
       }
@@ -120,8 +128,8 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
   const auto note_rejected = [&](const std::string& why) {
     ++rejected;
     if (rejected <= 10 || rejected % 1000 == 0) {
-      TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ", why,
-                     " (", rejected, " rejected so far)");
+      TDIST_LOG_WARN("rank ", rank_, ": rejected a connection while building the mesh: ", why, " (",
+                     rejected, " rejected so far)");
     }
   };
   const auto reject = [&](size_t i, const std::string& why) {
@@ -144,8 +152,9 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
           }
         }
       }
-      TDIST_THROW(TimeoutError, "rank ", rank_, ": timed out creating the process group: ",
-                  "rank(s) ", missing, " did not connect");
+      TDIST_THROW(TimeoutError, "rank ", rank_,
+                  ": timed out creating the process group: ", "rank(s) ", missing,
+                  " did not connect");
     }
     for (size_t i = pending.size(); i-- > 0;) {
       if (now >= pending[i].until) reject(i, "the handshake was not over within 10 s");
@@ -159,17 +168,18 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
       wake = std::min(wake, p.until);
     }
     int rc = ::poll(fds.data(), fds.size(), net::poll_ms(wake));
-    if (rc < 0 && errno != EINTR) TDIST_THROW(NetworkError, "poll failed: ", net::errno_text(errno));
+    if (rc < 0 && errno != EINTR)
+      TDIST_THROW(NetworkError, "poll failed: ", net::errno_text(errno));
     if (rc <= 0) continue;
     // Read what the connections sent, newest first (so erasing keeps the indices below valid).
     for (size_t i = pending.size(); i-- > 0;) {
       if (fds[i + 1].revents == 0) continue;
       Pending& p = pending[i];
-      ssize_t n = ::recv(p.conn->fd(), p.hello.data() + p.got, p.hello.size() - p.got,
-                         MSG_DONTWAIT);
+      ssize_t n =
+          ::recv(p.conn->fd(), p.hello.data() + p.got, p.hello.size() - p.got, MSG_DONTWAIT);
       if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-        reject(i, str("the connection ended after ", p.got, " of ", p.hello.size(),
-                      " hello bytes"));
+        reject(i,
+               str("the connection ended after ", p.got, " of ", p.hello.size(), " hello bytes"));
         continue;
       }
       if (n < 0) continue;
@@ -231,7 +241,8 @@ void Mesh::accept_higher(uint64_t group, const std::string& token, Clock::time_p
                     " may wait: the ranks expected and ", kMaxStrangers, " more)"));
     }
     Connection::configure(fd);
-    Pending p{std::make_unique<Connection>(fd, -1), net::ServerHandshake(token, net::Service::kMesh),
+    Pending p{std::make_unique<Connection>(fd, -1),
+              net::ServerHandshake(token, net::Service::kMesh),
               Bytes(net::hello_bytes(kHelloFields)), 0, Clock::now() + kHelloTimeout};
     try {
       const Bytes& challenge = p.handshake.challenge();

@@ -6,7 +6,8 @@
 // Note [Mesh handshake]
 //   1. Every rank listens on local_address(store.server_host()):0 (an address its peers can
 //      reach; see core/net/address.h) and publishes "host:port" under "addr/<rank>" in the
-//      (group-prefixed) store.
+//      (group-prefixed) store. Beyond loopback without a token it refuses to listen unless
+//      TDIST_ALLOW_NO_TOKEN=1 (Note [Secure by default] in core/token.h).
 //   2. Rank r connects to every lower rank j, once per channel, and runs the client side of the
 //      connection handshake (service "mesh", Note [Connection handshake] in
 //      core/net/handshake.h) with the job's token; its hello carries 13 bytes of fields:

@@ -14,7 +14,8 @@ class TcpChannel final : public Channel {
   long writev(const iovec* iov, int count) override { return conn_->writev(iov, count); }
   long readv(const iovec* iov, int count) override { return conn_->readv(iov, count); }
   bool prepare_wait(bool want_read, bool want_write, pollfd& pfd) override {
-    pfd = pollfd{conn_->fd(), static_cast<short>((want_read ? POLLIN : 0) | (want_write ? POLLOUT : 0)), 0};
+    pfd = pollfd{conn_->fd(),
+                 static_cast<short>((want_read ? POLLIN : 0) | (want_write ? POLLOUT : 0)), 0};
     return true;
   }
   void after_wait(short) override {}
