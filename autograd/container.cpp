@@ -39,7 +39,8 @@ int64_t set_thread_context(int64_t id) {
 
 std::shared_ptr<ContextState> Container::create() {
   const int64_t seq = next_context_.fetch_add(1);
-  TDIST_CHECK(seq < (int64_t{1} << kContextRankShift), "distributed autograd context ids exhausted");
+  TDIST_CHECK(seq < (int64_t{1} << kContextRankShift),
+              "distributed autograd context ids exhausted");
   const int64_t id = (static_cast<int64_t>(rank_) << kContextRankShift) | seq;
   auto st = std::make_shared<ContextState>(id);
   std::lock_guard<std::mutex> lock(mu_);

@@ -26,11 +26,11 @@ void release(rpc::RpcAgent& agent, int64_t context_id, int except) {
   for (int w : workers) {
     if (w == agent.rank() || w == except) continue;
     try {
-      futures.emplace_back(w, agent.rpc_async<void>(w, kReleaseFn, context_id,
-                                                    static_cast<int32_t>(agent.rank())));
+      futures.emplace_back(
+          w, agent.rpc_async<void>(w, kReleaseFn, context_id, static_cast<int32_t>(agent.rank())));
     } catch (const std::exception& e) {
-      TDIST_LOG_WARN("autograd: cannot release context ", context_id, " on worker rank ", w,
-                     ": ", e.what());
+      TDIST_LOG_WARN("autograd: cannot release context ", context_id, " on worker rank ", w, ": ",
+                     e.what());
     }
   }
   for (auto& [w, f] : futures) {
@@ -58,8 +58,10 @@ void handle_release(int64_t context_id, int32_t from) {
     std::lock_guard<std::mutex> lock(st->mu);
     took_part = st->workers.count(caller) > 0;
   }
-  TDIST_CHECK_ARG(took_part, "worker rank ", caller, " did not take part in distributed autograd "
-                  "context ", context_id, " on worker '", agent->info().name, "'",
+  TDIST_CHECK_ARG(took_part, "worker rank ", caller,
+                  " did not take part in distributed autograd "
+                  "context ",
+                  context_id, " on worker '", agent->info().name, "'",
                   caller == from ? std::string() : str(" (it named rank ", from, ")"),
                   ": release refused");
   release(*agent, context_id, from);
@@ -91,12 +93,14 @@ std::optional<int64_t> current_context() {
   return id;
 }
 
+NoContextScope::NoContextScope() : previous_(detail::set_thread_context(0)) {}
+NoContextScope::~NoContextScope() { detail::set_thread_context(previous_); }
+
 GradientMap get_gradients(int64_t context_id) {
   auto agent = rpc::current_agent();
   auto st = detail::container_for(*agent)->find(context_id);
   TDIST_CHECK_ARG(st != nullptr, "get_gradients: distributed autograd context ", context_id,
-                  " is not known on worker '", agent->info().name,
-                  "' (never created or released)");
+                  " is not known on worker '", agent->info().name, "' (never created or released)");
   std::lock_guard<std::mutex> lock(st->mu);
   return st->grads;
 }

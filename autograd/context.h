@@ -79,6 +79,20 @@ class Context {
 // from one).
 std::optional<int64_t> current_context();
 
+// Takes the calling thread out of its distributed autograd context for a scope (the RPCs it
+// makes meanwhile add no send/recv edges to any graph), then restores the context it had. For
+// calls that must not become part of a graph, such as DistributedOptimizer's own. Not copyable.
+class NoContextScope {
+ public:
+  NoContextScope();
+  ~NoContextScope();
+  NoContextScope(const NoContextScope&) = delete;
+  NoContextScope& operator=(const NoContextScope&) = delete;
+
+ private:
+  int64_t previous_;
+};
+
 // Runs the distributed backward pass of `context_id` from `roots` (tensors of one element that
 // require grad; the gradient of each is 1) and returns when every worker it reached has
 // finished. Must run on the worker that created the context. Without retain_graph, a second
@@ -87,8 +101,7 @@ std::optional<int64_t> current_context();
 // or a bad root (nothing changes then); Error naming the worker when one fails, of the kind of
 // the cause: NetworkError when its connection was lost, TimeoutError when it did not answer
 // within the RPC timeout.
-void backward(int64_t context_id, const std::vector<at::Tensor>& roots,
-              bool retain_graph = false);
+void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph = false);
 
 // The gradients this worker accumulated in `context_id` (a copy of the map; the tensors are
 // shared). InvalidArgument for an unknown or released context.

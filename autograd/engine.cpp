@@ -22,7 +22,7 @@
 //      some of the leaves' gradient accumulators have post hooks (DDP's Reducer hooks there),
 //      run those hooks as libtorch's engine would after accumulating, inside a graph task of
 //      libtorch's engine (so that they may queue final callbacks, which run before the pass
-//      goes on) and with the context current as the thread's detail::LeafGradients
+//      goes on) and with the context current as the thread's LeafGradients
 //      (core/leaf_gradients.h), through which a hook reads and rewrites the gradient in the
 //      context (Note [DDP bucketing] 9 in ddp/reducer.h). A hooked leaf's entry is a tensor of
 //      its own (not shared with another leaf's), so that rewriting it in place is safe. The
@@ -80,7 +80,7 @@ using torch::autograd::Node;
 using GradBatch = std::vector<std::pair<int64_t, std::vector<at::Tensor>>>;
 
 // A context's part as the gradients of its leaves (step 3).
-class ContextLeafGradients : public tdist::detail::LeafGradients {
+class ContextLeafGradients : public tdist::LeafGradients {
  public:
   explicit ContextLeafGradients(std::shared_ptr<ContextState> st) : st_(std::move(st)) {}
   void with_gradient(const at::Tensor& leaf,
@@ -104,10 +104,10 @@ class ContextLeafGradients : public tdist::detail::LeafGradients {
 // the thread's LeafGradients, as the one node of a graph task of libtorch's engine (step 3).
 struct RunLeafHooks : Node {
   std::vector<std::pair<std::shared_ptr<Node>, at::Tensor>> leaves;
-  std::shared_ptr<tdist::detail::LeafGradients> grads;
+  std::shared_ptr<tdist::LeafGradients> grads;
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& /*unused*/) override {
-    tdist::detail::LeafGradientsScope scope(grads);
+    tdist::LeafGradientsScope scope(grads);
     const torch::autograd::variable_list no_outputs;
     for (auto& [acc, g] : leaves) {
       for (const auto& hook : acc->post_hooks()) (*hook)(no_outputs, {g});
@@ -209,8 +209,8 @@ void propagate(rpc::RpcAgent& agent, int64_t context_id, std::map<int, GradBatch
   ThreadContextScope none(0);  // BACKWARD itself carries no autograd header
   std::vector<std::pair<int, rpc::Future<void>>> futures;
   for (auto& [rank, batch] : batches) {
-    futures.emplace_back(rank, agent.rpc_async<void>(rank, kBackwardFn, context_id,
-                                                     std::move(batch)));
+    futures.emplace_back(rank,
+                         agent.rpc_async<void>(rank, kBackwardFn, context_id, std::move(batch)));
   }
   std::exception_ptr first;
   for (auto& [rank, f] : futures) {
@@ -290,8 +290,8 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool ret
   // The error keeps its kind (a worker that stopped answering: TimeoutError; a lost connection:
   // NetworkError), so callers can tell a hung worker from a dead one.
   const auto failed = [&](const std::exception& e) {
-    return str("distributed backward of context ", context_id, " on worker '",
-               agent->info().name, "' failed: ", e.what());
+    return str("distributed backward of context ", context_id, " on worker '", agent->info().name,
+               "' failed: ", e.what());
   };
   try {
     detail::propagate(*agent, context_id, detail::local_pass(st, edges, grads));

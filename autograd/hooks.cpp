@@ -14,9 +14,9 @@
 namespace tdist::autograd::detail {
 namespace {
 
-using rpc::detail::Message;
-using rpc::detail::MessageType;
-using rpc::detail::OutMessage;
+using rpc::Message;
+using rpc::MessageType;
+using rpc::OutMessage;
 
 bool carries_context(MessageType t) {
   switch (t) {
@@ -64,15 +64,15 @@ void record_recv(ContextState& st, Message& m, const Header& h) {
   for (uint32_t i : h.indices) {
     at::Tensor& t = m.tensors[i];
     if (!torch::autograd::isDifferentiableType(t.scalar_type())) {
-      throw ProtocolError(tdist::str("autograd header marks a tensor of type ", c10::toString(t.scalar_type()),
-                              " as requiring grad"));
+      throw ProtocolError(tdist::str("autograd header marks a tensor of type ",
+                                     c10::toString(t.scalar_type()), " as requiring grad"));
     }
     t = t.detach();  // a fresh autograd identity (the received tensor may view a frame buffer)
     torch::autograd::set_history(t, recv);
   }
 }
 
-class Hooks final : public rpc::detail::AutogradHooks {
+class Hooks final : public rpc::AutogradHooks {
  public:
   void on_send_request(rpc::RpcAgent& agent, int to, OutMessage& m) override {
     const int64_t ctx = thread_context();
@@ -124,7 +124,7 @@ class Hooks final : public rpc::detail::AutogradHooks {
 
 void install_hooks() {
   static Hooks hooks;
-  rpc::detail::set_autograd_hooks(&hooks);
+  rpc::set_autograd_hooks(&hooks);
 }
 
 }  // namespace tdist::autograd::detail

@@ -13,8 +13,8 @@ namespace tdist::ddp {
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                 const std::vector<size_t>& order,
                                                 size_t first_cap_bytes, size_t cap_bytes) {
-  TDIST_CHECK_ARG(order.size() == params.size(), "bucket order has ", order.size(),
-                  " entries for ", params.size(), " parameters");
+  TDIST_CHECK_ARG(order.size() == params.size(), "bucket order has ", order.size(), " entries for ",
+                  params.size(), " parameters");
   struct Open {
     std::vector<size_t> params;
     size_t bytes = 0;

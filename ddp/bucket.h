@@ -30,17 +30,17 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
 // One bucket's storage and bookkeeping. Owned by the Reducer; not thread safe (the Reducer
 // guards it with its mutex).
 struct Bucket {
-  std::vector<size_t> params;      // parameter indices, in bucket order
-  std::vector<int64_t> offsets;    // element offset of each parameter in `buffer`
-  std::vector<int64_t> lengths;    // element count of each parameter
-  at::Tensor buffer;               // flat, dtype and device of the parameters
-  std::vector<at::Tensor> views;   // buffer regions shaped like each parameter
+  std::vector<size_t> params;     // parameter indices, in bucket order
+  std::vector<int64_t> offsets;   // element offset of each parameter in `buffer`
+  std::vector<int64_t> lengths;   // element count of each parameter
+  at::Tensor buffer;              // flat, dtype and device of the parameters
+  std::vector<at::Tensor> views;  // buffer regions shaped like each parameter
 
   // Per iteration:
-  size_t pending = 0;                       // gradients not yet ready
-  std::shared_ptr<comm::Future> future;     // the comm hook's future once launched
-  std::shared_ptr<comm::Work> work;         // off the CPU: the allreduce's (Note [DDP bucketing] 10)
-  int64_t launch_us = 0;                    // trace: when the hook was called
+  size_t pending = 0;                    // gradients not yet ready
+  std::shared_ptr<comm::Future> future;  // the comm hook's future once launched
+  std::shared_ptr<comm::Work> work;      // off the CPU: the allreduce's (Note [DDP bucketing] 10)
+  int64_t launch_us = 0;                 // trace: when the hook was called
 
   // Allocates `buffer` (zeros, with the parameters' dtype and device) and `views` for `params`.
   void allocate(const std::vector<at::Tensor>& all_params);
@@ -51,9 +51,9 @@ struct Bucket {
 // overwrite buffer() in place; it must not keep references past its future's completion.
 class GradBucket {
  public:
-  GradBucket(size_t index, size_t num_buckets, at::Tensor buffer,
-             std::vector<at::Tensor> gradients, std::vector<at::Tensor> parameters,
-             std::vector<int64_t> offsets, std::shared_ptr<comm::ProcessGroup> pg)
+  GradBucket(size_t index, size_t num_buckets, at::Tensor buffer, std::vector<at::Tensor> gradients,
+             std::vector<at::Tensor> parameters, std::vector<int64_t> offsets,
+             std::shared_ptr<comm::ProcessGroup> pg)
       : index_(index),
         num_buckets_(num_buckets),
         buffer_(std::move(buffer)),

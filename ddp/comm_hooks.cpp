@@ -106,8 +106,8 @@ class PowerSGD {
   };
   struct BucketState {
     int64_t numel = -1;
-    at::Tensor error;               // error feedback, like the bucket buffer
-    std::vector<at::Tensor> qs;     // warm-start Q per compressed matrix
+    at::Tensor error;            // error feedback, like the bucket buffer
+    std::vector<at::Tensor> qs;  // warm-start Q per compressed matrix
   };
 
   void run() {
@@ -253,8 +253,7 @@ CommHook powersgd_hook(PowerSGDOptions opts) {
       // group's timeout) stays in the future, which the Reducer reports with the bucket.
       try {
         future->wait();
-      } catch (const std::exception&) {
-      }
+      } catch (const std::exception&) {}
     }
     return future;
   };

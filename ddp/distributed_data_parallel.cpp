@@ -14,8 +14,8 @@
 namespace tdist::ddp {
 namespace detail {
 
-DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module,
-                 std::shared_ptr<comm::ProcessGroup> pg, DDPOptions opts)
+DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<comm::ProcessGroup> pg,
+                 DDPOptions opts)
     : module_(std::move(module)), pg_(std::move(pg)), opts_(opts) {
   TDIST_CHECK_ARG(module_ != nullptr, "DDP needs a module");
   TDIST_CHECK_ARG(pg_ != nullptr, "DDP needs a process group");
@@ -62,8 +62,7 @@ bool DDPCore::pre_forward() {
   return true;
 }
 
-void DDPCore::post_forward(bool sync, const std::vector<at::Tensor>& outputs,
-                           bool outputs_known) {
+void DDPCore::post_forward(bool sync, const std::vector<at::Tensor>& outputs, bool outputs_known) {
   if (sync) reducer_->prepare_for_backward(outputs, outputs_known);
   if (trace_) {
     trace_->add(sync ? "forward" : "forward (no sync)", Trace::Track::kCompute, forward_begin_us_,

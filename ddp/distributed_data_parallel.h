@@ -212,7 +212,9 @@ class DistributedDataParallel {
   // Between iterations only; see comm_hooks.h.
   void register_comm_hook(CommHook hook);
   Reducer& reducer() { return core_->reducer(); }
-  const std::shared_ptr<comm::ProcessGroup>& process_group() const { return core_->process_group(); }
+  const std::shared_ptr<comm::ProcessGroup>& process_group() const {
+    return core_->process_group();
+  }
   const DDPOptions& options() const { return core_->options(); }
 
  private:

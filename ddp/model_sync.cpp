@@ -24,8 +24,8 @@ std::string TensorSignature::describe() const {
 }
 
 TensorSignature signature_of(std::string kind, std::string name, const at::Tensor& t) {
-  return TensorSignature{std::move(kind), std::move(name), std::string(c10::toString(t.scalar_type())),
-                         t.sizes().vec()};
+  return TensorSignature{std::move(kind), std::move(name),
+                         std::string(c10::toString(t.scalar_type())), t.sizes().vec()};
 }
 
 namespace {
@@ -89,8 +89,9 @@ void verify_same_across_ranks(comm::ProcessGroup& pg, const std::vector<TensorSi
   if (max_len > bound) {
     TDIST_THROW(InvalidArgument,
                 "DDP: the model differs across ranks (every rank must construct the same model): "
-                "rank ", longest, "'s model signature is ", max_len, " bytes, rank ", shortest,
-                "'s ", min_len);
+                "rank ",
+                longest, "'s model signature is ", max_len, " bytes, rank ", shortest, "'s ",
+                min_len);
   }
 
   at::Tensor mine_t = at::zeros({max_len}, at::kByte);
@@ -117,11 +118,11 @@ void verify_same_across_ranks(comm::ProcessGroup& pg, const std::vector<TensorSi
     if (k < a.size() && k < b.size()) {
       if (a[k].name == b[k].name && a[k].kind == b[k].kind) {
         what = tdist::str(a[k].kind, " ", a[k].name, " is ", a[k].dtype, " ",
-                   c10::IntArrayRef(a[k].shape), " on rank 0 but ", b[k].dtype, " ",
-                   c10::IntArrayRef(b[k].shape), " on rank(s) ");
+                          c10::IntArrayRef(a[k].shape), " on rank 0 but ", b[k].dtype, " ",
+                          c10::IntArrayRef(b[k].shape), " on rank(s) ");
       } else {
         what = tdist::str("entry ", k, " is ", a[k].describe(), " on rank 0 but ", b[k].describe(),
-                   " on rank(s) ");
+                          " on rank(s) ");
       }
     } else if (k < a.size()) {
       what = tdist::str(a[k].describe(), " exists on rank 0 but not on rank(s) ");
@@ -155,9 +156,9 @@ void broadcast_coalesced(comm::ProcessGroup& pg, const std::vector<at::Tensor>& 
   std::vector<std::vector<at::Tensor>> groups;
   std::map<std::tuple<int, int, int>, size_t> group_of;
   for (const auto& t : tensors) {
-    const auto key = std::make_tuple(static_cast<int>(t.device().type()),
-                                     static_cast<int>(t.device().index()),
-                                     static_cast<int>(t.scalar_type()));
+    const auto key =
+        std::make_tuple(static_cast<int>(t.device().type()), static_cast<int>(t.device().index()),
+                        static_cast<int>(t.scalar_type()));
     auto it = group_of.find(key);
     if (it == group_of.end()) {
       it = group_of.emplace(key, groups.size()).first;

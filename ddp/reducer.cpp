@@ -28,9 +28,9 @@ constexpr Millis kOwnErrorGrace{2000};
 // Holds the Reducer by raw pointer: the Reducer removes its hooks before it is destroyed.
 struct Reducer::Hook : torch::autograd::FunctionPostHook {
   Hook(Reducer* reducer, size_t index) : reducer(reducer), index(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/)
-      override {
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
     reducer->autograd_hook(index);
     return outputs;
   }
@@ -247,7 +247,7 @@ void Reducer::autograd_hook(size_t index) {
     backward_begin_us_ = Trace::now_us();
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
     // Note [DDP bucketing] 9: where this backward keeps the gradients.
-    leaf_grads_ = tdist::detail::current_leaf_gradients();
+    leaf_grads_ = tdist::current_leaf_gradients();
   }
   mark_ready(index, /*used=*/true);
   launch_ready(lock);
@@ -270,7 +270,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   // operation, the same result for worlds that are powers of two.
   const bool divide = default_hook_;
   if (!passthrough()) {  // world size 1, built-in hook: the gradient already is the average
-    tdist::detail::with_leaf_gradient(leaf_grads_, params_[index], [&](at::Tensor& grad) {
+    tdist::with_leaf_gradient(leaf_grads_, params_[index], [&](at::Tensor& grad) {
       if (!grad.defined()) {
         view.zero_();
       } else if (opts_.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr()) {
@@ -404,8 +404,8 @@ void Reducer::finalize() {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!marked_[i]) missing.push_back(i);
     }
-    TDIST_THROW(Error, "DDP on rank ", pg_->rank(),
-                ": backward finished without gradients for ", describe(missing),
+    TDIST_THROW(Error, "DDP on rank ", pg_->rank(), ": backward finished without gradients for ",
+                describe(missing),
                 ". These parameters were not used to compute the loss. Pass "
                 "find_unused_parameters=true if that is expected, or make every output of forward "
                 "take part in the loss.");
@@ -435,8 +435,7 @@ void Reducer::finalize() {
         // did), and its error names the peer it waited for: give it a moment to fail by itself.
         try {
           f->wait(std::min(timeout, kOwnErrorGrace));
-        } catch (const std::exception&) {
-        }
+        } catch (const std::exception&) {}
       }
       if (!f->completed()) {
         TDIST_THROW(TimeoutError, "DDP on rank ", rank, ": waited ", timeout.count(),
@@ -458,7 +457,8 @@ void Reducer::finalize() {
     } catch (const std::exception& e) {
       TDIST_THROW(Error, "DDP on rank ", rank,
                   ": the allreduce of the map of used parameters (find_unused_parameters) "
-                  "failed: ", e.what());
+                  "failed: ",
+                  e.what());
     }
   }
   // Note [DDP bucketing] 10: the current streams wait for the collectives (their futures
@@ -517,7 +517,7 @@ void Reducer::write_back(const std::vector<bool>& global_unused) {
     if (global_unused[i]) continue;
     auto [b, s] = locate_[i];
     const at::Tensor& view = buckets_[b].views[s];
-    tdist::detail::with_leaf_gradient(leaf_grads_, params_[i], [&](at::Tensor& grad) {
+    tdist::with_leaf_gradient(leaf_grads_, params_[i], [&](at::Tensor& grad) {
       if (opts_.gradient_as_bucket_view) {
         if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
       } else if (!grad.defined()) {

@@ -47,7 +47,7 @@
 //     (PyTorch's "Expected to have finished reduction in the prior iteration").
 //  9. Under tdist::autograd's distributed backward the gradients live in the autograd context,
 //     not in .grad: that engine runs the accumulators' post hooks (and the final callback) with
-//     the context current as a detail::LeafGradients (core/leaf_gradients.h). The first hook of
+//     the context current as a LeafGradients (core/leaf_gradients.h). The first hook of
 //     an iteration captures it, and marking (2) and the write-back (4) read and write the
 //     gradient through it, so the optimizer stepping that context sees the averages. The
 //     parameters that (5) marks at forward time are read from .grad (usually undefined: zeros).
@@ -94,7 +94,7 @@ struct Node;
 namespace tdist::comm {
 class ProcessGroup;
 }
-namespace tdist::detail {
+namespace tdist {
 class LeafGradients;
 }
 
@@ -165,26 +165,26 @@ class Reducer {
   mutable std::mutex mu_;
   std::condition_variable launch_cv_;  // launching_ became false
   // guarded by mu_:
-  CommHook hook_;                  // null: the built-in allreduce (see default_hook_)
+  CommHook hook_;  // null: the built-in allreduce (see default_hook_)
   // No hook registered: divide by the world size while copying into the bucket, then
   // allreduce(SUM) (Note [DDP bucketing] 6). With world size 1 there is nothing to average:
   // gradients stay where autograd put them (no copies).
   bool default_hook_ = true;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> locate_;  // param -> (bucket, slot)
-  bool expect_hooks_ = false;      // a synchronized backward is armed
-  bool backward_started_ = false;  // a hook ran (finalize queued) in this iteration
-  bool reduction_started_ = false; // something was marked in this iteration
-  std::vector<bool> marked_;       // per param, this iteration
-  std::vector<int32_t> used_;      // per param, 1 if it got a gradient this iteration
+  bool expect_hooks_ = false;                      // a synchronized backward is armed
+  bool backward_started_ = false;                  // a hook ran (finalize queued) in this iteration
+  bool reduction_started_ = false;                 // something was marked in this iteration
+  std::vector<bool> marked_;                       // per param, this iteration
+  std::vector<int32_t> used_;  // per param, 1 if it got a gradient this iteration
   size_t next_launch_ = 0;
-  bool launching_ = false;         // a thread is launching (Note [DDP bucketing] 3)
-  bool track_used_ = false;        // this iteration allreduces the used map
-  at::Tensor used_map_;            // this iteration's used map, once launched
+  bool launching_ = false;                     // a thread is launching (Note [DDP bucketing] 3)
+  bool track_used_ = false;                    // this iteration allreduces the used map
+  at::Tensor used_map_;                        // this iteration's used map, once launched
   std::shared_ptr<comm::Future> used_future_;  // its allreduce
   // Where this iteration's gradients live (Note [DDP bucketing] 9); null: .grad.
-  std::shared_ptr<tdist::detail::LeafGradients> leaf_grads_;
-  std::vector<size_t> static_unused_;   // static_graph: unused locally (from iteration 1)
+  std::shared_ptr<tdist::LeafGradients> leaf_grads_;
+  std::vector<size_t> static_unused_;       // static_graph: unused locally (from iteration 1)
   std::vector<bool> static_global_unused_;  // static_graph: unused on every rank
   bool static_known_ = false;
   // Rebuild (Note [DDP bucketing] 6):

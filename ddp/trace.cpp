@@ -52,8 +52,8 @@ void Trace::flush() {
     std::lock_guard<std::mutex> lock(mu_);
     events.reserve(events_.size());
     for (const Event& e : events_) {
-      events.push_back(ChromeTraceEvent{e.name, static_cast<int>(e.track), e.begin_us, e.end_us,
-                                        e.args});
+      events.push_back(
+          ChromeTraceEvent{e.name, static_cast<int>(e.track), e.begin_us, e.end_us, e.args});
     }
     other = str("\"rank\": ", rank_, ", \"dropped_events\": ", dropped_);
   }

@@ -56,8 +56,8 @@ std::vector<int64_t> allgather_ints(comm::ProcessGroup& pg, const std::vector<in
 
 // Note [Sharded checkpoints] 2: the ranks learn whether each succeeded; a rank that failed
 // rethrows its own error, the others throw one naming it. Returns when all succeeded.
-void agree(comm::ProcessGroup& pg, const std::exception_ptr& error, std::chrono::milliseconds timeout,
-           const std::string& what) {
+void agree(comm::ProcessGroup& pg, const std::exception_ptr& error,
+           std::chrono::milliseconds timeout, const std::string& what) {
   const auto ok = allgather_ints(pg, {error ? 0 : 1}, timeout);
   if (error) std::rethrow_exception(error);
   std::string failed;
@@ -78,7 +78,8 @@ std::string kind_of(const torch::optim::Optimizer& opt) {
   if (dynamic_cast<const torch::optim::AdamW*>(&opt)) return "adamw";
   if (dynamic_cast<const torch::optim::Adam*>(&opt)) return "adam";
   if (dynamic_cast<const torch::optim::SGD*>(&opt)) return "sgd";
-  TDIST_THROW(InvalidArgument, "sharded checkpoints carry the state of Adam, AdamW and SGD only; "
+  TDIST_THROW(InvalidArgument,
+              "sharded checkpoints carry the state of Adam, AdamW and SGD only; "
               "save without the optimizer (nullptr) for another one");
 }
 
@@ -232,7 +233,8 @@ class IndexReader {
 json read_index(const std::string& dir, const IndexReader& r) {
   const std::string path = dir + "/" + kIndexFile;
   auto bytes = read_file(path, kMaxIndexBytes);
-  if (!bytes) TDIST_THROW(Error, "no sharded checkpoint in '", dir, "' (", kIndexFile, " is missing)");
+  if (!bytes)
+    TDIST_THROW(Error, "no sharded checkpoint in '", dir, "' (", kIndexFile, " is missing)");
   json index;
   try {
     index = json::parse(bytes->begin(), bytes->end());
@@ -241,7 +243,8 @@ json read_index(const std::string& dir, const IndexReader& r) {
   }
   if (r.string(index, "format") != kFormat) r.damaged("not a tdist sharded checkpoint index");
   if (r.integer(index, "version") != kVersion) {
-    r.damaged(tdist::str("version ", index["version"].dump(), "; this build reads version ", kVersion));
+    r.damaged(
+        tdist::str("version ", index["version"].dump(), "; this build reads version ", kVersion));
   }
   return index;
 }
@@ -265,9 +268,8 @@ void check_groups(const json& index, const FSDPState& state, const IndexReader& 
                     r.integer(jg, "numel"), " elements in the checkpoint, ", pg.numel(),
                     " in the model");
     const json& params = r.array(jg, "params");
-    TDIST_CHECK_ARG(params.size() == pg.param_names().size(), "unit ", name, " has ",
-                    params.size(), " parameters in the checkpoint, ", pg.param_names().size(),
-                    " in the model");
+    TDIST_CHECK_ARG(params.size() == pg.param_names().size(), "unit ", name, " has ", params.size(),
+                    " parameters in the checkpoint, ", pg.param_names().size(), " in the model");
     for (size_t i = 0; i < params.size(); ++i) {
       const std::string& pname = r.string(params[i], "name");
       TDIST_CHECK_ARG(pname == pg.param_names()[i], "unit ", name, "'s parameter ", i, " is ",
@@ -336,8 +338,8 @@ class ShardFiles {
     }
     const int64_t expected = r_.integer(files_[rank], "bytes");
     if (st.st_size != expected) {
-      TDIST_THROW(Error, "checkpoint file '", path, "' has ", st.st_size,
-                  " bytes, the index says ", expected, " (truncated or replaced)");
+      TDIST_THROW(Error, "checkpoint file '", path, "' has ", st.st_size, " bytes, the index says ",
+                  expected, " (truncated or replaced)");
     }
     auto reader = std::make_unique<SafetensorsReader>(path);
     return *(readers_[rank] = std::move(reader));
@@ -359,7 +361,8 @@ namespace {
 // HSDP: the replicas hold the same shards, so the ranks of replica 0 alone write (`write` runs
 // there, as a collective of its shard group); the other replicas then learn from replica 0 of
 // their shard whether it succeeded. Without replicas, `write` runs everywhere.
-void on_replica_zero(FSDPState& state, const std::function<void()>& write, const std::string& what) {
+void on_replica_zero(FSDPState& state, const std::function<void()>& write,
+                     const std::string& what) {
   const auto& replicas = state.replicate_group();
   const bool writer = !replicas || replicas->rank() == 0;
   std::exception_ptr error;
@@ -401,7 +404,8 @@ void save_shards(const std::string& dir, FSDPState& state, const torch::nn::Modu
   bo.timeout = timeout;
   pg.broadcast(id_t, bo)->wait();
   char id[17];
-  std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(id_t[0].item<int64_t>()));
+  std::snprintf(id, sizeof(id), "%016llx",
+                static_cast<unsigned long long>(id_t[0].item<int64_t>()));
 
   NamedTensors tensors;
   std::vector<ShardOptState> opt_states;
@@ -526,8 +530,9 @@ void save_shards(const std::string& dir, FSDPState& state, const torch::nn::Modu
 
 void save_sharded(const std::string& dir, FSDPState& state, const torch::nn::Module& root,
                   const torch::optim::Optimizer* optimizer) {
-  on_replica_zero(state, [&] { save_shards(dir, state, root, optimizer); },
-                  "saving the sharded checkpoint in '" + dir + "'");
+  on_replica_zero(
+      state, [&] { save_shards(dir, state, root, optimizer); },
+      "saving the sharded checkpoint in '" + dir + "'");
 }
 
 // ---- load -------------------------------------------------------------------------------------
@@ -559,8 +564,8 @@ void load_sharded(const std::string& dir, FSDPState& state, torch::nn::Module& r
       TDIST_CHECK_ARG(!saved_kind.is_null(), "the checkpoint in '", dir,
                       "' holds no optimizer state (it was saved without an optimizer)");
       TDIST_CHECK_ARG(saved_kind.is_string() && saved_kind.get<std::string>() == kind,
-                      "the checkpoint holds the state of ", saved_kind.dump(), ", the optimizer is ",
-                      kind);
+                      "the checkpoint holds the state of ", saved_kind.dump(),
+                      ", the optimizer is ", kind);
     }
     ShardFiles files(dir, index, r);
     const json& groups = index["groups"];
@@ -584,18 +589,19 @@ void load_sharded(const std::string& dir, FSDPState& state, torch::nn::Module& r
         }
       }
       for (const auto& name : names) {
-        at::Tensor value = at::zeros({shard.numel()}, at::TensorOptions().dtype(shard.scalar_type()));
+        at::Tensor value =
+            at::zeros({shard.numel()}, at::TensorOptions().dtype(shard.scalar_type()));
         // Old rank k held [k * old_per, (k + 1) * old_per) of the flat vector.
         const int64_t old_per = (numel + old_world - 1) / old_world;
         for (int64_t k = lo / old_per; k < old_world && k * old_per < hi; ++k) {
           const int64_t a = std::max(lo, k * old_per);
           const int64_t b = std::min(hi, (k + 1) * old_per);
           at::Tensor old = files.read(static_cast<int>(k), group.name() + "/" + name);
-          TDIST_CHECK(old.dim() == 1 && old.scalar_type() == shard.scalar_type() &&
-                          old.numel() == old_per,
-                      "checkpoint tensor ", group.name(), "/", name, " of rank ", k, " is ",
-                      old.scalar_type(), " ", old.sizes(), ", not ", shard.scalar_type(), " [",
-                      old_per, "] (a damaged or foreign file)");
+          TDIST_CHECK(
+              old.dim() == 1 && old.scalar_type() == shard.scalar_type() && old.numel() == old_per,
+              "checkpoint tensor ", group.name(), "/", name, " of rank ", k, " is ",
+              old.scalar_type(), " ", old.sizes(), ", not ", shard.scalar_type(), " [", old_per,
+              "] (a damaged or foreign file)");
           value.narrow(0, a - shard_begin, b - a).copy_(old.narrow(0, a - k * old_per, b - a));
         }
         if (name == "param") {
@@ -613,8 +619,8 @@ void load_sharded(const std::string& dir, FSDPState& state, torch::nn::Module& r
     for (const auto& [name, t] : buffers_of(root)) {
       TDIST_CHECK_ARG(saved_buffers.count(name), "the checkpoint has no buffer ", name);
       at::Tensor v = files.read(0, kBufferPrefix + name);
-      TDIST_CHECK_ARG(v.sizes() == t.sizes() && v.scalar_type() == t.scalar_type(), "buffer ",
-                      name, " is ", v.scalar_type(), " ", v.sizes(), " in the checkpoint, ",
+      TDIST_CHECK_ARG(v.sizes() == t.sizes() && v.scalar_type() == t.scalar_type(), "buffer ", name,
+                      " is ", v.scalar_type(), " ", v.sizes(), " in the checkpoint, ",
                       t.scalar_type(), " ", t.sizes(), " in the model");
       buffers.emplace_back(t, v);
     }
@@ -673,8 +679,8 @@ void write_consolidated(FSDPState& state, const torch::nn::Module& root, const s
 
 void save_consolidated(FSDPState& state, const torch::nn::Module& root, const std::string& path,
                        const std::map<std::string, std::string>& metadata) {
-  on_replica_zero(state, [&] { write_consolidated(state, root, path, metadata); },
-                  "writing '" + path + "'");
+  on_replica_zero(
+      state, [&] { write_consolidated(state, root, path, metadata); }, "writing '" + path + "'");
 }
 
 void load_consolidated(FSDPState& state, torch::nn::Module& root, const std::string& path) {
@@ -702,7 +708,7 @@ void load_consolidated(FSDPState& state, torch::nn::Module& root, const std::str
         problems += "\n  missing: " + name;
       } else if (c10::IntArrayRef(e->shape) != shape || e->dtype != dtype) {
         problems += tdist::str("\n  ", name, ": the file has ", safetensors_dtype(e->dtype), " ",
-                        c10::IntArrayRef(e->shape), ", the module ", dtype, " ", shape);
+                               c10::IntArrayRef(e->shape), ", the module ", dtype, " ", shape);
       }
     };
     for (const auto& item : root.named_parameters(/*recurse=*/true)) {
@@ -715,8 +721,8 @@ void load_consolidated(FSDPState& state, torch::nn::Module& root, const std::str
       if (!wanted.count(e.name)) problems += "\n  not in the module: " + e.name;
     }
     if (!problems.empty()) {
-      throw InvalidArgument(tdist::str("'", path, "' does not match the module (nothing was loaded):",
-                                problems));
+      throw InvalidArgument(
+          tdist::str("'", path, "' does not match the module (nothing was loaded):", problems));
     }
     for (size_t g = 0; g < state.num_groups(); ++g) {
       const ParamGroup& group = state.group(g);

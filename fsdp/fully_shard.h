@@ -168,9 +168,11 @@ template <typename... Ts>
 struct VisitTensors<std::tuple<Ts...>> {
   template <typename F>
   static bool run(std::tuple<Ts...>& t, F&& f) {
-    return std::apply([&](auto&... xs) {
-      return (VisitTensors<std::decay_t<decltype(xs)>>::run(xs, f) & ... & true);
-    }, t);
+    return std::apply(
+        [&](auto&... xs) {
+          return (VisitTensors<std::decay_t<decltype(xs)>>::run(xs, f) & ... & true);
+        },
+        t);
   }
 };
 template <typename A, typename B>
@@ -210,9 +212,8 @@ auto run_unit(FSDPState& state, int g, Fn&& fn, Args&&... args) {
   state.pre_forward(g, aliases);
   auto out = fn(pass_input(originals, aliases, std::forward<Args>(args))...);
   std::vector<at::Tensor> outputs;
-  const bool known = VisitTensors<decltype(out)>::run(out, [&](at::Tensor& t) {
-    outputs.push_back(t);
-  });
+  const bool known =
+      VisitTensors<decltype(out)>::run(out, [&](at::Tensor& t) { outputs.push_back(t); });
   state.post_forward(g, outputs, known);
   size_t k = 0;
   VisitTensors<decltype(out)>::run(out, [&](at::Tensor& t) { t = outputs[k++]; });
@@ -251,8 +252,7 @@ auto call(M& module, Args&&... args) {
 // (PyTorch's no_sync(); Note [Sharded data parallel] 6).
 class NoSyncGuard {
  public:
-  explicit NoSyncGuard(detail::FSDPState& state)
-      : state_(&state), previous_(state.require_sync()) {
+  explicit NoSyncGuard(detail::FSDPState& state) : state_(&state), previous_(state.require_sync()) {
     state_->set_require_sync(false);
   }
   ~NoSyncGuard() {
@@ -283,8 +283,8 @@ class FullyShardedModule {
   FullyShardedModule(ModuleType module, std::vector<std::shared_ptr<torch::nn::Module>> units,
                      const comm::DeviceMesh& mesh, FSDPOptions opts = {})
       : module_(std::move(module)),
-        state_(detail::FSDPState::create(detail::module_ptr(module_), std::move(units), mesh,
-                                         opts)) {}
+        state_(
+            detail::FSDPState::create(detail::module_ptr(module_), std::move(units), mesh, opts)) {}
 
   // Calls module->forward(args...) as the root's forward and returns its result.
   template <typename... Args>

@@ -28,10 +28,18 @@ struct DtypeName {
   at::ScalarType type;
 };
 constexpr DtypeName kDtypes[] = {
-    {"F64", at::kDouble},          {"F32", at::kFloat},          {"F16", at::kHalf},
-    {"BF16", at::kBFloat16},       {"I64", at::kLong},           {"I32", at::kInt},
-    {"I16", at::kShort},           {"I8", at::kChar},            {"U8", at::kByte},
-    {"BOOL", at::kBool},           {"F8_E4M3", at::kFloat8_e4m3fn}, {"F8_E5M2", at::kFloat8_e5m2},
+    {"F64", at::kDouble},
+    {"F32", at::kFloat},
+    {"F16", at::kHalf},
+    {"BF16", at::kBFloat16},
+    {"I64", at::kLong},
+    {"I32", at::kInt},
+    {"I16", at::kShort},
+    {"I8", at::kChar},
+    {"U8", at::kByte},
+    {"BOOL", at::kBool},
+    {"F8_E4M3", at::kFloat8_e4m3fn},
+    {"F8_E5M2", at::kFloat8_e5m2},
 };
 
 // The entries a tensor's header object must have, and no others.
@@ -54,7 +62,7 @@ at::ScalarType dtype_of(const json& v, const std::string& name) {
 uint64_t unsigned_of(const json& v, const std::string& name, const char* field) {
   if (!v.is_number_unsigned()) {
     malformed(tdist::str("tensor '", name, "': ", field, " holds ", v.dump(),
-                  ", not a non-negative integer"));
+                         ", not a non-negative integer"));
   }
   return v.get<uint64_t>();
 }
@@ -77,7 +85,8 @@ SafetensorsEntry entry_of(const std::string& name, const json& v, uint64_t data_
   const json& shape = v["shape"];
   if (!shape.is_array()) malformed("tensor '" + name + "': shape is not an array");
   if (shape.size() > kMaxDims) {
-    malformed(tdist::str("tensor '", name, "' has ", shape.size(), " dimensions, more than ", kMaxDims));
+    malformed(
+        tdist::str("tensor '", name, "' has ", shape.size(), " dimensions, more than ", kMaxDims));
   }
   uint64_t bytes = at::elementSize(e.dtype);
   for (const json& d : shape) {
@@ -96,16 +105,16 @@ SafetensorsEntry entry_of(const std::string& name, const json& v, uint64_t data_
   e.end = unsigned_of(off[1], name, "data_offsets");
   if (e.begin > e.end) {
     malformed(tdist::str("tensor '", name, "': data_offsets [", e.begin, ", ", e.end,
-                  "] end before they begin"));
+                         "] end before they begin"));
   }
   if (e.end > data_bytes) {
     malformed(tdist::str("tensor '", name, "': data_offsets [", e.begin, ", ", e.end,
-                  "] go past the data's ", data_bytes, " bytes (a truncated file?)"));
+                         "] go past the data's ", data_bytes, " bytes (a truncated file?)"));
   }
   if (e.end - e.begin != bytes) {
     malformed(tdist::str("tensor '", name, "': data_offsets [", e.begin, ", ", e.end, "] hold ",
-                  e.end - e.begin, " bytes, but shape ", shape.dump(), " of ",
-                  safetensors_dtype(e.dtype), " needs ", bytes));
+                         e.end - e.begin, " bytes, but shape ", shape.dump(), " of ",
+                         safetensors_dtype(e.dtype), " needs ", bytes));
   }
   return e;
 }
@@ -151,8 +160,8 @@ SafetensorsHeader parse_safetensors_header(std::string_view text, uint64_t data_
       const auto& k = parsed.get_ref<const std::string&>();
       if (!seen.insert(k).second && duplicate.empty()) duplicate = k;
     }
-    if ((event == json::parse_event_t::object_start ||
-         event == json::parse_event_t::array_start) && depth >= kMaxJsonDepth) {
+    if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
+        depth >= kMaxJsonDepth) {
       too_deep = true;
       return false;
     }
@@ -189,7 +198,8 @@ SafetensorsHeader parse_safetensors_header(std::string_view text, uint64_t data_
   for (const auto& e : h.tensors) {
     if (e.begin < at) {
       malformed(tdist::str("tensor '", e.name, "' (bytes [", e.begin, ", ", e.end, ")) overlaps '",
-                    previous->name, "' (bytes [", previous->begin, ", ", previous->end, "))"));
+                           previous->name, "' (bytes [", previous->begin, ", ", previous->end,
+                           "))"));
     }
     if (e.begin > at) {
       malformed(tdist::str("bytes [", at, ", ", e.begin, ") of the data belong to no tensor"));
@@ -204,7 +214,8 @@ SafetensorsHeader parse_safetensors_header(std::string_view text, uint64_t data_
 }
 
 SafetensorsHeader parse_safetensors(const void* bytes, size_t size) {
-  if (size < 8) malformed(tdist::str("the file has ", size, " bytes, fewer than the 8 of its length"));
+  if (size < 8)
+    malformed(tdist::str("the file has ", size, " bytes, fewer than the 8 of its length"));
   uint64_t n = 0;
   std::memcpy(&n, bytes, 8);
   if (n > kMaxHeaderBytes) malformed(tdist::str("header length ", n, " exceeds ", kMaxHeaderBytes));
@@ -223,8 +234,8 @@ std::string encode_safetensors(const NamedTensors& tensors,
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     TDIST_CHECK_ARG(!name.empty(), "safetensors: a tensor needs a name");
-    TDIST_CHECK_ARG(name != "__metadata__" && !header.contains(name),
-                    "safetensors: the name '", name, "' is used twice (or reserved)");
+    TDIST_CHECK_ARG(name != "__metadata__" && !header.contains(name), "safetensors: the name '",
+                    name, "' is used twice (or reserved)");
     TDIST_CHECK_ARG(t.defined(), "safetensors: tensor '", name, "' is undefined");
     at::Tensor host = t.detach().to(at::kCPU).contiguous();
     const uint64_t bytes = static_cast<uint64_t>(host.numel()) * host.element_size();
@@ -269,10 +280,12 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
     }
     const auto size = static_cast<uint64_t>(st.st_size);
     try {
-      if (size < 8) malformed(tdist::str("the file has ", size, " bytes, fewer than the 8 of its length"));
+      if (size < 8)
+        malformed(tdist::str("the file has ", size, " bytes, fewer than the 8 of its length"));
       uint64_t n = 0;
       read_exactly_at(fd_, &n, 8, 0, path_);
-      if (n > kMaxHeaderBytes) malformed(tdist::str("header length ", n, " exceeds ", kMaxHeaderBytes));
+      if (n > kMaxHeaderBytes)
+        malformed(tdist::str("header length ", n, " exceeds ", kMaxHeaderBytes));
       if (n > size - 8) {
         malformed(tdist::str("header length ", n, " exceeds the ", size - 8, " bytes after it"));
       }
@@ -306,9 +319,9 @@ at::Tensor SafetensorsReader::read(const std::string& name) const {
 at::Tensor SafetensorsReader::read_elements(const std::string& name, int64_t first,
                                             int64_t count) const {
   const SafetensorsEntry& e = entry(name);
-  TDIST_CHECK_ARG(first >= 0 && count >= 0 && first <= e.numel() - count, "elements [", first,
-                  ", ", first + count, ") are outside tensor '", name, "' of ", e.numel(),
-                  " in '", path_, "'");
+  TDIST_CHECK_ARG(first >= 0 && count >= 0 && first <= e.numel() - count, "elements [", first, ", ",
+                  first + count, ") are outside tensor '", name, "' of ", e.numel(), " in '", path_,
+                  "'");
   at::Tensor out = at::empty({count}, at::TensorOptions().dtype(e.dtype));
   const uint64_t esize = at::elementSize(e.dtype);
   read_exactly_at(fd_, out.data_ptr(), static_cast<size_t>(count) * esize,
@@ -346,17 +359,17 @@ void load_safetensors(torch::nn::Module& module, const std::string& path) {
     if (e == nullptr) {
       problems += "\n  missing: " + name;
     } else if (e->shape != t.sizes().vec() || e->dtype != t.scalar_type()) {
-      problems += tdist::str("\n  ", name, ": the file has ", safetensors_dtype(e->dtype), " ",
-                      c10::IntArrayRef(e->shape), ", the module ", t.scalar_type(), " ",
-                      t.sizes());
+      problems +=
+          tdist::str("\n  ", name, ": the file has ", safetensors_dtype(e->dtype), " ",
+                     c10::IntArrayRef(e->shape), ", the module ", t.scalar_type(), " ", t.sizes());
     }
   }
   for (const auto& e : reader.header().tensors) {
     if (!wanted.count(e.name)) problems += "\n  not in the module: " + e.name;
   }
   if (!problems.empty()) {
-    throw InvalidArgument(tdist::str("'", path, "' does not match the module (nothing was loaded):",
-                              problems));
+    throw InvalidArgument(
+        tdist::str("'", path, "' does not match the module (nothing was loaded):", problems));
   }
   std::vector<at::Tensor> values;
   for (const auto& [name, t] : targets) values.push_back(reader.read(name));

@@ -7,9 +7,13 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
+#include <sstream>
+#include <typeinfo>
 #include <unordered_set>
 
 #include "tdist/comm/process_group.h"
@@ -22,6 +26,23 @@ void count_storage(const at::Tensor& t, std::unordered_set<const void*>& seen, s
   if (!t.defined()) return;
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   if (seen.insert(s).second) bytes += s->nbytes();
+}
+
+// Checks that `full` is an optimizer over exactly `params`, in order.
+void check_full_optimizer(const torch::optim::Optimizer& full,
+                          const std::vector<at::Tensor>& params, const char* what) {
+  std::vector<const void*> mine;
+  for (const auto& group : full.param_groups()) {
+    for (const auto& p : group.params()) mine.push_back(p.unsafeGetTensorImpl());
+  }
+  bool same = mine.size() == params.size();
+  for (size_t i = 0; same && i < params.size(); ++i) {
+    same = mine[i] == params[i].unsafeGetTensorImpl();
+  }
+  TDIST_CHECK_ARG(same, "ZeroRedundancyOptimizer::", what, ": the optimizer given holds ",
+                  mine.size(), " parameters, not the ", params.size(),
+                  " parameters of the ZeroRedundancyOptimizer in their order (make it over "
+                  "parameters())");
 }
 
 }  // namespace
@@ -59,7 +80,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
                                                  OptimizerFactory factory,
                                                  std::shared_ptr<comm::ProcessGroup> pg,
                                                  ZeroRedundancyOptimizerOptions opts)
-    : params_(std::move(params)), pg_(std::move(pg)), opts_(opts) {
+    : params_(std::move(params)), pg_(std::move(pg)), opts_(opts), factory_(factory) {
   TDIST_CHECK_ARG(pg_ != nullptr, "ZeroRedundancyOptimizer: the process group is null");
   TDIST_CHECK_ARG(static_cast<bool>(factory),
                   "ZeroRedundancyOptimizer: the optimizer factory is empty");
@@ -70,11 +91,11 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
     TDIST_CHECK_ARG(p.defined(), "ZeroRedundancyOptimizer: parameter ", i, " is undefined");
     TDIST_CHECK_ARG(at::isFloatingType(p.scalar_type()), "ZeroRedundancyOptimizer: parameter ", i,
                     " is ", p.scalar_type(), ", not floating point");
-    TDIST_CHECK_ARG(p.scalar_type() == params_[0].scalar_type() &&
-                        p.device() == params_[0].device(),
-                    "ZeroRedundancyOptimizer: parameter ", i, " is ", p.scalar_type(), " on ",
-                    p.device(), ", parameter 0 ", params_[0].scalar_type(), " on ",
-                    params_[0].device(), " (one dtype and device for all)");
+    TDIST_CHECK_ARG(
+        p.scalar_type() == params_[0].scalar_type() && p.device() == params_[0].device(),
+        "ZeroRedundancyOptimizer: parameter ", i, " is ", p.scalar_type(), " on ", p.device(),
+        ", parameter 0 ", params_[0].scalar_type(), " on ", params_[0].device(),
+        " (one dtype and device for all)");
     TDIST_CHECK_ARG(seen.insert(p.unsafeGetTensorImpl()).second,
                     "ZeroRedundancyOptimizer: parameter ", i, " is given twice");
   }
@@ -97,16 +118,15 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
   ao.op = comm::ReduceOp::MAX;
   pg_->allreduce(hi, ao)->wait();
   TDIST_CHECK_ARG(lo.equal(hi),
-                  "ZeroRedundancyOptimizer: the ranks passed different parameters (rank ",
-                  rank, ": ", params_.size(), " parameters of ", total,
+                  "ZeroRedundancyOptimizer: the ranks passed different parameters (rank ", rank,
+                  ": ", params_.size(), " parameters of ", total,
                   " elements; every rank must pass the same shapes in the same order)");
 
   // Note [ZeRO-1] 1: largest first, each to the least loaded rank.
   std::vector<size_t> order(params_.size());
   std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return params_[a].numel() > params_[b].numel();
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return params_[a].numel() > params_[b].numel(); });
   owner_.assign(params_.size(), 0);
   partition_numel_.assign(static_cast<size_t>(world), 0);
   for (size_t i : order) {
@@ -164,8 +184,7 @@ void ZeroRedundancyOptimizer::step() {
       if (!w) continue;
       try {
         w->wait();
-      } catch (...) {
-      }
+      } catch (...) {}
     }
   };
   try {
@@ -201,6 +220,94 @@ void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
       p.mutable_grad().detach_();
       p.mutable_grad().zero_();
     }
+  }
+}
+
+void ZeroRedundancyOptimizer::consolidate_state_dict(torch::optim::Optimizer* full, int to) {
+  const int world = pg_->size();
+  const int rank = pg_->rank();
+  TDIST_CHECK_ARG(to >= 0 && to < world, "ZeroRedundancyOptimizer::consolidate_state_dict: rank ",
+                  to, " is not in [0, ", world, ")");
+  // Note [ZeRO-1] 5: libtorch's own serialization of the local optimizer, as bytes.
+  std::string mine;
+  if (local_) {
+    std::ostringstream os;
+    torch::save(*local_, os);
+    mine = os.str();
+  }
+  at::Tensor size = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
+  std::vector<at::Tensor> sizes;
+  for (int r = 0; r < world; ++r) sizes.push_back(at::empty({1}, at::kLong));
+  comm::AllgatherOptions ao;
+  ao.timeout = opts_.timeout;
+  pg_->allgather(sizes, size, ao)->wait();
+  int64_t longest = 1;
+  for (const auto& s : sizes) longest = std::max(longest, s.item<int64_t>());
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  if (!mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  std::vector<at::Tensor> received;
+  if (rank == to) {
+    for (int r = 0; r < world; ++r) received.push_back(at::empty({longest}, at::kByte));
+  }
+  comm::GatherOptions go;
+  go.root = to;
+  go.timeout = opts_.timeout;
+  pg_->gather(received, bytes, go)->wait();
+  if (rank != to) return;
+  // Checked after the collectives, so that the other ranks are not left waiting in them.
+  TDIST_CHECK_ARG(full != nullptr, "ZeroRedundancyOptimizer::consolidate_state_dict: rank ", to,
+                  " receives the state and needs an optimizer over parameters() to put it in");
+  check_full_optimizer(*full, params_, "consolidate_state_dict");
+
+  for (int r = 0; r < world; ++r) {
+    const auto& owned = owned_[static_cast<size_t>(r)];
+    const int64_t n = sizes[static_cast<size_t>(r)].item<int64_t>();
+    if (owned.empty() || n == 0) continue;
+    std::vector<at::Tensor> theirs;
+    for (size_t i : owned) theirs.push_back(params_[i]);
+    std::unique_ptr<torch::optim::Optimizer> local = factory_(std::move(theirs));
+    TDIST_CHECK_ARG(typeid(*full) == typeid(*local),
+                    "ZeroRedundancyOptimizer::consolidate_state_dict: the optimizer given is a ",
+                    typeid(*full).name(), ", the factory makes a ", typeid(*local).name());
+    std::istringstream is(
+        std::string(static_cast<const char*>(received[static_cast<size_t>(r)].data_ptr()),
+                    static_cast<size_t>(n)));
+    try {
+      torch::load(*local, is);
+    } catch (const std::exception& e) {
+      TDIST_THROW(Error, "ZeroRedundancyOptimizer::consolidate_state_dict: rank ", r,
+                  "'s optimizer state (", n,
+                  " bytes) does not load into an optimizer the "
+                  "factory makes over its ",
+                  owned.size(), " parameters: ", e.what());
+    }
+    for (size_t i : owned) {
+      void* key = params_[i].unsafeGetTensorImpl();
+      auto it = local->state().find(key);
+      if (it == local->state().end()) {
+        full->state().erase(key);
+      } else {
+        full->state()[key] = std::move(it->second);
+      }
+    }
+  }
+}
+
+void ZeroRedundancyOptimizer::load_state_dict(const torch::optim::Optimizer& full) {
+  check_full_optimizer(full, params_, "load_state_dict");
+  if (!local_) return;
+  TDIST_CHECK_ARG(typeid(full) == typeid(*local_),
+                  "ZeroRedundancyOptimizer::load_state_dict: the optimizer given is a ",
+                  typeid(full).name(), ", the local optimizer a ", typeid(*local_).name(),
+                  " (the factory's kind)");
+  for (size_t i : owned_[static_cast<size_t>(pg_->rank())]) {
+    void* key = params_[i].unsafeGetTensorImpl();
+    auto it = full.state().find(key);
+    if (it == full.state().end()) {
+      local_->state().erase(key);
+      continue;
+    }
+    local_->state()[key] = it->second->clone();
   }
 }
 

@@ -39,8 +39,17 @@
 //     would have computed on every rank (the update is elementwise per parameter).
 //  4. Every rank calls step() and zero_grad() alike (step() is a collective). A rank that owns
 //     no parameter (more ranks than parameters) still takes part in every broadcast.
+//  5. Checkpoints (PyTorch's consolidate_state_dict and load_state_dict): a checkpoint holds
+//     the whole optimizer, as DDP's does, so it loads at any world size. consolidate_state_dict
+//     serializes each rank's local optimizer (libtorch's own format), gathers the bytes to one
+//     rank, which rebuilds each rank's local optimizer with the factory over that rank's
+//     partition, loads the bytes into it and moves its per-parameter state into `full`, an
+//     optimizer of the same kind over parameters() that the caller then saves. load_state_dict
+//     takes from such a `full` optimizer (loaded from the checkpoint, at any world size) the
+//     state of the parameters this rank owns now, and nothing else.
 // Memory per rank for Ψ parameter elements, fp32 Adam: 4Ψ parameters + 4Ψ gradients + 8Ψ/N
-// state, plus at most two partitions' flat copies during step().
+// state, plus at most two partitions' flat copies during step(); consolidate_state_dict holds
+// the whole state (8Ψ) on the receiving rank, plus every rank's serialized state.
 //
 // Thread safety: none (one thread drives it, as with a libtorch optimizer). Blocking:
 // construction (one small allreduce pair) and step() wait for every rank, each collective
@@ -104,14 +113,28 @@ class ZeroRedundancyOptimizer {
   // Bytes of optimizer state this rank holds, measured from the state's tensors.
   size_t local_state_bytes() const;
 
+  // A collective (Note [ZeRO-1] 5): every rank's optimizer state goes to rank `to`, where it is
+  // written into `full`: an optimizer made by the same factory over parameters() (all of them,
+  // in order); `full` is ignored (may be null) on the other ranks. Its state for every
+  // parameter that has one is replaced. InvalidArgument for `to` outside the group, or on rank
+  // `to` for a null `full` or one over other parameters; Error when a rank's state does not
+  // load into an optimizer the factory makes.
+  void consolidate_state_dict(torch::optim::Optimizer* full, int to = 0);
+  // Local (Note [ZeRO-1] 5): the state of the parameters this rank owns, from `full`, an
+  // optimizer over parameters() (e.g. one consolidate_state_dict filled, saved and loaded at
+  // any world size). Parameters without state in `full` get none. InvalidArgument when `full`
+  // is over other parameters or holds another kind of state than the local optimizer's.
+  void load_state_dict(const torch::optim::Optimizer& full);
+
  private:
   // Constant after construction:
   std::vector<at::Tensor> params_;
   std::shared_ptr<comm::ProcessGroup> pg_;
   ZeroRedundancyOptimizerOptions opts_;
-  std::vector<int> owner_;                         // per parameter
-  std::vector<std::vector<size_t>> owned_;         // per rank: indices into params_, in order
-  std::vector<int64_t> partition_numel_;           // per rank
+  std::vector<int> owner_;                  // per parameter
+  std::vector<std::vector<size_t>> owned_;  // per rank: indices into params_, in order
+  std::vector<int64_t> partition_numel_;    // per rank
+  OptimizerFactory factory_;
   std::unique_ptr<torch::optim::Optimizer> local_;
 };
 

@@ -2,7 +2,7 @@
 
 #include <torch/nn/module.h>
 
-#include "tdist/autograd/detail/container.h"
+#include "tdist/autograd/context.h"
 #include "tdist/rpc/api.h"
 
 #include <type_traits>
@@ -49,7 +49,7 @@ DistributedOptimizer::DistributedOptimizer(OptimizerSpec spec,
     it->second.push_back(std::move(p));
   }
   // Created outside any autograd context: the optimizer's calls are not part of a graph.
-  autograd::detail::ThreadContextScope none(0);
+  autograd::NoContextScope none;
   std::vector<std::pair<std::string, rpc::Future<int64_t>>> created;
   for (int owner : order) {
     auto name = rpc::get_worker_info(owner).name;
@@ -62,7 +62,7 @@ DistributedOptimizer::DistributedOptimizer(OptimizerSpec spec,
 }
 
 void DistributedOptimizer::step(int64_t context_id) {
-  autograd::detail::ThreadContextScope none(0);
+  autograd::NoContextScope none;
   std::vector<std::pair<std::string, rpc::Future<void>>> futures;
   for (auto& [owner, rref] : remotes_) {
     futures.emplace_back(owner, rref.rpc_async<void>("step", context_id));
@@ -71,7 +71,7 @@ void DistributedOptimizer::step(int64_t context_id) {
 }
 
 std::map<std::string, std::string> DistributedOptimizer::state_dict() {
-  autograd::detail::ThreadContextScope none(0);
+  autograd::NoContextScope none;
   std::vector<std::pair<std::string, rpc::Future<std::string>>> futures;
   for (auto& [owner, rref] : remotes_) {
     futures.emplace_back(owner, rref.rpc_async<std::string>("state"));
@@ -86,10 +86,9 @@ void DistributedOptimizer::load_state_dict(const std::map<std::string, std::stri
   for (const auto& [owner, bytes] : state) {
     bool found = false;
     for (const auto& r : remotes_) found = found || r.first == owner;
-    TDIST_CHECK_ARG(found, "load_state_dict: this DistributedOptimizer has no owner '", owner,
-                    "'");
+    TDIST_CHECK_ARG(found, "load_state_dict: this DistributedOptimizer has no owner '", owner, "'");
   }
-  autograd::detail::ThreadContextScope none(0);
+  autograd::NoContextScope none;
   std::vector<std::pair<std::string, rpc::Future<void>>> futures;
   for (auto& [owner, rref] : remotes_) {
     auto it = state.find(owner);

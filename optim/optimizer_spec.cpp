@@ -68,11 +68,16 @@ OptimizerSpec OptimizerSpec::adagrad(const torch::optim::AdagradOptions& o) {
 
 std::string OptimizerSpec::name() const {
   switch (kind) {
-    case kSGD: return "SGD";
-    case kAdam: return "Adam";
-    case kAdamW: return "AdamW";
-    case kRMSprop: return "RMSprop";
-    case kAdagrad: return "Adagrad";
+    case kSGD:
+      return "SGD";
+    case kAdam:
+      return "Adam";
+    case kAdamW:
+      return "AdamW";
+    case kRMSprop:
+      return "RMSprop";
+    case kAdagrad:
+      return "Adagrad";
   }
   return "unknown optimizer " + std::to_string(kind);
 }
@@ -107,12 +112,12 @@ std::unique_ptr<torch::optim::Optimizer> OptimizerSpec::build(
                                                       .momentum(momentum)
                                                       .centered(centered));
     case kAdagrad:
-      return std::make_unique<o::Adagrad>(
-          params, o::AdagradOptions(lr)
-                      .lr_decay(lr_decay)
-                      .weight_decay(weight_decay)
-                      .initial_accumulator_value(initial_accumulator_value)
-                      .eps(eps));
+      return std::make_unique<o::Adagrad>(params,
+                                          o::AdagradOptions(lr)
+                                              .lr_decay(lr_decay)
+                                              .weight_decay(weight_decay)
+                                              .initial_accumulator_value(initial_accumulator_value)
+                                              .eps(eps));
   }
   throw InvalidArgument(str("unknown optimizer kind ", kind));
 }

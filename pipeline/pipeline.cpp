@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <cstring>
 #include <mutex>
 
@@ -188,8 +189,7 @@ struct Pipeline::Impl {
       if (r == pg->rank()) continue;
       try {
         works.push_back(pg->send(msg, r, kNoticeTag));
-      } catch (const std::exception&) {
-      }
+      } catch (const std::exception&) {}
     }
     const auto deadline = Clock::now() + std::min(timeout, Millis(5000));
     for (auto& w : works) {
@@ -209,7 +209,8 @@ struct Pipeline::Impl {
     const Slot& slot = slots[a.chunk][a.microbatch];
     std::shared_ptr<comm::Work> w;
     if (a.type == Action::Type::kForward && s > 0) w = slot.act_recv;
-    if ((a.type == Action::Type::kBackward || a.type == Action::Type::kBackwardInput) && s + 1 < S) {
+    if ((a.type == Action::Type::kBackward || a.type == Action::Type::kBackwardInput) &&
+        s + 1 < S) {
       w = slot.grad_recv;
     }
     return !w || w->is_completed();
@@ -317,8 +318,8 @@ void Pipeline::Impl::setup(const at::Tensor& sample) {
       TDIST_THROW(InvalidArgument, "pipeline set-up: ", local_error);
     }
     TDIST_THROW(InvalidArgument, "pipeline set-up: ", describe(worst),
-                worst == 0 ? " cannot take the sample" : str(" cannot take the output of ",
-                                                             describe(worst - 1)),
+                worst == 0 ? " cannot take the sample"
+                           : str(" cannot take the output of ", describe(worst - 1)),
                 " (the error is on rank ", rank_of(worst), ")");
   }
   ready = true;
@@ -452,8 +453,7 @@ void Pipeline::Impl::backward_weight(const Action& a) {
   }
   w_done[a.chunk][a.microbatch] = true;
   if (!roots.empty()) {
-    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false,
-                              params);
+    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false, params);
   }
   slot = Slot{};
 }
@@ -474,10 +474,18 @@ void Pipeline::Impl::run(size_t index, const Action& a, StepTimeline& tl) {
   const int64_t t1 = now_us();
   if (t1 > t0) tl.events.push_back({"wait " + name, t0, t1, false});
   switch (a.type) {
-    case Action::Type::kForward: forward(a); break;
-    case Action::Type::kBackward: backward(index, a); break;
-    case Action::Type::kBackwardInput: backward_input(a); break;
-    case Action::Type::kBackwardWeight: backward_weight(a); break;
+    case Action::Type::kForward:
+      forward(a);
+      break;
+    case Action::Type::kBackward:
+      backward(index, a);
+      break;
+    case Action::Type::kBackwardInput:
+      backward_input(a);
+      break;
+    case Action::Type::kBackwardWeight:
+      backward_weight(a);
+      break;
   }
   tl.events.push_back({name, t1, now_us(), true});
 }
@@ -496,7 +504,8 @@ at::Tensor Pipeline::Impl::step(const at::Tensor& inputs, const at::Tensor& targ
     if (stage.stage_index(0) == 0) {
       TDIST_CHECK_ARG(inputs.defined() && inputs.sizes().vec() == sample_shape,
                       "pipeline step: the first stage's inputs must be shaped like the set-up "
-                      "sample ", shape_str(sample_shape), " (got ",
+                      "sample ",
+                      shape_str(sample_shape), " (got ",
                       inputs.defined() ? shape_str(inputs.sizes()) : std::string("none"), ")");
       in_mb = inputs.split(micro, 0);
     }
@@ -584,7 +593,13 @@ Pipeline::Pipeline(PipelineStage stage, std::shared_ptr<comm::ProcessGroup> pg,
 Pipeline::~Pipeline() {
   // A send completes once its bytes are written (a small one before the receiver read them),
   // so a rank done with its last step may still owe a peer a message that peer has not read:
-  // closing the subgroup now could fail the peer's receive. Every rank leaves together.
+  // closing the subgroup now could fail the peer's receive. Every rank leaves together, unless
+  // an exception unwinds the caller (say, its stage's reduce-scatter lost a replica): then the
+  // others would wait for this rank's messages until their timeout, so they are told at once.
+  if (!impl_->broken && std::uncaught_exceptions() > 0) {
+    impl_->fail(str(impl_->describe_rank(impl_->pg->rank()),
+                    " left the pipeline: an error outside the pipeline stopped its caller"));
+  }
   if (!impl_->broken) {
     try {
       comm::BarrierOptions o;
@@ -611,8 +626,8 @@ void Pipeline::setup(const at::Tensor& sample) {
   } catch (const PeerFailure&) {
     throw;
   } catch (const std::exception& e) {
-    const std::string why = str(impl_->describe_rank(impl_->pg->rank()), " failed at set-up: ",
-                                e.what());
+    const std::string why =
+        str(impl_->describe_rank(impl_->pg->rank()), " failed at set-up: ", e.what());
     impl_->fail(why);
     TDIST_THROW(Error, "pipeline: ", why);
   }
@@ -632,8 +647,9 @@ const StepTimeline& Pipeline::last_timeline() const {
 
 void Pipeline::write_trace(const std::string& path) const {
   const std::string pattern = path.empty() ? impl_->opts.trace_path : path;
-  TDIST_CHECK_ARG(!pattern.empty(), "pipeline: no trace path (options.trace_path, "
-                                    "TDIST_PIPELINE_TRACE or the argument)");
+  TDIST_CHECK_ARG(!pattern.empty(),
+                  "pipeline: no trace path (options.trace_path, "
+                  "TDIST_PIPELINE_TRACE or the argument)");
   pipeline::write_trace(trace_path_for_rank(pattern, impl_->pg->rank()), impl_->pg->rank(),
                         impl_->timelines);
 }

@@ -32,7 +32,9 @@
 // (new_group), where it keeps a receive for failure notices posted; the caller's messages on
 // the group never meet the pipeline's. Destruction is collective as well unless the pipeline is
 // broken: every rank waits (bounded by the timeout) until all are done with the subgroup, since
-// a small send completes before its receiver read it. Not thread safe: one thread drives a
+// a small send completes before its receiver read it. A Pipeline destroyed while an exception
+// unwinds its caller (an error outside step(), e.g. in the stage's data-parallel reduction)
+// tells every other rank, as a failed step does, and does not wait. Not thread safe: one thread drives a
 // Pipeline.
 //
 // Note [Pipeline schedules]

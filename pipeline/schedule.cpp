@@ -20,10 +20,14 @@ ScheduleKind parse_schedule(const std::string& name) {
 
 std::string to_string(ScheduleKind kind) {
   switch (kind) {
-    case ScheduleKind::kGPipe: return "gpipe";
-    case ScheduleKind::k1F1B: return "1f1b";
-    case ScheduleKind::kInterleaved1F1B: return "interleaved";
-    case ScheduleKind::kZeroBubbleH1: return "zb";
+    case ScheduleKind::kGPipe:
+      return "gpipe";
+    case ScheduleKind::k1F1B:
+      return "1f1b";
+    case ScheduleKind::kInterleaved1F1B:
+      return "interleaved";
+    case ScheduleKind::kZeroBubbleH1:
+      return "zb";
   }
   return "?";
 }
@@ -50,7 +54,12 @@ int cost(Action::Type t) { return t == Action::Type::kBackward ? 2 : 1; }
 class Simulation {
  public:
   Simulation(ScheduleKind kind, int p, int m, int v, int extra_warmup)
-      : kind_(kind), p_(p), m_(m), v_(v), S_(p * v), extra_warmup_(extra_warmup),
+      : kind_(kind),
+        p_(p),
+        m_(m),
+        v_(v),
+        S_(p * v),
+        extra_warmup_(extra_warmup),
         fwd_(S_, std::vector<int64_t>(m, kNotDone)),
         bwd_(S_, std::vector<int64_t>(m, kNotDone)),
         wgt_(S_, std::vector<int64_t>(m, kNotDone)) {
@@ -61,8 +70,8 @@ class Simulation {
   }
 
   std::optional<Schedule> run() {
-    Schedule out{kind_, p_, m_, v_, std::vector<std::vector<Action>>(p_),
-                 std::vector<std::vector<int>>(p_)};
+    Schedule out{
+        kind_, p_, m_, v_, std::vector<std::vector<Action>>(p_), std::vector<std::vector<int>>(p_)};
     const bool split = kind_ == ScheduleKind::kZeroBubbleH1;
     const int64_t total = static_cast<int64_t>(S_) * m_ * (split ? 3 : 2);
     int64_t done = 0;
@@ -114,10 +123,13 @@ class Simulation {
 
   int cap(int r) const {
     switch (kind_) {
-      case ScheduleKind::kGPipe: return std::numeric_limits<int>::max();
+      case ScheduleKind::kGPipe:
+        return std::numeric_limits<int>::max();
       case ScheduleKind::k1F1B:
-      case ScheduleKind::kZeroBubbleH1: return p_ - r;
-      case ScheduleKind::kInterleaved1F1B: return (v_ - 1) * p_ + 2 * (p_ - 1 - r) + 1;
+      case ScheduleKind::kZeroBubbleH1:
+        return p_ - r;
+      case ScheduleKind::kInterleaved1F1B:
+        return (v_ - 1) * p_ + 2 * (p_ - 1 - r) + 1;
     }
     return 1;
   }
@@ -225,7 +237,9 @@ class Simulation {
         bwd_[s][a.microbatch] = end;
         --in_flight[r];
         break;
-      case Action::Type::kBackwardInput: bwd_[s][a.microbatch] = end; break;
+      case Action::Type::kBackwardInput:
+        bwd_[s][a.microbatch] = end;
+        break;
       case Action::Type::kBackwardWeight:
         wgt_[s][a.microbatch] = end;
         --in_flight[r];
@@ -261,8 +275,8 @@ Schedule make_schedule(ScheduleKind kind, int num_ranks, int num_microbatches, i
                     "the interleaved schedule needs at least 2 chunks per rank (got ", num_chunks,
                     ")");
   } else {
-    TDIST_CHECK_ARG(num_chunks == 1, "schedule ", to_string(kind),
-                    " runs one chunk per rank (got ", num_chunks, "); use interleaved");
+    TDIST_CHECK_ARG(num_chunks == 1, "schedule ", to_string(kind), " runs one chunk per rank (got ",
+                    num_chunks, "); use interleaved");
   }
   // Megatron's interleaved order assumes m % p == 0; for other m its warm-up can be too short
   // to reach the first backward. Every rank computes the same lists, so each retries alike.

@@ -14,10 +14,10 @@
 namespace tdist::pipeline {
 
 enum class ScheduleKind {
-  kGPipe,              // all forwards, then all backwards
-  k1F1B,               // one forward, one backward; at most p - rank microbatches in flight
-  kInterleaved1F1B,    // 1F1B over v chunks per rank (virtual stages), Megatron's order
-  kZeroBubbleH1,       // 1F1B with backward split into input-gradient (I) and weight (W) passes
+  kGPipe,            // all forwards, then all backwards
+  k1F1B,             // one forward, one backward; at most p - rank microbatches in flight
+  kInterleaved1F1B,  // 1F1B over v chunks per rank (virtual stages), Megatron's order
+  kZeroBubbleH1,     // 1F1B with backward split into input-gradient (I) and weight (W) passes
 };
 
 // "gpipe", "1f1b", "interleaved", "zb" (also "zbh1"); throws InvalidArgument listing them.
@@ -44,9 +44,9 @@ std::string to_string(const Action& a, bool with_chunk = false);
 
 struct Schedule {
   ScheduleKind kind;
-  int num_ranks;       // p
-  int num_microbatches;  // m
-  int num_chunks;      // v (1 unless interleaved)
+  int num_ranks;                             // p
+  int num_microbatches;                      // m
+  int num_chunks;                            // v (1 unless interleaved)
   std::vector<std::vector<Action>> actions;  // per rank, in execution order
   // The simulation's timetable with unit costs (F = 1, B = 2, I = W = 1): per rank, one entry per
   // time unit: the action's index in actions[rank], or -1 when idle.

@@ -54,8 +54,7 @@ std::vector<int64_t> PipelineStage::bounds_from_split_points(
   return b;
 }
 
-std::vector<int64_t> PipelineStage::balanced_bounds(torch::nn::Sequential model,
-                                                    int num_stages) {
+std::vector<int64_t> PipelineStage::balanced_bounds(torch::nn::Sequential model, int num_stages) {
   const auto n = static_cast<int64_t>(model->size());
   TDIST_CHECK_ARG(num_stages >= 1 && num_stages <= n, "cannot cut a model of ", n, " layers into ",
                   num_stages, " stages");

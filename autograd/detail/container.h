@@ -76,7 +76,7 @@ class Container {
   std::atomic<int64_t> next_message_{1};
   std::mutex mu_;
   std::unordered_map<int64_t, std::shared_ptr<ContextState>> contexts_;  // guarded by mu_
-  std::map<std::pair<int, uint64_t>, int64_t> replies_;                 // guarded by mu_
+  std::map<std::pair<int, uint64_t>, int64_t> replies_;                  // guarded by mu_
   std::unordered_map<int, size_t> opened_;  // contexts opened by each peer; guarded by mu_
 };
 

@@ -6,7 +6,7 @@
 
 namespace tdist::autograd::detail {
 
-void prepend_header(rpc::detail::OutMessage& m, const Header& h) {
+void prepend_header(rpc::OutMessage& m, const Header& h) {
   Bytes head(kFixedHeaderSize + 4 * h.indices.size());
   uint8_t* p = head.data();
   const uint32_t count = static_cast<uint32_t>(h.indices.size());
@@ -15,10 +15,10 @@ void prepend_header(rpc::detail::OutMessage& m, const Header& h) {
   std::memcpy(p + 16, &count, 4);
   if (count) std::memcpy(p + kFixedHeaderSize, h.indices.data(), 4 * count);
   m.body.insert(m.body.begin(), head.begin(), head.end());
-  m.flags |= rpc::detail::kFlagAutograd;
+  m.flags |= rpc::kFlagAutograd;
 }
 
-Header take_header(rpc::detail::Message& m, int world_size) {
+Header take_header(rpc::Message& m, int world_size) {
   if (m.body.size() < kFixedHeaderSize) {
     throw ProtocolError(str("autograd header truncated: ", m.body.size(), " bytes"));
   }
@@ -31,8 +31,8 @@ Header take_header(rpc::detail::Message& m, int world_size) {
     throw ProtocolError(str("bad distributed autograd context id ", h.context_id));
   }
   if (count > m.tensors.size() || m.body.size() - kFixedHeaderSize < 4 * size_t{count}) {
-    throw ProtocolError(str("autograd header names ", count, " tensors; the message carries ",
-                            m.tensors.size()));
+    throw ProtocolError(
+        str("autograd header names ", count, " tensors; the message carries ", m.tensors.size()));
   }
   if ((count > 0) != (h.message_id >= 0)) {
     throw ProtocolError(str("autograd header: message id ", h.message_id, " with ", count,

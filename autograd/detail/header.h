@@ -46,10 +46,10 @@ struct Header {
 };
 
 // Writes h in front of m's payload and sets kFlagAutograd.
-void prepend_header(rpc::detail::OutMessage& m, const Header& h);
+void prepend_header(rpc::OutMessage& m, const Header& h);
 
 // Reads the header at the front of m's payload, checks it against the world size and m's
 // tensors, and strips it. ProtocolError for anything inconsistent.
-Header take_header(rpc::detail::Message& m, int world_size);
+Header take_header(rpc::Message& m, int world_size);
 
 }  // namespace tdist::autograd::detail

@@ -89,7 +89,8 @@ std::shared_ptr<FSDPState> FSDPState::create(std::shared_ptr<Module> root,
                                              std::vector<std::shared_ptr<Module>> units,
                                              const comm::DeviceMesh& mesh, FSDPOptions opts) {
   TDIST_CHECK_ARG(root != nullptr, "fully_shard: the root module is null");
-  TDIST_CHECK_ARG(mesh.has_dim("shard"), "fully_shard: the mesh has no \"shard\" dimension to "
+  TDIST_CHECK_ARG(mesh.has_dim("shard"),
+                  "fully_shard: the mesh has no \"shard\" dimension to "
                   "shard across (and optionally a \"replicate\" one to replicate across)");
   const int shard = mesh.size("shard");
   TDIST_CHECK_ARG(opts.shard_size == 0 || opts.shard_size == shard, "fully_shard: shard_size ",
@@ -118,8 +119,8 @@ std::shared_ptr<FSDPState> FSDPState::create_sharded(
   for (size_t g = 0; g < st->groups_.size(); ++g) {
     const auto& accumulators = st->groups_[g]->accumulators();
     for (size_t i = 0; i < accumulators.size(); ++i) {
-      uintptr_t key = accumulators[i]->add_post_hook(
-          std::make_unique<GradHook>(st, static_cast<int>(g)));
+      uintptr_t key =
+          accumulators[i]->add_post_hook(std::make_unique<GradHook>(st, static_cast<int>(g)));
       st->hook_keys_.push_back({g, i, key});
     }
   }
@@ -222,8 +223,8 @@ void FSDPState::build(const std::vector<std::shared_ptr<Module>>& units) {
     int g = -1;
     if (!c.params.empty()) {
       g = static_cast<int>(groups_.size());
-      groups_.push_back(std::make_unique<ParamGroup>(c.name, std::move(c.params),
-                                                     std::move(c.names), config));
+      groups_.push_back(
+          std::make_unique<ParamGroup>(c.name, std::move(c.params), std::move(c.names), config));
     }
     if (is_root) {
       root_group_ = g;

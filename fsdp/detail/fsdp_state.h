@@ -25,7 +25,7 @@ class Module;
 namespace tdist::comm {
 class DeviceMesh;
 class ProcessGroup;
-}
+}  // namespace tdist::comm
 
 namespace tdist::fsdp::detail {
 
@@ -72,8 +72,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   // Collectives issued so far by this rank (tests, logging).
   struct Counters {
-    size_t allgathers = 0;       // of unit parameters, forward and backward
-    size_t prefetched = 0;       // of those, issued ahead of the unit's use
+    size_t allgathers = 0;  // of unit parameters, forward and backward
+    size_t prefetched = 0;  // of those, issued ahead of the unit's use
     size_t reduce_scatters = 0;
     size_t replica_allreduces = 0;  // HSDP: of reduce-scatter results, across the replicas
   };
@@ -93,11 +93,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   struct GradHook;
-  struct Step {  // one group's progress through the current iteration
-    bool forwarded = false;       // ran forward with autograd recording
-    bool pre_backward = false;    // its pre-backward step ran
-    bool post_backward = false;   // its gradients were sent to the reduce-scatter
-    size_t grads_ready = 0;       // parameters whose gradient the engine accumulated
+  struct Step {                  // one group's progress through the current iteration
+    bool forwarded = false;      // ran forward with autograd recording
+    bool pre_backward = false;   // its pre-backward step ran
+    bool post_backward = false;  // its gradients were sent to the reduce-scatter
+    size_t grads_ready = 0;      // parameters whose gradient the engine accumulated
   };
 
   FSDPState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<comm::ProcessGroup> pg,

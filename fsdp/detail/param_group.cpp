@@ -11,9 +11,7 @@
 namespace tdist::fsdp::detail {
 namespace {
 
-c10::StorageImpl& storage_of(const at::Tensor& t) {
-  return *t.storage().unsafeGetStorageImpl();
-}
+c10::StorageImpl& storage_of(const at::Tensor& t) { return *t.storage().unsafeGetStorageImpl(); }
 
 // Frees the bytes of t's storage; the storage object (and every view of it) stays.
 void free_storage(const at::Tensor& t) {
@@ -41,17 +39,17 @@ ParamGroup::ParamGroup(std::string name, std::vector<at::Tensor> params,
       names_(std::move(names)),
       pg_(config.shard_pg),
       replicate_pg_(config.replicate_pg && config.replicate_pg->size() > 1 ? config.replicate_pg
-                                                                            : nullptr),
+                                                                           : nullptr),
       timeout_(config.timeout),
-      param_dtype_(config.param_dtype.value_or(
-          params_.empty() ? at::kFloat : params_.front().scalar_type())),
-      reduce_dtype_(config.reduce_dtype.value_or(
-          params_.empty() ? at::kFloat : params_.front().scalar_type())) {
+      param_dtype_(config.param_dtype.value_or(params_.empty() ? at::kFloat
+                                                               : params_.front().scalar_type())),
+      reduce_dtype_(config.reduce_dtype.value_or(params_.empty() ? at::kFloat
+                                                                 : params_.front().scalar_type())) {
   TDIST_CHECK_ARG(!params_.empty(), "fully_shard: unit ", name_, " has no parameters");
   TDIST_CHECK_ARG(pg_ != nullptr, "fully_shard: the shard group is null");
   TDIST_CHECK_ARG(at::isFloatingType(param_dtype_) && at::isFloatingType(reduce_dtype_),
-                  "fully_shard: param_dtype (", param_dtype_, ") and reduce_dtype (",
-                  reduce_dtype_, ") must be floating point");
+                  "fully_shard: param_dtype (", param_dtype_, ") and reduce_dtype (", reduce_dtype_,
+                  ") must be floating point");
   TDIST_CHECK_EQ(params_.size(), names_.size());
   const at::Tensor& first = params_.front();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -62,8 +60,7 @@ ParamGroup::ParamGroup(std::string name, std::vector<at::Tensor> params,
     TDIST_CHECK_ARG(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
                     "fully_shard: unit ", name_, " mixes dtypes or devices (", names_[i], " is ",
                     p.scalar_type(), " on ", p.device(), ", ", names_[0], " is ",
-                    first.scalar_type(), " on ", first.device(),
-                    "); make each kind its own unit");
+                    first.scalar_type(), " on ", first.device(), "); make each kind its own unit");
     TDIST_CHECK_ARG(at::isFloatingType(p.scalar_type()), "fully_shard: parameter ", names_[i],
                     " is not floating point (", p.scalar_type(), ")");
     shapes_.push_back(p.sizes().vec());

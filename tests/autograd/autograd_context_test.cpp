@@ -66,8 +66,8 @@ TEST_F(AutogradContext, ReleasedOnEveryWorkerAfterSuccess) {
   {
     Context ctx;
     using Chain = std::vector<std::pair<std::string, std::string>>;
-    at::Tensor z = rpc::rpc_sync<at::Tensor>("w1", "ag.chain", Chain{{"w2", "c"}},
-                                             std::string("b"), x);
+    at::Tensor z =
+        rpc::rpc_sync<at::Tensor>("w1", "ag.chain", Chain{{"w2", "c"}}, std::string("b"), x);
     backward(ctx.id(), {z.sum()});
     for (auto& a : agents_.agents) EXPECT_EQ(contexts_on(a).size(), 1u) << a->info().name;
   }
@@ -161,8 +161,9 @@ TEST_F(AutogradContext, BadInputGetsClearErrorsAndChangesNothing) {
                       [&] { as_worker(agents_[1], [&] { backward(ctx.id(), {loss}); }); }),
                   "created by worker rank 0");
   // Roots that do not require grad, or are not scalars.
-  expect_contains(expect_throw<InvalidArgument>(
-                      [&] { backward(ctx.id(), {loss, torch::ones({1})}); }),
+  expect_contains(expect_throw<InvalidArgument>([&] {
+                    backward(ctx.id(), {loss, torch::ones({1})});
+                  }),
                   "root 1 does not require grad");
   expect_contains(expect_throw<InvalidArgument>([&] { backward(ctx.id(), {x * 2}); }),
                   "must be scalars");
@@ -180,8 +181,8 @@ TEST_F(AutogradContext, AWorkerThatDiedFailsBackwardNamingIt) {
   {
     Context ctx;
     using Chain = std::vector<std::pair<std::string, std::string>>;
-    at::Tensor z = rpc::rpc_sync<at::Tensor>("w1", "ag.chain", Chain{{"w2", "c"}},
-                                             std::string("b"), x);
+    at::Tensor z =
+        rpc::rpc_sync<at::Tensor>("w1", "ag.chain", Chain{{"w2", "c"}}, std::string("b"), x);
     agents_[2]->shutdown(false);  // w2 dies between forward and backward: its connections close
     killed_ = true;
     auto what = expect_throw<Error>([&] { backward(ctx.id(), {z.sum()}); });
@@ -191,7 +192,6 @@ TEST_F(AutogradContext, AWorkerThatDiedFailsBackwardNamingIt) {
   EXPECT_TRUE(contexts_on(agents_[0]).empty());
   EXPECT_TRUE(rpc::test::eventually([&] { return contexts_on(agents_[1]).empty(); }));
 }
-
 
 // Issue 41 item 8: a peer cannot fill a worker with contexts, nor release a context it had no
 // part in. Before, every context id a peer named was created, and RELEASE believed the rank its
@@ -203,18 +203,17 @@ TEST_F(AutogradContext, APeerCreatesBoundedContextsAndReleasesOnlyItsOwn) {
   std::atomic<size_t> refused{0};
   const size_t limit = detail::Container::kMaxContextsPerPeer;
   for (size_t i = 0; i < limit + 20; ++i) {
-    auto m = rpc::detail::encode_message(
-        rpc::detail::MessageType::kCall, &w2->rref_context(), 1,
-        std::make_tuple(rpc::detail::CallHeader{"ag.context_here",
-                                                rpc::signature_of<int64_t>().hash}));
+    auto m =
+        rpc::detail::encode_message(rpc::detail::MessageType::kCall, &w2->rref_context(), 1,
+                                    std::make_tuple(rpc::detail::CallHeader{
+                                        "ag.context_here", rpc::signature_of<int64_t>().hash}));
     detail::Header h;
     h.context_id = (int64_t{2} << detail::kContextRankShift) | static_cast<int64_t>(1000 + i);
     detail::prepend_header(m, h);
-    w2->send_request(1, std::move(m), 10s,
-                     [&](rpc::detail::Message*, std::exception_ptr e) {
-                       ++(e ? refused : answered);
-                     },
-                     "a context per call");
+    w2->send_request(
+        1, std::move(m), 10s,
+        [&](rpc::detail::Message*, std::exception_ptr e) { ++(e ? refused : answered); },
+        "a context per call");
   }
   ASSERT_TRUE(rpc::test::eventually([&] { return answered + refused == limit + 20; }));
   EXPECT_EQ(answered.load(), limit);
@@ -227,9 +226,8 @@ TEST_F(AutogradContext, APeerCreatesBoundedContextsAndReleasesOnlyItsOwn) {
     for (int32_t claimed : {2, 0}) {
       auto what = as_worker(w2, [&] {
         detail::ThreadContextScope outside(0);  // w2 calls outside ctx (it is w0's)
-        return expect_throw<rpc::RemoteError>([&] {
-          rpc::rpc_sync<void>("w1", detail::kReleaseFn, ctx.id(), claimed);
-        });
+        return expect_throw<rpc::RemoteError>(
+            [&] { rpc::rpc_sync<void>("w1", detail::kReleaseFn, ctx.id(), claimed); });
       });
       expect_contains(what, "did not take part");
     }
@@ -241,8 +239,7 @@ TEST_F(AutogradContext, APeerCreatesBoundedContextsAndReleasesOnlyItsOwn) {
   as_worker(w2, [&] {
     detail::ThreadContextScope outside(0);
     rpc::rpc_sync<void>("w1", detail::kReleaseFn,
-                        (int64_t{2} << detail::kContextRankShift) | int64_t{1000},
-                        int32_t{2});
+                        (int64_t{2} << detail::kContextRankShift) | int64_t{1000}, int32_t{2});
     return 0;
   });
   EXPECT_EQ(contexts_on(w1).size(), limit - 1);

@@ -62,8 +62,8 @@ class AutogradDdp : public ::testing::Test {
 TEST_F(AutogradDdp, ContextsHoldTheAveragedGradientsForTwoIterations) {
   std::vector<std::vector<at::Tensor>> want(2);
   // got[rank][iteration] = {weight's gradient, bias's gradient} in that iteration's context.
-  std::vector<std::vector<std::vector<at::Tensor>>> got(
-      kWorld, std::vector<std::vector<at::Tensor>>(2));
+  std::vector<std::vector<std::vector<at::Tensor>>> got(kWorld,
+                                                        std::vector<std::vector<at::Tensor>>(2));
   std::vector<torch::nn::Linear> nets(kWorld, nullptr);
   tdist::test::spawn(kWorld, [&](int rank, std::shared_ptr<Store> store) {
     as_worker(agents_[rank], [&] {

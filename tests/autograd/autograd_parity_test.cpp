@@ -85,8 +85,8 @@ TEST_F(AutogradParity, BranchingGraph) {
   at::Tensor loss = (f1.value() * f2.value()).sum() + stage(x, a).sum();
   backward(ctx.id(), {loss});
   auto xr = copy(x), ar = copy(a), br = copy(b), cr = copy(c);
-  auto ref = torch::autograd::grad(
-      {(stage(xr, br) * stage(xr, cr)).sum() + stage(xr, ar).sum()}, {xr, ar, br, cr});
+  auto ref = torch::autograd::grad({(stage(xr, br) * stage(xr, cr)).sum() + stage(xr, ar).sum()},
+                                   {xr, ar, br, cr});
   expect_close(grad_on(0, ctx.id(), x), ref[0], "x");
   expect_close(grad_on(0, ctx.id(), a), ref[1], "a");
   expect_close(grad_on(1, ctx.id(), b), ref[2], "b");
@@ -121,8 +121,8 @@ TEST_F(AutogradParity, TensorUsedTwice) {
   backward(ctx.id(), {y.sum() + z.sum() + h.sum()});
   auto xr = copy(x), ar = copy(a), br = copy(b);
   auto hr = stage(xr, ar);
-  auto ref = torch::autograd::grad({(hr * hr).sum() + stage(hr, br).sum() + hr.sum()},
-                                   {xr, ar, br});
+  auto ref =
+      torch::autograd::grad({(hr * hr).sum() + stage(hr, br).sum() + hr.sum()}, {xr, ar, br});
   expect_close(grad_on(0, ctx.id(), x), ref[0], "x");
   expect_close(grad_on(0, ctx.id(), a), ref[1], "a");
   expect_close(grad_on(1, ctx.id(), b), ref[2], "b");

@@ -15,9 +15,8 @@ std::string me() { return rpc::current_agent()->info().name; }
 
 void register_once() {
   // stage(x, this worker's parameter `key`)
-  rpc::register_function("ag.stage", [](std::string key, at::Tensor x) {
-    return stage(x, param(me(), key));
-  });
+  rpc::register_function("ag.stage",
+                         [](std::string key, at::Tensor x) { return stage(x, param(me(), key)); });
   rpc::register_function("ag.mul", [](at::Tensor a, at::Tensor b) { return a * b; });
   rpc::register_function("ag.add_scaled", [](at::Tensor a, at::Tensor b) { return a + 2 * b; });
   // remote result used on a third worker: fetches it, then runs its own stage.
@@ -25,15 +24,15 @@ void register_once() {
     return stage(r.to_here(), param(me(), key));
   });
   // Nested: stage here, then call `next` with the rest of the chain: [(worker, key), ...].
-  rpc::register_function(
-      "ag.chain", [](std::vector<std::pair<std::string, std::string>> rest, std::string key,
-                     at::Tensor x) -> at::Tensor {
-        at::Tensor h = stage(x, param(me(), key));
-        if (rest.empty()) return h;
-        auto [next, next_key] = rest.front();
-        rest.erase(rest.begin());
-        return rpc::rpc_sync<at::Tensor>(next, "ag.chain", rest, next_key, h);
-      });
+  rpc::register_function("ag.chain",
+                         [](std::vector<std::pair<std::string, std::string>> rest, std::string key,
+                            at::Tensor x) -> at::Tensor {
+                           at::Tensor h = stage(x, param(me(), key));
+                           if (rest.empty()) return h;
+                           auto [next, next_key] = rest.front();
+                           rest.erase(rest.begin());
+                           return rpc::rpc_sync<at::Tensor>(next, "ag.chain", rest, next_key, h);
+                         });
   rpc::register_function("ag.fail", [](at::Tensor x) -> at::Tensor {
     throw std::runtime_error("forward failed on purpose (" + std::to_string(x.numel()) + ")");
   });

@@ -39,8 +39,7 @@ auto as_worker(const std::shared_ptr<rpc::RpcAgent>& agent, Fn fn) {
   } restore;
   try {
     restore.previous = rpc::current_agent();
-  } catch (const std::exception&) {
-  }
+  } catch (const std::exception&) {}
   rpc::set_current_agent(agent);
   return fn();
 }
@@ -53,6 +52,8 @@ std::vector<int64_t> contexts_on(const std::shared_ptr<rpc::RpcAgent>& agent);
 bool all_released(Agents& a);
 
 // The stage every test model uses: tanh(x @ w).
-inline at::Tensor stage(const at::Tensor& x, const at::Tensor& w) { return torch::tanh(x.matmul(w)); }
+inline at::Tensor stage(const at::Tensor& x, const at::Tensor& w) {
+  return torch::tanh(x.matmul(w));
+}
 
 }  // namespace tdist::autograd::test

@@ -204,12 +204,14 @@ int survivor_phase(rpc::RpcAgent& agent, Store& store, const std::string& phase,
     ok &= fails_naming_the_victim(
         rank, "rpc_sync", t0, [&] { agent.rpc_sync<int64_t>(kVictim, "fm.serve", tag + 1); },
         expect);
-    ok &= fails_naming_the_victim(rank, "rpc_async", t0, [&] { pending.wait(); }, expect);
+    ok &= fails_naming_the_victim(
+        rank, "rpc_async", t0, [&] { pending.wait(); }, expect);
     after_the_error();
   } else if (phase == "remote") {
     RRef<Tracked> r = agent.remote<Tracked>(kVictim, "fm.blocking_tracked", tag);
     go();
-    ok &= fails_naming_the_victim(rank, "to_here", t0, [&] { r.to_here(); }, expect);
+    ok &= fails_naming_the_victim(
+        rank, "to_here", t0, [&] { r.to_here(); }, expect);
     after_the_error();
   } else if (phase == "delete") {
     RRef<Tracked> mine;
@@ -229,7 +231,8 @@ int survivor_phase(rpc::RpcAgent& agent, Store& store, const std::string& phase,
       if (!rpc::test::eventually([&] { return agent.num_pending() == 2; }, 10s)) return 21;
     }
     go();
-    ok &= fails_naming_the_victim(rank, "rpc_async", t0, [&] { pending.wait(); }, expect);
+    ok &= fails_naming_the_victim(
+        rank, "rpc_async", t0, [&] { pending.wait(); }, expect);
     after_the_error();  // a stopped victim is killed in here
     // The deletion pending at the dead owner failed with the connection, not at its timeout (at
     // it, when the owner was stopped).
@@ -398,7 +401,8 @@ TEST_P(RpcFault, SurvivorsGetAnErrorNamingTheDeadWorkerAndGoOn) {
       reported |= line.find("RREF_USER_DELETE") != std::string::npos &&
                   line.find(cause) != std::string::npos;
     }
-    EXPECT_TRUE(reported) << "no RREF_USER_DELETE error with '" << cause << "':\n" << results[2].output;
+    EXPECT_TRUE(reported) << "no RREF_USER_DELETE error with '" << cause << "':\n"
+                          << results[2].output;
     EXPECT_NE(results[0].output.find("leaked at shutdown: owned RRef"), std::string::npos)
         << results[0].output;
   }
@@ -410,16 +414,16 @@ std::vector<Fault> faults() {
     for (int sig : {SIGKILL, SIGTERM, SIGABRT}) out.push_back({phase, sig});
   }
   out.push_back({"call", SIGSTOP, SIGCONT});
-  for (const char* phase : {"remote", "delete", "backward"}) out.push_back({phase, SIGSTOP, SIGKILL});
+  for (const char* phase : {"remote", "delete", "backward"})
+    out.push_back({phase, SIGSTOP, SIGKILL});
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Matrix, RpcFault, ::testing::ValuesIn(faults()),
-                         [](const auto& info) {
-                           std::ostringstream name;
-                           name << info.param;
-                           return name.str();
-                         });
+INSTANTIATE_TEST_SUITE_P(Matrix, RpcFault, ::testing::ValuesIn(faults()), [](const auto& info) {
+  std::ostringstream name;
+  name << info.param;
+  return name.str();
+});
 
 }  // namespace
 }  // namespace tdist::autograd::test

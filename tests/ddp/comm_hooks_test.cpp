@@ -148,8 +148,8 @@ TEST(DDPCommHooks, PowerSGDReachesAllreduceLossOnToyTask) {
   p.matrix_approximation_rank = 2;
   p.start_powerSGD_iter = 10;
   double psgd = train_toy([p] { return ddp::powersgd_hook(p); }, steps);
-  std::cout << "toy task loss: start " << start << ", allreduce " << plain << ", PowerSGD "
-            << psgd << "\n";
+  std::cout << "toy task loss: start " << start << ", allreduce " << plain << ", PowerSGD " << psgd
+            << "\n";
   EXPECT_LT(plain, start * 0.2) << "the toy task did not train";
   EXPECT_LE(psgd, plain * 1.5 + 1e-3) << "plain " << plain << ", PowerSGD " << psgd;
 }
@@ -178,9 +178,8 @@ TEST(DDPCommHooks, HookResultOfWrongSizeIsAnError) {
   run_ranks(1, [&](int, std::shared_ptr<comm::ProcessGroup> pg) {
     MLP net;
     DistributedDataParallel<MLP> model(net, pg);
-    model.register_comm_hook([](ddp::GradBucket&) {
-      return comm::Future::completed({torch::zeros({1})});
-    });
+    model.register_comm_hook(
+        [](ddp::GradBucket&) { return comm::Future::completed({torch::zeros({1})}); });
     EXPECT_THROW(torch::mse_loss(model(torch::randn({2, 6})), torch::zeros({2, 3})).backward(),
                  std::exception);
   });

@@ -74,12 +74,15 @@ std::vector<torch::Tensor> initial_state() {
   return state_of(*net);
 }
 
-std::vector<Batch> batches_of(const CudaCase& c) { return make_batches(kSteps, 4 * c.world, {6}, 3, 4321); }
+std::vector<Batch> batches_of(const CudaCase& c) {
+  return make_batches(kSteps, 4 * c.world, {6}, 3, 4321);
+}
 
 // Rank `rank` of `c` trains an MLP with DDP on `device` for kSteps, rank 0 starting from `init`;
 // returns its final parameters on the host.
 std::vector<torch::Tensor> train_rank(const CudaCase& c, c10::Device device, int rank,
-                                      std::shared_ptr<Store> store, const std::vector<torch::Tensor>& init) {
+                                      std::shared_ptr<Store> store,
+                                      const std::vector<torch::Tensor>& init) {
   c10::OptionalDeviceGuard guard;
   if (!device.is_cpu()) guard.reset_device(device);
   comm::ProcessGroup::Options po;
@@ -116,7 +119,8 @@ TDIST_TEST_CHILD(ddp_cuda_rank_child) {
   const auto init = initial_state();
   auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
   auto state = train_rank(c, gpu_of(rank), rank, rdzv.store, init);
-  torch::save(state, std::string(std::getenv("TDIST_DDP_CUDA_OUT")) + "/rank" + std::to_string(rank) + ".pt");
+  torch::save(state, std::string(std::getenv("TDIST_DDP_CUDA_OUT")) + "/rank" +
+                         std::to_string(rank) + ".pt");
   return 0;
 }
 
@@ -134,14 +138,17 @@ std::vector<std::vector<torch::Tensor>> train_mlp(const CudaCase& c, c10::Device
   }
   const std::string dir = temp_dir("tdist-ddp-cuda");
   Processes procs("ddp_cuda_rank_child", c.world,
-                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
-                   {"OMP_NUM_THREADS", "1"}, {"TDIST_DDP_CUDA_CASE", c.name},
+                  {{"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", std::to_string(free_port())},
+                   {"OMP_NUM_THREADS", "1"},
+                   {"TDIST_DDP_CUDA_CASE", c.name},
                    {"TDIST_DDP_CUDA_OUT", dir}});
   const auto results = procs.wait_all(std::chrono::seconds(90));
   const std::string failed = Processes::failures(results);
   EXPECT_TRUE(failed.empty()) << failed;
   if (!failed.empty()) return {};
-  for (int r = 0; r < c.world; ++r) torch::load(states[r], dir + "/rank" + std::to_string(r) + ".pt");
+  for (int r = 0; r < c.world; ++r)
+    torch::load(states[r], dir + "/rank" + std::to_string(r) + ".pt");
   return states;
 }
 

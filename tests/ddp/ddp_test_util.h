@@ -111,7 +111,8 @@ inline void load_state(torch::nn::Module& m, const std::vector<torch::Tensor>& s
   for (auto& b : m.buffers()) b.copy_(s.at(k++));
 }
 
-inline double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+inline double max_abs_diff(const std::vector<torch::Tensor>& a,
+                           const std::vector<torch::Tensor>& b) {
   EXPECT_EQ(a.size(), b.size());
   double m = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
@@ -131,7 +132,8 @@ inline std::vector<Batch> make_batches(int n, int rows, std::vector<int64_t> x_s
   for (int i = 0; i < n; ++i) {
     std::vector<int64_t> shape{rows};
     shape.insert(shape.end(), x_shape.begin(), x_shape.end());
-    out.push_back({at::randn(shape, gen, at::TensorOptions()), at::randn({rows, classes}, gen, at::TensorOptions())});
+    out.push_back({at::randn(shape, gen, at::TensorOptions()),
+                   at::randn({rows, classes}, gen, at::TensorOptions())});
   }
   return out;
 }
@@ -146,7 +148,7 @@ struct ParityCase {
   std::function<Net()> make;
   int world = 2;
   int steps = 3;
-  int accumulate = 1;  // micro-batches per step: all but the last under no_sync
+  int accumulate = 1;                 // micro-batches per step: all but the last under no_sync
   bool whole_batch_reference = true;  // else the reference runs each shard apart (BatchNorm)
   double lr = 0.1;
   ddp::DDPOptions opts;

@@ -107,8 +107,8 @@ void FakeWorld::run() {
         for (auto& c : slot.calls) {
           if (c) op = c->op;
         }
-        auto error = std::make_exception_ptr(TimeoutError(
-            str(op, " #", it->first, " timed out waiting for rank(s) ", missing)));
+        auto error = std::make_exception_ptr(
+            TimeoutError(str(op, " #", it->first, " timed out waiting for rank(s) ", missing)));
         Slot dead = std::move(slot);
         it = pending_.erase(it);
         lock.unlock();
@@ -144,11 +144,20 @@ void FakeWorld::execute(uint64_t seq, Slot& slot) {
           at::Tensor v = low ? t.to(at::kFloat) : t;
           switch (slot.calls[0]->reduce_op) {
             case comm::ReduceOp::SUM:
-            case comm::ReduceOp::AVG: acc.add_(v); break;
-            case comm::ReduceOp::MAX: acc = at::maximum(acc, v); break;
-            case comm::ReduceOp::MIN: acc = at::minimum(acc, v); break;
-            case comm::ReduceOp::PRODUCT: acc.mul_(v); break;
-            default: TDIST_THROW(InvalidArgument, "fake group: unsupported reduce op");
+            case comm::ReduceOp::AVG:
+              acc.add_(v);
+              break;
+            case comm::ReduceOp::MAX:
+              acc = at::maximum(acc, v);
+              break;
+            case comm::ReduceOp::MIN:
+              acc = at::minimum(acc, v);
+              break;
+            case comm::ReduceOp::PRODUCT:
+              acc.mul_(v);
+              break;
+            default:
+              TDIST_THROW(InvalidArgument, "fake group: unsupported reduce op");
           }
         }
         if (slot.calls[0]->reduce_op == comm::ReduceOp::AVG) acc.div_(size_);
@@ -239,8 +248,8 @@ std::shared_ptr<comm::Work> FakeProcessGroup::barrier(const comm::BarrierOptions
 std::shared_ptr<comm::Work> FakeProcessGroup::reduce(at::Tensor, const comm::ReduceOptions&) {
   TDIST_FAKE_UNSUPPORTED(reduce);
 }
-std::shared_ptr<comm::Work> FakeProcessGroup::allgather_into_tensor(
-    at::Tensor, at::Tensor, const comm::AllgatherOptions&) {
+std::shared_ptr<comm::Work> FakeProcessGroup::allgather_into_tensor(at::Tensor, at::Tensor,
+                                                                    const comm::AllgatherOptions&) {
   TDIST_FAKE_UNSUPPORTED(allgather_into_tensor);
 }
 std::shared_ptr<comm::Work> FakeProcessGroup::gather(std::vector<at::Tensor>, at::Tensor,
@@ -282,18 +291,18 @@ std::shared_ptr<comm::Work> FakeProcessGroup::recv_any_source(at::Tensor, int,
                                                               const comm::SendRecvOptions&) {
   TDIST_FAKE_UNSUPPORTED(recv_any_source);
 }
-std::shared_ptr<comm::ProcessGroup> FakeProcessGroup::new_group(std::vector<int>,
-                                                                const Options&) {
+std::shared_ptr<comm::ProcessGroup> FakeProcessGroup::new_group(std::vector<int>, const Options&) {
   TDIST_FAKE_UNSUPPORTED(new_group);
 }
 
 void FakeProcessGroup::abort() { world_->abort(str("rank ", rank_, " aborted the group")); }
 
-std::vector<std::shared_ptr<comm::ProcessGroup>> make_fake_groups(int size,
-                                                                  comm::ProcessGroup::Options opts) {
+std::vector<std::shared_ptr<comm::ProcessGroup>> make_fake_groups(
+    int size, comm::ProcessGroup::Options opts) {
   auto world = std::make_shared<FakeWorld>(size);
   std::vector<std::shared_ptr<comm::ProcessGroup>> groups;
-  for (int r = 0; r < size; ++r) groups.push_back(std::make_shared<FakeProcessGroup>(world, r, opts));
+  for (int r = 0; r < size; ++r)
+    groups.push_back(std::make_shared<FakeProcessGroup>(world, r, opts));
   return groups;
 }
 

@@ -48,7 +48,7 @@ class FakeWorld {
 
  private:
   struct Slot {
-    std::vector<std::shared_ptr<Call>> calls;    // per rank, null until that rank issued
+    std::vector<std::shared_ptr<Call>> calls;  // per rank, null until that rank issued
     std::vector<std::shared_ptr<comm::Future>> futures;
     int arrived = 0;
     std::chrono::steady_clock::time_point deadline;
@@ -60,11 +60,11 @@ class FakeWorld {
   const int size_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<uint64_t> next_seq_;      // guarded by mu_, per rank
-  std::map<uint64_t, Slot> pending_;    // guarded by mu_
-  std::deque<uint64_t> ready_;          // guarded by mu_
-  bool stop_ = false;                   // guarded by mu_
-  std::string aborted_;                 // guarded by mu_
+  std::vector<uint64_t> next_seq_;                                   // guarded by mu_, per rank
+  std::map<uint64_t, Slot> pending_;                                 // guarded by mu_
+  std::deque<uint64_t> ready_;                                       // guarded by mu_
+  bool stop_ = false;                                                // guarded by mu_
+  std::string aborted_;                                              // guarded by mu_
   std::function<void(int, const std::string&, uint64_t)> on_issue_;  // guarded by mu_
   std::thread worker_;
 };

@@ -23,7 +23,6 @@ namespace {
 using ddp::DDPOptions;
 using ddp::DistributedDataParallel;
 
-
 // Parity of an MLP and a conv net over the ring group, ranks as threads sharing a HashStore.
 template <typename Net>
 void expect_real_parity(std::function<Net()> make, std::vector<int64_t> x_shape, int world,
@@ -57,7 +56,9 @@ void expect_real_parity(std::function<Net()> make, std::vector<int64_t> x_shape,
   for (int r = 0; r < world; ++r) EXPECT_LE(max_abs_diff(want, got[r]), 1e-5) << "rank " << r;
 }
 
-TEST(DDPRealGroup, MLPParityWorld2) { expect_real_parity<MLP>([] { return MLP(); }, {6}, 2); }
+TEST(DDPRealGroup, MLPParityWorld2) {
+  expect_real_parity<MLP>([] { return MLP(); }, {6}, 2);
+}
 
 TEST(DDPRealGroup, MLPParityWorld3ManyBuckets) {
   DDPOptions o;
@@ -105,7 +106,8 @@ TDIST_TEST_CHILD(ddp_peer_killed_child) {
 
 TEST(DDPRealGroup, PeerKilledDuringBackwardIsAnErrorNotAHang) {
   Processes procs("ddp_peer_killed_child", 2,
-                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
+                  {{"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", std::to_string(free_port())},
                    {"OMP_NUM_THREADS", "1"}});
   auto results = procs.wait_all(std::chrono::seconds(90));
   ASSERT_EQ(results.size(), 2u);
@@ -113,8 +115,8 @@ TEST(DDPRealGroup, PeerKilledDuringBackwardIsAnErrorNotAHang) {
   EXPECT_FALSE(results[1].exited) << results[1].describe() << "\n" << results[1].output;
   EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
   EXPECT_FALSE(results[0].timed_out) << "rank 0 hung:\n" << results[0].output;
-  EXPECT_TRUE(results[0].exited && results[0].exit_code == 3)
-      << results[0].describe() << "\n" << results[0].output;
+  EXPECT_TRUE(results[0].exited && results[0].exit_code == 3) << results[0].describe() << "\n"
+                                                              << results[0].output;
   EXPECT_NE(results[0].output.find("DDP ERROR at iteration 2"), std::string::npos)
       << results[0].output;
   EXPECT_NE(results[0].output.find("bucket"), std::string::npos) << results[0].output;

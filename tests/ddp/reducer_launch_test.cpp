@@ -83,10 +83,10 @@ TEST(DDPReducerLaunch, UsedMapAllreduceStartsWithTheLastBucket) {
   auto w = std::make_shared<FakeWorld>(world);
   struct RankState {
     std::mutex mu;
-    bool armed = false;           // the last bucket's collective was issued
-    uint64_t last_seq = 0;        // its sequence number
-    bool last_done = false;       // it completed
-    bool next_issued = false;     // an operation after it was issued
+    bool armed = false;        // the last bucket's collective was issued
+    uint64_t last_seq = 0;     // its sequence number
+    bool last_done = false;    // it completed
+    bool next_issued = false;  // an operation after it was issued
     uint64_t next_seq = 0;
     std::string next_op;
     std::shared_ptr<comm::Future> gate;  // what the hook returned for the last bucket
@@ -167,9 +167,10 @@ TEST(DDPReducerLaunch, UsedMapAllreduceStartsWithTheLastBucket) {
   for (int r = 0; r < world; ++r) {
     RankState& s = st[r];
     EXPECT_TRUE(s.armed) << "rank " << r << ": the last bucket's hook never ran";
-    EXPECT_TRUE(s.next_issued)
-        << "rank " << r << ": nothing was issued after the last bucket's collective (#"
-        << s.last_seq << ") while it was in flight; the used map must start with it";
+    EXPECT_TRUE(s.next_issued) << "rank " << r
+                               << ": nothing was issued after the last bucket's collective (#"
+                               << s.last_seq
+                               << ") while it was in flight; the used map must start with it";
     if (s.next_issued) {
       EXPECT_EQ(s.next_seq, s.last_seq + 1) << "rank " << r;
       EXPECT_EQ(s.next_op, "allreduce") << "rank " << r;

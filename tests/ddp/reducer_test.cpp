@@ -144,7 +144,8 @@ TEST(DDPReducer, BucketsRebuiltInReadyOrderOnce) {
   // Before: reverse registration order puts first.* first.
   EXPECT_EQ(before[0].front(), (std::vector<size_t>{3}));
   // After: last.* (whose gradients come first) lead; first.weight comes last.
-  EXPECT_TRUE(after[0].front() == std::vector<size_t>{1} || after[0].front() == std::vector<size_t>{0});
+  EXPECT_TRUE(after[0].front() == std::vector<size_t>{1} ||
+              after[0].front() == std::vector<size_t>{0});
   EXPECT_EQ(after[0].back(), (std::vector<size_t>{2}));
   EXPECT_EQ(after[0], after[1]);
 }

@@ -22,9 +22,9 @@
 namespace tdist::test {
 namespace {
 
-constexpr int kCkptSteps = 6;     // 3 before the checkpoint, 3 after
+constexpr int kCkptSteps = 6;  // 3 before the checkpoint, 3 after
 constexpr int kSaveAt = 3;
-constexpr int kRows = 12;     // divides by 2, 3 and 4
+constexpr int kRows = 12;  // divides by 2, 3 and 4
 constexpr uint64_t kDataSeed = 7;
 
 torch::Tensor stat_value() { return torch::tensor({1.5, -2.0}); }
@@ -86,8 +86,11 @@ std::vector<double> reference_losses() {
 
 std::map<int, double> run_phase(const std::string& phase, int world, const std::string& dir) {
   Processes procs("fsdp_ckpt_child", world,
-                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
-                   {"OMP_NUM_THREADS", "1"}, {"TDIST_CKPT_DIR", dir}, {"TDIST_CKPT_PHASE", phase}});
+                  {{"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", std::to_string(free_port())},
+                   {"OMP_NUM_THREADS", "1"},
+                   {"TDIST_CKPT_DIR", dir},
+                   {"TDIST_CKPT_PHASE", phase}});
   auto results = procs.wait_all(std::chrono::seconds(90));
   const std::string failures = Processes::failures(results);
   EXPECT_TRUE(failures.empty()) << phase << " at world " << world << ":\n" << failures;
@@ -216,7 +219,8 @@ TEST(FSDPCheckpoint, DamagedMissingAndMismatchedCheckpointsAreClearErrors) {
   expect_all_fail(try_load(temp_dir()), "no sharded checkpoint", -1, "empty directory");
   {
     const auto d = copy_of(good);
-    std::filesystem::resize_file(d + "/index.json", std::filesystem::file_size(d + "/index.json") / 2);
+    std::filesystem::resize_file(d + "/index.json",
+                                 std::filesystem::file_size(d + "/index.json") / 2);
     expect_all_fail(try_load(d), "is damaged: not JSON", -1, "truncated index");
   }
   {

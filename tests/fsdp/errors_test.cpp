@@ -30,8 +30,11 @@ TEST(FSDPErrors, UnitThatIsNotASubmodule) {
   with_group([](auto pg) {
     Net net;
     torch::nn::Linear stranger(2, 2);
-    expect_invalid([&] { fsdp::fully_shard(net, {net->fc1.ptr(), stranger.ptr()}, pg); },
-                   "is not a submodule of the root module");
+    expect_invalid(
+        [&] {
+          fsdp::fully_shard(net, {net->fc1.ptr(), stranger.ptr()}, pg);
+        },
+        "is not a submodule of the root module");
   });
 }
 
@@ -45,8 +48,11 @@ TEST(FSDPErrors, RootListedAsAUnit) {
 TEST(FSDPErrors, UnitListedTwiceOrNull) {
   with_group([](auto pg) {
     Net net;
-    expect_invalid([&] { fsdp::fully_shard(net, {net->fc1.ptr(), net->fc1.ptr()}, pg); },
-                   "unit fc1 is listed twice");
+    expect_invalid(
+        [&] {
+          fsdp::fully_shard(net, {net->fc1.ptr(), net->fc1.ptr()}, pg);
+        },
+        "unit fc1 is listed twice");
     expect_invalid([&] { fsdp::fully_shard(net, {nullptr}, pg); }, "unit 0 is null");
     expect_invalid([&] { fsdp::fully_shard(net, {}, nullptr); }, "process group is null");
   });
@@ -72,8 +78,11 @@ TEST(FSDPErrors, ParameterSharedByTwoUnits) {
     auto tied = torch::randn({3});
     a->register_parameter("w", tied);
     b->register_parameter("w", tied);
-    expect_invalid([&] { fsdp::fully_shard(root, {a, b}, pg); },
-                   "parameter b.w is shared by units a and b");
+    expect_invalid(
+        [&] {
+          fsdp::fully_shard(root, {a, b}, pg);
+        },
+        "parameter b.w is shared by units a and b");
   });
 }
 
@@ -101,8 +110,11 @@ TEST(FSDPErrors, ParameterSharedByANestedUnitAndItsOuterUnit) {
     auto tied = torch::randn({4}, torch::requires_grad());
     inner->register_parameter("w", tied);
     own->register_parameter("w", tied);
-    expect_invalid([&] { fsdp::fully_shard(root, {outer, inner}, pg); },
-                   "parameter outer.own.w is shared by units outer.inner and outer");
+    expect_invalid(
+        [&] {
+          fsdp::fully_shard(root, {outer, inner}, pg);
+        },
+        "parameter outer.own.w is shared by units outer.inner and outer");
   });
 }
 

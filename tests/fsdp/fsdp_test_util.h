@@ -156,7 +156,8 @@ inline std::shared_ptr<comm::ProcessGroup> env_process_group(std::chrono::second
 inline std::vector<ProcessResult> expect_survivors_fail(const std::string& child, int world,
                                                         int victim, const std::string& marker) {
   Processes procs(child, world,
-                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
+                  {{"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", std::to_string(free_port())},
                    {"OMP_NUM_THREADS", "1"}});
   auto results = procs.wait_all(std::chrono::seconds(60));
   EXPECT_EQ(results.size(), static_cast<size_t>(world));
@@ -166,8 +167,8 @@ inline std::vector<ProcessResult> expect_survivors_fail(const std::string& child
     if (r == victim) continue;
     const std::string& out = results[r].output;
     EXPECT_FALSE(results[r].timed_out) << "rank " << r << " hung:\n" << out;
-    EXPECT_TRUE(results[r].exited && results[r].exit_code == 3)
-        << results[r].describe() << "\n" << out;
+    EXPECT_TRUE(results[r].exited && results[r].exit_code == 3) << results[r].describe() << "\n"
+                                                                << out;
     EXPECT_NE(out.find(marker), std::string::npos) << out;
   }
   return results;

@@ -11,6 +11,8 @@
 #include <unordered_set>
 
 #include "tdist/core/cpu_memory.h"
+#include "tdist/core/error.h"
+#include "tdist/core/prefix_store.h"
 #include "tdist/ddp/distributed_data_parallel.h"
 #include "tdist/fsdp/detail/param_group.h"
 #include "tests/fsdp/fsdp_test_util.h"
@@ -155,23 +157,43 @@ TORCH_MODULE(Wide);
 // at most during them, each less what was held before the model was built; first for fully_shard,
 // then (everything of it freed) for DDP with gradients as bucket views (its gradients are its
 // buckets: DDP holds 16 bytes per parameter, as the issue counts it).
+//
+// Each measurement has a process group of its own, destroyed before the next one's baseline. A
+// group's worker thread completes an operation's future and only then drops its own reference
+// to it (and so to the result tensors); descheduled in between, it released fully_shard's last
+// reduce-scattered gradient shard after that model was gone, during DDP's measurement, which
+// then read 65,792 bytes (one shard) short of 16 bytes per parameter (3 of 13 runs under
+// load). Destroying the group joins that thread, so every reference it held is gone
+// before the next baseline is read.
 TDIST_TEST_CHILD(fsdp_allocator_memory_child) {
   track_cpu_memory();
   torch::set_num_threads(1);
-  auto pg = env_process_group(std::chrono::seconds(30));
+  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
+  comm::ProcessGroup::Options po;
+  po.timeout = std::chrono::seconds(30);
   auto x = torch::randn({4, 256});
-  // train(net, record): record() runs after the steps, while the model and optimizer live.
+  // train(net, pg, record): record() runs after the steps, while the model and optimizer live.
   using Record = std::function<void()>;
-  auto measure = [&](const std::function<void(Wide&, const Record&)>& train, const char* name) {
-    const int64_t before = cpu_memory_stats().allocated_bytes;
-    reset_peak_cpu_memory();
-    torch::manual_seed(0);
-    Wide net;
-    train(net, [&] {
-      const CpuMemoryStats s = cpu_memory_stats();
-      std::cout << "MEMORY " << name << " " << s.allocated_bytes - before << " "
-                << s.peak_bytes - before << std::endl;
-    });
+  using Train = std::function<void(Wide&, std::shared_ptr<comm::ProcessGroup>, const Record&)>;
+  auto measure = [&](const Train& train, const char* name) {
+    std::weak_ptr<comm::ProcessGroup> gone;
+    {
+      auto pg = comm::create_process_group(std::make_shared<PrefixStore>(name, rdzv.store),
+                                           rdzv.rank, rdzv.world_size, po);
+      gone = pg;
+      const int64_t before = cpu_memory_stats().allocated_bytes;
+      reset_peak_cpu_memory();
+      torch::manual_seed(0);
+      Wide net;
+      train(net, std::move(pg), [&] {
+        const CpuMemoryStats s = cpu_memory_stats();
+        std::cout << "MEMORY " << name << " " << s.allocated_bytes - before << " "
+                  << s.peak_bytes - before << std::endl;
+      });
+    }
+    TDIST_CHECK(gone.expired(), name,
+                ": something still holds its process group, whose "
+                "worker may still hold the last operation's tensors");
   };
   // Three Adam steps of either wrapper, then record() while the optimizer (and its state) lives.
   auto adam_steps = [&](auto& model, const Record& record) {
@@ -183,18 +205,22 @@ TDIST_TEST_CHILD(fsdp_allocator_memory_child) {
     }
     record();
   };
-  measure([&](Wide& net, const Record& record) {
-    std::vector<std::shared_ptr<torch::nn::Module>> units;
-    for (auto& l : net->layers) units.push_back(l.ptr());
-    auto model = fsdp::fully_shard(net, units, pg);
-    adam_steps(model, record);
-  }, "fsdp");
-  measure([&](Wide& net, const Record& record) {
-    ddp::DDPOptions opts;
-    opts.gradient_as_bucket_view = true;
-    ddp::DistributedDataParallel<Wide> model(net, pg, opts);
-    adam_steps(model, record);
-  }, "ddp");
+  measure(
+      [&](Wide& net, std::shared_ptr<comm::ProcessGroup> pg, const Record& record) {
+        std::vector<std::shared_ptr<torch::nn::Module>> units;
+        for (auto& l : net->layers) units.push_back(l.ptr());
+        auto model = fsdp::fully_shard(net, units, std::move(pg));
+        adam_steps(model, record);
+      },
+      "fsdp");
+  measure(
+      [&](Wide& net, std::shared_ptr<comm::ProcessGroup> pg, const Record& record) {
+        ddp::DDPOptions opts;
+        opts.gradient_as_bucket_view = true;
+        ddp::DistributedDataParallel<Wide> model(net, std::move(pg), opts);
+        adam_steps(model, record);
+      },
+      "ddp");
   return 0;
 }
 
@@ -204,7 +230,8 @@ TDIST_TEST_CHILD(fsdp_allocator_memory_child) {
 TEST(FSDPMemory, AllocatorCountsAtMostThreeTenthsOfDDPsBytesPerRankWorld4) {
   const int world = 4;
   Processes procs("fsdp_allocator_memory_child", world,
-                  {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
+                  {{"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", std::to_string(free_port())},
                    {"OMP_NUM_THREADS", "1"}});
   auto results = procs.wait_all(std::chrono::seconds(90));
   ASSERT_TRUE(Processes::failures(results).empty()) << Processes::failures(results);
@@ -219,8 +246,8 @@ TEST(FSDPMemory, AllocatorCountsAtMostThreeTenthsOfDDPsBytesPerRankWorld4) {
     const auto [fsdp_held, fsdp_peak] = m["fsdp"];
     const auto [ddp_held, ddp_peak] = m["ddp"];
     std::cout << "rank " << r.rank << ": fsdp holds " << fsdp_held << " bytes (peak " << fsdp_peak
-              << "), ddp " << ddp_held << " (peak " << ddp_peak << "): "
-              << double(fsdp_held) / double(ddp_held) << " of DDP's\n";
+              << "), ddp " << ddp_held << " (peak " << ddp_peak
+              << "): " << double(fsdp_held) / double(ddp_held) << " of DDP's\n";
     // The counts see what they must: DDP's 16 bytes per parameter, fully_shard's quarter.
     EXPECT_GE(ddp_held, 16 * numel) << "rank " << r.rank;
     EXPECT_GE(fsdp_held, 16 * numel / world) << "rank " << r.rank;

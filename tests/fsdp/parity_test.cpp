@@ -21,12 +21,12 @@ struct Case {
   bool unused_steps = false;  // `mid.side` is left unused in odd steps
   bool nested = false;        // `mid.side` is a unit of its own inside the unit `mid`
   int steps = 20;
-  bool sgd = false;           // SGD instead of Adam (see make_optimizer)
-  int prefetch = 1;           // FSDPOptions::prefetch
-  int micro = 1;              // backwards per step; all but the last under no_sync()
-  double clip = 0;            // > 0: clip_grad_norm(clip, norm_type) before each step
+  bool sgd = false;  // SGD instead of Adam (see make_optimizer)
+  int prefetch = 1;  // FSDPOptions::prefetch
+  int micro = 1;     // backwards per step; all but the last under no_sync()
+  double clip = 0;   // > 0: clip_grad_norm(clip, norm_type) before each step
   double norm_type = 2;
-  int shard_size = 0;         // FSDPOptions::shard_size (HSDP)
+  int shard_size = 0;  // FSDPOptions::shard_size (HSDP)
 };
 
 const Batch& batch_of(const std::vector<Batch>& batches, const Case& c, int step, int m) {
@@ -329,8 +329,7 @@ TEST(FSDPParity, TiedEmbeddingAndOutputMatchesTdistDDPAtWorlds3And4) {
     });
     EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
     for (int r = 0; r < world; ++r) {
-      EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "world " << world << " rank "
-                                                             << r;
+      EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "world " << world << " rank " << r;
     }
   }
 }
@@ -444,14 +443,14 @@ TEST(FSDPParity, HybridShardingMatchesTdistDDPAtWorld4) {
     });
     EXPECT_GT(max_abs_diff(init, ddp_got[0]), 1e-3);
     for (int r = 0; r < world; ++r) {
-      EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5) << "rank " << r << " mesh "
-                                                             << via_mesh;
+      EXPECT_LE(max_abs_diff(ddp_got[r], fsdp_got[r]), 1e-5)
+          << "rank " << r << " mesh " << via_mesh;
     }
     for (int r = 0; r < 2; ++r) {  // replicas hold the same shards, bit for bit
       ASSERT_EQ(shards[r].size(), shards[r + 2].size());
       for (size_t i = 0; i < shards[r].size(); ++i) {
-        EXPECT_TRUE(torch::equal(shards[r][i], shards[r + 2][i])) << "ranks " << r << ", "
-                                                                  << r + 2 << " group " << i;
+        EXPECT_TRUE(torch::equal(shards[r][i], shards[r + 2][i]))
+            << "ranks " << r << ", " << r + 2 << " group " << i;
       }
     }
   }

@@ -67,8 +67,8 @@ TEST(Safetensors, RoundTripEveryDtypeWithMetadata) {
   EXPECT_EQ(reader.header().metadata.at("by"), "tdist");
   EXPECT_EQ(reader.header().data_offset % 8, 0u);
   // A part of a tensor, flattened.
-  EXPECT_TRUE(torch::equal(reader.read_elements("f32", 2, 3),
-                           t[0].second.reshape({-1}).narrow(0, 2, 3)));
+  EXPECT_TRUE(
+      torch::equal(reader.read_elements("f32", 2, 3), t[0].second.reshape({-1}).narrow(0, 2, 3)));
   EXPECT_THROW(reader.read_elements("f32", 4, 3), InvalidArgument);
   EXPECT_THROW(reader.read("absent"), Error);
 }
@@ -106,11 +106,12 @@ TEST(Safetensors, MalformedHeadersAreRefusedClearly) {
       {"unknown field",
        encode_header(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0],"x":1}})", ""),
        "unknown field 'x'"},
-      {"negative dim", encode_header(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,0]}})", ""),
+      {"negative dim",
+       encode_header(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,0]}})", ""),
        "not a non-negative integer"},
       {"shape overflows",
-       encode_header(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})",
-                     ""),
+       encode_header(
+           R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", ""),
        "overflows"},
       {"offsets not a pair", encode_header("{\"a\":{" + f32x2 + R"(,"data_offsets":[0]}})", d8),
        "not a pair"},
@@ -253,9 +254,9 @@ TEST(Safetensors, InteroperatesWithPythonSafetensors) {
   torch::manual_seed(5);
   Net net;
   fsdp::save_safetensors(*net, dir + "/cpp_model.safetensors");
-  const auto r = run_command({python, std::string(TDIST_FSDP_TEST_DIR) + "/safetensors_interop.py",
-                              dir},
-                             with_timeout(120, {{"OMP_NUM_THREADS", "1"}}));
+  const auto r =
+      run_command({python, std::string(TDIST_FSDP_TEST_DIR) + "/safetensors_interop.py", dir},
+                  with_timeout(120, {{"OMP_NUM_THREADS", "1"}}));
   ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
   EXPECT_NE(r.out.find("C++ file equals the recipe"), std::string::npos) << r.describe();
 

@@ -84,6 +84,7 @@ void expect_zero_matches_ddp(int world) {
 
 TEST(ZeroRedundancyOptimizer, TwentyAdamStepsEqualDDPsWorld2) { expect_zero_matches_ddp(2); }
 TEST(ZeroRedundancyOptimizer, TwentyAdamStepsEqualDDPsWorld3) { expect_zero_matches_ddp(3); }
+TEST(ZeroRedundancyOptimizer, TwentyAdamStepsEqualDDPsWorld4) { expect_zero_matches_ddp(4); }
 
 // More ranks than parameters: the ranks that own none take part in every broadcast and end
 // equal to the others.
@@ -125,25 +126,67 @@ TEST(ZeroRedundancyOptimizer, BadInputIsAClearError) {
                "no parameters");
   expect_error([&](auto pg) { fsdp::ZeroRedundancyOptimizer({w()}, nullptr, pg); },
                "factory is empty");
-  expect_error([&](auto pg) {
-    auto t = w();
-    fsdp::ZeroRedundancyOptimizer({t, t}, adam_factory(), pg);
-  }, "parameter 1 is given twice");
-  expect_error([&](auto pg) {
-    fsdp::ZeroRedundancyOptimizer({torch::zeros({3}, torch::kLong)}, adam_factory(), pg);
-  }, "not floating point");
-  expect_error([&](auto pg) {
-    fsdp::ZeroRedundancyOptimizer({w(), torch::zeros({2}, torch::kDouble)}, adam_factory(), pg);
-  }, "one dtype and device");
+  expect_error(
+      [&](auto pg) {
+        auto t = w();
+        fsdp::ZeroRedundancyOptimizer({t, t}, adam_factory(), pg);
+      },
+      "parameter 1 is given twice");
+  expect_error(
+      [&](auto pg) {
+        fsdp::ZeroRedundancyOptimizer({torch::zeros({3}, torch::kLong)}, adam_factory(), pg);
+      },
+      "not floating point");
+  expect_error(
+      [&](auto pg) {
+        fsdp::ZeroRedundancyOptimizer({w(), torch::zeros({2}, torch::kDouble)}, adam_factory(), pg);
+      },
+      "one dtype and device");
   // Ranks that pass different shapes are all told so (a collective check).
-  expect_error([&](auto pg) {
-    fsdp::ZeroRedundancyOptimizer({torch::zeros({pg->rank() + 1})}, adam_factory(), pg);
-  }, "the ranks passed different parameters");
-  expect_error([&](auto pg) {  // two parameters: each rank owns one and calls the factory
-    fsdp::ZeroRedundancyOptimizer({w(), w()}, [](std::vector<torch::Tensor>) {
-      return std::unique_ptr<torch::optim::Optimizer>();
-    }, pg);
-  }, "returned null");
+  expect_error(
+      [&](auto pg) {
+        fsdp::ZeroRedundancyOptimizer({torch::zeros({pg->rank() + 1})}, adam_factory(), pg);
+      },
+      "the ranks passed different parameters");
+  expect_error(
+      [&](auto pg) {  // two parameters: each rank owns one and calls the factory
+        fsdp::ZeroRedundancyOptimizer(
+            {w(), w()},
+            [](std::vector<torch::Tensor>) { return std::unique_ptr<torch::optim::Optimizer>(); },
+            pg);
+      },
+      "returned null");
+}
+
+// Note [ZeRO-1] 5's bad input: a rank outside the group (every rank), no optimizer or one over
+// other parameters on the receiving rank (after the collectives: the other rank returns), and
+// on load an optimizer over other parameters or of another kind.
+TEST(ZeroRedundancyOptimizer, BadStateDictInputIsAClearError) {
+  spawn(2, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = make_group(store, rank, 2);
+    auto a = torch::zeros({4}).requires_grad_(), b = torch::zeros({3}).requires_grad_();
+    fsdp::ZeroRedundancyOptimizer opt({a, b}, adam_factory(), pg);
+    auto expect_arg = [&](const std::function<void()>& fn, const std::string& message) {
+      try {
+        fn();
+        ADD_FAILURE() << "rank " << rank << ": no error; expected '" << message << "'";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+      }
+    };
+    expect_arg([&] { opt.consolidate_state_dict(nullptr, 2); }, "rank 2 is not in [0, 2)");
+    torch::optim::Adam other({torch::zeros({4})});
+    if (rank == 0) {
+      expect_arg([&] { opt.consolidate_state_dict(nullptr, 0); }, "needs an optimizer");
+      expect_arg([&] { opt.consolidate_state_dict(&other, 0); }, "holds 1 parameters, not the 2");
+    } else {
+      opt.consolidate_state_dict(nullptr, 0);
+      opt.consolidate_state_dict(nullptr, 0);
+    }
+    expect_arg([&] { opt.load_state_dict(other); }, "holds 1 parameters, not the 2");
+    torch::optim::SGD sgd({a, b}, torch::optim::SGDOptions(0.1));
+    expect_arg([&] { opt.load_state_dict(sgd); }, "the factory's kind");
+  });
 }
 
 // Rank 2 is SIGKILLed before its 3rd step's broadcasts; the survivors' step() fails with the

@@ -89,15 +89,15 @@ TEST_F(DistOptim, EqualsALocalOptimizerAfterKStepsForEachOptimizer) {
   constexpr int kSteps = 4;
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);
-    at::Tensor a = leaf({3, 3});               // on w0 (the trainer)
-    param("w1", "b") = leaf({3, 4});           // on w1
-    param("w2", "c") = leaf({4, 1});           // on w2
+    at::Tensor a = leaf({3, 3});      // on w0 (the trainer)
+    param("w1", "b") = leaf({3, 4});  // on w1
+    param("w2", "c") = leaf({4, 1});  // on w2
     at::Tensor b = param("w1", "b"), cc = param("w2", "c");
     auto ar = a.detach().clone().requires_grad_(true);
     auto br = b.detach().clone().requires_grad_(true);
     auto cr = cc.detach().clone().requires_grad_(true);
-    DistributedOptimizer opt(c.spec, {rpc::make_rref(a), remote_param("w1", "b"),
-                                      remote_param("w2", "c")});
+    DistributedOptimizer opt(c.spec,
+                             {rpc::make_rref(a), remote_param("w1", "b"), remote_param("w2", "c")});
     EXPECT_EQ(opt.owners(), (std::vector<std::string>{"w0", "w1", "w2"}));
     auto local = c.local({ar, br, cr});
     for (int step = 0; step < kSteps; ++step) {
@@ -127,9 +127,9 @@ TEST_F(DistOptim, ConcurrentStepsFromTwoTrainersAreBothApplied) {
   // Each trainer's loss is sum(x @ c): its gradient wrt c is x's column sums.
   auto trainer = [&](int rank, double v) {
     autograd::test::as_worker(agents_[rank], [&] {
-      DistributedOptimizer opt(OptimizerSpec::sgd(torch::optim::SGDOptions(lr)),
-                               {rpc::rpc_sync<rpc::RRef<at::Tensor>>("w2", "opt.param_rref",
-                                                                    std::string("c"))});
+      DistributedOptimizer opt(
+          OptimizerSpec::sgd(torch::optim::SGDOptions(lr)),
+          {rpc::rpc_sync<rpc::RRef<at::Tensor>>("w2", "opt.param_rref", std::string("c"))});
       for (int i = 0; i < 10; ++i) {
         autograd::Context ctx;
         at::Tensor x = torch::full({2, 3}, v, torch::kFloat64);
@@ -185,7 +185,9 @@ TEST_F(DistOptim, StateCanBeSavedAndLoaded) {
   loaded.load_state_dict(state);
   step(loaded, 3);
   EXPECT_TRUE(torch::allclose(b, after, 0, 1e-12));
-  expect_contains(expect_throw<InvalidArgument>([&] { loaded.load_state_dict({{"w9", ""}}); }),
+  expect_contains(expect_throw<InvalidArgument>([&] {
+                    loaded.load_state_dict({{"w9", ""}});
+                  }),
                   "no owner 'w9'");
 }
 

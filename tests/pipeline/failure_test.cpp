@@ -53,14 +53,17 @@ bool expect_invalid(const std::string& label, Fn fn, const std::vector<std::stri
 // 6; after both failed set-ups a correct pipeline still trains on the same group.
 TDIST_TEST_CHILD(pipeline_setup_errors_child) {
   torch::set_num_threads(1);
-  auto pg = comm::create_process_group(child_store(), rank, world_size,
-                                       group_options(Millis(30000)));
+  auto pg =
+      comm::create_process_group(child_store(), rank, world_size, group_options(Millis(30000)));
   int bad = 0;
   {
     auto model = make_model(world_size, 1);
     Pipeline pipe(PipelineStage(model, even_bounds(model->size(), world_size), rank, world_size),
                   pg, options(ScheduleKind::k1F1B, 4));
-    bad += !expect_invalid("microbatches", [&] { pipe.setup(torch::zeros({6, kWidth})); },
+    bad += !expect_invalid("microbatches",
+                           [&] {
+                             pipe.setup(torch::zeros({6, kWidth}));
+                           },
                            {"batch of 6", "4 equal microbatches"});
     bad += !expect_invalid("step before set-up", [&] { pipe.step(at::Tensor(), at::Tensor()); },
                            {"setup()"});
@@ -72,7 +75,10 @@ TDIST_TEST_CHILD(pipeline_setup_errors_child) {
                                 torch::nn::Linear(kOut, kOut), torch::nn::Tanh());
     Pipeline pipe(PipelineStage(model, {0, 2, 4, 6}, rank, world_size), pg,
                   options(ScheduleKind::kGPipe, 2));
-    bad += !expect_invalid("shapes", [&] { pipe.setup(torch::zeros({4, kWidth})); },
+    bad += !expect_invalid("shapes",
+                           [&] {
+                             pipe.setup(torch::zeros({4, kWidth}));
+                           },
                            {"stage 1 (rank 1, layers [2, 4))", "stage 0 (rank 0, layers [0, 2))"});
   }
   {
@@ -86,7 +92,9 @@ TDIST_TEST_CHILD(pipeline_setup_errors_child) {
     // Rank 0 gets a batch of the wrong shape: it fails, and tells the others why.
     bad += !expect_invalid<Error>(
         "inputs",
-        [&] { pipe.step(torch::randn({rank == 0 ? 5 : 4, kWidth}), torch::randn({4, kOut})); },
+        [&] {
+          pipe.step(torch::randn({rank == 0 ? 5 : 4, kWidth}), torch::randn({4, kOut}));
+        },
         {"stage 0 (rank 0", "the first stage's inputs must be shaped"});
   }
   std::cout << "rank " << rank << ": " << bad << " unexpected" << std::endl;
@@ -95,9 +103,9 @@ TDIST_TEST_CHILD(pipeline_setup_errors_child) {
 
 TEST(PipelineErrors, SetUpErrorsAreClearOnEveryRank) {
   TCPStoreServer server("127.0.0.1", 0);
-  Processes procs("pipeline_setup_errors_child", 3,
-                  {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
-                   {"OMP_NUM_THREADS", "1"}});
+  Processes procs(
+      "pipeline_setup_errors_child", 3,
+      {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())}, {"OMP_NUM_THREADS", "1"}});
   auto results = procs.wait_all(Millis(60000));
   EXPECT_EQ(Processes::failures(results), "");
 }
@@ -110,8 +118,8 @@ std::atomic<int> g_calls{0};
 TDIST_TEST_CHILD(pipeline_stage_killed_child) {
   torch::set_num_threads(1);
   const auto kind = pipeline::parse_schedule(env::get("TDIST_TEST_SCHEDULE").value_or("1f1b"));
-  auto pg = comm::create_process_group(child_store(), rank, world_size,
-                                       group_options(Millis(10000)));
+  auto pg =
+      comm::create_process_group(child_store(), rank, world_size, group_options(Millis(10000)));
   // 16 layers and the killer at index 8: 17 layers, and even bounds {0, 4, 8, 12, 17} put it
   // first in stage 2.
   auto base = make_model(world_size, 5);
@@ -155,8 +163,8 @@ TEST_P(PipelineFailure, StageKilledMidStepFailsEveryOtherStageNamingIt) {
   EXPECT_EQ(results[2].signal, SIGKILL) << results[2].describe();
   for (int r : {0, 1, 3}) {
     EXPECT_FALSE(results[r].timed_out) << "rank " << r << " hung:\n" << results[r].output;
-    EXPECT_TRUE(results[r].exited && results[r].exit_code == 3)
-        << results[r].describe() << "\n" << results[r].output;
+    EXPECT_TRUE(results[r].exited && results[r].exit_code == 3) << results[r].describe() << "\n"
+                                                                << results[r].output;
     EXPECT_NE(results[r].output.find("PIPELINE ERROR at step 1"), std::string::npos)
         << results[r].output;
     EXPECT_NE(results[r].output.find("lost stage 2 (rank 2"), std::string::npos)

@@ -87,8 +87,8 @@ int check_parity(const std::shared_ptr<comm::ProcessGroup>& pg, ScheduleKind kin
       }
       const double d = max_diff(mine[k].grad(), theirs[k].grad());
       if (d > kTol) {
-        std::cout << what << " step " << step << ": parameter " << k << " gradient differs by "
-                  << d << "\n";
+        std::cout << what << " step " << step << ": parameter " << k << " gradient differs by " << d
+                  << "\n";
         ++bad;
       }
     }
@@ -104,8 +104,8 @@ int check_parity(const std::shared_ptr<comm::ProcessGroup>& pg, ScheduleKind kin
 
 TDIST_TEST_CHILD(pipeline_parity_child) {
   torch::set_num_threads(1);
-  auto pg = comm::create_process_group(child_store(), rank, world_size,
-                                       group_options(Millis(60000)));
+  auto pg =
+      comm::create_process_group(child_store(), rank, world_size, group_options(Millis(60000)));
   const std::string trace_dir = env::get("TDIST_TEST_TRACE_DIR").value_or("");
   int bad = 0;
   for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B,

@@ -87,8 +87,8 @@ TEST(PipelineSchedule, BadArgumentsAreClearErrors) {
 }
 
 TEST(PipelineStage, SplitsByParameterCountAndChecksBounds) {
-  torch::nn::Sequential model(torch::nn::Linear(10, 10), torch::nn::ReLU(),   // 110
-                              torch::nn::Linear(10, 2), torch::nn::ReLU(),    // 22
+  torch::nn::Sequential model(torch::nn::Linear(10, 10), torch::nn::ReLU(),         // 110
+                              torch::nn::Linear(10, 2), torch::nn::ReLU(),          // 22
                               torch::nn::Linear(2, 2), torch::nn::Linear(2, 100));  // 6, 300
   EXPECT_EQ(PipelineStage::balanced_bounds(model, 2), (std::vector<int64_t>{0, 5, 6}));
   EXPECT_EQ(PipelineStage::balanced_bounds(model, 3), (std::vector<int64_t>{0, 1, 5, 6}));
