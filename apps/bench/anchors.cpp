@@ -23,9 +23,8 @@ std::string mpi_program() {
 
 std::vector<double> run_mpi(const AnchorRun& run) {
   std::ostringstream cmd;
-  cmd << "mpirun --oversubscribe --allow-run-as-root -np " << run.world
-      << " -x OMP_NUM_THREADS=1 '" << mpi_program() << "' " << run.op << " " << run.warmup << " "
-      << run.iters;
+  cmd << "mpirun --oversubscribe --allow-run-as-root -np " << run.world << " -x OMP_NUM_THREADS=1 '"
+      << mpi_program() << "' " << run.op << " " << run.warmup << " " << run.iters;
   for (size_t b : run.bytes) cmd << " " << b;
   cmd << " 2>&1";
   int status = 0;
@@ -36,8 +35,8 @@ std::vector<double> run_mpi(const AnchorRun& run) {
   while (std::getline(lines, line)) {
     unsigned long long bytes = 0;
     double us = 0;
-    if (std::sscanf(line.c_str(), "%llu %lf", &bytes, &us) == 2 && times.size() < run.bytes.size() &&
-        bytes == run.bytes[times.size()]) {
+    if (std::sscanf(line.c_str(), "%llu %lf", &bytes, &us) == 2 &&
+        times.size() < run.bytes.size() && bytes == run.bytes[times.size()]) {
       times.push_back(us);
     }
   }
@@ -81,7 +80,8 @@ std::vector<double> run_gloo(const AnchorRun& run) {
   std::vector<double> times;
   if (result.is_object() && result.contains("rows")) {
     for (const auto& row : result["rows"]) {
-      if (times.size() < run.bytes.size() && row["bytes"].get<size_t>() == run.bytes[times.size()]) {
+      if (times.size() < run.bytes.size() &&
+          row["bytes"].get<size_t>() == run.bytes[times.size()]) {
         times.push_back(row["time_us"].get<double>());
       }
     }
@@ -100,8 +100,9 @@ void check_anchor(const std::string& anchor, const std::string& dtype, const std
                   " measures float32 sum only (got --dtype ", dtype, " --redop ", redop, ")");
   if (anchor == "mpi") {
     if (!in_path("mpirun")) {
-      throw std::runtime_error("--anchor mpi: mpirun is not in PATH (install Open MPI, e.g. "
-                               "apt-get install openmpi-bin libopenmpi-dev, and rebuild)");
+      throw std::runtime_error(
+          "--anchor mpi: mpirun is not in PATH (install Open MPI, e.g. "
+          "apt-get install openmpi-bin libopenmpi-dev, and rebuild)");
     }
     if (::access(mpi_program().c_str(), X_OK) != 0) {
       throw std::runtime_error("--anchor mpi: " + mpi_program() +

@@ -53,7 +53,9 @@ class SeedNet {
     fc_ = torch::nn::Linear(torch::nn::LinearOptions(2, 1).bias(false));
   }
   at::Tensor forward(at::Tensor x) { return fc_->forward(x); }
-  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return tdist::optim::parameter_rrefs(*fc_); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() {
+    return tdist::optim::parameter_rrefs(*fc_);
+  }
 
  private:
   torch::nn::Linear fc_{nullptr};
@@ -68,7 +70,9 @@ class FrontMlp {
                                  torch::nn::Linear(1024, 1024), torch::nn::ReLU());
   }
   at::Tensor forward(at::Tensor x) { return seq_->forward(x); }
-  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return tdist::optim::parameter_rrefs(*seq_); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() {
+    return tdist::optim::parameter_rrefs(*seq_);
+  }
 
  private:
   torch::nn::Sequential seq_{nullptr};
@@ -97,8 +101,9 @@ json measure(const Options& o) {
   r["backend"] = "tdist";
   {
     auto net = rpc::remote<SeedNet>("worker1", "BenchSeedNet", int64_t{1});
-    optim::DistributedOptimizer opt(optim::OptimizerSpec::sgd(torch::optim::SGDOptions(0.05)),
-                                    net.rpc_sync<std::vector<rpc::RRef<at::Tensor>>>("parameter_rrefs"));
+    optim::DistributedOptimizer opt(
+        optim::OptimizerSpec::sgd(torch::optim::SGDOptions(0.05)),
+        net.rpc_sync<std::vector<rpc::RRef<at::Tensor>>>("parameter_rrefs"));
     const at::Tensor x = at::randn({8, 2}), y = at::randn({8, 1});
     double loss = 0;
     r["seed_ms"] = time_iterations(o.warmup, o.iters, [&] {
@@ -147,8 +152,8 @@ pid_t start_server(const Options& o) {
 
 json run_torch(const Options& o) {
   std::ostringstream args;
-  args << " --iters " << o.iters << " --warmup " << o.warmup << " --split-iters "
-       << o.split_iters << " --split-warmup " << o.split_warmup << " --threads " << o.threads;
+  args << " --iters " << o.iters << " --warmup " << o.warmup << " --split-iters " << o.split_iters
+       << " --split-warmup " << o.split_warmup << " --threads " << o.threads;
   return run_torch_script(o.torch_script, args.str());
 }
 
@@ -157,9 +162,10 @@ json run_torch(const Options& o) {
 int run_autograd_bench(int argc, char** argv) {
   Options o;
   bool autograd = false;
-  CLI::App app{"tdist-bench rpc --autograd: per-iteration time of training over RPC with "
-               "distributed autograd + DistributedOptimizer, tdist vs torch.distributed.autograd, "
-               "two workers on this machine"};
+  CLI::App app{
+      "tdist-bench rpc --autograd: per-iteration time of training over RPC with "
+      "distributed autograd + DistributedOptimizer, tdist vs torch.distributed.autograd, "
+      "two workers on this machine"};
   app.add_flag("--autograd", autograd, "this benchmark (instead of the plain RPC one)");
   app.add_option("--iters", o.iters, "timed iterations of demo 1's shape (Linear 2->1)");
   app.add_option("--warmup", o.warmup, "untimed iterations before them");
@@ -189,13 +195,20 @@ int run_autograd_bench(int argc, char** argv) {
     if (o.torch) result["torch"] = b = med(theirs);
 
     constexpr double kTarget = 0.5;  // at most half of PyTorch's time per iteration
-    const RatioTable table{"per iteration (ms)", "torch", 44, 10, 3, 8, 7,
+    const RatioTable table{"per iteration (ms)",
+                           "torch",
+                           44,
+                           10,
+                           3,
+                           8,
+                           7,
                            {{"seed: Linear 2->1 remote, 8 samples, SGD", "seed_ms", true, kTarget},
                             {"split MLP 784-1024x3-10, batch 64, SGD", "split_ms", true, kTarget}}};
     const bool all_met = print_ratio_table(table, a, o.torch ? &b : nullptr, result);
-    std::printf("(medians of %d alternating rounds, each the median of %d / %d timed iterations; "
-                "%d RPC worker threads, 1 intra-op thread)\n",
-                std::max(o.rounds, 1), o.iters, o.split_iters, o.threads);
+    std::printf(
+        "(medians of %d alternating rounds, each the median of %d / %d timed iterations; "
+        "%d RPC worker threads, 1 intra-op thread)\n",
+        std::max(o.rounds, 1), o.iters, o.split_iters, o.threads);
     finish_report(o.json_file, result, o.torch, all_met);
     return 0;
   });

@@ -86,8 +86,7 @@ std::optional<CoreRoundTrip> core_round_trip(int trips, int runs) {
       }
       pinned = 1;
       for (long i = 1; i <= trips; ++i) {
-        while (ping.v.load(std::memory_order_acquire) < i) {
-        }
+        while (ping.v.load(std::memory_order_acquire) < i) {}
         pong.v.store(i, std::memory_order_release);
       }
     });
@@ -106,11 +105,12 @@ std::optional<CoreRoundTrip> core_round_trip(int trips, int runs) {
       while (done < trips) {
         ++done;
         ping.v.store(done, std::memory_order_release);
-        while (pong.v.load(std::memory_order_acquire) != done) {
-        }
+        while (pong.v.load(std::memory_order_acquire) != done) {}
         if (done % 64 == 0 && std::chrono::steady_clock::now() - start > kMaxRun) break;
       }
-      took = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / done;
+      took = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start)
+                 .count() /
+             done;
       ping.v.store(trips, std::memory_order_release);  // lets the echo thread run out
       ok = true;
     });
@@ -124,21 +124,25 @@ std::optional<CoreRoundTrip> core_round_trip(int trips, int runs) {
 }
 
 std::string RoundTrips::describe(const std::string& what) const {
-  if (!before || !after) return "core-to-core round trip: not measured (fewer than two CPUs to run on)";
+  if (!before || !after)
+    return "core-to-core round trip: not measured (fewer than two CPUs to run on)";
   char text[256];
-  std::snprintf(text, sizeof(text),
-                "core-to-core round trip of a cache line (CPUs %d and %d): %.0f ns before %s, %.0f ns after",
-                before->cpu_a, before->cpu_b, before->ns, what.c_str(), after->ns);
+  std::snprintf(
+      text, sizeof(text),
+      "core-to-core round trip of a cache line (CPUs %d and %d): %.0f ns before %s, %.0f ns after",
+      before->cpu_a, before->cpu_b, before->ns, what.c_str(), after->ns);
   const double ratio = after->ns / before->ns;
   if (ratio > 1.5 || ratio < 1 / 1.5) {
-    return std::string(text) + " (it changed during them, and the figures may have changed with it)";
+    return std::string(text) +
+           " (it changed during them, and the figures may have changed with it)";
   }
   return text;
 }
 
 nlohmann::json RoundTrips::json() const {
   if (!before || !after) return nullptr;
-  return {{"cpus", {before->cpu_a, before->cpu_b}}, {"before_ns", before->ns}, {"after_ns", after->ns}};
+  return {
+      {"cpus", {before->cpu_a, before->cpu_b}}, {"before_ns", before->ns}, {"after_ns", after->ns}};
 }
 
 TcpLink::~TcpLink() {
@@ -208,7 +212,8 @@ TcpLink TcpListener::accept() {
   }
 }
 
-std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, int warmup, int iters) {
+std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, int warmup,
+                             int iters) {
   const BatchHeader h{bytes, static_cast<uint32_t>(pattern), static_cast<uint32_t>(warmup + iters)};
   link.send_all(&h, sizeof(h));
   std::vector<char> buf(bytes > 0 ? bytes : 1, 1);

@@ -100,7 +100,8 @@ enum class TcpPattern {
 
 // Seconds of each of `iters` transfers of `bytes` bytes (after `warmup` untimed ones) between
 // this end of `link` and serve_tcp_bounds() at the other.
-std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, int warmup, int iters);
+std::vector<double> time_tcp(TcpLink& link, TcpPattern pattern, size_t bytes, int warmup,
+                             int iters);
 
 // The other end of time_tcp(): answers its batches until the link is closed, then returns. A
 // batch of transfers larger than `max_bytes` (the largest size the benchmark measures) throws

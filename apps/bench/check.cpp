@@ -21,10 +21,17 @@ at::Tensor expected_output(const std::string& op, comm::ReduceOp redop, at::Scal
     for (int r = 1; r < world; ++r) {
       const at::Tensor x = input_values(r, numel);
       switch (redop) {
-        case comm::ReduceOp::PRODUCT: acc = acc * x; break;
-        case comm::ReduceOp::MIN: acc = at::minimum(acc, x); break;
-        case comm::ReduceOp::MAX: acc = at::maximum(acc, x); break;
-        default: acc = acc + x;
+        case comm::ReduceOp::PRODUCT:
+          acc = acc * x;
+          break;
+        case comm::ReduceOp::MIN:
+          acc = at::minimum(acc, x);
+          break;
+        case comm::ReduceOp::MAX:
+          acc = at::maximum(acc, x);
+          break;
+        default:
+          acc = acc + x;
       }
     }
     if (redop == comm::ReduceOp::AVG) acc = acc / world;
@@ -44,9 +51,8 @@ at::Tensor expected_output(const std::string& op, comm::ReduceOp redop, at::Scal
   if (op == "scatter") return input_values(root, block * world).narrow(0, rank * block, block);
   if (op == "reduce_scatter") return reduced(block * world).narrow(0, rank * block, block);
   if (op == "alltoall") {  // block `rank` of every rank's input
-    return blocks_of([&](int r) {
-      return input_values(r, block * world).narrow(0, rank * block, block);
-    });
+    return blocks_of(
+        [&](int r) { return input_values(r, block * world).narrow(0, rank * block, block); });
   }
   return {};  // a gather's non-root, a barrier
 }

@@ -98,18 +98,21 @@ struct Row {
 
 at::ScalarType parse_dtype(const std::string& s) {
   static const std::map<std::string, at::ScalarType> m = {
-      {"float32", at::kFloat}, {"float", at::kFloat},   {"float64", at::kDouble},
+      {"float32", at::kFloat}, {"float", at::kFloat},       {"float64", at::kDouble},
       {"float16", at::kHalf},  {"bfloat16", at::kBFloat16}, {"int32", at::kInt},
-      {"int64", at::kLong},    {"int8", at::kChar},      {"uint8", at::kByte}};
+      {"int64", at::kLong},    {"int8", at::kChar},         {"uint8", at::kByte}};
   auto it = m.find(s);
-  TDIST_CHECK_ARG(it != m.end(), "unknown dtype '", s, "' (float32, float64, float16, bfloat16, int32, int64, int8, uint8)");
+  TDIST_CHECK_ARG(it != m.end(), "unknown dtype '", s,
+                  "' (float32, float64, float16, bfloat16, int32, int64, int8, uint8)");
   return it->second;
 }
 
 ReduceOp parse_redop(const std::string& s) {
-  static const std::map<std::string, ReduceOp> m = {
-      {"sum", ReduceOp::SUM}, {"avg", ReduceOp::AVG}, {"prod", ReduceOp::PRODUCT},
-      {"min", ReduceOp::MIN}, {"max", ReduceOp::MAX}};
+  static const std::map<std::string, ReduceOp> m = {{"sum", ReduceOp::SUM},
+                                                    {"avg", ReduceOp::AVG},
+                                                    {"prod", ReduceOp::PRODUCT},
+                                                    {"min", ReduceOp::MIN},
+                                                    {"max", ReduceOp::MAX}};
   auto it = m.find(s);
   TDIST_CHECK_ARG(it != m.end(), "unknown redop '", s, "' (sum, avg, prod, min, max)");
   return it->second;
@@ -126,7 +129,13 @@ class Case {
  public:
   Case(ProcessGroup& pg, const Config& cfg, at::ScalarType dtype, ReduceOp redop, int64_t count,
        c10::Device device)
-      : pg_(pg), cfg_(cfg), dtype_(dtype), redop_(redop), n_(pg.size()), r_(pg.rank()), count_(count),
+      : pg_(pg),
+        cfg_(cfg),
+        dtype_(dtype),
+        redop_(redop),
+        n_(pg.size()),
+        r_(pg.rank()),
+        count_(count),
         device_(device) {
     const auto& op = cfg.op;
     auto opts = at::TensorOptions().dtype(dtype).device(device);
@@ -210,7 +219,8 @@ class Case {
   int64_t wrong() const {
     const auto& op = cfg_.op;
     const bool in_a = op == "allreduce" || op == "broadcast" || op == "reduce";
-    return count_wrong(in_a ? a_ : b_, expected_output(op, redop_, dtype_, r_, n_, cfg_.root, count_));
+    return count_wrong(in_a ? a_ : b_,
+                       expected_output(op, redop_, dtype_, r_, n_, cfg_.root, count_));
   }
 
  private:
@@ -247,14 +257,17 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
   store.set(prefix + "host/" + std::to_string(rank), comm::host_key());
   if (rank == 0) {
     std::vector<std::string> hosts{comm::host_key()};
-    for (int r = 1; r < n; ++r) hosts.push_back(store.get_string(prefix + "host/" + std::to_string(r)));
+    for (int r = 1; r < n; ++r)
+      hosts.push_back(store.get_string(prefix + "host/" + std::to_string(r)));
     // The lowest rank on another host, else rank 1.
     const auto other = std::find_if(hosts.begin() + 1, hosts.end(),
                                     [&](const std::string& h) { return h != hosts[0]; });
-    const int peer = other != hosts.end() ? static_cast<int>(other - hosts.begin()) : (n >= 2 ? 1 : -1);
+    const int peer =
+        other != hosts.end() ? static_cast<int>(other - hosts.begin()) : (n >= 2 ? 1 : -1);
     std::vector<std::string> distinct = hosts;
     std::sort(distinct.begin(), distinct.end());
-    const int num_hosts = static_cast<int>(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
+    const int num_hosts =
+        static_cast<int>(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
     const bool one_host = num_hosts == 1;
     const char* transport = std::getenv("TDIST_TRANSPORT");
     const bool tcp = n >= 2 && (!one_host || (transport && std::string(transport) == "tcp"));
@@ -267,26 +280,30 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
       const auto colon = addr.rfind(':');
       TcpLink link = TcpLink::connect(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)),
                                       store.get_string(prefix + "tcp-key"));
-      const bool shared_link = num_hosts >= 2 && num_hosts < n &&
-                               (cfg.op == "allreduce" || cfg.op == "allgather" || cfg.op == "reduce_scatter");
+      const bool shared_link =
+          num_hosts >= 2 && num_hosts < n &&
+          (cfg.op == "allreduce" || cfg.op == "allgather" || cfg.op == "reduce_scatter");
       const double factor = shared_link ? (n - 1.0) / n * num_hosts / (num_hosts - 1.0) : 1.0;
       for (auto& row : rows) {
-        const double s = median(time_tcp(link, TcpPattern::kStream, row.bytes, cfg.warmup, cfg.iters));
+        const double s =
+            median(time_tcp(link, TcpPattern::kStream, row.bytes, cfg.warmup, cfg.iters));
         row.bound = row.bytes / s / 1e9 * factor;
       }
-      *bound_name = str("plain TCP stream rank 0 -> rank ", peer, one_host ? " (127.0.0.1)" : "",
-                        shared_link ? str(" x ", factor, " (", num_hosts, " hosts share their links)") : "");
+      *bound_name =
+          str("plain TCP stream rank 0 -> rank ", peer, one_host ? " (127.0.0.1)" : "",
+              shared_link ? str(" x ", factor, " (", num_hosts, " hosts share their links)") : "");
     } else {
       // At most 1000 samples: a sample copies at least 256 KiB (bounds.h), and --iters may be
       // in the millions for small sizes.
       const int samples = std::min(cfg.iters, 1000);
-      for (auto& row : rows) row.bound = row.bytes / median(time_memcpy(row.bytes, cfg.warmup, samples)) / 1e9;
+      for (auto& row : rows)
+        row.bound = row.bytes / median(time_memcpy(row.bytes, cfg.warmup, samples)) / 1e9;
       *bound_name = "single-thread memcpy";
     }
     for (auto& row : rows) row.of_bound = row.busbw / row.bound;
     if (cfg.anchor != "none") {
-      AnchorRun run{cfg.anchor, cfg.op, n, cfg.warmup, cfg.iters, cfg.min_bytes, cfg.max_bytes,
-                    cfg.step_factor, {}, cfg.python};
+      AnchorRun run{cfg.anchor,    cfg.op,          n,  cfg.warmup, cfg.iters, cfg.min_bytes,
+                    cfg.max_bytes, cfg.step_factor, {}, cfg.python};
       for (const auto& row : rows) run.bytes.push_back(row.bytes);
       const std::vector<double> times = run_anchor(run);
       for (size_t i = 0; i < rows.size(); ++i) {
@@ -312,22 +329,29 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
   }
 }
 
-void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name,
-                const RoundTrips& trips) {
+void print_rows(const Config& cfg, int n, const std::vector<Row>& rows,
+                const std::string& bound_name, const RoundTrips& trips) {
   const bool per_rank_blocks = cfg.op != "allreduce" && cfg.op != "broadcast" && cfg.op != "reduce";
   const bool anchor = cfg.anchor != "none";
-  std::printf("# tdist-bench collective: op %s, backend %s (%s), device %s, world size %d, "
-              "dtype %s, redop %s, iters %d, warmup %d\n",
-              cfg.op.c_str(), cfg.backend.c_str(), cfg.group_backend.c_str(), cfg.device.c_str(), n,
-              cfg.dtype.c_str(), cfg.redop.c_str(), cfg.iters, cfg.warmup);
-  std::printf("# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
-              anchor ? ("; anchor: " + std::string(cfg.anchor == "mpi" ? "Open MPI (mpirun)" : "torch.distributed gloo") +
-                        ", same op and sizes, float32 sum, median of --iters").c_str() : "");
+  std::printf(
+      "# tdist-bench collective: op %s, backend %s (%s), device %s, world size %d, "
+      "dtype %s, redop %s, iters %d, warmup %d\n",
+      cfg.op.c_str(), cfg.backend.c_str(), cfg.group_backend.c_str(), cfg.device.c_str(), n,
+      cfg.dtype.c_str(), cfg.redop.c_str(), cfg.iters, cfg.warmup);
+  std::printf(
+      "# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
+      anchor ? ("; anchor: " +
+                std::string(cfg.anchor == "mpi" ? "Open MPI (mpirun)" : "torch.distributed gloo") +
+                ", same op and sizes, float32 sum, median of --iters")
+                   .c_str()
+             : "");
   // Rank 0 measured it before and after the rows (Note [Core-to-core round trip] in bounds.h).
   std::printf("# %s\n", trips.describe("the rows").c_str());
   std::printf("#%12s %12s %9s %7s %12s %11s %11s %11s %9s", "size(B)", "count", "type", "redop",
               "time(us)", "algbw(GB/s)", "busbw(GB/s)", "bound(GB/s)", "bus/bound");
-  if (anchor) std::printf(" %12s %11s %9s", (cfg.anchor + "(us)").c_str(), (cfg.anchor + "_busbw").c_str(), ("bus/" + cfg.anchor).c_str());
+  if (anchor)
+    std::printf(" %12s %11s %9s", (cfg.anchor + "(us)").c_str(), (cfg.anchor + "_busbw").c_str(),
+                ("bus/" + cfg.anchor).c_str());
   std::printf(" %8s\n", "#wrong");
   for (const auto& row : rows) {
     std::printf(" %12zu %12lld %9s %7s %12.2f %11.3f %11.3f %11.3f %9.3g", row.bytes,
@@ -340,16 +364,18 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows, const st
   std::fflush(stdout);
 }
 
-void write_json(const Config& cfg, int n, const std::vector<Row>& rows, const std::string& bound_name,
-                const RoundTrips& trips, const std::string& path) {
-  nlohmann::json j{{"op", cfg.op},       {"backend", cfg.backend}, {"world_size", n},
-                   {"dtype", cfg.dtype}, {"bound", bound_name},    {"anchor", cfg.anchor},
+void write_json(const Config& cfg, int n, const std::vector<Row>& rows,
+                const std::string& bound_name, const RoundTrips& trips, const std::string& path) {
+  nlohmann::json j{{"op", cfg.op},         {"backend", cfg.backend},
+                   {"world_size", n},      {"dtype", cfg.dtype},
+                   {"bound", bound_name},  {"anchor", cfg.anchor},
                    {"device", cfg.device}, {"group_backend", cfg.group_backend}};
   j["core_round_trip"] = trips.json();
   j["rows"] = nlohmann::json::array();
   for (const auto& r : rows) {
-    nlohmann::json row{{"bytes", r.bytes},         {"time_us", r.time_us},  {"algbw_gbs", r.algbw},
-                       {"busbw_gbs", r.busbw},     {"bound_gbs", r.bound},  {"busbw_over_bound", r.of_bound},
+    nlohmann::json row{{"bytes", r.bytes},     {"time_us", r.time_us},
+                       {"algbw_gbs", r.algbw}, {"busbw_gbs", r.busbw},
+                       {"bound_gbs", r.bound}, {"busbw_over_bound", r.of_bound},
                        {"wrong", r.wrong}};
     if (cfg.anchor != "none") {
       row["anchor_time_us"] = r.anchor_us;
@@ -381,7 +407,8 @@ int run_collective(const Config& cfg) {
   check_anchor(cfg.anchor, cfg.dtype, cfg.redop);
   // Before anything else asks libtorch about CUDA (apps/common/device.h).
   // Ranks share the GPUs where CUDA tensors go through the ring (staged through host memory).
-  const bool staged = cfg.group_backend == "ring" || cfg.group_backend.find("cuda:ring") != std::string::npos;
+  const bool staged =
+      cfg.group_backend == "ring" || cfg.group_backend.find("cuda:ring") != std::string::npos;
   const c10::Device device = apps::resolve_device("--device", cfg.device, staged);
   at::set_num_threads(1);
 
@@ -405,7 +432,8 @@ int run_collective(const Config& cfg) {
   }
   std::vector<Row> rows;
   std::vector<size_t> sizes;
-  for (double b = static_cast<double>(min_b); b <= static_cast<double>(max_b) * 1.0000001; b *= cfg.step_factor) {
+  for (double b = static_cast<double>(min_b); b <= static_cast<double>(max_b) * 1.0000001;
+       b *= cfg.step_factor) {
     sizes.push_back(static_cast<size_t>(b));
     if (cfg.op == "barrier") break;
   }
@@ -420,7 +448,8 @@ int run_collective(const Config& cfg) {
     for (int i = 0; i < cfg.iters; ++i) {
       auto start = std::chrono::steady_clock::now();
       c.run();
-      t[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+      t[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+                 .count();
     }
     comm::AllreduceOptions max;
     max.op = ReduceOp::MAX;
@@ -449,7 +478,8 @@ int run_collective(const Config& cfg) {
     if (!cfg.plot.empty()) draw_plot(cfg.python, "collective", json, cfg.plot);
   }
   pg->barrier()->wait();
-  if (print && total_wrong > 0) std::fprintf(stderr, "tdist-bench: %lld wrong elements\n", static_cast<long long>(total_wrong));
+  if (print && total_wrong > 0)
+    std::fprintf(stderr, "tdist-bench: %lld wrong elements\n", static_cast<long long>(total_wrong));
   return total_wrong > 0 ? 3 : 0;
 }
 
@@ -457,20 +487,25 @@ int run_collective(const Config& cfg) {
 
 void add_collective_command(CLI::App& app) {
   auto cfg = std::make_shared<Config>();
-  auto* sub = app.add_subcommand("collective", "time one collective over a range of sizes (nccl-tests style)");
+  auto* sub = app.add_subcommand("collective",
+                                 "time one collective over a range of sizes (nccl-tests style)");
   sub->add_option("--op", cfg->op,
                   "allreduce, broadcast, reduce, allgather, gather, scatter, reduce_scatter, "
                   "alltoall, barrier")
       ->capture_default_str();
-  sub->add_option("--min-bytes,-b", cfg->min_bytes, "smallest size (K/M/G suffixes)")->capture_default_str();
+  sub->add_option("--min-bytes,-b", cfg->min_bytes, "smallest size (K/M/G suffixes)")
+      ->capture_default_str();
   sub->add_option("--max-bytes,-e", cfg->max_bytes, "largest size")->capture_default_str();
-  sub->add_option("--step-factor,-f", cfg->step_factor, "size multiplier between rows")->capture_default_str();
+  sub->add_option("--step-factor,-f", cfg->step_factor, "size multiplier between rows")
+      ->capture_default_str();
   sub->add_option("--iters,-n", cfg->iters, "timed iterations per size")->capture_default_str();
   sub->add_option("--warmup,-w", cfg->warmup, "untimed iterations per size")->capture_default_str();
   sub->add_option("--dtype,-d", cfg->dtype, "element type")->capture_default_str();
   sub->add_option("--redop,-o", cfg->redop, "sum, avg, prod, min, max")->capture_default_str();
-  sub->add_option("--root,-r", cfg->root, "root of broadcast/reduce/gather/scatter")->capture_default_str();
-  sub->add_option("--backend", cfg->backend, "tdist (gloo: see --anchor gloo)")->capture_default_str();
+  sub->add_option("--root,-r", cfg->root, "root of broadcast/reduce/gather/scatter")
+      ->capture_default_str();
+  sub->add_option("--backend", cfg->backend, "tdist (gloo: see --anchor gloo)")
+      ->capture_default_str();
   sub->add_option("--json", cfg->json, "also write the rows as JSON to this file (rank 0)");
   sub->add_option("--init-method", cfg->init_method, "rendezvous URL")->capture_default_str();
   sub->add_option("--anchor", cfg->anchor,

@@ -39,9 +39,9 @@ pid_t spawn_process(const std::vector<std::string>& args, const std::vector<std:
     // An inherited variable that extra_env sets again is left out: with both, getenv() and
     // Python's os.environ would see the inherited one (the first), not ours.
     const std::string entry = *e;
-    const bool replaced = std::any_of(extra_env.begin(), extra_env.end(), [&](const std::string& x) {
-      return name_of(x) == name_of(entry);
-    });
+    const bool replaced =
+        std::any_of(extra_env.begin(), extra_env.end(),
+                    [&](const std::string& x) { return name_of(x) == name_of(entry); });
     if (!replaced) env.push_back(entry);
   }
   env.insert(env.end(), extra_env.begin(), extra_env.end());
@@ -136,7 +136,8 @@ size_t parse_bytes(const std::string& text) {
   } catch (...) {
     pos = 0;
   }
-  TDIST_CHECK_ARG(pos == num.size() && pos > 0, "size '", text, "' is not a number with an optional K/M/G suffix");
+  TDIST_CHECK_ARG(pos == num.size() && pos > 0, "size '", text,
+                  "' is not a number with an optional K/M/G suffix");
   return static_cast<size_t>(v) * mult;
 }
 

@@ -153,15 +153,43 @@ pid_t spawn_logged(const std::vector<std::string>& args, const std::vector<std::
 Figures run_tdist(const Config& c, const std::string& train, const std::string& strategy) {
   const std::string summary = temp_path("the summary");
   const int port = free_port();
-  std::vector<std::string> args{
-      train, "--model", "gpt", "--layers", std::to_string(c.layers), "--width",
-      std::to_string(c.width), "--heads", std::to_string(c.heads), "--context",
-      std::to_string(c.context), "--batch-size", std::to_string(c.batch), "--steps",
-      std::to_string(c.warmup + c.steps), "--warmup-steps", std::to_string(c.warmup),
-      "--optimizer", "adam", "--lr", std::to_string(c.lr), "--threads", std::to_string(c.threads),
-      "--strategy", strategy, "--progress", "none", "--log-every", std::to_string(c.loss_window),
-      "--test-samples", "8", "--eval-batch-size", "8", "--timeout", std::to_string(c.timeout_s),
-      "--summary", summary};
+  std::vector<std::string> args{train,
+                                "--model",
+                                "gpt",
+                                "--layers",
+                                std::to_string(c.layers),
+                                "--width",
+                                std::to_string(c.width),
+                                "--heads",
+                                std::to_string(c.heads),
+                                "--context",
+                                std::to_string(c.context),
+                                "--batch-size",
+                                std::to_string(c.batch),
+                                "--steps",
+                                std::to_string(c.warmup + c.steps),
+                                "--warmup-steps",
+                                std::to_string(c.warmup),
+                                "--optimizer",
+                                "adam",
+                                "--lr",
+                                std::to_string(c.lr),
+                                "--threads",
+                                std::to_string(c.threads),
+                                "--strategy",
+                                strategy,
+                                "--progress",
+                                "none",
+                                "--log-every",
+                                std::to_string(c.loss_window),
+                                "--test-samples",
+                                "8",
+                                "--eval-batch-size",
+                                "8",
+                                "--timeout",
+                                std::to_string(c.timeout_s),
+                                "--summary",
+                                summary};
   if (!c.data_dir.empty()) {
     args.push_back("--data-dir");
     args.push_back(c.data_dir);
@@ -198,7 +226,8 @@ Figures run_tdist(const Config& c, const std::string& train, const std::string& 
   f.samples_per_s = s.at("samples_per_sec").get<double>();
   f.loss = s.at("final_loss").get<double>();
   for (const auto& m : s.at("memory_per_rank")) {
-    const double state = m.at("parameter_bytes").get<double>() + m.at("gradient_bytes").get<double>() +
+    const double state = m.at("parameter_bytes").get<double>() +
+                         m.at("gradient_bytes").get<double>() +
                          m.at("optimizer_state_bytes").get<double>();
     f.state_bytes = std::max(f.state_bytes, state);
     f.peak_allocated_bytes =
@@ -215,10 +244,9 @@ Figures run_torch(const Config& c, const std::string& strategy, const std::strin
   if (!module_dir.empty()) cmd << "PYTHONPATH='" << module_dir << "'${PYTHONPATH:+:$PYTHONPATH} ";
   cmd << c.python << " '" << c.torch_script << "' --strategy " << strategy << " --backend "
       << backend << " --world-size " << c.world << " --layers " << c.layers << " --width "
-      << c.width << " --heads " << c.heads << " --context " << c.context << " --batch "
-      << c.batch << " --steps " << c.steps << " --warmup " << c.warmup << " --loss-window "
-      << c.loss_window << " --lr " << c.lr << " --threads " << c.threads << " --timeout "
-      << c.timeout_s;
+      << c.width << " --heads " << c.heads << " --context " << c.context << " --batch " << c.batch
+      << " --steps " << c.steps << " --warmup " << c.warmup << " --loss-window " << c.loss_window
+      << " --lr " << c.lr << " --threads " << c.threads << " --timeout " << c.timeout_s;
   if (!c.data_dir.empty()) cmd << " --data-dir '" << c.data_dir << "'";
   cmd << " 2>&1";
   int status = 0;
@@ -264,14 +292,16 @@ std::string mb(double bytes) {
 
 int run_fsdp_bench(int argc, char** argv) {
   Config c;
-  CLI::App app{"tdist-bench fsdp: sharded data parallel side by side in one run: PyTorch DDP and "
-               "FSDP2 (fully_shard) over gloo, FSDP2 over tdist's c10d backend, tdist DDP and "
-               "tdist fsdp (tdist-train), on tdist-train's byte-level GPT with Adam on CPU. "
-               "Samples/s, loss, and per rank the parameters + gradients + Adam state, the peak "
-               "of CPU tensor bytes and the peak RSS; the ratios issue 42 targets."};
+  CLI::App app{
+      "tdist-bench fsdp: sharded data parallel side by side in one run: PyTorch DDP and "
+      "FSDP2 (fully_shard) over gloo, FSDP2 over tdist's c10d backend, tdist DDP and "
+      "tdist fsdp (tdist-train), on tdist-train's byte-level GPT with Adam on CPU. "
+      "Samples/s, loss, and per rank the parameters + gradients + Adam state, the peak "
+      "of CPU tensor bytes and the peak RSS; the ratios issue 42 targets."};
   app.add_option("--world-size", c.world, "ranks of every run")->check(CLI::Range(1, 64));
   app.add_option("--layers", c.layers, "gpt blocks")->check(CLI::Range(1, 256));
-  app.add_option("--width", c.width, "gpt width (a multiple of --heads)")->check(CLI::Range(1, 65536));
+  app.add_option("--width", c.width, "gpt width (a multiple of --heads)")
+      ->check(CLI::Range(1, 65536));
   app.add_option("--heads", c.heads, "attention heads")->check(CLI::Range(1, 1024));
   app.add_option("--context", c.context, "bytes per sequence")->check(CLI::Range(1, 1 << 20));
   app.add_option("--batch", c.batch, "sequences per rank and step")->check(CLI::Range(1, 1 << 20));
@@ -285,10 +315,12 @@ int run_fsdp_bench(int argc, char** argv) {
   app.add_option("--threads", c.threads, "intra-op threads per rank")->check(CLI::Range(1, 256));
   app.add_option("--rounds", c.rounds, "rounds, alternating the order; medians are reported")
       ->check(CLI::Range(1, 100));
-  app.add_option("--timeout", c.timeout_s, "seconds a run's collectives (and a Python run) may take")
+  app.add_option("--timeout", c.timeout_s,
+                 "seconds a run's collectives (and a Python run) may take")
       ->check(CLI::Range(1.0, 86400.0));
-  app.add_option("--data-dir", c.data_dir, "the text (*.py files; default: tdist-train's, the "
-                                           "newest /usr/lib/python3.N)");
+  app.add_option("--data-dir", c.data_dir,
+                 "the text (*.py files; default: tdist-train's, the "
+                 "newest /usr/lib/python3.N)");
   app.add_option("--python", c.python, "Python with torch (and tdist_c10d importable)");
   app.add_option("--torch-script", c.torch_script, "path of bench_fsdp_torch.py");
   app.add_option("--train", c.train_bin, "path of tdist-train");
@@ -306,16 +338,17 @@ int run_fsdp_bench(int argc, char** argv) {
                     "--loss-window ", c.loss_window, " must divide --warmup + --steps (",
                     c.warmup + c.steps, ") and be at most --steps");
     const std::string train = find_train(c);
-    if (c.compare_torch && c.torch_script.empty()) c.torch_script = find_script("bench_fsdp_torch.py");
+    if (c.compare_torch && c.torch_script.empty())
+      c.torch_script = find_script("bench_fsdp_torch.py");
     // Parameters of the model (models.h): embeddings, blocks, final LayerNorm, head.
     const double w = c.width;
     const double psi = 256 * w + c.context * w + 2 * w + 256 * w +
                        c.layers * (4 * w + (3 * w * w + 3 * w) + (w * w + w) + (4 * w * w + 4 * w) +
                                    (4 * w * w + w));
     std::cout << "model gpt " << c.layers << "x" << c.width << " h" << c.heads << " ctx"
-              << c.context << " (" << static_cast<int64_t>(psi) << " parameters), batch "
-              << c.batch << " per rank, Adam lr " << c.lr << ", CPU, world " << c.world << ", "
-              << c.threads << " thread(s) per rank; " << c.steps << " timed steps (+" << c.warmup
+              << c.context << " (" << static_cast<int64_t>(psi) << " parameters), batch " << c.batch
+              << " per rank, Adam lr " << c.lr << ", CPU, world " << c.world << ", " << c.threads
+              << " thread(s) per rank; " << c.steps << " timed steps (+" << c.warmup
               << " warm-up), median of " << c.rounds << " round(s)\n"
               << "loss: mean of the last " << c.loss_window << " steps over the ranks (PyTorch's "
               << "and tdist's draw their windows differently: compare within a side)\n"
@@ -332,7 +365,8 @@ int run_fsdp_bench(int argc, char** argv) {
     if (c.compare_torch) {
       impls.push_back({"PyTorch DDP (gloo)", [&] { return run_torch(c, "ddp", "gloo"); }, {}});
       impls.push_back({"PyTorch FSDP2 (gloo)", [&] { return run_torch(c, "fsdp", "gloo"); }, {}});
-      impls.push_back({"PyTorch FSDP2 (tdist backend)", [&] { return run_torch(c, "fsdp", "tdist"); }, {}});
+      impls.push_back(
+          {"PyTorch FSDP2 (tdist backend)", [&] { return run_torch(c, "fsdp", "tdist"); }, {}});
     }
     impls.push_back({"tdist DDP (ring)", [&] { return run_tdist(c, train, "ddp"); }, {}});
     impls.push_back({"tdist fsdp (ring)", [&] { return run_tdist(c, train, "fsdp"); }, {}});
@@ -345,11 +379,19 @@ int run_fsdp_bench(int argc, char** argv) {
     }
     std::cout << std::left << std::setw(32) << "implementation" << std::right << std::setw(11)
               << "samples/s" << std::setw(10) << "loss" << std::setw(11) << "state MB"
-              << std::setw(10) << "peak MB" << std::setw(9) << "RSS MB" << "\n";
-    nlohmann::json report{{"world_size", c.world}, {"layers", c.layers}, {"width", c.width},
-                          {"heads", c.heads}, {"context", c.context}, {"batch", c.batch},
-                          {"steps", c.steps}, {"warmup", c.warmup}, {"rounds", c.rounds},
-                          {"params", psi}, {"runs", nlohmann::json::object()}};
+              << std::setw(10) << "peak MB" << std::setw(9) << "RSS MB"
+              << "\n";
+    nlohmann::json report{{"world_size", c.world},
+                          {"layers", c.layers},
+                          {"width", c.width},
+                          {"heads", c.heads},
+                          {"context", c.context},
+                          {"batch", c.batch},
+                          {"steps", c.steps},
+                          {"warmup", c.warmup},
+                          {"rounds", c.rounds},
+                          {"params", psi},
+                          {"runs", nlohmann::json::object()}};
     std::map<std::string, Figures> fig;
     for (const Impl& impl : impls) {
       const Figures f = median_of(impl.results);
@@ -359,7 +401,8 @@ int run_fsdp_bench(int argc, char** argv) {
                 << std::setprecision(4) << f.loss << std::setw(11) << mb(f.state_bytes)
                 << std::setw(10) << mb(f.peak_allocated_bytes) << std::setw(9)
                 << mb(f.peak_rss_bytes) << "\n";
-      report["runs"][impl.name] = {{"samples_per_s", f.samples_per_s}, {"loss", f.loss},
+      report["runs"][impl.name] = {{"samples_per_s", f.samples_per_s},
+                                   {"loss", f.loss},
                                    {"state_bytes", f.state_bytes},
                                    {"peak_allocated_bytes", f.peak_allocated_bytes},
                                    {"peak_rss_bytes", f.peak_rss_bytes}};

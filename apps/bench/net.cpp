@@ -412,8 +412,9 @@ json measure_round(const Options& o) {
 
 int run_net_bench(int argc, char** argv) {
   Options o;
-  CLI::App app{"tdist-bench net: POSIX, poll and Boost.Asio I/O on the traffic of the mesh, RPC "
-               "and the store (loopback, threads of this process)"};
+  CLI::App app{
+      "tdist-bench net: POSIX, poll and Boost.Asio I/O on the traffic of the mesh, RPC "
+      "and the store (loopback, threads of this process)"};
   app.add_option("--small", o.small_text,
                  "ping-pong message bytes, K/M/G suffixes (a small collective, an RPC call)")
       ->capture_default_str();
@@ -443,7 +444,9 @@ int run_net_bench(int argc, char** argv) {
     }
     std::vector<json> rounds;
     for (int i = 0; i < o.rounds; ++i) rounds.push_back(measure_round(o));
-    json result{{"small_bytes", o.small}, {"large_bytes", o.large}, {"clients", o.clients},
+    json result{{"small_bytes", o.small},
+                {"large_bytes", o.large},
+                {"clients", o.clients},
                 {"rounds", o.rounds}};
     struct Row {
       const char* key;
@@ -466,9 +469,10 @@ int run_net_bench(int argc, char** argv) {
       }
       std::printf("\n");
     }
-    std::printf("(%zu-byte ping-pong, %zu-byte stream, %d clients x %d requests of %zu bytes; "
-                "medians of %d rounds; asio-inline's server is asio's)\n",
-                o.small, o.large, o.clients, o.requests, kRequestBytes, o.rounds);
+    std::printf(
+        "(%zu-byte ping-pong, %zu-byte stream, %d clients x %d requests of %zu bytes; "
+        "medians of %d rounds; asio-inline's server is asio's)\n",
+        o.small, o.large, o.clients, o.requests, kRequestBytes, o.rounds);
     if (!o.json_file.empty()) {
       std::ofstream f(o.json_file);
       f << result.dump(2) << "\n";

@@ -78,8 +78,7 @@ int worker_main(const Config& c) {
   o.microbatches = c.microbatches;
   o.loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); };
   pipeline::Pipeline pipe(
-      pipeline::PipelineStage(model, bounds_of(c, kind), pg->rank(), pg->size()),
-      pg, o);
+      pipeline::PipelineStage(model, bounds_of(c, kind), pg->rank(), pg->size()), pg, o);
   const int64_t batch = static_cast<int64_t>(c.micro_batch_size) * c.microbatches;
   auto x = torch::randn({batch, c.width});
   auto y = torch::randn({batch, c.width});
@@ -122,12 +121,12 @@ Figures run_tdist(const Config& c, const std::string& schedule,
   worker_args.insert(worker_args.end(), args.begin(), args.end());
   std::vector<pid_t> pids;
   for (int r = 0; r < c.stages; ++r) {
-    pids.push_back(spawn_process(worker_args,
-                                 {"RANK=" + std::to_string(r),
-                                  "WORLD_SIZE=" + std::to_string(c.stages),
-                                  "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-                                  "OMP_NUM_THREADS=1", "TDIST_BENCH_PIPELINE_RESULT=" + result_path},
-                                 "rank " + std::to_string(r)));
+    pids.push_back(
+        spawn_process(worker_args,
+                      {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(c.stages),
+                       "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+                       "OMP_NUM_THREADS=1", "TDIST_BENCH_PIPELINE_RESULT=" + result_path},
+                      "rank " + std::to_string(r)));
   }
   std::string failed;
   for (size_t r = 0; r < pids.size(); ++r) {
@@ -244,10 +243,10 @@ int run_pipeline_bench(int argc, char** argv) {
     std::cout << std::left << std::setw(13) << "schedule" << std::setw(26) << "implementation"
               << std::right << std::setw(11) << "samples/s" << std::setw(10) << "step ms"
               << "   bubble measured/analytic/simulated, ratio\n";
-    nlohmann::json report{{"stages", c.stages}, {"microbatches", c.microbatches},
-                          {"width", c.width}, {"layers", c.layers},
-                          {"micro_batch_size", c.micro_batch_size}, {"steps", c.steps},
-                          {"rounds", c.rounds}, {"schedules", nlohmann::json::array()}};
+    nlohmann::json report{
+        {"stages", c.stages}, {"microbatches", c.microbatches},         {"width", c.width},
+        {"layers", c.layers}, {"micro_batch_size", c.micro_batch_size}, {"steps", c.steps},
+        {"rounds", c.rounds}, {"schedules", nlohmann::json::array()}};
     for (const auto& name : schedules) {
       const auto kind = pipeline::parse_schedule(name);
       const bool with_torch = c.compare_torch && torch_has(name);
@@ -258,11 +257,13 @@ int run_pipeline_bench(int argc, char** argv) {
         if (with_torch && r % 2 == 0) theirs.push_back(run_torch(c, name));
       }
       const Figures o = median_of(ours);
-      const auto sched = pipeline::make_schedule(kind, c.stages, c.microbatches,
-                                                 kind == pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1);
+      const auto sched = pipeline::make_schedule(
+          kind, c.stages, c.microbatches, kind == pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1);
       nlohmann::json entry{{"schedule", name},
-                           {"tdist", {{"samples_per_s", o.samples_per_s}, {"step_ms", o.step_ms},
-                                      {"bubble_measured", o.bubble}}},
+                           {"tdist",
+                            {{"samples_per_s", o.samples_per_s},
+                             {"step_ms", o.step_ms},
+                             {"bubble_measured", o.bubble}}},
                            {"bubble_analytic", pipeline::analytic_bubble(c.stages, c.microbatches)},
                            {"bubble_simulated", sched.simulated_bubble()}};
       std::ostringstream tail;
@@ -272,17 +273,17 @@ int run_pipeline_bench(int argc, char** argv) {
       if (with_torch) {
         const Figures t = median_of(theirs);
         const double ratio = o.samples_per_s / t.samples_per_s;
-        std::cout << std::left << std::setw(13) << name << std::setw(26) << "torch pipelining (gloo)"
-                  << std::right << std::fixed << std::setw(11) << std::setprecision(1)
-                  << t.samples_per_s << std::setw(10) << t.step_ms << "\n";
-        tail << ", " << std::setprecision(2) << ratio << "x of torch (target >= 1.2: "
-             << (ratio >= 1.2 ? "met" : "NOT MET") << ")";
+        std::cout << std::left << std::setw(13) << name << std::setw(26)
+                  << "torch pipelining (gloo)" << std::right << std::fixed << std::setw(11)
+                  << std::setprecision(1) << t.samples_per_s << std::setw(10) << t.step_ms << "\n";
+        tail << ", " << std::setprecision(2) << ratio
+             << "x of torch (target >= 1.2: " << (ratio >= 1.2 ? "met" : "NOT MET") << ")";
         entry["torch"] = {{"samples_per_s", t.samples_per_s}, {"step_ms", t.step_ms}};
         entry["tdist_over_torch"] = ratio;
       }
-      std::cout << std::left << std::setw(13) << name << std::setw(26) << "tdist (ring)" << std::right
-                << std::fixed << std::setw(11) << std::setprecision(1) << o.samples_per_s
-                << std::setw(10) << o.step_ms << tail.str() << std::endl;
+      std::cout << std::left << std::setw(13) << name << std::setw(26) << "tdist (ring)"
+                << std::right << std::fixed << std::setw(11) << std::setprecision(1)
+                << o.samples_per_s << std::setw(10) << o.step_ms << tail.str() << std::endl;
       report["schedules"].push_back(entry);
     }
     if (!c.json_file.empty()) std::ofstream(c.json_file) << report.dump(1) << "\n";

@@ -25,7 +25,7 @@
 #include "apps/bench/subcommands.h"
 #include "apps/bench/two_workers.h"
 #include "tdist/rpc/api.h"
-#include "tdist/rpc/detail/shm_stream.h"
+#include "tdist/rpc/bounds.h"
 
 namespace tdist::bench {
 namespace {
@@ -88,50 +88,9 @@ int run_server(const Options& o) {
 //   counting both ways is at most memcpy's).
 //   On one host a connection's frames leave TCP for shared-memory rings (Note [RPC shared-memory
 //   frame streams]), so the round trip has a second bound: the same ping-pong through two such
-//   rings (rpc::detail::ShmStream, one per direction) between two threads of this process, each
+//   rings (rpc::shm_ring_round_trips, one per direction) between two threads of this process, each
 //   looking for its message as a connection's reader does between frames (no sleep, yielding
 //   the core between looks).
-
-// Round trips of `bytes` through two shared-memory rings, in seconds each.
-std::vector<double> time_ring_pingpong(size_t bytes, int warmup, int iters) {
-  using rpc::detail::ShmStream;
-  constexpr uint64_t kCapacity = 256 << 10;
-  auto open_own = [](const ShmStream& w) {
-    std::string why;
-    auto r = ShmStream::open(::getpid(), w.fd(), w.tag(), w.capacity(), &why);
-    if (!r) throw std::runtime_error("cannot map a shared-memory ring: " + why);
-    return r;
-  };
-  auto there = ShmStream::create(kCapacity), back = ShmStream::create(kCapacity);
-  if (!there || !back) throw std::runtime_error("no shared memory for the ring ping-pong");
-  auto there_in = open_own(*there), back_in = open_own(*back);
-  std::vector<uint8_t> out(bytes, 1), in(bytes);
-  auto move = [](ShmStream& s, uint8_t* p, size_t n, bool write) {
-    while (n > 0) {
-      const size_t k = write ? s.write_some(p, n) : s.read_some(p, n);
-      if (k == 0) std::this_thread::yield();
-      p += k;
-      n -= k;
-    }
-  };
-  const int total = warmup + iters;
-  std::thread echo([&] {
-    std::vector<uint8_t> buf(bytes);
-    for (int i = 0; i < total; ++i) {
-      move(*there_in, buf.data(), bytes, false);
-      move(*back, buf.data(), bytes, true);
-    }
-  });
-  std::vector<double> times;
-  for (int i = 0; i < total; ++i) {
-    const auto t0 = Clock::now();
-    move(*there, out.data(), bytes, true);
-    move(*back_in, in.data(), bytes, false);
-    if (i >= warmup) times.push_back(seconds_since(t0));
-  }
-  echo.join();
-  return times;
-}
 
 void measure_bounds(const Options& o, json& r) {
   TcpListener listener("127.0.0.1");
@@ -145,22 +104,24 @@ void measure_bounds(const Options& o, json& r) {
     r["pingpong_bytes"] = o.bound_bytes;
     r["pingpong_us"] =
         median(time_tcp(link, TcpPattern::kPingPong, o.bound_bytes, o.warmup, o.rtt_iters)) * 1e6;
-    r["echo_tcp_gbps"] = 2.0 * static_cast<double>(echo_bytes) /
-                         median(time_tcp(link, TcpPattern::kPingPong, echo_bytes, 3, o.echo_iters)) / 1e9;
+    r["echo_tcp_gbps"] =
+        2.0 * static_cast<double>(echo_bytes) /
+        median(time_tcp(link, TcpPattern::kPingPong, echo_bytes, 3, o.echo_iters)) / 1e9;
   } catch (...) {
     // The link is closed, so a server thread that accepted it returns; one still in accept()
     // (connect failed) is released by one more connection, closed at once.
     try {
       TcpLink::connect("127.0.0.1", listener.port(), listener.key(), 1);
-    } catch (...) {
-    }
+    } catch (...) {}
     server.join();
     throw;
   }
   server.join();
   r["ring_pingpong_us"] =
-      median(time_ring_pingpong(static_cast<size_t>(o.bound_bytes), o.warmup, o.rtt_iters)) * 1e6;
-  r["memcpy_gbps"] = static_cast<double>(echo_bytes) / median(time_memcpy(echo_bytes, 3, o.echo_iters)) / 1e9;
+      median(rpc::shm_ring_round_trips(static_cast<size_t>(o.bound_bytes), o.warmup, o.rtt_iters)) *
+      1e6;
+  r["memcpy_gbps"] =
+      static_cast<double>(echo_bytes) / median(time_memcpy(echo_bytes, 3, o.echo_iters)) / 1e9;
 }
 
 json measure(const Options& o) {
@@ -199,9 +160,8 @@ json measure(const Options& o) {
   const int64_t bytes = int64_t{o.echo_mib} << 20;
   at::Tensor t = at::rand({bytes / 4});
   at::Tensor back;
-  const std::vector<double> echo_s = time_calls(3, o.echo_iters, [&](int) {
-    back = agent->rpc_sync<at::Tensor>(peer, "bench_echo", t);
-  });
+  const std::vector<double> echo_s = time_calls(
+      3, o.echo_iters, [&](int) { back = agent->rpc_sync<at::Tensor>(peer, "bench_echo", t); });
   if (!back.equal(t)) throw std::runtime_error("the echoed tensor differs from the one sent");
   r["echo_bytes"] = bytes;
   r["echo_gbps"] = 2.0 * static_cast<double>(bytes) / median(echo_s) / 1e9;
@@ -219,16 +179,17 @@ bool print_bounds(const json& ours, json& result) {
   const double ring = ours["ring_pingpong_us"].get<double>();
   const bool rtt_met = rtt <= 15, echo_met = echo / mem >= 0.8;
   std::printf("\nagainst the bounds (medians of the rounds):\n");
-  std::printf("%-28s %10.2f  bound: TCP ping-pong of %lld bytes %8.2f us  bound/ours %.3f "
-              "(target: round trip <= 15 us: %s)\n",
-              "rpc_sync round trip (us)", rtt, ours["pingpong_bytes"].get<long long>(), pp, pp / rtt,
-              rtt_met ? "met" : "NOT MET");
-  std::printf("%-28s %10s  bound: shared-memory ring ping-pong %8.2f us  bound/ours %.3f\n", "",
-              "", ring, ring / rtt);
-  std::printf("%-28s %10.2f  bound: memcpy %8.2f GB/s  ours/bound %.3f (target >= 0.80: %s); "
-              "TCP ping-pong %.2f GB/s, ours/TCP %.3f\n",
-              "tensor echo (GB/s)", echo, mem, echo / mem, echo_met ? "met" : "NOT MET", tcp,
-              echo / tcp);
+  std::printf(
+      "%-28s %10.2f  bound: TCP ping-pong of %lld bytes %8.2f us  bound/ours %.3f "
+      "(target: round trip <= 15 us: %s)\n",
+      "rpc_sync round trip (us)", rtt, ours["pingpong_bytes"].get<long long>(), pp, pp / rtt,
+      rtt_met ? "met" : "NOT MET");
+  std::printf("%-28s %10s  bound: shared-memory ring ping-pong %8.2f us  bound/ours %.3f\n", "", "",
+              ring, ring / rtt);
+  std::printf(
+      "%-28s %10.2f  bound: memcpy %8.2f GB/s  ours/bound %.3f (target >= 0.80: %s); "
+      "TCP ping-pong %.2f GB/s, ours/TCP %.3f\n",
+      "tensor echo (GB/s)", echo, mem, echo / mem, echo_met ? "met" : "NOT MET", tcp, echo / tcp);
   result["bounds"] = {{"rtt_over_pingpong", rtt / pp},
                       {"pingpong_over_rtt", pp / rtt},
                       {"ring_pingpong_over_rtt", ring / rtt},
@@ -261,8 +222,9 @@ int run_rpc_bench(int argc, char** argv) {
     if (std::string(argv[i]) == "--autograd") return run_autograd_bench(argc, argv);
   }
   Options o;
-  CLI::App app{"tdist-bench rpc: RPC round trip, async call rate and tensor echo, tdist vs "
-               "torch.distributed.rpc (TensorPipe), two workers on this machine"};
+  CLI::App app{
+      "tdist-bench rpc: RPC round trip, async call rate and tensor echo, tdist vs "
+      "torch.distributed.rpc (TensorPipe), two workers on this machine"};
   app.add_option("--rtt-iters", o.rtt_iters, "round trips timed");
   app.add_option("--warmup", o.warmup, "round trips before timing");
   app.add_option("--async-calls", o.async_calls, "calls per async measurement");
@@ -280,8 +242,9 @@ int run_rpc_bench(int argc, char** argv) {
   app.add_option("--bound-bytes", o.bound_bytes, "message size of the TCP ping-pong bound")
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--json", o.json_file, "also write the results as JSON to this file");
-  app.add_option("--plot", o.plot, "draw the figures against the bound and PyTorch to this PNG "
-                                   "(the JSON goes to --json, else FILE.json)");
+  app.add_option("--plot", o.plot,
+                 "draw the figures against the bound and PyTorch to this PNG "
+                 "(the JSON goes to --json, else FILE.json)");
   app.add_flag("--role-server", o.server)->group("");
   app.add_option("--store-port", o.store_port)->group("");
   try {
@@ -312,15 +275,21 @@ int run_rpc_bench(int argc, char** argv) {
       result["torch"] = theirs;
     }
 
-    const RatioTable table{"", "torch (TP)", 28, 14, 2, 10, 9,
+    const RatioTable table{"",
+                           "torch (TP)",
+                           28,
+                           14,
+                           2,
+                           10,
+                           9,
                            {{"rpc_sync round trip (us)", "rtt_us", true, 1.0 / 3},
                             {"rpc_async calls/s", "async_calls_s", false, 3.0},
                             {"tensor echo (GB/s)", "echo_gbps", false, 1.5}}};
     const bool all_met = print_ratio_table(table, ours, o.torch ? &theirs : nullptr, result);
-    std::printf("(medians of %d alternating rounds; %d MiB echo, %d outstanding async calls, %d "
-                "worker threads, fast path %s)\n",
-                std::max(o.rounds, 1), o.echo_mib, o.outstanding, o.threads,
-                o.fast_path ? "on" : "off");
+    std::printf(
+        "(medians of %d alternating rounds; %d MiB echo, %d outstanding async calls, %d "
+        "worker threads, fast path %s)\n",
+        std::max(o.rounds, 1), o.echo_mib, o.outstanding, o.threads, o.fast_path ? "on" : "off");
     const bool bounds_met = print_bounds(ours, result);
     std::printf("%s\n", trips.describe("the rounds").c_str());
     result["core_round_trip"] = trips.json();

@@ -22,9 +22,9 @@ rpc::RpcOptions worker_options(int store_port, int threads) {
 pid_t spawn_server(const std::vector<std::string>& flags, int store_port, int threads) {
   std::vector<std::string> args{self_exe(), "rpc"};
   args.insert(args.end(), flags.begin(), flags.end());
-  for (std::string a : {std::string("--role-server"), std::string("--store-port"),
-                        std::to_string(store_port), std::string("--threads"),
-                        std::to_string(threads)}) {
+  for (std::string a :
+       {std::string("--role-server"), std::string("--store-port"), std::to_string(store_port),
+        std::string("--threads"), std::to_string(threads)}) {
     args.push_back(std::move(a));
   }
   return spawn_process(args, {}, "the worker1 process");
@@ -34,7 +34,8 @@ nlohmann::json run_torch_script(const std::string& script, const std::string& ar
   const std::string cmd = "python3 " + script + args + " 2>/dev/null";
   int rc = 0;
   const std::string out = capture_output(cmd, &rc);
-  if (rc != 0) throw std::runtime_error("'" + cmd + "' failed (exit status " + std::to_string(rc) + ")");
+  if (rc != 0)
+    throw std::runtime_error("'" + cmd + "' failed (exit status " + std::to_string(rc) + ")");
   auto brace = out.find_last_of('{');
   if (brace == std::string::npos) throw std::runtime_error("no JSON from " + script);
   return nlohmann::json::parse(out.substr(brace));

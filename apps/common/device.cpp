@@ -16,9 +16,10 @@ const std::string& load_torch_cuda() {
     // The name first (the executable's run path holds libtorch's directory), then the file
     // CMake found beside the libtorch this build uses (cmake/TdistTorch.cmake).
     std::string err;
-    for (const char* path : {"libtorch_cuda.so",
+    for (const char* path : {
+             "libtorch_cuda.so",
 #ifdef TDIST_TORCH_CUDA_LIBRARY
-                             TDIST_TORCH_CUDA_LIBRARY,
+             TDIST_TORCH_CUDA_LIBRARY,
 #endif
          }) {
       if (::dlopen(path, RTLD_NOW | RTLD_GLOBAL) != nullptr) return std::string();
@@ -40,7 +41,8 @@ int local_rank() {
 bool cuda_available(std::string* why) {
   const std::string& load_error = load_torch_cuda();
   if (!load_error.empty()) {
-    if (why) *why = "this libtorch has no CUDA (libtorch_cuda could not be loaded: " + load_error + ")";
+    if (why)
+      *why = "this libtorch has no CUDA (libtorch_cuda could not be loaded: " + load_error + ")";
     return false;
   }
   if (torch::cuda::is_available()) return true;

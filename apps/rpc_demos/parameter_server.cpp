@@ -48,8 +48,8 @@ at::Tensor true_weights(int64_t dim) {
 }
 
 // Runs on a trainer: `steps` rounds of pull, gradient, push. Returns {first loss, last loss}.
-std::pair<double, double> run_trainer(rpc::RRef<ParameterServer> ps, int64_t steps,
-                                      int64_t batch, int64_t seed) {
+std::pair<double, double> run_trainer(rpc::RRef<ParameterServer> ps, int64_t steps, int64_t batch,
+                                      int64_t seed) {
   const int64_t dim = ps.rpc_sync<at::Tensor>("pull").numel();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::Tensor w_true = true_weights(dim);
@@ -73,8 +73,9 @@ std::pair<double, double> run_trainer(rpc::RRef<ParameterServer> ps, int64_t ste
 int main(int argc, char** argv) {
   int64_t steps = 200, dim = 64, batch = 32;
   double lr = 0.02;
-  CLI::App app{"tdist-rpc-ps: asynchronous SGD with a parameter server over tdist RPC "
-               "(rank 0 serves, the other ranks train); start it with tdist-run"};
+  CLI::App app{
+      "tdist-rpc-ps: asynchronous SGD with a parameter server over tdist RPC "
+      "(rank 0 serves, the other ranks train); start it with tdist-run"};
   app.add_option("--steps", steps, "steps per trainer");
   app.add_option("--dim", dim, "number of weights");
   app.add_option("--batch", batch, "samples per step");
@@ -110,8 +111,7 @@ int main(int argc, char** argv) {
         std::printf("trainer%d: loss %.4f -> %.6f\n", r, first, last);
         if (!(last < first)) rc = 1;
       }
-      const double dist =
-          (ps.local_value()->pull() - true_weights(dim)).abs().max().item<double>();
+      const double dist = (ps.local_value()->pull() - true_weights(dim)).abs().max().item<double>();
       std::printf("max |w - w_true| = %.5f after %lld updates\n", dist,
                   static_cast<long long>(steps * (env.world_size - 1)));
     }

@@ -138,13 +138,15 @@ int main(int argc, char** argv) {
   Options& o = g_options;
   o.data.train_samples = 60000;
   o.data.test_samples = 2000;
-  CLI::App app{"tdist-rpc-ps-autograd: a parameter server (rank 0) and trainers (ranks 1..N) "
-               "training tdist-train's MLP with distributed autograd and the "
-               "DistributedOptimizer; start it with tdist-run --nproc-per-node N+1"};
+  CLI::App app{
+      "tdist-rpc-ps-autograd: a parameter server (rank 0) and trainers (ranks 1..N) "
+      "training tdist-train's MLP with distributed autograd and the "
+      "DistributedOptimizer; start it with tdist-run --nproc-per-node N+1"};
   app.add_option("--dataset", o.data.dataset, "synthetic, mnist or fashion-mnist (as tdist-train)")
       ->check(CLI::IsMember({"synthetic", "mnist", "fashion-mnist"}));
-  app.add_option("--data-dir", o.data.data_dir, "mnist: the IDX files; fashion-mnist: default " +
-                                                    std::string(train::kFashionMnistDir));
+  app.add_option(
+      "--data-dir", o.data.data_dir,
+      "mnist: the IDX files; fashion-mnist: default " + std::string(train::kFashionMnistDir));
   app.add_option("--train-samples", o.data.train_samples, "training samples (a limit for files)");
   app.add_option("--test-samples", o.data.test_samples, "test samples the server evaluates");
   app.add_option("--signal", o.data.signal, "synthetic: strength of the class pattern");
@@ -180,11 +182,12 @@ int main(int argc, char** argv) {
       rpc::shutdown();  // serves until every trainer is done
       const int64_t trainers = env.world_size - 1;
       const double acc = server_accuracy(*test);
-      std::printf("ps: test accuracy %.4f on %lld test samples after %lld trainers x %lld steps "
-                  "of %lld (%lld samples)\n",
-                  acc, static_cast<long long>(test->size()), static_cast<long long>(trainers),
-                  static_cast<long long>(o.steps), static_cast<long long>(o.batch),
-                  static_cast<long long>(trainers * o.steps * o.batch));
+      std::printf(
+          "ps: test accuracy %.4f on %lld test samples after %lld trainers x %lld steps "
+          "of %lld (%lld samples)\n",
+          acc, static_cast<long long>(test->size()), static_cast<long long>(trainers),
+          static_cast<long long>(o.steps), static_cast<long long>(o.batch),
+          static_cast<long long>(trainers * o.steps * o.batch));
       if (!(acc >= o.min_accuracy)) rc = 1;
     } else {
       rc = run_trainer(env.rank, env.world_size - 1);

@@ -118,9 +118,10 @@ int run_trainer(int rank, const Options& o, std::shared_ptr<tdist::comm::Process
       return 1;  // every trainer sees the same allreduced difference and stops here too
     }
   }
-  std::printf("trainer%d: loss %.4f -> %.4f over %lld steps; dense parameters agreed after every "
-              "step (max difference %.3g)\n",
-              rank, first, last, static_cast<long long>(o.steps), worst);
+  std::printf(
+      "trainer%d: loss %.4f -> %.4f over %lld steps; dense parameters agreed after every "
+      "step (max difference %.3g)\n",
+      rank, first, last, static_cast<long long>(o.steps), worst);
   return rank == 1 && !(last < 0.5 * first) ? 1 : 0;
 }
 
@@ -128,9 +129,10 @@ int run_trainer(int rank, const Options& o, std::shared_ptr<tdist::comm::Process
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"tdist-rpc-ddp: trainers (ranks 1..N) train a dense part with DDP and a remote "
-               "embedding table on rank 0 through RPC, with one distributed backward and one "
-               "DistributedOptimizer; start it with tdist-run --nproc-per-node N+1 (N >= 2)"};
+  CLI::App app{
+      "tdist-rpc-ddp: trainers (ranks 1..N) train a dense part with DDP and a remote "
+      "embedding table on rank 0 through RPC, with one distributed backward and one "
+      "DistributedOptimizer; start it with tdist-run --nproc-per-node N+1 (N >= 2)"};
   app.add_option("--steps", o.steps, "training steps per trainer");
   app.add_option("--batch", o.batch, "bags per step and trainer");
   app.add_option("--lr", o.lr, "Adam learning rate");
@@ -150,9 +152,10 @@ int main(int argc, char** argv) {
                            [] { return tdist::optim::parameter_rrefs(*table()); });
     const auto env = tdist::env::read_dist_env();
     if (env.world_size < 3) {
-      throw tdist::InvalidArgument("tdist-rpc-ddp needs an embedding owner and at least two "
-                                   "trainers (world size 3 or more), got " +
-                                   std::to_string(env.world_size));
+      throw tdist::InvalidArgument(
+          "tdist-rpc-ddp needs an embedding owner and at least two "
+          "trainers (world size 3 or more), got " +
+          std::to_string(env.world_size));
     }
     // One rendezvous: RPC uses its store, and the trainers' process group uses the same store
     // under a prefix of its own, with ranks 0..N-1 among the trainers.

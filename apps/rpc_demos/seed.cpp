@@ -59,10 +59,12 @@ int main(int argc, char** argv) {
   int rank = -1, world_size = -1;
   int64_t steps = seed::kDefaultSteps;
   double lr = seed::kDefaultLr;
-  CLI::App app{"tdist-rpc-seed: node A trains a Net that lives on node B with distributed "
-               "autograd and the DistributedOptimizer"};
-  app.add_option("--rank", rank, "0 (node A, trains) or 1 (node B, holds the Net); default: "
-                                 "from the environment (tdist-run, RANK)");
+  CLI::App app{
+      "tdist-rpc-seed: node A trains a Net that lives on node B with distributed "
+      "autograd and the DistributedOptimizer"};
+  app.add_option("--rank", rank,
+                 "0 (node A, trains) or 1 (node B, holds the Net); default: "
+                 "from the environment (tdist-run, RANK)");
   app.add_option("--world-size", world_size, "2; default: from the environment");
   app.add_option("--steps", steps, "training steps");
   app.add_option("--lr", lr, "SGD learning rate");
@@ -77,7 +79,8 @@ int main(int argc, char** argv) {
 
     rpc::RpcOptions options;
     if (rank >= 0 || world_size >= 0) {
-      if (rank < 0 || world_size < 0) throw tdist::InvalidArgument("give both --rank and --world-size");
+      if (rank < 0 || world_size < 0)
+        throw tdist::InvalidArgument("give both --rank and --world-size");
       auto master = tdist::env::read_master_address();
       options.init_method = "tcp://" + master.host + ":" + std::to_string(master.port);
     } else {

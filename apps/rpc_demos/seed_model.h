@@ -13,8 +13,14 @@ constexpr double kDefaultLr = 0.05;
 
 // Node A's 8 samples: y = 1.5 * x0 - 0.5 * x1 + 0.25 (noise-free, no bias in the model).
 inline at::Tensor inputs() {
-  return torch::tensor({{1.0f, 2.0f}, {2.0f, 1.0f}, {-1.0f, 0.5f}, {0.5f, -1.5f},
-                        {3.0f, 0.0f}, {0.0f, -2.0f}, {-2.0f, -1.0f}, {1.5f, 1.5f}});
+  return torch::tensor({{1.0f, 2.0f},
+                        {2.0f, 1.0f},
+                        {-1.0f, 0.5f},
+                        {0.5f, -1.5f},
+                        {3.0f, 0.0f},
+                        {0.0f, -2.0f},
+                        {-2.0f, -1.0f},
+                        {1.5f, 1.5f}});
 }
 inline at::Tensor targets() {
   at::Tensor x = inputs();

@@ -34,8 +34,8 @@ class Encoder {
  public:
   explicit Encoder(int64_t seed) {
     torch::manual_seed(seed);
-    bag_ = torch::nn::EmbeddingBag(
-        torch::nn::EmbeddingBagOptions(kVocab, kEmbed).mode(torch::kMean));
+    bag_ =
+        torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(kVocab, kEmbed).mode(torch::kMean));
     fc_ = torch::nn::Linear(kEmbed, kHidden);
     module_.register_module("bag", bag_);
     module_.register_module("fc", fc_);
@@ -43,7 +43,9 @@ class Encoder {
   at::Tensor forward(at::Tensor ids, at::Tensor offsets) {
     return torch::relu(fc_->forward(bag_->forward(ids, offsets)));
   }
-  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return tdist::optim::parameter_rrefs(module_); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() {
+    return tdist::optim::parameter_rrefs(module_);
+  }
 
  private:
   torch::nn::Module module_;
@@ -58,7 +60,9 @@ class Classifier {
     fc_ = torch::nn::Linear(kHidden, kClasses);
   }
   at::Tensor forward(at::Tensor h) { return fc_->forward(h); }
-  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() { return tdist::optim::parameter_rrefs(*fc_); }
+  std::vector<rpc::RRef<at::Tensor>> parameter_rrefs() {
+    return tdist::optim::parameter_rrefs(*fc_);
+  }
 
  private:
   torch::nn::Linear fc_{nullptr};
@@ -69,9 +73,10 @@ class Classifier {
 int main(int argc, char** argv) {
   int64_t steps = 60, batch = 32;
   double lr = 0.01;
-  CLI::App app{"tdist-rpc-split: a model split across two workers (embedding bag + encoder, "
-               "classifier) trained end to end from a third; start it with tdist-run "
-               "--nproc-per-node 3"};
+  CLI::App app{
+      "tdist-rpc-split: a model split across two workers (embedding bag + encoder, "
+      "classifier) trained end to end from a third; start it with tdist-run "
+      "--nproc-per-node 3"};
   app.add_option("--steps", steps, "training steps");
   app.add_option("--batch", batch, "bags per step");
   app.add_option("--lr", lr, "Adam learning rate");

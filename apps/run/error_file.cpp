@@ -113,8 +113,8 @@ ProcessFailure read_process_failure(int rank, int local_rank, pid_t pid, int exi
       }
       parse_error_data(nlohmann::json::parse(text), f);
     } catch (const std::exception& e) {
-      f.message = std::string("(the error file is not torch.distributed.elastic's JSON: ") +
-                  e.what() + ")";
+      f.message =
+          std::string("(the error file is not torch.distributed.elastic's JSON: ") + e.what() + ")";
     }
     if (!f.message.empty()) return f;
   } else {

@@ -57,7 +57,8 @@ class SignalForwarding {
   static constexpr int kSignals[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT};
 
   SignalForwarding() {
-    TDIST_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "pipe2: ", std::strerror(errno));
+    TDIST_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0,
+                "pipe2: ", std::strerror(errno));
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
@@ -76,7 +77,7 @@ class SignalForwarding {
   int fd() const { return g_signal_pipe[0]; }
 
  private:
-  struct sigaction old_[std::size(kSignals)] {};
+  struct sigaction old_[std::size(kSignals)]{};
   struct sigaction old_pipe_ {};
 };
 
@@ -213,7 +214,8 @@ Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
 //                      passed on as TDIST_TOKEN_FILE, so the secret itself is in no environment;
 //   TDIST_TOKEN or TDIST_TOKEN_FILE already set: used as it is;
 //   neither, one static node: 32 random bytes (getrandom), hex, as TDIST_TOKEN: every local job
-//                      is authenticated with no set-up, and each run has its own token;
+//                      is authenticated with no set-up, and each run has its own token (marked
+//                      TDIST_TOKEN_DRAWN=1: tdist-train keys no checkpoint with it);
 //   neither, several nodes or elastic, the store on loopback: no token (each node would draw
 //                      its own; every node is this host), one warning;
 //   neither, several nodes or elastic, the store beyond loopback: refused (InvalidArgument
@@ -223,8 +225,9 @@ Launcher::Launcher(LaunchConfig config) : config_(std::move(config)) {
 //                      warning that names the ports that anyone who reaches them can use.
 void Launcher::prepare_token() {
   if (!config_.token_file.empty()) {
-    TDIST_CHECK_ARG(!env::get("TDIST_TOKEN") && !env::get("TDIST_TOKEN_FILE"),
-                    "--token-file ", config_.token_file, " and TDIST_TOKEN / TDIST_TOKEN_FILE "
+    TDIST_CHECK_ARG(!env::get("TDIST_TOKEN") && !env::get("TDIST_TOKEN_FILE"), "--token-file ",
+                    config_.token_file,
+                    " and TDIST_TOKEN / TDIST_TOKEN_FILE "
                     "are both given; give only one");
     try {
       (void)read_token_file(config_.token_file);  // its problems are reported now, by name
@@ -237,13 +240,17 @@ void Launcher::prepare_token() {
   if (!load_token().value.empty()) return;
   if (!config_.elastic.enabled && config_.nnodes == 1) {
     ::setenv("TDIST_TOKEN", random_hex(32).c_str(), 1);
+    // This run's alone: checkpoints are not keyed with it (Note [Checkpoint key] in
+    // apps/train/checkpoint.h), or no later run could resume them.
+    ::setenv("TDIST_TOKEN_DRAWN", "1", 1);
     return;
   }
   const std::string& store_host =
       config_.elastic.enabled ? config_.elastic.endpoint_host : config_.master_addr;
-  const std::string store = config_.elastic.enabled
-                                ? net::host_port(config_.elastic.endpoint_host, config_.elastic.endpoint_port)
-                                : net::host_port(config_.master_addr, config_.master_port);
+  const std::string store =
+      config_.elastic.enabled
+          ? net::host_port(config_.elastic.endpoint_host, config_.elastic.endpoint_port)
+          : net::host_port(config_.master_addr, config_.master_port);
   if (!net::is_loopback_host(store_host)) {
     const bool allowed = config_.insecure || env::get_bool("TDIST_ALLOW_NO_TOKEN", false);
     TDIST_CHECK_ARG(allowed, "this multi-node job has no token, and its store at ", store,
@@ -419,7 +426,8 @@ void Launcher::spawn(Worker& w, const Assignment& a) {
     for (int i = 0; i < 2; ++i) {
       std::string path = dir + "/rank_" + std::to_string(w.rank) + "." + names[i];
       // Never through a link planted at the name (O_NOFOLLOW); group-readable at most.
-      w.log_fd[i] = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0640);
+      w.log_fd[i] =
+          ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0640);
       TDIST_CHECK(w.log_fd[i] >= 0, "cannot open log file ", path, ": ", std::strerror(errno));
     }
   }
@@ -528,7 +536,8 @@ bool Launcher::pump(std::chrono::milliseconds wait) {
       }
     }
     for (size_t i = 1; i < fds.size(); ++i) {
-      if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) read_stream(*owners[i].first, owners[i].second);
+      if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
+        read_stream(*owners[i].first, owners[i].second);
     }
   }
   for (auto& w : workers_) {
@@ -651,9 +660,9 @@ void Launcher::report_failure(const WorkerExit& e) const {
   std::stable_partition(failures.begin(), failures.end(),
                         [&](const ProcessFailure& f) { return f.rank == e.rank; });
   if (failures.empty() || failures.front().rank != e.rank) {
-    failures.insert(failures.begin(), read_process_failure(e.rank, e.local_rank, e.pid,
-                                                           e.signaled ? -e.code : e.code,
-                                                           e.error_file));
+    failures.insert(failures.begin(),
+                    read_process_failure(e.rank, e.local_rank, e.pid, e.signaled ? -e.code : e.code,
+                                         e.error_file));
   }
   // A worker that recorded its exception has its traceback in the report; for one that did
   // not, its last stderr lines say what happened.

@@ -98,9 +98,9 @@ struct WorkerExit {
   int rank = -1;
   pid_t pid = -1;
   bool signaled = false;
-  int code = 0;  // exit code, or the signal number when signaled
+  int code = 0;                         // exit code, or the signal number when signaled
   std::deque<std::string> stderr_tail;  // last lines of its stderr
-  std::string error_file;  // its TORCHELASTIC_ERROR_FILE (Note [Worker error files])
+  std::string error_file;               // its TORCHELASTIC_ERROR_FILE (Note [Worker error files])
 
   bool ok() const { return !signaled && code == 0; }
   std::string describe() const;  // "rank 1 (pid 123) exited with code 3" / "... killed by SIGKILL"

@@ -27,8 +27,8 @@ int Launcher::run_elastic() {
   // Note [Elastic rendezvous]: the node that can bind the endpoint serves the store.
   std::unique_ptr<TCPStoreServer> server;
   try {
-    server = std::make_unique<TCPStoreServer>(el.endpoint_host,
-                                              static_cast<uint16_t>(el.endpoint_port));
+    server =
+        std::make_unique<TCPStoreServer>(el.endpoint_host, static_cast<uint16_t>(el.endpoint_port));
   } catch (const NetworkError&) {
     // Another node serves it (or will): connect as a client.
   }
@@ -42,8 +42,8 @@ int Launcher::run_elastic() {
   rc.run_id = el.run_id;
   rc.min_nodes = el.min_nodes;
   rc.max_nodes = el.max_nodes;
-  rc.local_addr = el.local_addr.empty() ? net::source_address_toward(el.endpoint_host)
-                                        : el.local_addr;
+  rc.local_addr =
+      el.local_addr.empty() ? net::source_address_toward(el.endpoint_host) : el.local_addr;
   rc.last_call = el.last_call;
   rc.join_timeout = el.join_timeout;
   rc.keep_alive_interval = el.keep_alive_interval;
@@ -52,7 +52,8 @@ int Launcher::run_elastic() {
   rc.pick_master_port = [addr] { return pick_free_port(addr); };
   rc.interrupted = [this] { return signal_pending(); };
   ElasticRendezvous rdzv(store, rc);
-  note(str("elastic rendezvous '", el.run_id, "' at ", net::host_port(el.endpoint_host, el.endpoint_port),
+  note(str("elastic rendezvous '", el.run_id, "' at ",
+           net::host_port(el.endpoint_host, el.endpoint_port),
            server ? " (served by this node)" : "", ", nodes ", el.min_nodes, ":", el.max_nodes,
            ", this node ", addr));
 

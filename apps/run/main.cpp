@@ -44,14 +44,16 @@ std::pair<int, int> parse_nnodes(const std::string& text) {
     try {
       return static_cast<int>(tdist::env::parse_int("--nnodes", t, 1, 65536));
     } catch (const tdist::InvalidArgument&) {
-      throw CLI::ValidationError("--nnodes", "'" + text + "' is not N or MIN:MAX with 1 <= MIN <= MAX");
+      throw CLI::ValidationError("--nnodes",
+                                 "'" + text + "' is not N or MIN:MAX with 1 <= MIN <= MAX");
     }
   };
   const auto colon = text.find(':');
   if (colon == std::string::npos) return {number(text), number(text)};
   std::pair<int, int> mm{number(text.substr(0, colon)), number(text.substr(colon + 1))};
   if (mm.first > mm.second) {
-    throw CLI::ValidationError("--nnodes", "'" + text + "' is not N or MIN:MAX with 1 <= MIN <= MAX");
+    throw CLI::ValidationError("--nnodes",
+                               "'" + text + "' is not N or MIN:MAX with 1 <= MIN <= MAX");
   }
   return mm;
 }
@@ -69,7 +71,8 @@ void apply_rdzv_conf(const std::string& conf, const CLI::App& app, double& last_
     const std::string item = conf.substr(pos, comma - pos);
     pos = comma + 1;
     const auto eq = item.find('=');
-    if (eq == std::string::npos) throw CLI::ValidationError("--rdzv-conf", "'" + item + "' is not KEY=VALUE");
+    if (eq == std::string::npos)
+      throw CLI::ValidationError("--rdzv-conf", "'" + item + "' is not KEY=VALUE");
     const std::string k = item.substr(0, eq);
     double v = 0;
     try {
@@ -120,9 +123,9 @@ constexpr const char* kRunPathCode =
     "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')";
 
 // The worker command for PROGRAM ARGS (see the top of this file); sets the report's name.
-std::vector<std::string> worker_command(const std::vector<std::string>& rest, const std::string& python,
-                                        bool module, bool no_python, bool run_path,
-                                        std::string& name) {
+std::vector<std::string> worker_command(const std::vector<std::string>& rest,
+                                        const std::string& python, bool module, bool no_python,
+                                        bool run_path, std::string& name) {
   const std::string& script = rest[0];
   const std::vector<std::string> args(rest.begin() + 1, rest.end());
   std::vector<std::string> cmd;
@@ -131,7 +134,8 @@ std::vector<std::string> worker_command(const std::vector<std::string>& rest, co
     cmd = {python, "-u", "-c", kRunPathCode, script};
     name = "run_script_path";  // torchrun's name for it
   } else if (no_python) {
-    if (module) throw CLI::ValidationError("--no-python", "and -m/--module cannot be used together");
+    if (module)
+      throw CLI::ValidationError("--no-python", "and -m/--module cannot be used together");
     cmd = {script};
   } else if (module || ends_with(script, ".py")) {
     cmd = {python, "-u"};
@@ -354,14 +358,16 @@ int main(int argc, char** argv) {
     if (!endpoint.empty()) {
       // HOST alone means torchrun's default port, 29400.
       auto colon = endpoint.rfind(':');
-      if (colon == 0) throw CLI::ValidationError("--rdzv-endpoint", "'" + endpoint + "' is not HOST:PORT");
+      if (colon == 0)
+        throw CLI::ValidationError("--rdzv-endpoint", "'" + endpoint + "' is not HOST:PORT");
       cfg.master_addr = endpoint.substr(0, colon);
       std::string port = colon == std::string::npos ? "29400" : endpoint.substr(colon + 1);
       try {
         size_t used = 0;
         int p = std::stoi(port, &used);
         if (used != port.size() || p < 0 || p > 65535) throw std::out_of_range(port);
-        if (p == 0 && (backend != "c10d" || nnodes.find(':') != std::string::npos || max_nodes != 1)) {
+        if (p == 0 &&
+            (backend != "c10d" || nnodes.find(':') != std::string::npos || max_nodes != 1)) {
           throw std::out_of_range(port);
         }
         cfg.master_port = p;
@@ -412,7 +418,8 @@ int main(int argc, char** argv) {
       throw CLI::ValidationError("--no-tee", "is -r 3; give it or --redirects/--tee, not both");
     }
     try {
-      if (!redirects.empty()) cfg.redirects = tdist::run::parse_stream_choice("--redirects", redirects);
+      if (!redirects.empty())
+        cfg.redirects = tdist::run::parse_stream_choice("--redirects", redirects);
       if (!tee.empty()) cfg.tee = tdist::run::parse_stream_choice("--tee", tee);
     } catch (const tdist::InvalidArgument& e) {
       throw CLI::ValidationError(e.what());

@@ -151,8 +151,9 @@ std::optional<RoundEndInfo> ElasticRendezvous::ended(int64_t round) {
   const auto space = text.find(' ');
   const std::string kind = text.substr(0, space);
   RoundEndInfo e;
-  e.kind = kind == "done" ? RoundEnd::kDone
-                          : kind == "membership" ? RoundEnd::kMembershipChange : RoundEnd::kFailure;
+  e.kind = kind == "done"         ? RoundEnd::kDone
+           : kind == "membership" ? RoundEnd::kMembershipChange
+                                  : RoundEnd::kFailure;
   e.reason = space == std::string::npos ? "" : text.substr(space + 1);
   return e;
 }
@@ -218,7 +219,8 @@ std::optional<RoundInfo> ElasticRendezvous::next_round() {
       }
       if (exists(key(n, "members"))) {  // running: wait for it to end (2)
         announce_waiting(n);
-        if (!wait_key(key(n, "end"), deadline, str("round ", n, " to end (this node waits to join)")))
+        if (!wait_key(key(n, "end"), deadline,
+                      str("round ", n, " to end (this node waits to join)")))
           return std::nullopt;
         continue;
       }
@@ -245,7 +247,8 @@ std::optional<RoundInfo> ElasticRendezvous::assign(int64_t round, int64_t member
   std::vector<SlotRecord> records;
   for (int64_t s = 0; s < members; ++s) {
     const std::string k = key(round, "node/" + std::to_string(s));
-    if (!wait_key(k, deadline, str("the record of slot ", s, " of round ", round))) return std::nullopt;
+    if (!wait_key(k, deadline, str("the record of slot ", s, " of round ", round)))
+      return std::nullopt;
     records.push_back(parse_record(store_->get_string(k), s));
   }
   // Note [Elastic rendezvous] 3: survivors of the latest round first, in their old order.
@@ -261,12 +264,14 @@ std::optional<RoundInfo> ElasticRendezvous::assign(int64_t round, int64_t member
     info.node_addrs.push_back(records[i].addr);
     if (records[i].node_id == node_id_) info.node_rank = static_cast<int>(i);
   }
-  TDIST_CHECK(info.node_rank >= 0, "rendezvous: this node is not among round ", round, "'s records");
+  TDIST_CHECK(info.node_rank >= 0, "rendezvous: this node is not among round ", round,
+              "'s records");
   info.master_addr = info.node_addrs[0];
   const std::string port_key = key(round, "master_port");
   if (info.node_rank == 0) store_->set(port_key, std::to_string(config_.pick_master_port()));
   if (!wait_key(port_key, deadline, str("round ", round, "'s master port"))) return std::nullopt;
-  info.master_port = static_cast<int>(env::parse_int(port_key, store_->get_string(port_key), 1, 65535));
+  info.master_port =
+      static_cast<int>(env::parse_int(port_key, store_->get_string(port_key), 1, 65535));
   info.failures = exists(key(-1, "failures")) ? read_count(key(-1, "failures")) : 0;
 
   round_ = info;

@@ -24,7 +24,7 @@ struct RendezvousConfig {
   int min_nodes = 1;
   int max_nodes = 1;
   std::string local_addr;  // where other nodes reach this node (published for MASTER_ADDR)
-  std::chrono::milliseconds last_call{1000};   // after min_nodes joined, wait this long for more
+  std::chrono::milliseconds last_call{1000};  // after min_nodes joined, wait this long for more
   std::chrono::milliseconds join_timeout{600000};
   std::chrono::milliseconds keep_alive_interval{1000};
   std::chrono::milliseconds keep_alive_timeout{10000};  // no heartbeat this long: node is gone
@@ -50,7 +50,8 @@ enum class RoundEnd { kFailure, kMembershipChange, kDone };
 
 struct RoundEndInfo {
   RoundEnd kind = RoundEnd::kFailure;
-  std::string reason;  // "node 1 (10.0.0.2): rank 3 exited with code 1", "a node is waiting to join"
+  std::string
+      reason;  // "node 1 (10.0.0.2): rank 3 exited with code 1", "a node is waiting to join"
 };
 
 class ElasticRendezvous {
@@ -120,6 +121,5 @@ class ElasticRendezvous {
   std::vector<int64_t> seen_beats_;
   std::vector<Clock::time_point> seen_at_;
 };
-
 
 }  // namespace tdist::run

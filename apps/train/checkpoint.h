@@ -18,10 +18,11 @@
 //     seed, data): everything that must stay the same for the resumed run to continue where
 //     the interrupted one left off. A different fingerprint is refused with both shown. The
 //     world size is not part of it: a run may resume at another world size (Note [Elastic
-//     resume] in trainer.cpp). The file starts with a header (magic "TDCKPT04", the
-//     fingerprint as a u64 length and its bytes, the SHA-256 of the archive) before libtorch's
-//     archive, so the fingerprint is checked before libtorch parses any of the file, and a
-//     damaged or truncated archive is refused without libtorch ever reading it.
+//     resume] in trainer.cpp). The file starts with a header (magic "TDCKPT05", the
+//     fingerprint as a u64 length and its bytes, the digest's kind and the digest of the
+//     archive, Note [Checkpoint key]) before libtorch's archive, so the fingerprint is checked
+//     before libtorch parses any of the file, and a damaged, truncated or forged archive is
+//     refused without libtorch ever reading it.
 //  5. The sampler position (epoch, samples of it consumed) and the step determine the next
 //     batch on every rank; with the RNG state restored, a run resumed at the same world size
 //     computes exactly the steps the interrupted one would have.
@@ -36,6 +37,24 @@
 //     the model, then every rank loads the sharded checkpoint it names (so the directory must
 //     be readable by every rank: a shared file system, or one machine). A checkpoint of ddp is
 //     refused under fsdp or hsdp and the other way round (InvalidArgument naming the strategy).
+//
+// Note [Checkpoint key]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A checkpoint is code and data the next run loads, so who can plant one matters. The directory
+// is checked before every write and read (check_private_directory, core/atomic_file.h: ours,
+// not group- or world-writable, not a symbolic link; made 0700 when missing) and the file is
+// written 0600. The archive's digest is HMAC-SHA256 keyed with the job's token (core/token.h)
+// when the run has one the user gave (TDIST_TOKEN, TDIST_TOKEN_FILE, tdist-run --token-file),
+// and a plain SHA-256 when it has none, as before. Not with the token tdist-run draws for a
+// single-node run (it marks it TDIST_TOKEN_DRAWN=1): that one changes with every launch, so no
+// later run could resume. A run with a token refuses a checkpoint whose keyed digest fails
+// (another token, a changed file) and one with a plain digest (anyone who could write the
+// directory could have made it); a run without a token refuses a keyed one, naming the token
+// variables. Each refusal is an Error naming the reason (exit 1 in tdist-train). Under fsdp and
+// hsdp checkpoint.pt holds no tensors but records the SHA-256 of the sharded checkpoint's
+// index.json (TrainState::sharded_index_sha256), and the index holds every shard's digest, which
+// fsdp checks as it loads: the keyed digest covers the shards through that chain, and an index
+// that differs from the recorded one is refused before anything is loaded.
 //
 // Plain functions, blocking (file I/O; share_checkpoint is a collective).
 
@@ -72,14 +91,28 @@ struct TrainState {
   // fsdp, hsdp: the subdirectory of the checkpoint directory with the sharded model and
   // optimizer (Note [Checkpoint protocol] 6); empty: checkpoint.pt holds them.
   std::string sharded_subdir;
+  // fsdp, hsdp: SHA-256 (hex) of that checkpoint's index.json, which holds the digest of every
+  // shard: under checkpoint.pt's keyed digest the chain to each shard is keyed too (Note
+  // [Checkpoint key]). Empty for a pipelined run (its parts are checkpoints of their own).
+  std::string sharded_index_sha256;
 };
+
+// The hex SHA-256 of <sharded_dir>/index.json (fsdp::kIndexFile) for TrainState; Error naming
+// the file when it cannot be read.
+std::string sharded_index_digest(const std::string& sharded_dir);
+
+// Before a sharded checkpoint is loaded: its index.json must be the one checkpoint.pt recorded
+// (`state.sharded_index_sha256`); Error saying so otherwise.
+void check_sharded_index(const std::string& sharded_dir, const TrainState& state);
 
 inline constexpr const char* kCheckpointFile = "checkpoint.pt";
 
 std::string checkpoint_path(const std::string& dir);
 
-// Rank 0: writes the checkpoint atomically (Note [Checkpoint protocol] 2). Creates `dir` if
-// needed. Throws Error naming the file on any I/O failure (the previous checkpoint stays).
+// Rank 0: writes the checkpoint atomically (Note [Checkpoint protocol] 2) into `dir`, created
+// 0700 if needed and checked (Note [Checkpoint key]: InvalidArgument when another user or group
+// could write it). Throws Error naming the file on any I/O failure (the previous checkpoint
+// stays).
 void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
                      const torch::optim::Optimizer& optimizer, const TrainState& state,
                      const std::string& fingerprint);
@@ -89,7 +122,8 @@ void save_checkpoint(const std::string& dir, const torch::nn::Module& model,
 void save_training_state(const std::string& dir, const TrainState& state,
                          const std::string& fingerprint);
 
-// Rank 0: the bytes of <dir>/checkpoint.pt, or nullopt when there is none.
+// Rank 0: the bytes of <dir>/checkpoint.pt, or nullopt when there is none (or no `dir`); the
+// directory is checked as for writing (Note [Checkpoint key]).
 std::optional<std::vector<char>> read_checkpoint_file(const std::string& dir);
 
 // Collective: rank 0 passes what read_checkpoint_file returned (or an error message), every rank

@@ -161,9 +161,10 @@ SyntheticDataset::SyntheticDataset(int64_t size, uint64_t seed, uint64_t split, 
     : size_(size), seed_(seed), split_(split), signal_(signal), noise_(noise) {
   TDIST_CHECK_ARG(size >= 0, "synthetic dataset size ", size, " is negative");
   auto gen = make_generator(mix_seed(seed, kPrototypeStream));
-  at::Tensor coarse =
-      at::randn({kNumClasses, 1, kPrototypeSide, kPrototypeSide}, gen, at::TensorOptions(at::kFloat));
-  at::Tensor fine = at::upsample_bilinear2d(coarse, {kImageSize, kImageSize}, /*align_corners=*/false);
+  at::Tensor coarse = at::randn({kNumClasses, 1, kPrototypeSide, kPrototypeSide}, gen,
+                                at::TensorOptions(at::kFloat));
+  at::Tensor fine =
+      at::upsample_bilinear2d(coarse, {kImageSize, kImageSize}, /*align_corners=*/false);
   at::Tensor mean = fine.mean({1, 2, 3}, /*keepdim=*/true);
   at::Tensor std = fine.std({1, 2, 3}, /*unbiased=*/false, /*keepdim=*/true);
   prototypes_ = ((fine - mean) / std).contiguous();
@@ -203,8 +204,10 @@ Batch TensorDataset::get(const std::vector<int64_t>& indices) const {
 DataSplits load_data(const DataConfig& config) {
   DataSplits out;
   if (config.dataset == "synthetic") {
-    out.train = std::make_shared<SyntheticDataset>(config.train_samples, config.seed, 0, config.signal);
-    out.test = std::make_shared<SyntheticDataset>(config.test_samples, config.seed, 1, config.signal);
+    out.train =
+        std::make_shared<SyntheticDataset>(config.train_samples, config.seed, 0, config.signal);
+    out.test =
+        std::make_shared<SyntheticDataset>(config.test_samples, config.seed, 1, config.signal);
     out.description = str("synthetic (seed ", config.seed, ", signal ", config.signal, ", ",
                           config.train_samples, " train, ", config.test_samples, " test)");
     return out;
@@ -212,17 +215,18 @@ DataSplits load_data(const DataConfig& config) {
   if (config.dataset == "text") {
     std::string dir = config.data_dir.empty() ? default_text_dir() : config.data_dir;
     if (dir.empty()) {
-      throw DataError("--dataset text: no Python standard library under /usr/lib/python3.N; "
-                      "give --data-dir DIR (a directory of .py files)");
+      throw DataError(
+          "--dataset text: no Python standard library under /usr/lib/python3.N; "
+          "give --data-dir DIR (a directory of .py files)");
     }
     require_directory(dir);
     TextCorpus corpus = read_text_corpus(dir, config.context);
     auto train = std::make_shared<TextDataset>(corpus.train, config.context, config.train_samples);
     auto test = std::make_shared<TextDataset>(corpus.held_out, config.context, config.test_samples);
-    out.description = str("text ", dir, " (", corpus.train_files, " files, ", train->bytes(),
-                          " bytes: ", train->size(), " train windows of ", config.context,
-                          "; ", corpus.held_out_files, " files held out, ", test->size(),
-                          " test windows)");
+    out.description =
+        str("text ", dir, " (", corpus.train_files, " files, ", train->bytes(),
+            " bytes: ", train->size(), " train windows of ", config.context, "; ",
+            corpus.held_out_files, " files held out, ", test->size(), " test windows)");
     out.train = std::move(train);
     out.test = std::move(test);
     return out;
@@ -242,8 +246,8 @@ DataSplits load_data(const DataConfig& config) {
   return out;
 }
 
-DistributedSampler::DistributedSampler(int64_t dataset_size, int world_size, int rank,
-                                       bool shuffle, uint64_t seed)
+DistributedSampler::DistributedSampler(int64_t dataset_size, int world_size, int rank, bool shuffle,
+                                       uint64_t seed)
     : dataset_size_(dataset_size),
       world_size_(world_size),
       rank_(rank),
@@ -257,7 +261,8 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int world_size, int
 std::vector<int64_t> DistributedSampler::epoch_order(int64_t epoch) const {
   std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
   if (shuffle_) {
-    auto gen = make_generator(mix_seed(mix_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
+    auto gen =
+        make_generator(mix_seed(mix_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
     at::Tensor perm = at::randperm(dataset_size_, gen, at::kLong);
     const auto* p = perm.data_ptr<int64_t>();
     order.assign(p, p + dataset_size_);
@@ -269,9 +274,9 @@ std::vector<int64_t> DistributedSampler::epoch_order(int64_t epoch) const {
 
 std::vector<int64_t> DistributedSampler::step_indices(const std::vector<int64_t>& order,
                                                       int64_t position, int64_t batch) const {
-  TDIST_CHECK_ARG(batch >= 1 && position >= 0 && steps_left(position, batch) >= 1,
-                  "no step of ", batch, " samples per rank fits at position ", position,
-                  " of an epoch of ", dataset_size_, " samples at world size ", world_size_);
+  TDIST_CHECK_ARG(batch >= 1 && position >= 0 && steps_left(position, batch) >= 1, "no step of ",
+                  batch, " samples per rank fits at position ", position, " of an epoch of ",
+                  dataset_size_, " samples at world size ", world_size_);
   std::vector<int64_t> mine;
   mine.reserve(static_cast<size_t>(batch));
   for (int64_t j = 0; j < batch; ++j) {

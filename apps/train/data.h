@@ -115,7 +115,7 @@ struct DataConfig {
   int64_t test_samples = 10000;       // likewise for the test split
   int64_t context = 128;              // text: bytes per sample (the model's context)
   uint64_t seed = 0;
-  double signal = 0.12;               // synthetic: strength of the class pattern (noise is 1)
+  double signal = 0.12;  // synthetic: strength of the class pattern (noise is 1)
 };
 
 struct DataSplits {

@@ -47,7 +47,8 @@ class RawSource : public IdxSource {
     if (!in_) throw DataError(str("cannot open '", path_, "'"));
   }
   bool read(uint8_t* out, uint64_t n) override {
-    return static_cast<bool>(in_.read(reinterpret_cast<char*>(out), static_cast<std::streamsize>(n)));
+    return static_cast<bool>(
+        in_.read(reinterpret_cast<char*>(out), static_cast<std::streamsize>(n)));
   }
   void check_payload(uint64_t header, uint64_t elements) const override {
     const uint64_t payload = file_size_ - header;
@@ -74,12 +75,14 @@ class GzipSource : public IdxSource {
     std::ifstream in(path_, std::ios::binary);
     if (!in) throw DataError(str("cannot open '", path_, "'"));
     compressed_.resize(file_size);
-    if (!in.read(reinterpret_cast<char*>(compressed_.data()), static_cast<std::streamsize>(file_size))) {
+    if (!in.read(reinterpret_cast<char*>(compressed_.data()),
+                 static_cast<std::streamsize>(file_size))) {
       throw DataError(str("'", path_, "': read failed"));
     }
     if (file_size < 18) throw DataError(str("'", path_, "' is too short for a gzip file"));
     const uint8_t* t = compressed_.data() + file_size - 4;
-    isize_ = uint32_t{t[0]} | (uint32_t{t[1]} << 8) | (uint32_t{t[2]} << 16) | (uint32_t{t[3]} << 24);
+    isize_ =
+        uint32_t{t[0]} | (uint32_t{t[1]} << 8) | (uint32_t{t[2]} << 16) | (uint32_t{t[3]} << 24);
     if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK) throw DataError("zlib: inflateInit2 failed");
     zs_.next_in = compressed_.data();
     zs_.avail_in = static_cast<uInt>(std::min<uint64_t>(file_size, UINT32_MAX));
@@ -99,8 +102,8 @@ class GzipSource : public IdxSource {
       if (rc == Z_STREAM_END) {
         ended_ = true;
       } else if (rc != Z_OK && !(rc == Z_BUF_ERROR && got > 0)) {
-        throw DataError(str("'", path_, "': corrupt gzip data (zlib: ",
-                            zs_.msg ? zs_.msg : "error", ")"));
+        throw DataError(
+            str("'", path_, "': corrupt gzip data (zlib: ", zs_.msg ? zs_.msg : "error", ")"));
       } else if (got == 0 && zs_.avail_in == 0) {
         return false;  // the compressed data ended without the end of the stream
       }
@@ -112,8 +115,8 @@ class GzipSource : public IdxSource {
     const uint64_t limit = static_cast<uint64_t>(compressed_.size()) * 1032;
     if (elements > limit || static_cast<uint32_t>(header + elements) != isize_) {
       throw DataError(str("'", path_, "': its header declares ", elements,
-                          " elements but the gzip stream holds ", isize_, " bytes (mod 2^32) in all",
-                          " (truncated or corrupt file?)"));
+                          " elements but the gzip stream holds ", isize_,
+                          " bytes (mod 2^32) in all", " (truncated or corrupt file?)"));
     }
   }
   void check_end() override {
@@ -182,8 +185,8 @@ at::Tensor read_idx_ubyte(const std::string& path, int ndim) {
       continue;
     }
     if (nonzero > kMaxElements / static_cast<uint64_t>(dims[i])) {
-      throw DataError(str("'", path, "': its header declares dimensions whose product exceeds ",
-                          "2^40"));
+      throw DataError(
+          str("'", path, "': its header declares dimensions whose product exceeds ", "2^40"));
     }
     nonzero *= static_cast<uint64_t>(dims[i]);
   }
@@ -191,8 +194,8 @@ at::Tensor read_idx_ubyte(const std::string& path, int ndim) {
   in->check_payload(header, elements);
   at::Tensor data = at::empty(dims, at::kByte);
   if (elements > 0 && !in->read(data.data_ptr<uint8_t>(), elements)) {
-    throw DataError(str("'", path, "': the data ends before the ", elements,
-                        " elements its header declares"));
+    throw DataError(
+        str("'", path, "': the data ends before the ", elements, " elements its header declares"));
   }
   in->check_end();
   return data;

@@ -3,8 +3,8 @@
 //
 //   tdist-run --nproc-per-node 2 tdist-train --dataset synthetic --model mlp --steps 500
 //   tdist-train --data-dir ~/mnist --model conv --epochs 2 --optimizer adam   (one process)
-//   tdist-run --nproc-per-node 2 tdist-train --model gpt --strategy fsdp --optimizer adam \
-//       --steps 200   (on the Python standard library's sources)
+//   tdist-run --nproc-per-node 2 tdist-train --model gpt --strategy fsdp --optimizer adam
+//       --steps 200   (the gpt on the Python standard library's sources)
 //
 // Exit codes: 0 done; 1 training failed (a peer died, a timeout, an I/O error); 2 bad flags or
 // bad input (missing data directory, malformed IDX file, a checkpoint of another run).
@@ -21,24 +21,26 @@
 int main(int argc, char** argv) {
   using tdist::train::TrainOptions;
   TrainOptions o;
-  CLI::App app{"tdist-train: data-parallel training of a 28x28 image classifier or a byte-level "
-               "GPT with tdist (DDP, FSDP or ZeRO-1)",
-               "tdist-train"};
+  CLI::App app{
+      "tdist-train: data-parallel training of a 28x28 image classifier or a byte-level "
+      "GPT with tdist (DDP, FSDP or ZeRO-1)",
+      "tdist-train"};
   app.option_defaults()->always_capture_default();
 
   auto* model = app.add_option_group("Model");
   model->add_option("--model", o.model.kind, "mlp, conv or gpt (a byte-level transformer)")
       ->check(CLI::IsMember({"mlp", "conv", "gpt"}));
-  auto* hidden = model->add_option("--hidden", o.model.hidden,
-                                   "hidden width (mlp layers, conv's dense layer)")
-                     ->check(CLI::Range(int64_t{1}, int64_t{65536}));
-  auto* layers = model->add_option("--layers", o.model.layers,
-                                   "mlp: number of hidden layers; gpt: transformer blocks")
+  auto* hidden =
+      model->add_option("--hidden", o.model.hidden, "hidden width (mlp layers, conv's dense layer)")
+          ->check(CLI::Range(int64_t{1}, int64_t{65536}));
+  auto* layers = model
+                     ->add_option("--layers", o.model.layers,
+                                  "mlp: number of hidden layers; gpt: transformer blocks")
                      ->check(CLI::Range(int64_t{0}, int64_t{256}))
                      ->default_str("mlp 2, gpt 4");
-  auto* width = model->add_option("--width", o.model.width,
-                                  "gpt: embedding width (a multiple of --heads)")
-                    ->check(CLI::Range(int64_t{1}, int64_t{65536}));
+  auto* width =
+      model->add_option("--width", o.model.width, "gpt: embedding width (a multiple of --heads)")
+          ->check(CLI::Range(int64_t{1}, int64_t{65536}));
   auto* heads = model->add_option("--heads", o.model.heads, "gpt: attention heads")
                     ->check(CLI::Range(int64_t{1}, int64_t{1024}));
   auto* context = model->add_option("--context", o.model.context, "gpt: bytes per sequence")
@@ -47,9 +49,11 @@ int main(int argc, char** argv) {
   auto* data = app.add_option_group("Data");
   data->add_option("--dataset", o.data.dataset,
                    "synthetic, mnist (implied by --data-dir), fashion-mnist (from --data-dir, "
-                   "default " + std::string(tdist::train::kFashionMnistDir) + ") or text (for "
-                   "--model gpt, implied by it: the *.py files under --data-dir, default the "
-                   "Python standard library's, /usr/lib/python3.N)")
+                   "default " +
+                       std::string(tdist::train::kFashionMnistDir) +
+                       ") or text (for "
+                       "--model gpt, implied by it: the *.py files under --data-dir, default the "
+                       "Python standard library's, /usr/lib/python3.N)")
       ->check(CLI::IsMember({"synthetic", "mnist", "fashion-mnist", "text"}));
   auto* data_dir = data->add_option("--data-dir", o.data.data_dir,
                                     "directory with the IDX files, plain or .gz "
@@ -70,7 +74,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 100.0));
 
   auto* train = app.add_option_group("Training");
-  train->add_option("--optimizer", o.optimizer, "sgd or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  train->add_option("--optimizer", o.optimizer, "sgd or adam")
+      ->check(CLI::IsMember({"sgd", "adam"}));
   train->add_option("--lr", o.lr, "learning rate")
       ->check(CLI::PositiveNumber)
       ->default_str("sgd 0.05, adam 0.001");
@@ -91,8 +96,9 @@ int main(int argc, char** argv) {
   train->add_option("--timeout", o.timeout_s, "seconds any collective may take")
       ->check(CLI::Range(0.1, 86400.0));
   std::string device = "cpu";
-  train->add_option("--device", device,
-                    "cpu, cuda (GPU LOCAL_RANK) or auto (cuda when a GPU is visible, else cpu)")
+  train
+      ->add_option("--device", device,
+                   "cpu, cuda (GPU LOCAL_RANK) or auto (cuda when a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   train->add_option("--group-backend", o.group_backend,
                     "the process group's backend: auto (NCCL for CUDA tensors where a GPU is "
@@ -100,20 +106,22 @@ int main(int argc, char** argv) {
                     "(docs/comm.md)");
 
   auto* strategy = app.add_option_group("Strategy");
-  strategy->add_option("--strategy", o.strategy,
-                       "ddp (a whole replica per rank), fsdp (parameters, gradients and optimizer "
-                       "state sharded: fully_shard; a gpt's blocks are its units), hsdp (fsdp "
-                       "inside groups of --shard-size ranks, replicated across them) or zero1 "
-                       "(DDP with the optimizer state sharded: ZeroRedundancyOptimizer)")
+  strategy
+      ->add_option("--strategy", o.strategy,
+                   "ddp (a whole replica per rank), fsdp (parameters, gradients and optimizer "
+                   "state sharded: fully_shard; a gpt's blocks are its units), hsdp (fsdp "
+                   "inside groups of --shard-size ranks, replicated across them) or zero1 "
+                   "(DDP with the optimizer state sharded: ZeroRedundancyOptimizer)")
       ->check(CLI::IsMember({"ddp", "fsdp", "hsdp", "zero1"}));
   auto* reshard = strategy->add_option("--reshard-after-forward", o.reshard_after_forward,
                                        "fsdp, hsdp: free each unit's gathered parameters after "
                                        "its forward (true) or keep them to its backward (false)");
   strategy->add_option("--shard-size", o.shard_size,
                        "hsdp: ranks per shard group (divides the world size)");
-  strategy->add_option("--mixed-precision", o.mixed_precision,
-                       "fsdp, hsdp: none, or bf16 (parameters gathered and units computed in "
-                       "bf16; fp32 shards, gradients reduced in fp32)")
+  strategy
+      ->add_option("--mixed-precision", o.mixed_precision,
+                   "fsdp, hsdp: none, or bf16 (parameters gathered and units computed in "
+                   "bf16; fp32 shards, gradients reduced in fp32)")
       ->check(CLI::IsMember({"none", "bf16"}));
 
   auto* pp = app.add_option_group("Pipeline");
@@ -148,16 +156,17 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1024));
 
   auto* out = app.add_option_group("Output");
-  out->add_option("--progress", o.progress, "auto (a bar on a terminal, else log lines), bar, log, none")
+  out->add_option("--progress", o.progress,
+                  "auto (a bar on a terminal, else log lines), bar, log, none")
       ->check(CLI::IsMember({"auto", "bar", "log", "none"}));
   out->add_option("--log-every", o.log_every, "steps between progress reports")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   out->add_option("--eval-every", o.eval_every, "steps between test evaluations (0: at the end)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
-  auto* eval_batch = out->add_option("--eval-batch-size", o.eval_batch_size,
-                                     "samples per evaluation batch")
-                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-                         ->default_str("1000; gpt 64");
+  auto* eval_batch =
+      out->add_option("--eval-batch-size", o.eval_batch_size, "samples per evaluation batch")
+          ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+          ->default_str("1000; gpt 64");
   out->add_option("--metrics", o.metrics_path, "append JSON lines (per report and evaluation)");
   out->add_option("--summary", o.summary_path, "write a JSON summary of the run");
   out->add_option("--warmup-steps", o.warmup_steps, "steps left out of the summary's samples/s")
@@ -165,7 +174,8 @@ int main(int argc, char** argv) {
 
   auto* ckpt = app.add_option_group("Checkpoints");
   ckpt->add_option("--checkpoint-dir", o.checkpoint_dir, "where rank 0 writes checkpoint.pt");
-  ckpt->add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints (0: at the end)")
+  ckpt->add_option("--checkpoint-every", o.checkpoint_every,
+                   "steps between checkpoints (0: at the end)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   ckpt->add_flag("--resume", o.resume, "continue from the checkpoint in --checkpoint-dir, if any");
 
@@ -210,8 +220,10 @@ int main(int argc, char** argv) {
     if (o.sharded()) {
       for (const auto* opt : ddp->get_options()) {
         if (opt->count() > 0) {
-          throw CLI::ValidationError(opt->get_name(), "is DDP's: it applies to --strategy ddp or "
-                                                      "zero1, not " + o.strategy);
+          throw CLI::ValidationError(opt->get_name(),
+                                     "is DDP's: it applies to --strategy ddp or "
+                                     "zero1, not " +
+                                         o.strategy);
         }
       }
     }

@@ -22,8 +22,8 @@ constexpr int64_t kConv1Channels = 16;
 constexpr int64_t kConv2Channels = 32;
 
 void check_config(const ModelConfig& c) {
-  TDIST_CHECK_ARG(c.kind == "mlp" || c.kind == "conv" || c.kind == "gpt", "unknown model '",
-                  c.kind, "' (known: mlp, conv, gpt)");
+  TDIST_CHECK_ARG(c.kind == "mlp" || c.kind == "conv" || c.kind == "gpt", "unknown model '", c.kind,
+                  "' (known: mlp, conv, gpt)");
   if (c.kind == "gpt") {
     TDIST_CHECK_ARG(c.layers >= 1 && c.layers <= 256, "--layers ", c.layers,
                     ": a gpt has 1 to 256 blocks");
@@ -164,7 +164,8 @@ TrainModel build_train_model(const ModelConfig& config) {
 
 torch::nn::Sequential build_model(const ModelConfig& config) {
   check_config(config);
-  TDIST_CHECK_ARG(config.kind != "gpt", "build_model builds the image classifiers (mlp, conv); "
+  TDIST_CHECK_ARG(config.kind != "gpt",
+                  "build_model builds the image classifiers (mlp, conv); "
                   "gpt is built by build_train_model");
   namespace nn = torch::nn;
   nn::Sequential seq;
@@ -195,8 +196,8 @@ torch::nn::Sequential build_model(const ModelConfig& config) {
 std::string describe_model(const ModelConfig& config) {
   check_config(config);
   if (config.kind == "gpt") {
-    return str("gpt ", config.layers, "x", config.width, " h", config.heads, " ctx",
-               config.context, " bytes");
+    return str("gpt ", config.layers, "x", config.width, " h", config.heads, " ctx", config.context,
+               " bytes");
   }
   if (config.kind == "mlp") {
     std::string s = "mlp " + std::to_string(kImageSize * kImageSize);

@@ -7,6 +7,7 @@
 #include "tdist/core/error.h"
 #include "tdist/ddp/distributed_data_parallel.h"
 #include "tdist/ddp/reducer.h"
+#include "tdist/fsdp/param_group.h"
 #include "tdist/pipeline/pipeline.h"
 
 namespace tdist::train {
@@ -14,13 +15,25 @@ namespace {
 
 using ChunkDDP = ddp::DistributedDataParallel<torch::nn::Sequential>;
 
+// A module over tensors it does not own, so that a rank's part goes through tdist-train's one
+// checkpoint format (save_checkpoint / load_checkpoint): parameters p0, p1, ... in order.
+struct PartModule : torch::nn::Module {
+  explicit PartModule(const std::vector<at::Tensor>& tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) register_parameter(str("p", i), tensors[i]);
+  }
+};
+
+std::string part_dir(const std::string& dir, int world_rank) {
+  return dir + "/rank-" + std::to_string(world_rank);
+}
+
 bool has_parameters(const torch::nn::Module& m) { return !m.parameters().empty(); }
 
 // Virtual-stage bounds over `layers` (see the file comment of pipeline_strategy.h): the layers
 // where a unit starts, dealt evenly to `parts` stages; stage 0 starts at layer 0, the last ends
 // at the last layer.
-std::vector<int64_t> stage_bounds(torch::nn::Sequential layers, bool language_model,
-                                  int parts, int stages) {
+std::vector<int64_t> stage_bounds(torch::nn::Sequential layers, bool language_model, int parts,
+                                  int stages) {
   const auto n_layers = static_cast<int64_t>(layers->size());
   std::vector<int64_t> starts;
   for (int64_t i = 0; i < n_layers; ++i) {
@@ -48,17 +61,22 @@ struct PipelineStrategy::Impl {
   PipelineConfig config;
   std::unique_ptr<pipeline::Pipeline> pipe;
   std::vector<std::unique_ptr<ChunkDDP>> ddps;  // per chunk; null: no DDP over it
-  bool ready = false;                           // set up (at the first step)
+  // config.shard: per chunk with parameters, its parameters sharded across the dp group.
+  std::vector<std::unique_ptr<fsdp::ParamGroup>> shards;
+  // The parameters of the layers no chunk of this rank holds, with their shapes: empty while
+  // training, allocated and filled by sync_full_model() until the next step.
+  std::vector<std::pair<at::Tensor, std::vector<int64_t>>> others;
+  bool full = false;   // sync_full_model() ran since the last step
+  bool ready = false;  // set up (at the first step)
   // The current step's counts, added to by the loss function on the last stage.
   int64_t correct = 0;
   int64_t predictions = 0;
 };
 
-PipelineStrategy::PipelineStrategy(TrainModel model, bool language_model,
-                                   std::shared_ptr<comm::DeviceMesh> mesh, PipelineConfig config,
-                                   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>
-                                       loss,
-                                   ddp::DDPOptions ddp_options)
+PipelineStrategy::PipelineStrategy(
+    TrainModel model, bool language_model, std::shared_ptr<comm::DeviceMesh> mesh,
+    PipelineConfig config, std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss,
+    ddp::DDPOptions ddp_options)
     : impl_(std::make_unique<Impl>()) {
   Impl& d = *impl_;
   d.model = std::move(model);
@@ -75,7 +93,19 @@ PipelineStrategy::PipelineStrategy(TrainModel model, bool language_model,
   const auto& dp_group = d.mesh->group("dp");
   for (int c = 0; c < stage.num_chunks(); ++c) {
     auto chunk = stage.chunk(c);
-    if (dp_group->size() > 1 && has_parameters(*chunk)) {
+    if (d.config.shard && has_parameters(*chunk)) {
+      // Not fully_shard: its units expect one backward per forward, and a schedule runs the
+      // forwards of several microbatches before their backwards. A ParamGroup is what it
+      // shards with, driven here once per step (see step()).
+      fsdp::ShardingConfig sc;
+      sc.shard_pg = dp_group;
+      sc.timeout = d.config.timeout;
+      std::vector<std::string> names;
+      for (const auto& item : chunk->named_parameters()) names.push_back(item.key());
+      d.shards.push_back(std::make_unique<fsdp::ParamGroup>(
+          stage.describe_stage(stage.stage_index(c)), chunk->parameters(), std::move(names), sc));
+      d.ddps.push_back(nullptr);
+    } else if (dp_group->size() > 1 && has_parameters(*chunk)) {
       ddp::DDPOptions o = ddp_options;
       o.timeout = d.config.timeout;
       d.ddps.push_back(std::make_unique<ChunkDDP>(chunk, dp_group, o));
@@ -102,17 +132,52 @@ PipelineStrategy::PipelineStrategy(TrainModel model, bool language_model,
     ddp->reducer().prepare_for_forward();
     ddp->reducer().prepare_for_backward(roots);
   };
+  // Layers outside this rank's chunks: their parameters are dropped (and gathered back only
+  // by sync_full_model).
+  const auto& bounds = stage.bounds();
+  std::vector<bool> mine(layers->size(), false);
+  for (int c = 0; c < stage.num_chunks(); ++c) {
+    const auto s = static_cast<size_t>(stage.stage_index(c));
+    for (int64_t l = bounds[s]; l < bounds[s + 1]; ++l) mine[static_cast<size_t>(l)] = true;
+  }
+  for (size_t l = 0; l < layers->size(); ++l) {
+    if (mine[l]) continue;
+    for (auto& p : layers[l]->parameters()) d.others.emplace_back(p, p.sizes().vec());
+  }
   d.pipe = std::make_unique<pipeline::Pipeline>(std::move(stage), d.mesh->group("pp"), o);
+  drop_others();
+}
+
+void PipelineStrategy::drop_others() {
+  Impl& d = *impl_;
+  torch::NoGradGuard no_grad;
+  for (auto& [p, shape] : d.others) {
+    p.set_data(at::empty({0}, p.options()));
+    p.mutable_grad() = at::Tensor();
+  }
+  for (auto& g : d.shards) g->reshard();
+  d.full = false;
 }
 
 PipelineStrategy::~PipelineStrategy() = default;
 
 std::vector<at::Tensor> PipelineStrategy::parameters() const {
+  if (impl_->config.shard) {
+    std::vector<at::Tensor> out;
+    for (const auto& g : impl_->shards) out.push_back(g->sharded_param());
+    return out;
+  }
   return impl_->pipe->stage().parameters();
 }
 
+bool PipelineStrategy::sharded() const { return impl_->config.shard; }
+
 PipelineStepResult PipelineStrategy::step(const at::Tensor& inputs, const at::Tensor& labels) {
   Impl& d = *impl_;
+  if (d.full) drop_others();
+  // Sharded: every chunk gathered once for all microbatches; their gradients accumulate in the
+  // full parameters' .grad and are reduce-scattered (averaged over the replicas) once.
+  for (auto& g : d.shards) g->unshard();
   if (!d.ready) {
     d.pipe->setup(torch::zeros_like(inputs));
     d.ready = true;
@@ -120,6 +185,11 @@ PipelineStepResult PipelineStrategy::step(const at::Tensor& inputs, const at::Te
   d.correct = 0;
   d.predictions = 0;
   at::Tensor loss = d.pipe->step(inputs, labels);
+  for (auto& g : d.shards) g->reduce_grads();
+  for (auto& g : d.shards) {
+    g->reshard();
+    g->finish_reduce();
+  }
   PipelineStepResult r;
   r.has_loss = loss.defined();
   if (r.has_loss) r.loss = loss.item<double>();
@@ -144,6 +214,9 @@ void PipelineStrategy::sync_full_model() {
   const auto& bounds = stage.bounds();
   const auto& pp = d.mesh->group("pp");
   torch::NoGradGuard no_grad;
+  for (auto& g : d.shards) g->unshard();
+  for (auto& [p, shape] : d.others) p.set_data(at::empty(shape, p.options()));
+  d.full = true;
   // One broadcast per stage rank: its virtual stages' parameters, flattened in order.
   for (int r = 0; r < pp->size(); ++r) {
     std::vector<at::Tensor> params;
@@ -154,9 +227,16 @@ void PipelineStrategy::sync_full_model() {
       }
     }
     if (params.empty()) continue;
-    std::vector<at::Tensor> flat_parts;
-    for (auto& p : params) flat_parts.push_back(p.detach().reshape({-1}));
-    at::Tensor flat = torch::cat(flat_parts);
+    at::Tensor flat;
+    if (r == pp->rank()) {
+      std::vector<at::Tensor> flat_parts;
+      for (auto& p : params) flat_parts.push_back(p.detach().reshape({-1}));
+      flat = torch::cat(flat_parts);
+    } else {
+      int64_t numel = 0;
+      for (auto& p : params) numel += p.numel();
+      flat = at::empty({numel}, params.front().options());
+    }
     comm::BroadcastOptions o;
     o.root = r;
     o.timeout = d.config.timeout;
@@ -170,6 +250,30 @@ void PipelineStrategy::sync_full_model() {
   }
 }
 
+void PipelineStrategy::save_part(const std::string& dir, int world_rank,
+                                 const torch::optim::Optimizer& optimizer, const TrainState& state,
+                                 const std::string& fingerprint) const {
+  PartModule part(parameters());
+  save_checkpoint(part_dir(dir, world_rank), part, optimizer, state, fingerprint);
+}
+
+void PipelineStrategy::load_part(const std::string& dir, int world_rank,
+                                 torch::optim::Optimizer& optimizer,
+                                 const std::string& fingerprint) {
+  const std::string at = part_dir(dir, world_rank);
+  auto bytes = read_checkpoint_file(at);
+  if (!bytes) {
+    throw InvalidArgument(str("the pipelined checkpoint has no part for rank ", world_rank, " (no ",
+                              checkpoint_path(at),
+                              "); a pipelined run resumes at the "
+                              "world size and --pp-stages it was written at, with its directory "
+                              "readable by every rank"));
+  }
+  PartModule part(parameters());
+  load_checkpoint(*bytes, part, optimizer, fingerprint,
+                  parameters().empty() ? c10::Device(c10::kCPU) : parameters().front().device());
+}
+
 std::string PipelineStrategy::describe() const {
   const Impl& d = *impl_;
   const auto& stage = d.pipe->stage();
@@ -177,8 +281,8 @@ std::string PipelineStrategy::describe() const {
   for (int c = 0; c < stage.num_chunks(); ++c) {
     parts += (c ? ", " : "") + stage.describe_stage(stage.stage_index(c));
   }
-  return str("pp ", d.mesh->size("pp"), " x dp ", d.mesh->size("dp"), ", ", d.config.schedule,
-             ", ", d.config.microbatches, " microbatches; this rank: ", parts);
+  return str("pp ", d.mesh->size("pp"), " x dp ", d.mesh->size("dp"), ", ", d.config.schedule, ", ",
+             d.config.microbatches, " microbatches; this rank: ", parts);
 }
 
 }  // namespace tdist::train

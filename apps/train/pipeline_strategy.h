@@ -4,16 +4,38 @@
 // holds world ranks s * dp .. s * dp + dp - 1); each "pp" group runs one tdist::pipeline over the
 // model's layers() cut into stages, and each stage's "dp" group runs DDP over that stage's
 // chunks (armed by the pipeline before the last weight pass, so the gradients of all
-// microbatches are reduced once).
+// microbatches are reduced once), or (config.shard, --strategy fsdp) shards each chunk's
+// parameters across that group: gathered once before the step, and the gradients of all
+// microbatches reduce-scattered once after it (fsdp's ParamGroup; the optimizer steps the
+// shards).
 //
 // The cut: a gpt's blocks are the stages' layers (stage 0 also holds the embedding, the last
 // stage the final LayerNorm and head); a classifier's layers with parameters are, each with the
 // parameter-free layers after it. Units are dealt in order, as evenly as they go, to the P
 // stages (the interleaved schedule: to 2P virtual stages, two per rank).
 //
-// Every rank builds the whole model from the same seed and trains its stage's part of it; the
-// other parts go stale until sync_full_model() (a collective) gives every rank every stage's
-// current values, for evaluation and the final parameter hash.
+// Every rank builds the whole model from the same seed and keeps only its stage's part of it:
+// the other layers' parameters are dropped (empty tensors) at construction. sync_full_model()
+// (a collective) gives every rank every stage's current values, for evaluation and the final
+// parameter hash; the next step() drops them again.
+//
+// Note [Pipelined checkpoints]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// No rank holds the whole model or optimizer, so, as under fsdp (Note [Checkpoint protocol] 6
+// in checkpoint.h): every rank writes its part (what its optimizer steps: its stage's
+// parameters, or their shards, and the optimizer's state) as a checkpoint of its own, in
+// save_checkpoint's format (header, fingerprint, digest; atomic), at
+// <dir>/pipeline-<step>/rank-<world rank>/checkpoint.pt; a collective then checks that every
+// rank wrote its part (else every rank fails, naming the ranks); then rank 0 writes
+// checkpoint.pt with the training state naming pipeline-<step> and removes older pipeline-*
+// subdirectories. A crash before that rename leaves the previous checkpoint.pt and the
+// subdirectory it names. The run's fingerprint names the pipeline (stages, schedule, strategy),
+// and each part's adds its rank and the mesh's shape, so resuming with another layout is
+// refused with both shown; resume needs the same world size (a part per rank). Resume shares
+// checkpoint.pt (Note [Checkpoint protocol] 3), builds the pipeline (the DDP broadcast or
+// the sharding first), then every rank loads its own part into the same tensors and optimizer.
+// Replicas of a stage under DDP write equal parts; each writes its own all the same, so that
+// no rank needs another's file.
 //
 // Contract: construction, step() and sync_full_model() are collectives over the world, made in
 // the same order on every rank; one thread drives the object; every wait is bounded by the
@@ -26,28 +48,33 @@
 #include <string>
 #include <vector>
 
+#include "apps/train/checkpoint.h"
 #include "apps/train/models.h"
 #include "tdist/ddp/options.h"
 
 namespace tdist::comm {
 class DeviceMesh;
 }
+namespace torch::optim {
+class Optimizer;
+}
 
 namespace tdist::train {
 
 struct PipelineConfig {
-  int stages = 1;               // --pp-stages
+  int stages = 1;                 // --pp-stages
   std::string schedule = "1f1b";  // --schedule: gpipe, 1f1b, interleaved, zb
-  int microbatches = 1;         // --microbatches (divides the batch of a replica)
+  int microbatches = 1;           // --microbatches (divides the batch of a replica)
   std::chrono::milliseconds timeout{300000};
+  bool shard = false;  // --strategy fsdp: shard each stage across its replicas
 };
 
 // One step of the pipeline, as this rank saw it.
 struct PipelineStepResult {
-  bool has_loss = false;    // this rank holds the last stage
-  double loss = 0;          // the mean loss over the batch (last stage)
-  int64_t correct = 0;      // right predictions of the batch (last stage)
-  int64_t predictions = 0;  // predictions made (last stage)
+  bool has_loss = false;           // this rank holds the last stage
+  double loss = 0;                 // the mean loss over the batch (last stage)
+  int64_t correct = 0;             // right predictions of the batch (last stage)
+  int64_t predictions = 0;         // predictions made (last stage)
   double compute_forward_ms = 0;   // time in forward actions (F)
   double compute_backward_ms = 0;  // time in backward actions (B, I, W)
   double idle_ms = 0;              // the rest of the step: waiting for neighbours and sends
@@ -67,18 +94,33 @@ class PipelineStrategy {
   PipelineStrategy(const PipelineStrategy&) = delete;
   PipelineStrategy& operator=(const PipelineStrategy&) = delete;
 
-  // This rank's stage's parameters (give them to the optimizer).
+  // What the optimizer steps: this rank's stage's parameters, or (sharded) their shards.
   std::vector<at::Tensor> parameters() const;
+  // --strategy fsdp: parameters() are shards.
+  bool sharded() const;
   // One pipeline step: `inputs` and `labels` are this replica's batch (the same on every stage
   // of the pipeline); gradients land in parameters()' .grad, averaged over the replicas.
   PipelineStepResult step(const at::Tensor& inputs, const at::Tensor& labels);
   // Collective: every rank's model gets every stage's current parameters (a broadcast from each
-  // stage's rank within each pipeline).
+  // stage's rank within each pipeline; sharded stages are gathered first). They stay until the
+  // next step().
   void sync_full_model();
+  // Checkpoints (Note [Pipelined checkpoints]): this rank's part, what parameters() returns and
+  // `optimizer`'s state, written as a checkpoint of its own in <dir>/rank-<world rank> (local:
+  // no communication; Error naming the file on failure), and read back from there into the same
+  // tensors and optimizer (InvalidArgument when the file is missing or was written by another
+  // rank, layout or run: `fingerprint` holds those).
+  void save_part(const std::string& dir, int world_rank, const torch::optim::Optimizer& optimizer,
+                 const TrainState& state, const std::string& fingerprint) const;
+  void load_part(const std::string& dir, int world_rank, torch::optim::Optimizer& optimizer,
+                 const std::string& fingerprint);
   // "pp 2 x dp 2, 1f1b, 4 microbatches; stage 1 (rank 1, layers [3, 6))".
   std::string describe() const;
 
  private:
+  // Empties the parameters of the layers outside this rank's stage (and reshards its own).
+  void drop_others();
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

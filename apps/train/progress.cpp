@@ -54,13 +54,13 @@ Progress::Progress(ProgressMode mode, bool active, const std::string& metrics_pa
   }
   if (!metrics_path.empty()) {
     // Appended to, never through a link planted at its name; created 0600.
-    const int fd = ::open(metrics_path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
-                          0600);
+    const int fd =
+        ::open(metrics_path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     metrics_ = fd >= 0 ? ::fdopen(fd, "a") : nullptr;
     if (fd >= 0 && !metrics_) ::close(fd);
     if (!metrics_) {
-      throw InvalidArgument("cannot open --metrics file '" + metrics_path + "': " +
-                            std::strerror(errno));
+      throw InvalidArgument("cannot open --metrics file '" + metrics_path +
+                            "': " + std::strerror(errno));
     }
   }
 }
@@ -97,11 +97,12 @@ void Progress::report(const StepReport& r) {
     std::string bar(static_cast<size_t>(kBarWidth), ' ');
     for (int i = 0; i < filled && i < kBarWidth; ++i) bar[static_cast<size_t>(i)] = '=';
     if (filled < kBarWidth) bar[static_cast<size_t>(filled)] = '>';
-    std::snprintf(line, sizeof(line),
-                  "\rstep %lld/%lld [%s] %3.0f%% | loss %.4f | acc %5.1f%% | %.0f samples/s | ETA %s\x1b[K",
-                  static_cast<long long>(r.step), static_cast<long long>(r.total_steps), bar.c_str(),
-                  100.0 * frac, r.loss, 100.0 * r.train_accuracy, r.samples_per_sec,
-                  format_duration(r.eta_s).c_str());
+    std::snprintf(
+        line, sizeof(line),
+        "\rstep %lld/%lld [%s] %3.0f%% | loss %.4f | acc %5.1f%% | %.0f samples/s | ETA %s\x1b[K",
+        static_cast<long long>(r.step), static_cast<long long>(r.total_steps), bar.c_str(),
+        100.0 * frac, r.loss, 100.0 * r.train_accuracy, r.samples_per_sec,
+        format_duration(r.eta_s).c_str());
     std::fputs(line, stdout);
     std::fflush(stdout);
     bar_open_ = true;
@@ -111,7 +112,8 @@ void Progress::report(const StepReport& r) {
                   "backward %.2f ms (comm wait %.2f ms), ETA %s\n",
                   static_cast<long long>(r.step), static_cast<long long>(r.total_steps),
                   static_cast<long long>(r.epoch), r.loss, 100.0 * r.train_accuracy,
-                  r.samples_per_sec, r.backward_ms, r.comm_wait_ms, format_duration(r.eta_s).c_str());
+                  r.samples_per_sec, r.backward_ms, r.comm_wait_ms,
+                  format_duration(r.eta_s).c_str());
     std::fputs(line, stdout);
     std::fflush(stdout);
   }

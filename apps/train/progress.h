@@ -20,20 +20,20 @@ ProgressMode parse_progress_mode(const std::string& s);
 // Averages over the steps since the previous report (losses and accuracy across all ranks;
 // times are rank 0's).
 struct StepReport {
-  int64_t step = 0;         // steps done
+  int64_t step = 0;  // steps done
   int64_t total_steps = 0;
   int64_t epoch = 0;
   int64_t window_steps = 0;  // steps this report covers
   double loss = 0;
-  double train_accuracy = 0;  // fraction in [0, 1]
+  double train_accuracy = 0;   // fraction in [0, 1]
   double samples_per_sec = 0;  // all ranks' samples
   double data_ms = 0;          // per step: producing the batch
   double forward_ms = 0;
-  double backward_ms = 0;     // loss.backward(), including the final wait for communication
-  double comm_wait_ms = 0;    // from the last gradient computed to the end of backward
+  double backward_ms = 0;   // loss.backward(), including the final wait for communication
+  double comm_wait_ms = 0;  // from the last gradient computed to the end of backward
   double optimizer_ms = 0;
-  double elapsed_s = 0;       // since training started in this process
-  double eta_s = -1;          // negative: unknown
+  double elapsed_s = 0;  // since training started in this process
+  double eta_s = -1;     // negative: unknown
 };
 
 class Progress {

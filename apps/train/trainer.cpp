@@ -21,6 +21,7 @@
 #include "apps/train/checkpoint.h"
 #include "apps/train/pipeline_strategy.h"
 #include "apps/train/progress.h"
+#include "apps/train/test_hook.h"
 #include "tdist/core/atomic_file.h"
 #include "tdist/core/cpu_memory.h"
 #include "tdist/core/hash.h"
@@ -101,7 +102,8 @@ struct GradTiming {
   std::atomic<int64_t> last_grad_us{0};
 };
 
-void watch_gradients(const std::vector<at::Tensor>& params, const std::shared_ptr<GradTiming>& timing) {
+void watch_gradients(const std::vector<at::Tensor>& params,
+                     const std::shared_ptr<GradTiming>& timing) {
   for (at::Tensor p : params) {
     p.register_hook([t = timing](const at::Tensor&) {
       t->last_grad_us.store(now_us(), std::memory_order_relaxed);
@@ -132,10 +134,12 @@ void watch_gradients(const std::vector<at::Tensor>& params, const std::shared_pt
 std::string fingerprint(const TrainOptions& o, int64_t train_size) {
   return str("model=", describe_model(o.model), " optimizer=", o.optimizer,
              " lr=", o.lr > 0 ? o.lr : default_lr(o.optimizer), " momentum=", o.momentum,
-             " weight_decay=", o.weight_decay, " batch_size=", o.batch_size,
-             " seed=", o.seed, " dataset=", o.data.dataset, " train_samples=", train_size,
+             " weight_decay=", o.weight_decay, " batch_size=", o.batch_size, " seed=", o.seed,
+             " dataset=", o.data.dataset, " train_samples=", train_size,
              o.data.dataset == "synthetic" ? str(" signal=", o.data.signal) : std::string(),
-             " comm_hook=", o.comm_hook);
+             " comm_hook=", o.comm_hook,
+             o.pp_stages > 1 ? str(" pipeline=", o.pp_stages, "/", o.schedule, "/", o.strategy)
+                             : std::string());
 }
 
 // FNV-1a over the bytes of every parameter, in order: equal iff the parameters are bit-equal
@@ -175,9 +179,9 @@ struct EvalResult {
 
 // The loss of a batch's logits against its labels: cross-entropy per image, or per predicted
 // byte of each window (logits [B, T, 256], labels [B, T]).
-at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& labels,
-                   torch::nn::functional::CrossEntropyFuncOptions::reduction_t reduction =
-                       torch::kMean) {
+at::Tensor loss_of(
+    const at::Tensor& logits, const at::Tensor& labels,
+    torch::nn::functional::CrossEntropyFuncOptions::reduction_t reduction = torch::kMean) {
   return torch::nn::functional::cross_entropy(
       logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
       torch::nn::functional::CrossEntropyFuncOptions().reduction(reduction));
@@ -225,8 +229,8 @@ EvalResult evaluate(const std::function<at::Tensor(const at::Tensor&)>& forward,
   model.train();
   int64_t mine = 0;
   for (int64_t i = pg.rank(); i < test.size(); i += pg.size()) ++mine;
-  at::Tensor sums = at::tensor({correct, predictions, loss_sum, static_cast<double>(mine)},
-                               at::kDouble);
+  at::Tensor sums =
+      at::tensor({correct, predictions, loss_sum, static_cast<double>(mine)}, at::kDouble);
   comm::AllreduceOptions opts;
   opts.timeout = timeout;
   pg.allreduce(sums, opts)->wait();
@@ -285,35 +289,6 @@ struct Window {
   double data_ms = 0, forward_ms = 0, backward_ms = 0, comm_wait_ms = 0, optimizer_ms = 0;
 };
 
-// Test hooks (docs/train.md): TDIST_TRAIN_FAIL_AT_STEP=K kills rank TDIST_TRAIN_FAIL_RANK
-// (default: the last rank) with SIGKILL once K steps are done, on the first attempt only
-// (TDIST_RESTART_COUNT unset or 0), to test restarts and resume; TDIST_TRAIN_STEP_SLEEP_MS=T
-// makes every step T ms longer, so that a test can act on a job while it trains.
-struct FailureInjection {
-  int64_t at_step = -1;
-  bool armed = false;
-  int64_t step_sleep_ms = 0;
-
-  static FailureInjection from_env(int rank, int world) {
-    FailureInjection f;
-    f.at_step = env::get_int("TDIST_TRAIN_FAIL_AT_STEP", -1, -1, INT64_MAX);
-    const int64_t fail_rank = env::get_int("TDIST_TRAIN_FAIL_RANK", world - 1, 0, world - 1);
-    f.armed = f.at_step >= 0 && fail_rank == rank &&
-              env::get_int("TDIST_RESTART_COUNT", 0, 0, INT64_MAX) == 0;
-    f.step_sleep_ms = env::get_int("TDIST_TRAIN_STEP_SLEEP_MS", 0, 0, 60000);
-    return f;
-  }
-  void check(int64_t steps_done) const {
-    if (step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_sleep_ms));
-    if (!armed || steps_done != at_step) return;
-    std::fprintf(stderr, "tdist-train: TDIST_TRAIN_FAIL_AT_STEP=%lld: killing this worker\n",
-                 static_cast<long long>(at_step));
-    std::fflush(stderr);
-    ::raise(SIGKILL);
-  }
-};
-
-
 std::string format_mb(int64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.2f", static_cast<double>(bytes) / 1e6);
@@ -359,9 +334,6 @@ void validate(const TrainOptions& o) {
     bad("--mixed-precision must be none or bf16 (got '" + o.mixed_precision + "')");
   if (o.mixed_precision != "none" && !o.sharded())
     bad("--mixed-precision applies to --strategy fsdp or hsdp only");
-  if (o.strategy == "zero1" && !o.checkpoint_dir.empty())
-    bad("--checkpoint-dir: tdist-train writes checkpoints for --strategy ddp, fsdp and hsdp, not "
-        "zero1 (ZeroRedundancyOptimizer's sharded state has no checkpoint format yet)");
   if (o.sharded() && o.comm_hook != "allreduce")
     bad("--comm-hook is DDP's: it applies to --strategy ddp or zero1, not " + o.strategy);
   if (!o.sharded() && !o.reshard_after_forward)
@@ -370,12 +342,15 @@ void validate(const TrainOptions& o) {
   if (o.microbatches < 1) bad("--microbatches must be >= 1");
   if (o.pp_stages > 1) {
     pipeline::parse_schedule(o.schedule);  // InvalidArgument naming the known ones
-    if (o.strategy != "ddp")
-      bad("--pp-stages runs DDP across the pipelines' replicas: --strategy " + o.strategy +
-          " is not supported with it (use --strategy ddp)");
+    if (o.strategy != "ddp" && o.strategy != "fsdp")
+      bad("--pp-stages runs DDP or FSDP across the pipelines' replicas: --strategy " + o.strategy +
+          " is not supported with it (use --strategy ddp or fsdp)");
+    if (o.mixed_precision != "none")
+      bad("--mixed-precision does not apply to --pp-stages > 1 (the stages compute in fp32)");
+    if (!o.reshard_after_forward)
+      bad("--reshard-after-forward does not apply to --pp-stages > 1 (a sharded stage is "
+          "gathered once per step, for all its microbatches)");
     if (o.comm_hook != "allreduce") bad("--comm-hook does not apply to --pp-stages > 1");
-    if (!o.checkpoint_dir.empty())
-      bad("--checkpoint-dir: tdist-train writes no checkpoints with --pp-stages > 1 yet");
     if (o.batch_size % o.microbatches != 0)
       bad(str("--microbatches ", o.microbatches, " does not divide --batch-size ", o.batch_size,
               " (the batch of each pipeline)"));
@@ -432,6 +407,11 @@ class Trainer {
   // Phase 4, evaluate: the test set across all ranks, reported at state_.step.
   EvalResult evaluate_now();
   void save();
+  // Note [Pipelined checkpoints] (pipeline_strategy.h): this rank's part into `dir`, then a
+  // collective: Error on every rank unless every rank wrote its part.
+  void save_pipeline_parts(const std::string& dir);
+  // The fingerprint of this rank's part: the run's, its rank and the mesh's shape.
+  std::string part_fingerprint() const;
   void write_summary(const EvalResult& final_eval, double train_s, uint64_t hash,
                      const std::vector<MemoryUse>& memory) const;
 
@@ -452,11 +432,12 @@ class Trainer {
   int64_t steps_per_epoch_ = 0;  // of a whole epoch at this world size
   int64_t total_steps_ = 0;
   TrainModel model_;
-  // ddp: over the parameters; fsdp: over the shards (made by start_training); zero1: none.
+  // ddp: over the parameters; fsdp: over the shards (made by start_training); zero1: none
+  // (but from resume to start_training: the whole optimizer a checkpoint holds).
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::string fingerprint_;
   int64_t num_params_ = 0;
-  FailureInjection failure_;
+  TestHook test_hook_;  // apps/train/test_hook.h
 
   // Resume.
   TrainState state_;
@@ -464,10 +445,10 @@ class Trainer {
   int64_t saved_step_ = -1;
 
   // Training.
-  std::unique_ptr<Model> ddp_model_;            // ddp, zero1
-  std::unique_ptr<ShardedModel> sharded_;        // fsdp
+  std::unique_ptr<Model> ddp_model_;                     // ddp, zero1
+  std::unique_ptr<ShardedModel> sharded_;                // fsdp
   std::unique_ptr<fsdp::ZeroRedundancyOptimizer> zero_;  // zero1
-  std::unique_ptr<PipelineStrategy> pipeline_;          // pp_stages > 1
+  std::unique_ptr<PipelineStrategy> pipeline_;           // pp_stages > 1
   std::shared_ptr<GradTiming> timing_ = std::make_shared<GradTiming>();
   Clock::time_point start_;
   int64_t steps_run_ = 0;
@@ -486,7 +467,8 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   world_ = pg_->size();
   set_log_rank(rank_);
   timeout_ = timeout_of(o);
-  progress_ = std::make_unique<Progress>(parse_progress_mode(o.progress), rank_ == 0, o.metrics_path);
+  progress_ =
+      std::make_unique<Progress>(parse_progress_mode(o.progress), rank_ == 0, o.metrics_path);
   dp_size_ = world_;
   dp_rank_ = rank_;
   if (o.pp_stages > 1) {
@@ -520,14 +502,14 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   if (o.strategy == "ddp" && !mesh_) optimizer_ = make_optimizer(o, model_->parameters());
   fingerprint_ = fingerprint(o, data_.train->size());
   num_params_ = count_parameters(*model_);
-  progress_->note(str("tdist-train: ", describe_model(o.model), " (", num_params_, " parameters) on ",
-                      data_.description, "; world size ", world_, " on ", o.device.str(),
-                      ", strategy ", o.strategy,
-                      mesh_ ? str(" across ", dp_size_, " pipelines of ", o.pp_stages, " stages")
-                            : std::string(),
-                      ", batch ", o.batch_size, mesh_ ? " per pipeline, " : " per rank, ", o.optimizer, " lr ", o.lr > 0 ? o.lr : default_lr(o.optimizer),
-                      "; ", steps_per_epoch_, " steps per epoch, ", total_steps_, " steps"));
-  failure_ = FailureInjection::from_env(rank_, world_);
+  progress_->note(str(
+      "tdist-train: ", describe_model(o.model), " (", num_params_, " parameters) on ",
+      data_.description, "; world size ", world_, " on ", o.device.str(), ", strategy ", o.strategy,
+      mesh_ ? str(" across ", dp_size_, " pipelines of ", o.pp_stages, " stages") : std::string(),
+      ", batch ", o.batch_size, mesh_ ? " per pipeline, " : " per rank, ", o.optimizer, " lr ",
+      o.lr > 0 ? o.lr : default_lr(o.optimizer), "; ", steps_per_epoch_, " steps per epoch, ",
+      total_steps_, " steps"));
+  test_hook_ = TestHook::from_env(rank_, world_);
 }
 
 void Trainer::resume() {
@@ -547,8 +529,14 @@ void Trainer::resume() {
   }
   // Under fsdp and hsdp the model and optimizer are loaded from the sharded checkpoint once
   // start_training() has wrapped the model (Note [Checkpoint protocol] 6).
-  state_ = o_.sharded() ? load_training_state(*shared, fingerprint_)
-                        : load_checkpoint(*shared, *model_, *optimizer_, fingerprint_, o_.device);
+  // Pipelines: every rank loads its part once start_training() has built the pipeline
+  // (Note [Pipelined checkpoints] in pipeline_strategy.h). Under zero1 a whole optimizer is
+  // loaded, as ddp's; start_training() hands each rank the state of its partition (Note
+  // [ZeRO-1] 5).
+  if (o_.strategy == "zero1") optimizer_ = make_optimizer(o_, model_->parameters());
+  state_ = o_.sharded() || mesh_
+               ? load_training_state(*shared, fingerprint_)
+               : load_checkpoint(*shared, *model_, *optimizer_, fingerprint_, o_.device);
   const int64_t n = data_.train->size();
   if (state_.step < 0 || state_.epoch < 0 || state_.epoch_position < 0 ||
       state_.epoch_position > n) {
@@ -560,7 +548,8 @@ void Trainer::resume() {
   resumed_from_ = state_.step;
   saved_step_ = state_.step;
   progress_->note(str("resumed from ", checkpoint_path(o_.checkpoint_dir), " at step ", state_.step,
-                      " (epoch ", state_.epoch, ", sample ", state_.epoch_position, " of ", n, ")"));
+                      " (epoch ", state_.epoch, ", sample ", state_.epoch_position, " of ", n,
+                      ")"));
   if (state_.world_size != world_) {
     progress_->note(str("the checkpoint was written at world size ", state_.world_size,
                         "; continuing at world size ", world_, ": a step now takes ",
@@ -591,12 +580,24 @@ void Trainer::start_training() {
     pc.schedule = o_.schedule;
     pc.microbatches = o_.microbatches;
     pc.timeout = timeout_;
+    pc.shard = o_.strategy == "fsdp";
     pipeline_ = std::make_unique<PipelineStrategy>(
         model_, is_language_model(o_.model), mesh_, pc,
         [](const at::Tensor& logits, const at::Tensor& labels) { return loss_of(logits, labels); },
         o_.ddp);
     optimizer_ = make_optimizer(o_, pipeline_->parameters());
     if (rank_ == 0) progress_->note("pipeline: " + pipeline_->describe());
+    if (!state_.sharded_subdir.empty()) {  // resumed (Note [Pipelined checkpoints])
+      if (state_.world_size != world_) {
+        throw InvalidArgument(str("the checkpoint was written at world size ", state_.world_size,
+                                  "; a pipelined run resumes at the world size it was written "
+                                  "at (",
+                                  world_, " now), one part per rank"));
+      }
+      const std::string dir = o_.checkpoint_dir + "/" + state_.sharded_subdir;
+      pipeline_->load_part(dir, rank_, *optimizer_, part_fingerprint());
+      progress_->note(str("loaded every rank's part of the pipeline from ", dir));
+    }
   } else if (o_.sharded()) {
     fsdp::FSDPOptions fopts;
     fopts.reshard_after_forward = o_.reshard_after_forward;
@@ -608,6 +609,7 @@ void Trainer::start_training() {
     optimizer_ = make_optimizer(o_, sharded_->parameters());
     if (!state_.sharded_subdir.empty()) {  // resumed (Note [Checkpoint protocol] 6)
       const std::string dir = o_.checkpoint_dir + "/" + state_.sharded_subdir;
+      check_sharded_index(dir, state_);  // Note [Checkpoint key]
       fsdp::load_sharded_checkpoint(dir, *sharded_, optimizer_.get());
       progress_->note(str("loaded the sharded model and optimizer from ", dir));
     }
@@ -626,6 +628,10 @@ void Trainer::start_training() {
           model_->parameters(),
           [this](std::vector<at::Tensor> params) { return make_optimizer(o_, params); }, pg_,
           zopts);
+      if (optimizer_) {  // resumed: this rank's part of the whole optimizer loaded
+        zero_->load_state_dict(*optimizer_);
+        optimizer_.reset();
+      }
     }
   }
   start_ = Clock::now();
@@ -654,7 +660,14 @@ void Trainer::optimizer_step() {
 MemoryUse Trainer::measure_memory() const {
   MemoryUse m;
   std::vector<at::Tensor> params = model_->parameters();
-  if (sharded_) {
+  if (pipeline_) {
+    // The model's parameters (other stages' empty while training; a sharded stage's empty
+    // between steps) and, sharded, the shards the optimizer steps.
+    std::vector<at::Tensor> optimized = pipeline_->parameters();
+    if (!pipeline_->sharded()) optimized.clear();
+    m.parameter_bytes = storage_bytes(params) + storage_bytes(optimized);
+    m.gradient_bytes = storage_bytes(grads_of(params)) + storage_bytes(grads_of(optimized));
+  } else if (sharded_) {
     // The shards, and the module's own parameters (empty between steps) with their gradients
     // (freed after each reduce-scatter), plus anything still gathered.
     std::vector<at::Tensor> shards = sharded_->parameters();
@@ -665,31 +678,31 @@ MemoryUse Trainer::measure_memory() const {
     m.parameter_bytes = storage_bytes(params);
     m.gradient_bytes = storage_bytes(grads_of(params));
   }
-  m.optimizer_state_bytes = static_cast<int64_t>(
-      zero_ ? zero_->local_state_bytes() : fsdp::optimizer_state_bytes(*optimizer_));
+  m.optimizer_state_bytes = static_cast<int64_t>(zero_ ? zero_->local_state_bytes()
+                                                       : fsdp::optimizer_state_bytes(*optimizer_));
   m.peak_rss_bytes = peak_rss_bytes();
-  if (!o_.device.is_cuda()) m.peak_allocated_bytes = cpu_memory_stats().peak_bytes - allocated_before_model_;
+  if (!o_.device.is_cuda())
+    m.peak_allocated_bytes = cpu_memory_stats().peak_bytes - allocated_before_model_;
   return m;
 }
 
 std::vector<MemoryUse> Trainer::memory_per_rank(const MemoryUse& mine) const {
   at::Tensor all = at::zeros({world_, 5}, at::kDouble);
-  all[rank_].copy_(at::tensor({static_cast<double>(mine.parameter_bytes),
-                           static_cast<double>(mine.gradient_bytes),
-                           static_cast<double>(mine.optimizer_state_bytes),
-                           static_cast<double>(mine.peak_rss_bytes),
-                           static_cast<double>(mine.peak_allocated_bytes)}, at::kDouble));
+  all[rank_].copy_(at::tensor(
+      {static_cast<double>(mine.parameter_bytes), static_cast<double>(mine.gradient_bytes),
+       static_cast<double>(mine.optimizer_state_bytes), static_cast<double>(mine.peak_rss_bytes),
+       static_cast<double>(mine.peak_allocated_bytes)},
+      at::kDouble));
   comm::AllreduceOptions aopts;
   aopts.timeout = timeout_;
   pg_->allreduce(all, aopts)->wait();
   std::vector<MemoryUse> out(static_cast<size_t>(world_));
   for (int r = 0; r < world_; ++r) {
     auto row = all[r];
-    out[r] = MemoryUse{static_cast<int64_t>(row[0].item<double>()),
-                       static_cast<int64_t>(row[1].item<double>()),
-                       static_cast<int64_t>(row[2].item<double>()),
-                       static_cast<int64_t>(row[3].item<double>()),
-                       static_cast<int64_t>(row[4].item<double>())};
+    out[r] = MemoryUse{
+        static_cast<int64_t>(row[0].item<double>()), static_cast<int64_t>(row[1].item<double>()),
+        static_cast<int64_t>(row[2].item<double>()), static_cast<int64_t>(row[3].item<double>()),
+        static_cast<int64_t>(row[4].item<double>())};
   }
   return out;
 }
@@ -698,7 +711,7 @@ void Trainer::train_epoch() {
   const int64_t epoch = state_.epoch;
   const std::vector<int64_t> order = sampler_->epoch_order(epoch);
   while (state_.epoch == epoch && state_.step < total_steps_) {
-    failure_.check(state_.step);
+    test_hook_.after_step(state_.step);
     train_step(order);
     if (state_.step % o_.log_every == 0 || state_.step == total_steps_) report_window(epoch);
     if (o_.eval_every > 0 && state_.step % o_.eval_every == 0 && state_.step != total_steps_) {
@@ -715,8 +728,8 @@ void Trainer::train_epoch() {
 // by part into the window of the next log point.
 void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
   const auto t0 = Clock::now();
-  Batch batch = data_.train->get(
-      sampler_->step_indices(epoch_order, state_.epoch_position, o_.batch_size));
+  Batch batch =
+      data_.train->get(sampler_->step_indices(epoch_order, state_.epoch_position, o_.batch_size));
   batch.images = batch.images.to(o_.device);
   batch.labels = batch.labels.to(o_.device);
   const auto t1 = Clock::now();
@@ -774,8 +787,9 @@ void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
 // Collective: every rank reports at the same steps; the window's sums are averaged over ranks.
 void Trainer::report_window(int64_t epoch) {
   const Window& w = window_;
-  at::Tensor sums = at::tensor({w.loss_sum, static_cast<double>(w.correct),
-                                static_cast<double>(w.predictions)}, at::kDouble);
+  at::Tensor sums =
+      at::tensor({w.loss_sum, static_cast<double>(w.correct), static_cast<double>(w.predictions)},
+                 at::kDouble);
   comm::AllreduceOptions aopts;
   aopts.timeout = timeout_;
   pg_->allreduce(sums, aopts)->wait();
@@ -795,9 +809,8 @@ void Trainer::report_window(int64_t epoch) {
   r.comm_wait_ms = w.comm_wait_ms / n;
   r.optimizer_ms = w.optimizer_ms / n;
   r.elapsed_s = seconds_between(start_, Clock::now());
-  const double per_step = measured_steps_ > 0
-                              ? measured_s_ / static_cast<double>(measured_steps_)
-                              : w.step_s / n;
+  const double per_step =
+      measured_steps_ > 0 ? measured_s_ / static_cast<double>(measured_steps_) : w.step_s / n;
   r.eta_s = per_step * static_cast<double>(total_steps_ - state_.step);
   progress_->report(r);
   state_.last_loss = r.loss;
@@ -821,25 +834,68 @@ EvalResult Trainer::evaluate_now() {
 void Trainer::save() {
   state_.rng_state = rng_state();
   state_.world_size = world_;
-  if (sharded_) {
-    // Note [Checkpoint protocol] 6: every rank's shards, then rank 0's checkpoint.pt naming them.
-    state_.sharded_subdir = "sharded-" + std::to_string(state_.step);
-    fsdp::save_sharded_checkpoint(o_.checkpoint_dir + "/" + state_.sharded_subdir, *sharded_,
-                                  optimizer_.get());
+  if (sharded_ || pipeline_) {
+    // Note [Checkpoint protocol] 6 (Note [Pipelined checkpoints]): every rank's shards (or
+    // part), then rank 0's checkpoint.pt naming them, in a directory only we can write (Note
+    // [Checkpoint key]).
+    check_private_directory(o_.checkpoint_dir, /*create=*/true);
+    const std::string prefix = pipeline_ ? "pipeline-" : "sharded-";
+    state_.sharded_subdir = prefix + std::to_string(state_.step);
+    const std::string dir = o_.checkpoint_dir + "/" + state_.sharded_subdir;
+    if (pipeline_) {
+      save_pipeline_parts(dir);
+    } else {
+      fsdp::save_sharded_checkpoint(dir, *sharded_, optimizer_.get());
+    }
     if (rank_ == 0) {
+      state_.sharded_index_sha256 = pipeline_ ? std::string() : sharded_index_digest(dir);
       save_training_state(o_.checkpoint_dir, state_, fingerprint_);
       std::error_code ec;
       for (const auto& e : std::filesystem::directory_iterator(o_.checkpoint_dir, ec)) {
         const std::string name = e.path().filename().string();
-        if (name.rfind("sharded-", 0) == 0 && name != state_.sharded_subdir) {
+        if (name.rfind(prefix, 0) == 0 && name != state_.sharded_subdir) {
           std::filesystem::remove_all(e.path(), ec);  // an older checkpoint's: best effort
         }
       }
     }
+  } else if (zero_) {
+    // Note [ZeRO-1] 5: rank 0 gathers the whole optimizer and writes it as ddp's checkpoint.
+    std::unique_ptr<torch::optim::Optimizer> whole;
+    if (rank_ == 0) whole = make_optimizer(o_, model_->parameters());
+    zero_->consolidate_state_dict(whole.get(), 0);
+    if (rank_ == 0) save_checkpoint(o_.checkpoint_dir, *model_, *whole, state_, fingerprint_);
   } else if (rank_ == 0) {
     save_checkpoint(o_.checkpoint_dir, *model_, *optimizer_, state_, fingerprint_);
   }
   saved_step_ = state_.step;
+}
+
+std::string Trainer::part_fingerprint() const {
+  return str(fingerprint_, " part=rank ", rank_, " of pp ", o_.pp_stages, " x dp ", dp_size_);
+}
+
+void Trainer::save_pipeline_parts(const std::string& dir) {
+  std::string error;
+  try {
+    pipeline_->save_part(dir, rank_, *optimizer_, state_, part_fingerprint());
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // Every rank learns whether every part was written before rank 0 names them.
+  at::Tensor failed = at::zeros({world_}, at::kInt);
+  if (!error.empty()) failed[rank_] = 1;
+  comm::AllreduceOptions aopts;
+  aopts.timeout = timeout_;
+  pg_->allreduce(failed, aopts)->wait();
+  std::string ranks;
+  for (int r = 0; r < world_; ++r) {
+    if (failed[r].item<int>() != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (!ranks.empty()) {
+    TDIST_THROW(Error, "the pipelined checkpoint of step ", state_.step, " in ", dir,
+                " was not written: rank(s) ", ranks, " failed",
+                error.empty() ? std::string() : "; here: " + error);
+  }
 }
 
 void Trainer::finish() {
@@ -851,13 +907,12 @@ void Trainer::finish() {
       "memory per rank (parameters + gradients + optimizer state; peak RSS; peak of tensors):";
   for (int r = 0; r < world_; ++r) {
     const MemoryUse& m = memory[static_cast<size_t>(r)];
-    mem_line += str(r ? "," : "", " rank ", r, " ",
-                    format_mb(m.parameter_bytes), " + ", format_mb(m.gradient_bytes), " + ",
-                    format_mb(m.optimizer_state_bytes), " = ",
-                    format_mb(m.parameter_bytes + m.gradient_bytes + m.optimizer_state_bytes),
-                    " MB; ", format_mb(m.peak_rss_bytes), " MB; ",
-                    m.peak_allocated_bytes >= 0 ? format_mb(m.peak_allocated_bytes) + " MB"
-                                                : std::string("-"));
+    mem_line += str(
+        r ? "," : "", " rank ", r, " ", format_mb(m.parameter_bytes), " + ",
+        format_mb(m.gradient_bytes), " + ", format_mb(m.optimizer_state_bytes), " = ",
+        format_mb(m.parameter_bytes + m.gradient_bytes + m.optimizer_state_bytes), " MB; ",
+        format_mb(m.peak_rss_bytes), " MB; ",
+        m.peak_allocated_bytes >= 0 ? format_mb(m.peak_allocated_bytes) + " MB" : std::string("-"));
   }
   progress_->note(mem_line);
   progress_->finish();

@@ -43,7 +43,8 @@ int main() {
     torch::Tensor loss = torch::mse_loss(model(x), target(x));
     loss.backward();  // gradients are averaged across the ranks here
     opt.step();
-    if (step % 50 == 0) std::printf("rank %d step %3d: loss %.4f\n", rank, step, loss.item<double>());
+    if (step % 50 == 0)
+      std::printf("rank %d step %3d: loss %.4f\n", rank, step, loss.item<double>());
   }
   const double after = test_loss();
 

@@ -12,7 +12,7 @@ int main() {
   const int64_t counter = store.add("counter", 41) + store.add("counter", 1) - 41;
   at::Tensor t = at::arange(6, at::kFloat).reshape({2, 3});
   at::Tensor back = tdist::decode<at::Tensor>(tdist::encode(t));
-  std::cout << store.get_string("greeting") << "; counter=" << counter
-            << "; tensor round trip " << (back.equal(t) ? "ok" : "MISMATCH") << "\n";
+  std::cout << store.get_string("greeting") << "; counter=" << counter << "; tensor round trip "
+            << (back.equal(t) ? "ok" : "MISMATCH") << "\n";
   return back.equal(t) && counter == 42 ? 0 : 1;
 }

@@ -27,8 +27,9 @@ TORCH_MODULE(Block);
 // The blocks are called through tdist::fsdp::call: the units' boundaries when sharded, a plain
 // forward otherwise (the same model code runs under DDP).
 struct NetImpl : torch::nn::Module {
-  NetImpl() : in(register_module("in", torch::nn::Linear(8, 64))),
-              out(register_module("out", torch::nn::Linear(64, 1))) {
+  NetImpl()
+      : in(register_module("in", torch::nn::Linear(8, 64))),
+        out(register_module("out", torch::nn::Linear(64, 1))) {
     auto list = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < 4; ++i) {
       blocks.push_back(Block(64));
@@ -131,11 +132,12 @@ int main() {
   }
   pg->barrier()->wait();  // rank 0 hosts the store: nobody leaves before everyone is done
 
-  std::printf("rank %d: bytes held (parameters + gradients + Adam state): fsdp %zu, zero1 %zu, "
-              "ddp %zu; max difference from ddp: fsdp %g, zero1 %g\n",
-              rank, fsdp_bytes, zero_bytes, ddp_bytes, fsdp_diff, zero_diff);
-  const bool ok = fsdp_diff <= 1e-5 && zero_diff <= 1e-5 && fsdp_bytes < ddp_bytes &&
-                  zero_bytes < ddp_bytes;
+  std::printf(
+      "rank %d: bytes held (parameters + gradients + Adam state): fsdp %zu, zero1 %zu, "
+      "ddp %zu; max difference from ddp: fsdp %g, zero1 %g\n",
+      rank, fsdp_bytes, zero_bytes, ddp_bytes, fsdp_diff, zero_diff);
+  const bool ok =
+      fsdp_diff <= 1e-5 && zero_diff <= 1e-5 && fsdp_bytes < ddp_bytes && zero_bytes < ddp_bytes;
   if (!ok) std::fprintf(stderr, "rank %d: FAILED\n", rank);
   return ok ? 0 : 1;
 }

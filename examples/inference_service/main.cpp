@@ -37,29 +37,35 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  const std::map<std::string, int*> flags = {{"--requests", &o.requests}, {"--in-flight", &o.in_flight},
-                                             {"--max-batch", &o.max_batch}, {"--max-wait-ms", &o.max_wait_ms},
+  const std::map<std::string, int*> flags = {{"--requests", &o.requests},
+                                             {"--in-flight", &o.in_flight},
+                                             {"--max-batch", &o.max_batch},
+                                             {"--max-wait-ms", &o.max_wait_ms},
                                              {"--die-after", &o.die_after}};
   for (int i = 1; i + 1 < argc; i += 2) {
     auto it = flags.find(argv[i]);
     if (it == flags.end()) throw std::invalid_argument(std::string("unknown option ") + argv[i]);
     *it->second = std::stoi(argv[i + 1]);
   }
-  if (argc % 2 == 0) throw std::invalid_argument(std::string("option without a value: ") + argv[argc - 1]);
+  if (argc % 2 == 0)
+    throw std::invalid_argument(std::string("option without a value: ") + argv[argc - 1]);
   return o;
 }
 
 // The model: the same seed gives the same weights in every process.
 torch::nn::Sequential make_model() {
   torch::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::ReLU(), torch::nn::Linear(64, 4));
+  return torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::ReLU(),
+                               torch::nn::Linear(64, 4));
 }
 
 // Runs one forward per batch of queued requests on its own thread.
 class Batcher {
  public:
   Batcher(torch::nn::Sequential model, const Options& o)
-      : model_(std::move(model)), max_batch_(o.max_batch), max_wait_(o.max_wait_ms),
+      : model_(std::move(model)),
+        max_batch_(o.max_batch),
+        max_wait_(o.max_wait_ms),
         thread_([this] { loop(); }) {}
   ~Batcher() {
     {
@@ -127,10 +133,10 @@ class Batcher {
   const std::chrono::milliseconds max_wait_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Request*> queue_;          // guarded by mu_
+  std::deque<Request*> queue_;         // guarded by mu_
   std::map<int64_t, int64_t> served_;  // guarded by mu_
-  int64_t batches_ = 0;                 // guarded by mu_
-  bool stop_ = false;                   // guarded by mu_
+  int64_t batches_ = 0;                // guarded by mu_
+  bool stop_ = false;                  // guarded by mu_
   std::thread thread_;
 };
 
@@ -177,10 +183,13 @@ int run_client(int rank, const Options& o) {
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   std::sort(latency_ms.begin(), latency_ms.end());
-  auto pct = [&](double p) { return latency_ms[std::min<size_t>(latency_ms.size() - 1, p * latency_ms.size())]; };
-  std::printf("client%d: %d answers, %d differ from local inference; latency p50 %.2f ms, p90 %.2f ms, "
-              "p99 %.2f ms; %.0f requests/s\n",
-              rank, o.requests, wrong, pct(0.5), pct(0.9), pct(0.99), o.requests / seconds);
+  auto pct = [&](double p) {
+    return latency_ms[std::min<size_t>(latency_ms.size() - 1, p * latency_ms.size())];
+  };
+  std::printf(
+      "client%d: %d answers, %d differ from local inference; latency p50 %.2f ms, p90 %.2f ms, "
+      "p99 %.2f ms; %.0f requests/s\n",
+      rank, o.requests, wrong, pct(0.5), pct(0.9), pct(0.99), o.requests / seconds);
   return wrong;
 }
 
@@ -194,7 +203,8 @@ int main(int argc, char** argv) {
     if (env.rank == 0) {
       batcher = std::make_unique<Batcher>(make_model(), o);
       g_batcher = batcher.get();
-      rpc::register_function("infer", [](int64_t client, torch::Tensor x) { return g_batcher->infer(client, x); });
+      rpc::register_function(
+          "infer", [](int64_t client, torch::Tensor x) { return g_batcher->infer(client, x); });
       // One thread per request that can wait in the batcher, plus a few for the RPC layer.
       ro.num_worker_threads = (env.world_size - 1) * o.in_flight + 4;
     }

@@ -19,7 +19,8 @@ constexpr double kLr = 0.05;
 
 // One linear layer 2 -> 1 with a fixed starting weight, so that A's reference starts equal.
 struct NetImpl : torch::nn::Module {
-  NetImpl() : fc(register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(2, 1).bias(false)))) {
+  NetImpl()
+      : fc(register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(2, 1).bias(false)))) {
     torch::NoGradGuard no_grad;
     fc->weight.copy_(torch::tensor({{0.3f, -0.2f}}));
   }
@@ -53,8 +54,14 @@ int main() {
   bool ok = true;
   if (env.rank == 0) {
     // y = 1.5 x0 - 0.5 x1 + 0.25 on 8 samples.
-    const torch::Tensor x = torch::tensor({{1.0f, 2.0f}, {2.0f, 1.0f}, {-1.0f, 0.5f}, {0.5f, -1.5f},
-                                           {3.0f, 0.0f}, {0.0f, -2.0f}, {-2.0f, -1.0f}, {1.5f, 1.5f}});
+    const torch::Tensor x = torch::tensor({{1.0f, 2.0f},
+                                           {2.0f, 1.0f},
+                                           {-1.0f, 0.5f},
+                                           {0.5f, -1.5f},
+                                           {3.0f, 0.0f},
+                                           {0.0f, -2.0f},
+                                           {-2.0f, -1.0f},
+                                           {1.5f, 1.5f}});
     const torch::Tensor y = (1.5 * x.select(1, 0) - 0.5 * x.select(1, 1) + 0.25).unsqueeze(1);
 
     rpc::RRef<RemoteNet> net = rpc::remote<RemoteNet>("B", "Net");

@@ -75,8 +75,7 @@ TEST(BenchBoundsLink, ABatchLargerThanTheBenchmarkMeasuresIsRefusedBeforeAllocat
     char c;
     try {
       link.recv_all(&c, 1);  // until the server gives up on the link
-    } catch (const std::runtime_error&) {
-    }
+    } catch (const std::runtime_error&) {}
   });
   try {
     TcpLink link = listener.accept();

@@ -39,7 +39,8 @@ for r in rows:
         for k in ["anchor_time_us", "anchor_busbw_gbs", "busbw_over_anchor"]:
             assert ok(r[k]), (k, r)
         assert abs(r["busbw_over_anchor"] - r["anchor_time_us"] / r["time_us"]) <= 1e-6 * r["busbw_over_anchor"], r
-assert len({r["bound_gbs"] for r in rows}) == len(rows), "the bound is the same in every row"
+# Measured per row: not one figure for all (two cache-resident sizes may time alike).
+assert len({r["bound_gbs"] for r in rows}) >= 2, "the bound is the same in every row"
 # The printed table: the columns by name, and the same values per row.
 header = [l for l in table.splitlines() if l.startswith("#") and "bound(GB/s)" in l]
 assert header, "no bound column in the table"

@@ -50,10 +50,10 @@ TEST(BenchCheck, ABlockFromTheWrongRankOrPieceFails) {
   for (int rank = 0; rank < world; ++rank) {
     const int other = (rank + 1) % world;
     // A reduce-scatter's block: the sum of another block.
-    const at::Tensor rs = expected_output("reduce_scatter", ReduceOp::SUM, at::kFloat, rank,
-                                          world, 0, count);
-    const at::Tensor rs_other = expected_output("reduce_scatter", ReduceOp::SUM, at::kFloat,
-                                                other, world, 0, count);
+    const at::Tensor rs =
+        expected_output("reduce_scatter", ReduceOp::SUM, at::kFloat, rank, world, 0, count);
+    const at::Tensor rs_other =
+        expected_output("reduce_scatter", ReduceOp::SUM, at::kFloat, other, world, 0, count);
     EXPECT_GT(count_wrong(rs_other, rs), rs.numel() / 2);
     // The same sum with one rank's addend from the wrong position (a window too early).
     const at::Tensor mixed =
@@ -62,8 +62,8 @@ TEST(BenchCheck, ABlockFromTheWrongRankOrPieceFails) {
     EXPECT_GT(count_wrong(mixed, rs), rs.numel() / 2);
     // A broadcast or an alltoall block from the wrong rank.
     EXPECT_GT(count_wrong(input_values(other, count),
-                          expected_output("broadcast", ReduceOp::SUM, at::kFloat, rank, world,
-                                          rank, count)),
+                          expected_output("broadcast", ReduceOp::SUM, at::kFloat, rank, world, rank,
+                                          count)),
               count / 2);
     const at::Tensor a2a =
         expected_output("alltoall", ReduceOp::SUM, at::kFloat, rank, world, 0, count);

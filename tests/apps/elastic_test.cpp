@@ -77,10 +77,24 @@ bool wait_for_file(const std::string& path, int seconds) {
 
 std::vector<std::string> elastic_flags(const std::string& nnodes, uint16_t port,
                                        const std::string& id) {
-  return {"--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint",
-          "127.0.0.1:" + std::to_string(port), "--rdzv-id", id, "--rdzv-last-call", "1",
-          "--rdzv-keep-alive-interval", "0.2", "--rdzv-keep-alive-timeout", "2",
-          "--stop-grace", "2", "--rdzv-join-timeout", "60"};
+  return {"--nnodes",
+          nnodes,
+          "--nproc-per-node",
+          "1",
+          "--rdzv-endpoint",
+          "127.0.0.1:" + std::to_string(port),
+          "--rdzv-id",
+          id,
+          "--rdzv-last-call",
+          "1",
+          "--rdzv-keep-alive-interval",
+          "0.2",
+          "--rdzv-keep-alive-timeout",
+          "2",
+          "--stop-grace",
+          "2",
+          "--rdzv-join-timeout",
+          "60"};
 }
 
 std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
@@ -91,7 +105,8 @@ std::vector<std::string> concat(std::vector<std::string> a, const std::vector<st
 TEST(ElasticRun, AdmitsNodesAndAssignsDenseRanks) {
   const uint16_t port = test::free_port();
   const std::vector<std::string> worker = {
-      "sh", "-c", "echo vars $RANK $WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $MASTER_ADDR $MASTER_PORT"};
+      "sh", "-c",
+      "echo vars $RANK $WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $MASTER_ADDR $MASTER_PORT"};
   Node first(concat(elastic_flags("3:4", port, "dense"), worker));
   ASSERT_TRUE(wait_for_listener(port)) << "the first node never served the rendezvous store";
   Node second(concat(elastic_flags("3:4", port, "dense"), worker));
@@ -125,16 +140,17 @@ TEST(ElasticRun, ANodeDiesAndANodeJoinsAndTheResultFollowsTheHistory) {
   const std::string dir = test::temp_dir();
   const std::string schedule = "0:3,30:2,60:3";
   const int64_t total = 90;
-  const std::vector<std::string> worker = {kWorker, "--dir", dir, "--samples",
-                                           std::to_string(total), "--schedule", schedule,
-                                           "--step-ms", "20"};
+  const std::vector<std::string> worker = {
+      kWorker,      "--dir",  dir,         "--samples", std::to_string(total),
+      "--schedule", schedule, "--step-ms", "20"};
   const auto flags = concat(elastic_flags("2:4", port, "history"), {"--max-restarts", "3"});
   Node a(concat(flags, worker));
   ASSERT_TRUE(wait_for_listener(port)) << "the first node never served the rendezvous store";
   Node b(concat(flags, worker));
   Node c(concat(flags, worker), {{"TDIST_TEST_KILL_LAUNCHER_AT", "30"}});
   // The survivors run samples 30..60 on a world of 2 and hold there: time for a 4th node.
-  ASSERT_TRUE(wait_for_file(dir + "/holding_60_2", 80)) << "the 2-node round never reached 60 samples";
+  ASSERT_TRUE(wait_for_file(dir + "/holding_60_2", 80))
+      << "the 2-node round never reached 60 samples";
   Node d(concat(flags, worker));
 
   const auto& rc = c.result();
@@ -156,7 +172,8 @@ TEST(ElasticRun, ANodeDiesAndANodeJoinsAndTheResultFollowsTheHistory) {
   }
   EXPECT_TRUE(contains(out, "resumes at 30 samples")) << out;
   EXPECT_TRUE(contains(out, "resumes at 60 samples")) << out;
-  EXPECT_TRUE(contains(err, "sent no heartbeat")) << "the dead node is found by its heartbeats: " << err;
+  EXPECT_TRUE(contains(err, "sent no heartbeat"))
+      << "the dead node is found by its heartbeats: " << err;
   EXPECT_TRUE(contains(err, "waiting to join")) << err;
   EXPECT_TRUE(contains(err, "of 2 (world size 2)")) << err;
 }
@@ -181,8 +198,9 @@ TEST(ElasticRun, WorkerFailuresUseUpTheRestartsOnEveryNode) {
 TEST(ElasticRun, ANodeBeyondMaxWaitsAndLeavesWhenTheJobIsDone) {
   const uint16_t port = test::free_port();
   const std::string dir = test::temp_dir();
-  const auto flags = concat(elastic_flags("1:1", port, "full"),
-                            {"sh", "-c", "touch " + dir + "/running; sleep 3; echo done $WORLD_SIZE"});
+  const auto flags =
+      concat(elastic_flags("1:1", port, "full"),
+             {"sh", "-c", "touch " + dir + "/running; sleep 3; echo done $WORLD_SIZE"});
   Node a(flags);
   ASSERT_TRUE(wait_for_file(dir + "/running", 60));
   Node b(flags);

@@ -47,11 +47,16 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--dir") a.dir = v;
-    else if (k == "--samples") a.total = std::stoll(v);
-    else if (k == "--schedule") a.schedule = tdist::test::parse_schedule(v);
-    else if (k == "--step-ms") a.step_ms = std::stoi(v);
-    else throw std::invalid_argument("unknown argument " + k);
+    if (k == "--dir")
+      a.dir = v;
+    else if (k == "--samples")
+      a.total = std::stoll(v);
+    else if (k == "--schedule")
+      a.schedule = tdist::test::parse_schedule(v);
+    else if (k == "--step-ms")
+      a.step_ms = std::stoi(v);
+    else
+      throw std::invalid_argument("unknown argument " + k);
   }
   if (a.dir.empty() || a.total <= 0 || a.schedule.empty())
     throw std::invalid_argument("need --dir, --samples and --schedule");
@@ -94,7 +99,8 @@ int main(int argc, char** argv) {
     const int64_t kill_at = tdist::env::get_int("TDIST_TEST_KILL_LAUNCHER_AT", -1, -1, INT64_MAX);
     const std::string state_path = a.dir + "/state";
 
-    at::Tensor state = rank == 0 ? load_state(state_path) : at::zeros({1 + tdist::test::kElasticParams}, at::kLong);
+    at::Tensor state = rank == 0 ? load_state(state_path)
+                                 : at::zeros({1 + tdist::test::kElasticParams}, at::kLong);
     pg->broadcast(state)->wait();
     std::printf("round start: rank %d of %d resumes at %lld samples\n", rank, world,
                 static_cast<long long>(state[0].item<int64_t>()));
@@ -119,9 +125,10 @@ int main(int argc, char** argv) {
       if (a.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.step_ms));
     }
     pg->barrier()->wait();
-    std::printf("elastic worker rank %d of %d: samples %lld, params fnv1a64 %016llx\n", rank, world,
-                static_cast<long long>(state[0].item<int64_t>()),
-                static_cast<unsigned long long>(tdist::test::params_hash(state.data_ptr<int64_t>())));
+    std::printf(
+        "elastic worker rank %d of %d: samples %lld, params fnv1a64 %016llx\n", rank, world,
+        static_cast<long long>(state[0].item<int64_t>()),
+        static_cast<unsigned long long>(tdist::test::params_hash(state.data_ptr<int64_t>())));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tdist-test-elastic-worker: %s\n", e.what());

@@ -65,19 +65,21 @@ std::string slurm_job_id_with_free_port() {
   return "0";
 }
 
-const std::vector<std::string> kTrainArgs = {"--steps", "10", "--hidden", "32", "--layers", "1",
-                                             "--test-samples", "200", "--train-samples", "2000",
-                                             "--progress", "none"};
+const std::vector<std::string> kTrainArgs = {"--steps",         "10",   "--hidden",       "32",
+                                             "--layers",        "1",    "--test-samples", "200",
+                                             "--train-samples", "2000", "--progress",     "none"};
 
 // Every rank 0..world-1 printed "rank r of world: trained", and all with the same parameters.
 void expect_trained_together(const std::string& out, int world) {
   for (int r = 0; r < world; ++r) {
-    const std::string want = "rank " + std::to_string(r) + " of " + std::to_string(world) + ": trained 10 steps";
+    const std::string want =
+        "rank " + std::to_string(r) + " of " + std::to_string(world) + ": trained 10 steps";
     EXPECT_NE(out.find(want), std::string::npos) << "missing '" << want << "' in:\n" << out;
   }
   std::set<std::string> hashes;
   std::regex hash(R"(parameters fnv1a64 ([0-9a-f]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), hash), end; it != end; ++it) hashes.insert((*it)[1]);
+  for (std::sregex_iterator it(out.begin(), out.end(), hash), end; it != end; ++it)
+    hashes.insert((*it)[1]);
   EXPECT_EQ(hashes.size(), 1u) << "the ranks ended with different parameters:\n" << out;
 }
 
@@ -85,10 +87,14 @@ TEST(Launch, SrunTdistTrainFromSlurmVariablesAlone) {
   const std::string job = slurm_job_id_with_free_port();
   std::vector<Env> tasks;
   for (int i = 0; i < 2; ++i) {
-    tasks.push_back({{"SLURM_PROCID", std::to_string(i)}, {"SLURM_NTASKS", "2"},
-                     {"SLURM_LOCALID", std::to_string(i)}, {"SLURM_NTASKS_PER_NODE", "2"},
-                     {"SLURM_NODEID", "0"}, {"SLURM_STEP_NODELIST", "localhost"},
-                     {"SLURM_JOB_NODELIST", "localhost"}, {"SLURM_JOB_ID", job}});
+    tasks.push_back({{"SLURM_PROCID", std::to_string(i)},
+                     {"SLURM_NTASKS", "2"},
+                     {"SLURM_LOCALID", std::to_string(i)},
+                     {"SLURM_NTASKS_PER_NODE", "2"},
+                     {"SLURM_NODEID", "0"},
+                     {"SLURM_STEP_NODELIST", "localhost"},
+                     {"SLURM_JOB_NODELIST", "localhost"},
+                     {"SLURM_JOB_ID", job}});
   }
   std::vector<std::string> argv = {kTrain};
   argv.insert(argv.end(), kTrainArgs.begin(), kTrainArgs.end());
@@ -106,9 +112,12 @@ TEST(Launch, SrunTdistRunFromSlurmVariablesAlone) {
   const std::string job = slurm_job_id_with_free_port();
   std::vector<Env> nodes;
   for (int i = 0; i < 2; ++i) {
-    nodes.push_back({{"SLURM_PROCID", std::to_string(i)}, {"SLURM_NTASKS", "2"},
-                     {"SLURM_LOCALID", "0"}, {"SLURM_NODEID", std::to_string(i)},
-                     {"SLURM_STEP_NUM_NODES", "2"}, {"SLURM_STEP_NODELIST", "localhost,127.0.0.1"},
+    nodes.push_back({{"SLURM_PROCID", std::to_string(i)},
+                     {"SLURM_NTASKS", "2"},
+                     {"SLURM_LOCALID", "0"},
+                     {"SLURM_NODEID", std::to_string(i)},
+                     {"SLURM_STEP_NUM_NODES", "2"},
+                     {"SLURM_STEP_NODELIST", "localhost,127.0.0.1"},
                      {"SLURM_JOB_ID", job}});
   }
   std::vector<std::string> argv = {kRun, "--nproc-per-node", "2", kTrain};
@@ -147,10 +156,14 @@ TEST(Launch, KubeflowPyTorchJobEnvDrivesTdistRun) {
   // of a PyTorchJob with nprocPerNode 2: node-level RANK/WORLD_SIZE and torchrun's PET_*.
   std::vector<Env> pods;
   for (int i = 0; i < 2; ++i) {
-    pods.push_back({{"MASTER_ADDR", "localhost"}, {"MASTER_PORT", port},
-                    {"RANK", std::to_string(i)}, {"WORLD_SIZE", "2"},
-                    {"PET_NNODES", "2"}, {"PET_NPROC_PER_NODE", "2"},
-                    {"PET_NODE_RANK", std::to_string(i)}, {"PET_MASTER_ADDR", "localhost"},
+    pods.push_back({{"MASTER_ADDR", "localhost"},
+                    {"MASTER_PORT", port},
+                    {"RANK", std::to_string(i)},
+                    {"WORLD_SIZE", "2"},
+                    {"PET_NNODES", "2"},
+                    {"PET_NPROC_PER_NODE", "2"},
+                    {"PET_NODE_RANK", std::to_string(i)},
+                    {"PET_MASTER_ADDR", "localhost"},
                     {"PET_MASTER_PORT", port}});
   }
   std::vector<std::string> argv = {kRun, kTrain};  // ENTRYPOINT, then the manifest's args
@@ -168,9 +181,12 @@ TEST(Launch, KubeflowElasticPolicyEnvDrivesTdistRun) {
   // An elasticPolicy (rdzvBackend c10d, minReplicas = maxReplicas = 2): no PET_MASTER_*, the
   // rendezvous variables instead.
   const std::string endpoint = "127.0.0.1:" + std::to_string(test::free_port());
-  std::vector<Env> pods(2, Env{{"PET_NNODES", "2:2"}, {"PET_NPROC_PER_NODE", "1"},
-                               {"PET_RDZV_BACKEND", "c10d"}, {"PET_RDZV_ENDPOINT", endpoint},
-                               {"PET_RDZV_ID", "tdist-train"}, {"PET_MAX_RESTARTS", "1"}});
+  std::vector<Env> pods(2, Env{{"PET_NNODES", "2:2"},
+                               {"PET_NPROC_PER_NODE", "1"},
+                               {"PET_RDZV_BACKEND", "c10d"},
+                               {"PET_RDZV_ENDPOINT", endpoint},
+                               {"PET_RDZV_ID", "tdist-train"},
+                               {"PET_MAX_RESTARTS", "1"}});
   std::vector<std::string> argv = {kRun, kTrain};
   argv.insert(argv.end(), kTrainArgs.begin(), kTrainArgs.end());
   auto results = run_all(argv, pods);

@@ -45,7 +45,8 @@ class ElasticRendezvousTest : public ::testing::Test {
 // Every node of `nodes` calls next_round() on its own thread; the rounds they got, in order.
 std::vector<std::optional<RoundInfo>> meet(const std::vector<ElasticRendezvous*>& nodes) {
   std::vector<std::future<std::optional<RoundInfo>>> f;
-  for (auto* n : nodes) f.push_back(std::async(std::launch::async, [n] { return n->next_round(); }));
+  for (auto* n : nodes)
+    f.push_back(std::async(std::launch::async, [n] { return n->next_round(); }));
   std::vector<std::optional<RoundInfo>> out;
   for (auto& x : f) out.push_back(x.get());
   return out;
@@ -103,14 +104,16 @@ TEST_F(ElasticRendezvousTest, ASilentNodeIsDeadAndTheSurvivorsKeepTheirOrder) {
   ElasticRendezvous* by_rank[3];
   for (auto* n : {a.get(), b.get(), c.get()}) by_rank[n->current().node_rank] = n;
   // Rank 1 stops heartbeating (its launcher died); ranks 0 and 2 keep polling.
-  auto end0 = std::async(std::launch::async, [&] { return poll_until_end(*by_rank[0], milliseconds(8000)); });
+  auto end0 = std::async(std::launch::async,
+                         [&] { return poll_until_end(*by_rank[0], milliseconds(8000)); });
   auto end2 = poll_until_end(*by_rank[2], milliseconds(8000));
   auto e0 = end0.get();
   ASSERT_TRUE(e0 && end2);
   EXPECT_EQ(e0->kind, RoundEnd::kFailure);
   EXPECT_EQ(e0->reason, end2->reason) << "the round ends once, with one reason";
   EXPECT_NE(e0->reason.find("node 1 (" + r[0]->node_addrs[1] + ") sent no heartbeat"),
-            std::string::npos) << e0->reason;
+            std::string::npos)
+      << e0->reason;
   by_rank[0]->register_next();
   by_rank[2]->register_next();
   auto next = meet({by_rank[0], by_rank[2]});

@@ -111,11 +111,32 @@ double ps_accuracy(const CommandResult& r, const std::string& tail) {
 TEST(RpcPsAutogradDemo, ThreeTrainersTrainAnMlpOnSyntheticData) {
   CommandOptions o;
   o.timeout = std::chrono::seconds(150);
-  auto r = run_command({TDIST_RUN_BIN, "--nproc-per-node", "4", "--master-port", "0",
-                        TDIST_RPC_PS_AUTOGRAD_BIN, "--dataset", "synthetic", "--signal", "0.3",
-                        "--train-samples", "3000", "--test-samples", "1000", "--hidden", "64",
-                        "--layers", "2", "--steps", "60", "--batch", "16", "--lr", "0.01",
-                        "--min-accuracy", "0"},
+  auto r = run_command({TDIST_RUN_BIN,
+                        "--nproc-per-node",
+                        "4",
+                        "--master-port",
+                        "0",
+                        TDIST_RPC_PS_AUTOGRAD_BIN,
+                        "--dataset",
+                        "synthetic",
+                        "--signal",
+                        "0.3",
+                        "--train-samples",
+                        "3000",
+                        "--test-samples",
+                        "1000",
+                        "--hidden",
+                        "64",
+                        "--layers",
+                        "2",
+                        "--steps",
+                        "60",
+                        "--batch",
+                        "16",
+                        "--lr",
+                        "0.01",
+                        "--min-accuracy",
+                        "0"},
                        o);
   ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
   for (int t = 1; t <= 3; ++t) {
@@ -144,23 +165,38 @@ TEST(RpcPsAutogradDemo, MatchesTdistTrainOnFashionMnist) {
     GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh installs "
                     "it)";
   }
-  const std::vector<std::string> same = {"--dataset", "fashion-mnist", "--train-samples", "20000",
-                                         "--test-samples", "10000", "--hidden", "128",
-                                         "--layers", "2", "--lr", "0.05", "--momentum", "0",
-                                         "--seed", "1"};
+  const std::vector<std::string> same = {"--dataset",
+                                         "fashion-mnist",
+                                         "--train-samples",
+                                         "20000",
+                                         "--test-samples",
+                                         "10000",
+                                         "--hidden",
+                                         "128",
+                                         "--layers",
+                                         "2",
+                                         "--lr",
+                                         "0.05",
+                                         "--momentum",
+                                         "0",
+                                         "--seed",
+                                         "1"};
   CommandOptions o;
   o.timeout = std::chrono::seconds(150);
-  std::vector<std::string> ps = {TDIST_RUN_BIN, "--nproc-per-node", "3", "--master-port", "0",
-                                 TDIST_RPC_PS_AUTOGRAD_BIN, "--steps", "300", "--batch", "32"};
+  std::vector<std::string> ps = {TDIST_RUN_BIN, "--nproc-per-node",
+                                 "3",           "--master-port",
+                                 "0",           TDIST_RPC_PS_AUTOGRAD_BIN,
+                                 "--steps",     "300",
+                                 "--batch",     "32"};
   ps.insert(ps.end(), same.begin(), same.end());
   auto r = run_command(ps, o);
   ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
   const double demo = ps_accuracy(r, "10000 test samples after 2 trainers x 300 steps of 32");
 
   const std::string summary = test::temp_dir() + "/summary.json";
-  std::vector<std::string> tt = {TDIST_TRAIN_BIN, "--threads", "1", "--model", "mlp",
-                                 "--optimizer", "sgd", "--steps", "600", "--batch-size", "32",
-                                 "--progress", "none", "--summary", summary};
+  std::vector<std::string> tt = {
+      TDIST_TRAIN_BIN, "--threads",    "1",  "--model",    "mlp",  "--optimizer", "sgd",  "--steps",
+      "600",           "--batch-size", "32", "--progress", "none", "--summary",   summary};
   tt.insert(tt.end(), same.begin(), same.end());
   auto t = run_command(tt, o);
   ASSERT_TRUE(t.exited && t.exit_code == 0) << t.describe();
@@ -169,8 +205,10 @@ TEST(RpcPsAutogradDemo, MatchesTdistTrainOnFashionMnist) {
   ASSERT_TRUE(std::regex_search(t.out, m, re)) << t.describe();
   const double reference = std::stod(m[1]) / 100;
 
-  std::printf("Fashion-MNIST, MLP 784-128-128-10, 19200 samples: tdist-train %.4f, "
-              "parameter server (2 trainers) %.4f\n", reference, demo);
+  std::printf(
+      "Fashion-MNIST, MLP 784-128-128-10, 19200 samples: tdist-train %.4f, "
+      "parameter server (2 trainers) %.4f\n",
+      reference, demo);
   EXPECT_GE(reference, 0.7) << t.out;
   // The stated margin: within 5 points of tdist-train's accuracy.
   EXPECT_NEAR(demo, reference, 0.05) << r.out << t.out;
@@ -214,10 +252,10 @@ TEST(RpcDdpDemo, WithoutDdpSyncTheCheckFails) {
 TEST(RpcAutogradBench, BriefRunPrintsBothRows) {
   CommandOptions o;
   o.timeout = std::chrono::seconds(120);
-  auto r = run_command({TDIST_BENCH_BIN, "rpc", "--autograd", "--no-torch", "--rounds", "1",
-                        "--iters", "5", "--warmup", "1", "--split-iters", "2", "--split-warmup",
-                        "0"},
-                       o);
+  auto r =
+      run_command({TDIST_BENCH_BIN, "rpc", "--autograd", "--no-torch", "--rounds", "1", "--iters",
+                   "5", "--warmup", "1", "--split-iters", "2", "--split-warmup", "0"},
+                  o);
   ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
   for (const char* row : {R"(seed: Linear 2->1 [^\n]*SGD +([0-9.]+))",
                           R"(split MLP 784-1024x3-10[^\n]*SGD +([0-9.]+))"}) {

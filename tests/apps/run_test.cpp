@@ -104,9 +104,8 @@ TEST(TdistRun, TokenFileIsCheckedThenPassedOnByPath) {
   CommandOptions o;
   o.env = {{"TDIST_TOKEN", ""}, {"TDIST_TOKEN_FILE", ""}};
   ::chmod(path.c_str(), 0644);
-  const auto args = with_command({"--nproc-per-node", "2", "--master-port", "0", "--token-file",
-                                  path},
-                                 kPrintToken);
+  const auto args = with_command(
+      {"--nproc-per-node", "2", "--master-port", "0", "--token-file", path}, kPrintToken);
   auto open = launch(args, o);
   EXPECT_EQ(open.exit_code, 2) << open.describe();
   EXPECT_TRUE(contains(open.err, "--token-file: TDIST_TOKEN_FILE='" + path + "' has mode 0644"))
@@ -126,9 +125,9 @@ TEST(TdistRun, TokenFileIsCheckedThenPassedOnByPath) {
 TEST(TdistRun, AMultiNodeJobWithoutATokenWarnsNamingItsStore) {
   CommandOptions o;
   o.env = {{"TDIST_TOKEN", ""}, {"TDIST_TOKEN_FILE", ""}};
-  const auto args = with_command({"--nnodes", "2", "--node-rank", "1", "--master-addr",
-                                  "127.0.0.1", "--master-port", "29998"},
-                                 kPrintToken);
+  const auto args = with_command(
+      {"--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "29998"},
+      kPrintToken);
   auto r = launch(args, o);
   ASSERT_EQ(r.exit_code, 0) << r.describe();
   EXPECT_TRUE(contains(r.err, "warning: this multi-node job has no token")) << r.err;
@@ -174,8 +173,8 @@ TEST(TdistRun, AWorkerKilledBySignalIsNamed) {
 }
 
 TEST(TdistRun, WorkersThatIgnoreSigtermAreKilledAfterTheGrace) {
-  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--stop-grace", "0.5", "sh",
-                   "-c", "if [ $RANK = 1 ]; then exit 5; fi; trap '' TERM; sleep 60"},
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--stop-grace", "0.5", "sh", "-c",
+                   "if [ $RANK = 1 ]; then exit 5; fi; trap '' TERM; sleep 60"},
                   with_timeout(40));
   ASSERT_FALSE(r.timed_out) << r.describe();
   EXPECT_EQ(r.exit_code, 1);
@@ -223,9 +222,9 @@ TEST(TdistRun, ForwardsSigtermToWorkers) {
 
 TEST(TdistRun, RestartsTheGroupWhileRestartsRemain) {
   // Fails on the first attempt, succeeds on the second.
-  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "2", "sh",
-                   "-c", "echo attempt $TDIST_RESTART_COUNT of $TDIST_MAX_RESTARTS; "
-                         "[ $TDIST_RESTART_COUNT -ge 1 ] || exit 4"});
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "2", "sh", "-c",
+                   "echo attempt $TDIST_RESTART_COUNT of $TDIST_MAX_RESTARTS; "
+                   "[ $TDIST_RESTART_COUNT -ge 1 ] || exit 4"});
   EXPECT_EQ(r.exit_code, 0) << r.describe();
   EXPECT_TRUE(contains(r.out, "[rank 0] attempt 1 of 2")) << r.out;
   EXPECT_TRUE(contains(r.err, "restarting all workers (restart 1 of 2)")) << r.err;
@@ -233,8 +232,8 @@ TEST(TdistRun, RestartsTheGroupWhileRestartsRemain) {
 }
 
 TEST(TdistRun, ExhaustedRestartsAreReported) {
-  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "2", "sh",
-                   "-c", "echo attempt $TDIST_RESTART_COUNT; exit 7"});
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "2", "sh", "-c",
+                   "echo attempt $TDIST_RESTART_COUNT; exit 7"});
   EXPECT_EQ(r.exit_code, 1) << r.describe();
   EXPECT_TRUE(contains(r.out, "attempt 2")) << r.out;
   EXPECT_TRUE(contains(r.err, "exited with code 7 (after 2 of 2 restarts)")) << r.err;
@@ -263,8 +262,8 @@ TEST(TdistRun, LogDirHoldsOneFilePerRankAndStream) {
 TEST(TdistRun, AMultiNodeJobBeyondLoopbackWithoutATokenRunsOnlyWhenInsecure) {
   CommandOptions o;
   o.env = {{"TDIST_TOKEN", ""}, {"TDIST_TOKEN_FILE", ""}, {"TDIST_ALLOW_NO_TOKEN", ""}};
-  const std::vector<std::string> node1 = {"--nnodes", "2", "--node-rank", "1", "--master-addr",
-                                          "192.0.2.200", "--master-port", "29998"};
+  const std::vector<std::string> node1 = {"--nnodes",      "2",           "--node-rank",   "1",
+                                          "--master-addr", "192.0.2.200", "--master-port", "29998"};
   auto refused = launch(with_command(node1, {"sh", "-c", "echo started"}), o);
   EXPECT_EQ(refused.exit_code, 2) << refused.describe();
   EXPECT_FALSE(contains(refused.out, "started")) << refused.out;
@@ -371,8 +370,8 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1234", "--rdzv-conf", "join_timeout",
         "true"},
        "KEY=VALUE"},
-      {{"--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1234", "--rdzv-conf",
-        "join_timeout=soon", "true"},
+      {{"--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1234", "--rdzv-conf", "join_timeout=soon",
+        "true"},
        "positive number"},
   };
   for (const auto& c : cases) {
@@ -387,8 +386,8 @@ TEST(TdistRun, BadFlagsExitWithTwoAndAClearMessage) {
 TEST(TdistRun, CpuBindCoreGivesEachLocalRankACpuOfItsOwn) {
   const std::vector<int> cpus = env::allowed_cpus();
   if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs, this process may use " << cpus.size();
-  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--cpu-bind", "core", "sh",
-                   "-c", "grep Cpus_allowed_list /proc/self/status"},
+  auto r = launch({"--nproc-per-node", "2", "--master-port", "0", "--cpu-bind", "core", "sh", "-c",
+                   "grep Cpus_allowed_list /proc/self/status"},
                   with_timeout(60));
   ASSERT_TRUE(r.exited && r.exit_code == 0) << r.describe();
   std::regex line(R"(\[rank (\d)\] Cpus_allowed_list:\s*(\S+))");

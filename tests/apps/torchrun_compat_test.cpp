@@ -89,9 +89,8 @@ class TorchrunCompat : public ::testing::Test {
   }
 
   // Runs `launchers` (each a full command line) at once; returns each one's dumps by rank.
-  std::vector<std::map<int, EnvDump>> launch_all(const std::string& name,
-                                          const std::vector<std::vector<std::string>>& launchers,
-                                          int world) {
+  std::vector<std::map<int, EnvDump>> launch_all(
+      const std::string& name, const std::vector<std::vector<std::string>>& launchers, int world) {
     std::vector<std::string> dumps;
     std::vector<test::CommandResult> results(launchers.size());
     std::vector<std::thread> threads;
@@ -133,7 +132,8 @@ class TorchrunCompat : public ::testing::Test {
       for (int node = 0; node < nodes; ++node) {
         std::vector<std::string> cmd = prefix;
         for (auto a : args) {
-          if (auto p = a.find("{node}"); p != std::string::npos) a.replace(p, 6, std::to_string(node));
+          if (auto p = a.find("{node}"); p != std::string::npos)
+            a.replace(p, 6, std::to_string(node));
           cmd.push_back(a);
         }
         cmds.push_back(cmd);
@@ -153,9 +153,11 @@ class TorchrunCompat : public ::testing::Test {
       for (const auto& [k, v] : want) {
         auto it = got.find(k);
         if (it == got.end()) {
-          ADD_FAILURE() << name << " rank " << r << ": tdist-run does not set " << k << " (torchrun: " << v << ")";
+          ADD_FAILURE() << name << " rank " << r << ": tdist-run does not set " << k
+                        << " (torchrun: " << v << ")";
         } else if (k == "TORCHELASTIC_ERROR_FILE") {
-          EXPECT_TRUE(error_files.insert(it->second).second) << "an error file per worker: " << it->second;
+          EXPECT_TRUE(error_files.insert(it->second).second)
+              << "an error file per worker: " << it->second;
         } else if (k == "TORCHELASTIC_USE_AGENT_STORE") {
           EXPECT_EQ(it->second, "False") << "under tdist-run rank 0 hosts the workers' store";
         } else if (chosen.count(k)) {
@@ -167,7 +169,8 @@ class TorchrunCompat : public ::testing::Test {
       }
       for (const auto& [k, v] : got) {
         EXPECT_TRUE(want.count(k) || k.rfind("TDIST_", 0) == 0)
-            << name << " rank " << r << ": tdist-run sets " << k << "=" << v << ", torchrun does not";
+            << name << " rank " << r << ": tdist-run sets " << k << "=" << v
+            << ", torchrun does not";
       }
     }
     for (const auto& [k, values] : chosen_values) {
@@ -182,16 +185,18 @@ class TorchrunCompat : public ::testing::Test {
 
 // torchrun's documentation, "Single-node multi-worker".
 TEST_F(TorchrunCompat, SingleNodeStandaloneGivesTorchrunsVariables) {
-  compare("standalone", {"--standalone", "--nnodes=1", "--nproc-per-node=2", "envdump.py", "--arg1", "x"},
-          2, {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"});
+  compare("standalone",
+          {"--standalone", "--nnodes=1", "--nproc-per-node=2", "envdump.py", "--arg1", "x"}, 2,
+          {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"});
 }
 
 // The static multi-node form (--node-rank, --master-addr, --master-port): two launchers on
 // loopback, one worker each.
 TEST_F(TorchrunCompat, TwoStaticNodesGiveTorchrunsVariables) {
   const std::string port = std::to_string(test::free_port());
-  compare("static", {"--nnodes=2", "--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                     "--master-port=" + port, "envdump.py"},
+  compare("static",
+          {"--nnodes=2", "--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+           "--master-port=" + port, "envdump.py"},
           2, {}, 2);
 }
 
@@ -199,9 +204,10 @@ TEST_F(TorchrunCompat, TwoStaticNodesGiveTorchrunsVariables) {
 // last call is shortened so that the round starts soon.
 TEST_F(TorchrunCompat, ElasticOneToTwoNodesGivesTorchrunsVariables) {
   const std::string endpoint = "127.0.0.1:" + std::to_string(test::free_port());
-  compare("elastic", {"--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-id=job45",
-                      "--rdzv-backend=c10d", "--rdzv-endpoint=" + endpoint,
-                      "--rdzv-conf=last_call_timeout=1", "envdump.py"},
+  compare("elastic",
+          {"--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-id=job45",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=" + endpoint, "--rdzv-conf=last_call_timeout=1",
+           "envdump.py"},
           2, {"MASTER_ADDR", "MASTER_PORT"});
 }
 
@@ -211,8 +217,10 @@ TEST_F(TorchrunCompat, ModuleRunsUnderPythonDashM) {
 }
 
 TEST_F(TorchrunCompat, NoPythonExecutesTheProgramItself) {
-  compare("no_python", {"--standalone", "--nproc-per-node=2", "--no-python", dir_ + "/envdump_exe", "--arg1", "x"},
-          2, {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"});
+  compare(
+      "no_python",
+      {"--standalone", "--nproc-per-node=2", "--no-python", dir_ + "/envdump_exe", "--arg1", "x"},
+      2, {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"});
 }
 
 // Note [Worker error files]: the exception a worker's @record wrote is what the launcher reports,
@@ -229,12 +237,14 @@ main()
 )");
   auto opts = test::with_timeout(90);
   opts.cwd = dir_;
-  auto r = run_command({test::kRun, "--nproc-per-node=2", "--master-port=0", "--python", kBuildPython, "fail.py"}, opts);
+  auto r = run_command(
+      {test::kRun, "--nproc-per-node=2", "--master-port=0", "--python", kBuildPython, "fail.py"},
+      opts);
   EXPECT_EQ(r.exit_code, 1) << r.describe();
-  for (const char* want : {"fail.py FAILED", "Root Cause (first observed failure):", "  <NO_OTHER_FAILURES>",
-                           "rank      : 1 (local_rank: 1)", "exitcode  : 1 (pid: ",
-                           "rank_1.error.json", "  ValueError: boom from rank 1",
-                           "raise ValueError(\"boom from rank 1\")"}) {
+  for (const char* want :
+       {"fail.py FAILED", "Root Cause (first observed failure):", "  <NO_OTHER_FAILURES>",
+        "rank      : 1 (local_rank: 1)", "exitcode  : 1 (pid: ", "rank_1.error.json",
+        "  ValueError: boom from rank 1", "raise ValueError(\"boom from rank 1\")"}) {
     EXPECT_TRUE(contains(r.err, want)) << "'" << want << "' not in: " << r.err;
   }
 }
@@ -242,7 +252,8 @@ main()
 // Without an error file: the signal, or torchrun's pointer to @record; a file that is not the
 // JSON is named as such. None of them keeps the launcher from reporting.
 TEST_F(TorchrunCompat, FailuresWithoutAUsableErrorFileAreStillReported) {
-  auto killed = run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "sh", "-c", "kill -9 $$"});
+  auto killed =
+      run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "sh", "-c", "kill -9 $$"});
   EXPECT_EQ(killed.exit_code, 1) << killed.describe();
   EXPECT_TRUE(contains(killed.err, "exitcode  : -9 (pid: ")) << killed.err;
   EXPECT_TRUE(contains(killed.err, "error_file: <N/A>")) << killed.err;
@@ -252,9 +263,11 @@ TEST_F(TorchrunCompat, FailuresWithoutAUsableErrorFileAreStillReported) {
                               "echo '{\"message\": 3' > \"$TORCHELASTIC_ERROR_FILE\"; exit 3"});
   EXPECT_EQ(garbled.exit_code, 1) << garbled.describe();
   EXPECT_TRUE(contains(garbled.err, "exitcode  : 3 (pid: ")) << garbled.err;
-  EXPECT_TRUE(contains(garbled.err, "the error file is not torch.distributed.elastic's JSON")) << garbled.err;
+  EXPECT_TRUE(contains(garbled.err, "the error file is not torch.distributed.elastic's JSON"))
+      << garbled.err;
 
-  auto silent = run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "sh", "-c", "exit 5"});
+  auto silent =
+      run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "sh", "-c", "exit 5"});
   EXPECT_EQ(silent.exit_code, 1) << silent.describe();
   EXPECT_TRUE(contains(silent.err, "traceback : To enable traceback see:")) << silent.err;
 }
@@ -265,14 +278,15 @@ TEST_F(TorchrunCompat, RunPathAndThePythonThatRunsScripts) {
   put_script(dir_ + "/show.py", "import sys\nprint('ran', __name__, sys.argv[1:])\n");
   auto opts = test::with_timeout(60);
   opts.cwd = dir_;
-  auto r = run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "--python", kBuildPython, "--run-path",
-                        dir_ + "/show.py", "a", "b"},
+  auto r = run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "--python",
+                        kBuildPython, "--run-path", dir_ + "/show.py", "a", "b"},
                        opts);
   EXPECT_EQ(r.exit_code, 0) << r.describe();
   EXPECT_TRUE(contains(r.out, "[rank 0] ran __main__ ['a', 'b']")) << r.out;
 
   opts.env = {{"TDIST_PYTHON", "/no/such/python"}};
-  auto missing = run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "show.py"}, opts);
+  auto missing =
+      run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "show.py"}, opts);
   EXPECT_EQ(missing.exit_code, 1) << missing.describe();
   EXPECT_TRUE(contains(missing.err, "cannot execute '/no/such/python'")) << missing.err;
 }
@@ -281,8 +295,8 @@ TEST_F(TorchrunCompat, RunPathAndThePythonThatRunsScripts) {
 // other ranks off the console (their files are written all the same).
 TEST_F(TorchrunCompat, RedirectsTeeAndLocalRanksFilterChooseWhatReachesTheConsole) {
   const std::string logs = dir_ + "/logs";
-  auto r = run_command({test::kRun, "--nproc-per-node=3", "--master-port=0", "--log-dir", logs, "-r", "0:3,1:3",
-                        "-t", "1:2", "--local-ranks-filter", "0,1", "sh", "-c",
+  auto r = run_command({test::kRun, "--nproc-per-node=3", "--master-port=0", "--log-dir", logs,
+                        "-r", "0:3,1:3", "-t", "1:2", "--local-ranks-filter", "0,1", "sh", "-c",
                         "echo out $RANK; echo err $RANK >&2"});
   ASSERT_EQ(r.exit_code, 0) << r.describe();
   EXPECT_FALSE(contains(r.out + r.err, "[rank 0]")) << "rank 0 is redirected: " << r.describe();
@@ -297,8 +311,8 @@ TEST_F(TorchrunCompat, RedirectsTeeAndLocalRanksFilterChooseWhatReachesTheConsol
   }
 
   // Without --log-dir, redirected output goes to a directory the launcher makes and names.
-  auto tmp = run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "--redirects", "3", "sh", "-c",
-                          "echo hidden"},
+  auto tmp = run_command({test::kRun, "--nproc-per-node=1", "--master-port=0", "--redirects", "3",
+                          "sh", "-c", "echo hidden"},
                          test::with_timeout(60, {{"TMPDIR", dir_}}));
   ASSERT_EQ(tmp.exit_code, 0) << tmp.describe();
   EXPECT_FALSE(contains(tmp.out, "hidden")) << tmp.out;
@@ -328,11 +342,12 @@ TEST_F(TorchrunCompat, NprocPerNodeCpuAndAutoStartMethodAndLogsSpecsAsTorchrun) 
                  << " workers per launcher; the tests keep to 4";
   }
   const std::set<std::string> chosen = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"};
-  compare("nproc_cpu", {"--standalone", "--nproc-per-node=cpu", "--start-method=fork",
-                        "--logs-specs=default", "envdump.py"},
+  compare("nproc_cpu",
+          {"--standalone", "--nproc-per-node=cpu", "--start-method=fork", "--logs-specs=default",
+           "envdump.py"},
           cpus, chosen);
-  compare("nproc_auto", {"--standalone", "--nproc-per-node", "auto", "--start_method", "spawn",
-                         "envdump.py"},
+  compare("nproc_auto",
+          {"--standalone", "--nproc-per-node", "auto", "--start_method", "spawn", "envdump.py"},
           auto_world, chosen);
 }
 
@@ -364,8 +379,8 @@ TEST_F(TorchrunCompat, NprocPerNodeStartMethodAndLogsSpecsErrorsExitAsTorchrun) 
     auto want = run_command(torchrun, test::with_timeout(60));
     auto got = run_command(ours, test::with_timeout(60));
     EXPECT_NE(want.exit_code, 0) << c.args[0] << ": " << want.describe();
-    EXPECT_EQ(got.exit_code, want.exit_code) << c.args[0] << ": torchrun " << want.describe()
-                                             << "\ntdist-run " << got.describe();
+    EXPECT_EQ(got.exit_code, want.exit_code)
+        << c.args[0] << ": torchrun " << want.describe() << "\ntdist-run " << got.describe();
     EXPECT_TRUE(contains(got.err, c.message)) << "'" << c.message << "' not in: " << got.err;
   }
 }
@@ -375,9 +390,9 @@ TEST_F(TorchrunCompat, NprocPerNodeStartMethodAndLogsSpecsErrorsExitAsTorchrun) 
 TEST_F(TorchrunCompat, ASignalStopsTheWorkersAndBothLaunchersExitOne) {
   for (const std::string which : {"torchrun", "tdist-run"}) {
     const std::string ready = dir_ + "/ready_" + which + "_";
-    std::vector<std::string> cmd = which == "torchrun"
-                                       ? std::vector<std::string>{python_, "-m", "torch.distributed.run"}
-                                       : std::vector<std::string>{test::kRun};
+    std::vector<std::string> cmd =
+        which == "torchrun" ? std::vector<std::string>{python_, "-m", "torch.distributed.run"}
+                            : std::vector<std::string>{test::kRun};
     cmd.insert(cmd.end(), {"--standalone", "--nproc-per-node=2", "--no-python", "sh", "-c",
                            "touch " + ready + "$RANK; exec sleep 120"});
     std::thread killer;
@@ -385,7 +400,9 @@ TEST_F(TorchrunCompat, ASignalStopsTheWorkersAndBothLaunchersExitOne) {
     opts.on_start = [&](pid_t pid) {
       killer = std::thread([ready, pid] {
         for (int i = 0; i < 6000; ++i) {  // both workers up (at most a minute), then signal
-          if (::access((ready + "0").c_str(), F_OK) == 0 && ::access((ready + "1").c_str(), F_OK) == 0) break;
+          if (::access((ready + "0").c_str(), F_OK) == 0 &&
+              ::access((ready + "1").c_str(), F_OK) == 0)
+            break;
           std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
         ::kill(pid, SIGTERM);

@@ -50,9 +50,10 @@ CommandResult train(std::vector<std::string> args, CommandOptions opts = with_ti
 
 // `nproc` workers of tdist-train under tdist-run; `launcher_args` go to tdist-run.
 CommandResult train_under_run(int nproc, std::vector<std::string> launcher_args,
-                              std::vector<std::string> args, CommandOptions opts = with_timeout(90)) {
-  std::vector<std::string> argv = {kRun, "--nproc-per-node", std::to_string(nproc),
-                                   "--master-port", "0"};
+                              std::vector<std::string> args,
+                              CommandOptions opts = with_timeout(90)) {
+  std::vector<std::string> argv = {kRun, "--nproc-per-node", std::to_string(nproc), "--master-port",
+                                   "0"};
   argv.insert(argv.end(), launcher_args.begin(), launcher_args.end());
   argv.push_back(kTrain);
   argv.insert(argv.end(), args.begin(), args.end());
@@ -85,11 +86,16 @@ std::map<int, std::string> final_hashes(const std::string& out) {
 
 TEST(TdistTrain, SyntheticTrainingOnTwoRanksReachesEightyPercent) {
   const std::string dir = test::temp_dir();
-  auto r = train_under_run(2, {},
-                           {"--dataset", "synthetic", "--model", "mlp", "--hidden", "128",
-                            "--layers", "1", "--steps", "200", "--log-every", "20", "--seed", "1",
-                            "--test-samples", "4000", "--summary", dir + "/summary.json",
-                            "--metrics", dir + "/metrics.jsonl"});
+  auto r = train_under_run(2, {}, {"--dataset",      "synthetic",
+                                   "--model",        "mlp",
+                                   "--hidden",       "128",
+                                   "--layers",       "1",
+                                   "--steps",        "200",
+                                   "--log-every",    "20",
+                                   "--seed",         "1",
+                                   "--test-samples", "4000",
+                                   "--summary",      dir + "/summary.json",
+                                   "--metrics",      dir + "/metrics.jsonl"});
   ASSERT_EQ(r.exit_code, 0) << r.describe();
   auto s = read_json(dir + "/summary.json");
   EXPECT_EQ(s["world_size"], 2);
@@ -115,7 +121,8 @@ TEST(TdistTrain, SyntheticTrainingOnTwoRanksReachesEightyPercent) {
     EXPECT_TRUE(train_lines.front().contains(key)) << key << " missing: " << train_lines.front();
   }
   EXPECT_EQ(train_lines.back()["step"], 200);
-  EXPECT_LT(train_lines.back()["loss"].get<double>(), 0.5 * train_lines.front()["loss"].get<double>());
+  EXPECT_LT(train_lines.back()["loss"].get<double>(),
+            0.5 * train_lines.front()["loss"].get<double>());
   EXPECT_EQ(lines.back()["event"], "eval");
   EXPECT_EQ(lines.back()["accuracy"], s["accuracy"]);
   // Log lines go to stdout on rank 0 only.
@@ -126,8 +133,8 @@ TEST(TdistTrain, SyntheticTrainingOnTwoRanksReachesEightyPercent) {
 TEST(TdistTrain, ConvNetWithAdamTrainsAloneWithoutALauncher) {
   const std::string dir = test::temp_dir();
   auto r = train({"--model", "conv", "--hidden", "32", "--optimizer", "adam", "--steps", "40",
-                  "--batch-size", "32", "--log-every", "20", "--test-samples", "500",
-                  "--metrics", dir + "/m.jsonl", "--summary", dir + "/s.json"});
+                  "--batch-size", "32", "--log-every", "20", "--test-samples", "500", "--metrics",
+                  dir + "/m.jsonl", "--summary", dir + "/s.json"});
   ASSERT_EQ(r.exit_code, 0) << r.describe();
   auto s = read_json(dir + "/s.json");
   EXPECT_EQ(s["world_size"], 1);
@@ -141,7 +148,7 @@ TEST(TdistTrain, ConvNetWithAdamTrainsAloneWithoutALauncher) {
 
 TEST(TdistTrain, DdpOptionsReachTheModel) {
   auto run = [](std::vector<std::string> extra) {
-    std::vector<std::string> args = {"--steps", "15", "--hidden", "48", "--layers", "2",
+    std::vector<std::string> args = {"--steps",        "15",  "--hidden",   "48",  "--layers", "2",
                                      "--test-samples", "200", "--progress", "none"};
     args.insert(args.end(), extra.begin(), extra.end());
     auto r = train_under_run(2, {}, args);
@@ -185,10 +192,29 @@ TEST(TdistTrain, ProgressBarOrLogLines) {
 // --- fault and resume -----------------------------------------------------------------------
 
 std::vector<std::string> resume_args(const std::string& dir) {
-  return {"--hidden", "64", "--layers", "1", "--optimizer", "adam", "--steps", "40",
-          "--batch-size", "32", "--log-every", "10", "--test-samples", "1000",
-          "--checkpoint-dir", dir + "/ckpt", "--checkpoint-every", "10", "--resume",
-          "--summary", dir + "/summary.json", "--seed", "7"};
+  return {"--hidden",
+          "64",
+          "--layers",
+          "1",
+          "--optimizer",
+          "adam",
+          "--steps",
+          "40",
+          "--batch-size",
+          "32",
+          "--log-every",
+          "10",
+          "--test-samples",
+          "1000",
+          "--checkpoint-dir",
+          dir + "/ckpt",
+          "--checkpoint-every",
+          "10",
+          "--resume",
+          "--summary",
+          dir + "/summary.json",
+          "--seed",
+          "7"};
 }
 
 TEST(TdistTrain, AKilledWorkerRestartsFromTheCheckpointAndEndsLikeAnUninterruptedRun) {
@@ -205,11 +231,13 @@ TEST(TdistTrain, AKilledWorkerRestartsFromTheCheckpointAndEndsLikeAnUninterrupte
   auto b = train_under_run(2, {"--max-restarts", "1", "--stop-grace", "2"}, resume_args(faulty),
                            with_timeout(90, {{"TDIST_TRAIN_FAIL_AT_STEP", "25"}}));
   ASSERT_EQ(b.exit_code, 0) << b.describe();
-  EXPECT_TRUE(contains(b.err, "[rank 1] tdist-train: TDIST_TRAIN_FAIL_AT_STEP=25: killing this worker"))
+  EXPECT_TRUE(
+      contains(b.err, "[rank 1] tdist-train: TDIST_TRAIN_FAIL_AT_STEP=25: killing this worker"))
       << b.err;
   // (The launcher names whichever failure it saw first: rank 1's SIGKILL, or rank 0's error.)
   EXPECT_TRUE(contains(b.err, "restarting all workers (restart 1 of 1)")) << b.err;
-  EXPECT_TRUE(contains(b.out, "resumed from " + faulty + "/ckpt/checkpoint.pt at step 20")) << b.out;
+  EXPECT_TRUE(contains(b.out, "resumed from " + faulty + "/ckpt/checkpoint.pt at step 20"))
+      << b.out;
 
   auto sa = read_json(clean + "/summary.json");
   auto sb = read_json(faulty + "/summary.json");
@@ -294,11 +322,10 @@ class CheckpointWriteStriker {
         if (name.rfind(prefix, 0) != 0) continue;
         const std::string tmp = dir_ + "/" + name, complete = dir_ + "/checkpoint.pt";
         if (file_size(complete) < 0) continue;  // the first write: nothing to fall back on
-        if (out_.missed == 2) continue;  // tdist-run --max-restarts 2 allows no further kill
+        if (out_.missed == 2) continue;         // tdist-run --max-restarts 2 allows no further kill
         const pid_t pid = static_cast<pid_t>(std::stol(name.substr(prefix.size())));
         const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-        while (file_size(tmp) == 0 && std::chrono::steady_clock::now() < give_up) {
-        }
+        while (file_size(tmp) == 0 && std::chrono::steady_clock::now() < give_up) {}
         if (::kill(pid, SIGKILL) != 0) continue;
         // Dead (a zombie until the launcher reaps it, or gone): it renames nothing any more.
         for (int i = 0; i < 5000; ++i) {
@@ -351,11 +378,13 @@ TEST(TdistTrain, AWriterKilledInsideACheckpointWriteLeavesTheLastCheckpointAndTh
     b = train_under_run(2, {"--max-restarts", "2", "--stop-grace", "2"}, args(faulty));
   }
   std::cout << "killed the writer with " << strike.tmp_bytes << " of " << strike.complete_bytes
-            << " bytes in its temporary file (" << strike.missed << " kills after the rename first)\n";
+            << " bytes in its temporary file (" << strike.missed
+            << " kills after the rename first)\n";
   ASSERT_TRUE(strike.struck) << "no kill came before the rename (" << strike.missed << " after)\n"
                              << b.describe();
   ASSERT_EQ(b.exit_code, 0) << b.describe();
-  EXPECT_TRUE(contains(b.err, "restarting all workers (restart " + std::to_string(strike.missed + 1)))
+  EXPECT_TRUE(
+      contains(b.err, "restarting all workers (restart " + std::to_string(strike.missed + 1)))
       << b.err;
   // The restart resumed from the last complete checkpoint: it loaded, its fingerprint matched.
   const std::regex resumed("resumed from " + faulty + "/ckpt/checkpoint.pt at step (\\d+)");
@@ -384,24 +413,47 @@ TEST(TdistTrain, AWriterKilledInsideACheckpointWriteLeavesTheLastCheckpointAndTh
 // The same history gives the same parameters; another history does not.
 TEST(TdistTrain, ResumesAtAnotherWorldSizeWhereItsSamplesLeftOff) {
   const auto args = [](const std::string& dir) {
-    return std::vector<std::string>{
-        "--hidden", "32", "--layers", "1", "--train-samples", "960", "--test-samples", "100",
-        "--batch-size", "8", "--epochs", "2", "--threads", "1", "--checkpoint-dir", dir + "/ckpt",
-        "--checkpoint-every", "5", "--resume", "--summary", dir + "/summary.json", "--seed", "3"};
+    return std::vector<std::string>{"--hidden",
+                                    "32",
+                                    "--layers",
+                                    "1",
+                                    "--train-samples",
+                                    "960",
+                                    "--test-samples",
+                                    "100",
+                                    "--batch-size",
+                                    "8",
+                                    "--epochs",
+                                    "2",
+                                    "--threads",
+                                    "1",
+                                    "--checkpoint-dir",
+                                    dir + "/ckpt",
+                                    "--checkpoint-every",
+                                    "5",
+                                    "--resume",
+                                    "--summary",
+                                    dir + "/summary.json",
+                                    "--seed",
+                                    "3"};
   };
   // Rank 0 stops itself at step 25, after it wrote that step's checkpoint (had another rank
   // died first, the launcher could stop rank 0 before the write).
   const auto history = [&](const std::string& dir) {
-    auto killed = train_under_run(3, {"--stop-grace", "2"}, args(dir),
-                                  with_timeout(90, {{"TDIST_TRAIN_FAIL_AT_STEP", "25"},
-                                                   {"TDIST_TRAIN_FAIL_RANK", "0"}}));
+    auto killed = train_under_run(
+        3, {"--stop-grace", "2"}, args(dir),
+        with_timeout(90, {{"TDIST_TRAIN_FAIL_AT_STEP", "25"}, {"TDIST_TRAIN_FAIL_RANK", "0"}}));
     EXPECT_NE(killed.exit_code, 0) << killed.describe();
     auto resumed = train_under_run(2, {}, args(dir));
     EXPECT_EQ(resumed.exit_code, 0) << resumed.describe();
-    EXPECT_TRUE(contains(resumed.out, "resumed from " + dir + "/ckpt/checkpoint.pt at step 25 "
-                                      "(epoch 0, sample 600 of 960)")) << resumed.out;
-    EXPECT_TRUE(contains(resumed.out, "the checkpoint was written at world size 3; continuing at "
-                                      "world size 2: a step now takes 16 samples")) << resumed.out;
+    EXPECT_TRUE(contains(resumed.out, "resumed from " + dir +
+                                          "/ckpt/checkpoint.pt at step 25 "
+                                          "(epoch 0, sample 600 of 960)"))
+        << resumed.out;
+    EXPECT_TRUE(contains(resumed.out,
+                         "the checkpoint was written at world size 3; continuing at "
+                         "world size 2: a step now takes 16 samples"))
+        << resumed.out;
     return read_json(dir + "/summary.json");
   };
   const std::string a = test::temp_dir(), b = test::temp_dir(), c = test::temp_dir();
@@ -453,8 +505,9 @@ TEST(TdistTrain, ResumeRefusesACheckpointOfAnotherRun) {
   // bytes that are no archive at all is refused as another run's.
   {
     const std::string fingerprint = "another run's settings";
-    std::string forged = "TDCKPT04";
-    for (int i = 0; i < 8; ++i) forged.push_back(static_cast<char>((fingerprint.size() >> (8 * i)) & 0xff));
+    std::string forged = "TDCKPT05";
+    for (int i = 0; i < 8; ++i)
+      forged.push_back(static_cast<char>((fingerprint.size() >> (8 * i)) & 0xff));
     forged += fingerprint + "no libtorch archive follows";
     std::ofstream(dir + "/checkpoint.pt", std::ios::trunc | std::ios::binary) << forged;
   }
@@ -462,6 +515,73 @@ TEST(TdistTrain, ResumeRefusesACheckpointOfAnotherRun) {
                        "--checkpoint-dir", dir, "--resume"});
   EXPECT_EQ(forged.exit_code, 2) << forged.describe();
   EXPECT_TRUE(contains(forged.err, "checkpoint: another run's settings")) << forged.err;
+}
+
+// Note [Checkpoint key] (issue 41, item 11): with the job's token the checkpoint's digest is an
+// HMAC keyed with it, so a checkpoint of another token, a changed one, or one written without a
+// token is refused (exit 1, naming why), and a run without the token refuses a keyed one; the
+// file is 0600 in a directory made 0700, and a directory that group or others can write, a
+// symbolic link to one, or one of another user is refused before anything is written there.
+TEST(TdistTrain, CheckpointsAreKeyedWithTheJobsTokenAndKeptInAPrivateDirectory) {
+  const std::string root = test::temp_dir();
+  const std::string dir = root + "/made/here";
+  const std::vector<std::string> args = {"--hidden",         "16", "--layers",       "1",
+                                         "--steps",          "3",  "--test-samples", "10",
+                                         "--checkpoint-dir", dir};
+  auto resume = args;
+  resume.push_back("--resume");
+  auto with_token = [](const std::string& token) {
+    return with_timeout(
+        60, {{"TDIST_TOKEN", token}, {"TDIST_TOKEN_FILE", ""}, {"TDIST_TOKEN_DRAWN", ""}});
+  };
+  auto first = train(args, with_token("token-a"));
+  ASSERT_EQ(first.exit_code, 0) << first.describe();
+  struct stat st {};
+  ASSERT_EQ(::stat(dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u) << "the directory tdist-train made";
+  ASSERT_EQ(::stat((dir + "/checkpoint.pt").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << "the checkpoint";
+
+  auto same = train(resume, with_token("token-a"));
+  EXPECT_EQ(same.exit_code, 0) << same.describe();
+  auto other = train(resume, with_token("token-b"));
+  EXPECT_EQ(other.exit_code, 1) << other.describe();
+  EXPECT_TRUE(contains(other.err, "does not match the keyed digest")) << other.err;
+  auto none = train(resume, with_token(""));
+  EXPECT_EQ(none.exit_code, 1) << none.describe();
+  EXPECT_TRUE(contains(none.err, "keyed with the job's token")) << none.err;
+  // The token tdist-run draws for one run keys nothing: such a run writes a plain digest, which
+  // a run with a token then refuses.
+  auto drawn = train(
+      args, with_timeout(60, {{"TDIST_TOKEN", "drawn-for-one-run"}, {"TDIST_TOKEN_DRAWN", "1"}}));
+  ASSERT_EQ(drawn.exit_code, 0) << drawn.describe();
+  auto plain = train(resume, with_token("token-a"));
+  EXPECT_EQ(plain.exit_code, 1) << plain.describe();
+  EXPECT_TRUE(contains(plain.err, "the checkpoint's digest is not keyed")) << plain.err;
+  EXPECT_EQ(train(resume, with_token("")).exit_code, 0) << "a plain checkpoint without a token";
+
+  // Directories others could write into, or a link that could be turned elsewhere.
+  ASSERT_EQ(::chmod(dir.c_str(), 0770), 0);
+  auto writable = train(args, with_token("token-a"));
+  EXPECT_NE(writable.exit_code, 0) << writable.describe();
+  EXPECT_TRUE(contains(writable.err, "group or others can write it")) << writable.err;
+  auto writable_resume = train(resume, with_token("token-a"));
+  EXPECT_NE(writable_resume.exit_code, 0) << writable_resume.describe();
+  EXPECT_TRUE(contains(writable_resume.err, "group or others can write it")) << writable_resume.err;
+  ASSERT_EQ(::chmod(dir.c_str(), 0700), 0);
+  const std::string link = root + "/link";
+  ASSERT_EQ(::symlink(dir.c_str(), link.c_str()), 0);
+  auto via_link = args;
+  via_link.back() = link + "/";
+  auto linked = train(via_link, with_token("token-a"));
+  EXPECT_NE(linked.exit_code, 0) << linked.describe();
+  EXPECT_TRUE(contains(linked.err, "is a symbolic link")) << linked.err;
+  if (::geteuid() == 0) {
+    ASSERT_EQ(::chown(dir.c_str(), 65534, 65534), 0);
+    auto foreign = train(args, with_token("token-a"));
+    EXPECT_NE(foreign.exit_code, 0) << foreign.describe();
+    EXPECT_TRUE(contains(foreign.err, "belongs to uid 65534")) << foreign.err;
+  }
 }
 
 // --- IDX files ------------------------------------------------------------------------------
@@ -522,8 +642,8 @@ TEST(TdistTrain, ReadsMnistIdxFiles) {
   EXPECT_GE(s["accuracy"].get<double>(), 0.9) << r.out;
 
   // --train-samples limits what is used.
-  auto limited = train({"--data-dir", dir, "--train-samples", "64", "--steps", "2",
-                        "--batch-size", "32", "--hidden", "8", "--layers", "1"});
+  auto limited = train({"--data-dir", dir, "--train-samples", "64", "--steps", "2", "--batch-size",
+                        "32", "--hidden", "8", "--layers", "1"});
   ASSERT_EQ(limited.exit_code, 0) << limited.describe();
   EXPECT_TRUE(contains(limited.out, "(64 train, 60 test)")) << limited.out;
 }
@@ -547,13 +667,16 @@ TEST(TdistTrain, BadIdxFilesGiveClearErrors) {
        },
        "truncated"},
       {"bad magic",
-       [](const std::string& d) { write_file(d + "/train-labels-idx1-ubyte", "\x12\x34\x08\x01xxxx"); },
+       [](const std::string& d) {
+         write_file(d + "/train-labels-idx1-ubyte", "\x12\x34\x08\x01xxxx");
+       },
        "not an IDX file"},
       {"count mismatch",
        [](const std::string& d) {
          write_idx_split(d, "train", 10, 3);
          write_idx_split(d, "other", 11, 3);
-         std::rename((d + "/other-labels-idx1-ubyte").c_str(), (d + "/train-labels-idx1-ubyte").c_str());
+         std::rename((d + "/other-labels-idx1-ubyte").c_str(),
+                     (d + "/train-labels-idx1-ubyte").c_str());
        },
        "holds 10 images but"},
       {"label out of range",
@@ -615,8 +738,8 @@ TEST(TdistTrain, ReadsGzipIdxFilesAsFashionMnist) {
                   "1", "--steps", "24", "--batch-size", "32", "--summary", summary});
   ASSERT_EQ(r.exit_code, 0) << r.describe();
   auto s = read_json(summary);
-  EXPECT_TRUE(contains(s["dataset"].get<std::string>(),
-                       "fashion-mnist " + dir + " (128 train, 40 test)"))
+  EXPECT_TRUE(
+      contains(s["dataset"].get<std::string>(), "fashion-mnist " + dir + " (128 train, 40 test)"))
       << s.dump(2);
   EXPECT_GE(s["accuracy"].get<double>(), 0.9) << r.out;
 }
@@ -657,8 +780,7 @@ TEST(TdistTrain, BadGzipIdxFilesGiveClearErrors) {
          write_file(path, bytes);
        },
        "corrupt gzip data"},
-      {"not gzip at all",
-       [](const std::string& path) { write_file(path, std::string(64, 'x')); },
+      {"not gzip at all", [](const std::string& path) { write_file(path, std::string(64, 'x')); },
        "train-images-idx3-ubyte.gz'"},
   };
   for (const auto& c : cases) {
@@ -677,7 +799,8 @@ TEST(TdistTrain, BadGzipIdxFilesGiveClearErrors) {
 TEST(TdistTrain, TrainsOnDebiansFashionMnist) {
   struct stat st {};
   if (::stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st) != 0) {
-    GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh installs it)";
+    GTEST_SKIP()
+        << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh installs it)";
   }
   const std::string summary = test::temp_dir() + "/summary.json";
   auto r = train({"--dataset", "fashion-mnist", "--model", "conv", "--optimizer", "adam", "--lr",
@@ -709,8 +832,9 @@ TEST(TdistTrain, AMissingDataDirectoryIsAClearErrorOnEveryRank) {
 // Where a GPU is visible, auto trains on it.
 TEST(TdistTrain, DeviceCudaNeedsAVisibleGpuAndAutoFallsBackToTheCpu) {
   const std::string dir = test::temp_dir();
-  const std::vector<std::string> args = {"--steps", "12", "--hidden", "32", "--layers", "1",
-                                         "--test-samples", "200", "--progress", "none"};
+  const std::vector<std::string> args = {"--steps",    "12",  "--hidden",       "32",
+                                         "--layers",   "1",   "--test-samples", "200",
+                                         "--progress", "none"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = args;
     a.insert(a.end(), extra.begin(), extra.end());
@@ -734,7 +858,8 @@ TEST(TdistTrain, DeviceCudaNeedsAVisibleGpuAndAutoFallsBackToTheCpu) {
   auto cpu_hash = final_hashes(cpu.out);
   ASSERT_EQ(cpu_hash.size(), 1u) << cpu.out;
   EXPECT_EQ(final_hashes(autod.out), cpu_hash) << autod.out;
-  EXPECT_EQ(read_json(dir + "/auto.json")["final_loss"], read_json(dir + "/cpu.json")["final_loss"]);
+  EXPECT_EQ(read_json(dir + "/auto.json")["final_loss"],
+            read_json(dir + "/cpu.json")["final_loss"]);
 
   // Nothing hidden: auto takes a GPU where one is visible (then the run trains on it).
   auto seen = train(with({"--device", "auto", "--summary", dir + "/seen.json"}));
@@ -780,7 +905,6 @@ TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--strategy", "fsdp", "--reshard-after-forward", "maybe"}, "--reshard-after-forward"},
       {{"--strategy", "fsdp", "--bucket-cap-mb", "1"}, "--bucket-cap-mb: is DDP's"},
       {{"--strategy", "fsdp", "--comm-hook", "fp16"}, "--comm-hook: is DDP's"},
-      {{"--strategy", "zero1", "--checkpoint-dir", "/tmp"}, "ddp, fsdp and hsdp, not zero1"},
       {{"--resume"}, "--resume needs --checkpoint-dir"},
       {{"--checkpoint-every", "5"}, "--checkpoint-every needs --checkpoint-dir"},
       {{"--dataset", "mnist"}, "--dataset mnist needs --data-dir"},
@@ -789,14 +913,19 @@ TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
       {{"--comm-hook", "zip"}, "--comm-hook"},
       {{"--device", "tpu"}, "--device"},
       {{"--no-such-flag"}, "--no-such-flag"},
-      {{"--train-samples", "10", "--batch-size", "64", "--steps", "1"}, "fewer than one step needs"},
+      {{"--train-samples", "10", "--batch-size", "64", "--steps", "1"},
+       "fewer than one step needs"},
       {{"--pp-stages", "2"}, "--pp-stages 2 does not divide the world size 1"},
-      {{"--pp-stages", "2", "--strategy", "fsdp"}, "--strategy fsdp is not supported with it"},
-      {{"--pp-stages", "2", "--microbatches", "3"}, "--microbatches 3 does not divide --batch-size 64"},
+      {{"--pp-stages", "2", "--strategy", "zero1"}, "--strategy zero1 is not supported with it"},
+      {{"--pp-stages", "2", "--strategy", "fsdp", "--mixed-precision", "bf16"},
+       "--mixed-precision does not apply to --pp-stages > 1"},
+      {{"--pp-stages", "2", "--strategy", "fsdp", "--reshard-after-forward", "false"},
+       "--reshard-after-forward does not apply to --pp-stages > 1"},
+      {{"--pp-stages", "2", "--microbatches", "3"},
+       "--microbatches 3 does not divide --batch-size 64"},
       {{"--pp-stages", "2", "--schedule", "zbv"}, "--schedule"},
       {{"--pp-stages", "0"}, "--pp-stages"},
       {{"--microbatches", "2"}, "--microbatches and --schedule apply to --pp-stages > 1 only"},
-      {{"--pp-stages", "2", "--checkpoint-dir", "/tmp"}, "no checkpoints with --pp-stages > 1"},
   };
   for (const auto& c : cases) {
     auto r = train(c.args);
@@ -837,6 +966,20 @@ int64_t held(const nlohmann::json& m) {
          m["optimizer_state_bytes"].get<int64_t>();
 }
 
+// tdist-train's arguments for the tests' small gpt (2 blocks of width 32, 2 heads, context 32)
+// on `text`: batch 4, Adam, one thread, `steps` steps, logging every `log_every`, evaluating on
+// `test_samples` held-out samples.
+std::vector<std::string> small_gpt_args(const std::string& text, int steps, int log_every,
+                                        int test_samples) {
+  // clang-format off
+  return {"--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--context", "32",
+          "--data-dir", text, "--batch-size", "4", "--steps", std::to_string(steps),
+          "--log-every", std::to_string(log_every), "--optimizer", "adam", "--lr", "0.003",
+          "--seed", "3", "--test-samples", std::to_string(test_samples), "--eval-batch-size", "2",
+          "--progress", "log", "--threads", "1"};
+  // clang-format on
+}
+
 // The same short gpt run at world 2 under each strategy: every run ends with equal parameters
 // on both ranks, and with the loss and held-out loss ddp printed (to the printed digits); the
 // memory each rank reports, measured from its tensors, is sharded as the strategy says. The
@@ -847,13 +990,8 @@ TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
   const std::string text = write_text_dir(5, 120);
   const std::string dir = test::temp_dir();
   auto run = [&](const std::string& name, std::vector<std::string> extra) {
-    std::vector<std::string> args = {"--model", "gpt", "--layers", "2", "--width", "32",
-                                     "--heads", "2", "--context", "32", "--data-dir", text,
-                                     "--batch-size", "4", "--steps", "6", "--log-every", "3",
-                                     "--optimizer", "adam", "--lr", "0.003", "--seed", "3",
-                                     "--test-samples", "5", "--eval-batch-size", "2",
-                                     "--eval-every", "3", "--progress", "log",
-                                     "--threads", "1", "--summary", dir + "/" + name + ".json"};
+    std::vector<std::string> args = small_gpt_args(text, 6, 3, 5);
+    args.insert(args.end(), {"--eval-every", "3", "--summary", dir + "/" + name + ".json"});
     args.insert(args.end(), extra.begin(), extra.end());
     auto r = train_under_run(2, {}, args);
     EXPECT_EQ(r.exit_code, 0) << name << ": " << r.describe();
@@ -933,10 +1071,11 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
   const std::string text = write_text_dir(5, 120);
   const std::string dir = test::temp_dir();
   auto run = [&](const std::string& name, int nproc, std::vector<std::string> args) {
-    const std::vector<std::string> common = {"--steps", "4", "--log-every", "1",
-                                             "--progress", "log",
-                                             "--metrics", dir + "/" + name + ".jsonl",
-                                             "--summary", dir + "/" + name + ".json"};
+    const std::vector<std::string> common = {"--steps",     "4",
+                                             "--log-every", "1",
+                                             "--progress",  "log",
+                                             "--metrics",   dir + "/" + name + ".jsonl",
+                                             "--summary",   dir + "/" + name + ".json"};
     args.insert(args.end(), common.begin(), common.end());
     if (nproc > 1) args.insert(args.end(), {"--threads", "1"});  // train() adds it alone
     auto r = nproc == 1 ? train(args) : train_under_run(nproc, {}, args);
@@ -960,44 +1099,146 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
       EXPECT_NEAR(a[i], b[i], 1e-4 * std::max(1.0, std::abs(b[i]))) << what << " step " << i + 1;
     }
   };
-  const std::vector<std::string> gpt = {"--model", "gpt", "--layers", "2", "--width", "32",
-                                        "--heads", "2", "--context", "32", "--data-dir", text,
-                                        "--batch-size", "4", "--optimizer", "adam", "--lr",
-                                        "0.003", "--seed", "3", "--test-samples", "5",
-                                        "--eval-batch-size", "2"};
+  const std::vector<std::string> gpt = {
+      "--model",   "gpt",   "--layers",   "2",  "--width",        "32", "--heads",           "2",
+      "--context", "32",    "--data-dir", text, "--batch-size",   "4",  "--optimizer",       "adam",
+      "--lr",      "0.003", "--seed",     "3",  "--test-samples", "5",  "--eval-batch-size", "2"};
   auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
     a.insert(a.end(), b.begin(), b.end());
     return a;
   };
   const auto [ddp, ddp_s] = run("gpt-ddp", 2, gpt);
-  const auto [pp, pp_s] = run("gpt-pp", 4, with(gpt, {"--pp-stages", "2", "--schedule", "zb",
-                                                      "--microbatches", "2"}));
+  const auto [pp, pp_s] =
+      run("gpt-pp", 4, with(gpt, {"--pp-stages", "2", "--schedule", "zb", "--microbatches", "2"}));
   expect_same_losses(pp, ddp, "gpt, 2 stages x 2 replicas (zb) against ddp at world 2");
   EXPECT_EQ(pp_s["pp_stages"], 2);
   EXPECT_EQ(pp_s["schedule"], "zb");
   EXPECT_NEAR(pp_s["eval_loss"].get<double>(), ddp_s["eval_loss"].get<double>(), 1e-4);
+  // Each rank holds its stage's parameters only: a pipeline's two stages (world ranks 0 and 2,
+  // Note [Device mesh layout]) hold the whole model between them.
+  const auto& memory = pp_s["memory_per_rank"];
+  ASSERT_EQ(memory.size(), 4u);
+  const int64_t whole = 4 * pp_s["params"].get<int64_t>();  // fp32
+  EXPECT_EQ(
+      memory[0]["parameter_bytes"].get<int64_t>() + memory[2]["parameter_bytes"].get<int64_t>(),
+      whole)
+      << memory;
+  EXPECT_EQ(memory[1]["parameter_bytes"], memory[0]["parameter_bytes"]);
 
-  const std::vector<std::string> mlp = {"--dataset", "synthetic", "--model", "mlp", "--hidden",
-                                        "32", "--layers", "3", "--batch-size", "16",
-                                        "--train-samples", "256", "--test-samples", "64",
-                                        "--seed", "5"};
+  const std::vector<std::string> mlp = {"--dataset",      "synthetic", "--model",         "mlp",
+                                        "--hidden",       "32",        "--layers",        "3",
+                                        "--batch-size",   "16",        "--train-samples", "256",
+                                        "--test-samples", "64",        "--seed",          "5"};
   const auto [alone, alone_s] = run("mlp-alone", 1, mlp);
-  const auto [inter, inter_s] = run("mlp-pp", 2, with(mlp, {"--pp-stages", "2", "--schedule",
-                                                            "interleaved", "--microbatches", "4"}));
+  const auto [inter, inter_s] =
+      run("mlp-pp", 2,
+          with(mlp, {"--pp-stages", "2", "--schedule", "interleaved", "--microbatches", "4"}));
   expect_same_losses(inter, alone, "mlp, 2 stages of 2 chunks (interleaved) against one process");
   EXPECT_NEAR(inter_s["accuracy"].get<double>(), alone_s["accuracy"].get<double>(), 1e-9);
 
   // A cut that cannot be made: more stages than the gpt has blocks, on every rank.
   std::vector<std::string> one_block = gpt;
   one_block[3] = "1";  // --layers 1
-  auto r = train_under_run(2, {}, with(one_block, {"--pp-stages", "2", "--steps", "1",
-                                                   "--threads", "1"}));
+  auto r = train_under_run(2, {},
+                           with(one_block, {"--pp-stages", "2", "--steps", "1", "--threads", "1"}));
   EXPECT_NE(r.exit_code, 0) << r.describe();
   EXPECT_TRUE(contains(r.out + r.err, "the model has 1 blocks, fewer than the 2 pipeline stages"))
       << r.describe();
 }
 
-// The default --data-dir: the Python standard library's sources (skipped where there is none).
+// Note [Pipelined checkpoints]: a gpt in 2 stages x 2 replicas, each stage sharded across its
+// replicas (--strategy fsdp), stopped after 2 steps and resumed to 4 ends as the uninterrupted
+// 4-step run does: the same losses and bit-equal parameters; each rank wrote its part and
+// holds about a quarter of the model. Resuming under another layout is refused naming both,
+// at another world size or without a rank's part likewise, and a rank that cannot write its
+// part fails the checkpoint on every rank, naming it.
+TEST(TdistTrain, PipelinedCheckpointResumesWithTheUninterruptedLosses) {
+  const std::string text = write_text_dir(5, 120);
+  const auto args = [&](const std::string& dir, int steps, const std::string& strategy) {
+    std::vector<std::string> a = small_gpt_args(text, steps, 1, 4);
+    a.insert(a.end(), {"--pp-stages", "2", "--microbatches", "2", "--strategy", strategy,
+                       "--metrics", dir + "/metrics.jsonl", "--summary", dir + "/summary.json",
+                       "--checkpoint-dir", dir + "/ckpt", "--resume"});
+    return a;
+  };
+  const auto losses = [](const std::string& dir) {
+    std::vector<double> out;
+    for (const auto& l : read_json_lines(dir + "/metrics.jsonl")) {
+      if (l["event"] == "train") out.push_back(l["loss"].get<double>());
+    }
+    return out;
+  };
+  const std::string whole = test::temp_dir(), cut = test::temp_dir();
+  auto uninterrupted = train_under_run(4, {}, args(whole, 4, "fsdp"));
+  ASSERT_EQ(uninterrupted.exit_code, 0) << uninterrupted.describe();
+  ASSERT_EQ(train_under_run(4, {}, args(cut, 2, "fsdp")).exit_code, 0);
+  auto resumed = train_under_run(4, {}, args(cut, 4, "fsdp"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.describe();
+  EXPECT_TRUE(contains(resumed.out,
+                       "loaded every rank's part of the pipeline from " + cut + "/ckpt/pipeline-2"))
+      << resumed.out;
+  EXPECT_EQ(losses(cut), losses(whole));  // the resumed run appends to the metrics file
+  EXPECT_EQ(final_hashes(resumed.out), final_hashes(uninterrupted.out)) << resumed.out;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(std::filesystem::exists(cut + "/ckpt/pipeline-4/rank-" + std::to_string(r) +
+                                        "/checkpoint.pt"))
+        << r;
+  }
+  EXPECT_FALSE(std::filesystem::exists(cut + "/ckpt/pipeline-2")) << "an old checkpoint was kept";
+  // Sharded stages: the four ranks hold the model once between them (with a few elements of
+  // padding per shard group), a quarter each.
+  const auto summary = read_json(whole + "/summary.json");
+  const int64_t model_bytes = 4 * summary["params"].get<int64_t>();
+  int64_t held = 0;
+  for (const auto& m : summary["memory_per_rank"]) {
+    held += m["parameter_bytes"].get<int64_t>();
+    EXPECT_LT(m["parameter_bytes"].get<int64_t>(), model_bytes * 3 / 10) << m;
+  }
+  EXPECT_GE(held, model_bytes);
+  EXPECT_LT(held, model_bytes + 64);
+
+  // Another layout (DDP across the replicas): refused, both fingerprints shown.
+  auto other = train_under_run(4, {}, args(cut, 6, "ddp"));
+  EXPECT_NE(other.exit_code, 0) << other.describe();
+  EXPECT_TRUE(contains(other.out + other.err, "pipeline=2/1f1b/fsdp")) << other.describe();
+  EXPECT_TRUE(contains(other.out + other.err, "pipeline=2/1f1b/ddp")) << other.describe();
+
+  // Another world size: refused, saying why. A part that is gone: refused, naming its rank.
+  auto smaller = train_under_run(2, {}, args(cut, 6, "fsdp"));
+  EXPECT_NE(smaller.exit_code, 0) << smaller.describe();
+  EXPECT_TRUE(contains(smaller.out + smaller.err,
+                       "the checkpoint was written at world size 4; a "
+                       "pipelined run resumes at the world size"))
+      << smaller.describe();
+  std::filesystem::remove_all(cut + "/ckpt/pipeline-4/rank-3");
+  auto missing = train_under_run(4, {}, args(cut, 6, "fsdp"));
+  EXPECT_NE(missing.exit_code, 0) << missing.describe();
+  EXPECT_TRUE(
+      contains(missing.out + missing.err, "the pipelined checkpoint has no part for rank 3"))
+      << missing.describe();
+
+  // Rank 1 cannot write its part (a file where its directory goes): every rank fails, naming it.
+  const std::string blocked = test::temp_dir();
+  std::filesystem::create_directories(blocked + "/ckpt/pipeline-1");
+  std::ofstream(blocked + "/ckpt/pipeline-1/rank-1") << "not a directory";
+  auto failed = train_under_run(4, {}, args(blocked, 1, "fsdp"));
+  EXPECT_NE(failed.exit_code, 0) << failed.describe();
+  EXPECT_TRUE(contains(failed.out + failed.err, "was not written: rank(s) 1 failed"))
+      << failed.describe();
+  EXPECT_FALSE(std::filesystem::exists(blocked + "/ckpt/checkpoint.pt"));
+}
+
+// tdist-train's arguments for the checkpoint tests' small gpt on `text`: `steps` steps under
+// `strategy`, checkpointing into and resuming from `dir`.
+std::vector<std::string> gpt_checkpoint_args(const std::string& text, const std::string& strategy,
+                                             const std::string& dir, int steps) {
+  std::vector<std::string> args = small_gpt_args(text, steps, 2, 4);
+  args.insert(args.end(), {"--strategy", strategy, "--checkpoint-dir", dir, "--resume"});
+  return args;
+}
+const char* const kLossAtStep8 = R"(step 8/8 epoch \d+: loss [0-9.]+)";
+const char* const kHeldOut = R"(held-out loss [0-9.]+, perplexity [0-9.]+)";
+
 // Note [Checkpoint protocol] 6: under fsdp the model and Adam's state go into a sharded
 // checkpoint. Saved at world 2 after 4 steps and resumed at world 3 (each rank reading parts of
 // the world-2 shards), the run prints the losses ddp prints through the same history (ddp's own
@@ -1007,12 +1248,7 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
 TEST(TdistTrain, FsdpCheckpointSavedAtWorld2ResumesAtWorld3WithDdpsLosses) {
   const std::string text = write_text_dir(5, 120);
   const auto args = [&](const std::string& strategy, const std::string& dir, int steps) {
-    return std::vector<std::string>{
-        "--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--context", "32",
-        "--data-dir", text, "--batch-size", "4", "--steps", std::to_string(steps),
-        "--log-every", "2", "--optimizer", "adam", "--lr", "0.003", "--seed", "3",
-        "--test-samples", "4", "--eval-batch-size", "2", "--progress", "log", "--threads", "1",
-        "--strategy", strategy, "--checkpoint-dir", dir, "--resume"};
+    return gpt_checkpoint_args(text, strategy, dir, steps);
   };
   // train() gives --threads 1 itself.
   const auto alone = [](std::vector<std::string> a) {
@@ -1020,8 +1256,7 @@ TEST(TdistTrain, FsdpCheckpointSavedAtWorld2ResumesAtWorld3WithDdpsLosses) {
     a.erase(it, it + 2);
     return a;
   };
-  const std::string loss_at_8 = R"(step 8/8 epoch \d+: loss [0-9.]+)";
-  const std::string eval = R"(held-out loss [0-9.]+, perplexity [0-9.]+)";
+  const std::string loss_at_8 = kLossAtStep8, eval = kHeldOut;
   std::map<std::string, std::string> out;
   for (const std::string strategy : {"ddp", "fsdp"}) {
     const std::string dir = test::temp_dir();
@@ -1033,8 +1268,9 @@ TEST(TdistTrain, FsdpCheckpointSavedAtWorld2ResumesAtWorld3WithDdpsLosses) {
         << resumed.out;
     out[strategy] = resumed.out;
     if (strategy == "fsdp") {
-      EXPECT_TRUE(contains(resumed.out, "loaded the sharded model and optimizer from " + dir +
-                                            "/sharded-4")) << resumed.out;
+      EXPECT_TRUE(contains(resumed.out,
+                           "loaded the sharded model and optimizer from " + dir + "/sharded-4"))
+          << resumed.out;
       EXPECT_FALSE(std::filesystem::exists(dir + "/sharded-4")) << "an old checkpoint was kept";
       EXPECT_TRUE(std::filesystem::exists(dir + "/sharded-8/index.json"));
       // A sharded checkpoint is not ddp's, and the other way round: exit 2, saying which.
@@ -1058,14 +1294,65 @@ TEST(TdistTrain, FsdpCheckpointSavedAtWorld2ResumesAtWorld3WithDdpsLosses) {
   ASSERT_EQ(uninterrupted.exit_code, 0) << uninterrupted.describe();
   EXPECT_EQ(final_hashes(resumed.out), final_hashes(uninterrupted.out)) << resumed.out;
   EXPECT_EQ(printed(resumed.out, loss_at_8), printed(uninterrupted.out, loss_at_8));
+
+  // checkpoint.pt records its sharded index's digest (Note [Checkpoint key]): an index changed
+  // afterwards, though every shard still matches it, is refused.
+  std::ofstream(interrupted + "/sharded-8/index.json", std::ios::app) << " ";
+  auto changed = train_under_run(2, {}, args("fsdp", interrupted, 10));
+  EXPECT_NE(changed.exit_code, 0) << changed.describe();
+  EXPECT_TRUE(contains(changed.out + changed.err, "is not the index checkpoint.pt recorded"))
+      << changed.describe();
+}
+
+// --strategy zero1 writes ddp's checkpoint: the whole optimizer, gathered to rank 0 (Note
+// [ZeRO-1] 5). Saved at world 2 after 4 steps and resumed at world 3 (another partition of the
+// Adam state), it prints the losses of ddp resumed from the same checkpoint and ends with its
+// parameters; resumed at world 2 it ends bit-equal to an uninterrupted zero1 run (a state lost
+// or misplaced in the save would show here).
+TEST(TdistTrain, Zero1CheckpointSavedAtWorld2ResumesAtWorld3WithDdpsLosses) {
+  const std::string text = write_text_dir(5, 120);
+  const auto args = [&](const std::string& strategy, const std::string& dir, int steps) {
+    return gpt_checkpoint_args(text, strategy, dir, steps);
+  };
+  const std::string loss_at_8 = kLossAtStep8, eval = kHeldOut;
+  const std::string saved = test::temp_dir();
+  auto first = train_under_run(2, {}, args("zero1", saved, 4));
+  ASSERT_EQ(first.exit_code, 0) << first.describe();
+  ASSERT_TRUE(std::filesystem::exists(saved + "/checkpoint.pt")) << first.out;
+  std::map<std::string, CommandResult> resumed;
+  for (const std::string strategy : {"zero1", "ddp"}) {
+    const std::string dir = test::temp_dir();
+    std::filesystem::copy(saved, dir, std::filesystem::copy_options::recursive);
+    resumed[strategy] = train_under_run(3, {}, args(strategy, dir, 8));
+    const auto& r = resumed[strategy];
+    ASSERT_EQ(r.exit_code, 0) << strategy << ": " << r.describe();
+    EXPECT_TRUE(contains(r.out, "resumed from " + dir + "/checkpoint.pt at step 4")) << r.out;
+    EXPECT_TRUE(contains(r.out, "the checkpoint was written at world size 2")) << r.out;
+  }
+  const std::string& z = resumed["zero1"].out;
+  const std::string& d = resumed["ddp"].out;
+  ASSERT_FALSE(contains(printed(z, loss_at_8), "not found")) << z;
+  EXPECT_EQ(printed(z, loss_at_8), printed(d, loss_at_8)) << z;
+  EXPECT_EQ(printed(z, eval), printed(d, eval)) << z;
+  EXPECT_EQ(final_hashes(z), final_hashes(d)) << z;
+
+  const std::string whole = test::temp_dir();
+  auto at_world_2 = train_under_run(2, {}, args("zero1", saved, 8));
+  ASSERT_EQ(at_world_2.exit_code, 0) << at_world_2.describe();
+  auto uninterrupted = train_under_run(2, {}, args("zero1", whole, 8));
+  ASSERT_EQ(uninterrupted.exit_code, 0) << uninterrupted.describe();
+  EXPECT_EQ(final_hashes(at_world_2.out).size(), 2u) << at_world_2.out;
+  EXPECT_EQ(final_hashes(at_world_2.out), final_hashes(uninterrupted.out)) << at_world_2.out;
+  EXPECT_EQ(printed(at_world_2.out, loss_at_8), printed(uninterrupted.out, loss_at_8));
 }
 
 TEST(TdistTrain, GptLearnsThePythonStandardLibrary) {
   const std::string dir = test::temp_dir();
-  auto r = train({"--model", "gpt", "--layers", "1", "--width", "64", "--heads", "2",
-                  "--context", "64", "--batch-size", "16", "--steps", "30", "--optimizer", "adam",
-                  "--lr", "0.01", "--log-every", "10", "--test-samples", "32", "--summary",
-                  dir + "/s.json", "--progress", "log"});
+  auto r = train({"--model",     "gpt", "--layers",       "1",    "--width",      "64",
+                  "--heads",     "2",   "--context",      "64",   "--batch-size", "16",
+                  "--steps",     "30",  "--optimizer",    "adam", "--lr",         "0.01",
+                  "--log-every", "10",  "--test-samples", "32",   "--summary",    dir + "/s.json",
+                  "--progress",  "log"});
   if (r.exit_code == 2 && contains(r.err, "no Python standard library")) {
     GTEST_SKIP() << r.err;
   }
