@@ -1,6 +1,6 @@
 # tdist_add_module(NAME SOURCES... [DEPS targets...] [PRIVATE_DEPS targets...])
-# Defines the library tdist_<NAME> with alias tdist::<NAME>, installs its headers under
-# include/tdist/<NAME>/ and adds it to the umbrella target and the export set.
+# Defines the library tdist_<NAME> with alias tdist::<NAME> and adds it to the umbrella target and
+# the export set; cmake/TdistInstall.cmake installs its public headers under include/tdist/<NAME>/.
 set(TDIST_MODULE_TARGETS "" CACHE INTERNAL "")
 function(tdist_add_module name)
   cmake_parse_arguments(M "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
@@ -18,8 +18,7 @@ function(tdist_add_module name)
   endif()
   set(TDIST_MODULE_TARGETS ${TDIST_MODULE_TARGETS} tdist_${name} CACHE INTERNAL "")
   set_property(GLOBAL APPEND PROPERTY TDIST_EXPORTED tdist_${name})
-  install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tdist/${name}
-          FILES_MATCHING PATTERN "*.h")
+  set_property(GLOBAL APPEND PROPERTY TDIST_MODULE_DIRS ${name})
 endfunction()
 
 # tdist_use_torch_pch(target): `target` (an executable: an app or a test) includes the heavy

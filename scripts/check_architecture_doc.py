@@ -2,7 +2,8 @@
 """Checks that docs/architecture.md names only what exists: every relative link and every
 repository path in backticks exists, and every function named in a row of its tables occurs in
 the files named in that row, and that no file of comm includes one of a layer above its own
-(the table of comm's layers), and that docs/configuration.md names every TDIST_* variable
+(the table of comm's layers), that no module includes another module's detail/ headers, and
+that docs/configuration.md names every TDIST_* variable
 the code reads. Prints what is missing; exit status 1 if anything is.
 
     python3 scripts/check_architecture_doc.py [SOURCE_DIR]
@@ -75,6 +76,20 @@ for folder, _, names in os.walk(os.path.join(root, "comm")):
             if theirs is None or (theirs != 0 and theirs < mine) or (mine == 0 and theirs != 0):
                 missing.append("layer order: %s (%s) includes %s (%s)" % (
                     path, layers[mine][0], inc, "?" if theirs is None else layers[theirs][0]))
+
+# A module's detail/ folders are its own: another module (or an app) uses its public headers.
+for module in ("core", "comm", "rpc", "autograd", "optim", "ddp", "fsdp", "pipeline", "apps",
+               "python"):
+    for folder, _, names in os.walk(os.path.join(root, module)):
+        for name in names:
+            if not name.endswith((".h", ".cpp")):
+                continue
+            path = os.path.relpath(os.path.join(folder, name), root)
+            for m in re.finditer(r'#include "tdist/(([a-z_]+)/(?:[^"]*/)?detail/[^"]+)"',
+                                 open(os.path.join(root, path)).read()):
+                if m.group(2) != module:
+                    missing.append("detail include: %s includes %s (a detail/ header of %s)" % (
+                        path, m.group(1), m.group(2)))
 
 # Every TDIST_* variable the code reads is in docs/configuration.md.
 config = open(os.path.join(root, "docs", "configuration.md")).read()

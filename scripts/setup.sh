@@ -17,7 +17,7 @@ DEB_PACKAGES=(
   libssl-dev libgtest-dev libgmock-dev libbenchmark-dev
   iproute2 openmpi-bin libopenmpi-dev
   zlib1g-dev dataset-fashion-mnist
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev clang-format
 )
 
 say() { printf 'setup: %s\n' "$*"; }

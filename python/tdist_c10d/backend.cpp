@@ -40,14 +40,15 @@ comm::ReduceOp to_tdist(const ::c10d::ReduceOp& op, const char* name) {
     default:
       break;
   }
-  C10_THROW_ERROR(Error, c10::str("tdist: ", name, ": unknown ReduceOp ",
-                                  static_cast<int>(op.op_)));
+  C10_THROW_ERROR(Error,
+                  c10::str("tdist: ", name, ": unknown ReduceOp ", static_cast<int>(op.op_)));
 }
 
 void check_tensor(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.defined(), "tdist: ", op, " got an undefined tensor");
   TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "tdist: ", op, " got a tensor on ",
-              t.device(), "; the tdist backend serves CPU and CUDA tensors (CUDA staged through "
+              t.device(),
+              "; the tdist backend serves CPU and CUDA tensors (CUDA staged through "
               "host memory; for NCCL on CUDA: init_process_group(\"cpu:tdist,cuda:nccl\"))");
   TORCH_CHECK(t.layout() == at::kStrided, "tdist: ", op,
               " supports dense (strided) tensors only, got layout ", t.layout());
@@ -59,8 +60,7 @@ void check_tensors(const std::vector<at::Tensor>& ts, const char* op) {
 
 // c10d passes one tensor per rank in a vector (the multi-device form is gone from PyTorch 2.x).
 at::Tensor& single(std::vector<at::Tensor>& ts, const char* op) {
-  TORCH_CHECK(ts.size() == 1, "tdist: ", op, " takes exactly one tensor per rank, got ",
-              ts.size());
+  TORCH_CHECK(ts.size() == 1, "tdist: ", op, " takes exactly one tensor per rank, got ", ts.size());
   check_tensor(ts[0], op);
   return ts[0];
 }
@@ -102,14 +102,14 @@ auto issue(const char* op, Fn&& fn) -> decltype(fn()) {
 // gathered (padded to the largest nnz, since tdist's allgather takes equal sizes) and summed into
 // one coalesced tensor that replaces the input's contents. The sizes decide what the second
 // round sends, so it runs on the calling thread and returns the (completed) works.
-std::vector<std::shared_ptr<comm::Work>> allreduce_sparse_coo(comm::ProcessGroup& pg,
-                                                              at::Tensor& t, comm::Millis timeout) {
+std::vector<std::shared_ptr<comm::Work>> allreduce_sparse_coo(comm::ProcessGroup& pg, at::Tensor& t,
+                                                              comm::Millis timeout) {
   const int n = pg.size();
   comm::AllgatherOptions o;
   o.timeout = timeout;
   at::Tensor in = t.coalesce();
   at::Tensor indices = in._indices().t().contiguous();  // [nnz, sparse_dim]
-  at::Tensor values = in._values().contiguous();         // [nnz, dense sizes...]
+  at::Tensor values = in._values().contiguous();        // [nnz, dense sizes...]
   at::Tensor counts = at::empty({n}, at::kLong);
   auto gather = [&](const at::Tensor& mine, std::vector<at::Tensor> outs) {
     auto w = pg.allgather(outs, mine, o);
@@ -139,9 +139,9 @@ std::vector<std::shared_ptr<comm::Work>> allreduce_sparse_coo(comm::ProcessGroup
     kept_indices.push_back(all_indices.narrow(0, r * max_nnz, c));
     kept_values.push_back(all_values.narrow(0, r * max_nnz, c));
   }
-  at::Tensor sum = at::sparse_coo_tensor(at::cat(kept_indices).t(), at::cat(kept_values),
-                                         t.sizes(), t.options())
-                       .coalesce();
+  at::Tensor sum =
+      at::sparse_coo_tensor(at::cat(kept_indices).t(), at::cat(kept_values), t.sizes(), t.options())
+          .coalesce();
   t.copy_(sum);
   return works;
 }
@@ -151,8 +151,8 @@ std::vector<std::shared_ptr<comm::Work>> allreduce_sparse_coo(comm::ProcessGroup
 c10::intrusive_ptr<::c10d::Backend> TdistBackend::create(
     const ::c10d::DistributedBackendOptions& o) {
   TORCH_CHECK(o.store, "tdist: the backend needs a store");
-  TORCH_CHECK(o.group_size >= 1 && o.group_rank >= 0 && o.group_rank < o.group_size,
-              "tdist: rank ", o.group_rank, " is not in a group of size ", o.group_size);
+  TORCH_CHECK(o.group_size >= 1 && o.group_rank >= 0 && o.group_rank < o.group_size, "tdist: rank ",
+              o.group_rank, " is not in a group of size ", o.group_size);
   const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.timeout);
   TORCH_CHECK(timeout.count() > 0, "tdist: the timeout must be positive, got ", timeout.count(),
               " ms");
@@ -261,8 +261,10 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::make_work(
 c10::intrusive_ptr<::c10d::Work> TdistBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                          const ::c10d::BroadcastOptions& opts) {
   auto& t = single(tensors, "broadcast");
-  TORCH_CHECK(opts.rootTensor == 0, "tdist: broadcast has one tensor per rank; rootTensor must "
-              "be 0, got ", opts.rootTensor);
+  TORCH_CHECK(opts.rootTensor == 0,
+              "tdist: broadcast has one tensor per rank; rootTensor must "
+              "be 0, got ",
+              opts.rootTensor);
   check_rank(opts.rootRank, size_, "broadcast", "root");
   comm::BroadcastOptions o;
   o.root = static_cast<int>(opts.rootRank);
@@ -307,8 +309,10 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::allreduce_coalesced(
 c10::intrusive_ptr<::c10d::Work> TdistBackend::reduce(std::vector<at::Tensor>& tensors,
                                                       const ::c10d::ReduceOptions& opts) {
   auto& t = single(tensors, "reduce");
-  TORCH_CHECK(opts.rootTensor == 0, "tdist: reduce has one tensor per rank; rootTensor must be "
-              "0, got ", opts.rootTensor);
+  TORCH_CHECK(opts.rootTensor == 0,
+              "tdist: reduce has one tensor per rank; rootTensor must be "
+              "0, got ",
+              opts.rootTensor);
   check_rank(opts.rootRank, size_, "reduce", "root");
   comm::ReduceOptions o;
   o.op = to_tdist(opts.reduceOp, "reduce");
@@ -348,12 +352,16 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::allgather_coalesced(
   // c10d's contract (Gloo's): one output list per rank, outputs[r][i] receives rank r's
   // inputs[i].
   TORCH_CHECK(!inputs.empty(), "tdist: allgather_coalesced needs at least one input tensor");
-  TORCH_CHECK(static_cast<int64_t>(outputs.size()) == size_, "tdist: allgather_coalesced needs "
-              "one output list per rank of the group (", size_, "), got ", outputs.size());
+  TORCH_CHECK(static_cast<int64_t>(outputs.size()) == size_,
+              "tdist: allgather_coalesced needs "
+              "one output list per rank of the group (",
+              size_, "), got ", outputs.size());
   check_tensors(inputs, "allgather_coalesced");
   for (const auto& list : outputs) {
-    TORCH_CHECK(list.size() == inputs.size(), "tdist: allgather_coalesced needs one output "
-                "tensor per input (", inputs.size(), ") in each rank's list, got ", list.size());
+    TORCH_CHECK(list.size() == inputs.size(),
+                "tdist: allgather_coalesced needs one output "
+                "tensor per input (",
+                inputs.size(), ") in each rank's list, got ", list.size());
     check_tensors(list, "allgather_coalesced");
   }
   comm::AllgatherOptions o;
@@ -374,8 +382,10 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::allgather_coalesced(
 c10::intrusive_ptr<::c10d::Work> TdistBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const ::c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "tdist: allgather_into_tensor_coalesced needs one "
-              "output per input, got ", outputs.size(), " outputs for ", inputs.size(), " inputs");
+  TORCH_CHECK(outputs.size() == inputs.size(),
+              "tdist: allgather_into_tensor_coalesced needs one "
+              "output per input, got ",
+              outputs.size(), " outputs for ", inputs.size(), " inputs");
   check_tensors(inputs, "allgather_into_tensor_coalesced");
   check_tensors(outputs, "allgather_into_tensor_coalesced");
   comm::AllgatherOptions o;
@@ -383,16 +393,15 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::allgather_into_tensor_coalesced(
   auto pg = group("allgather_into_tensor_coalesced");
   std::vector<std::shared_ptr<comm::Work>> works;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    works.push_back(issue("allgather_into_tensor_coalesced", [&] {
-      return pg->allgather_into_tensor(outputs[i], inputs[i], o);
-    }));
+    works.push_back(issue("allgather_into_tensor_coalesced",
+                          [&] { return pg->allgather_into_tensor(outputs[i], inputs[i], o); }));
   }
   return make_work(OpType::COALESCED, std::move(works), outputs, inputs);
 }
 
-c10::intrusive_ptr<::c10d::Work> TdistBackend::gather(
-    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const ::c10d::GatherOptions& opts) {
+c10::intrusive_ptr<::c10d::Work> TdistBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const ::c10d::GatherOptions& opts) {
   auto& in = single(inputs, "gather");
   const bool root = opts.rootRank == rank_;
   // c10d passes the output list on the root only.
@@ -410,9 +419,9 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::gather(
   return make_work(OpType::GATHER, {w}, outs, inputs);
 }
 
-c10::intrusive_ptr<::c10d::Work> TdistBackend::scatter(
-    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const ::c10d::ScatterOptions& opts) {
+c10::intrusive_ptr<::c10d::Work> TdistBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                       std::vector<std::vector<at::Tensor>>& inputs,
+                                                       const ::c10d::ScatterOptions& opts) {
   auto& out = single(outputs, "scatter");
   const bool root = opts.rootRank == rank_;
   TORCH_CHECK(inputs.size() == (root ? 1u : 0u), "tdist: scatter takes ",
@@ -439,8 +448,8 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::reduce_scatter(
   comm::ReduceScatterOptions o;
   o.op = to_tdist(opts.reduceOp, "reduce_scatter");
   o.timeout = timeout(opts.timeout);
-  auto w = issue("reduce_scatter",
-                 [&] { return group("reduce_scatter")->reduce_scatter(out, ins, o); });
+  auto w =
+      issue("reduce_scatter", [&] { return group("reduce_scatter")->reduce_scatter(out, ins, o); });
   return make_work(OpType::REDUCE_SCATTER, {w}, outputs, ins);
 }
 
@@ -460,8 +469,10 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::_reduce_scatter_base(
 c10::intrusive_ptr<::c10d::Work> TdistBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const ::c10d::ReduceScatterOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "tdist: reduce_scatter_tensor_coalesced needs one "
-              "output per input, got ", outputs.size(), " outputs for ", inputs.size(), " inputs");
+  TORCH_CHECK(outputs.size() == inputs.size(),
+              "tdist: reduce_scatter_tensor_coalesced needs one "
+              "output per input, got ",
+              outputs.size(), " outputs for ", inputs.size(), " inputs");
   check_tensors(inputs, "reduce_scatter_tensor_coalesced");
   check_tensors(outputs, "reduce_scatter_tensor_coalesced");
   comm::ReduceScatterOptions o;
@@ -470,16 +481,16 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::reduce_scatter_tensor_coalesced(
   auto pg = group("reduce_scatter_tensor_coalesced");
   std::vector<std::shared_ptr<comm::Work>> works;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    works.push_back(issue("reduce_scatter_tensor_coalesced", [&] {
-      return pg->reduce_scatter_tensor(outputs[i], inputs[i], o);
-    }));
+    works.push_back(issue("reduce_scatter_tensor_coalesced",
+                          [&] { return pg->reduce_scatter_tensor(outputs[i], inputs[i], o); }));
   }
   return make_work(OpType::COALESCED, std::move(works), outputs, inputs);
 }
 
-c10::intrusive_ptr<::c10d::Work> TdistBackend::alltoall_base(
-    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
-    std::vector<int64_t>& input_splits, const ::c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<::c10d::Work> TdistBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                             std::vector<int64_t>& output_splits,
+                                                             std::vector<int64_t>& input_splits,
+                                                             const ::c10d::AllToAllOptions& opts) {
   check_tensor(output, "alltoall_base");
   check_tensor(input, "alltoall_base");
   comm::AllToAllOptions o;
@@ -528,9 +539,11 @@ void TdistBackend::monitoredBarrier(const ::c10d::BarrierOptions& opts, bool wai
       pg->recv(token, 0, kMonitoredBarrierTag, o)->wait();
     } catch (const std::exception& e) {
       C10_THROW_ERROR(DistBackendError,
-                      c10::str("Rank ", rank_, " successfully reached monitoredBarrier, but "
+                      c10::str("Rank ", rank_,
+                               " successfully reached monitoredBarrier, but "
                                "received errors while waiting for send/recv from rank 0. Please "
-                               "check rank 0 logs for faulty rank. (", e.what(), ")"));
+                               "check rank 0 logs for faulty rank. (",
+                               e.what(), ")"));
     }
     return;
   }
@@ -545,9 +558,8 @@ void TdistBackend::monitoredBarrier(const ::c10d::BarrierOptions& opts, bool wai
   std::vector<at::Tensor> tokens;
   for (int r = 1; r < size_; ++r) {
     tokens.push_back(at::zeros({1}, at::kInt));
-    arrivals.push_back(issue("monitoredBarrier", [&] {
-      return pg->recv(tokens.back(), r, kMonitoredBarrierTag, o);
-    }));
+    arrivals.push_back(issue("monitoredBarrier",
+                             [&] { return pg->recv(tokens.back(), r, kMonitoredBarrierTag, o); }));
   }
   std::vector<int> missing;
   for (int r = 1; r < size_; ++r) {
@@ -600,7 +612,8 @@ c10::intrusive_ptr<::c10d::Work> TdistBackend::recvAnysource(std::vector<at::Ten
   auto& t = single(tensors, "recvAnysource");
   comm::SendRecvOptions o;
   o.timeout = timeout(::c10d::kUnsetTimeout);
-  auto w = issue("recvAnysource", [&] { return group("recvAnysource")->recv_any_source(t, tag, o); });
+  auto w =
+      issue("recvAnysource", [&] { return group("recvAnysource")->recv_any_source(t, tag, o); });
   return make_work(OpType::RECVANYSOURCE, {w}, tensors);
 }
 

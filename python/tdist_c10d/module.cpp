@@ -103,8 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The c10d backend object of a group that runs on tdist (see "
       "ProcessGroup._get_backend(torch.device(\"cpu\"))).")
       .def_property_readonly(
-          "group_timeout",
-          [](TdistBackend& self) { return self.getBackendOptions()->timeout; },
+          "group_timeout", [](TdistBackend& self) { return self.getBackendOptions()->timeout; },
           "Timeout of the group's operations (a datetime.timedelta).")
       .def(
           "set_timeout",

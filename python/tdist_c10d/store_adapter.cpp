@@ -28,11 +28,11 @@ auto translate(const char* what, const std::string& keys, Fn&& fn) -> decltype(f
   try {
     return fn();
   } catch (const c10::DistNetworkError& e) {
-    TDIST_THROW(NetworkError, "c10d store ", what, "(", keys, ") failed: ",
-                e.what_without_backtrace());
+    TDIST_THROW(NetworkError, "c10d store ", what, "(", keys,
+                ") failed: ", e.what_without_backtrace());
   } catch (const c10::DistStoreError& e) {
-    TDIST_THROW(TimeoutError, "c10d store ", what, "(", keys, ") failed: ",
-                e.what_without_backtrace());
+    TDIST_THROW(TimeoutError, "c10d store ", what, "(", keys,
+                ") failed: ", e.what_without_backtrace());
   } catch (const c10::Error& e) {
     TDIST_THROW(Error, "c10d store ", what, "(", keys, ") failed: ", e.what_without_backtrace());
   }

@@ -85,14 +85,14 @@ WorkAdapter::WorkAdapter(int rank, ::c10d::OpType op_type,
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()), cuda_devices(outputs_))) {
   // See Note [Work and future adaptation]. The callback may run right here if done_ already is.
-  done_->add_callback([future = future_, outputs = outputs_,
-                       keep_alive = std::move(keep_alive)](comm::Future& f) {
-    if (f.has_error()) {
-      future->setError(to_c10_error(f.error()));
-    } else {
-      future->markCompleted(c10::IValue(outputs));
-    }
-  });
+  done_->add_callback(
+      [future = future_, outputs = outputs_, keep_alive = std::move(keep_alive)](comm::Future& f) {
+        if (f.has_error()) {
+          future->setError(to_c10_error(f.error()));
+        } else {
+          future->markCompleted(c10::IValue(outputs));
+        }
+      });
 }
 
 WorkAdapter::~WorkAdapter() = default;
@@ -151,10 +151,10 @@ bool WorkAdapter::wait(std::chrono::milliseconds timeout) {
   } catch (const TimeoutError&) {
     if (done_->completed()) std::rethrow_exception(to_c10_error(std::current_exception()));
     // The wait gave up, not the operation: say which operation it was.
-    C10_THROW_ERROR(DistBackendError,
-                    c10::str("tdist: rank ", rank_, ": wait(", timeout.count(), " ms) on ",
-                             describe(),
-                             " gave up; the operation keeps running until its own deadline"));
+    C10_THROW_ERROR(
+        DistBackendError,
+        c10::str("tdist: rank ", rank_, ": wait(", timeout.count(), " ms) on ", describe(),
+                 " gave up; the operation keeps running until its own deadline"));
   } catch (...) {
     std::rethrow_exception(to_c10_error(std::current_exception()));
   }

@@ -26,7 +26,7 @@
 
 #include "tdist/autograd/detail/header.h"
 #include "tdist/core/error.h"
-#include "tdist/rpc/message.h"
+#include "tdist/rpc/detail/message.h"
 #include "tests/fuzz/fuzz_files.h"
 
 namespace {
@@ -139,8 +139,8 @@ void write_seeds(const std::string& dir) {
   write("request_some_grad", seed(4, 3, 0b101, 3, 17, 5, "args"));
   write("response_all_grad", seed(1, 7, 0x7f, 0, 2, 1, "result"));
   write("header_only", seed(7, 0, 0, 6, 1, 0, ""));
-  write("grad_no_payload", seed(3, 1, 1, 2, (int64_t{1} << ag::kContextRankShift) - 1,
-                                int64_t{1} << 40, ""));
+  write("grad_no_payload",
+        seed(3, 1, 1, 2, (int64_t{1} << ag::kContextRankShift) - 1, int64_t{1} << 40, ""));
   write("largest_world", seed(65536, 4, 0b1010, 32767, 9, 3, "x"));
 }
 

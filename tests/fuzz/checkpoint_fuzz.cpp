@@ -40,8 +40,8 @@ struct Run {
 
   explicit Run(bool adam) {
     if (adam) {
-      optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
-                                                       torch::optim::AdamOptions(0.1));
+      optimizer =
+          std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.1));
     } else {
       optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
                                                       torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -99,7 +99,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const auto bytes = train::read_checkpoint_file(g_dir);
     if (!bytes) std::abort();
     (void)train::load_checkpoint(*bytes, *run.model, *run.optimizer, kFingerprint);
-  } catch (const tdist::Error&) {
-  }
+  } catch (const tdist::Error&) {}
   return 0;
 }

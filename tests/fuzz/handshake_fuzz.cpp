@@ -23,8 +23,7 @@ template <class Fn>
 void refused_or_passed(Fn fn) {
   try {
     fn();
-  } catch (const tdist::ProtocolError&) {
-  }
+  } catch (const tdist::ProtocolError&) {}
 }
 
 }  // namespace
@@ -64,8 +63,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     default: {  // an honest exchange whose last message is replaced by the input
       ServerHandshake server(kToken, service);
       ClientHandshake client(kToken, service);
-      const Bytes hello = client.hello(server.challenge().data(), server.challenge().size(),
-                                       Bytes(fields, 2));
+      const Bytes hello =
+          client.hello(server.challenge().data(), server.challenge().size(), Bytes(fields, 2));
       server.verify_hello(hello.data(), hello.size(), fields);
       if ((mode & 3) == 2) {
         refused_or_passed([&] { client.verify_accept(data, size, fields); });

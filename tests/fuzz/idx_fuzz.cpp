@@ -84,7 +84,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                       (n && std::memcmp(t.data_ptr(), data + size - n, n) != 0))) {
       std::abort();
     }
-  } catch (const tdist::train::DataError&) {
-  }
+  } catch (const tdist::train::DataError&) {}
   return 0;
 }

@@ -49,7 +49,7 @@
 #include "tdist/core/logging.h"
 #include "tdist/core/tcp_store.h"
 #include "tdist/rpc/agent.h"
-#include "tdist/rpc/auth.h"
+#include "tdist/rpc/detail/auth.h"
 #include "tdist/rpc/rref.h"
 #include "tests/fuzz/fuzz_files.h"
 #include "tests/fuzz/fuzz_socket.h"
@@ -117,15 +117,16 @@ void send_input(uint16_t port, bool fast_path, const uint8_t* data, size_t size)
 constexpr uintptr_t kChildBuffer = 0x7f0000001000;
 constexpr size_t kChildBufferBytes = 64 << 10;
 constexpr size_t kMaxInput = 64 << 10;  // within a socket pair's default buffer
-int g_child = -1;  // the parent's end of the socket pair
+int g_child = -1;                       // the parent's end of the socket pair
 
 [[noreturn]] void child_main(int sock) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  void* buffer = ::mmap(reinterpret_cast<void*>(kChildBuffer), kChildBufferBytes,
-                        PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE,
-                        -1, 0);
+  void* buffer =
+      ::mmap(reinterpret_cast<void*>(kChildBuffer), kChildBufferBytes, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
   if (buffer != MAP_FAILED) {
-    for (size_t i = 0; i < kChildBufferBytes; ++i) static_cast<uint8_t*>(buffer)[i] = uint8_t(i * 7);
+    for (size_t i = 0; i < kChildBufferBytes; ++i)
+      static_cast<uint8_t*>(buffer)[i] = uint8_t(i * 7);
   }
   uint16_t port = 0;
   if (::recv(sock, &port, sizeof(port), 0) != sizeof(port)) ::_exit(0);
@@ -169,8 +170,7 @@ void send_from_child(const uint8_t* data, size_t size) {
     std::abort();
   }
   uint8_t done = 0;
-  while (::recv(g_child, &done, 1, 0) < 0 && errno == EINTR) {
-  }
+  while (::recv(g_child, &done, 1, 0) < 0 && errno == EINTR) {}
   if (done != 1) {
     std::fprintf(stderr, "the same-host peer died\n");
     std::abort();
@@ -205,7 +205,8 @@ void write_seeds(const std::string& dir) {
     tdist::fuzz::write_seed(dir + "/" + name, sender, all);
   };
   std::vector<at::Tensor> ts;
-  auto frame = [&](MessageType type, uint64_t id, const tdist::Bytes& body, bool addresses = false) {
+  auto frame = [&](MessageType type, uint64_t id, const tdist::Bytes& body,
+                   bool addresses = false) {
     tdist::Bytes f = rpc_frame(type, 0, id, body, ts, addresses);
     ts.clear();
     return f;
@@ -215,8 +216,9 @@ void write_seeds(const std::string& dir) {
   const rpc::RRefId rref{1, 1000};
   const rpc::ForkId fork{1, 1001};
   const at::Tensor a = at::arange(6, at::kFloat).reshape({2, 3});
-  seed("call_add", {frame(MessageType::kCall, 1,
-                          rpc_payload(tdist::encode(rpc_call_header("add")), ts, int64_t{1}, int64_t{2}))});
+  seed("call_add",
+       {frame(MessageType::kCall, 1,
+              rpc_payload(tdist::encode(rpc_call_header("add")), ts, int64_t{1}, int64_t{2}))});
   seed("call_sum", {frame(MessageType::kCall, 2,
                           rpc_payload(tdist::encode(rpc_call_header("sum")), ts, a,
                                       std::vector<at::Tensor>{a, a}))});
@@ -225,41 +227,46 @@ void write_seeds(const std::string& dir) {
   const at::Tensor big = at::arange(2048, at::kFloat);
   seed("call_sum_addresses",
        {frame(MessageType::kCall, 11,
-              rpc_payload(tdist::encode(rpc_call_header("sum")), ts, big, std::vector<at::Tensor>{big}),
+              rpc_payload(tdist::encode(rpc_call_header("sum")), ts, big,
+                          std::vector<at::Tensor>{big}),
               true)},
        1);
-  const tdist::Bytes create = frame(
-      MessageType::kRemoteCall, 3,
-      rpc_payload(tdist::encode(rpc_call_header("Counter"), rref, fork), ts, int64_t{5}));
-  const tdist::Bytes fetch =
-      frame(MessageType::kRRefFetch, 4,
-            rpc_payload(tdist::encode(rref, detail::type_info_of<Counter>().hash, std::string("Counter")), ts));
-  const tdist::Bytes method = frame(
-      MessageType::kRRefMethodCall, 5,
-      rpc_payload(tdist::encode(counter("add"), rref, rpc::ForkId{}), ts, int64_t{3}));
-  const tdist::Bytes method_remote = frame(
-      MessageType::kRRefMethodRemote, 6,
-      rpc_payload(tdist::encode(counter("scaled"), rref, rpc::ForkId{}, rpc::RRefId{1, 1002},
-                                rpc::ForkId{1, 1003}),
-                  ts, a));
+  const tdist::Bytes create =
+      frame(MessageType::kRemoteCall, 3,
+            rpc_payload(tdist::encode(rpc_call_header("Counter"), rref, fork), ts, int64_t{5}));
+  const tdist::Bytes fetch = frame(
+      MessageType::kRRefFetch, 4,
+      rpc_payload(tdist::encode(rref, detail::type_info_of<Counter>().hash, std::string("Counter")),
+                  ts));
+  const tdist::Bytes method =
+      frame(MessageType::kRRefMethodCall, 5,
+            rpc_payload(tdist::encode(counter("add"), rref, rpc::ForkId{}), ts, int64_t{3}));
+  const tdist::Bytes method_remote =
+      frame(MessageType::kRRefMethodRemote, 6,
+            rpc_payload(tdist::encode(counter("scaled"), rref, rpc::ForkId{}, rpc::RRefId{1, 1002},
+                                      rpc::ForkId{1, 1003}),
+                        ts, a));
   const tdist::Bytes fork_request =
       frame(MessageType::kRRefForkRequest, 7, tdist::encode(rref, rpc::ForkId{1, 1004}));
   const tdist::Bytes child_accept =
       frame(MessageType::kRRefChildAccept, 8, tdist::encode(rpc::ForkId{1, 1004}));
-  const tdist::Bytes user_delete = frame(MessageType::kRRefUserDelete, 9, tdist::encode(rref, fork));
-  const tdist::Bytes peek = frame(
-      MessageType::kCall, 10,
-      rpc_payload(tdist::encode(rpc_call_header("peek")), ts,
-                  detail::ForkData{0, rref, rpc::ForkId{1, 1005}, 1, detail::type_info_of<Counter>().hash,
-                                   "Counter"}));
-  seed("rref_life", {create, fetch, method, method_remote, fork_request, child_accept, user_delete});
+  const tdist::Bytes user_delete =
+      frame(MessageType::kRRefUserDelete, 9, tdist::encode(rref, fork));
+  const tdist::Bytes peek =
+      frame(MessageType::kCall, 10,
+            rpc_payload(tdist::encode(rpc_call_header("peek")), ts,
+                        detail::ForkData{0, rref, rpc::ForkId{1, 1005}, 1,
+                                         detail::type_info_of<Counter>().hash, "Counter"}));
+  seed("rref_life",
+       {create, fetch, method, method_remote, fork_request, child_accept, user_delete});
   seed("rref_delete_first", {create, user_delete, fetch, method});
   seed("rref_twice", {create, create, user_delete, user_delete});
   seed("rref_fork_only", {fork_request, child_accept, fork_request});
   seed("rref_as_argument", {create, peek, user_delete});
-  seed("stray_response", {frame(MessageType::kResponse, 77, rpc_payload({}, ts, int64_t{3})),
-                          frame(MessageType::kError, 78, tdist::encode(detail::ErrorBody{"boom", "p1"})),
-                          frame(MessageType::kTensorRelease, 0, {})});
+  seed("stray_response",
+       {frame(MessageType::kResponse, 77, rpc_payload({}, ts, int64_t{3})),
+        frame(MessageType::kError, 78, tdist::encode(detail::ErrorBody{"boom", "p1"})),
+        frame(MessageType::kTensorRelease, 0, {})});
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 #pragma once
 // RPC frames for the seed corpora of the RPC fuzz targets, built with the library's encoders:
-// a frame as rpc/connection.cpp lays it out, a call's payload as agent.h encodes it, and the
+// a frame as rpc/detail/connection.cpp lays it out, a call's payload as agent.h encodes it, and the
 // headers that name registered functions and methods.
 #include <ATen/core/Tensor.h>
 
@@ -11,7 +11,7 @@
 #include "tdist/core/serialize.h"
 #include "tdist/core/tensor_wire.h"
 #include "tdist/rpc/detail/archive.h"
-#include "tdist/rpc/message.h"
+#include "tdist/rpc/detail/message.h"
 #include "tdist/rpc/registry.h"
 
 namespace tdist::fuzz {

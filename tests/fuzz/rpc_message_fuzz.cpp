@@ -1,5 +1,5 @@
-// Fuzzes what an RPC worker decodes from a peer (Note [RPC wire format] in rpc/message.h), with
-// the functions rpc/connection.cpp and the agent's handlers use, in their order: the frame header
+// Fuzzes what an RPC worker decodes from a peer (Note [RPC wire format] in rpc/detail/message.h), with
+// the functions rpc/detail/connection.cpp and the agent's handlers use, in their order: the frame header
 // (decode_header), the body, the tensor section at its end (take_tensor_section,
 // check_tensor_section), the tensor bytes that follow (receive_tensor, rpc/detail/tensor_pool.h),
 // then the payload as the message's type says (rpc/request_handlers.cpp, agent_dispatch.cpp,
@@ -19,7 +19,7 @@
 // would then drive (rpc/rref_context.h) is not fuzzed here: it needs a running agent.
 //
 // TDIST_FUZZ_WRITE_SEEDS=<dir> fuzz_rpc_message writes the seed corpus (a frame of each type,
-// framed as rpc/connection.cpp frames them, with the library's encoders) into <dir> and exits.
+// framed as rpc/detail/connection.cpp frames them, with the library's encoders) into <dir> and exits.
 #include <ATen/ops/arange.h>
 #include <ATen/ops/ones.h>
 
@@ -38,7 +38,7 @@
 #include "tdist/core/serialize.h"
 #include "tdist/rpc/detail/archive.h"
 #include "tdist/rpc/detail/tensor_pool.h"
-#include "tdist/rpc/message.h"
+#include "tdist/rpc/detail/message.h"
 #include "tdist/rpc/registry.h"
 #include "tdist/rpc/rref_context.h"
 #include "tdist/rpc/types.h"
@@ -78,17 +78,17 @@ struct Counter {
 
 void register_functions() {
   rpc::register_function("add", [](int64_t a, int64_t b) { return a ^ b; });
-  rpc::register_function("tensors", [](at::Tensor t, std::vector<at::Tensor> ts,
-                                       std::optional<at::Tensor> o) {
-    return std::make_tuple(t, ts, o);
-  });
-  rpc::register_function("strings", [](std::string s, std::map<std::string, double> m,
-                                       std::set<std::string> k,
-                                       std::vector<std::pair<int32_t, std::string>> v) {
-    return s.size() + m.size() + k.size() + v.size();
-  });
-  rpc::register_function("named", [](std::map<std::string, at::Tensor> m,
-                                     std::array<int64_t, 3> a, std::vector<bool> b, std::array<bool, 2> c) {
+  rpc::register_function("tensors",
+                         [](at::Tensor t, std::vector<at::Tensor> ts, std::optional<at::Tensor> o) {
+                           return std::make_tuple(t, ts, o);
+                         });
+  rpc::register_function("strings",
+                         [](std::string s, std::map<std::string, double> m, std::set<std::string> k,
+                            std::vector<std::pair<int32_t, std::string>> v) {
+                           return s.size() + m.size() + k.size() + v.size();
+                         });
+  rpc::register_function("named", [](std::map<std::string, at::Tensor> m, std::array<int64_t, 3> a,
+                                     std::vector<bool> b, std::array<bool, 2> c) {
     return m.size() + a.size() + b.size() + c.size();
   });
   // Where a call passes an RRef, its fork data travels (RRef<T>::load reads it, then runs the
@@ -154,14 +154,31 @@ void decode_result(Message& msg) {
 
 void decode_response(Message& msg, unsigned result_type) {
   switch (result_type) {
-    case 0: decode_result<void>(msg); break;
-    case 1: decode_result<int64_t>(msg); break;
-    case 2: decode_result<at::Tensor>(msg); break;
-    case 3: decode_result<std::vector<at::Tensor>>(msg); break;
-    case 4: decode_result<std::tuple<at::Tensor, std::vector<at::Tensor>, std::optional<at::Tensor>>>(msg); break;
-    case 5: decode_result<std::map<std::string, at::Tensor>>(msg); break;
-    case 6: decode_result<detail::ForkData>(msg); break;  // an RRef as a result
-    default: (void)tdist::decode<std::string>(msg.body); break;  // REMOTE_CALL's answer (rref.h)
+    case 0:
+      decode_result<void>(msg);
+      break;
+    case 1:
+      decode_result<int64_t>(msg);
+      break;
+    case 2:
+      decode_result<at::Tensor>(msg);
+      break;
+    case 3:
+      decode_result<std::vector<at::Tensor>>(msg);
+      break;
+    case 4:
+      decode_result<std::tuple<at::Tensor, std::vector<at::Tensor>, std::optional<at::Tensor>>>(
+          msg);
+      break;
+    case 5:
+      decode_result<std::map<std::string, at::Tensor>>(msg);
+      break;
+    case 6:
+      decode_result<detail::ForkData>(msg);
+      break;  // an RRef as a result
+    default:
+      (void)tdist::decode<std::string>(msg.body);
+      break;  // REMOTE_CALL's answer (rref.h)
   }
 }
 
@@ -169,12 +186,13 @@ void decode_payload(Message& msg, unsigned result_type) {
   detail::CallHeader h;
   rpc::RRefId rref;
   rpc::ForkId fork;
+  rpc::detail::RRefSecret secret;
   switch (msg.type) {
     case MessageType::kCall:
       call_function(msg, h, read_fields(msg, h));
       break;
     case MessageType::kRemoteCall:
-      call_function(msg, h, read_fields(msg, h, rref, fork));
+      call_function(msg, h, read_fields(msg, h, rref, fork, secret));
       break;
     case MessageType::kRRefFetch: {
       uint64_t type_hash = 0;
@@ -190,10 +208,12 @@ void decode_payload(Message& msg, unsigned result_type) {
     case MessageType::kRRefMethodRemote: {
       rpc::ForkId phantom;
       rpc::RRefId result;
-      call_method(msg, h, read_fields(msg, h, rref, phantom, result, fork));
+      call_method(msg, h, read_fields(msg, h, rref, phantom, result, fork, secret));
       break;
     }
     case MessageType::kRRefForkRequest:
+      (void)tdist::decode<std::tuple<rpc::RRefId, rpc::ForkId, rpc::detail::RRefSecret>>(msg.body);
+      break;
     case MessageType::kRRefUserDelete:
       (void)tdist::decode<std::tuple<rpc::RRefId, rpc::ForkId>>(msg.body);
       break;
@@ -264,7 +284,9 @@ void read_frame(const uint8_t* hdr, Stream& in, bool accept_remote, unsigned res
 // --- The seed corpus ---------------------------------------------------------------------
 
 using tdist::fuzz::rpc_payload;
-detail::CallHeader call_header(const std::string& name) { return tdist::fuzz::rpc_call_header(name); }
+detail::CallHeader call_header(const std::string& name) {
+  return tdist::fuzz::rpc_call_header(name);
+}
 detail::CallHeader method_header(const std::string& name) {
   return tdist::fuzz::rpc_method_header<Counter>(name);
 }
@@ -282,36 +304,40 @@ void write_seeds(const std::string& dir) {
     write_seed(dir + "/" + file, settings, tdist::fuzz::rpc_frame(type, 0, 5, body, ts, addresses));
     ts.clear();
   };
-  call("call_add", MessageType::kCall, rpc_payload(tdist::encode(call_header("add")), ts, int64_t{1}, int64_t{2}));
+  call("call_add", MessageType::kCall,
+       rpc_payload(tdist::encode(call_header("add")), ts, int64_t{1}, int64_t{2}));
   call("call_tensors", MessageType::kCall,
        rpc_payload(tdist::encode(call_header("tensors")), ts, a, std::vector<at::Tensor>{b, a.t()},
-               std::optional<at::Tensor>(at::Tensor())));
+                   std::optional<at::Tensor>(at::Tensor())));
   call("call_tensors_remote", MessageType::kCall,
        rpc_payload(tdist::encode(call_header("tensors")), ts, a, std::vector<at::Tensor>{b},
-               std::optional<at::Tensor>()),
+                   std::optional<at::Tensor>()),
        1, true);
   call("call_strings", MessageType::kCall,
        rpc_payload(tdist::encode(call_header("strings")), ts, std::string("s"),
-               std::map<std::string, double>{{"x", 1.5}}, std::set<std::string>{"k"},
-               std::vector<std::pair<int32_t, std::string>>{{1, "one"}}));
+                   std::map<std::string, double>{{"x", 1.5}}, std::set<std::string>{"k"},
+                   std::vector<std::pair<int32_t, std::string>>{{1, "one"}}));
   call("call_named", MessageType::kCall,
-       rpc_payload(tdist::encode(call_header("named")), ts, std::map<std::string, at::Tensor>{{"w", a}},
-               std::array<int64_t, 3>{1, 2, 3}, std::vector<bool>{true, false},
-               std::array<bool, 2>{false, true}));
+       rpc_payload(tdist::encode(call_header("named")), ts,
+                   std::map<std::string, at::Tensor>{{"w", a}}, std::array<int64_t, 3>{1, 2, 3},
+                   std::vector<bool>{true, false}, std::array<bool, 2>{false, true}));
   call("call_fork", MessageType::kCall,
        rpc_payload(tdist::encode(call_header("fork")), ts,
-               detail::ForkData{0, rref, fork, 2, 99, "int64"}, int64_t{4}));
+                   detail::ForkData{0, rref, fork, 2, 99, "int64"}, int64_t{4}));
   call("call_nothing", MessageType::kCall, rpc_payload(tdist::encode(call_header("nothing")), ts));
   call("remote_call", MessageType::kRemoteCall,
-       rpc_payload(tdist::encode(call_header("Counter"), rref, fork), ts, int64_t{5}));
+       rpc_payload(tdist::encode(call_header("Counter"), rref, fork, detail::RRefSecret{1, 2}), ts,
+                   int64_t{5}));
   call("rref_fetch", MessageType::kRRefFetch,
        rpc_payload(tdist::encode(rref, uint64_t{42}, std::string("int64")), ts));
   call("method_call", MessageType::kRRefMethodCall,
        rpc_payload(tdist::encode(method_header("add"), rref, rpc::ForkId{}), ts, int64_t{3}));
   call("method_remote", MessageType::kRRefMethodRemote,
-       rpc_payload(tdist::encode(method_header("scale"), rref, fork, rpc::RRefId{1, 9}, rpc::ForkId{1, 10}),
-               ts, std::vector<at::Tensor>{a}, 2.0));
-  call("fork_request", MessageType::kRRefForkRequest, tdist::encode(rref, fork));
+       rpc_payload(tdist::encode(method_header("scale"), rref, fork, rpc::RRefId{1, 9},
+                                 rpc::ForkId{1, 10}, detail::RRefSecret{3, 4}),
+                   ts, std::vector<at::Tensor>{a}, 2.0));
+  call("fork_request", MessageType::kRRefForkRequest,
+       tdist::encode(rref, fork, detail::RRefSecret{1, 2}));
   call("user_delete", MessageType::kRRefUserDelete, tdist::encode(rref, fork));
   call("child_accept", MessageType::kRRefChildAccept, tdist::encode(fork));
   call("response_void", MessageType::kResponse, rpc_payload({}, ts), 0 << 1);
@@ -319,7 +345,8 @@ void write_seeds(const std::string& dir) {
   call("response_tensors", MessageType::kResponse,
        rpc_payload({}, ts, std::vector<at::Tensor>{a, b}), 3 << 1);
   call("response_tuple", MessageType::kResponse,
-       rpc_payload({}, ts, std::make_tuple(a, std::vector<at::Tensor>{b}, std::optional<at::Tensor>(a))),
+       rpc_payload({}, ts,
+                   std::make_tuple(a, std::vector<at::Tensor>{b}, std::optional<at::Tensor>(a))),
        4 << 1);
   call("response_rref", MessageType::kResponse,
        rpc_payload({}, ts, detail::ForkData{0, rref, fork, 0, 99, "int64"}), 6 << 1);
@@ -346,7 +373,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Stream in{data + 1 + detail::kHeaderSize, size - 1 - detail::kHeaderSize};
   try {
     read_frame(data + 1, in, accept_remote, result_type);
-  } catch (const tdist::Error&) {
-  }
+  } catch (const tdist::Error&) {}
   return 0;
 }

@@ -48,12 +48,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       default:
         // Replies: a timeout's missing keys, an error message, a value.
-        if (h.code % 3 == 0) proto::read_keys(r);
-        else if (h.code % 3 == 1) r.string("message");
-        else r.blob("value");
+        if (h.code % 3 == 0)
+          proto::read_keys(r);
+        else if (h.code % 3 == 1)
+          r.string("message");
+        else
+          r.blob("value");
     }
     r.expect_end("fuzzed body");
-  } catch (const tdist::ProtocolError&) {
-  }
+  } catch (const tdist::ProtocolError&) {}
   return 0;
 }

@@ -63,11 +63,14 @@ void write_seeds(const std::string& dir) {
   write_seed(dir + "/tensor_view_transposed", 0, tdist::encode(matrix.t()));
   write_seed(dir + "/vector", 1,
              tdist::encode(std::vector<at::Tensor>{at::ones({2}, at::kComplexFloat),
-                                                   at::arange(5, at::kByte), at::ones({1, 1, 1}, at::kHalf)}));
-  write_seed(dir + "/fields", 2,
-             tdist::encode(std::string("w"),
-                           std::map<std::string, at::Tensor>{{"a", matrix}, {"b", at::ones({3}, at::kDouble)}},
-                           std::optional<at::Tensor>(at::arange(3, at::kInt)), std::vector<int64_t>{1, 2}));
+                                                   at::arange(5, at::kByte),
+                                                   at::ones({1, 1, 1}, at::kHalf)}));
+  write_seed(
+      dir + "/fields", 2,
+      tdist::encode(
+          std::string("w"),
+          std::map<std::string, at::Tensor>{{"a", matrix}, {"b", at::ones({3}, at::kDouble)}},
+          std::optional<at::Tensor>(at::arange(3, at::kInt)), std::vector<int64_t>{1, 2}));
   const tdist::TensorMeta meta = tdist::describe_tensor(matrix);
   tdist::Bytes checked = tdist::encode(meta, uint64_t{24});
   checked.insert(checked.end(), static_cast<const uint8_t*>(matrix.data_ptr()),
@@ -124,7 +127,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
     }
-  } catch (const tdist::ProtocolError&) {
-  }
+  } catch (const tdist::ProtocolError&) {}
   return 0;
 }

@@ -23,6 +23,12 @@
                                       new_group(backend="tdist") must raise on both within its
                                       timeout: the refused rank at once, naming the token, the
                                       other naming the rank that never connected.
+  failure_test.py --scenario notoken  2 ranks without a token (secure by default, issue 41 item
+                                      5): a group over the store on 127.0.0.1 forms (loopback);
+                                      with TDIST_SOCKET_HOST naming this host's LAN address,
+                                      new_group(backend="tdist") must raise at once on both, naming
+                                      TDIST_ALLOW_NO_TOKEN=1; with TDIST_ALLOW_NO_TOKEN=1 it forms.
+                                      Passes without checking when the host has no LAN address.
 """
 
 import argparse
@@ -47,7 +53,7 @@ VICTIM = 2
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--child", action="store_true")
-    p.add_argument("--scenario", choices=["killed", "stopped", "absent", "token", "killed-nccl"], required=True)
+    p.add_argument("--scenario", choices=["killed", "stopped", "absent", "token", "notoken", "killed-nccl"], required=True)
     return p.parse_args()
 
 
@@ -151,6 +157,51 @@ def token(rank, world_size):
               "the error came after %.1f s, past the %s timeout" % (elapsed, short))
 
 
+def lan_address():
+    """This host's address toward the outside (no packet is sent), or None when only loopback."""
+    import socket
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
+        address = s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if address.startswith("127.") else address
+
+
+def no_token(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    import tdist_c10d  # noqa: F401
+    torch.set_num_threads(1)
+    for var in ("TDIST_TOKEN", "TDIST_TOKEN_FILE", "TDIST_ALLOW_NO_TOKEN", "TDIST_SOCKET_HOST"):
+        os.environ.pop(var, None)
+    dist.init_process_group("tdist", init_method="env://")  # the store is on 127.0.0.1
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    check(t.tolist() == [2.0] * 4, "all_reduce on loopback without a token gave", t)
+    lan = lan_address()
+    if lan is None:
+        print("rank %d: no LAN address here; the refusal is not checked" % rank)
+        return
+    # The mesh decides from the address it binds, whatever the store.
+    os.environ["TDIST_SOCKET_HOST"] = lan
+    try:
+        dist.new_group(ranks=[0, 1], backend="tdist", timeout=datetime.timedelta(seconds=10))
+        raise AssertionError("a group formed on %s without a token" % lan)
+    except RuntimeError as e:
+        print("rank %d: refused: %s" % (rank, str(e).splitlines()[0]))
+        check("TDIST_ALLOW_NO_TOKEN=1" in str(e) and lan in str(e), "unexpected error:", e)
+    os.environ["TDIST_ALLOW_NO_TOKEN"] = "1"
+    group = dist.new_group(ranks=[0, 1], backend="tdist")
+    t = torch.ones(4)
+    dist.all_reduce(t, group=group)
+    check(t.tolist() == [2.0] * 4, "all_reduce on %s with TDIST_ALLOW_NO_TOKEN=1 gave" % lan, t)
+    print("rank %d: refused on %s without a token, formed with TDIST_ALLOW_NO_TOKEN=1" % (rank, lan))
+
+
 def dead_nccl_peer(rank, world_size):
     import torch
     import torch.distributed as dist
@@ -186,6 +237,8 @@ def child(rank, world_size):
         dead_nccl_peer(rank, world_size)
     elif args.scenario == "absent":
         absent(rank, world_size)
+    elif args.scenario == "notoken":
+        no_token(rank, world_size)
     elif args.scenario == "token":
         token(rank, world_size)
     else:
@@ -210,6 +263,10 @@ def main():
     if args.scenario == "absent":
         harness.run_ranks(script, 2, ["--scenario", "absent"], timeout=60,
                           what="new_group with a rank that never joins")
+        return
+    if args.scenario == "notoken":
+        harness.run_ranks(script, 2, ["--scenario", "notoken"], timeout=60,
+                          what="groups without a token on loopback and beyond it")
         return
     if args.scenario == "token":
         harness.run_ranks(script, 2, ["--scenario", "token"], timeout=60,

@@ -7,6 +7,7 @@ env:// reads; tcp:// tests pass the port on the command line instead).
 """
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -46,6 +47,7 @@ class Ranks:
 
     def __init__(self, script, world_size, args=(), env=None, port=None):
         self.port = port or free_port()
+        self.token = secrets.token_hex(16)
         self.procs = []
         self.logs = []
         for rank in range(world_size):
@@ -56,6 +58,10 @@ class Ranks:
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             })
             child_env.update(env or {})
+            if "TDIST_TOKEN" not in child_env and "TDIST_TOKEN_FILE" not in child_env:
+                # The job's token, as tdist-run would give it: a group over file:// (which names
+                # no host) listens beyond loopback, which needs one (secure by default).
+                child_env["TDIST_TOKEN"] = self.token
             log = tempfile.NamedTemporaryFile(
                 mode="w+", prefix="%s.rank%d." % (os.path.basename(script), rank),
                 suffix=".log", delete=False)

@@ -26,6 +26,7 @@ modules are missing, which ctest reports as skipped).
 import argparse
 import os
 import re
+import secrets
 import sys
 import tempfile
 import time
@@ -82,6 +83,10 @@ def load_suite(args):
     os.environ["BACKEND"] = args.backend
     os.environ["WORLD_SIZE"] = str(args.world_size)
     os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="tdist-suite."))
+    # The suite's rendezvous is file://, which names no host: its groups listen beyond loopback,
+    # which needs the job's token (secure by default), as tdist-run would give it.
+    if "TDIST_TOKEN_FILE" not in os.environ:
+        os.environ.setdefault("TDIST_TOKEN", secrets.token_hex(16))
     try:
         import torch.testing._internal.common_distributed as common
     except ImportError as e:
