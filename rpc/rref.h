@@ -257,7 +257,7 @@ RRef<T> RpcAgent::remote(const To& to, const std::string& fn, Timeout timeout, A
   const int dest = resolve(to);
   const Signature& sig = signature_of<T, wire_t<A>...>();
   std::string what =
-      str("remote '", fn, "' as ", sig.text, " on worker '", workers_[dest].name, "'");
+      str("remote '", fn, "' as ", sig.text, " on worker '", workers()[dest].name, "'");
   if (dest == rank()) {
     auto owner = rrefs_->create_owner(&detail::type_info_of<T>(), true);
     auto m = detail::encode_message(
@@ -273,7 +273,7 @@ RRef<T> RpcAgent::remote(const To& to, const std::string& fn, Timeout timeout, A
                                   std::make_tuple(detail::CallHeader{fn, sig.hash}, user->id(),
                                                   user->fork_id(), user->secret()),
                                   wire_arg(std::forward<A>(args))...);
-  auto handler = detail::remote_user_handler(rrefs_, user->fork_id(), workers_[dest].name, what);
+  auto handler = detail::remote_user_handler(rrefs_, user->fork_id(), workers()[dest].name, what);
   send_request(dest, std::move(m), call_timeout(timeout), std::move(handler), std::move(what),
                true);
   return RRef<T>(user);

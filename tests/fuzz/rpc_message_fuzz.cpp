@@ -2,7 +2,7 @@
 // the functions rpc/detail/connection.cpp and the agent's handlers use, in their order: the frame header
 // (decode_header), the body, the tensor section at its end (take_tensor_section,
 // check_tensor_section), the tensor bytes that follow (receive_tensor, rpc/detail/tensor_pool.h),
-// then the payload as the message's type says (rpc/request_handlers.cpp, agent_dispatch.cpp,
+// then the payload as the message's type says (rpc/request_handlers.cpp, rpc/detail/dispatcher.cpp,
 // rpc/rref.h): the fields of a call (CallHeader, RRef and fork ids), then its arguments through
 // the registry's decoders (registered below, tensors as indices into the frame's tensors, an
 // RRef's fork data); a result of one of a few types, an error, an RRef control message.
