@@ -65,99 +65,21 @@
 #include <vector>
 
 #include "tdist/core/serialize.h"
+#include "tdist/rpc/detail/agent_parts.h"
+#include "tdist/rpc/detail/call_codec.h"
 #include "tdist/rpc/detail/connection.h"
+#include "tdist/rpc/detail/message.h"
 #include "tdist/rpc/detail/request_handler.h"
+#include "tdist/rpc/detail/rref_context.h"
 #include "tdist/rpc/errors.h"
 #include "tdist/rpc/future.h"
-#include "tdist/rpc/detail/message.h"
 #include "tdist/rpc/registry.h"
-#include "tdist/rpc/rref_context.h"
 #include "tdist/rpc/types.h"
 
 namespace tdist::rpc {
 
 template <class T>
 class RRef;
-
-namespace detail {
-
-class ConnectionTable;
-class Dispatcher;
-class Membership;
-class PendingCalls;
-
-// Called with the response (error == nullptr) or the failure of a request.
-using ResponseFn = std::function<void(Message* response, std::exception_ptr error)>;
-
-// The thread-local agent of rpc/api.h's free functions (set on the agent's worker threads).
-void set_thread_agent(std::weak_ptr<RpcAgent> agent);
-
-template <class... Fields>
-void write_fields(Bytes& body, const Fields&... fields) {
-  BytesOutputArchive ar(body);
-  ar(fields...);
-}
-
-// Encodes a message: core-archive fields, then arguments with the RPC archive.
-template <class FieldsTuple, class... A>
-OutMessage encode_message(MessageType type, RRefContext* rrefs, int dest, const FieldsTuple& fields,
-                          const A&... args) {
-  OutMessage m;
-  m.type = type;
-  std::apply([&](const auto&... f) { write_fields(m.body, f...); }, fields);
-  SendContext sc;
-  sc.tensors = &m.tensors;
-  sc.rrefs = rrefs;
-  sc.dest_rank = dest;
-  if constexpr (sizeof...(A) > 0) {
-    ArgOutputArchive ar(m.body, sc);
-    ar(args...);
-  }
-  if (sc.has_rrefs) m.flags |= kFlagHasRRefs;
-  return m;
-}
-
-// Decodes a result of type R from a response body.
-template <class R>
-R decode_result(Message& msg, RRefContext* rrefs) {
-  RecvContext rc;
-  rc.tensors = &msg.tensors;
-  rc.rrefs = rrefs;
-  rc.from_rank = msg.from;
-  ArgInputArchive ar(msg.body.data(), msg.body.size(), rc);
-  if constexpr (std::is_void_v<R>) {
-    check_all_read(ar, "result");
-  } else {
-    R value{};
-    ar(value);
-    check_all_read(ar, "result");
-    return value;
-  }
-}
-
-template <class R>
-ResponseFn result_handler(Future<R> fut, std::weak_ptr<RRefContext> rrefs, Executor* executor,
-                          std::shared_ptr<RRefBase> keep_alive = nullptr) {
-  return [fut, rrefs, executor, keep_alive](Message* msg, std::exception_ptr error) {
-    if (error) {
-      fut.set_error(error, executor);
-      return;
-    }
-    try {
-      auto ctx = rrefs.lock();
-      if constexpr (std::is_void_v<R>) {
-        decode_result<void>(*msg, ctx.get());
-        fut.set_value(executor);
-      } else {
-        fut.set_value(decode_result<R>(*msg, ctx.get()), executor);
-      }
-    } catch (...) {
-      fut.set_error(std::current_exception(), executor);
-    }
-  };
-}
-
-}  // namespace detail
 
 class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
                  private detail::ConnectionHandler,
