@@ -57,26 +57,23 @@
 // which shuts down without waiting for the others).
 
 #include <atomic>
-#include <condition_variable>
-#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
-#include <thread>
-#include <unordered_map>
 #include <vector>
 
-#include "tdist/core/net/address.h"
 #include "tdist/core/serialize.h"
+#include "tdist/rpc/detail/agent_parts.h"
+#include "tdist/rpc/detail/call_codec.h"
 #include "tdist/rpc/detail/connection.h"
-#include "tdist/rpc/detail/thread_pool.h"
+#include "tdist/rpc/detail/message.h"
+#include "tdist/rpc/detail/request_handler.h"
+#include "tdist/rpc/detail/rref_context.h"
 #include "tdist/rpc/errors.h"
 #include "tdist/rpc/future.h"
-#include "tdist/rpc/detail/message.h"
 #include "tdist/rpc/registry.h"
-#include "tdist/rpc/rref_context.h"
 #include "tdist/rpc/types.h"
 
 namespace tdist::rpc {
@@ -84,82 +81,9 @@ namespace tdist::rpc {
 template <class T>
 class RRef;
 
-namespace detail {
-
-// Called with the response (error == nullptr) or the failure of a request.
-using ResponseFn = std::function<void(Message* response, std::exception_ptr error)>;
-
-// The thread-local agent of rpc/api.h's free functions (set on the agent's worker threads).
-void set_thread_agent(std::weak_ptr<RpcAgent> agent);
-
-template <class... Fields>
-void write_fields(Bytes& body, const Fields&... fields) {
-  BytesOutputArchive ar(body);
-  ar(fields...);
-}
-
-// Encodes a message: core-archive fields, then arguments with the RPC archive.
-template <class FieldsTuple, class... A>
-OutMessage encode_message(MessageType type, RRefContext* rrefs, int dest, const FieldsTuple& fields,
-                          const A&... args) {
-  OutMessage m;
-  m.type = type;
-  std::apply([&](const auto&... f) { write_fields(m.body, f...); }, fields);
-  SendContext sc;
-  sc.tensors = &m.tensors;
-  sc.rrefs = rrefs;
-  sc.dest_rank = dest;
-  if constexpr (sizeof...(A) > 0) {
-    ArgOutputArchive ar(m.body, sc);
-    ar(args...);
-  }
-  if (sc.has_rrefs) m.flags |= kFlagHasRRefs;
-  return m;
-}
-
-// Decodes a result of type R from a response body.
-template <class R>
-R decode_result(Message& msg, RRefContext* rrefs) {
-  RecvContext rc;
-  rc.tensors = &msg.tensors;
-  rc.rrefs = rrefs;
-  rc.from_rank = msg.from;
-  ArgInputArchive ar(msg.body.data(), msg.body.size(), rc);
-  if constexpr (std::is_void_v<R>) {
-    check_all_read(ar, "result");
-  } else {
-    R value{};
-    ar(value);
-    check_all_read(ar, "result");
-    return value;
-  }
-}
-
-template <class R>
-ResponseFn result_handler(Future<R> fut, std::weak_ptr<RRefContext> rrefs, Executor* executor,
-                          std::shared_ptr<RRefBase> keep_alive = nullptr) {
-  return [fut, rrefs, executor, keep_alive](Message* msg, std::exception_ptr error) {
-    if (error) {
-      fut.set_error(error, executor);
-      return;
-    }
-    try {
-      auto ctx = rrefs.lock();
-      if constexpr (std::is_void_v<R>) {
-        decode_result<void>(*msg, ctx.get());
-        fut.set_value(executor);
-      } else {
-        fut.set_value(decode_result<R>(*msg, ctx.get()), executor);
-      }
-    } catch (...) {
-      fut.set_error(std::current_exception(), executor);
-    }
-  };
-}
-
-}  // namespace detail
-
-class RpcAgent : public std::enable_shared_from_this<RpcAgent>, private detail::ConnectionHandler {
+class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
+                 private detail::ConnectionHandler,
+                 private detail::RequestHandler {
  public:
   // Starts a worker: meets the others' store, listens (RpcOptions::listen_host, else the address
   // net::local_address picks toward the store's host), publishes its address and name in the
@@ -174,14 +98,14 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>, private detail::
 
   const WorkerInfo& info() const { return self_; }
   int rank() const { return self_.rank; }
-  int world_size() const { return static_cast<int>(workers_.size()); }
+  int world_size() const;
   const RpcOptions& options() const { return options_; }
   // InvalidArgument for an unknown name or a rank out of range.
   const WorkerInfo& worker_info(const To& to) const;
-  const std::vector<WorkerInfo>& workers() const { return workers_; }
+  const std::vector<WorkerInfo>& workers() const;
   // The address this worker listens on and published to the others.
   const std::string& host() const { return host_; }
-  uint16_t port() const { return port_; }
+  uint16_t port() const;
 
   // Calls (see rpc/api.h for the free-function forms).
   template <class R, class... A>
@@ -222,7 +146,7 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>, private detail::
   // Internals used by RRef<T> and the templates above.
   detail::RRefContext& rref_context() { return *rrefs_; }
   std::shared_ptr<detail::RRefContext> rref_context_ptr() { return rrefs_; }
-  detail::Executor* executor() { return pool_.get(); }
+  detail::Executor* executor();
   int resolve(const To& to) const { return worker_info(to).rank; }
   Millis call_timeout(Timeout t) const {
     return t.value.count() >= 0 ? t.value : options_.rpc_timeout;
@@ -238,54 +162,24 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>, private detail::
   // Runs fn on a worker thread at `when` (or never, when the agent stops first).
   void schedule(Clock::time_point when, std::function<void()> fn);
   // Requests sent and received so far, and whether the agent is idle (for tests and shutdown).
-  int64_t requests_sent() const { return sent_.load(); }
-  int64_t requests_received() const { return received_.load(); }
+  int64_t requests_sent() const;
+  int64_t requests_received() const;
   size_t num_pending() const;
   // No call pending, no incoming call running and no posted work (post_work) left.
   bool idle() const;
 
  private:
-  struct Pending {
-    detail::ResponseFn on_done;
-    std::string what;
-    int to = -1;
-    Clock::time_point deadline;
-    bool has_deadline = false;
-    bool on_pool = false;
-    // The connection the request left on: only a response on it completes the call.
-    std::weak_ptr<detail::Connection> conn;
-  };
-  // Connecting: the first request to a peer connects; a connect or handshake that fails is
-  // retried with backoff until that request's deadline (a worker still starting, a listener
-  // backlog that dropped the attempt, a handshake that timed out), except when the peer
-  // refused the handshake (another token). Only a lost established connection marks the peer
-  // failed: later requests to it fail at once.
-  struct Peer {
-    std::mutex mu;
-    std::shared_ptr<detail::Connection> conn;  // guarded by mu
-    std::string failed;                        // guarded by mu: why the peer is unreachable
-  };
-
+  // The agent is composed of parts, each with its own contract and lock (rpc/detail/):
+  // Membership (the store, the directory of workers, the shutdown rounds), ConnectionTable
+  // (listener, connections, failed peers), PendingCalls (outgoing calls, deadlines, timers, work
+  // in progress), Dispatcher (incoming frames, the worker pool). The agent wires them together,
+  // answers requests (request_handlers.cpp) and orders start and stop (agent.cpp).
   RpcAgent(const std::string& name, int rank, int world_size, RpcOptions options);
-  void open_store(int world_size);
-  void listen();
-  void join_group(int world_size);
-  void accept_loop();
-  void timeout_loop();
-  std::shared_ptr<detail::Connection> connection_to(int rank, Clock::time_point deadline);
-  std::shared_ptr<detail::Connection> connect(int rank, Millis timeout);
-  std::string peer_name(int rank) const;
-  void fail_pending_to(int rank, const std::string& reason);
-  void complete(Pending& p, detail::Message* msg, std::exception_ptr error);
-  void graceful_barrier();
-  // Waits until each worker r >= first_rank has set prefix + r, or is gone (Note [RPC graceful
-  // shutdown]); returns, per rank, whether its key is there. TimeoutError at `deadline`.
-  std::vector<bool> wait_for_workers(const std::string& prefix, int first_rank,
-                                     Clock::time_point deadline);
-  // Marks in the store the peers whose connection broke while this agent ran.
-  void publish_lost_peers();
-  bool wait_idle(Clock::time_point deadline);
+  // Stops every part: fails what is pending, closes every connection, joins every thread.
   void stop_everything(const std::string& reason);
+  std::string peer_name(int rank) const;
+  // Runs a task on the pool, the agent kept alive until it ends (detail::Dispatcher::post).
+  bool post_to_pool(std::function<void()> task);
 
   // ConnectionHandler (reader threads).
   void on_message(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) override;
@@ -293,71 +187,40 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>, private detail::
                  const std::string& reason) override;
   std::string on_authenticated(const std::shared_ptr<detail::Connection>& conn) override;
 
-  // Request handlers (worker threads; request_handlers.cpp).
-  // pool_->try_post with the agent kept alive until the task ends (agent_dispatch.cpp).
-  bool post_to_pool(std::function<void()> task);
-  void handle_request(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
+  // RequestHandler: the handlers of incoming requests (worker threads; request_handlers.cpp).
+  void handle_request(const std::shared_ptr<detail::Connection>& conn,
+                      detail::Message& msg) override;
+  void handle_fork_request(const std::shared_ptr<detail::Connection>& conn,
+                           const detail::Message& msg) override;
+  void reply_error(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
+                   const std::string& message) override;
   void handle_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
   void handle_remote_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
   void handle_fetch(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
   void handle_method(const std::shared_ptr<detail::Connection>& conn,
                      std::shared_ptr<detail::Message> msg, bool remote);
   void handle_control(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
-  void handle_fork_request(const std::shared_ptr<detail::Connection>& conn,
-                           const detail::Message& msg);
   // InvalidArgument unless worker `from` holds a fork of `id` or is this worker.
   void check_fork_held(const RRefId& id, int from) const;
   void reply_value(const std::shared_ptr<detail::Connection>& conn, uint64_t id, int to,
                    const detail::AnyValue& value);
   void reply_empty(const std::shared_ptr<detail::Connection>& conn, uint64_t id, Bytes body = {});
-  void reply_error(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
-                   const std::string& message);
   void send_reply(const std::shared_ptr<detail::Connection>& conn, detail::OutMessage&& m);
 
   // Constant after start().
   WorkerInfo self_;
   RpcOptions options_;
-  std::shared_ptr<Store> store_;
-  std::string store_prefix_;
-  std::vector<WorkerInfo> workers_;
-  std::vector<std::pair<std::string, uint16_t>> addresses_;
-  std::map<std::string, int> rank_by_name_;
-  std::unique_ptr<net::Listener> listener_;
   std::string host_;
-  uint16_t port_ = 0;
-  detail::ConnectionOptions conn_options_;
   std::string token_source_;  // where options_.token came from (for the log)
-
   std::shared_ptr<detail::RRefContext> rrefs_;
-  std::unique_ptr<detail::ThreadPool> pool_;
-  std::vector<std::unique_ptr<Peer>> peers_;
-  std::thread accept_thread_;
-  std::thread timeout_thread_;
+  // The parts, made in start() and stopped by stop_everything(); each locks itself.
+  std::unique_ptr<detail::Membership> members_;
+  std::unique_ptr<detail::PendingCalls> pending_;
+  std::unique_ptr<detail::Dispatcher> dispatcher_;
+  std::unique_ptr<detail::ConnectionTable> connections_;
 
-  std::mutex conns_mu_;
-  std::vector<std::shared_ptr<detail::Connection>> incoming_;  // guarded by conns_mu_
-  // Accepted connections that may still be in their handshake, oldest first.
-  std::deque<std::weak_ptr<detail::Connection>> handshaking_;  // guarded by conns_mu_
-
-  mutable std::mutex pending_mu_;
-  std::condition_variable idle_cv_;                // pending_ emptied or processing_ reached 0
-  std::condition_variable timeout_cv_;             // a new earliest deadline or timer, or stopping
-  std::unordered_map<uint64_t, Pending> pending_;  // guarded by pending_mu_
-  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;      // guarded by pending_mu_
-  std::multimap<Clock::time_point, std::function<void()>> timers_;  // guarded by pending_mu_
-  // When timeout_loop wakes up next by itself (max: only when notified; min: it is awake).
-  Clock::time_point timeout_wakes_at_ = Clock::time_point::min();  // guarded by pending_mu_
-  int64_t processing_ = 0;                                         // guarded by pending_mu_
-  bool stopping_ = false;                                          // guarded by pending_mu_
-
-  std::atomic<uint64_t> next_request_id_{1};
-  std::atomic<int64_t> sent_{0};
-  std::atomic<int64_t> received_{0};
   std::atomic<bool> stopped_{false};
   std::mutex shutdown_mu_;  // serializes shutdown()
-  std::mutex lost_mu_;
-  std::set<int> lost_;            // guarded by lost_mu_: peers whose connection broke
-  std::set<int> lost_published_;  // guarded by lost_mu_: of those, the ones marked in the store
   mutable std::mutex leaks_mu_;
   std::vector<std::string> leaked_;  // guarded by leaks_mu_
 };
@@ -370,10 +233,10 @@ Future<R> RpcAgent::rpc_async(const To& to, const std::string& fn, Timeout timeo
   detail::OutMessage m = detail::encode_message(detail::MessageType::kCall, rrefs_.get(), dest,
                                                 std::make_tuple(detail::CallHeader{fn, sig.hash}),
                                                 wire_arg(std::forward<A>(args))...);
-  std::string what = str("rpc '", fn, "' as ", sig.text, " to worker '", workers_[dest].name, "'");
+  std::string what = str("rpc '", fn, "' as ", sig.text, " to worker '", workers()[dest].name, "'");
   fut.set_description(what);
   send_request(dest, std::move(m), call_timeout(timeout),
-               detail::result_handler<R>(fut, rrefs_, pool_.get()), std::move(what));
+               detail::result_handler<R>(fut, rrefs_, executor()), std::move(what));
   return fut;
 }
 

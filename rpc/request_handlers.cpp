@@ -255,7 +255,7 @@ void RpcAgent::check_fork_held(const RRefId& id, int from) const {
                             " (refused: only a holder may read it or call its methods)"));
 }
 
-// On the connection's reader thread (agent_dispatch.cpp), so that the fork is registered before
+// On the connection's reader thread (rpc/detail/dispatcher.h), so that the fork is registered before
 // the requests read after it run (Note [RRef protocol] invariant 7); the answer goes out from
 // the pool.
 void RpcAgent::handle_fork_request(const std::shared_ptr<Connection>& conn, const Message& msg) {

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "tdist/rpc/agent.h"
+#include "tdist/rpc/detail/rref_handlers.h"
 
 namespace tdist::rpc {
 
@@ -180,45 +181,6 @@ Future<R> RRef<T>::rpc_async(const std::string& method, Timeout timeout, A&&... 
   return fut;
 }
 
-namespace detail {
-
-// The answer to REMOTE_CALL / RREF_METHOD_REMOTE for a user RRef: confirms it (the owner
-// registered the fork even when the call failed) and records the call's error.
-inline ResponseFn remote_user_handler(std::weak_ptr<RRefContext> ctx, ForkId fork,
-                                      std::string worker, std::string what,
-                                      std::shared_ptr<RRefBase> keep_alive = nullptr) {
-  return [ctx, fork, worker, what, keep_alive](Message* msg, std::exception_ptr error) {
-    auto c = ctx.lock();
-    if (!c) return;
-    if (error) {
-      c->finish_pending_user(fork, false, error);
-      return;
-    }
-    std::exception_ptr call_error;
-    try {
-      auto remote_error = decode<std::string>(msg->body);
-      if (!remote_error.empty()) {
-        call_error = std::make_exception_ptr(RemoteError(
-            str(what, " failed on worker '", worker, "': ", remote_error), worker, remote_error));
-      }
-    } catch (...) {
-      call_error = std::current_exception();
-    }
-    c->finish_pending_user(fork, true, call_error);
-  };
-}
-
-// The answer for an OwnerRRef created here by remote() to ourselves: only failures to deliver
-// matter (the handler sets the value or error itself).
-inline ResponseFn remote_owner_handler(std::shared_ptr<OwnerRRef> owner,
-                                       std::shared_ptr<RRefBase> keep_alive = nullptr) {
-  return [owner, keep_alive](Message*, std::exception_ptr error) {
-    if (error) owner->set_error(error);
-  };
-}
-
-}  // namespace detail
-
 template <class T>
 template <class R, class... A>
 RRef<R> RRef<T>::remote(const std::string& method, A&&... args) const {
@@ -257,7 +219,7 @@ RRef<T> RpcAgent::remote(const To& to, const std::string& fn, Timeout timeout, A
   const int dest = resolve(to);
   const Signature& sig = signature_of<T, wire_t<A>...>();
   std::string what =
-      str("remote '", fn, "' as ", sig.text, " on worker '", workers_[dest].name, "'");
+      str("remote '", fn, "' as ", sig.text, " on worker '", workers()[dest].name, "'");
   if (dest == rank()) {
     auto owner = rrefs_->create_owner(&detail::type_info_of<T>(), true);
     auto m = detail::encode_message(
@@ -273,7 +235,7 @@ RRef<T> RpcAgent::remote(const To& to, const std::string& fn, Timeout timeout, A
                                   std::make_tuple(detail::CallHeader{fn, sig.hash}, user->id(),
                                                   user->fork_id(), user->secret()),
                                   wire_arg(std::forward<A>(args))...);
-  auto handler = detail::remote_user_handler(rrefs_, user->fork_id(), workers_[dest].name, what);
+  auto handler = detail::remote_user_handler(rrefs_, user->fork_id(), workers()[dest].name, what);
   send_request(dest, std::move(m), call_timeout(timeout), std::move(handler), std::move(what),
                true);
   return RRef<T>(user);

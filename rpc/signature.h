@@ -22,12 +22,9 @@
 #include <utility>
 #include <vector>
 
-namespace tdist::rpc {
+#include "tdist/rpc/detail/type_names.h"
 
-namespace detail {
-std::string demangle(const char* mangled);
-uint64_t fnv1a(const std::string& s);
-}  // namespace detail
+namespace tdist::rpc {
 
 template <class T, class Enable = void>
 struct TypeName {

@@ -2,7 +2,8 @@
 """Checks that docs/architecture.md names only what exists: every relative link and every
 repository path in backticks exists, and every function named in a row of its tables occurs in
 the files named in that row, and that no file of comm includes one of a layer above its own
-(the table of comm's layers), that no module includes another module's detail/ headers, and
+(the table of comm's layers), that no module includes another module's detail/ headers, that
+rpc's public headers declare nothing in a detail namespace, and
 that docs/configuration.md names every TDIST_* variable
 the code reads. Prints what is missing; exit status 1 if anything is.
 
@@ -90,6 +91,19 @@ for module in ("core", "comm", "rpc", "autograd", "optim", "ddp", "fsdp", "pipel
                 if m.group(2) != module:
                     missing.append("detail include: %s includes %s (a detail/ header of %s)" % (
                         path, m.group(1), m.group(2)))
+
+# Public headers of these modules declare nothing in a detail namespace: internals live in
+# their detail/ folder's headers, which the public header includes where it needs them.
+for module in ("rpc",):
+    for folder, _, names in os.walk(os.path.join(root, module)):
+        if "detail" in os.path.relpath(folder, root).split(os.sep):
+            continue
+        for name in names:
+            path = os.path.relpath(os.path.join(folder, name), root)
+            if name.endswith(".h") and re.search(r"namespace\s+(?:[\w:]+::)?detail\b",
+                                                 open(os.path.join(root, path)).read()):
+                missing.append("detail namespace in a public header: %s (move it under %s/detail/)"
+                               % (path, module))
 
 # Every TDIST_* variable the code reads is in docs/configuration.md.
 config = open(os.path.join(root, "docs", "configuration.md")).read()

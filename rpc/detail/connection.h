@@ -117,7 +117,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool is_outgoing() const { return outgoing_; }
   // "worker rank R (host:port)", or "unauthenticated peer host:port" before the handshake.
   std::string peer() const;
-  // True the first time only: a stray response from this peer is logged once (agent_dispatch).
+  // True the first time only: a stray response from this peer is logged once (dispatcher.h).
   bool first_stray_response() { return !stray_logged_.exchange(true); }
   int peer_rank() const { return peer_rank_.load(); }
   bool closed() const;

@@ -2,7 +2,7 @@
 // the functions rpc/detail/connection.cpp and the agent's handlers use, in their order: the frame header
 // (decode_header), the body, the tensor section at its end (take_tensor_section,
 // check_tensor_section), the tensor bytes that follow (receive_tensor, rpc/detail/tensor_pool.h),
-// then the payload as the message's type says (rpc/request_handlers.cpp, agent_dispatch.cpp,
+// then the payload as the message's type says (rpc/request_handlers.cpp, rpc/detail/dispatcher.cpp,
 // rpc/rref.h): the fields of a call (CallHeader, RRef and fork ids), then its arguments through
 // the registry's decoders (registered below, tensors as indices into the frame's tensors, an
 // RRef's fork data); a result of one of a few types, an error, an RRef control message.
@@ -16,7 +16,7 @@
 // Any input must end in a decoded message or a tdist::Error (a ProtocolError, a NetworkError for
 // the end of the input, an InvalidArgument from a handler's check), never a crash, a sanitizer
 // report or an allocation the input's bytes do not pay for. The RRef protocol that a decoded id
-// would then drive (rpc/rref_context.h) is not fuzzed here: it needs a running agent.
+// would then drive (rpc/detail/rref_context.h) is not fuzzed here: it needs a running agent.
 //
 // TDIST_FUZZ_WRITE_SEEDS=<dir> fuzz_rpc_message writes the seed corpus (a frame of each type,
 // framed as rpc/detail/connection.cpp frames them, with the library's encoders) into <dir> and exits.
@@ -40,7 +40,7 @@
 #include "tdist/rpc/detail/tensor_pool.h"
 #include "tdist/rpc/detail/message.h"
 #include "tdist/rpc/registry.h"
-#include "tdist/rpc/rref_context.h"
+#include "tdist/rpc/detail/rref_context.h"
 #include "tdist/rpc/types.h"
 #include "tests/fuzz/fuzz_files.h"
 #include "tests/fuzz/rpc_frames.h"

@@ -24,7 +24,7 @@ namespace {
 
 const std::string kToken = "flood-token";
 
-// A worker's first call as RpcAgent::connection_to makes it: connect and handshake, retrying
+// A worker's first call as ConnectionTable::connection_to makes it: connect and handshake, retrying
 // what may pass (NetworkError, TimeoutError) until `deadline`, giving up on a refusal
 // (ProtocolError). Returns the connected socket, or -1 with the reason in `why`.
 int connect_like_a_worker(uint16_t port, int rank, int world_size,

@@ -1,4 +1,4 @@
-#include "tdist/rpc/rref_context.h"
+#include "tdist/rpc/detail/rref_context.h"
 
 #include <sys/random.h>
 

@@ -1,71 +1,63 @@
-// RpcAgent, part 2 of 4: connections (agent.h has the whole contract; agent.cpp lists the parts).
-// Contract of this part:
-// - listen(): one listening socket (core/net/address.h Listener) on RpcOptions::listen_host, else
-//   on net::local_address(the store's host), at listen_port (port 0 picks one; host() and port()
-//   tell which: that is what the worker publishes). accept_loop() (its own thread)
-//   hands every accepted socket to a Connection, which runs the server side of the handshake on
-//   its reader thread (rpc/detail/auth.h); finished incoming connections are reaped on the next accept.
-//   At most RpcOptions::max_pending_handshakes accepted connections are in their handshake: a
-//   new one closes the oldest whose HELLO has not verified (telling it to retry, Note [RPC
-//   handshake]), and each handshake has one deadline for all of it.
-// - connection_to(rank, deadline): the one outgoing connection to a peer, made on first use
-//   (net::connect_once: IPv4, IPv6 or a host name, each address it resolves to in turn).
-//   A connect or handshake that fails is retried with backoff (10 ms doubling to 1 s) until the
-//   deadline, except a refused handshake (ProtocolError: another token), which fails at once;
-//   a busy server (Note [RPC handshake]) is retried. Only the loss of an established
-//   connection (one that brought a frame) marks the peer failed: later calls to it fail at once
-//   with NetworkError naming the peer and the reason (see RpcAgent::Peer).
-// - on_closed() (reader thread): an outgoing connection that closes fails every call pending on
-//   it (agent_pending.cpp); incoming ones only log.
-#include "tdist/rpc/agent.h"
+#include "tdist/rpc/detail/connection_table.h"
 
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstring>
 #include <system_error>
 
 #include "tdist/core/logging.h"
-#include "tdist/core/token.h"
+#include "tdist/rpc/detail/auth.h"
 #include "tdist/rpc/detail/deadline.h"
 
-namespace tdist::rpc {
+namespace tdist::rpc::detail {
 
-using detail::remaining;
+ConnectionTable::ConnectionTable(int world_size, const Membership& members,
+                                 ConnectionOptions options, ConnectionLimits limits,
+                                 ConnectionHandler* handler, Executor* executor)
+    : members_(members),
+      options_(std::move(options)),
+      limits_(limits),
+      handler_(handler),
+      executor_(executor) {
+  for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<Peer>());
+}
 
-void RpcAgent::listen() {
-  host_ = options_.listen_host.empty() ? net::local_address(store_->server_host())
-                                       : options_.listen_host;
-  // Note [Secure by default] (core/token.h): decided from the address this worker binds.
-  require_token_beyond_loopback(str("the RPC agent of worker '", self_.name, "'"),
-                                !options_.token->empty(), host_, "RpcOptions::token");
+ConnectionTable::~ConnectionTable() {
+  begin_stop();
+  close_all("agent destroyed");
+  release();
+}
+
+void ConnectionTable::listen(const std::string& host, int port) {
   const int buffer_bytes = options_.socket_buffer_bytes;
   try {
     // Accepted sockets inherit the listener's buffer sizes.
     listener_ = std::make_unique<net::Listener>(
-        host_, options_.listen_port, 512,
-        [buffer_bytes](int fd) { detail::set_socket_buffers(fd, buffer_bytes); });
+        host, port, 512, [buffer_bytes](int fd) { set_socket_buffers(fd, buffer_bytes); });
   } catch (const NetworkError& e) {
-    throw NetworkError(str("worker '", self_.name, "': ", e.what()));
+    throw NetworkError(str("worker '", members_.self().name, "': ", e.what()));
   }
   port_ = listener_->port();
 }
 
-void RpcAgent::accept_loop() {
+void ConnectionTable::start_accepting() {
+  accept_thread_ = std::thread([this] { accept_loop(); });
+}
+
+void ConnectionTable::accept_loop() {
   for (;;) {
     int fd = -1;
     try {
       fd = listener_->accept(Clock::time_point::max());
     } catch (const NetworkError& e) {
-      if (stopped_.load()) return;  // stop_everything() shut the listener down
+      if (stopped_.load()) return;  // close_all() shut the listener down
       TDIST_LOG_WARN("rpc: ", e.what());
       std::this_thread::sleep_for(Millis(10));
       continue;
     }
-    auto conn = detail::Connection::incoming(fd, conn_options_, this, pool_.get());
-    std::vector<std::shared_ptr<detail::Connection>> done;
+    auto conn = Connection::incoming(fd, options_, handler_, executor_);
+    std::vector<std::shared_ptr<Connection>> done;
     bool refused = false;
     {
       std::lock_guard<std::mutex> lock(conns_mu_);
@@ -86,7 +78,7 @@ void RpcAgent::accept_loop() {
                                           return !c || c->finished() || c->hello_verified();
                                         }),
                          handshaking_.end());
-      while (handshaking_.size() >= static_cast<size_t>(options_.max_pending_handshakes)) {
+      while (handshaking_.size() >= static_cast<size_t>(limits_.max_pending_handshakes)) {
         auto oldest = handshaking_.front().lock();
         handshaking_.pop_front();
         if (oldest && oldest->evict()) break;
@@ -94,7 +86,7 @@ void RpcAgent::accept_loop() {
       handshaking_.push_back(conn);
       // Bounded connections: beyond max_connections (what the handshake bound above left) the
       // newest is told busy, before it costs a thread.
-      if (incoming_.size() > static_cast<size_t>(options_.max_connections)) {
+      if (incoming_.size() > static_cast<size_t>(limits_.max_connections)) {
         incoming_.pop_back();
         handshaking_.pop_back();
         refused = true;
@@ -102,9 +94,9 @@ void RpcAgent::accept_loop() {
     }
     for (auto& c : done) c->join();
     if (refused) {
-      detail::send_busy(fd);
+      send_busy(fd);
       TDIST_LOG_DEBUG("rpc: refused a connection from ", conn->peer(), ": ",
-                      options_.max_connections,
+                      limits_.max_connections,
                       " connections are open (RpcOptions::"
                       "max_connections, TDIST_RPC_MAX_CONNECTIONS)");
       continue;  // conn's destructor closes the socket
@@ -123,34 +115,34 @@ void RpcAgent::accept_loop() {
   }
 }
 
-std::string RpcAgent::on_authenticated(const std::shared_ptr<detail::Connection>& conn) {
+std::string ConnectionTable::check_authenticated(const std::shared_ptr<Connection>& conn) {
   const int rank = conn->peer_rank();
   std::lock_guard<std::mutex> lock(conns_mu_);
   const auto open = std::count_if(incoming_.begin(), incoming_.end(), [rank](const auto& c) {
     return c->peer_rank() == rank && !c->closed() && !c->finished();
   });
-  if (open <= options_.max_connections_per_peer) return "";
-  return str(peer_name(rank), " already has ", options_.max_connections_per_peer,
+  if (open <= limits_.max_connections_per_peer) return "";
+  return str(members_.peer_name(rank), " already has ", limits_.max_connections_per_peer,
              " connections open here (RpcOptions::max_connections_per_peer, "
              "TDIST_RPC_MAX_CONNECTIONS_PER_PEER)");
 }
 
-// See RpcAgent::Peer for when a peer counts as failed.
-std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank, Clock::time_point deadline) {
+std::shared_ptr<Connection> ConnectionTable::connection_to(int rank, Clock::time_point deadline) {
   Peer& p = *peers_.at(rank);
   std::lock_guard<std::mutex> lock(p.mu);
   if (p.conn && !p.conn->closed()) return p.conn;
   if (p.conn && p.failed.empty() && p.conn->received_a_frame()) {
-    p.failed = str("connection to ", peer_name(rank), " was lost: ", p.conn->close_reason());
+    p.failed =
+        str("connection to ", members_.peer_name(rank), " was lost: ", p.conn->close_reason());
   }
   if (!p.failed.empty()) throw NetworkError(p.failed);
   Millis backoff(10);
   for (int attempt = 1;; ++attempt) {
     if (stopped_.load()) {
-      throw Error(str("the RPC agent of worker '", self_.name, "' is shut down"));
+      throw Error(str("the RPC agent of worker '", members_.self().name, "' is shut down"));
     }
     try {
-      p.conn = connect(rank, std::min(conn_options_.handshake.timeout, remaining(deadline)));
+      p.conn = connect(rank, std::min(options_.handshake.timeout, remaining(deadline)));
       return p.conn;
     } catch (const ProtocolError&) {
       throw;  // the peer refused the handshake (another token): retrying cannot help
@@ -159,7 +151,7 @@ std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank, Clock::tim
         throw NetworkError(str(e.what(), " (", attempt, attempt == 1 ? " attempt" : " attempts",
                                " before the call's deadline)"));
       }
-      TDIST_LOG_DEBUG("rpc: connecting to ", peer_name(rank), " failed (attempt ", attempt,
+      TDIST_LOG_DEBUG("rpc: connecting to ", members_.peer_name(rank), " failed (attempt ", attempt,
                       "), retrying in ", backoff.count(), " ms: ", e.what());
       // Sleeps in short steps so that a shutdown (which takes p.mu) is not held up.
       const auto wake = Clock::now() + backoff;
@@ -171,38 +163,38 @@ std::shared_ptr<detail::Connection> RpcAgent::connection_to(int rank, Clock::tim
   }
 }
 
-std::shared_ptr<detail::Connection> RpcAgent::connect(int rank, Millis timeout) {
-  const auto& [host, port] = addresses_[rank];
-  const int buffer_bytes = conn_options_.socket_buffer_bytes;
+std::shared_ptr<Connection> ConnectionTable::connect(int rank, Millis timeout) {
+  const auto& [host, port] = members_.address(rank);
+  const int buffer_bytes = options_.socket_buffer_bytes;
   int fd = net::connect_once(
       host, port, timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max(),
-      peer_name(rank), [buffer_bytes](int s) { detail::set_socket_buffers(s, buffer_bytes); });
+      members_.peer_name(rank), [buffer_bytes](int s) { set_socket_buffers(s, buffer_bytes); });
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // the connection blocks
-  detail::HandshakeOptions handshake = conn_options_.handshake;
+  HandshakeOptions handshake = options_.handshake;
   handshake.timeout = timeout;
-  detail::HandshakeResult hs;
+  HandshakeResult hs;
   try {
-    hs = detail::client_handshake(fd, handshake, rank);
+    hs = client_handshake(fd, handshake, rank);
   } catch (...) {
     ::close(fd);
     throw;
   }
-  auto conn = detail::Connection::outgoing(fd, hs, conn_options_, this, pool_.get());
+  auto conn = Connection::outgoing(fd, hs, options_, handler_, executor_);
   try {
     conn->start();
   } catch (const std::system_error& e) {
-    throw NetworkError(str("connecting to ", peer_name(rank),
+    throw NetworkError(str("connecting to ", members_.peer_name(rank),
                            ": cannot start the connection's "
                            "thread: ",
                            e.what()));
   }
-  TDIST_LOG_DEBUG("rpc: connected to ", peer_name(rank),
+  TDIST_LOG_DEBUG("rpc: connected to ", members_.peer_name(rank),
                   hs.send_remote_tensors ? " (same-host fast path)" : "");
   return conn;
 }
 
-void RpcAgent::on_closed(const std::shared_ptr<detail::Connection>& conn,
-                         const std::string& reason) {
+bool ConnectionTable::on_closed(const std::shared_ptr<Connection>& conn,
+                                const std::string& reason) {
   const int rank = conn->peer_rank();
   if (rank < 0) {
     if (!stopped_.load()) {
@@ -214,7 +206,7 @@ void RpcAgent::on_closed(const std::shared_ptr<detail::Connection>& conn,
         TDIST_LOG_WARN("rpc: rejected a connection: ", reason, " (", n, " rejected so far)");
       }
     }
-    return;
+    return false;
   }
   if (!stopped_.load()) {
     std::lock_guard<std::mutex> lock(lost_mu_);
@@ -222,20 +214,54 @@ void RpcAgent::on_closed(const std::shared_ptr<detail::Connection>& conn,
   }
   if (!conn->is_outgoing()) {
     if (!stopped_.load() && !reason.empty()) {
-      TDIST_LOG_DEBUG("rpc: connection from ", peer_name(rank), " closed: ", reason);
+      TDIST_LOG_DEBUG("rpc: connection from ", members_.peer_name(rank), " closed: ", reason);
     }
-    return;
+    return false;
   }
-  {
-    Peer& p = *peers_.at(rank);
-    std::lock_guard<std::mutex> lock(p.mu);
-    // A connection that closes before its first frame came was never established: the next
-    // call connects again.
-    if (p.conn == conn && p.failed.empty() && conn->received_a_frame()) {
-      p.failed = str("connection to ", peer_name(rank), " was lost: ", reason);
-    }
+  Peer& p = *peers_.at(rank);
+  std::lock_guard<std::mutex> lock(p.mu);
+  // A connection that closes before its first frame came was never established: the next
+  // call connects again.
+  if (p.conn == conn && p.failed.empty() && conn->received_a_frame()) {
+    p.failed = str("connection to ", members_.peer_name(rank), " was lost: ", reason);
   }
-  fail_pending_to(rank, reason);
+  return true;
 }
 
-}  // namespace tdist::rpc
+std::vector<int> ConnectionTable::lost_peers() const {
+  std::lock_guard<std::mutex> lock(lost_mu_);
+  return {lost_.begin(), lost_.end()};
+}
+
+void ConnectionTable::close_all(const std::string& reason) {
+  if (listener_) listener_->shutdown();
+  if (accept_thread_.joinable()) accept_thread_.join();
+  listener_.reset();
+  std::vector<std::shared_ptr<Connection>> conns;
+  for (auto& p : peers_) {
+    std::lock_guard<std::mutex> lock(p->mu);
+    if (p->conn) conns.push_back(p->conn);
+    if (p->failed.empty()) {
+      p->failed = str("the RPC agent of worker '", members_.self().name, "' ", reason);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    for (auto& c : incoming_) conns.push_back(c);
+  }
+  for (auto& c : conns) c->close(reason);
+  for (auto& c : conns) c->join();
+}
+
+void ConnectionTable::release() {
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    incoming_.clear();
+  }
+  for (auto& p : peers_) {
+    std::lock_guard<std::mutex> lock(p->mu);
+    p->conn.reset();
+  }
+}
+
+}  // namespace tdist::rpc::detail
