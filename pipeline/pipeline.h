@@ -170,7 +170,9 @@ class Pipeline {
 
   PipelineStage& stage();
   const Schedule& schedule() const;
-  // The last step's timeline on this rank, and its idle fraction (the measured bubble).
+  // The last step's timeline on this rank, and the share of its own step() call it was idle
+  // (that counts its wait for the first input, which includes its neighbours' time between
+  // steps; the pipeline's bubble is pipeline_bubble over every rank's timeline: timeline.h).
   const StepTimeline& last_timeline() const;
   double bubble_fraction() const { return last_timeline().idle_fraction(); }
   // Writes every step's timeline so far to the options' trace path (or `path` when given).
