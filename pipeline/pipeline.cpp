@@ -28,9 +28,10 @@ constexpr int64_t kNoticeBytes = 1024;
 constexpr int kMaxDims = 12;
 constexpr int64_t kHeaderLen = 4 + kMaxDims;  // status, failed stage, dtype, ndim, dims
 
+// steady_clock's own epoch (CLOCK_MONOTONIC): the ranks of one host share it (timeline.h).
 int64_t now_us() {
-  static const auto start = Clock::now();
-  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
+  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch())
+      .count();
 }
 
 std::string shape_str(at::IntArrayRef s) {
@@ -92,6 +93,9 @@ struct Pipeline::Impl {
   // Step state.
   std::vector<std::vector<Slot>> slots;  // [chunk][microbatch]
   std::vector<bool> posted;              // per action: its receive was posted
+  // Per action index k: the actions whose receives are posted before action k runs
+  // (Schedule::receive_post_index); constant after construction.
+  std::vector<std::vector<size_t>> post_plan;
   // Zero-bubble: the W passes whose I ran, oldest first (Note [Pipeline schedules], "W
   // placement"), which of them ran early, and per chunk how many W ran this step.
   std::deque<Action> pending_w;
@@ -332,11 +336,13 @@ void Pipeline::Impl::send(const at::Tensor& t, int to_stage, int dir, int i) {
   sends.push_back({pg->send(c, rank_of(to_stage), tag(dir, to_stage, i)), c, rank_of(to_stage)});
 }
 
-// Posts the receives of actions [from, from + p + 1) that are not posted yet.
-void Pipeline::Impl::post_recvs(size_t from) {
+// Posts the receives that the plan puts before action `at` (Schedule::receive_post_index): a
+// receive is posted when, in the simulated timetable, its sender starts producing the message,
+// so the message lands in its buffer as soon as it is sent (a large send waits for the
+// receive: Note [Point-to-point protocol]), and at the latest p actions ahead.
+void Pipeline::Impl::post_recvs(size_t at) {
   const auto& list = sched.actions[static_cast<size_t>(pg->rank())];
-  const size_t end = std::min(list.size(), from + static_cast<size_t>(p) + 1);
-  for (size_t k = from; k < end; ++k) {
+  for (size_t k : post_plan[at]) {
     if (posted[k]) continue;
     posted[k] = true;
     const Action& a = list[k];
@@ -587,6 +593,9 @@ Pipeline::Pipeline(PipelineStage stage, std::shared_ptr<comm::ProcessGroup> pg,
       d.last_weight_action[list[k].chunk] = static_cast<int>(k);
     }
   }
+  const auto post_index = d.sched.receive_post_index(d.pg->rank(), d.p);
+  d.post_plan.assign(list.size(), {});
+  for (size_t k = 0; k < list.size(); ++k) d.post_plan[post_index[k]].push_back(k);
   d.post_notice_recv();
 }
 

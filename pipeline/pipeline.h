@@ -102,8 +102,20 @@
 // Transfers: the activation that virtual stage s receives for microbatch i has tag
 // kTagBase + 2(i S + s), its gradient kTagBase + 2(i S + s) + 1 (S virtual stages): one tag per
 // microbatch, stage and direction, so receives match whatever order the sends arrive in. A
-// rank posts the receives of its next p + 1 actions before running an action (non-blocking),
-// and sends as soon as an output exists, waiting for its sends only at the end of the step.
+// rank sends as soon as an output exists, waiting for its sends only at the end of the step,
+// and posts each receive (non-blocking) before the action it runs in the simulated timetable
+// when the sender starts producing that message, and at the latest p actions before the
+// action that needs it (Schedule::receive_post_index): a message larger than the eager limit
+// moves only once its receive is posted (Note [Point-to-point protocol]), so a receive posted
+// late costs a round trip between the ranks' I/O threads on the critical path, and the
+// interleaved schedule's messages cross several actions between send and use.
+//
+// The bubble, measured: the idle share of the p ranks over one step's makespan, from the start
+// of the first action on any rank to the end of the last (pipeline_bubble in timeline.h, which
+// tdist-bench pipeline reports): the simulated timetables' definition above, which is also the
+// analytic (p-1)/(m+p-1) for GPipe and 1F1B. Time outside the makespan (the optimizer step,
+// zero_grad, splitting the batch) is not idle time of the pipeline; the loss is part of the
+// last stage's forward, and a message's transfer on the critical path is idle time.
 // Buffer shapes come from setup(): the first stage runs the sample's first microbatch, each
 // stage tells the next its output shape and runs a zero tensor of that shape; a stage that
 // cannot take its neighbour's output fails set-up on every rank, naming both stages.
@@ -170,7 +182,9 @@ class Pipeline {
 
   PipelineStage& stage();
   const Schedule& schedule() const;
-  // The last step's timeline on this rank, and its idle fraction (the measured bubble).
+  // The last step's timeline on this rank, and the share of its own step() call it was idle
+  // (that counts its wait for the first input, which includes its neighbours' time between
+  // steps; the pipeline's bubble is pipeline_bubble over every rank's timeline: timeline.h).
   const StepTimeline& last_timeline() const;
   double bubble_fraction() const { return last_timeline().idle_fraction(); }
   // Writes every step's timeline so far to the options' trace path (or `path` when given).

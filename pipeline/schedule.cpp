@@ -311,6 +311,54 @@ std::vector<int> Schedule::peak_in_flight() const {
   return peak;
 }
 
+std::vector<size_t> Schedule::receive_post_index(int rank, int window) const {
+  const int p = num_ranks, v = num_chunks, m = num_microbatches;
+  const int S = p * v;
+  // Simulated start of every action, by rank and action index (rising along each list), and by
+  // (rank, type, chunk, microbatch).
+  std::vector<std::vector<int64_t>> start(actions.size());
+  std::vector<int64_t> start_by_key(static_cast<size_t>(p) * 4 * v * m, -1);
+  auto key = [&](int r, Action::Type type, int chunk, int microbatch) {
+    return ((static_cast<size_t>(r) * 4 + static_cast<size_t>(type)) * v + chunk) * m + microbatch;
+  };
+  for (size_t r = 0; r < actions.size(); ++r) {
+    start[r].assign(actions[r].size(), 0);
+    for (size_t t = timetable[r].size(); t-- > 0;) {
+      if (timetable[r][t] >= 0) {
+        start[r][static_cast<size_t>(timetable[r][t])] = static_cast<int64_t>(t);
+      }
+    }
+    for (size_t k = 0; k < actions[r].size(); ++k) {
+      const Action& a = actions[r][k];
+      start_by_key[key(static_cast<int>(r), a.type, a.chunk, a.microbatch)] = start[r][k];
+    }
+  }
+  const auto& mine = actions[static_cast<size_t>(rank)];
+  const auto& my_start = start[static_cast<size_t>(rank)];
+  std::vector<size_t> out(mine.size());
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const Action& a = mine[k];
+    out[k] = k;
+    const int s = a.chunk * p + rank;
+    int q = -1;  // the stage that sends this action's message
+    if (a.type == Action::Type::kForward && s > 0) q = s - 1;
+    if ((a.type == Action::Type::kBackward || a.type == Action::Type::kBackwardInput) &&
+        s + 1 < S) {
+      q = s + 1;
+    }
+    if (q < 0) continue;
+    const int64_t produced = start_by_key[key(q % p, a.type, q / p, a.microbatch)];
+    // The last of this rank's actions that starts no later than the producer (0 if none).
+    const auto after = std::upper_bound(
+        my_start.begin(), my_start.begin() + static_cast<std::ptrdiff_t>(k), produced);
+    const size_t at =
+        after == my_start.begin() ? 0 : static_cast<size_t>(after - my_start.begin()) - 1;
+    const size_t latest = k > static_cast<size_t>(window) ? k - static_cast<size_t>(window) : 0;
+    out[k] = std::min(at, latest);
+  }
+  return out;
+}
+
 std::string Schedule::format() const {
   const bool chunks = num_chunks > 1;
   const size_t width = chunks ? 5 : 3;

@@ -58,6 +58,13 @@ struct Schedule {
   std::vector<int> peak_in_flight() const;
   // The timetable as text, one line per rank (the Note's pictures).
   std::string format() const;
+  // Per action of `rank`: the index of the action of `rank` before which its receive (the
+  // activation of an F, the gradient of a B or I) is posted: the one that rank runs in the
+  // simulated timetable when the peer starts the action that produces the message, and at the
+  // latest `window` actions ahead (index - window). Actions that receive nothing get their own
+  // index. Posting there lets the sender's message land in its buffer as soon as it is sent,
+  // while keeping the posted buffers within what the timetable holds in flight.
+  std::vector<size_t> receive_post_index(int rank, int window) const;
 };
 
 // Throws InvalidArgument for p < 1, m < 1, v < 1, v > 1 for a schedule other than interleaved,

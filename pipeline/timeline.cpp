@@ -13,6 +13,28 @@ int64_t StepTimeline::compute_us() const {
   return sum;
 }
 
+int64_t StepTimeline::compute_begin_us() const {
+  for (const auto& e : events) {
+    if (e.compute) return e.begin_us;
+  }
+  return begin_us;
+}
+
+int64_t StepTimeline::compute_end_us() const {
+  for (auto it = events.rbegin(); it != events.rend(); ++it) {
+    if (it->compute) return it->end_us;
+  }
+  return end_us;
+}
+
+double pipeline_bubble(int64_t compute_us_all_ranks, int num_ranks, int64_t compute_begin_us,
+                       int64_t compute_end_us) {
+  const int64_t makespan = compute_end_us - compute_begin_us;
+  if (makespan <= 0 || num_ranks < 1) return 0.0;
+  return 1.0 - static_cast<double>(compute_us_all_ranks) /
+                   (static_cast<double>(num_ranks) * static_cast<double>(makespan));
+}
+
 double StepTimeline::idle_fraction() const {
   const int64_t span = end_us - begin_us;
   if (span <= 0) return 0.0;

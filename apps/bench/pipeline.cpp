@@ -1,5 +1,6 @@
-// tdist-bench pipeline: a pipeline's samples/s and its measured bubble (the stages' idle share
-// of a step, from their timelines) next to the analytic (p-1)/(m+p-1) and the schedule's
+// tdist-bench pipeline: a pipeline's samples/s (wall time of the measured steps, optimizer step
+// included, as the anchor measures itself) and its measured bubble (the stages' idle share of
+// each step's makespan, from their timelines: pipeline_bubble in timeline.h) next to the analytic (p-1)/(m+p-1) and the schedule's
 // simulated bubble, per schedule; beside it, PyTorch's torch.distributed.pipelining over gloo on
 // the same model, cut, schedule and microbatches (scripts/bench_pipeline_torch.py), and the
 // ratio of the two. Starts --stages processes of itself per schedule and round (loopback, one
@@ -49,7 +50,8 @@ struct Config {
 struct Figures {
   double samples_per_s = 0;
   double step_ms = 0;
-  double bubble = 0;  // tdist only: the measured idle share
+  double bubble = 0;    // tdist only: the measured bubble (timeline.h, pipeline_bubble)
+  double own_idle = 0;  // tdist only: the ranks' mean idle share of their own step() calls
 };
 
 torch::nn::Sequential make_model(const Config& c) {
@@ -84,25 +86,52 @@ int worker_main(const Config& c) {
   auto y = torch::randn({batch, c.width});
   pipe.setup(x);
   torch::optim::SGD opt(pipe.stage().parameters(), 0.001);
-  double idle = 0, step_us = 0;
-  for (int s = 0; s < c.warmup + c.steps; ++s) {
+  // The bubble per step (timeline.h, pipeline_bubble): every rank's compute over the step's
+  // makespan, from the first compute event on any rank to the last one's end; the ranks are
+  // processes of this host, so their steady clocks agree. Gathered after the timed steps.
+  auto step_once = [&] {
     opt.zero_grad();
     pipe.step(x, y);
     opt.step();
-    if (s >= c.warmup) {
-      idle += pipe.bubble_fraction();
-      const auto& t = pipe.last_timeline();
-      step_us += static_cast<double>(t.end_us - t.begin_us);
-    }
+  };
+  for (int s = 0; s < c.warmup; ++s) step_once();
+  comm::BarrierOptions bo;
+  pg->barrier(bo)->wait();
+  // Timed as the anchor times itself: wall time of the measured steps, optimizer included,
+  // between barriers.
+  const auto start = std::chrono::steady_clock::now();
+  // Per step: compute (summed), -first compute begin and last compute end (both by MAX).
+  auto compute = torch::zeros({c.steps}, torch::kFloat64);
+  auto span = torch::zeros({c.steps, 2}, torch::kFloat64);
+  double own_idle = 0;
+  for (int s = 0; s < c.steps; ++s) {
+    step_once();
+    const auto& t = pipe.last_timeline();
+    own_idle += t.idle_fraction();
+    compute[s] = static_cast<double>(t.compute_us());
+    span[s][0] = -static_cast<double>(t.compute_begin_us());
+    span[s][1] = static_cast<double>(t.compute_end_us());
   }
-  // Means over the measured steps and the ranks.
-  auto sums = torch::tensor({idle / c.steps, step_us / c.steps}, torch::kFloat64);
-  pg->allreduce(sums)->wait();
+  pg->barrier(bo)->wait();
+  const double total_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  auto idle = torch::tensor({own_idle / c.steps}, torch::kFloat64);
+  pg->allreduce(idle)->wait();
+  pg->allreduce(compute)->wait();
+  comm::AllreduceOptions mx;
+  mx.op = comm::ReduceOp::MAX;
+  pg->allreduce(span, mx)->wait();
+  double bubble = 0;
+  for (int s = 0; s < c.steps; ++s) {
+    bubble += pipeline::pipeline_bubble(static_cast<int64_t>(compute[s].item<double>()), pg->size(),
+                                        static_cast<int64_t>(-span[s][0].item<double>()),
+                                        static_cast<int64_t>(span[s][1].item<double>()));
+  }
   if (pg->rank() == 0) {
-    const double bubble = sums[0].item<double>() / pg->size();
-    const double ms = sums[1].item<double>() / pg->size() / 1000.0;
+    const double ms = total_s * 1000.0 / c.steps;
     std::ofstream out(env::require("TDIST_BENCH_PIPELINE_RESULT"));
-    out << std::setprecision(17) << batch / (ms / 1000.0) << " " << ms << " " << bubble << "\n";
+    out << std::setprecision(17) << batch / (ms / 1000.0) << " " << ms << " " << bubble / c.steps
+        << " " << idle.item<double>() / pg->size() << "\n";
     TDIST_CHECK(out.good(), "cannot write the result file");
   }
   return 0;
@@ -141,7 +170,7 @@ Figures run_tdist(const Config& c, const std::string& schedule,
   }
   Figures f;
   std::ifstream in(result_path);
-  in >> f.samples_per_s >> f.step_ms >> f.bubble;
+  in >> f.samples_per_s >> f.step_ms >> f.bubble >> f.own_idle;
   std::remove(result_path.c_str());
   TDIST_CHECK(failed.empty() && f.samples_per_s > 0, "the tdist ", schedule,
               " run failed on rank(s)", failed);
@@ -182,13 +211,14 @@ bool torch_has(const std::string& schedule) {
 }
 
 Figures median_of(const std::vector<Figures>& runs) {
-  std::vector<double> a, b, c;
+  std::vector<double> a, b, c, d;
   for (const auto& r : runs) {
     a.push_back(r.samples_per_s);
     b.push_back(r.step_ms);
     c.push_back(r.bubble);
+    d.push_back(r.own_idle);
   }
-  return Figures{median(a), median(b), median(c)};
+  return Figures{median(a), median(b), median(c), median(d)};
 }
 
 }  // namespace
@@ -263,7 +293,8 @@ int run_pipeline_bench(int argc, char** argv) {
                            {"tdist",
                             {{"samples_per_s", o.samples_per_s},
                              {"step_ms", o.step_ms},
-                             {"bubble_measured", o.bubble}}},
+                             {"bubble_measured", o.bubble},
+                             {"own_step_idle", o.own_idle}}},
                            {"bubble_analytic", pipeline::analytic_bubble(c.stages, c.microbatches)},
                            {"bubble_simulated", sched.simulated_bubble()}};
       std::ostringstream tail;

@@ -9,6 +9,7 @@
 #include "tdist/core/error.h"
 #include "tdist/pipeline/schedule.h"
 #include "tdist/pipeline/stage.h"
+#include "tdist/pipeline/timeline.h"
 
 namespace tdist::pipeline {
 namespace {
@@ -42,6 +43,46 @@ TEST(PipelineSchedule, EveryRankRunsEachActionOnceInDependencyOrder) {
               }
             }
             EXPECT_EQ(seen.size(), static_cast<size_t>(m * v * (split ? 3 : 2)));
+            // Each receive is posted before its action, at the latest p actions ahead, and no
+            // later than the action this rank runs when its sender starts the message.
+            const auto post = s.receive_post_index(r, p);
+            ASSERT_EQ(post.size(), s.actions[r].size());
+            std::vector<int64_t> start(s.actions[r].size(), -1);
+            for (size_t t = 0; t < s.timetable[r].size(); ++t) {
+              const int k = s.timetable[r][t];
+              if (k >= 0 && start[k] < 0) start[k] = static_cast<int64_t>(t);
+            }
+            for (size_t k = 0; k < post.size(); ++k) {
+              const Action& a = s.actions[r][k];
+              const int st = a.chunk * p + r;
+              int q = -1;
+              if (a.type == Type::kForward && st > 0) q = st - 1;
+              if ((a.type == Type::kBackward || a.type == Type::kBackwardInput) && st + 1 < p * v) {
+                q = st + 1;
+              }
+              if (q < 0) {
+                EXPECT_EQ(post[k], k);  // receives nothing
+                continue;
+              }
+              EXPECT_LE(post[k], k > static_cast<size_t>(p) ? k - p : 0) << to_string(a, true);
+              int64_t produced = -1;
+              const auto& theirs = s.actions[q % p];
+              for (size_t j = 0; j < theirs.size(); ++j) {
+                if (theirs[j] == Action{a.type, a.microbatch, q / p}) {
+                  for (size_t t = 0; t < s.timetable[q % p].size(); ++t) {
+                    if (s.timetable[q % p][t] == static_cast<int>(j)) {
+                      produced = static_cast<int64_t>(t);
+                      break;
+                    }
+                  }
+                }
+              }
+              ASSERT_GE(produced, 0) << to_string(a, true);
+              // (Index 0 is as early as a step can post.)
+              if (post[k] > 0) {
+                EXPECT_LE(start[post[k]], produced) << to_string(a, true) << " on rank " << r;
+              }
+            }
           }
         }
       }
@@ -61,6 +102,27 @@ TEST(PipelineSchedule, BubbleAndMemoryAreTheNotes) {
         EXPECT_LT(zb.simulated_bubble(), one.simulated_bubble()) << "p=" << p << " m=" << m;
         EXPECT_LT(make_schedule(ScheduleKind::kInterleaved1F1B, p, 2 * p, 2).simulated_bubble(),
                   make_schedule(ScheduleKind::k1F1B, p, 2 * p).simulated_bubble());
+      }
+      // The measured bubble (timeline.h) of timelines that follow the simulated timetables
+      // exactly is the simulated bubble: both are idle time over p times the makespan.
+      for (const Schedule* sched : {&gpipe, &one, &zb}) {
+        int64_t compute = 0, begin = INT64_MAX, end = 0;
+        for (int r = 0; r < p; ++r) {
+          StepTimeline tl;
+          tl.begin_us = -5000;  // before the first action: time outside the makespan
+          for (size_t t = 0; t < sched->timetable[r].size(); ++t) {
+            if (sched->timetable[r][t] < 0) continue;
+            const int64_t at = 1000 * static_cast<int64_t>(t);
+            tl.events.push_back({"wait", at - 1, at, false});
+            tl.events.push_back({"x", at, at + 1000, true});
+          }
+          tl.end_us = 1000 * static_cast<int64_t>(sched->timetable[r].size()) + 7000;
+          compute += tl.compute_us();
+          begin = std::min(begin, tl.compute_begin_us());
+          end = std::max(end, tl.compute_end_us());
+        }
+        EXPECT_NEAR(pipeline_bubble(compute, p, begin, end), sched->simulated_bubble(), 1e-12)
+            << to_string(sched->kind) << " p=" << p << " m=" << m;
       }
       const auto g = gpipe.peak_in_flight(), o = one.peak_in_flight(), z = zb.peak_in_flight();
       for (int r = 0; r < p; ++r) {
