@@ -40,6 +40,8 @@ void Membership::join(int world_size, const std::string& host, uint16_t port, Mi
                            timeout.count(), " ms for all ", world_size,
                            " RPC workers to join: ", e.what()));
   }
+  workers_.reserve(world_size);
+  addresses_.reserve(world_size);
   for (int r = 0; r < world_size; ++r) {
     auto fields = decode<std::tuple<std::string, std::string, uint16_t>>(store_->get(keys[r]));
     WorkerInfo w{std::get<0>(fields), r};
@@ -48,6 +50,7 @@ void Membership::join(int world_size, const std::string& host, uint16_t port, Mi
     workers_.push_back(w);
     addresses_.emplace_back(std::get<1>(fields), std::get<2>(fields));
   }
+  joined_.store(world_size, std::memory_order_release);
 }
 
 const WorkerInfo& Membership::worker_info(const To& to) const {
@@ -62,7 +65,7 @@ const WorkerInfo& Membership::worker_info(const To& to) const {
 }
 
 std::string Membership::peer_name(int rank) const {
-  if (rank >= 0 && rank < static_cast<int>(workers_.size())) {
+  if (rank >= 0 && rank < joined_.load(std::memory_order_acquire)) {
     return str("worker '", workers_[rank].name, "' (rank ", rank, ")");
   }
   return str("worker rank ", rank);

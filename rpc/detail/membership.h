@@ -12,6 +12,7 @@
 // by every thread afterwards; shutdown_rounds() runs on one thread at a time (RpcAgent::shutdown
 // serializes it), which alone touches lost_published_.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -80,11 +81,15 @@ class Membership {
   std::shared_ptr<Store> store_;
   // Written by join(), constant afterwards.
   std::string prefix_;  // this incarnation's keys
+  // Reserved whole before join() fills it, so its entries never move: peer_name() reads the
+  // first joined_ of them from the accept and reader threads while join() still runs.
   std::vector<WorkerInfo> workers_;
   std::vector<std::pair<std::string, uint16_t>> addresses_;
   std::map<std::string, int> rank_by_name_;
   // The shutdown thread's: lost peers already marked gone in the store.
   std::set<int> lost_published_;
+  // How many of workers_ peer_name() may read: world_size once join() is done, 0 before.
+  std::atomic<int> joined_{0};
 };
 
 }  // namespace tdist::rpc::detail
