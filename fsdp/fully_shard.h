@@ -50,10 +50,11 @@
 //     module parameters' .grad.
 //  3. As soon as the last of a group's gradients is accumulated (a post hook on each gradient
 //     accumulator; or, when some parameter got no gradient this step, at the post-backward node
-//     on the unit's inputs, or else at the end of backward), the group's gradients are copied
-//     into one flat buffer (zeros for a missing one), divided by N, and reduce_scatter_tensor
-//     (SUM) starts; the full gradients and the gathered parameters are freed at once. The
-//     collective overlaps the backward of the units before it.
+//     on the unit's inputs, or else at the end of backward), the gathered parameters are freed,
+//     then the group's gradients are copied into one flat buffer (zeros for a missing one;
+//     each full gradient freed once copied), divided by N, and reduce_scatter_tensor (SUM)
+//     starts. The collective overlaps the backward of the units before it; the flat buffer is
+//     dropped at the first backward step (2 or 3 of any group) that finds it complete.
 //  4. End of backward (the engine's final callback): the post-backward step of every group that
 //     ran forward and has not had it, in reverse forward order; then each reduce-scatter is
 //     waited for and its result added to the sharded parameter's .grad; the root's group is
@@ -106,8 +107,9 @@
 // param_dtype's and reduce_dtype's element sizes (the full .grad the model's). During forward:
 // plus the root's group
 // and one gathered unit (with reshard_after_forward; without it, every unit gathered so far).
-// During backward: plus the root's group, the gathered unit, its full gradients and its flat
-// gradient until its reduce-scatter completes (those of earlier units still in flight too).
+// During backward: plus the root's group, the gathered unit and its full gradients; then, with
+// the unit freed, its flat gradient until its reduce-scatter completes (those of earlier units
+// still in flight too).
 // Prefetch adds up to L gathered groups; no_sync() keeps the full gradients of every unit (Ψ)
 // until the synchronizing backward. A forward without autograd recording frees every group,
 // the root's too, after its forward. A parameter no unit's forward used gets a zero gradient,

@@ -18,6 +18,8 @@ libtorch's CPU allocator with tdist's counting one (core/cpu_memory.h) before an
 construction on, less what was held just before. `state_bytes` are the parameters (FSDP2: the
 local shards of the DTensors), gradients and Adam state after the last step (each storage once).
 `peak_rss_bytes` is the process's peak resident set (the interpreter included).
+`activation_bytes` is the most bytes one step's forward and loss added (the count when its
+backward begins less the count before its forward), as tdist-train reports it.
 
 Each rank is a process of this script (--child); the parent prints one line that
 tdist-bench fsdp parses:
@@ -170,11 +172,17 @@ def child(args):
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     losses = []
+    activations = [0]
 
     def step():
         x, y = batch()
         opt.zero_grad()
-        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        before = tdist_c10d.cpu_memory_stats()["allocated_bytes"]
+        out = model(x)
+        loss = F.cross_entropy(out.reshape(-1, 256), y.reshape(-1))
+        del out
+        activations[0] = max(activations[0],
+                             tdist_c10d.cpu_memory_stats()["allocated_bytes"] - before)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -219,6 +227,7 @@ def child(args):
         "state_bytes": state,
         "peak_allocated_bytes": stats["peak_bytes"] - base,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "activation_bytes": activations[0],
         "params": sum(p.numel() for p in model.parameters()) if args.strategy == "ddp" else None,
     }
     print("rank_result " + json.dumps(result), flush=True)

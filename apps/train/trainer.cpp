@@ -253,6 +253,9 @@ struct MemoryUse {
   // The most bytes of CPU tensors held at once since the model was built, less those held just
   // before (the data): from the counting allocator (core/cpu_memory.h). -1 on a GPU.
   int64_t peak_allocated_bytes = -1;
+  // The activations: the most CPU tensor bytes one step's forward and loss added (held when its
+  // backward began, less what was held before its forward). -1 on a GPU or without such a step.
+  int64_t activation_bytes = -1;
 };
 
 int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
@@ -456,6 +459,7 @@ class Trainer {
   double measured_s_ = 0;
   Window window_;
   int64_t allocated_before_model_ = 0;  // CPU tensor bytes held when the model was built
+  int64_t activation_bytes_ = -1;       // MemoryUse::activation_bytes
 };
 
 Trainer::Trainer(const TrainOptions& o) : o_(o) {
@@ -683,15 +687,16 @@ MemoryUse Trainer::measure_memory() const {
   m.peak_rss_bytes = peak_rss_bytes();
   if (!o_.device.is_cuda())
     m.peak_allocated_bytes = cpu_memory_stats().peak_bytes - allocated_before_model_;
+  m.activation_bytes = activation_bytes_;
   return m;
 }
 
 std::vector<MemoryUse> Trainer::memory_per_rank(const MemoryUse& mine) const {
-  at::Tensor all = at::zeros({world_, 5}, at::kDouble);
+  at::Tensor all = at::zeros({world_, 6}, at::kDouble);
   all[rank_].copy_(at::tensor(
       {static_cast<double>(mine.parameter_bytes), static_cast<double>(mine.gradient_bytes),
        static_cast<double>(mine.optimizer_state_bytes), static_cast<double>(mine.peak_rss_bytes),
-       static_cast<double>(mine.peak_allocated_bytes)},
+       static_cast<double>(mine.peak_allocated_bytes), static_cast<double>(mine.activation_bytes)},
       at::kDouble));
   comm::AllreduceOptions aopts;
   aopts.timeout = timeout_;
@@ -702,7 +707,7 @@ std::vector<MemoryUse> Trainer::memory_per_rank(const MemoryUse& mine) const {
     out[r] = MemoryUse{
         static_cast<int64_t>(row[0].item<double>()), static_cast<int64_t>(row[1].item<double>()),
         static_cast<int64_t>(row[2].item<double>()), static_cast<int64_t>(row[3].item<double>()),
-        static_cast<int64_t>(row[4].item<double>())};
+        static_cast<int64_t>(row[4].item<double>()), static_cast<int64_t>(row[5].item<double>())};
   }
   return out;
 }
@@ -752,8 +757,16 @@ void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
     w.optimizer_ms += 1e3 * seconds_between(t2, t3);
     t4 = t3;
   } else {
+    const int64_t before_forward = cpu_memory_stats().allocated_bytes;
     at::Tensor logits = forward(batch.images);
     at::Tensor loss = loss_of(logits, batch.labels);
+    // Counted now so that the logits (which the loss did not save) are freed before backward.
+    w.correct += logits.argmax(-1).eq(batch.labels).sum().item<int64_t>();
+    logits = at::Tensor();
+    if (!o_.device.is_cuda()) {
+      activation_bytes_ =
+          std::max(activation_bytes_, cpu_memory_stats().allocated_bytes - before_forward);
+    }
     const auto t2 = Clock::now();
     const int64_t backward_begin = now_us();
     loss.backward();
@@ -763,7 +776,6 @@ void Trainer::train_step(const std::vector<int64_t>& epoch_order) {
     t4 = Clock::now();
     const int64_t last_grad = timing_->last_grad_us.load(std::memory_order_relaxed);
     w.loss_sum += loss.item<double>();
-    w.correct += logits.argmax(-1).eq(batch.labels).sum().item<int64_t>();
     w.predictions += batch.labels.numel();
     w.forward_ms += 1e3 * seconds_between(t1, t2);
     w.backward_ms += 1e3 * seconds_between(t2, t3);
@@ -987,7 +999,9 @@ void Trainer::write_summary(const EvalResult& final_eval, double train_s, uint64
                    {"peak_rss_bytes", m.peak_rss_bytes},
                    {"peak_allocated_bytes", m.peak_allocated_bytes >= 0
                                                 ? nlohmann::json(m.peak_allocated_bytes)
-                                                : nlohmann::json(nullptr)}});
+                                                : nlohmann::json(nullptr)},
+                   {"activation_bytes", m.activation_bytes >= 0 ? nlohmann::json(m.activation_bytes)
+                                                                : nlohmann::json(nullptr)}});
   }
   s["memory_per_rank"] = mem;
   // core/atomic_file.h: a fresh 0600 temporary file (never one planted at its name), renamed.

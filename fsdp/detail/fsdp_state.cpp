@@ -384,6 +384,7 @@ void FSDPState::pre_backward(int g) {
   Step& step = steps_.at(g);
   if (step.pre_backward) return;
   step.pre_backward = true;
+  for (auto& group : groups_) group->release_reduce_input();
   unshard(g);
   prefetch(g, -1);
 }
@@ -400,6 +401,12 @@ void FSDPState::post_backward(int g) {
   if (!step.forwarded || step.post_backward) return;
   ensure_final_callback();
   step.post_backward = true;
+  // The gathered parameters go before the flat gradient is allocated (the gradients are tensors
+  // of their own): the two never take memory at once.
+  groups_[g]->reshard();
+  // Earlier groups' flat gradients whose reduce-scatter has completed are not kept to the end
+  // of backward (at most one in flight on a quick network, as with FSDP2).
+  for (auto& group : groups_) group->release_reduce_input();
   if (require_sync_) {
     groups_[g]->reduce_grads();
     ++counters_.reduce_scatters;
@@ -408,7 +415,6 @@ void FSDPState::post_backward(int g) {
       start_replica_reduces(/*wait=*/false);
     }
   }
-  groups_[g]->reshard();
 }
 
 void FSDPState::start_replica_reduces(bool wait) {

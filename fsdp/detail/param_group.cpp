@@ -196,6 +196,10 @@ bool ParamGroup::start_replica_reduce(bool wait) {
   return true;
 }
 
+void ParamGroup::release_reduce_input() {
+  if (rs_work_ && rs_input_.defined() && rs_work_->is_completed()) rs_input_ = at::Tensor();
+}
+
 void ParamGroup::finish_reduce() {
   if (!rs_work_) return;
   start_replica_reduce(/*wait=*/true);

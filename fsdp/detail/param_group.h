@@ -107,6 +107,9 @@ class ParamGroup {
   // the .grad where there was none). No-op when none is pending.
   void finish_reduce();
   bool reduce_pending() const { return rs_work_ != nullptr; }
+  // Drops this group's hold on the reduce-scatter's input (the flat gradient) once that
+  // collective has completed, so the buffer need not live to finish_reduce(). Non-blocking.
+  void release_reduce_input();
   // Drops a pending reduce-scatter without waiting (after a failed backward).
   void drop_reduce();
 
