@@ -127,9 +127,10 @@ TEST(AllreduceShm, TinyOddRingWrapsAndSplitsElements) {
                                                  {"TDIST_CHUNK_BYTES", std::string("1000")}});
   const int world = 3;
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
-    auto pg = create_process_group(store, rank, world, test::test_options());
     for (auto algo : {"ring", "recursive_doubling"}) {
-      (void)algo;
+      auto o = test::test_options();
+      o.ring.allreduce_algo = algo;
+      auto pg = create_process_group(store, rank, world, o);
       for (int64_t n : {1, 3, 257, 5001}) {
         for (auto t : {torch::kComplexDouble, torch::kFloat, torch::kHalf, torch::kUInt8}) {
           auto x = test::make_input(t, ReduceOp::SUM, n, rank);
@@ -143,6 +144,7 @@ TEST(AllreduceShm, TinyOddRingWrapsAndSplitsElements) {
       }
     }
     // reduce_scatter and reduce over the same tiny rings.
+    auto pg = create_process_group(store, rank, world, test::test_options());
     auto in = torch::arange(world * 2001, torch::kDouble) + rank;
     auto out = torch::empty({2001}, torch::kDouble);
     pg->reduce_scatter_tensor(out, in)->wait();
