@@ -260,7 +260,12 @@ int run_rpc_bench(int argc, char** argv) {
     std::vector<json> our_runs, torch_runs;
     RoundTrips trips;  // Note [Core-to-core round trip] in bounds.h
     trips.before = core_round_trip();
-    run_rounds(o, start_server, measure, run_torch, our_runs, torch_runs);
+    run_rounds(
+        o, start_server, measure,
+        [&](Options& opts) {
+          if (opts.torch) torch_runs.push_back(run_torch(opts));
+        },
+        our_runs);
     trips.after = core_round_trip();
     auto med = [](const std::vector<json>& runs) {
       return median_of(runs, {"rtt_us", "async_calls_s", "echo_gbps"});

@@ -67,13 +67,17 @@ bool print_ratio_table(const RatioTable& t, const nlohmann::json& ours,
     if (theirs) {
       const double b = (*theirs)[row.key].get<double>();
       const double ratio = a / b;
-      const bool met = row.lower_is_better ? ratio <= row.target : ratio >= row.target;
-      all_met = all_met && met;
-      std::printf(" %*.*f %*.3f %*s%.2f %s", t.value_width, t.value_precision, b, t.ratio_width,
-                  ratio, t.op_width, row.lower_is_better ? "<=" : ">=", row.target,
-                  met ? "met" : "NOT MET");
+      std::printf(" %*.*f %*.3f", t.value_width, t.value_precision, b, t.ratio_width, ratio);
       result["ratios"][row.key] = ratio;
-      result["met"][row.key] = met;
+      if (row.target != RatioTable::kNoTarget) {
+        const bool met = row.lower_is_better ? ratio <= row.target : ratio >= row.target;
+        all_met = all_met && met;
+        std::printf(" %*s%.2f %s", t.op_width, row.lower_is_better ? "<=" : ">=", row.target,
+                    met ? "met" : "NOT MET");
+        result["met"][row.key] = met;
+      } else {
+        std::printf(" %*s", t.op_width + 4, "-");
+      }
     }
     std::printf("\n");
   }

@@ -35,10 +35,11 @@ nlohmann::json run_torch_script(const std::string& script, const std::string& ar
 
 // Runs max(o.rounds, 1) rounds: a TCPStoreServer on a kernel-picked loopback port (its port in
 // o.store_port), spawn(o) -> the server's pid, ours.push_back(measure(o)) (the server is killed
-// and reaped if that throws), the server reaped, then theirs.push_back(torch(o)) when o.torch.
-template <class Options, class Spawn, class Measure, class Torch>
-void run_rounds(Options& o, Spawn spawn, Measure measure, Torch torch,
-                std::vector<nlohmann::json>& ours, std::vector<nlohmann::json>& theirs) {
+// and reaped if that throws), the server reaped, then after(o): the anchor's side of the round
+// (PyTorch's script, or the same work in this process), so that the two alternate.
+template <class Options, class Spawn, class Measure, class After>
+void run_rounds(Options& o, Spawn spawn, Measure measure, After after,
+                std::vector<nlohmann::json>& ours) {
   for (int round = 0; round < std::max(o.rounds, 1); ++round) {
     TCPStoreServer store("127.0.0.1", 0);
     o.store_port = store.port();
@@ -52,7 +53,7 @@ void run_rounds(Options& o, Spawn spawn, Measure measure, Torch torch,
     }
     int status = 0;
     ::waitpid(server, &status, 0);
-    if (o.torch) theirs.push_back(torch(o));
+    after(o);
   }
 }
 
@@ -60,9 +61,10 @@ void run_rounds(Options& o, Spawn spawn, Measure measure, Torch torch,
 nlohmann::json median_of(const std::vector<nlohmann::json>& runs,
                          std::initializer_list<const char*> keys);
 
-// The table of tdist against PyTorch: a header line, then per row the label and tdist's figure
-// and, with `theirs`, PyTorch's figure, the ratio tdist/PyTorch, the target and whether it is
-// met (also written to result["ratios"][key] and result["met"][key]).
+// The table of tdist against an anchor (PyTorch, or the same work in one process): a header
+// line, then per row the label and tdist's figure and, with `theirs`, the anchor's figure, the
+// ratio tdist/anchor, the target and whether it is met (also written to result["ratios"][key]
+// and result["met"][key]). A row whose target is kNoTarget shows its ratio with no target.
 struct RatioTable {
   struct Row {
     const char* label;
@@ -70,8 +72,9 @@ struct RatioTable {
     bool lower_is_better;
     double target;
   };
+  static constexpr double kNoTarget = -1;
   const char* title;        // over the labels
-  const char* torch_title;  // over PyTorch's figures
+  const char* torch_title;  // over the anchor's figures
   int label_width, value_width, value_precision, ratio_width, op_width;
   std::vector<Row> rows;
 };

@@ -193,7 +193,13 @@ class RingProcessGroup final : public ProcessGroup {
   Millis effective(Millis timeout) const { return timeout.count() < 0 ? opts_.timeout : timeout; }
   algorithms::ReduceSpec reduce_spec(const at::Tensor& t, ReduceOp op) const;
   // The algorithm allreduce_flat runs for `count` elements of `elem` bytes.
-  enum class AllreduceAlgo { kRecursiveDoubling, kHierarchical, kRing, kSingleCopy };
+  enum class AllreduceAlgo {
+    kRecursiveDoubling,
+    kHalvingDoubling,
+    kHierarchical,
+    kRing,
+    kSingleCopy
+  };
   AllreduceAlgo allreduce_algorithm(size_t count, size_t elem) const;
   void allreduce_flat(algorithms::Context& c, char* data, size_t count,
                       const algorithms::ReduceSpec& rs) const;

@@ -67,7 +67,9 @@ std::shared_ptr<Work> RingProcessGroup::allreduce_staged(const char* name,
   // before runs, on a side stream after the point the caller's stream had reached at this call.
   // The ring sends each piece once it arrived, in the order it needs them; recursive doubling
   // exchanges the whole window at once, so it waits for all of it.
-  const bool ring = algorithm == AllreduceAlgo::kRing;
+  // A staged halving-doubling runs the ring: the ring sends each piece as it arrives.
+  const bool ring =
+      algorithm == AllreduceAlgo::kRing || algorithm == AllreduceAlgo::kHalvingDoubling;
   const size_t window = algo::window_elems(window_bytes_, rs.elem_size);
   auto stage = [ts, rs, ring, piece = staging_piece_bytes_, size = size_, rank = rank_,
                 issue = count > window ? StagedTensors::mark_issue(ts) : nullptr](size_t begin,

@@ -54,9 +54,11 @@ RingTuningValues resolve_ring_tuning(const ProcessGroup::Options::RingTuning& se
       set.allreduce_algo ? *set.allreduce_algo : env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
   TDIST_CHECK_ARG(v.allreduce_algo == "auto" || v.allreduce_algo == "ring" ||
                       v.allreduce_algo == "recursive_doubling" ||
+                      v.allreduce_algo == "halving_doubling" ||
                       v.allreduce_algo == "hierarchical" || v.allreduce_algo == "single_copy",
                   algo_from, "='", v.allreduce_algo,
-                  "' is not one of auto, ring, recursive_doubling, hierarchical, single_copy");
+                  "' is not one of auto, ring, recursive_doubling, halving_doubling, hierarchical, "
+                  "single_copy");
   if (set.debug_detail) {
     v.debug_detail = *set.debug_detail;
   } else {

@@ -53,6 +53,13 @@ TEST_P(AllreduceTest, RecursiveDoublingEveryOpAndDtype) {
   check_every_op_and_dtype(world(), "recursive_doubling");
 }
 
+// Halving-doubling (Note [Halving-doubling]) at worlds 2, 4 and 8 (where the automatic choice
+// takes it) and at world 3, where a rank folds in; sizes 0, 1 (below the block count), odd and
+// several blocks; every op (AVG divided once per block) and dtype.
+TEST(AllreduceHalvingDoubling, EveryOpAndDtypeAtWorldsTwoThreeFourEight) {
+  for (int world : {2, 3, 4, 8}) check_every_op_and_dtype(world, "halving_doubling");
+}
+
 // Default chunking: a float buffer of several 256 KiB chunks through the ring, and the results
 // bit-identical on every rank.
 TEST_P(AllreduceTest, LargeBufferDefaultChunks) {

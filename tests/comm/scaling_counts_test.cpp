@@ -14,7 +14,10 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <optional>
+#include <string>
 
+#include "tdist/comm/algorithms/allreduce_halving_doubling.h"
 #include "tdist/comm/ring/ring_process_group.h"
 #include "tests/comm/comm_test_util.h"
 
@@ -23,10 +26,12 @@ namespace {
 
 using Counts = detail::Exchange::Counts;
 
-std::vector<Counts> counts_of_one_allreduce(int world, int64_t count) {
+// `algo`: TDIST_ALLREDUCE_ALGO (nullopt: the automatic choice).
+std::vector<Counts> counts_of_one_allreduce(int world, int64_t count,
+                                            std::optional<std::string> algo = std::nullopt) {
   // One chunk per ring segment, so that a hop is one send.
   tdist::test::EnvGuard env({{"TDIST_CHUNK_BYTES", std::string("16777216")},
-                             {"TDIST_ALLREDUCE_ALGO", std::nullopt},
+                             {"TDIST_ALLREDUCE_ALGO", algo},
                              {"TDIST_SMALL_ALLREDUCE_BYTES", std::nullopt}});
   std::vector<Counts> out(static_cast<size_t>(world));
   tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
@@ -36,7 +41,7 @@ std::vector<Counts> counts_of_one_allreduce(int world, int64_t count) {
     auto t = torch::full({count}, static_cast<float>(rank + 1));
     pg->allreduce(t)->wait();
     out[static_cast<size_t>(rank)] = ring->last_counts();
-    EXPECT_EQ(t[count - 1].item<float>(), world * (world + 1) / 2.0f);
+    EXPECT_TRUE(torch::equal(t, torch::full({count}, world * (world + 1) / 2.0f)));
     pg->barrier()->wait();
   });
   return out;
@@ -89,11 +94,11 @@ TEST(ScalingCounts, RecursiveDoublingMovesTheBufferOncePerRound) {
 }
 
 TEST(ScalingCounts, RingMakesTwoNMinusOneHopsOfOneSegment) {
-  constexpr int64_t kCount = 3 << 16;  // 768 KiB, above the small size: the ring; divisible by 8
+  constexpr int64_t kCount = 3 << 16;  // 768 KiB, above the small size; divisible by 8
   const uint64_t b = kCount * 4;
   for (int n : worlds()) {
     SCOPED_TRACE(testing::Message() << "world " << n);
-    const auto cs = counts_of_one_allreduce(n, kCount);
+    const auto cs = counts_of_one_allreduce(n, kCount, "ring");
     print("ring", n, b, cs);
     for (int r = 0; r < n; ++r) {
       SCOPED_TRACE(testing::Message() << "rank " << r);
@@ -106,6 +111,112 @@ TEST(ScalingCounts, RingMakesTwoNMinusOneHopsOfOneSegment) {
       EXPECT_EQ(c.runs, 1u);
       EXPECT_EQ(c.bytes_sent, 2 * (n - 1) * b / n);
       EXPECT_EQ(c.bytes_received, 2 * (n - 1) * b / n);
+    }
+  }
+}
+
+// The dependent hand-offs of one allreduce on one rank: its rounds (each waits for all it
+// posted) and its forwards (each waited for a receive). A sleeping rank is woken once per
+// hand-off, so this is what must not grow linearly with the world at a fixed size.
+uint64_t hand_offs(const Counts& c) { return c.runs + c.forwards; }
+
+// Issue 46's world-8 slowdown at 64 KiB-1 MiB: the automatic choice above the small size was
+// the ring, 2(n-1) dependent hops per rank (14 at world 8 against 6 at world 4) for almost the
+// same bytes (1.75 against 1.5 buffers). At a power of two from 8 it is now halving-doubling
+// (Note [Halving-doubling]): the ring's bytes in 2 log2 n rounds. Run at worlds 2-4 (the ring)
+// and 8 (one allreduce of 768 KiB), and counted from the plan at 8 and 16.
+TEST(ScalingCounts, MidSizeAllreduceHandOffsGrowAsLogOfAPowerOfTwoWorld) {
+  constexpr int64_t kCount = 3 << 16;  // 768 KiB: above the small size
+  const uint64_t b = kCount * 4;
+  std::vector<int> ns = worlds();
+  ns.push_back(8);
+  for (int n : ns) {
+    SCOPED_TRACE(testing::Message() << "world " << n);
+    const auto cs = counts_of_one_allreduce(n, kCount);
+    print("auto", n, b, cs);
+    int log2n = 0;
+    while ((1 << (log2n + 1)) <= n) ++log2n;
+    const bool halving_doubling = n >= 8 && (1 << log2n) == n;
+    for (int r = 0; r < n; ++r) {
+      SCOPED_TRACE(testing::Message() << "rank " << r);
+      const Counts& c = cs[static_cast<size_t>(r)];
+      if (halving_doubling) {
+        EXPECT_LE(hand_offs(c), static_cast<uint64_t>(2 * log2n));
+      } else {
+        EXPECT_EQ(hand_offs(c), static_cast<uint64_t>(2 * (n - 1)));  // the ring
+      }
+      // Never more bytes than the ring's 2(n-1)/n of the buffer.
+      EXPECT_EQ(c.bytes_sent, 2 * (n - 1) * b / n);
+      EXPECT_EQ(c.bytes_received, 2 * (n - 1) * b / n);
+    }
+  }
+  // The same counts from the plan, where no machine here has the cores.
+  for (int n : {8, 16}) {
+    int log2n = 0;
+    while ((1 << (log2n + 1)) <= n) ++log2n;
+    for (int r = 0; r < n; ++r) {
+      SCOPED_TRACE(testing::Message() << "world " << n << " rank " << r);
+      const auto steps = algorithms::halving_doubling_plan(kCount, n, r);
+      uint64_t sent = 0, received = 0;
+      for (const auto& s : steps) sent += s.send_count * 4, received += s.recv_count * 4;
+      EXPECT_EQ(steps.size(), static_cast<size_t>(2 * log2n));
+      EXPECT_EQ(sent, 2 * (n - 1) * b / n);
+      EXPECT_EQ(received, 2 * (n - 1) * b / n);
+    }
+  }
+}
+
+// The plan at worlds that fold ranks in, and with fewer elements than blocks: every element is
+// sent to and received by the partner that expects it (each step's send is its peer's receive),
+// every rank's receives cover the buffer (it ends with all of it), and a folding rank's partner
+// takes its whole buffer first and gives the whole result back last.
+TEST(ScalingCounts, HalvingDoublingPlanPairsEverySendWithItsReceive) {
+  for (int n : {2, 3, 4, 5, 6, 7, 8, 12, 16}) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{1001}}) {
+      SCOPED_TRACE(testing::Message() << "world " << n << " count " << count);
+      std::vector<std::vector<algorithms::HalvingDoublingStep>> plans;
+      for (int r = 0; r < n; ++r) plans.push_back(algorithms::halving_doubling_plan(count, n, r));
+      for (int r = 0; r < n; ++r) {
+        // The k-th step of r with peer q is matched by q's step with peer r of the same rank
+        // among their steps with each other.
+        std::vector<int> seen(static_cast<size_t>(n), 0);
+        std::vector<char> covered(count, 0);
+        for (const auto& s : plans[r]) {
+          ASSERT_GE(s.peer, 0);
+          ASSERT_LT(s.peer, n);
+          ASSERT_NE(s.peer, r);
+          int k = seen[static_cast<size_t>(s.peer)]++;
+          const algorithms::HalvingDoublingStep* mate = nullptr;
+          for (const auto& t : plans[static_cast<size_t>(s.peer)]) {
+            if (t.peer == r && k-- == 0) {
+              mate = &t;
+              break;
+            }
+          }
+          ASSERT_NE(mate, nullptr);
+          EXPECT_EQ(s.send_begin, mate->recv_begin);
+          EXPECT_EQ(s.send_count, mate->recv_count);
+          EXPECT_EQ(s.recv_begin, mate->send_begin);
+          EXPECT_EQ(s.recv_count, mate->send_count);
+          if (!s.reduce) {
+            for (size_t i = s.recv_begin; i < s.recv_begin + s.recv_count; ++i) covered[i] = 1;
+          }
+        }
+        // A rank that runs the halving completes its own block (new rank `me` holds block me)
+        // and receives every other element in the allgather; a folding rank receives them all.
+        int p = 1;
+        while (p * 2 <= n) p *= 2;
+        const int rem = n - p;
+        size_t own_begin = 0, own_end = 0;
+        if (!(r < 2 * rem && r % 2 == 0)) {
+          const size_t me = static_cast<size_t>(r < 2 * rem ? r / 2 : r - rem);
+          own_begin = count * me / static_cast<size_t>(p);
+          own_end = count * (me + 1) / static_cast<size_t>(p);
+        }
+        for (size_t i = 0; i < count; ++i) {
+          EXPECT_EQ(covered[i] != 0, i < own_begin || i >= own_end) << "rank " << r << " i " << i;
+        }
+      }
     }
   }
 }
