@@ -62,8 +62,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
       std::optional<size_t>
           small_allreduce_bytes;  // TDIST_SMALL_ALLREDUCE_BYTES: below, recursive doubling
       std::optional<std::string>
-          allreduce_algo;  // TDIST_ALLREDUCE_ALGO: auto|ring|recursive_doubling|
-                           // halving_doubling|hierarchical|single_copy
+          allreduce_algo;                  // TDIST_ALLREDUCE_ALGO: auto|ring|recursive_doubling|
+                                           // halving_doubling|hierarchical|single_copy
       std::optional<size_t> window_bytes;  // TDIST_WINDOW_BYTES: Note [Windows]
       std::optional<size_t>
           staging_piece_bytes;            // TDIST_STAGING_PIECE_BYTES: Note [Overlapped staging]
