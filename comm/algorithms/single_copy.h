@@ -33,7 +33,9 @@ namespace tdist::comm::algorithms {
 // says why those). At set-up every rank sends every peer its threshold (the largest value, when
 // disabled or a peer is unreadable) and the group takes the largest, so ranks with different
 // settings still agree. A peer that dies mid-copy makes the read fail (ESRCH), an error that
-// names the rank; a peer that stops is noticed at the done message's deadline.
+// names the rank; a peer that stops is noticed at the done message's deadline. A peer that
+// failed the operation first (a third rank was lost) may have freed its buffer: the read fails
+// with EFAULT, an error that names that peer as lost too.
 
 // Broadcast by single copy between two ranks: the root writes the first half of `data` into
 // the other rank's, which reads the second half (both cores copy at once). With `staging` as for
