@@ -26,8 +26,8 @@ void check_moved(Context& c, int err, int peer, const char* verb, size_t bytes) 
     // The peer announced this memory and keeps it until every rank is done, unless it failed
     // the operation first (another peer was lost) and its caller freed the buffer.
     throw NetworkError(str(c.ex.where(), ": lost rank ", peer,
-                           ": it left the operation and freed the memory it announced (", verb,
-                           " ", bytes, " bytes of it: ", std::strerror(err), ")"));
+                           ": it left the operation and freed the memory it announced (", verb, " ",
+                           bytes, " bytes of it: ", std::strerror(err), ")"));
   }
   throw NetworkError(str(c.ex.where(), ": ", verb, " ", bytes, " bytes of the memory of rank ",
                          peer, " failed: ", std::strerror(err)));
