@@ -14,7 +14,7 @@
 namespace tdist {
 namespace {
 
-// process_vm_readv or process_vm_writev until every byte moved.
+// process_vm_readv until every byte moved.
 template <typename Call>
 int move_all(uint8_t* local_base, uint64_t address, size_t size, Call call) noexcept {
   size_t done = 0;
@@ -35,13 +35,6 @@ int move_all(uint8_t* local_base, uint64_t address, size_t size, Call call) noex
 int try_read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) noexcept {
   return move_all(static_cast<uint8_t*>(out), address, size, [pid](iovec* local, iovec* remote) {
     return ::process_vm_readv(pid, local, 1, remote, 1, 0);
-  });
-}
-
-int try_write_process_memory(pid_t pid, uint64_t address, const void* in, size_t size) noexcept {
-  auto* src = const_cast<uint8_t*>(static_cast<const uint8_t*>(in));  // only read
-  return move_all(src, address, size, [pid](iovec* local, iovec* remote) {
-    return ::process_vm_writev(pid, local, 1, remote, 1, 0);
   });
 }
 

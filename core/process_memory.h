@@ -1,8 +1,7 @@
 #pragma once
-// Reading (and writing) another local process's memory (process_vm_readv, process_vm_writev):
-// one copy from the sender's memory straight into ours, for the same-host paths of RPC (large
-// tensors) and of the collectives (Note [Single-copy collectives] in
-// comm/algorithms/single_copy.h).
+// Reading another local process's memory (process_vm_readv): one copy from the sender's memory
+// straight into ours, for the same-host paths of RPC (large tensors) and of the collectives
+// (Note [Single-copy collectives] in comm/algorithms/single_copy.h).
 //
 // The kernel lets us read a process when we may ptrace it: the same user and, under Yama's
 // ptrace_scope 1, only a descendant, or a process that named us; containers often forbid it.
@@ -12,7 +11,9 @@
 // RPC checks the pid a peer names against the kernel's tables (rpc/detail/same_host.h), and
 // both then probe with can_read_process(). No address of ours is ever sent to a peer to prove
 // anything. Anyone who cannot use the path falls back to copying through sockets or shared
-// memory.
+// memory. Nothing here writes into another process: a peer that is late (stopped, then
+// resumed) could otherwise write into memory its owner had given up on and freed (Note
+// [Single-copy collectives]).
 //
 // Thread safety: every function may be called from any thread.
 
@@ -29,10 +30,6 @@ void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size);
 // The same without throwing: 0 when every byte was read, else the errno that stopped it
 // (ESRCH: no such process; EFAULT: not mapped or a short read; EPERM: not allowed).
 int try_read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) noexcept;
-
-// Writes `size` bytes of `in` into process `pid` at `address` (process_vm_writev; the kernel
-// allows it exactly when it allows reading). 0 when every byte was written, else the errno.
-int try_write_process_memory(pid_t pid, uint64_t address, const void* in, size_t size) noexcept;
 
 // Whether the kernel lets this process read process `pid`'s memory: reads one byte of its first
 // readable mapping (/proc/<pid>/maps). Says nothing about who `pid` is: callers learn that

@@ -15,42 +15,30 @@
 namespace tdist::comm::algorithms {
 namespace {
 
-// Throws for a failed read or write of `bytes` of `peer`'s memory (`err`: the errno).
-void check_moved(Context& c, int err, int peer, const char* verb, size_t bytes) {
-  if (err == 0) return;
-  if (err == ESRCH) {
-    throw NetworkError(str(c.ex.where(), ": lost rank ", peer, ": its process is gone (", verb, " ",
-                           bytes, " bytes of its memory)"));
-  }
-  if (err == EFAULT) {
-    // The peer announced this memory and keeps it until every rank is done, unless it failed
-    // the operation first (another peer was lost) and its caller freed the buffer.
-    throw NetworkError(str(c.ex.where(), ": lost rank ", peer,
-                           ": it left the operation and freed the memory it announced (", verb, " ",
-                           bytes, " bytes of it: ", std::strerror(err), ")"));
-  }
-  throw NetworkError(str(c.ex.where(), ": ", verb, " ", bytes, " bytes of the memory of rank ",
-                         peer, " failed: ", std::strerror(err)));
-}
-
 // The group runs these algorithms only when it knows every rank's process.
 void check_peer_processes(const Context& c) {
   TDIST_CHECK(c.pids != nullptr && c.pids->size() == static_cast<size_t>(c.size), c.ex.where(),
               ": a single-copy algorithm in a group that does not use them");
 }
 
-// Copies `bytes` of `peer`'s memory at `address` into `out`.
+// Copies `bytes` of `peer`'s memory at `address` into `out`; throws when the kernel could not.
 void read_peer(Context& c, int peer, uint64_t address, char* out, size_t bytes) {
   check_peer_processes(c);
-  check_moved(c, try_read_process_memory((*c.pids)[peer], address, out, bytes), peer, "reading",
-              bytes);
-}
-
-// Copies `bytes` at `in` into `peer`'s memory at `address`.
-void write_peer(Context& c, int peer, uint64_t address, const char* in, size_t bytes) {
-  check_peer_processes(c);
-  check_moved(c, try_write_process_memory((*c.pids)[peer], address, in, bytes), peer, "writing",
-              bytes);
+  const int err = try_read_process_memory((*c.pids)[peer], address, out, bytes);
+  if (err == 0) return;
+  if (err == ESRCH) {
+    throw NetworkError(str(c.ex.where(), ": lost rank ", peer, ": its process is gone (reading ",
+                           bytes, " bytes of its memory)"));
+  }
+  if (err == EFAULT) {
+    // The peer announced this memory and keeps it until every rank is done, unless it failed
+    // the operation first (another peer was lost) and its caller freed the buffer.
+    throw NetworkError(str(c.ex.where(), ": lost rank ", peer,
+                           ": it left the operation and freed the memory it announced (reading ",
+                           bytes, " bytes of it: ", std::strerror(err), ")"));
+  }
+  throw NetworkError(str(c.ex.where(), ": reading ", bytes, " bytes of the memory of rank ", peer,
+                         " failed: ", std::strerror(err)));
 }
 
 // Sends `bytes` at `data` (where and how many) to every peer and returns their addresses by
@@ -89,16 +77,11 @@ void all_passed(Context& c) {
 void broadcast_single_copy(Context& c, char* data, size_t bytes, int root, Staging* staging) {
   TDIST_CHECK(c.size == 2, c.ex.where(), ": the single-copy broadcast is for two ranks");
   if (bytes == 0) return;
-  const int peer = 1 - c.rank;
   const std::vector<uint64_t> addresses =
       exchange_addresses(c, data, bytes, gate_for(staging, data, bytes));
-  // Both copy: the root writes the first half into the other rank, which reads the second.
-  const size_t half = (bytes / 2) & ~size_t{4095};
-  if (c.rank == root) {
-    write_peer(c, peer, addresses[peer], data, half);
-  } else {
-    read_peer(c, root, addresses[root] + half, data + half, bytes - half);
-  }
+  // The other rank reads it all; the root only keeps its buffer until then (Note [Single-copy
+  // collectives]: no rank writes into another's memory).
+  if (c.rank != root) read_peer(c, root, addresses[root], data, bytes);
   all_passed(c);
   if (c.rank != root && staging != nullptr) staging->finished_at(data, bytes);
 }

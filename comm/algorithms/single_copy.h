@@ -14,13 +14,16 @@ namespace tdist::comm::algorithms {
 // may read each other's memory (at set-up the kernel names each peer's process, never the peer
 // itself, and ranks that are threads of one process are never read: Note [Shared-memory
 // negotiation] in transport/channels.h, core/process_memory.h), a large allgather or broadcast
-// copies
-// each byte once instead: every rank tells the ranks that need its data where that data is
-// (an 8-byte address over the collective channel), each of them copies it straight into its
+// copies each byte once instead: every rank tells the ranks that need its data where that data
+// is (an 8-byte address over the collective channel), each of them copies it straight into its
 // own output with process_vm_readv, and each then tells the owner it is done (one byte), so no
 // rank returns (and lets its caller reuse the buffer) while a peer may still be reading it.
-// The world-2 broadcast splits the copy: the root writes half into its peer (process_vm_writev,
-// which the kernel allows exactly when it allows reading) while the peer reads the other half.
+// Ranks only read: no rank writes into another's memory. A writer could not know that its
+// peer is still in the operation: a root stopped (SIGSTOP, a frozen container, a paused VM)
+// after the peer's address came, and resumed after the peer had timed out and freed the
+// buffer, would write into whatever the peer keeps there now. A late reader harms only its
+// own output, which it then fails. (Until 2026-11-28 the world-2 broadcast's root wrote half
+// into its peer with process_vm_writev, so that both cores copied.)
 // The address message carries the size too: ranks that called the operation with different
 // sizes all fail it (MismatchError; the group stays usable) before any memory is touched, so no
 // rank ever writes past the end of a peer's buffer or reads past the end of a peer's data.
@@ -35,11 +38,12 @@ namespace tdist::comm::algorithms {
 // settings still agree. A peer that dies mid-copy makes the read fail (ESRCH), an error that
 // names the rank; a peer that stops is noticed at the done message's deadline. A peer that
 // failed the operation first (a third rank was lost) may have freed its buffer: the read fails
-// with EFAULT, an error that names that peer as lost too.
+// with EFAULT, an error that names that peer as lost too, or reads what is there now into an
+// output that fails anyway (that peer's done message never comes).
 
-// Broadcast by single copy between two ranks: the root writes the first half of `data` into
-// the other rank's, which reads the second half (both cores copy at once). With `staging` as for
-// broadcast_pipelined (the root's address leaves once its data arrived).
+// Broadcast by single copy between two ranks: the other rank reads the root's `data` into its
+// own. With `staging` as for broadcast_pipelined (the root's address leaves once its data
+// arrived).
 void broadcast_single_copy(Context& c, char* data, size_t bytes, int root,
                            Staging* staging = nullptr);
 // Allgather by single copy: every rank reads blocks[i] from rank i's blocks[i]. With `staging`

@@ -315,6 +315,59 @@ TEST(Failure, SingleCopyRanksWithDifferentSizesFailAndKeepTheGroup) {
   }
 }
 
+// A world-2 single-copy broadcast whose root comes late (as a root that was stopped and then
+// resumed): rank 1 announces its tensor's address, times out, and puts other values in the
+// tensor (as a caller reusing the memory would); only then does rank 0 call the broadcast,
+// with rank 1's address waiting for it. No byte of rank 1 may change: the root never writes
+// into its peer (Note [Single-copy collectives]). Exit 0 when that held.
+TDIST_TEST_CHILD(comm_single_copy_late_root_child) {
+  torch::set_num_threads(1);
+  ::setenv("TDIST_TRANSPORT", "auto", 1);
+  const auto port = static_cast<uint16_t>(env::require_int("TDIST_TEST_STORE_PORT", 1, 65535));
+  auto store = std::make_shared<TCPStore>("127.0.0.1", port, false, Millis(60000));
+  auto pg = create_process_group(store, rank, world_size,
+                                 test::test_options(Millis(rank == 0 ? 20000 : 1000)));
+  auto* ring = dynamic_cast<detail::RingProcessGroup*>(pg.get());
+  const int64_t n = 1 << 20;  // 4 MiB: above the single-copy threshold
+  if (ring == nullptr || ring->single_copy_bytes() > n * 4) {
+    std::printf("rank %d: no single copy between these processes\n", rank);
+    return 77;
+  }
+  if (rank == 0) {
+    store->wait({"late"}, Millis(60000));
+    auto x = torch::ones({n});
+    const std::string msg = message_of(pg->broadcast(x));
+    std::printf("rank 0: %s\n", msg.empty() ? "the broadcast completed" : msg.c_str());
+    store->set("root_done", "1");
+    return 0;
+  }
+  auto x = torch::zeros({n});
+  const std::string msg = message_of(pg->broadcast(x));
+  if (!contains(msg, "Timed out")) {
+    std::printf("rank 1: expected a timeout, got '%s'\n", msg.c_str());
+    return 21;
+  }
+  x.fill_(7.0);
+  store->set("late", "1");
+  store->wait({"root_done"}, Millis(60000));
+  std::this_thread::sleep_for(Millis(200));
+  const int64_t changed = x.ne(7.0).sum().item<int64_t>();
+  if (changed != 0) std::printf("rank 1: the late root changed %lld values\n", (long long)changed);
+  return changed == 0 ? 0 : 22;
+}
+
+TEST(Failure, ALateSingleCopyRootNeverWritesIntoItsPeer) {
+  TCPStoreServer server("127.0.0.1", 0);
+  tdist::test::Processes procs("comm_single_copy_late_root_child", 2,
+                               {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())}});
+  auto results = procs.wait_all(Millis(90000));
+  if (results[1].exited && results[1].exit_code == 77) {
+    GTEST_SKIP() << "the kernel does not let these processes read each other: "
+                 << results[1].output;
+  }
+  EXPECT_EQ(tdist::test::Processes::failures(results), "") << results[0].output;
+}
+
 TEST(Failure, BadArgumentsThrowInvalidArgumentAndChangeNothing) {
   tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
     auto pg = create_process_group(store, rank, 2, test::test_options());

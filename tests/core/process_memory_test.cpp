@@ -33,19 +33,6 @@ TEST(ProcessMemory, ReadsThisProcessAndTheProbeSaysSo) {
   EXPECT_TRUE(can_read_process(::getpid()));
 }
 
-TEST(ProcessMemory, WritesThisProcessAndFailsOnADeadOne) {
-  std::vector<char> src(1 << 20, 'x');
-  std::vector<char> dst(src.size(), 'o');
-  ASSERT_EQ(try_write_process_memory(::getpid(), reinterpret_cast<uint64_t>(dst.data()), src.data(),
-                                     src.size()),
-            0);
-  EXPECT_EQ(dst, src);
-  EXPECT_EQ(
-      try_write_process_memory(dead_pid(), reinterpret_cast<uint64_t>(dst.data()), src.data(), 8),
-      ESRCH);
-  EXPECT_EQ(try_write_process_memory(::getpid(), 0, src.data(), 8), EFAULT);
-}
-
 TEST(ProcessMemory, NoProcessFailsTheProbe) {
   EXPECT_FALSE(can_read_process(dead_pid()));
   EXPECT_FALSE(can_read_process(0));
