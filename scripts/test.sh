@@ -39,7 +39,8 @@ awk '/^\[==========\] [0-9]+ tests? from [0-9]+ test suites? ran/ { ran += $2; e
      END { printf "scripts/test.sh: %d GoogleTest cases ran in %d ctest entries (%d skipped, %d failed)\n",
                   ran, entries, skipped, failed }' Testing/Temporary/LastTest.log || true
 # Last, where a CI log's tail shows it: each failed entry with the cases that failed in it, the
-# first lines of each failure, and where a sanitizer report or a crash stopped a program.
+# first lines of each failure, and where a sanitizer report or a crash stopped a program; and
+# the cases a sanitizer run found flaky (tests/sanitize.sh).
 awk 'function cut(s) { return length(s) > 220 ? substr(s, 1, 220) "..." : s }
      /^[0-9]+\/[0-9]+ Testing: / { entry = $3; last = ""; cases = ""; msg = ""; more = 0; next }
      more > 0 { msg = msg "\n      " cut($0); more--; next }
@@ -47,6 +48,7 @@ awk 'function cut(s) { return length(s) > 220 ? substr(s, 1, 220) "..." : s }
      /^\[  FAILED  \] .* \([0-9]+ ms\)$/ { c = $4; sub(/,$/, "", c); cases = cases " " c }
      /: Failure$/ && nfail < 4 { msg = msg "\n    " cut($0); more = 5; nfail++ }
      /SUMMARY: [A-Za-z]+Sanitizer/ { msg = msg "\n    " cut($0) " (in " last ")" }
+     /^sanitize.sh: flaky under / { printf "scripts/test.sh: %s: %s\n", entry, $0 }
      /^Test Failed/ {
        printf "scripts/test.sh: FAILED %s:%s%s\n", entry,
               cases != "" ? cases : " (no case reported a failure; the last one started: " last ")", msg
