@@ -23,6 +23,8 @@ using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
 constexpr int kNoticeTag = kTagBase - 1;
+// The last stage's word that an eval is complete (Pipeline::Impl::eval).
+constexpr int kEvalDoneTag = kTagBase - 2;
 constexpr int kSetupTagBase = kTagBase - 4096;  // + receiving stage
 constexpr int64_t kNoticeBytes = 1024;
 constexpr int kMaxDims = 12;
@@ -222,6 +224,15 @@ struct Pipeline::Impl {
 
   void setup(const at::Tensor& sample);
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
+  Pipeline::EvalResult eval(const at::Tensor& inputs, const at::Tensor& targets);
+  // step() and eval(): checks the batch and splits it into microbatches (in_mb on the first
+  // stage's rank, tgt_mb on the last's, where targets are required or given).
+  void split_batch(const char* what, const at::Tensor& inputs, const at::Tensor& targets,
+                   bool targets_required);
+  // Runs `body`; any failure but a peer's notice is told to every other rank and rethrown as
+  // an Error naming this rank (Note on failure in pipeline.h).
+  template <typename Body>
+  void guarded(const char* what, Body body);
   void post_recvs(size_t from);
   void run(size_t index, const Action& a, StepTimeline& tl);
   void forward(const Action& a);
@@ -496,30 +507,48 @@ void Pipeline::Impl::run(size_t index, const Action& a, StepTimeline& tl) {
   tl.events.push_back({name, t1, now_us(), true});
 }
 
-at::Tensor Pipeline::Impl::step(const at::Tensor& inputs, const at::Tensor& targets) {
+void Pipeline::Impl::split_batch(const char* what, const at::Tensor& inputs,
+                                 const at::Tensor& targets, bool targets_required) {
+  const int v = stage.num_chunks();
+  in_mb.clear();
+  tgt_mb.clear();
+  if (stage.stage_index(0) == 0) {
+    TDIST_CHECK_ARG(inputs.defined() && inputs.sizes().vec() == sample_shape, "pipeline ", what,
+                    ": the first stage's inputs must be shaped like the set-up sample ",
+                    shape_str(sample_shape), " (got ",
+                    inputs.defined() ? shape_str(inputs.sizes()) : std::string("none"), ")");
+    in_mb = inputs.split(micro, 0);
+  }
+  if (stage.stage_index(v - 1) == S - 1 && (targets_required || targets.defined())) {
+    TDIST_CHECK_ARG(targets.defined() && targets.dim() >= 1 && targets.size(0) == batch,
+                    "pipeline ", what, ": the last stage's targets must hold ", batch, " samples");
+    tgt_mb = targets.split(micro, 0);
+  }
+}
+
+template <typename Body>
+void Pipeline::Impl::guarded(const char* what, Body body) {
   TDIST_CHECK_ARG(!broken, "pipeline is broken by an earlier failure: ", broken_reason);
-  TDIST_CHECK_ARG(ready, "pipeline: call setup() before step()");
+  TDIST_CHECK_ARG(ready, "pipeline: call setup() before ", what, "()");
+  try {
+    body();
+  } catch (const PeerFailure&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string why = str(describe_rank(pg->rank()), " failed: ", e.what());
+    fail(why);
+    TDIST_THROW(Error, "pipeline ", what, ": ", why);
+  }
+}
+
+at::Tensor Pipeline::Impl::step(const at::Tensor& inputs, const at::Tensor& targets) {
   StepTimeline tl;
   tl.rank = pg->rank();
   tl.begin_us = now_us();
   const int v = stage.num_chunks();
-  try {
-    in_mb.clear();
-    tgt_mb.clear();
+  guarded("step", [&] {
+    split_batch("step", inputs, targets, /*targets_required=*/true);
     loss_sum = at::Tensor();
-    if (stage.stage_index(0) == 0) {
-      TDIST_CHECK_ARG(inputs.defined() && inputs.sizes().vec() == sample_shape,
-                      "pipeline step: the first stage's inputs must be shaped like the set-up "
-                      "sample ",
-                      shape_str(sample_shape), " (got ",
-                      inputs.defined() ? shape_str(inputs.sizes()) : std::string("none"), ")");
-      in_mb = inputs.split(micro, 0);
-    }
-    if (stage.stage_index(v - 1) == S - 1) {
-      TDIST_CHECK_ARG(targets.defined() && targets.dim() >= 1 && targets.size(0) == batch,
-                      "pipeline step: the last stage's targets must hold ", batch, " samples");
-      tgt_mb = targets.split(micro, 0);
-    }
     const auto& list = sched.actions[static_cast<size_t>(pg->rank())];
     slots.assign(v, std::vector<Slot>(m));
     posted.assign(list.size(), false);
@@ -545,17 +574,84 @@ at::Tensor Pipeline::Impl::step(const at::Tensor& inputs, const at::Tensor& targ
     for (auto& sent : sends) wait(sent.work, sent.peer, "a send to it");
     sends.clear();
     if (now_us() > t0) tl.events.push_back({"wait sends", t0, now_us(), false});
-  } catch (const PeerFailure&) {
-    throw;
-  } catch (const std::exception& e) {
-    const std::string why = str(describe_rank(pg->rank()), " failed: ", e.what());
-    fail(why);
-    TDIST_THROW(Error, "pipeline step: ", why);
-  }
+  });
   tl.end_us = now_us();
   timelines.push_back(std::move(tl));
   slots.clear();
   return loss_sum;
+}
+
+// Forward only (Pipeline::eval): this rank's forwards in the order of its step's list, which
+// cannot deadlock for the reason the list cannot (each forward's input comes from an earlier
+// forward). Every activation's receive is posted at once: nothing is stashed for a backward,
+// so a rank holds at most its m received activations, as GPipe's step does. No rank waits for
+// a later stage in the forwards, so the last stage's rank ends by telling every other rank it
+// is done (one byte): eval returns nowhere before the outputs exist, and a stage lost on the
+// way fails every rank's eval (the last stage's notice, or the lost done message) rather than
+// a later call.
+Pipeline::EvalResult Pipeline::Impl::eval(const at::Tensor& inputs, const at::Tensor& targets) {
+  torch::NoGradGuard no_grad;
+  const int v = stage.num_chunks();
+  std::vector<at::Tensor> outputs(static_cast<size_t>(m));
+  at::Tensor loss;
+  guarded("eval", [&] {
+    split_batch("eval", inputs, targets, /*targets_required=*/false);
+    std::vector<Action> forwards;
+    for (const Action& a : sched.actions[static_cast<size_t>(pg->rank())]) {
+      if (a.type == Action::Type::kForward) forwards.push_back(a);
+    }
+    slots.assign(v, std::vector<Slot>(m));
+    sends.clear();
+    const int last_rank = rank_of(S - 1);
+    auto done = torch::zeros({1}, torch::kUInt8);
+    std::shared_ptr<comm::Work> done_recv;
+    if (pg->rank() != last_rank) done_recv = pg->recv(done, last_rank, kEvalDoneTag);
+    for (const Action& a : forwards) {
+      const int s = stage.stage_index(a.chunk);
+      if (s == 0) continue;
+      Slot& slot = slots[a.chunk][a.microbatch];
+      slot.act_buf =
+          torch::empty(in_shape[a.chunk], torch::TensorOptions().dtype(in_dtype[a.chunk]));
+      slot.act_recv = pg->recv(slot.act_buf, rank_of(s - 1), tag(0, s, a.microbatch));
+    }
+    for (const Action& a : forwards) {
+      const int s = stage.stage_index(a.chunk);
+      const int i = a.microbatch;
+      Slot& slot = slots[a.chunk][i];
+      if (s > 0) wait(slot.act_recv, rank_of(s - 1), str("the activation of microbatch ", i));
+      at::Tensor y = stage.chunk(a.chunk)->forward(s == 0 ? in_mb[i] : slot.act_buf);
+      slot = Slot{};
+      if (s + 1 < S) {
+        TDIST_CHECK(y.sizes().vec() == out_shape[a.chunk] && y.scalar_type() == out_dtype[a.chunk],
+                    "pipeline: ", describe(s), " produced ", shape_str(y.sizes()),
+                    " for microbatch ", i, " but set-up agreed on ", shape_str(out_shape[a.chunk]));
+        send(y, s + 1, 0, i);
+        continue;
+      }
+      outputs[static_cast<size_t>(i)] = y;
+      if (tgt_mb.empty()) continue;
+      at::Tensor l = opts.loss_fn(y, tgt_mb[i]);
+      TDIST_CHECK(l.numel() == 1, "pipeline: loss_fn must return a scalar (got shape ",
+                  shape_str(l.sizes()), ")");
+      l = l.reshape({}) / static_cast<double>(m);
+      loss = loss.defined() ? loss + l : l;
+    }
+    if (pg->rank() == last_rank) {
+      for (int r = 0; r < p; ++r) {
+        if (r != last_rank) sends.push_back({pg->send(done, r, kEvalDoneTag), done, r});
+      }
+    }
+    for (auto& sent : sends) wait(sent.work, sent.peer, "a send to it");
+    sends.clear();
+    if (done_recv) wait(done_recv, last_rank, "the end of eval");
+  });
+  slots.clear();
+  Pipeline::EvalResult r;
+  if (stage.stage_index(v - 1) == S - 1) {
+    r.output = at::cat(outputs, 0);
+    r.loss = loss;
+  }
+  return r;
 }
 
 // ---- Pipeline ----
@@ -644,6 +740,10 @@ void Pipeline::setup(const at::Tensor& sample) {
 
 at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   return impl_->step(inputs, targets);
+}
+
+Pipeline::EvalResult Pipeline::eval(const at::Tensor& inputs, const at::Tensor& targets) {
+  return impl_->eval(inputs, targets);
 }
 
 PipelineStage& Pipeline::stage() { return impl_->stage; }

@@ -15,6 +15,7 @@
 //   opt.zero_grad();
 //   auto loss = pipe.step(x, y);            // defined on the last stage's rank only
 //   opt.step();
+//   auto [out, test_loss] = pipe.eval(x_test, y_test);  // forward only: no gradients
 //
 // Contract. setup() and step() are collective over the group: every rank calls them in the same
 // order. step() runs this rank's action list (Note [Pipeline schedules]) once: microbatch i of
@@ -179,6 +180,20 @@ class Pipeline {
   // the last stage's (both shaped like the set-up batch along dim 0); other ranks may pass
   // undefined tensors.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
+
+  // Forward only, without autograd (PyTorch's schedule.eval()): microbatch i of `inputs` goes
+  // through every stage as in step(), nothing is stashed for a backward and no gradient
+  // changes. Collective, with the same arguments as step(), except that `targets` may be
+  // undefined on every rank (then no loss is taken). Returns, on the last stage's rank, the
+  // last stage's output for the whole batch (the microbatches' outputs concatenated along dim
+  // 0) and, with targets, the loss as step() computes it; both undefined on other ranks.
+  // Batches have the set-up sample's shape, as in step(). Dropout and the like follow the
+  // modules' own train()/eval() mode, which the caller sets. Failures as in step().
+  struct EvalResult {
+    at::Tensor output;
+    at::Tensor loss;
+  };
+  EvalResult eval(const at::Tensor& inputs, const at::Tensor& targets = {});
 
   PipelineStage& stage();
   const Schedule& schedule() const;

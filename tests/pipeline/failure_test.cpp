@@ -67,6 +67,8 @@ TDIST_TEST_CHILD(pipeline_setup_errors_child) {
                            {"batch of 6", "4 equal microbatches"});
     bad += !expect_invalid("step before set-up", [&] { pipe.step(at::Tensor(), at::Tensor()); },
                            {"setup()"});
+    bad += !expect_invalid("eval before set-up", [&] { pipe.eval(at::Tensor()); },
+                           {"setup() before eval()"});
   }
   {
     torch::manual_seed(2);
@@ -97,6 +99,19 @@ TDIST_TEST_CHILD(pipeline_setup_errors_child) {
         },
         {"stage 0 (rank 0", "the first stage's inputs must be shaped"});
   }
+  {
+    // The same in eval: rank 0's batch has the wrong shape; every rank fails naming it.
+    auto model = make_model(world_size, 4);
+    Pipeline pipe(PipelineStage(model, even_bounds(model->size(), world_size), rank, world_size),
+                  pg, options(ScheduleKind::k1F1B, 2));
+    pipe.setup(torch::zeros({4, kWidth}));
+    bad += !expect_invalid<Error>(
+        "eval inputs",
+        [&] {
+          pipe.eval(torch::randn({rank == 0 ? 3 : 4, kWidth}));
+        },
+        {"pipeline eval", "stage 0 (rank 0", "the first stage's inputs must be shaped"});
+  }
   std::cout << "rank " << rank << ": " << bad << " unexpected" << std::endl;
   return bad;
 }
@@ -114,7 +129,8 @@ std::atomic<bool> g_kill_armed{false};
 std::atomic<int> g_calls{0};
 
 // Four stages, 1F1B, 8 microbatches; rank 2 kills itself (SIGKILL) in the forward of its 5th
-// microbatch of step 1 (a layer that counts its calls). Exit 3 with the error.
+// microbatch of step 1 (a layer that counts its calls), of eval's call 1 with TDIST_TEST_EVAL=1.
+// Exit 3 with the error.
 TDIST_TEST_CHILD(pipeline_stage_killed_child) {
   torch::set_num_threads(1);
   const auto kind = pipeline::parse_schedule(env::get("TDIST_TEST_SCHEDULE").value_or("1f1b"));
@@ -136,11 +152,16 @@ TDIST_TEST_CHILD(pipeline_stage_killed_child) {
   Pipeline pipe(PipelineStage(model, even_bounds(model->size(), world_size), rank, world_size), pg,
                 options(kind, 8));
   pipe.setup(torch::zeros({16, kWidth}));
+  const bool eval = env::get("TDIST_TEST_EVAL").value_or("0") == "1";
   int step = 0;
   try {
     for (step = 0; step < 3; ++step) {
       if (step == 1 && rank == 2) g_kill_armed = true;
-      pipe.step(torch::randn({16, kWidth}), torch::randn({16, kOut}));
+      if (eval) {
+        pipe.eval(torch::randn({16, kWidth}), torch::randn({16, kOut}));
+      } else {
+        pipe.step(torch::randn({16, kWidth}), torch::randn({16, kOut}));
+      }
     }
   } catch (const std::exception& e) {
     std::cout << "PIPELINE ERROR at step " << step << ": " << e.what() << std::endl;
@@ -151,11 +172,15 @@ TDIST_TEST_CHILD(pipeline_stage_killed_child) {
 
 class PipelineFailure : public ::testing::TestWithParam<std::string> {};
 
+// The parameter: the schedule, and "_eval" for the forward-only eval instead of step.
 TEST_P(PipelineFailure, StageKilledMidStepFailsEveryOtherStageNamingIt) {
   TCPStoreServer server("127.0.0.1", 0);
+  const std::string param = GetParam();
+  const bool eval = param.size() > 5 && param.substr(param.size() - 5) == "_eval";
   Processes procs("pipeline_stage_killed_child", 4,
                   {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
-                   {"TDIST_TEST_SCHEDULE", GetParam()},
+                   {"TDIST_TEST_SCHEDULE", eval ? param.substr(0, param.size() - 5) : param},
+                   {"TDIST_TEST_EVAL", eval ? "1" : "0"},
                    {"OMP_NUM_THREADS", "1"}});
   auto results = procs.wait_all(Millis(60000));
   ASSERT_EQ(results.size(), 4u);
@@ -173,7 +198,7 @@ TEST_P(PipelineFailure, StageKilledMidStepFailsEveryOtherStageNamingIt) {
   std::cout << "rank 0's output:\n" << results[0].output;
 }
 
-INSTANTIATE_TEST_SUITE_P(Schedules, PipelineFailure, ::testing::Values("1f1b", "zb"));
+INSTANTIATE_TEST_SUITE_P(Schedules, PipelineFailure, ::testing::Values("1f1b", "zb", "1f1b_eval"));
 
 }  // namespace
 }  // namespace tdist::test

@@ -1,6 +1,7 @@
 // Every schedule at p = 2, 3, 4 ranks (real processes) and m in {1, p, 2p + 1}: the loss and
-// every gradient equal one single-process step of the same model on the same batch. One spawn
-// per p runs every schedule and m; each child counts its mismatches (printed) as its exit code.
+// every gradient equal one single-process step of the same model on the same batch, and after
+// each step a forward-only eval gives the model's output and loss. One spawn per p runs every
+// schedule and m; each child counts its mismatches (printed) as its exit code.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -89,6 +90,38 @@ int check_parity(const std::shared_ptr<comm::ProcessGroup>& pg, ScheduleKind kin
       if (d > kTol) {
         std::cout << what << " step " << step << ": parameter " << k << " gradient differs by " << d
                   << "\n";
+        ++bad;
+      }
+    }
+    // Forward only on another batch (the next step still matches, so eval left the pipeline
+    // as it was): the last stage's output and loss equal the reference's; no gradient moved.
+    std::vector<at::Tensor> grads;
+    for (auto& t : mine) grads.push_back(t.grad().clone());
+    auto xe = torch::randn({batch, kWidth});
+    auto ye = torch::randn({batch, kOut});
+    auto e = pipe.eval(xe, step == 0 ? ye : at::Tensor());
+    torch::NoGradGuard no_grad;
+    auto ref_out = reference->forward(xe);
+    if (last != e.output.defined() || (last && step == 0) != e.loss.defined()) {
+      std::cout << what << ": eval output defined " << e.output.defined() << ", loss defined "
+                << e.loss.defined() << " on the last stage " << last << "\n";
+      ++bad;
+    } else if (last) {
+      const double d = e.output.sizes() == ref_out.sizes() ? max_diff(e.output, ref_out) : 1e9;
+      if (d > kTol || e.output.requires_grad()) {
+        std::cout << what << ": eval output differs by " << d << ", requires grad "
+                  << e.output.requires_grad() << "\n";
+        ++bad;
+      }
+      if (step == 0 && std::abs(e.loss.item<double>() - mse(ref_out, ye).item<double>()) > kTol) {
+        std::cout << what << ": eval loss " << e.loss.item<double>() << " vs "
+                  << mse(ref_out, ye).item<double>() << "\n";
+        ++bad;
+      }
+    }
+    for (size_t k = 0; k < mine.size(); ++k) {
+      if (!torch::equal(mine[k].grad(), grads[k])) {
+        std::cout << what << ": eval changed the gradient of parameter " << k << "\n";
         ++bad;
       }
     }
