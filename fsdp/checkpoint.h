@@ -67,6 +67,7 @@
 #include <map>
 #include <string>
 
+#include "tdist/fsdp/detail/checkpoint_io.h"
 #include "tdist/fsdp/fully_shard.h"
 #include "tdist/fsdp/safetensors.h"
 
@@ -77,16 +78,6 @@ class Optimizer;
 namespace tdist::fsdp {
 
 inline constexpr const char* kIndexFile = "index.json";
-
-namespace detail {
-void save_sharded(const std::string& dir, FSDPState& state, const torch::nn::Module& root,
-                  const torch::optim::Optimizer* optimizer);
-void load_sharded(const std::string& dir, FSDPState& state, torch::nn::Module& root,
-                  torch::optim::Optimizer* optimizer);
-void save_consolidated(FSDPState& state, const torch::nn::Module& root, const std::string& path,
-                       const std::map<std::string, std::string>& metadata);
-void load_consolidated(FSDPState& state, torch::nn::Module& root, const std::string& path);
-}  // namespace detail
 
 // Writes the model's shards (and the optimizer's state of them, when given) into `dir`
 // (created if needed), with rank 0's index.json (Note [Sharded checkpoints] 1). A collective.
