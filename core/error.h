@@ -12,10 +12,13 @@
 // (message parts are streamed with operator<<). TDIST_CHECK_EQ/NE/LT/LE/GT/GE also print both
 // values. TDIST_CHECK_ARG throws InvalidArgument; TDIST_THROW(Type, msg...) throws any subclass.
 
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
+
+#include "tdist/core/detail/error_format.h"
 
 namespace tdist {
 
@@ -44,18 +47,6 @@ class InvalidArgument : public Error {
   using Error::Error;
 };
 
-namespace detail {
-
-inline void stream_all(std::ostringstream&) {}
-
-template <typename T, typename... Rest>
-void stream_all(std::ostringstream& os, const T& first, const Rest&... rest) {
-  os << first;
-  stream_all(os, rest...);
-}
-
-}  // namespace detail
-
 // Concatenates the arguments with operator<<.
 template <typename... Args>
 std::string str(const Args&... args) {
@@ -64,14 +55,19 @@ std::string str(const Args&... args) {
   return os.str();
 }
 
-namespace detail {
-
-template <typename E, typename... Args>
-[[noreturn]] void throw_at(const char* file, int line, const Args&... args) {
-  throw E(::tdist::str(args..., " (", file, ":", line, ")"));
+// The message of a stored exception: what() of a std::exception, else "a non-standard
+// exception"; an empty pointer gives "no exception".
+inline std::string exception_message(const std::exception_ptr& e) {
+  if (!e) return "no exception";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "a non-standard exception";
+  }
 }
 
-}  // namespace detail
 }  // namespace tdist
 
 #define TDIST_THROW(ErrorType, ...) \

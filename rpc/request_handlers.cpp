@@ -17,18 +17,6 @@ using detail::OutMessage;
 
 namespace {
 
-std::string describe_exception(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const RemoteError& r) {
-    return r.what();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "a non-standard exception";
-  }
-}
-
 // Reads the leading core-archive fields of a request; returns the offset of the arguments.
 template <class... Fields>
 size_t read_fields(const Message& msg, Fields&... fields) {
@@ -89,7 +77,7 @@ void RpcAgent::handle_request(const std::shared_ptr<Connection>& conn, Message& 
         throw ProtocolError(str("unexpected request type ", detail::message_type_name(msg.type)));
     }
   } catch (...) {
-    reply_error(conn, id, describe_exception(std::current_exception()));
+    reply_error(conn, id, exception_message(std::current_exception()));
   }
 }
 
@@ -126,7 +114,7 @@ void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Messa
     detail::ArgInputArchive ar(msg.body.data() + offset, msg.body.size() - offset, rc);
     owner->set_value(fn->invoke(ar));
   } catch (...) {
-    error = describe_exception(std::current_exception());
+    error = exception_message(std::current_exception());
     owner->set_error(std::make_exception_ptr(
         RemoteError(str("remote '", h.name, "' failed on worker '", self_.name, "': ", error),
                     self_.name, error)));
@@ -161,7 +149,7 @@ void RpcAgent::handle_fetch(const std::shared_ptr<Connection>& conn, Message& ms
       }
       self->reply_value(conn, id, from, v);
     } catch (...) {
-      self->reply_error(conn, id, describe_exception(std::current_exception()));
+      self->reply_error(conn, id, exception_message(std::current_exception()));
     }
   });
 }
@@ -223,7 +211,7 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn, std::share
       detail::ArgInputArchive ar(msg->body.data() + offset, msg->body.size() - offset, rc);
       value = m->invoke(obj.ptr.get(), ar);
     } catch (...) {
-      error = describe_exception(std::current_exception());
+      error = exception_message(std::current_exception());
     }
     if (!remote) {
       if (error.empty()) {
@@ -231,7 +219,7 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn, std::share
           self->reply_value(conn, msg->id, msg->from, value);
           return;
         } catch (...) {
-          error = describe_exception(std::current_exception());
+          error = exception_message(std::current_exception());
         }
       }
       self->reply_error(conn, msg->id, error);
@@ -267,7 +255,7 @@ void RpcAgent::handle_fork_request(const std::shared_ptr<Connection>& conn, cons
     self->post_to_pool([self, conn, request, error] {
       try {
         if (error) {
-          self->reply_error(conn, request, describe_exception(error));
+          self->reply_error(conn, request, exception_message(error));
         } else {
           self->reply_empty(conn, request);
         }

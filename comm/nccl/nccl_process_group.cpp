@@ -193,14 +193,8 @@ void NcclProcessGroup::complete_loop() {
     pending_.pop_front();
     lock.unlock();
     if (error) {
-      std::string what = "unknown error";
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {}
-      finished.future->set_error(
-          std::make_exception_ptr(op_error(rank_, finished.op, finished.seq, "failed: " + what)));
+      finished.future->set_error(std::make_exception_ptr(
+          op_error(rank_, finished.op, finished.seq, "failed: " + exception_message(error))));
     } else {
       finished.future->set_value(std::move(finished.outputs));
     }

@@ -334,13 +334,7 @@ std::exception_ptr RingProcessGroup::aborted_error(const char* name, uint64_t se
   std::string cause;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (abort_cause_) {
-      try {
-        std::rethrow_exception(abort_cause_);
-      } catch (const std::exception& e) {
-        cause = e.what();
-      }
-    }
+    if (abort_cause_) cause = exception_message(abort_cause_);
   }
   return std::make_exception_ptr(Error(str("rank ", rank_, ": ", name, " (seq ", seq,
                                            ") failed: the process group was aborted",
@@ -360,11 +354,7 @@ void RingProcessGroup::abort_with(std::exception_ptr cause) {
     aborted_.store(true);
     pending.swap(queue_);
   }
-  try {
-    std::rethrow_exception(cause);
-  } catch (const std::exception& e) {
-    TDIST_LOG_WARN("rank ", rank_, ": aborting the process group: ", e.what());
-  }
+  TDIST_LOG_WARN("rank ", rank_, ": aborting the process group: ", exception_message(cause));
   // Wakes the worker (blocked in poll on these sockets, or on a shared-memory channel's futex)
   // and tells every peer at once.
   mesh_->shutdown_all();

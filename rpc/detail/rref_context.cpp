@@ -41,25 +41,20 @@ std::shared_ptr<RpcAgent> RRefBase::agent() const {
 
 // ---- OwnerRRef ----
 
-void OwnerRRef::set_value(AnyValue v) {
-  std::vector<std::function<void()>> waiters;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (ready_) return;
-    value_ = std::move(v);
-    ready_ = true;
-    waiters.swap(waiters_);
-  }
-  cv_.notify_all();
-  for (auto& w : waiters) w();
-}
+void OwnerRRef::set_value(AnyValue v) { finish(std::move(v), nullptr); }
 
-void OwnerRRef::set_error(std::exception_ptr e) {
+void OwnerRRef::set_error(std::exception_ptr e) { finish(AnyValue(), std::move(e)); }
+
+void OwnerRRef::finish(AnyValue v, std::exception_ptr e) {
   std::vector<std::function<void()>> waiters;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (ready_) return;
-    error_ = std::move(e);
+    if (e) {
+      error_ = std::move(e);
+    } else {
+      value_ = std::move(v);
+    }
     ready_ = true;
     waiters.swap(waiters_);
   }
@@ -397,13 +392,8 @@ void RRefContext::finish_pending_user(const ForkId& fork, bool confirmed,
 }
 
 void RRefContext::fork_request_failed(const ForkId& fork, std::exception_ptr error) {
-  std::string why = "unknown error";
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    why = e.what();
-  } catch (...) {}
-  TDIST_LOG_WARN("rpc: RREF_FORK_REQUEST for fork ", fork.str(), " failed: ", why,
+  TDIST_LOG_WARN("rpc: RREF_FORK_REQUEST for fork ", fork.str(),
+                 " failed: ", exception_message(error),
                  "; the fork stays pending and its parent keeps its reference (a leak, reported "
                  "at shutdown, rather than a value freed while this worker holds it)");
 }
@@ -517,11 +507,8 @@ void RRefContext::send_child_accept(int parent, const ForkId& fork) {
       parent, std::move(m), agent->options().rpc_timeout,
       [fork](Message*, std::exception_ptr error) {
         if (!error) return;
-        try {
-          std::rethrow_exception(error);
-        } catch (const std::exception& e) {
-          TDIST_LOG_WARN("rpc: RREF_CHILD_ACCEPT for fork ", fork.str(), " failed: ", e.what());
-        }
+        TDIST_LOG_WARN("rpc: RREF_CHILD_ACCEPT for fork ", fork.str(),
+                       " failed: ", exception_message(error));
       },
       str("RREF_CHILD_ACCEPT for fork ", fork.str()), /*on_pool=*/true);
 }

@@ -193,6 +193,9 @@ class OwnerRRef : public RRefBase {
   void set_secret(const RRefSecret& s) { secret_ = s; }
 
  private:
+  // set_value (no error) and set_error: the first call sets the result and runs the waiters.
+  void finish(AnyValue v, std::exception_ptr e);
+
   RRefSecret secret_ = RRefSecret::random();
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
