@@ -12,30 +12,21 @@
 #include "tdist/core/error.h"
 
 namespace tdist {
-namespace {
 
 // process_vm_readv until every byte moved.
-template <typename Call>
-int move_all(uint8_t* local_base, uint64_t address, size_t size, Call call) noexcept {
+int try_read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) noexcept {
+  auto* base = static_cast<uint8_t*>(out);
   size_t done = 0;
   while (done < size) {
-    struct iovec local = {local_base + done, size - done};
+    struct iovec local = {base + done, size - done};
     struct iovec remote = {reinterpret_cast<void*>(address + done), size - done};
-    ssize_t n = call(&local, &remote);
+    ssize_t n = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return errno;
     if (n == 0) return EFAULT;
     done += static_cast<size_t>(n);
   }
   return 0;
-}
-
-}  // namespace
-
-int try_read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) noexcept {
-  return move_all(static_cast<uint8_t*>(out), address, size, [pid](iovec* local, iovec* remote) {
-    return ::process_vm_readv(pid, local, 1, remote, 1, 0);
-  });
 }
 
 void read_process_memory(pid_t pid, uint64_t address, void* out, size_t size) {

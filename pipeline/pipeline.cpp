@@ -234,6 +234,13 @@ struct Pipeline::Impl {
   template <typename Body>
   void guarded(const char* what, Body body);
   void post_recvs(size_t from);
+  // Posts the receive of the activation that chunk `c` (virtual stage s > 0) takes for
+  // microbatch i, into its slot.
+  void post_activation_recv(int c, int i);
+  // Throws unless `y` is the output that set-up agreed on for chunk `c` (stage s).
+  void check_output(const at::Tensor& y, int c, int s, int i) const;
+  // loss_fn of the last stage's output for microbatch i, a scalar times 1/m.
+  at::Tensor microbatch_loss(const at::Tensor& y, int i) const;
   void run(size_t index, const Action& a, StepTimeline& tl);
   void forward(const Action& a);
   void backward(size_t index, const Action& a);
@@ -360,9 +367,7 @@ void Pipeline::Impl::post_recvs(size_t at) {
     const int s = stage.stage_index(a.chunk);
     Slot& slot = slots[a.chunk][a.microbatch];
     if (a.type == Action::Type::kForward && s > 0) {
-      slot.act_buf =
-          torch::empty(in_shape[a.chunk], torch::TensorOptions().dtype(in_dtype[a.chunk]));
-      slot.act_recv = pg->recv(slot.act_buf, rank_of(s - 1), tag(0, s, a.microbatch));
+      post_activation_recv(a.chunk, a.microbatch);
     } else if ((a.type == Action::Type::kBackward || a.type == Action::Type::kBackwardInput) &&
                s + 1 < S) {
       slot.grad_buf =
@@ -370,6 +375,26 @@ void Pipeline::Impl::post_recvs(size_t at) {
       slot.grad_recv = pg->recv(slot.grad_buf, rank_of(s + 1), tag(1, s, a.microbatch));
     }
   }
+}
+
+void Pipeline::Impl::post_activation_recv(int c, int i) {
+  const int s = stage.stage_index(c);
+  Slot& slot = slots[c][i];
+  slot.act_buf = torch::empty(in_shape[c], torch::TensorOptions().dtype(in_dtype[c]));
+  slot.act_recv = pg->recv(slot.act_buf, rank_of(s - 1), tag(0, s, i));
+}
+
+void Pipeline::Impl::check_output(const at::Tensor& y, int c, int s, int i) const {
+  TDIST_CHECK(y.sizes().vec() == out_shape[c] && y.scalar_type() == out_dtype[c],
+              "pipeline: ", describe(s), " produced ", shape_str(y.sizes()), " for microbatch ", i,
+              " but set-up agreed on ", shape_str(out_shape[c]));
+}
+
+at::Tensor Pipeline::Impl::microbatch_loss(const at::Tensor& y, int i) const {
+  at::Tensor loss = opts.loss_fn(y, tgt_mb[i]);
+  TDIST_CHECK(loss.numel() == 1, "pipeline: loss_fn must return a scalar (got shape ",
+              shape_str(loss.sizes()), ")");
+  return loss.reshape({}) / static_cast<double>(m);
 }
 
 void Pipeline::Impl::forward(const Action& a) {
@@ -394,17 +419,12 @@ void Pipeline::Impl::forward(const Action& a) {
     y = chunk->forward(x);
   }
   if (s + 1 == S) {
-    at::Tensor loss = opts.loss_fn(y, tgt_mb[i]);
-    TDIST_CHECK(loss.numel() == 1, "pipeline: loss_fn must return a scalar (got shape ",
-                shape_str(loss.sizes()), ")");
-    loss = loss.reshape({}) / static_cast<double>(m);
+    at::Tensor loss = microbatch_loss(y, i);
     loss_sum = loss_sum.defined() ? loss_sum + loss.detach() : loss.detach();
     y = loss;
     if (split()) slot.layer_out.back() = loss;
   } else {
-    TDIST_CHECK(y.sizes().vec() == out_shape[a.chunk] && y.scalar_type() == out_dtype[a.chunk],
-                "pipeline: ", describe(s), " produced ", shape_str(y.sizes()), " for microbatch ",
-                i, " but set-up agreed on ", shape_str(out_shape[a.chunk]));
+    check_output(y, a.chunk, s, i);
     send(y.detach(), s + 1, 0, i);
   }
   slot.output = y;
@@ -607,12 +627,7 @@ Pipeline::EvalResult Pipeline::Impl::eval(const at::Tensor& inputs, const at::Te
     std::shared_ptr<comm::Work> done_recv;
     if (pg->rank() != last_rank) done_recv = pg->recv(done, last_rank, kEvalDoneTag);
     for (const Action& a : forwards) {
-      const int s = stage.stage_index(a.chunk);
-      if (s == 0) continue;
-      Slot& slot = slots[a.chunk][a.microbatch];
-      slot.act_buf =
-          torch::empty(in_shape[a.chunk], torch::TensorOptions().dtype(in_dtype[a.chunk]));
-      slot.act_recv = pg->recv(slot.act_buf, rank_of(s - 1), tag(0, s, a.microbatch));
+      if (stage.stage_index(a.chunk) > 0) post_activation_recv(a.chunk, a.microbatch);
     }
     for (const Action& a : forwards) {
       const int s = stage.stage_index(a.chunk);
@@ -622,18 +637,13 @@ Pipeline::EvalResult Pipeline::Impl::eval(const at::Tensor& inputs, const at::Te
       at::Tensor y = stage.chunk(a.chunk)->forward(s == 0 ? in_mb[i] : slot.act_buf);
       slot = Slot{};
       if (s + 1 < S) {
-        TDIST_CHECK(y.sizes().vec() == out_shape[a.chunk] && y.scalar_type() == out_dtype[a.chunk],
-                    "pipeline: ", describe(s), " produced ", shape_str(y.sizes()),
-                    " for microbatch ", i, " but set-up agreed on ", shape_str(out_shape[a.chunk]));
+        check_output(y, a.chunk, s, i);
         send(y, s + 1, 0, i);
         continue;
       }
       outputs[static_cast<size_t>(i)] = y;
       if (tgt_mb.empty()) continue;
-      at::Tensor l = opts.loss_fn(y, tgt_mb[i]);
-      TDIST_CHECK(l.numel() == 1, "pipeline: loss_fn must return a scalar (got shape ",
-                  shape_str(l.sizes()), ")");
-      l = l.reshape({}) / static_cast<double>(m);
+      at::Tensor l = microbatch_loss(y, i);
       loss = loss.defined() ? loss + l : l;
     }
     if (pg->rank() == last_rank) {

@@ -597,11 +597,8 @@ void RRefContext::send_user_delete(int owner, const RRefId& id, const ForkId& fo
         owner, std::move(m), agent->options().rpc_timeout,
         [id](Message*, std::exception_ptr error) {
           if (!error) return;
-          try {
-            std::rethrow_exception(error);
-          } catch (const std::exception& e) {
-            TDIST_LOG_WARN("rpc: RREF_USER_DELETE for RRef ", id.str(), " failed: ", e.what());
-          }
+          TDIST_LOG_WARN("rpc: RREF_USER_DELETE for RRef ", id.str(),
+                         " failed: ", exception_message(error));
         },
         str("RREF_USER_DELETE for RRef ", id.str(), " fork ", fork.str()), /*on_pool=*/true);
   });
