@@ -544,6 +544,55 @@ TEST(RpcKilledWorker, PendingCallsFailOnTheOthers) {
   EXPECT_FALSE(results[1].exited) << results[1].describe();
 }
 
+// A worker killed before it answered anything: the connection to it closed before its first
+// frame, which alone does not make it lost (RpcFlood.AConnectionLostBeforeItsFirstFrameIsMadeAgain)
+// but it accepted that connection, so a refused reconnect means it is gone. Before, the next call
+// retried connecting until its own deadline (60 s here) and only then failed.
+TDIST_TEST_CHILD(rpc_killed_before_a_frame) {
+  torch::set_num_threads(1);
+  register_test_functions();
+  auto store = std::make_shared<TCPStore>("127.0.0.1", master_port(), false, 60s);
+  RpcOptions o;
+  o.store = store;
+  o.rpc_timeout = 60s;
+  auto agent = RpcAgent::start("p" + std::to_string(rank), rank, world_size, o);
+  if (rank == 1) {
+    store->set("victim_ready", "1");
+    store->wait({"never"}, 120s);  // SIGKILLed while here
+    return 3;
+  }
+  auto pending = agent->rpc_async<int64_t>(1, "sleep_ms", int64_t{100000});
+  store->set("pending/0", "1");
+  try {
+    pending.wait();
+    return 4;
+  } catch (const NetworkError&) {}
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    agent->rpc_sync<int64_t>(1, "add", int64_t{1}, int64_t{1});
+    return 5;
+  } catch (const NetworkError& e) {
+    const auto s =
+        std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start)
+            .count();
+    std::printf("the next call failed after %lld s: %s\n", static_cast<long long>(s), e.what());
+    if (s >= 30) return 6;  // waited out (half) the call's deadline rather than failing
+  }
+  agent->shutdown(false);
+  return 0;
+}
+
+TEST(RpcKilledWorker, ACallAfterItDiedBeforeAnsweringFailsAtOnce) {
+  TCPStore server("127.0.0.1", 0, true, 60s);
+  tdist::test::Processes procs("rpc_killed_before_a_frame", 2,
+                               {{"MASTER_PORT", std::to_string(server.port())}});
+  server.wait({"victim_ready", "pending/0"}, 60s);
+  procs.kill(1, SIGKILL);
+  auto results = procs.wait_all(90s);
+  EXPECT_TRUE(results[0].ok()) << results[0].describe() << "\n" << results[0].output;
+  EXPECT_FALSE(results[1].exited) << results[1].describe();
+}
+
 // ---- a vanished host (Note [Vanished hosts] in core/net/socket_io.h; issue 41, item 13) --------
 
 constexpr int kNoNamespace = 77;
