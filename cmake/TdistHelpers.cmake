@@ -12,13 +12,23 @@ function(tdist_add_module name)
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
   target_compile_options(tdist_${name} PRIVATE -Wall -Wextra)
   target_link_libraries(tdist_${name} PUBLIC ${M_DEPS} PRIVATE ${M_PRIVATE_DEPS})
-  if(TDIST_UNITY_LIBS GREATER 0)
-    set_target_properties(tdist_${name} PROPERTIES UNITY_BUILD ON
-                                                   UNITY_BUILD_BATCH_SIZE ${TDIST_UNITY_LIBS})
-  endif()
+  tdist_unity_build(tdist_${name})
   set(TDIST_MODULE_TARGETS ${TDIST_MODULE_TARGETS} tdist_${name} CACHE INTERNAL "")
   set_property(GLOBAL APPEND PROPERTY TDIST_EXPORTED tdist_${name})
   set_property(GLOBAL APPEND PROPERTY TDIST_MODULE_DIRS ${name})
+endfunction()
+
+# tdist_unity_build(target): `target`'s sources are compiled TDIST_UNITY_LIBS to a translation
+# unit when that is above 0 (scripts/build.sh, the sanitizer trees), one each otherwise. For the
+# libraries and the apps: most of a translation unit's time goes to what every one of them
+# instantiates (libtorch above all), so tdist-bench's ten files took 350 s of CPU one by one on a
+# slow machine and take about a quarter of that in two. Anonymous namespaces of one target meet
+# in a unity build: their names must differ (apps/bench/collective.cpp).
+function(tdist_unity_build target)
+  if(TDIST_UNITY_LIBS GREATER 0)
+    set_target_properties(${target} PROPERTIES UNITY_BUILD ON
+                                               UNITY_BUILD_BATCH_SIZE ${TDIST_UNITY_LIBS})
+  endif()
 endfunction()
 
 # tdist_use_torch_pch(target): `target` (an executable: an app or a test) includes the heavy

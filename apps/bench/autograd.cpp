@@ -30,6 +30,7 @@
 #include "tdist/rpc/api.h"
 
 namespace tdist::bench {
+namespace autograd_bench {  // see collective.cpp
 namespace {
 
 using json = nlohmann::json;
@@ -220,8 +221,10 @@ json run_torch(const Options& o) {
 }
 
 }  // namespace
+}  // namespace autograd_bench
 
 int run_autograd_bench(int argc, char** argv) {
+  using namespace autograd_bench;
   Options o;
   bool autograd = false, no_torch = false;
   CLI::App app{

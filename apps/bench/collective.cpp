@@ -57,6 +57,9 @@
 #include "tdist/core/rendezvous.h"
 
 namespace tdist::bench {
+// Named as well as anonymous: tdist-bench is a unity build, and the subcommands' helpers
+// (each has its own Config, worker_main, ...) must not meet.
+namespace collective_bench {
 namespace {
 
 using comm::ProcessGroup;
@@ -484,8 +487,10 @@ int run_collective(const Config& cfg) {
 }
 
 }  // namespace
+}  // namespace collective_bench
 
 void add_collective_command(CLI::App& app) {
+  using namespace collective_bench;
   auto cfg = std::make_shared<Config>();
   auto* sub = app.add_subcommand("collective",
                                  "time one collective over a range of sizes (nccl-tests style)");

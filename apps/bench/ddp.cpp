@@ -40,6 +40,7 @@
 #include "tdist/ddp/distributed_data_parallel.h"
 
 namespace tdist::bench {
+namespace ddp_bench {  // see collective.cpp
 namespace {
 
 struct Config {
@@ -335,8 +336,10 @@ void print_row(const std::string& world, const std::string& what, const Result& 
 }
 
 }  // namespace
+}  // namespace ddp_bench
 
 int run_ddp_bench(int argc, char** argv) {
+  using namespace ddp_bench;
   Config c;
   CLI::App app{
       "tdist-bench ddp: DDP training throughput (samples/s) of tdist against its bound "

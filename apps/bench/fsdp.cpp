@@ -39,6 +39,7 @@
 extern char** environ;
 
 namespace tdist::bench {
+namespace fsdp_bench {  // see collective.cpp
 namespace {
 
 struct Config {
@@ -293,8 +294,10 @@ std::string mb(double bytes) {
 }
 
 }  // namespace
+}  // namespace fsdp_bench
 
 int run_fsdp_bench(int argc, char** argv) {
+  using namespace fsdp_bench;
   Config c;
   CLI::App app{
       "tdist-bench fsdp: sharded data parallel side by side in one run: PyTorch DDP and "

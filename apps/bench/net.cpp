@@ -52,6 +52,7 @@
 #include "tdist/core/net/address.h"
 
 namespace tdist::bench {
+namespace net_bench {  // see collective.cpp
 namespace {
 
 namespace asio = boost::asio;
@@ -409,8 +410,10 @@ json measure_round(const Options& o) {
 }
 
 }  // namespace
+}  // namespace net_bench
 
 int run_net_bench(int argc, char** argv) {
+  using namespace net_bench;
   Options o;
   CLI::App app{
       "tdist-bench net: POSIX, poll and Boost.Asio I/O on the traffic of the mesh, RPC "

@@ -28,6 +28,7 @@
 #include "tdist/rpc/bounds.h"
 
 namespace tdist::bench {
+namespace rpc_bench {  // see collective.cpp
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -216,8 +217,10 @@ json run_torch(const Options& o) {
 }
 
 }  // namespace
+}  // namespace rpc_bench
 
 int run_rpc_bench(int argc, char** argv) {
+  using namespace rpc_bench;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--autograd") return run_autograd_bench(argc, argv);
   }
