@@ -10,6 +10,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "tdist/core/detail/tcp_store_protocol.h"
 #include "tdist/core/env.h"
@@ -475,19 +478,52 @@ TEST(RpcShutdown, GracefulDoesNotWaitForAWorkerThatDied) {
 
 // ---- a worker killed with calls pending (real processes) ---------------------------------------
 
-TDIST_TEST_CHILD(rpc_killed_peer) {
+// Worker p<rank> of a killed-worker child, on the test's store. Rank 1, the victim, says it is
+// ready and waits to be SIGKILLed: the child returns what this returns when it is set.
+struct KillableWorker {
+  std::shared_ptr<TCPStore> store;
+  std::shared_ptr<RpcAgent> agent;
+  std::optional<int> victim_exit;
+};
+KillableWorker start_killable_worker(int rank, int world_size) {
   torch::set_num_threads(1);
   register_test_functions();
-  auto store = std::make_shared<TCPStore>("127.0.0.1", master_port(), false, 60s);
+  KillableWorker w;
+  w.store = std::make_shared<TCPStore>("127.0.0.1", master_port(), false, 60s);
   RpcOptions o;
-  o.store = store;
-  o.rpc_timeout = 60s;  // the failures below must come from the broken connection, not this
-  auto agent = RpcAgent::start("p" + std::to_string(rank), rank, world_size, o);
+  o.store = w.store;
+  o.rpc_timeout = 60s;  // the failures must come from the broken connection, not this
+  w.agent = RpcAgent::start("p" + std::to_string(rank), rank, world_size, o);
   if (rank == 1) {
-    store->set("victim_ready", "1");
-    store->wait({"never"}, 120s);  // SIGKILLed while here
-    return 3;
+    w.store->set("victim_ready", "1");
+    w.store->wait({"never"}, 120s);  // SIGKILLed while here
+    w.victim_exit = 3;
   }
+  return w;
+}
+
+// Runs `child` on `world` processes, SIGKILLs rank 1 once the store holds `ready` (besides
+// victim_ready), and expects every other rank to succeed.
+void expect_survivors_after_killing_rank1(const char* child, int world,
+                                          std::vector<std::string> ready) {
+  TCPStore server("127.0.0.1", 0, true, 60s);
+  tdist::test::Processes procs(child, world, {{"MASTER_PORT", std::to_string(server.port())}});
+  ready.push_back("victim_ready");
+  server.wait(ready, 60s);
+  procs.kill(1, SIGKILL);
+  auto results = procs.wait_all(90s);
+  for (int r = 0; r < world; ++r) {
+    if (r == 1) {
+      EXPECT_FALSE(results[1].exited) << results[1].describe();
+    } else {
+      EXPECT_TRUE(results[r].ok()) << results[r].describe() << "\n" << results[r].output;
+    }
+  }
+}
+
+TDIST_TEST_CHILD(rpc_killed_peer) {
+  auto [store, agent, victim_exit] = start_killable_worker(rank, world_size);
+  if (victim_exit) return *victim_exit;
   std::vector<Future<int64_t>> pending;
   for (int i = 0; i < 4; ++i)
     pending.push_back(agent->rpc_async<int64_t>(1, "sleep_ms", int64_t{100000}));
@@ -533,15 +569,7 @@ TDIST_TEST_CHILD(rpc_killed_peer) {
 }
 
 TEST(RpcKilledWorker, PendingCallsFailOnTheOthers) {
-  TCPStore server("127.0.0.1", 0, true, 60s);
-  tdist::test::Processes procs("rpc_killed_peer", 3,
-                               {{"MASTER_PORT", std::to_string(server.port())}});
-  server.wait({"victim_ready", "pending/0", "pending/2"}, 60s);
-  procs.kill(1, SIGKILL);
-  auto results = procs.wait_all(90s);
-  EXPECT_TRUE(results[0].ok()) << results[0].describe() << "\n" << results[0].output;
-  EXPECT_TRUE(results[2].ok()) << results[2].describe() << "\n" << results[2].output;
-  EXPECT_FALSE(results[1].exited) << results[1].describe();
+  expect_survivors_after_killing_rank1("rpc_killed_peer", 3, {"pending/0", "pending/2"});
 }
 
 // A worker killed before it answered anything: the connection to it closed before its first
@@ -549,18 +577,8 @@ TEST(RpcKilledWorker, PendingCallsFailOnTheOthers) {
 // but it accepted that connection, so a refused reconnect means it is gone. Before, the next call
 // retried connecting until its own deadline (60 s here) and only then failed.
 TDIST_TEST_CHILD(rpc_killed_before_a_frame) {
-  torch::set_num_threads(1);
-  register_test_functions();
-  auto store = std::make_shared<TCPStore>("127.0.0.1", master_port(), false, 60s);
-  RpcOptions o;
-  o.store = store;
-  o.rpc_timeout = 60s;
-  auto agent = RpcAgent::start("p" + std::to_string(rank), rank, world_size, o);
-  if (rank == 1) {
-    store->set("victim_ready", "1");
-    store->wait({"never"}, 120s);  // SIGKILLed while here
-    return 3;
-  }
+  auto [store, agent, victim_exit] = start_killable_worker(rank, world_size);
+  if (victim_exit) return *victim_exit;
   auto pending = agent->rpc_async<int64_t>(1, "sleep_ms", int64_t{100000});
   store->set("pending/0", "1");
   try {
@@ -583,14 +601,7 @@ TDIST_TEST_CHILD(rpc_killed_before_a_frame) {
 }
 
 TEST(RpcKilledWorker, ACallAfterItDiedBeforeAnsweringFailsAtOnce) {
-  TCPStore server("127.0.0.1", 0, true, 60s);
-  tdist::test::Processes procs("rpc_killed_before_a_frame", 2,
-                               {{"MASTER_PORT", std::to_string(server.port())}});
-  server.wait({"victim_ready", "pending/0"}, 60s);
-  procs.kill(1, SIGKILL);
-  auto results = procs.wait_all(90s);
-  EXPECT_TRUE(results[0].ok()) << results[0].describe() << "\n" << results[0].output;
-  EXPECT_FALSE(results[1].exited) << results[1].describe();
+  expect_survivors_after_killing_rank1("rpc_killed_before_a_frame", 2, {"pending/0"});
 }
 
 // ---- a vanished host (Note [Vanished hosts] in core/net/socket_io.h; issue 41, item 13) --------
