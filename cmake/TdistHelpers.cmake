@@ -21,9 +21,9 @@ endfunction()
 # tdist_unity_build(target): `target`'s sources are compiled TDIST_UNITY_LIBS to a translation
 # unit when that is above 0 (scripts/build.sh, the sanitizer trees), one each otherwise. For the
 # libraries and the apps: most of a translation unit's time goes to what every one of them
-# instantiates (libtorch above all), so tdist-bench's ten files took 350 s of CPU one by one on a
-# slow machine and take about a quarter of that in two. Anonymous namespaces of one target meet
-# in a unity build: their names must differ (apps/bench/collective.cpp).
+# instantiates (libtorch above all): tdist-bench's ten files took 374 s of CPU one by one on a
+# slow machine and 113 in two. Anonymous namespaces of one target meet in a unity build: their
+# names must differ (apps/bench/collective.cpp).
 function(tdist_unity_build target)
   if(TDIST_UNITY_LIBS GREATER 0)
     set_target_properties(${target} PROPERTIES UNITY_BUILD ON
