@@ -143,16 +143,16 @@ std::shared_ptr<Connection> ConnectionTable::connection_to(int rank, Clock::time
     }
     try {
       p.conn = connect(rank, std::min(options_.handshake.timeout, remaining(deadline)));
-      p.reached = true;
       return p.conn;
     } catch (const ProtocolError&) {
       throw;  // the peer refused the handshake (another token): retrying cannot help
     } catch (const Error& e) {
       // Retries wait for a peer that is not listening yet. One that accepted a connection from
-      // here before, and lost it before its first frame (so it is not marked failed), is gone
-      // when it cannot be reached again: a worker killed before it answered anything. Retrying
-      // would only wait out the call's deadline; the next call tries once more.
-      if (p.reached) {
+      // here before (p.conn: it closed before its first frame, so the peer is not marked
+      // failed) is gone when it cannot be reached again: a worker killed before it answered
+      // anything. Retrying would only wait out the call's deadline; the next call tries once
+      // more.
+      if (p.conn) {
         throw NetworkError(str(e.what(), " (", members_.peer_name(rank),
                                " accepted a connection before: not retried)"));
       }

@@ -89,7 +89,6 @@ class ConnectionTable {
     std::mutex mu;
     std::shared_ptr<Connection> conn;  // guarded by mu
     std::string failed;                // guarded by mu: why the peer is unreachable
-    bool reached = false;              // guarded by mu: it accepted a connection from here
   };
 
   void accept_loop();
