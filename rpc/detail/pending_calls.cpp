@@ -140,9 +140,15 @@ void PendingCalls::fail_lost(int rank, const std::string& reason) {
   if (failed.empty()) return;
   TDIST_LOG_WARN("rpc: connection to ", peer_name_(rank), " lost (", reason, "); failing ",
                  failed.size(), " pending calls");
+  const auto now = Clock::now();
   for (auto& p : failed) {
-    auto err = std::make_exception_ptr(
-        NetworkError(str(p.what, " failed: connection to ", peer_name_(rank), " lost: ", reason)));
+    // A call past its deadline timed out, whichever of the timeout thread and this close came
+    // first (a send that stalls past the RPC timeout closes the connection at about the moment
+    // the call's own deadline expires).
+    auto err = p.has_deadline && now >= p.deadline
+                   ? timed_out(p)
+                   : std::make_exception_ptr(NetworkError(str(
+                         p.what, " failed: connection to ", peer_name_(rank), " lost: ", reason)));
     auto shared = std::make_shared<Call>(std::move(p));
     if (!post_([this, shared, err] { complete(*shared, nullptr, err); })) {
       complete(*shared, nullptr, err);
@@ -279,11 +285,14 @@ void PendingCalls::timeout_loop() {
     calls_.erase(it);
     ++in_progress_;
     lock.unlock();
-    auto err = std::make_exception_ptr(TimeoutError(str(
-        p.what, " timed out: no answer from ", peer_name_(p.to), " within the call's timeout")));
-    complete(p, nullptr, err);
+    complete(p, nullptr, timed_out(p));
     lock.lock();
   }
+}
+
+std::exception_ptr PendingCalls::timed_out(const Call& p) const {
+  return std::make_exception_ptr(TimeoutError(
+      str(p.what, " timed out: no answer from ", peer_name_(p.to), " within the call's timeout")));
 }
 
 }  // namespace tdist::rpc::detail

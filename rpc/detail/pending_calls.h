@@ -6,7 +6,8 @@
 //   (take_response). Its completion runs exactly once: with the response, or with the failure:
 //   a send or connect that threw (fail_send: InvalidArgument as is, TimeoutError for a send
 //   that stalled past the RPC timeout, else NetworkError), the loss of its connection
-//   (fail_lost: NetworkError naming the peer), its deadline (the timeout thread: TimeoutError
+//   (fail_lost: NetworkError naming the peer, TimeoutError once the call's deadline has
+//   passed, as the timeout thread would have said a moment later), its deadline (the timeout thread: TimeoutError
 //   naming the peer), or the agent stopping (stop);
 // - the timers of RpcAgent::schedule, posted as work when due;
 // - the count of work in progress (a completion about to run, an incoming call, posted work),
@@ -116,6 +117,8 @@ class PendingCalls {
 
  private:
   void timeout_loop();
+  // The TimeoutError of a call whose deadline passed without an answer.
+  std::exception_ptr timed_out(const Call& call) const;
 
   // Constant after construction.
   const std::string self_name_;
