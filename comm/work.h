@@ -13,7 +13,7 @@
 // tensors; future() completes with them (DDP's reducer and comm hooks chain on it). Thread safe.
 //
 // A backend may give a Work a progress hook (Note [Waiter runs the operation] in
-// comm/ring/ring_process_group.cpp): wait() with no timeout of its own calls it with
+// comm/ring/op_queue.cpp): wait() with no timeout of its own calls it with
 // may_run_here=true, and the backend runs the operation on the waiting thread when nothing is
 // ahead of it; every other way of looking at the result (wait with a timeout, is_completed,
 // future, dropping the Work) calls it with false: the backend makes sure its worker runs the
@@ -79,7 +79,7 @@ class Work {
       : op_(std::move(op)), seq_(seq), future_(std::move(future)) {}
   // A name that lives as long as the program (a string literal): kept as the pointer, so that
   // making the Work allocates nothing for a name longer than std::string's inline buffer (Note
-  // [Small operations] in comm/ring/ring_process_group.cpp).
+  // [Small operations] in comm/ring/op_queue.cpp).
   struct StaticName {
     const char* name;
   };

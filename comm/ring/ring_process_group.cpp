@@ -34,128 +34,6 @@ Clock::time_point deadline_after(Millis timeout, Clock::time_point now = Clock::
   return now + timeout;
 }
 
-// Note [Small operations]
-// A warm 4 KiB allreduce costs about as much as two core-to-core round trips, so what the call
-// itself does counts: each heap allocation is tens of nanoseconds and, on a busy allocator, a
-// lock. The small-operation path allocates nothing but the result list (a Work's result is a
-// std::vector<at::Tensor>, which the API hands out), counted in
-// tests/comm/alloc_count_test.cpp (at most one allocation per operation on all threads
-// together):
-//   - The op lives in a list node that moves between queue_, the running thread and free_ops_ by
-//     splicing (OpList), so queueing one allocates nothing once the group is warm.
-//   - An allreduce, a broadcast, an allgather (list or flat) and a reduce-scatter (list or flat)
-//     of host tensors keep their tensors, reduction and root in the Op (SmallArgs, by Kind)
-//     instead of a capturing std::function, which would not fit std::function's inline buffer;
-//     a list is moved in, and an allgather's comes back as its result (no allocation at all).
-//     Their block lists are the group's own vectors (reserved at construction), a buffer that
-//     fits one window needs no slice list (Note [Windows]), and StagedTensors::may_stage
-//     answers before any list is built for the staging checks. The other operations, and a
-//     list holding strided tensors, still build a Run.
-//   - The Future and the Work are made with allocate_shared from PooledBlocks: blocks freed go
-//     to a cache of the freeing thread and are taken from the allocating thread's cache, so a
-//     caller that issues, waits and drops its Works on one thread reuses the same blocks with no
-//     lock; when another thread frees them (the worker ran the op and dropped the last
-//     reference), a full cache hands its blocks to a shared depot (one mutex) that an empty
-//     cache takes from, and only beyond both caps are blocks given back to the heap.
-// What is left on the caller's path is the group's mutex (the queue), taken once to queue and
-// once to take and finish the op.
-struct FreeBlock {
-  FreeBlock* next;
-};
-
-template <size_t kBytes>
-class PooledBlocks {
- public:
-  static void* get() {
-    Local& l = local();
-    if (l.head != nullptr) return l.pop();
-    if (!dead_) {
-      Depot& d = depot();
-      std::lock_guard<std::mutex> lock(d.mu);
-      if (d.list.head != nullptr) return d.list.pop();
-    }
-    return ::operator new(kBytes);
-  }
-  static void put(void* p) {
-    if (!dead_) {
-      Local& l = local();
-      if (l.count < kLocalCap) return l.push(p);
-      Depot& d = depot();
-      std::lock_guard<std::mutex> lock(d.mu);
-      if (d.list.count < kDepotCap) return d.list.push(p);
-    }
-    ::operator delete(p);
-  }
-
- private:
-  static constexpr size_t kLocalCap = 64;
-  static constexpr size_t kDepotCap = 1024;
-  struct List {
-    FreeBlock* head = nullptr;
-    size_t count = 0;
-    void* pop() {
-      FreeBlock* b = head;
-      head = b->next;
-      --count;
-      return b;
-    }
-    void push(void* p) {
-      auto* b = static_cast<FreeBlock*>(p);
-      b->next = head;
-      head = b;
-      ++count;
-    }
-  };
-  struct Local : List {
-    ~Local() {
-      dead_ = true;  // a block freed later on this thread goes back to the heap
-      while (this->head != nullptr) ::operator delete(this->pop());
-    }
-  };
-  struct Depot {
-    std::mutex mu;
-    List list;
-  };
-  static Local& local() {
-    static thread_local Local l;
-    return l;
-  }
-  static Depot& depot() {
-    static Depot* d = new Depot;  // never destroyed: blocks may be freed during exit
-    return *d;
-  }
-  static thread_local bool dead_;
-};
-template <size_t kBytes>
-thread_local bool PooledBlocks<kBytes>::dead_ = false;
-
-// The allocator allocate_shared uses for a Work or a Future (with its control block).
-template <typename T>
-struct PoolAllocator {
-  using value_type = T;
-  static constexpr size_t kBytes = (sizeof(T) + 63) / 64 * 64;
-  PoolAllocator() = default;
-  template <typename U>
-  PoolAllocator(const PoolAllocator<U>&) {}
-  T* allocate(size_t n) {
-    static_assert(alignof(T) <= alignof(std::max_align_t));
-    if (n != 1) return static_cast<T*>(::operator new(n * sizeof(T)));
-    return static_cast<T*>(PooledBlocks<kBytes>::get());
-  }
-  void deallocate(T* p, size_t n) {
-    if (n != 1) return ::operator delete(p);
-    PooledBlocks<kBytes>::put(p);
-  }
-  template <typename U>
-  bool operator==(const PoolAllocator<U>&) const {
-    return true;
-  }
-  template <typename U>
-  bool operator!=(const PoolAllocator<U>&) const {
-    return false;
-  }
-};
-
 // Note [Spin, then sleep]
 // A peer on this host usually answers within microseconds, and a futex sleep plus wake-up costs
 // several of them; so a rank with shared-memory peers spins (re-trying its transfers, yielding
@@ -264,7 +142,6 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   window_bytes_ = tuning.window_bytes;
   allreduce_algo_ = tuning.allreduce_algo;
   debug_detail_ = tuning.debug_detail;
-  run_on_waiter_ = tuning.run_on_waiter;
 
   auto store = std::make_shared<PrefixStore>(prefix_, root_store_);
   const auto setup_deadline = deadline_after(opts_.timeout);
@@ -286,7 +163,9 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
   }
   std::vector<Channel*> peers;
   for (auto& c : channels_) peers.push_back(c.get());
-  exchange_ = std::make_unique<Exchange>(peers, rank_, &aborted_);
+  ops_ =
+      std::make_unique<OpQueue>(rank_, tuning.run_on_waiter, static_cast<OpQueue::Runner&>(*this));
+  exchange_ = std::make_unique<Exchange>(peers, rank_, &ops_->aborted());
   exchange_->set_spin_us(tuning.spin_us.value_or(default_spin_us(channels_)));
   exchange_->set_busy_poll_ns(
       tuning.busy_poll_ns.value_or(default_busy_poll_ns(channels.hosts, rank_)));
@@ -310,35 +189,17 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
                                      [this](std::exception_ptr e) { abort_with(e); });
   blocks_.reserve(static_cast<size_t>(size_));
   in_blocks_.reserve(static_cast<size_t>(size_));
-  worker_ = std::thread([this] { worker_loop(); });
+  ops_->start();
   TDIST_LOG_DEBUG("rank ", rank_, ": process group '", prefix_, "' of ", size_, " ranks is up");
 }
 
 RingProcessGroup::~RingProcessGroup() {
-  bool busy;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    busy = running_ || !queue_.empty();
-  }
-  if (busy) {
+  if (ops_->stop()) {
     abort_with(std::make_exception_ptr(
         Error(str("rank ", rank_, ": the process group was destroyed with operations pending"))));
   }
-  cv_.notify_all();
-  worker_.join();
+  ops_->join();
   p2p_->stop();
-}
-
-std::exception_ptr RingProcessGroup::aborted_error(const char* name, uint64_t seq) const {
-  std::string cause;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (abort_cause_) cause = exception_message(abort_cause_);
-  }
-  return std::make_exception_ptr(Error(str("rank ", rank_, ": ", name, " (seq ", seq,
-                                           ") failed: the process group was aborted",
-                                           cause.empty() ? "" : " after: ", cause)));
 }
 
 void RingProcessGroup::abort() {
@@ -346,264 +207,46 @@ void RingProcessGroup::abort() {
 }
 
 void RingProcessGroup::abort_with(std::exception_ptr cause) {
-  OpList pending;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (aborted_.load()) return;
-    abort_cause_ = cause;
-    aborted_.store(true);
-    pending.swap(queue_);
-  }
+  if (!ops_->abort(cause)) return;
   TDIST_LOG_WARN("rank ", rank_, ": aborting the process group: ", exception_message(cause));
-  // Wakes the worker (blocked in poll on these sockets, or on a shared-memory channel's futex)
-  // and tells every peer at once.
+  // Wakes the thread running an operation (blocked in poll on these sockets, or on a
+  // shared-memory channel's futex) and tells every peer at once.
   mesh_->shutdown_all();
   for (auto& c : channels_) {
     if (c) c->shutdown();
   }
   p2p_->abort(cause);
-  for (auto& op : pending) op->future->set_error(aborted_error(op->name, op->seq));
-  cv_.notify_all();
+  ops_->fail_queued();
 }
 
 std::shared_ptr<Work> RingProcessGroup::enqueue(const char* name, Millis timeout, Fingerprint fp,
                                                 Run run) {
-  return enqueue_impl(name, Kind::kRun, timeout, std::move(fp), &run, nullptr);
+  OpBody body;
+  body.run = std::move(run);
+  body.fingerprint = std::move(fp);
+  return ops_->push(name, effective(timeout), std::move(body));
 }
 
 std::shared_ptr<Work> RingProcessGroup::enqueue_small(const char* name, Kind kind, Millis timeout,
                                                       Fingerprint fp, SmallArgs args) {
-  return enqueue_impl(name, kind, timeout, std::move(fp), nullptr, &args);
+  OpBody body;
+  body.kind = kind;
+  body.args = std::move(args);
+  body.fingerprint = std::move(fp);
+  return ops_->push(name, effective(timeout), std::move(body));
 }
 
-std::shared_ptr<Work> RingProcessGroup::enqueue_impl(const char* name, Kind kind, Millis timeout,
-                                                     Fingerprint fp, Run* run, SmallArgs* args) {
-  // Note [Small operations]: pooled Future and Work, a recycled Op.
-  auto future = std::allocate_shared<Future>(PoolAllocator<Future>());
-  const auto enqueued = Clock::now();
-  uint64_t seq;
-  bool aborted, tell = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    TDIST_CHECK(!stop_, "the process group is being destroyed");
-    seq = next_seq_++;
-    aborted = aborted_.load();
-    if (!aborted) {
-      if (free_ops_.empty()) free_ops_.push_back(std::make_unique<Op>());
-      queue_.splice(queue_.end(), free_ops_, free_ops_.begin());
-      Op& op = *queue_.back();
-      op.enqueued = enqueued;
-      op.name = name;
-      op.seq = seq;
-      op.timeout = effective(timeout);
-      op.future = future;
-      op.kind = kind;
-      if (args != nullptr) {
-        op.args = std::move(*args);
-      } else {
-        op.run = std::move(*run);
-      }
-      if (debug_detail_) {
-        fp.op = name;
-        fp.seq = seq;
-        op.fingerprint = std::move(fp);
-      }
-      tell = op.worker_told = !lazy_;
-    }
+Future::Value RingProcessGroup::run(OpQueue::Op& op, Clock::time_point start) {
+  exchange_->begin(op.name, op.seq, start, deadline_after(op.timeout, start));
+  OpBody& body = op.body;
+  if (debug_detail_) {
+    body.fingerprint.op = op.name;
+    body.fingerprint.seq = op.seq;
+    check_fingerprints(*exchange_, body.fingerprint);
   }
-  // Every op name is a string literal (Work::StaticName: no copy of it).
-  auto work =
-      std::allocate_shared<Work>(PoolAllocator<Work>(), Work::StaticName{name}, seq, future);
-  if (aborted) {
-    future->set_error(aborted_error(name, seq));
-    return work;
-  }
-  if (run_on_waiter_) {
-    // Two words, so std::function keeps them inline (no allocation per operation).
-    work->set_progress([this, seq](bool may_run_here) { progress(seq, may_run_here); });
-  }
-  if (tell) cv_.notify_one();
-  return work;
-}
-
-// Note [Waiter runs the operation]
-// A caller that waits on a collective as soon as it issued it (the blocking style of MPI and of
-// torch.distributed without async_op) would otherwise hand the operation to the worker thread
-// and sleep until the worker hands the result back: two thread wake-ups per operation, which on
-// a host with more runnable threads than cores cost more than a small collective itself. So
-// Work::wait() (without a timeout of its own) calls progress(seq, ..., true): when the operation
-// is the next one due (first in the queue, nothing running), the waiting thread takes it and
-// runs it itself. Order is kept because only the first queued operation can be taken, and only
-// one thread runs operations at a time (running_); the worker waits while running_ is set.
-// The exchange and scratch are used by whichever thread holds running_. Continuations then run
-// on the waiting thread.
-//
-// Waking the worker for each operation costs as much again (a futex wake on the caller, the
-// worker scheduled onto a core the peer ranks need, only to find the operation taken): measured
-// in docs/perf-history.md ("Waking a rank"), a third of a 4 KiB allreduce. So the group
-// learns the caller's style:
-//   - An operation whose wait() comes within kPromptWait of its issue, while it is still queued,
-//     is "waited promptly".
-//     After kPromptStreak such operations in a row the group turns lazy_: new operations are
-//     queued without waking the worker (worker_told = false), for their waiter to run.
-//   - Anything else is asynchronous use and turns lazy_ off at once, telling the worker of every
-//     operation it was not told of: a wait() that comes later than kPromptWait, and every other
-//     look at a pending operation (wait with a timeout, is_completed, future(): DDP's buckets
-//     and comm hooks, dropping the Work). A prompt wait() that cannot take its operation (another
-//     is ahead or running) tells the worker too.
-//   - While lazy_, the worker sleeps kLazyPickup at a time and runs an operation nobody has
-//     claimed for that long, turning lazy_ off (a caller that issued and then computed). After
-//     kLazyIdleRounds empty rounds it turns lazy_ off and sleeps until told, so an idle group
-//     does not keep waking.
-// So an operation nobody waits on still runs on the worker (asynchronous use progresses; at
-// worst kLazyPickup late, once, when a blocking caller turns asynchronous), and a blocking
-// caller pays neither wake-up. TDIST_RUN_ON_WAITER=0 turns all of it off (the worker runs
-// every operation; tdist-bench compares the two).
-namespace {
-constexpr auto kPromptWait = std::chrono::microseconds(100);
-constexpr int kPromptStreak = 2;
-constexpr auto kLazyPickup = std::chrono::milliseconds(5);
-constexpr int kLazyIdleRounds = 100;
-}  // namespace
-
-bool RingProcessGroup::tell_worker_locked() {
-  bool told = false;
-  for (auto& op : queue_) {
-    if (!op->worker_told) op->worker_told = told = true;
-  }
-  return told;
-}
-
-void RingProcessGroup::progress(uint64_t seq, bool may_run_here) {
-  OpList op;
-  bool tell = false;
-  Clock::time_point now;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    // An operation no longer queued was taken by the worker: not a prompt wait.
-    bool prompt = false;
-    if (may_run_here) {
-      for (const auto& queued : queue_) {
-        if (queued->seq != seq) continue;
-        now = Clock::now();
-        prompt = now - queued->enqueued <= kPromptWait;
-        break;
-      }
-    }
-    if (prompt) {
-      if (++prompt_waits_ >= kPromptStreak) lazy_ = true;
-    } else {
-      lazy_ = false;
-      prompt_waits_ = 0;
-    }
-    if (may_run_here && !running_ && !stop_ && !queue_.empty() && queue_.front()->seq == seq) {
-      op.splice(op.end(), queue_, queue_.begin());
-      running_ = true;
-    }
-    // Outside lazy_ the worker knows every queued op; and if this one could not be taken here,
-    // the worker must run it (after those ahead of it).
-    if (!lazy_ || op.empty()) tell = tell_worker_locked();
-  }
-  if (tell) cv_.notify_one();
-  if (!op.empty()) execute(op, now);
-}
-
-void RingProcessGroup::worker_loop() {
-  int idle_rounds = 0;
-  for (;;) {
-    OpList op;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      for (;;) {
-        if (stop_ && queue_.empty()) return;
-        // Not while a waiter runs an operation (Note [Waiter runs the operation]).
-        if (!queue_.empty() && !running_ &&
-            (queue_.front()->worker_told ||
-             Clock::now() - queue_.front()->enqueued >= kLazyPickup)) {
-          break;
-        }
-        if (!lazy_) {
-          cv_.wait(lock);
-          continue;
-        }
-        if (cv_.wait_for(lock, kLazyPickup) == std::cv_status::timeout && queue_.empty() &&
-            ++idle_rounds >= kLazyIdleRounds) {
-          lazy_ = false;
-          prompt_waits_ = 0;
-        }
-      }
-      idle_rounds = 0;
-      op.splice(op.end(), queue_, queue_.begin());
-      if (!op.front()
-               ->worker_told) {  // nobody claimed it within kLazyPickup: the caller is asynchronous
-        lazy_ = false;
-        prompt_waits_ = 0;
-        tell_worker_locked();
-      }
-      running_ = true;
-    }
-    execute(op, Clock::now());
-  }
-}
-
-void RingProcessGroup::finish_running(OpList& node) {
-  static constexpr size_t kFreeOpsCap = 16;
-  Op& op = *node.front();
-  op.future.reset();
-  op.fingerprint = Fingerprint{};
-  op.run = nullptr;
-  op.kind = Kind::kRun;
-  op.args = SmallArgs{};  // the caller's tensors are not kept
-  op.worker_told = false;
-  bool more;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    running_ = false;
-    more = !queue_.empty() && queue_.front()->worker_told;
-    if (free_ops_.size() < kFreeOpsCap) free_ops_.splice(free_ops_.end(), node);
-  }
-  // The worker waits for running_ to clear when a waiter ran the operation.
-  if (more) cv_.notify_one();
-}
-
-void RingProcessGroup::execute(OpList& node, Clock::time_point now) {
-  Op& op = *node.front();
-  const char* name = op.name;
-  const uint64_t seq = op.seq;
-  std::shared_ptr<Future> future = op.future;
-  if (aborted_.load()) {
-    finish_running(node);
-    future->set_error(aborted_error(name, seq));
-    return;
-  }
-  Future::Value value;
-  std::exception_ptr error;
-  try {
-    exchange_->begin(name, seq, now, deadline_after(op.timeout, now));
-    if (debug_detail_) check_fingerprints(*exchange_, op.fingerprint);
-    algorithms::Context ctx{*exchange_, rank_,       size_,        chunk_bytes_,
-                            scratch_,   &peer_pids_, window_bytes_};
-    value = op.kind == Kind::kRun ? op.run(ctx) : run_small(ctx, op.kind, op.args);
-  } catch (const MismatchError&) {
-    error = std::current_exception();
-  } catch (...) {
-    error = std::current_exception();
-    // The byte streams are no longer in step (or a peer is gone): nothing later can succeed.
-    abort_with(error);
-  }
-  // Before completing: a caller that waited for this op may destroy the group at once, and
-  // must not find it busy. The op's own references (its Run's captures, its tensors) go with it.
-  finish_running(node);
-  try {
-    if (error) {
-      future->set_error(error);
-    } else {
-      future->set_value(std::move(value));
-    }
-  } catch (const std::exception& e) {
-    TDIST_LOG_ERROR("rank ", rank_, ": a continuation of ", name, " (seq ", seq,
-                    ") threw: ", e.what());
-  }
+  algorithms::Context ctx{*exchange_, rank_,       size_,        chunk_bytes_,
+                          scratch_,   &peer_pids_, window_bytes_};
+  return body.kind == Kind::kRun ? body.run(ctx) : run_small(ctx, body.kind, body.args);
 }
 
 std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor, int peer, int tag,
@@ -620,8 +263,8 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
   const uint64_t seq = next_p2p_seq_++;
   auto future = std::make_shared<Future>();
   auto work = std::make_shared<RecvWork>(name, seq, future);
-  if (aborted_.load()) {
-    future->set_error(aborted_error(name, seq));
+  if (ops_->aborted().load()) {
+    future->set_error(ops_->aborted_error(name, seq));
     return work;
   }
   auto deadline = deadline_after(effective(timeout));

@@ -1,12 +1,13 @@
 #pragma once
 // RingProcessGroup: the "ring" backend: every collective on CPU tensors over a full TCP mesh.
 //
-// Execution: each call validates its arguments on the caller's thread (InvalidArgument), takes a
-// sequence number and queues the operation; one worker thread per group runs the queue in order,
-// doing the socket I/O itself through an Exchange (no I/O thread in between), and completes the
-// Work's future (continuations run on the worker), unless a caller that waits on the operation
-// runs it first on its own thread (Note [Waiter runs the operation] in ring_process_group.cpp). send/recv go to the P2PEngine on their own
-// channel and thread.
+// Execution: each call validates its arguments on the caller's thread (InvalidArgument) and
+// describes the operation (an OpBody: the op table, ring_process_group_ops.cpp); the OpQueue
+// (op_queue.h) gives it a sequence number and runs the queue in order on one worker thread per
+// group, or on a caller that waits on the next operation due (Note [Waiter runs the operation]
+// in op_queue.cpp). Running it (run()) does the socket I/O itself through an Exchange (no I/O
+// thread in between); continuations run on the thread that ran it. send/recv go to the
+// P2PEngine on their own channel and thread.
 //
 // Failure: a timeout or a broken connection in any operation aborts the group: the sockets are
 // shut down (so every peer blocked on this rank fails at once instead of at its deadline),
@@ -48,20 +49,16 @@
 // Thread safety: every public method may be called from any thread.
 
 #include <atomic>
-#include <condition_variable>
-#include <functional>
-#include <list>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include "tdist/comm/algorithms/allreduce_hierarchical.h"
 #include "tdist/comm/engine/exchange.h"
 #include "tdist/comm/engine/fingerprint.h"
 #include "tdist/comm/engine/p2p_engine.h"
 #include "tdist/comm/process_group.h"
+#include "tdist/comm/ring/op_queue.h"
 #include "tdist/comm/transport/channels.h"
 #include "tdist/comm/transport/tcp/mesh.h"
 
@@ -69,7 +66,7 @@ namespace tdist::comm::detail {
 
 class StagedTensors;  // ring/staging.h
 
-class RingProcessGroup final : public ProcessGroup {
+class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
  public:
   // `root_store` is the store every group of this job shares; the group's own keys live under
   // `prefix`. Blocks until the mesh is connected (TimeoutError after opts.timeout).
@@ -130,66 +127,22 @@ class RingProcessGroup final : public ProcessGroup {
   void abort() override;
 
  private:
-  using Run = std::function<Future::Value(algorithms::Context&)>;
-  // The small operations whose arguments the Op keeps itself rather than in a capturing Run
-  // (which would allocate): Note [Small operations] in ring_process_group.cpp.
-  enum class Kind {
-    kRun,                  // op.run
-    kAllreduce,            // `work` reduced in place
-    kBroadcast,            // `work` from args.root
-    kAllgatherInto,        // `in` (this rank's block) into `work`, size_ blocks
-    kAllgatherList,        // `in` into `list` (one contiguous host tensor per rank)
-    kReduceScatterTensor,  // `in` (size_ blocks) reduced into `work`
-    kReduceScatterList,    // `list` (one contiguous host tensor per rank) reduced into `work`
-  };
-  struct SmallArgs {
-    at::Tensor orig;  // the caller's tensor (the output, where the op has one)
-    at::Tensor work;  // its contiguous host values (orig itself when it is one)
-    at::Tensor in;    // the contiguous host values of an allgather's or reduce-scatter's input
-    std::vector<at::Tensor> list;  // the caller's list, moved in (given back as the result)
-    algorithms::ReduceSpec rs{};
-    int root = 0;
-  };
-  struct Op {
-    const char* name;
-    uint64_t seq;
-    Millis timeout;
-    std::shared_ptr<Future> future;
-    Fingerprint fingerprint;
-    Kind kind = Kind::kRun;
-    Run run;         // kRun only
-    SmallArgs args;  // every other kind
-    Clock::time_point enqueued;
-    bool worker_told = false;  // guarded by mu_: the worker was notified of this op
-  };
-  // Ops live in list nodes that move between queue_, the thread running them and free_ops_ by
-  // splicing, so a warm group queues an operation without allocating.
-  using OpList = std::list<std::unique_ptr<Op>>;
+  using Run = OpBody::Run;
+  using Kind = OpKind;
 
-  // Queues a collective; returns its Work at once (already failed when the group is aborted).
+  // Queue a collective (ops_->push); its Work comes back at once (already failed when the group
+  // is aborted). enqueue_small: an operation of a small kind (no Run built).
   std::shared_ptr<Work> enqueue(const char* name, Millis timeout, Fingerprint fp, Run run);
-  // The same for a small operation (no Run built).
   std::shared_ptr<Work> enqueue_small(const char* name, Kind kind, Millis timeout, Fingerprint fp,
                                       SmallArgs args);
-  std::shared_ptr<Work> enqueue_impl(const char* name, Kind kind, Millis timeout, Fingerprint fp,
-                                     Run* run, SmallArgs* args);
-  // Runs a small operation (any kind but kRun) on the thread that holds running_.
+  // OpQueue::Runner: runs a queued operation on the thread that took it.
+  Future::Value run(OpQueue::Op& op, Clock::time_point start) override;
+  void fatal(std::exception_ptr error) override { abort_with(std::move(error)); }
+  // Runs a small operation (any kind but kRun).
   Future::Value run_small(algorithms::Context& c, Kind kind, SmallArgs& a);
   std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag,
                                  Millis timeout);
-  void worker_loop();
-  // `now`: when the operation starts (its deadline counts from it). `node` holds the op alone;
-  // it goes back to free_ops_ before the op's future completes.
-  void execute(OpList& node, Clock::time_point now);
-  // Note [Waiter runs the operation]: the Work's progress hook.
-  void progress(uint64_t seq, bool may_run_here);
-  // Notifies the worker of every queued op it was not told of; call with mu_ held, then
-  // notify cv_ when it returns true.
-  bool tell_worker_locked();
-  // Clears running_ and takes back `node`'s op (its fields reset) into free_ops_.
-  void finish_running(OpList& node);
   void abort_with(std::exception_ptr cause);
-  std::exception_ptr aborted_error(const char* name, uint64_t seq) const;
   Millis effective(Millis timeout) const { return timeout.count() < 0 ? opts_.timeout : timeout; }
   algorithms::ReduceSpec reduce_spec(const at::Tensor& t, ReduceOp op) const;
   // The algorithm allreduce_flat runs for `count` elements of `elem` bytes.
@@ -270,7 +223,6 @@ class RingProcessGroup final : public ProcessGroup {
   size_t staging_piece_bytes_ = 0;  // Note [Overlapped staging]
   size_t window_bytes_ = 0;         // Note [Windows]
   bool debug_detail_ = false;
-  bool run_on_waiter_ = true;
   std::unique_ptr<tcp::Mesh> mesh_;
   std::vector<std::unique_ptr<Channel>> channels_;  // collective channel per peer
   std::optional<algorithms::Hierarchy> hierarchy_;
@@ -279,27 +231,18 @@ class RingProcessGroup final : public ProcessGroup {
   // kNoSingleCopy. peer_pids_: every rank's process when it is not kNoSingleCopy.
   uint64_t single_copy_bytes_ = kNoSingleCopy;
   std::vector<pid_t> peer_pids_;
-  std::unique_ptr<Exchange> exchange_;  // used by the thread that set running_
-  algorithms::Scratch scratch_;         // used by the thread that set running_
-  std::vector<char*> blocks_;           // used by the thread that set running_ (size_ capacity)
-  std::vector<const char*> in_blocks_;  // used by the thread that set running_ (size_ capacity)
+  // The collectives' queue, made first (its aborted() flag is the group's) and stopped and
+  // joined in the destructor before anything it runs on goes.
+  std::unique_ptr<OpQueue> ops_;
+  // Used by the thread that runs an operation (OpQueue: one at a time).
+  std::unique_ptr<Exchange> exchange_;
+  algorithms::Scratch scratch_;
+  std::vector<char*> blocks_;           // size_ capacity
+  std::vector<const char*> in_blocks_;  // size_ capacity
   std::unique_ptr<P2PEngine> p2p_;
 
-  std::atomic<bool> aborted_{false};
   std::atomic<uint64_t> next_p2p_seq_{0};
   std::atomic<int> next_subgroup_{0};
-
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  OpList queue_;                    // guarded by mu_
-  OpList free_ops_;                 // guarded by mu_: reset ops for later operations
-  uint64_t next_seq_ = 0;           // guarded by mu_
-  bool running_ = false;            // guarded by mu_: an op is executing (worker or waiter)
-  bool lazy_ = false;               // guarded by mu_: new ops are left for their waiter
-  int prompt_waits_ = 0;            // guarded by mu_: ops waited on promptly in a row
-  bool stop_ = false;               // guarded by mu_
-  std::exception_ptr abort_cause_;  // guarded by mu_
-  std::thread worker_;
 };
 
 }  // namespace tdist::comm::detail

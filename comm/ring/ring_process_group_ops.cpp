@@ -209,7 +209,7 @@ std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const Allre
   }
   Fingerprint fp = fingerprint(debug_detail_, &tensor, int(opts.op));
   // Asked first so that a host tensor builds no list for allreduce_staged (Note [Small
-  // operations] in ring_process_group.cpp).
+  // operations] in op_queue.cpp).
   if (StagedTensors::wanted(tensor, size_, staging_piece_bytes_)) {
     if (auto staged = allreduce_staged("allreduce", {tensor}, rs, opts.timeout, fp)) return staged;
   }
@@ -322,7 +322,7 @@ void RingProcessGroup::reduce_scatter_windows(algo::Context& c,
   });
 }
 
-// Note [Small operations] in ring_process_group.cpp: the block lists are the group's own
+// Note [Small operations] in op_queue.cpp: the block lists are the group's own
 // (blocks_, in_blocks_, of size_ capacity), and the result is the one allocation.
 Value RingProcessGroup::run_small(algo::Context& c, Kind kind, SmallArgs& a) {
   switch (kind) {

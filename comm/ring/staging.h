@@ -157,7 +157,7 @@ class StandIns {
   // The Work of the operation `inner` runs on the stand-ins as the caller sees it: it completes
   // with `value` (the caller's tensors) once `inner` succeeded and the stand-ins are copied back,
   // or with inner's error. Its name and sequence number are inner's; waiting on it is waiting on
-  // inner (Note [Waiter runs the operation] in ring_process_group.cpp).
+  // inner (Note [Waiter runs the operation] in op_queue.cpp).
   std::shared_ptr<Work> finish(const std::shared_ptr<Work>& inner, Future::Value value) const;
   // Copies the stand-ins of what was written into the caller's tensors and waits for it.
   void copy_back() const;

@@ -136,7 +136,7 @@ bool WorkAdapter::wait(std::chrono::milliseconds timeout) {
     observe();
   } else {
     // Each operation runs on this thread when it is next due and the progress thread is idle
-    // (Note [Waiter runs the operation] in comm/ring/ring_process_group.cpp); an error stops
+    // (Note [Waiter runs the operation] in comm/ring/op_queue.cpp); an error stops
     // here and is done_'s, rethrown below.
     for (const auto& w : works_) {
       try {

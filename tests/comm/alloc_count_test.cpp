@@ -205,7 +205,7 @@ Counts count_small_ops(Op op, bool run_on_waiter, bool keep_work) {
 }
 
 // The fixed numbers this path reaches: at most `per_op` allocations per operation on all threads
-// together (the result list: Note [Small operations] in comm/ring/ring_process_group.cpp; none
+// together (the result list: Note [Small operations] in comm/ring/op_queue.cpp; none
 // for a list allgather, whose list comes back as its result), on the calling thread or on the
 // worker, plus a few once (a pool growing by a block when a Work is kept while the next is
 // made).

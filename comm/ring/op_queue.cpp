@@ -1,0 +1,402 @@
+#include "tdist/comm/ring/op_queue.h"
+
+#include "tdist/core/error.h"
+#include "tdist/core/logging.h"
+
+namespace tdist::comm::detail {
+namespace {
+
+// Note [Small operations]
+// A warm 4 KiB allreduce costs about as much as two core-to-core round trips, so what the call
+// itself does counts: each heap allocation is tens of nanoseconds and, on a busy allocator, a
+// lock. The small-operation path allocates nothing but the result list (a Work's result is a
+// std::vector<at::Tensor>, which the API hands out), counted in
+// tests/comm/alloc_count_test.cpp (at most one allocation per operation on all threads
+// together):
+//   - The op lives in a list node that moves between the queue, the running thread and the free
+//     list by splicing (OpQueue::NodeList), so queueing one allocates nothing once the group is
+//     warm.
+//   - An allreduce, a broadcast, an allgather (list or flat) and a reduce-scatter (list or flat)
+//     of host tensors keep their tensors, reduction and root in the OpBody (SmallArgs, by OpKind)
+//     instead of a capturing std::function, which would not fit std::function's inline buffer;
+//     a list is moved in, and an allgather's comes back as its result (no allocation at all).
+//     Their block lists are the group's own vectors (reserved at construction), a buffer that
+//     fits one window needs no slice list (Note [Windows]), and StagedTensors::may_stage
+//     answers before any list is built for the staging checks. The other operations, and a
+//     list holding strided tensors, still build a Run.
+//   - The Future and the Work are made with allocate_shared from PooledBlocks: blocks freed go
+//     to a cache of the freeing thread and are taken from the allocating thread's cache, so a
+//     caller that issues, waits and drops its Works on one thread reuses the same blocks with no
+//     lock; when another thread frees them (the worker ran the op and dropped the last
+//     reference), a full cache hands its blocks to a shared depot (one mutex) that an empty
+//     cache takes from, and only beyond both caps are blocks given back to the heap.
+// What is left on the caller's path is the queue's mutex, taken once to queue and
+// once to take and finish the op.
+struct FreeBlock {
+  FreeBlock* next;
+};
+
+template <size_t kBytes>
+class PooledBlocks {
+ public:
+  static void* get() {
+    Local& l = local();
+    if (l.head != nullptr) return l.pop();
+    if (!dead_) {
+      Depot& d = depot();
+      std::lock_guard<std::mutex> lock(d.mu);
+      if (d.list.head != nullptr) return d.list.pop();
+    }
+    return ::operator new(kBytes);
+  }
+  static void put(void* p) {
+    if (!dead_) {
+      Local& l = local();
+      if (l.count < kLocalCap) return l.push(p);
+      Depot& d = depot();
+      std::lock_guard<std::mutex> lock(d.mu);
+      if (d.list.count < kDepotCap) return d.list.push(p);
+    }
+    ::operator delete(p);
+  }
+
+ private:
+  static constexpr size_t kLocalCap = 64;
+  static constexpr size_t kDepotCap = 1024;
+  struct List {
+    FreeBlock* head = nullptr;
+    size_t count = 0;
+    void* pop() {
+      FreeBlock* b = head;
+      head = b->next;
+      --count;
+      return b;
+    }
+    void push(void* p) {
+      auto* b = static_cast<FreeBlock*>(p);
+      b->next = head;
+      head = b;
+      ++count;
+    }
+  };
+  struct Local : List {
+    ~Local() {
+      dead_ = true;  // a block freed later on this thread goes back to the heap
+      while (this->head != nullptr) ::operator delete(this->pop());
+    }
+  };
+  struct Depot {
+    std::mutex mu;
+    List list;
+  };
+  static Local& local() {
+    static thread_local Local l;
+    return l;
+  }
+  static Depot& depot() {
+    static Depot* d = new Depot;  // never destroyed: blocks may be freed during exit
+    return *d;
+  }
+  static thread_local bool dead_;
+};
+template <size_t kBytes>
+thread_local bool PooledBlocks<kBytes>::dead_ = false;
+
+// The allocator allocate_shared uses for a Work or a Future (with its control block).
+template <typename T>
+struct PoolAllocator {
+  using value_type = T;
+  static constexpr size_t kBytes = (sizeof(T) + 63) / 64 * 64;
+  PoolAllocator() = default;
+  template <typename U>
+  PoolAllocator(const PoolAllocator<U>&) {}
+  T* allocate(size_t n) {
+    static_assert(alignof(T) <= alignof(std::max_align_t));
+    if (n != 1) return static_cast<T*>(::operator new(n * sizeof(T)));
+    return static_cast<T*>(PooledBlocks<kBytes>::get());
+  }
+  void deallocate(T* p, size_t n) {
+    if (n != 1) return ::operator delete(p);
+    PooledBlocks<kBytes>::put(p);
+  }
+  template <typename U>
+  bool operator==(const PoolAllocator<U>&) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const PoolAllocator<U>&) const {
+    return false;
+  }
+};
+
+}  // namespace
+
+// Note [Waiter runs the operation]
+// A caller that waits on a collective as soon as it issued it (the blocking style of MPI and of
+// torch.distributed without async_op) would otherwise hand the operation to the worker thread
+// and sleep until the worker hands the result back: two thread wake-ups per operation, which on
+// a host with more runnable threads than cores cost more than a small collective itself. So
+// Work::wait() (without a timeout of its own) calls progress(seq, ..., true): when the operation
+// is the next one due (first in the queue, nothing running), the waiting thread takes it and
+// runs it itself. Order is kept because only the first queued operation can be taken, and only
+// one thread runs operations at a time (running_); the worker waits while running_ is set.
+// The exchange and scratch are used by whichever thread holds running_. Continuations then run
+// on the waiting thread.
+//
+// Waking the worker for each operation costs as much again (a futex wake on the caller, the
+// worker scheduled onto a core the peer ranks need, only to find the operation taken): measured
+// in docs/perf-history.md ("Waking a rank"), a third of a 4 KiB allreduce. So the group
+// learns the caller's style:
+//   - An operation whose wait() comes within kPromptWait of its issue, while it is still queued,
+//     is "waited promptly".
+//     After kPromptStreak such operations in a row the group turns lazy_: new operations are
+//     queued without waking the worker (worker_told = false), for their waiter to run.
+//   - Anything else is asynchronous use and turns lazy_ off at once, telling the worker of every
+//     operation it was not told of: a wait() that comes later than kPromptWait, and every other
+//     look at a pending operation (wait with a timeout, is_completed, future(): DDP's buckets
+//     and comm hooks, dropping the Work). A prompt wait() that cannot take its operation (another
+//     is ahead or running) tells the worker too.
+//   - While lazy_, the worker sleeps kLazyPickup at a time and runs an operation nobody has
+//     claimed for that long, turning lazy_ off (a caller that issued and then computed). After
+//     kLazyIdleRounds empty rounds it turns lazy_ off and sleeps until told, so an idle group
+//     does not keep waking.
+// So an operation nobody waits on still runs on the worker (asynchronous use progresses; at
+// worst kLazyPickup late, once, when a blocking caller turns asynchronous), and a blocking
+// caller pays neither wake-up. TDIST_RUN_ON_WAITER=0 turns all of it off (the worker runs
+// every operation; tdist-bench compares the two).
+namespace {
+constexpr auto kPromptWait = std::chrono::microseconds(100);
+constexpr int kPromptStreak = 2;
+constexpr auto kLazyPickup = std::chrono::milliseconds(5);
+constexpr int kLazyIdleRounds = 100;
+}  // namespace
+
+OpQueue::OpQueue(int rank, bool run_on_waiter, Runner& runner)
+    : rank_(rank), run_on_waiter_(run_on_waiter), runner_(runner) {}
+
+OpQueue::~OpQueue() {
+  stop();
+  join();
+}
+
+void OpQueue::join() {
+  if (worker_.joinable()) worker_.join();
+}
+
+void OpQueue::start() {
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+bool OpQueue::stop() {
+  bool busy;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    busy = running_ || !queue_.empty();
+  }
+  cv_.notify_all();
+  return busy;
+}
+
+std::exception_ptr OpQueue::aborted_error(const char* name, uint64_t seq) const {
+  std::string cause;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (abort_cause_) cause = exception_message(abort_cause_);
+  }
+  return std::make_exception_ptr(Error(str("rank ", rank_, ": ", name, " (seq ", seq,
+                                           ") failed: the process group was aborted",
+                                           cause.empty() ? "" : " after: ", cause)));
+}
+
+bool OpQueue::abort(std::exception_ptr cause) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_.load()) return false;
+  abort_cause_ = std::move(cause);
+  aborted_.store(true);
+  return true;
+}
+
+void OpQueue::fail_queued() {
+  NodeList pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending.swap(queue_);
+  }
+  for (auto& node : pending) node.future->set_error(aborted_error(node.op.name, node.op.seq));
+  cv_.notify_all();
+}
+
+std::shared_ptr<Work> OpQueue::push(const char* name, Millis timeout, OpBody&& body) {
+  // Note [Small operations]: pooled Future and Work, a recycled node.
+  auto future = std::allocate_shared<Future>(PoolAllocator<Future>());
+  const auto enqueued = Clock::now();
+  uint64_t seq;
+  bool aborted, tell = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TDIST_CHECK(!stop_, "the process group is being destroyed");
+    seq = next_seq_++;
+    aborted = aborted_.load();
+    if (!aborted) {
+      if (free_ops_.empty()) free_ops_.emplace_back();
+      queue_.splice(queue_.end(), free_ops_, free_ops_.begin());
+      Node& node = queue_.back();
+      node.op.enqueued = enqueued;
+      node.op.name = name;
+      node.op.seq = seq;
+      node.op.timeout = timeout;
+      node.op.body = std::move(body);
+      node.future = future;
+      tell = node.worker_told = !lazy_;
+    }
+  }
+  // Every op name is a string literal (Work::StaticName: no copy of it).
+  auto work =
+      std::allocate_shared<Work>(PoolAllocator<Work>(), Work::StaticName{name}, seq, future);
+  if (aborted) {
+    future->set_error(aborted_error(name, seq));
+    return work;
+  }
+  if (run_on_waiter_) {
+    // Two words, so std::function keeps them inline (no allocation per operation).
+    work->set_progress([this, seq](bool may_run_here) { progress(seq, may_run_here); });
+  }
+  if (tell) cv_.notify_one();
+  return work;
+}
+
+bool OpQueue::tell_worker_locked() {
+  bool told = false;
+  for (auto& node : queue_) {
+    if (!node.worker_told) node.worker_told = told = true;
+  }
+  return told;
+}
+
+void OpQueue::progress(uint64_t seq, bool may_run_here) {
+  NodeList taken;
+  bool tell = false;
+  Clock::time_point now;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // An operation no longer queued was taken by the worker: not a prompt wait.
+    bool prompt = false;
+    if (may_run_here) {
+      for (const auto& queued : queue_) {
+        if (queued.op.seq != seq) continue;
+        now = Clock::now();
+        prompt = now - queued.op.enqueued <= kPromptWait;
+        break;
+      }
+    }
+    if (prompt) {
+      if (++prompt_waits_ >= kPromptStreak) lazy_ = true;
+    } else {
+      lazy_ = false;
+      prompt_waits_ = 0;
+    }
+    if (may_run_here && !running_ && !stop_ && !queue_.empty() && queue_.front().op.seq == seq) {
+      taken.splice(taken.end(), queue_, queue_.begin());
+      running_ = true;
+    }
+    // Outside lazy_ the worker knows every queued op; and if this one could not be taken here,
+    // the worker must run it (after those ahead of it).
+    if (!lazy_ || taken.empty()) tell = tell_worker_locked();
+  }
+  if (tell) cv_.notify_one();
+  if (!taken.empty()) execute(taken, now);
+}
+
+void OpQueue::worker_loop() {
+  int idle_rounds = 0;
+  for (;;) {
+    NodeList taken;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      for (;;) {
+        if (stop_ && queue_.empty()) return;
+        // Not while a waiter runs an operation (Note [Waiter runs the operation]).
+        if (!queue_.empty() && !running_ &&
+            (queue_.front().worker_told ||
+             Clock::now() - queue_.front().op.enqueued >= kLazyPickup)) {
+          break;
+        }
+        if (!lazy_) {
+          cv_.wait(lock);
+          continue;
+        }
+        if (cv_.wait_for(lock, kLazyPickup) == std::cv_status::timeout && queue_.empty() &&
+            ++idle_rounds >= kLazyIdleRounds) {
+          lazy_ = false;
+          prompt_waits_ = 0;
+        }
+      }
+      idle_rounds = 0;
+      taken.splice(taken.end(), queue_, queue_.begin());
+      // Nobody claimed it within kLazyPickup: the caller is asynchronous.
+      if (!taken.front().worker_told) {
+        lazy_ = false;
+        prompt_waits_ = 0;
+        tell_worker_locked();
+      }
+      running_ = true;
+    }
+    execute(taken, Clock::now());
+  }
+}
+
+void OpQueue::finish_running(NodeList& taken) {
+  static constexpr size_t kFreeOpsCap = 16;
+  Node& node = taken.front();
+  node.future.reset();
+  node.op.body = OpBody{};  // the caller's tensors and the Run's captures are not kept
+  node.worker_told = false;
+  bool more;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+    more = !queue_.empty() && queue_.front().worker_told;
+    if (free_ops_.size() < kFreeOpsCap) free_ops_.splice(free_ops_.end(), taken);
+  }
+  // The worker waits for running_ to clear when a waiter ran the operation.
+  if (more) cv_.notify_one();
+}
+
+void OpQueue::execute(NodeList& taken, Clock::time_point now) {
+  Op& op = taken.front().op;
+  const char* name = op.name;
+  const uint64_t seq = op.seq;
+  std::shared_ptr<Future> future = taken.front().future;
+  if (aborted_.load()) {
+    finish_running(taken);
+    future->set_error(aborted_error(name, seq));
+    return;
+  }
+  Future::Value value;
+  std::exception_ptr error;
+  try {
+    value = runner_.run(op, now);
+  } catch (const MismatchError&) {
+    error = std::current_exception();
+  } catch (...) {
+    error = std::current_exception();
+    // The byte streams are no longer in step (or a peer is gone): nothing later can succeed.
+    runner_.fatal(error);
+  }
+  // Before completing: a caller that waited for this op may destroy the group at once, and
+  // must not find it busy. The op's own references (its Run's captures, its tensors) go with it.
+  finish_running(taken);
+  try {
+    if (error) {
+      future->set_error(error);
+    } else {
+      future->set_value(std::move(value));
+    }
+  } catch (const std::exception& e) {
+    TDIST_LOG_ERROR("rank ", rank_, ": a continuation of ", name, " (seq ", seq,
+                    ") threw: ", e.what());
+  }
+}
+
+}  // namespace tdist::comm::detail
