@@ -1,10 +1,11 @@
 // RpcAgent: its parts wired together and its life (agent.h has the whole contract). start()
 // checks the options, makes the parts (rpc/detail/: Membership, ConnectionTable, PendingCalls,
-// Dispatcher), listens and joins the group; send_request() registers a call with PendingCalls
-// and sends it on the ConnectionTable's connection to the peer; the connections' events go to
-// the Dispatcher (frames) and the ConnectionTable (closes, which fail the calls pending on a
-// lost connection); shutdown() runs Membership's rounds (Note [RPC graceful shutdown]) and
-// stop_everything() stops the parts in order. Requests are answered in request_handlers.cpp.
+// RequestHandler, Dispatcher), listens and joins the group; send_request() registers a call with
+// PendingCalls and sends it on the ConnectionTable's connection to the peer; the connections'
+// events go to the Dispatcher (frames, whose requests the RequestHandler answers) and the
+// ConnectionTable (closes, which fail the calls pending on a lost connection); shutdown() runs
+// Membership's rounds (Note [RPC graceful shutdown]) and stop_everything() stops the parts in
+// order.
 #include "tdist/rpc/agent.h"
 
 #include <sys/socket.h>
@@ -23,6 +24,7 @@
 #include "tdist/rpc/detail/membership.h"
 #include "tdist/rpc/detail/options.h"
 #include "tdist/rpc/detail/pending_calls.h"
+#include "tdist/rpc/detail/request_handler.h"
 #include "tdist/rpc/detail/thread_pool.h"
 
 namespace tdist::rpc {
@@ -102,8 +104,12 @@ std::shared_ptr<RpcAgent> RpcAgent::start(const std::string& name, int rank, int
   a->pending_ = std::make_unique<detail::PendingCalls>(
       name, [raw](int r) { return raw->peer_name(r); },
       [raw](std::function<void()> task) { return raw->post_to_pool(std::move(task)); });
-  a->dispatcher_ = std::make_unique<detail::Dispatcher>(
-      *raw, static_cast<detail::RequestHandler&>(*raw), *a->pending_, std::move(pool));
+  a->handler_ = std::make_unique<detail::RequestHandler>(
+      *raw, a->self_, a->rrefs_,
+      [raw](std::function<void()> task) { return raw->post_to_pool(std::move(task)); },
+      [raw](int r) { return raw->peer_name(r); });
+  a->dispatcher_ =
+      std::make_unique<detail::Dispatcher>(*raw, *a->handler_, *a->pending_, std::move(pool));
   a->members_ = std::make_unique<detail::Membership>(a->self_, o, world_size);
   detail::ConnectionLimits limits;
   limits.max_pending_handshakes = o.max_pending_handshakes;

@@ -69,7 +69,6 @@
 #include "tdist/rpc/detail/call_codec.h"
 #include "tdist/rpc/detail/connection.h"
 #include "tdist/rpc/detail/message.h"
-#include "tdist/rpc/detail/request_handler.h"
 #include "tdist/rpc/detail/rref_context.h"
 #include "tdist/rpc/errors.h"
 #include "tdist/rpc/future.h"
@@ -81,9 +80,7 @@ namespace tdist::rpc {
 template <class T>
 class RRef;
 
-class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
-                 private detail::ConnectionHandler,
-                 private detail::RequestHandler {
+class RpcAgent : public std::enable_shared_from_this<RpcAgent>, private detail::ConnectionHandler {
  public:
   // Starts a worker: meets the others' store, listens (RpcOptions::listen_host, else the address
   // net::local_address picks toward the store's host), publishes its address and name in the
@@ -172,8 +169,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   // The agent is composed of parts, each with its own contract and lock (rpc/detail/):
   // Membership (the store, the directory of workers, the shutdown rounds), ConnectionTable
   // (listener, connections, failed peers), PendingCalls (outgoing calls, deadlines, timers, work
-  // in progress), Dispatcher (incoming frames, the worker pool). The agent wires them together,
-  // answers requests (request_handlers.cpp) and orders start and stop (agent.cpp).
+  // in progress), Dispatcher (incoming frames, the worker pool), RequestHandler (the answers to
+  // incoming requests). The agent wires them together and orders start and stop (agent.cpp).
   RpcAgent(const std::string& name, int rank, int world_size, RpcOptions options);
   // Stops every part: fails what is pending, closes every connection, joins every thread.
   void stop_everything(const std::string& reason);
@@ -187,26 +184,6 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
                  const std::string& reason) override;
   std::string on_authenticated(const std::shared_ptr<detail::Connection>& conn) override;
 
-  // RequestHandler: the handlers of incoming requests (worker threads; request_handlers.cpp).
-  void handle_request(const std::shared_ptr<detail::Connection>& conn,
-                      detail::Message& msg) override;
-  void handle_fork_request(const std::shared_ptr<detail::Connection>& conn,
-                           const detail::Message& msg) override;
-  void reply_error(const std::shared_ptr<detail::Connection>& conn, uint64_t id,
-                   const std::string& message) override;
-  void handle_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
-  void handle_remote_call(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
-  void handle_fetch(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
-  void handle_method(const std::shared_ptr<detail::Connection>& conn,
-                     std::shared_ptr<detail::Message> msg, bool remote);
-  void handle_control(const std::shared_ptr<detail::Connection>& conn, detail::Message& msg);
-  // InvalidArgument unless worker `from` holds a fork of `id` or is this worker.
-  void check_fork_held(const RRefId& id, int from) const;
-  void reply_value(const std::shared_ptr<detail::Connection>& conn, uint64_t id, int to,
-                   const detail::AnyValue& value);
-  void reply_empty(const std::shared_ptr<detail::Connection>& conn, uint64_t id, Bytes body = {});
-  void send_reply(const std::shared_ptr<detail::Connection>& conn, detail::OutMessage&& m);
-
   // Constant after start().
   WorkerInfo self_;
   RpcOptions options_;
@@ -216,6 +193,7 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent>,
   // The parts, made in start() and stopped by stop_everything(); each locks itself.
   std::unique_ptr<detail::Membership> members_;
   std::unique_ptr<detail::PendingCalls> pending_;
+  std::unique_ptr<detail::RequestHandler> handler_;  // outlives the dispatcher, which calls it
   std::unique_ptr<detail::Dispatcher> dispatcher_;
   std::unique_ptr<detail::ConnectionTable> connections_;
 

@@ -14,6 +14,7 @@ class ConnectionTable;  // rpc/detail/connection_table.h
 class Dispatcher;       // rpc/detail/dispatcher.h
 class Membership;       // rpc/detail/membership.h
 class PendingCalls;     // rpc/detail/pending_calls.h
+class RequestHandler;   // rpc/detail/request_handler.h
 
 // The thread-local agent of rpc/api.h's free functions (set on the agent's worker threads).
 void set_thread_agent(std::weak_ptr<RpcAgent> agent);

@@ -1,6 +1,6 @@
 // Fuzzes two running RPC workers through a socket, as a peer that passed the handshake would: the
 // RRef protocol and the calls behind the ids the decoders accept (rpc/detail/rref_context.h,
-// rpc/request_handlers.cpp, rpc/detail/dispatcher.cpp, pending_calls.cpp), which the rpc_message
+// rpc/detail/request_handler.cpp, rpc/detail/dispatcher.cpp, pending_calls.cpp), which the rpc_message
 // target does not reach. Workers p0 and p1 (ranks 0 and 1 of 2, threads of this process, one in-process
 // TCPStore) run for the whole campaign. Each input is a stream of RPC frames sent to p0 on a
 // fresh connection that authenticated as rank 1 (so p0 takes it for p1: its RRef messages act on

@@ -2,7 +2,7 @@
 // the functions rpc/detail/connection.cpp and the agent's handlers use, in their order: the frame header
 // (decode_header), the body, the tensor section at its end (take_tensor_section,
 // check_tensor_section), the tensor bytes that follow (receive_tensor, rpc/detail/tensor_pool.h),
-// then the payload as the message's type says (rpc/request_handlers.cpp, rpc/detail/dispatcher.cpp,
+// then the payload as the message's type says (rpc/detail/request_handler.cpp, rpc/detail/dispatcher.cpp,
 // rpc/rref.h): the fields of a call (CallHeader, RRef and fork ids), then its arguments through
 // the registry's decoders (registered below, tensors as indices into the frame's tensors, an
 // RRef's fork data); a result of one of a few types, an error, an RRef control message.
@@ -101,7 +101,7 @@ void register_functions() {
       .method("scale", &Counter::scale);
 }
 
-// request_handlers.cpp's read_fields: the leading fields, written without a context; returns
+// request_handler.cpp's read_fields: the leading fields, written without a context; returns
 // the offset of the arguments.
 template <class... Fields>
 size_t read_fields(const Message& msg, Fields&... fields) {

@@ -1,20 +1,12 @@
-// RpcAgent's handlers of incoming requests (worker threads). Each request gets exactly one
-// answer: its result (RESPONSE) or an error (ERROR) naming this worker.
+#include "tdist/rpc/detail/request_handler.h"
+
 #include <exception>
 
 #include "tdist/core/logging.h"
 #include "tdist/rpc/agent.h"
 #include "tdist/rpc/autograd_hooks.h"
 
-namespace tdist::rpc {
-
-using detail::AnyValue;
-using detail::CallHeader;
-using detail::Connection;
-using detail::Message;
-using detail::MessageType;
-using detail::OutMessage;
-
+namespace tdist::rpc::detail {
 namespace {
 
 // Reads the leading core-archive fields of a request; returns the offset of the arguments.
@@ -24,13 +16,13 @@ size_t read_fields(const Message& msg, Fields&... fields) {
   try {
     ar(fields...);
   } catch (const cereal::Exception& e) {
-    throw ProtocolError(str("malformed ", detail::message_type_name(msg.type), ": ", e.what()));
+    throw ProtocolError(str("malformed ", message_type_name(msg.type), ": ", e.what()));
   }
   return msg.body.size() - ar.remaining();
 }
 
-detail::RecvContext recv_context(Message& msg, detail::RRefContext* rrefs) {
-  detail::RecvContext rc;
+RecvContext recv_context(Message& msg, RRefContext* rrefs) {
+  RecvContext rc;
   rc.tensors = &msg.tensors;
   rc.rrefs = rrefs;
   rc.from_rank = msg.from;
@@ -47,7 +39,16 @@ void check_signature(const std::string& what, const std::string& name, const Sig
 
 }  // namespace
 
-void RpcAgent::handle_request(const std::shared_ptr<Connection>& conn, Message& msg) {
+RequestHandler::RequestHandler(RpcAgent& agent, WorkerInfo self, std::shared_ptr<RRefContext> rrefs,
+                               std::function<bool(std::function<void()>)> post,
+                               std::function<std::string(int)> peer_name)
+    : agent_(agent),
+      self_(std::move(self)),
+      rrefs_(std::move(rrefs)),
+      post_(std::move(post)),
+      peer_name_(std::move(peer_name)) {}
+
+void RequestHandler::handle_request(const std::shared_ptr<Connection>& conn, Message& msg) {
   const uint64_t id = msg.id;
   try {
     switch (msg.type) {
@@ -74,30 +75,30 @@ void RpcAgent::handle_request(const std::shared_ptr<Connection>& conn, Message& 
         handle_control(conn, msg);
         return;
       default:
-        throw ProtocolError(str("unexpected request type ", detail::message_type_name(msg.type)));
+        throw ProtocolError(str("unexpected request type ", message_type_name(msg.type)));
     }
   } catch (...) {
     reply_error(conn, id, exception_message(std::current_exception()));
   }
 }
 
-void RpcAgent::handle_call(const std::shared_ptr<Connection>& conn, Message& msg) {
+void RequestHandler::handle_call(const std::shared_ptr<Connection>& conn, Message& msg) {
   CallHeader h;
   size_t offset = read_fields(msg, h);
   auto fn = registry().find_function(h.name);
   if (!fn) throw InvalidArgument(str("unknown function '", h.name, "' (not registered)"));
   check_signature("function", h.name, fn->signature, h.signature);
   auto rc = recv_context(msg, rrefs_.get());
-  detail::ArgInputArchive ar(msg.body.data() + offset, msg.body.size() - offset, rc);
+  ArgInputArchive ar(msg.body.data() + offset, msg.body.size() - offset, rc);
   AnyValue v = fn->invoke(ar);
   reply_value(conn, msg.id, msg.from, v);
 }
 
-void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Message& msg) {
+void RequestHandler::handle_remote_call(const std::shared_ptr<Connection>& conn, Message& msg) {
   CallHeader h;
   RRefId rref_id;
   ForkId fork_id;
-  detail::RRefSecret secret;
+  RRefSecret secret;
   size_t offset = read_fields(msg, h, rref_id, fork_id, secret);
   rrefs_->check_new_rref(rref_id, fork_id, msg.from);           // Note [RRef protocol] invariant 7
   auto owner = rrefs_->create_owner_for_call(rref_id, secret);  // invariant 8
@@ -111,7 +112,7 @@ void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Messa
     if (!fn) throw InvalidArgument(str("unknown function '", h.name, "' (not registered)"));
     check_signature("function", h.name, fn->signature, h.signature);
     auto rc = recv_context(msg, rrefs_.get());
-    detail::ArgInputArchive ar(msg.body.data() + offset, msg.body.size() - offset, rc);
+    ArgInputArchive ar(msg.body.data() + offset, msg.body.size() - offset, rc);
     owner->set_value(fn->invoke(ar));
   } catch (...) {
     error = exception_message(std::current_exception());
@@ -123,7 +124,7 @@ void RpcAgent::handle_remote_call(const std::shared_ptr<Connection>& conn, Messa
   reply_empty(conn, msg.id, encode(error));
 }
 
-void RpcAgent::handle_fetch(const std::shared_ptr<Connection>& conn, Message& msg) {
+void RequestHandler::handle_fetch(const std::shared_ptr<Connection>& conn, Message& msg) {
   RRefId rref_id;
   uint64_t type_hash = 0;
   std::string type;
@@ -133,45 +134,46 @@ void RpcAgent::handle_fetch(const std::shared_ptr<Connection>& conn, Message& ms
     throw InvalidArgument(str("to_here(): RRef ", rref_id.str(), " is unknown on its owner (",
                               self_.name, "): it was deleted, or never existed"));
   }
-  std::weak_ptr<RpcAgent> weak = weak_from_this();
+  std::weak_ptr<RpcAgent> weak = agent_.weak_from_this();
   const uint64_t id = msg.id;
   const int from = msg.from;
-  owner->when_ready([weak, conn, owner, id, from, type_hash, type] {
-    auto self = weak.lock();
-    if (!self) return;
+  // The agent owns this handler: while it lives, so does the handler.
+  owner->when_ready([this, weak, conn, owner, id, from, type_hash, type] {
+    auto agent = weak.lock();
+    if (!agent) return;
     try {
       AnyValue v = owner->value();  // a failed or expired creation's error first
-      self->check_fork_held(owner->id(), from);
+      check_fork_held(owner->id(), from);
       if (!v.type || v.type->hash != type_hash) {
         throw InvalidArgument(str("RRef ", owner->id().str(), " holds ",
                                   v.type ? v.type->name : std::string("nothing"),
                                   " but to_here() asked for ", type));
       }
-      self->reply_value(conn, id, from, v);
+      reply_value(conn, id, from, v);
     } catch (...) {
-      self->reply_error(conn, id, exception_message(std::current_exception()));
+      reply_error(conn, id, exception_message(std::current_exception()));
     }
   });
 }
 
-void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn, std::shared_ptr<Message> msg,
-                             bool remote) {
+void RequestHandler::handle_method(const std::shared_ptr<Connection>& conn,
+                                   std::shared_ptr<Message> msg, bool remote) {
   CallHeader h;
   RRefId target;
   ForkId phantom;
   RRefId result_id;
   ForkId result_fork;
-  detail::RRefSecret result_secret;
+  RRefSecret result_secret;
   size_t offset = remote
                       ? read_fields(*msg, h, target, phantom, result_id, result_fork, result_secret)
                       : read_fields(*msg, h, target, phantom);
-  std::shared_ptr<detail::OwnerRRef> result;
+  std::shared_ptr<OwnerRRef> result;
   if (remote) {
     rrefs_->check_new_rref(result_id, result_fork, msg->from);
     result = rrefs_->create_owner_for_call(result_id, result_secret);
     if (result_fork.created_on >= 0) rrefs_->add_fork(result_id, result_fork, msg->from);
   }
-  std::shared_ptr<detail::OwnerRRef> owner;
+  std::shared_ptr<OwnerRRef> owner;
   std::exception_ptr missing;
   try {
     owner = rrefs_->find_owner(target, nullptr, msg->from);
@@ -180,7 +182,7 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn, std::share
   }
   if (!owner) {
     // Deleted (invariant 5): a failed stand-in answers like a target whose creation failed.
-    owner = std::make_shared<detail::OwnerRRef>(rrefs_, target, self_.rank, nullptr);
+    owner = std::make_shared<OwnerRRef>(rrefs_, target, self_.rank, nullptr);
     owner->set_error(missing ? missing
                              : std::make_exception_ptr(InvalidArgument(str(
                                    "RRef ", target.str(),
@@ -189,17 +191,17 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn, std::share
   if (phantom.created_on >= 0) {
     rrefs_->delete_fork(target, phantom, msg->from);  // see RRef::phantom_fork
   }
-  std::weak_ptr<RpcAgent> weak = weak_from_this();
+  std::weak_ptr<RpcAgent> weak = agent_.weak_from_this();
   // Runs once the target's value exists (at once when it does; otherwise on the thread that
-  // sets it, see Note [RRef protocol] invariant 5).
-  owner->when_ready([weak, conn, msg, h, offset, owner, result, result_id, remote] {
-    auto self = weak.lock();
-    if (!self) return;
+  // sets it, see Note [RRef protocol] invariant 5). The agent owns this handler.
+  owner->when_ready([this, weak, conn, msg, h, offset, owner, result, result_id, remote] {
+    auto agent = weak.lock();
+    if (!agent) return;
     std::string error;
     AnyValue value;
     try {
       AnyValue obj = owner->value();
-      self->check_fork_held(owner->id(), msg->from);
+      check_fork_held(owner->id(), msg->from);
       if (!obj.ptr || !obj.type) throw InvalidArgument("the RRef holds no object");
       auto m = registry().find_method(obj.type->hash, h.name);
       if (!m) {
@@ -207,8 +209,8 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn, std::share
             str("unknown method '", h.name, "' of ", obj.type->name, " (not registered)"));
       }
       check_signature("method", h.name, m->signature, h.signature);
-      auto rc = recv_context(*msg, self->rrefs_.get());
-      detail::ArgInputArchive ar(msg->body.data() + offset, msg->body.size() - offset, rc);
+      auto rc = recv_context(*msg, rrefs_.get());
+      ArgInputArchive ar(msg->body.data() + offset, msg->body.size() - offset, rc);
       value = m->invoke(obj.ptr.get(), ar);
     } catch (...) {
       error = exception_message(std::current_exception());
@@ -216,28 +218,28 @@ void RpcAgent::handle_method(const std::shared_ptr<Connection>& conn, std::share
     if (!remote) {
       if (error.empty()) {
         try {
-          self->reply_value(conn, msg->id, msg->from, value);
+          reply_value(conn, msg->id, msg->from, value);
           return;
         } catch (...) {
           error = exception_message(std::current_exception());
         }
       }
-      self->reply_error(conn, msg->id, error);
+      reply_error(conn, msg->id, error);
       return;
     }
     if (error.empty()) {
       result->set_value(std::move(value));
     } else {
       result->set_error(std::make_exception_ptr(RemoteError(
-          str("remote method '", h.name, "' failed on worker '", self->self_.name, "': ", error),
-          self->self_.name, error)));
+          str("remote method '", h.name, "' failed on worker '", self_.name, "': ", error),
+          self_.name, error)));
     }
-    self->rrefs_->owner_ready(result_id);
-    self->reply_empty(conn, msg->id, encode(error));
+    rrefs_->owner_ready(result_id);
+    reply_empty(conn, msg->id, encode(error));
   });
 }
 
-void RpcAgent::check_fork_held(const RRefId& id, int from) const {
+void RequestHandler::check_fork_held(const RRefId& id, int from) const {
   if (from == self_.rank || rrefs_->holds_fork(id, from)) return;
   throw InvalidArgument(str("worker rank ", from, " holds no fork of RRef ", id.str(),
                             " (refused: only a holder may read it or call its methods)"));
@@ -246,18 +248,20 @@ void RpcAgent::check_fork_held(const RRefId& id, int from) const {
 // On the connection's reader thread (rpc/detail/dispatcher.h), so that the fork is registered before
 // the requests read after it run (Note [RRef protocol] invariant 7); the answer goes out from
 // the pool.
-void RpcAgent::handle_fork_request(const std::shared_ptr<Connection>& conn, const Message& msg) {
-  std::weak_ptr<RpcAgent> weak = weak_from_this();
+void RequestHandler::handle_fork_request(const std::shared_ptr<Connection>& conn,
+                                         const Message& msg) {
+  std::weak_ptr<RpcAgent> weak = agent_.weak_from_this();
   const uint64_t request = msg.id;
-  auto reply = [weak, conn, request](std::exception_ptr error) {
-    auto self = weak.lock();
-    if (!self) return;
-    self->post_to_pool([self, conn, request, error] {
+  // The agent owns this handler; each pool task holds the agent (Dispatcher::post).
+  auto reply = [this, weak, conn, request](std::exception_ptr error) {
+    auto agent = weak.lock();
+    if (!agent) return;
+    post_([this, conn, request, error] {
       try {
         if (error) {
-          self->reply_error(conn, request, exception_message(error));
+          reply_error(conn, request, exception_message(error));
         } else {
-          self->reply_empty(conn, request);
+          reply_empty(conn, request);
         }
       } catch (const std::exception& e) {
         TDIST_LOG_DEBUG("rpc: cannot answer RREF_FORK_REQUEST ", request, ": ", e.what());
@@ -265,7 +269,7 @@ void RpcAgent::handle_fork_request(const std::shared_ptr<Connection>& conn, cons
     });
   };
   try {
-    auto [id, fork, secret] = decode<std::tuple<RRefId, ForkId, detail::RRefSecret>>(msg.body);
+    auto [id, fork, secret] = decode<std::tuple<RRefId, ForkId, RRefSecret>>(msg.body);
     // Answered once the RRef is known here, or with an error (Note [RRef protocol]; the secret:
     // invariant 8).
     rrefs_->add_fork_when_known(id, fork, msg.from, secret, reply);
@@ -274,13 +278,13 @@ void RpcAgent::handle_fork_request(const std::shared_ptr<Connection>& conn, cons
   }
 }
 
-void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& msg) {
+void RequestHandler::handle_control(const std::shared_ptr<Connection>& conn, Message& msg) {
   switch (msg.type) {
     case MessageType::kRRefUserDelete: {
       auto [id, fork] = decode<std::tuple<RRefId, ForkId>>(msg.body);
       if (!rrefs_->delete_fork(id, fork, msg.from)) {
         TDIST_LOG_WARN("rpc: worker '", self_.name, "' ignored RREF_USER_DELETE of fork ",
-                       fork.str(), " of RRef ", id.str(), " from ", peer_name(msg.from),
+                       fork.str(), " of RRef ", id.str(), " from ", peer_name_(msg.from),
                        ", which does not hold it");
         throw InvalidArgument(str("fork ", fork.str(), " of RRef ", id.str(),
                                   " is not held by worker rank ", msg.from));
@@ -301,8 +305,8 @@ void RpcAgent::handle_control(const std::shared_ptr<Connection>& conn, Message& 
   reply_empty(conn, msg.id);
 }
 
-void RpcAgent::reply_value(const std::shared_ptr<Connection>& conn, uint64_t id, int to,
-                           const AnyValue& value) {
+void RequestHandler::reply_value(const std::shared_ptr<Connection>& conn, uint64_t id, int to,
+                                 const AnyValue& value) {
   OutMessage r;
   r.type = MessageType::kResponse;
   r.id = id;
@@ -311,18 +315,18 @@ void RpcAgent::reply_value(const std::shared_ptr<Connection>& conn, uint64_t id,
       throw InvalidArgument(str("a value of type ", value.type ? value.type->name : "?",
                                 " cannot be sent: it has no cereal serialize()"));
     }
-    detail::SendContext sc;
+    SendContext sc;
     sc.tensors = &r.tensors;
     sc.rrefs = rrefs_.get();
     sc.dest_rank = to;
-    detail::ArgOutputArchive ar(r.body, sc);
+    ArgOutputArchive ar(r.body, sc);
     value.type->encode(value.ptr.get(), ar);
-    if (sc.has_rrefs) r.flags |= detail::kFlagHasRRefs;
+    if (sc.has_rrefs) r.flags |= kFlagHasRRefs;
   }
   send_reply(conn, std::move(r));
 }
 
-void RpcAgent::reply_empty(const std::shared_ptr<Connection>& conn, uint64_t id, Bytes body) {
+void RequestHandler::reply_empty(const std::shared_ptr<Connection>& conn, uint64_t id, Bytes body) {
   OutMessage r;
   r.type = MessageType::kResponse;
   r.id = id;
@@ -330,20 +334,20 @@ void RpcAgent::reply_empty(const std::shared_ptr<Connection>& conn, uint64_t id,
   send_reply(conn, std::move(r));
 }
 
-void RpcAgent::reply_error(const std::shared_ptr<Connection>& conn, uint64_t id,
-                           const std::string& message) {
+void RequestHandler::reply_error(const std::shared_ptr<Connection>& conn, uint64_t id,
+                                 const std::string& message) {
   OutMessage r;
   r.type = MessageType::kError;
   r.id = id;
-  r.body = encode(detail::ErrorBody{message, self_.name});
+  r.body = encode(ErrorBody{message, self_.name});
   send_reply(conn, std::move(r));
 }
 
-void RpcAgent::send_reply(const std::shared_ptr<Connection>& conn, OutMessage&& m) {
+void RequestHandler::send_reply(const std::shared_ptr<Connection>& conn, OutMessage&& m) {
   try {
     if (auto* hooks = autograd_hooks()) {
       try {
-        hooks->on_send_response(*this, conn->peer_rank(), m);
+        hooks->on_send_response(agent_, conn->peer_rank(), m);
       } catch (const std::exception& e) {
         throw InvalidArgument(e.what());  // answered with an error instead
       }
@@ -356,4 +360,4 @@ void RpcAgent::send_reply(const std::shared_ptr<Connection>& conn, OutMessage&& 
   }
 }
 
-}  // namespace tdist::rpc
+}  // namespace tdist::rpc::detail
