@@ -43,124 +43,22 @@ std::string DispatchProcessGroup::backend_name() const {
   return str("cpu:", cpu_->backend_name(), ",cuda:", cuda_->backend_name());
 }
 
-ProcessGroup& DispatchProcessGroup::route(
-    const char* op, std::initializer_list<const std::vector<at::Tensor>*> tensors) {
+ProcessGroup& DispatchProcessGroup::route(const Call& call) {
+  // barrier() orders the ranks' CPUs (Note [Device dispatch]).
+  if (std::holds_alternative<BarrierCall>(call)) return *cpu_;
   int cuda = 0, other = 0;
-  for (const auto* list : tensors) {
-    for (const auto& t : *list) {
-      if (!t.defined()) continue;  // the backend names it
-      (t.is_cuda() ? cuda : other)++;
-    }
-  }
-  TDIST_CHECK_ARG(cuda == 0 || other == 0, op, ": ", cuda, " CUDA and ", other,
+  for_each_tensor(call, [&](const at::Tensor& t) {
+    if (t.defined()) (t.is_cuda() ? cuda : other)++;  // an undefined one: the backend names it
+  });
+  TDIST_CHECK_ARG(cuda == 0 || other == 0, call_name(call), ": ", cuda, " CUDA and ", other,
                   " other tensors "
                   "in one operation; the backends are chosen per device type ('",
                   backend_name(), "'), so all tensors of an operation must be on one");
   return cuda > 0 ? *cuda_ : *cpu_;
 }
 
-std::shared_ptr<Work> DispatchProcessGroup::broadcast(at::Tensor tensor,
-                                                      const BroadcastOptions& opts) {
-  std::vector<at::Tensor> ts{tensor};
-  return route("broadcast", {&ts}).broadcast(std::move(tensor), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::allreduce(at::Tensor tensor,
-                                                      const AllreduceOptions& opts) {
-  std::vector<at::Tensor> ts{tensor};
-  return route("allreduce", {&ts}).allreduce(std::move(tensor), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::allreduce_coalesced(
-    std::vector<at::Tensor> tensors, const AllreduceCoalescedOptions& opts) {
-  return route("allreduce_coalesced", {&tensors}).allreduce_coalesced(std::move(tensors), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::reduce(at::Tensor tensor, const ReduceOptions& opts) {
-  std::vector<at::Tensor> ts{tensor};
-  return route("reduce", {&ts}).reduce(std::move(tensor), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::allgather(std::vector<at::Tensor> outputs,
-                                                      at::Tensor input,
-                                                      const AllgatherOptions& opts) {
-  std::vector<at::Tensor> in{input};
-  return route("allgather", {&outputs, &in}).allgather(std::move(outputs), std::move(input), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::allgather_into_tensor(at::Tensor output,
-                                                                  at::Tensor input,
-                                                                  const AllgatherOptions& opts) {
-  std::vector<at::Tensor> ts{output, input};
-  return route("allgather_into_tensor", {&ts})
-      .allgather_into_tensor(std::move(output), std::move(input), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::gather(std::vector<at::Tensor> outputs,
-                                                   at::Tensor input, const GatherOptions& opts) {
-  std::vector<at::Tensor> in{input};
-  return route("gather", {&outputs, &in}).gather(std::move(outputs), std::move(input), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::scatter(at::Tensor output,
-                                                    std::vector<at::Tensor> inputs,
-                                                    const ScatterOptions& opts) {
-  std::vector<at::Tensor> out{output};
-  return route("scatter", {&out, &inputs}).scatter(std::move(output), std::move(inputs), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::reduce_scatter(at::Tensor output,
-                                                           std::vector<at::Tensor> inputs,
-                                                           const ReduceScatterOptions& opts) {
-  std::vector<at::Tensor> out{output};
-  return route("reduce_scatter", {&out, &inputs})
-      .reduce_scatter(std::move(output), std::move(inputs), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::reduce_scatter_tensor(
-    at::Tensor output, at::Tensor input, const ReduceScatterOptions& opts) {
-  std::vector<at::Tensor> ts{output, input};
-  return route("reduce_scatter_tensor", {&ts})
-      .reduce_scatter_tensor(std::move(output), std::move(input), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::alltoall_base(at::Tensor output, at::Tensor input,
-                                                          std::vector<int64_t> output_splits,
-                                                          std::vector<int64_t> input_splits,
-                                                          const AllToAllOptions& opts) {
-  std::vector<at::Tensor> ts{output, input};
-  return route("alltoall_base", {&ts})
-      .alltoall_base(std::move(output), std::move(input), std::move(output_splits),
-                     std::move(input_splits), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::alltoall(std::vector<at::Tensor> outputs,
-                                                     std::vector<at::Tensor> inputs,
-                                                     const AllToAllOptions& opts) {
-  return route("alltoall", {&outputs, &inputs})
-      .alltoall(std::move(outputs), std::move(inputs), opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::barrier(const BarrierOptions& opts) {
-  return cpu_->barrier(opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::send(at::Tensor tensor, int dst, int tag,
-                                                 const SendRecvOptions& opts) {
-  std::vector<at::Tensor> ts{tensor};
-  return route("send", {&ts}).send(std::move(tensor), dst, tag, opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::recv(at::Tensor tensor, int src, int tag,
-                                                 const SendRecvOptions& opts) {
-  std::vector<at::Tensor> ts{tensor};
-  return route("recv", {&ts}).recv(std::move(tensor), src, tag, opts);
-}
-
-std::shared_ptr<Work> DispatchProcessGroup::recv_any_source(at::Tensor tensor, int tag,
-                                                            const SendRecvOptions& opts) {
-  std::vector<at::Tensor> ts{tensor};
-  return route("recv_any_source", {&ts}).recv_any_source(std::move(tensor), tag, opts);
+std::shared_ptr<Work> DispatchProcessGroup::submit(Call call) {
+  return route(call).submit(std::move(call));
 }
 
 std::shared_ptr<ProcessGroup> DispatchProcessGroup::new_group(std::vector<int> ranks,

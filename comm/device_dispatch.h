@@ -38,43 +38,14 @@ class DispatchProcessGroup : public ProcessGroup {
   std::string backend_name() const override;
   const Options& options() const override { return opts_; }
 
-  std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
-  std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;
-  std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> tensors,
-                                            const AllreduceCoalescedOptions& opts) override;
-  std::shared_ptr<Work> reduce(at::Tensor tensor, const ReduceOptions& opts) override;
-  std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                  const AllgatherOptions& opts) override;
-  std::shared_ptr<Work> allgather_into_tensor(at::Tensor output, at::Tensor input,
-                                              const AllgatherOptions& opts) override;
-  std::shared_ptr<Work> gather(std::vector<at::Tensor> outputs, at::Tensor input,
-                               const GatherOptions& opts) override;
-  std::shared_ptr<Work> scatter(at::Tensor output, std::vector<at::Tensor> inputs,
-                                const ScatterOptions& opts) override;
-  std::shared_ptr<Work> reduce_scatter(at::Tensor output, std::vector<at::Tensor> inputs,
-                                       const ReduceScatterOptions& opts) override;
-  std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor output, at::Tensor input,
-                                              const ReduceScatterOptions& opts) override;
-  std::shared_ptr<Work> alltoall_base(at::Tensor output, at::Tensor input,
-                                      std::vector<int64_t> output_splits,
-                                      std::vector<int64_t> input_splits,
-                                      const AllToAllOptions& opts) override;
-  std::shared_ptr<Work> alltoall(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
-                                 const AllToAllOptions& opts) override;
-  std::shared_ptr<Work> barrier(const BarrierOptions& opts) override;
-  std::shared_ptr<Work> send(at::Tensor tensor, int dst, int tag,
-                             const SendRecvOptions& opts) override;
-  std::shared_ptr<Work> recv(at::Tensor tensor, int src, int tag,
-                             const SendRecvOptions& opts) override;
-  std::shared_ptr<Work> recv_any_source(at::Tensor tensor, int tag,
-                                        const SendRecvOptions& opts) override;
+  // Routes any operation (Note [One operation table] in comm/calls.h).
+  std::shared_ptr<Work> submit(Call call) override;
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
   void abort() override;
 
  private:
-  // The backend for an operation on `tensors` (Note [Device dispatch]).
-  ProcessGroup& route(const char* op,
-                      std::initializer_list<const std::vector<at::Tensor>*> tensors);
+  // The backend for `call` (Note [Device dispatch]).
+  ProcessGroup& route(const Call& call);
 
   // Constant after construction.
   const std::shared_ptr<ProcessGroup> cpu_;

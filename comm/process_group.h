@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/comm/calls.h"
 #include "tdist/comm/types.h"
 #include "tdist/comm/work.h"
 #include "tdist/core/store.h"
@@ -87,44 +88,81 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   virtual std::string backend_name() const = 0;
   virtual const Options& options() const = 0;
 
-  virtual std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts = {}) = 0;
-  virtual std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts = {}) = 0;
-  virtual std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> tensors,
-                                                    const AllreduceCoalescedOptions& opts = {}) = 0;
-  virtual std::shared_ptr<Work> reduce(at::Tensor tensor, const ReduceOptions& opts = {}) = 0;
+  // The operations (Note [One operation table] in comm/calls.h): each builds its Call and
+  // submits it.
+  std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts = {}) {
+    return submit(BroadcastCall{std::move(tensor), opts});
+  }
+  std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts = {}) {
+    return submit(AllreduceCall{std::move(tensor), opts});
+  }
+  std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> tensors,
+                                            const AllreduceCoalescedOptions& opts = {}) {
+    return submit(AllreduceCoalescedCall{std::move(tensors), opts});
+  }
+  std::shared_ptr<Work> reduce(at::Tensor tensor, const ReduceOptions& opts = {}) {
+    return submit(ReduceCall{std::move(tensor), opts});
+  }
   // outputs: size() tensors shaped like input.
-  virtual std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                          const AllgatherOptions& opts = {}) = 0;
+  std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                  const AllgatherOptions& opts = {}) {
+    return submit(AllgatherCall{std::move(outputs), std::move(input), opts});
+  }
   // output: size() * input.numel() elements (c10d's _allgather_base / all_gather_into_tensor).
-  virtual std::shared_ptr<Work> allgather_into_tensor(at::Tensor output, at::Tensor input,
-                                                      const AllgatherOptions& opts = {}) = 0;
+  std::shared_ptr<Work> allgather_into_tensor(at::Tensor output, at::Tensor input,
+                                              const AllgatherOptions& opts = {}) {
+    return submit(AllgatherIntoTensorCall{std::move(output), std::move(input), opts});
+  }
   // outputs: size() tensors on the root, empty elsewhere.
-  virtual std::shared_ptr<Work> gather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                       const GatherOptions& opts = {}) = 0;
+  std::shared_ptr<Work> gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                               const GatherOptions& opts = {}) {
+    return submit(GatherCall{std::move(outputs), std::move(input), opts});
+  }
   // inputs: size() tensors on the root, empty elsewhere.
-  virtual std::shared_ptr<Work> scatter(at::Tensor output, std::vector<at::Tensor> inputs,
-                                        const ScatterOptions& opts = {}) = 0;
+  std::shared_ptr<Work> scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                const ScatterOptions& opts = {}) {
+    return submit(ScatterCall{std::move(output), std::move(inputs), opts});
+  }
   // inputs: size() tensors shaped like output.
-  virtual std::shared_ptr<Work> reduce_scatter(at::Tensor output, std::vector<at::Tensor> inputs,
-                                               const ReduceScatterOptions& opts = {}) = 0;
+  std::shared_ptr<Work> reduce_scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                                       const ReduceScatterOptions& opts = {}) {
+    return submit(ReduceScatterCall{std::move(output), std::move(inputs), opts});
+  }
   // input: size() * output.numel() elements (c10d's _reduce_scatter_base).
-  virtual std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor output, at::Tensor input,
-                                                      const ReduceScatterOptions& opts = {}) = 0;
+  std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                              const ReduceScatterOptions& opts = {}) {
+    return submit(ReduceScatterTensorCall{std::move(output), std::move(input), opts});
+  }
   // Equal splits along dim 0 when the split lists are empty; otherwise row counts per rank.
-  virtual std::shared_ptr<Work> alltoall_base(at::Tensor output, at::Tensor input,
-                                              std::vector<int64_t> output_splits,
-                                              std::vector<int64_t> input_splits,
-                                              const AllToAllOptions& opts = {}) = 0;
-  virtual std::shared_ptr<Work> alltoall(std::vector<at::Tensor> outputs,
-                                         std::vector<at::Tensor> inputs,
-                                         const AllToAllOptions& opts = {}) = 0;
-  virtual std::shared_ptr<Work> barrier(const BarrierOptions& opts = {}) = 0;
-  virtual std::shared_ptr<Work> send(at::Tensor tensor, int dst, int tag = 0,
-                                     const SendRecvOptions& opts = {}) = 0;
-  virtual std::shared_ptr<Work> recv(at::Tensor tensor, int src, int tag = 0,
-                                     const SendRecvOptions& opts = {}) = 0;
-  virtual std::shared_ptr<Work> recv_any_source(at::Tensor tensor, int tag = 0,
-                                                const SendRecvOptions& opts = {}) = 0;
+  std::shared_ptr<Work> alltoall_base(at::Tensor output, at::Tensor input,
+                                      std::vector<int64_t> output_splits,
+                                      std::vector<int64_t> input_splits,
+                                      const AllToAllOptions& opts = {}) {
+    return submit(AlltoallBaseCall{std::move(output), std::move(input), std::move(output_splits),
+                                   std::move(input_splits), opts});
+  }
+  std::shared_ptr<Work> alltoall(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                                 const AllToAllOptions& opts = {}) {
+    return submit(AlltoallCall{std::move(outputs), std::move(inputs), opts});
+  }
+  std::shared_ptr<Work> barrier(const BarrierOptions& opts = {}) {
+    return submit(BarrierCall{opts});
+  }
+  std::shared_ptr<Work> send(at::Tensor tensor, int dst, int tag = 0,
+                             const SendRecvOptions& opts = {}) {
+    return submit(SendCall{std::move(tensor), dst, tag, opts});
+  }
+  std::shared_ptr<Work> recv(at::Tensor tensor, int src, int tag = 0,
+                             const SendRecvOptions& opts = {}) {
+    return submit(RecvCall{std::move(tensor), src, tag, opts});
+  }
+  std::shared_ptr<Work> recv_any_source(at::Tensor tensor, int tag = 0,
+                                        const SendRecvOptions& opts = {}) {
+    return submit(RecvAnySourceCall{std::move(tensor), tag, opts});
+  }
+
+  // Every operation above goes through here: what a backend implements.
+  virtual std::shared_ptr<Work> submit(Call call) = 0;
 
   // A subgroup of `ranks` (global ranks of this group, any order; the subgroup's rank i is
   // ranks[i] after sorting). Every rank of this group must call it, in the same order relative

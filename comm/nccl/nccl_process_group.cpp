@@ -209,7 +209,13 @@ void NcclProcessGroup::complete_loop() {
   }
 }
 
-std::shared_ptr<Work> NcclProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::submit(Call call) {
+  return std::visit([this](auto& c) { return start(c); }, call);
+}
+
+std::shared_ptr<Work> NcclProcessGroup::start(BroadcastCall& c) {
+  auto& tensor = c.tensor;
+  const auto& opts = c.opts;
   check_cuda(tensor, "broadcast", "the tensor");
   TDIST_CHECK_ARG(opts.root >= 0 && opts.root < size_, "broadcast: root ", opts.root,
                   " is not in [0, ", size_, ")");
@@ -222,7 +228,9 @@ std::shared_ptr<Work> NcclProcessGroup::broadcast(at::Tensor tensor, const Broad
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::allreduce(at::Tensor tensor, const AllreduceOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(AllreduceCall& c) {
+  auto& tensor = c.tensor;
+  const auto& opts = c.opts;
   check_cuda(tensor, "allreduce", "the tensor");
   return issue("allreduce", {tensor}, [&] {
     std::vector<at::Tensor> ts{tensor};
@@ -233,8 +241,9 @@ std::shared_ptr<Work> NcclProcessGroup::allreduce(at::Tensor tensor, const Allre
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::allreduce_coalesced(std::vector<at::Tensor> tensors,
-                                                            const AllreduceCoalescedOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(AllreduceCoalescedCall& c) {
+  auto& tensors = c.tensors;
+  const auto& opts = c.opts;
   TDIST_CHECK_ARG(!tensors.empty(), "allreduce_coalesced: no tensors given");
   for (const auto& t : tensors) check_cuda(t, "allreduce_coalesced", "a tensor");
   return issue("allreduce_coalesced", tensors, [&] {
@@ -245,7 +254,9 @@ std::shared_ptr<Work> NcclProcessGroup::allreduce_coalesced(std::vector<at::Tens
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::reduce(at::Tensor tensor, const ReduceOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(ReduceCall& c) {
+  auto& tensor = c.tensor;
+  const auto& opts = c.opts;
   check_cuda(tensor, "reduce", "the tensor");
   TDIST_CHECK_ARG(opts.root >= 0 && opts.root < size_, "reduce: root ", opts.root,
                   " is not in [0, ", size_, ")");
@@ -259,8 +270,10 @@ std::shared_ptr<Work> NcclProcessGroup::reduce(at::Tensor tensor, const ReduceOp
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::allgather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                                  const AllgatherOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(AllgatherCall& c) {
+  auto& outputs = c.outputs;
+  auto& input = c.input;
+  const auto& opts = c.opts;
   check_cuda(input, "allgather", "the input");
   for (const auto& t : outputs) check_cuda(t, "allgather", "an output");
   return issue("allgather", outputs, [&] {
@@ -272,8 +285,10 @@ std::shared_ptr<Work> NcclProcessGroup::allgather(std::vector<at::Tensor> output
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::allgather_into_tensor(at::Tensor output, at::Tensor input,
-                                                              const AllgatherOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(AllgatherIntoTensorCall& c) {
+  auto& output = c.output;
+  auto& input = c.input;
+  const auto& opts = c.opts;
   check_cuda(input, "allgather_into_tensor", "the input");
   check_cuda(output, "allgather_into_tensor", "the output");
   return issue("allgather_into_tensor", {output}, [&] {
@@ -283,8 +298,10 @@ std::shared_ptr<Work> NcclProcessGroup::allgather_into_tensor(at::Tensor output,
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                               const GatherOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(GatherCall& c) {
+  auto& outputs = c.outputs;
+  auto& input = c.input;
+  const auto& opts = c.opts;
   check_cuda(input, "gather", "the input");
   for (const auto& t : outputs) check_cuda(t, "gather", "an output");
   return issue("gather", outputs, [&] {
@@ -298,8 +315,10 @@ std::shared_ptr<Work> NcclProcessGroup::gather(std::vector<at::Tensor> outputs, 
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
-                                                const ScatterOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(ScatterCall& c) {
+  auto& output = c.output;
+  auto& inputs = c.inputs;
+  const auto& opts = c.opts;
   check_cuda(output, "scatter", "the output");
   for (const auto& t : inputs) check_cuda(t, "scatter", "an input");
   return issue("scatter", {output}, [&] {
@@ -313,9 +332,10 @@ std::shared_ptr<Work> NcclProcessGroup::scatter(at::Tensor output, std::vector<a
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::reduce_scatter(at::Tensor output,
-                                                       std::vector<at::Tensor> inputs,
-                                                       const ReduceScatterOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(ReduceScatterCall& c) {
+  auto& output = c.output;
+  auto& inputs = c.inputs;
+  const auto& opts = c.opts;
   check_cuda(output, "reduce_scatter", "the output");
   for (const auto& t : inputs) check_cuda(t, "reduce_scatter", "an input");
   return issue("reduce_scatter", {output}, [&] {
@@ -328,8 +348,10 @@ std::shared_ptr<Work> NcclProcessGroup::reduce_scatter(at::Tensor output,
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input,
-                                                              const ReduceScatterOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(ReduceScatterTensorCall& c) {
+  auto& output = c.output;
+  auto& input = c.input;
+  const auto& opts = c.opts;
   check_cuda(output, "reduce_scatter_tensor", "the output");
   check_cuda(input, "reduce_scatter_tensor", "the input");
   return issue("reduce_scatter_tensor", {output}, [&] {
@@ -340,10 +362,12 @@ std::shared_ptr<Work> NcclProcessGroup::reduce_scatter_tensor(at::Tensor output,
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::alltoall_base(at::Tensor output, at::Tensor input,
-                                                      std::vector<int64_t> output_splits,
-                                                      std::vector<int64_t> input_splits,
-                                                      const AllToAllOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(AlltoallBaseCall& c) {
+  auto& output = c.output;
+  auto& input = c.input;
+  auto& output_splits = c.output_splits;
+  auto& input_splits = c.input_splits;
+  const auto& opts = c.opts;
   check_cuda(output, "alltoall_base", "the output");
   check_cuda(input, "alltoall_base", "the input");
   return issue("alltoall_base", {output}, [&] {
@@ -353,9 +377,10 @@ std::shared_ptr<Work> NcclProcessGroup::alltoall_base(at::Tensor output, at::Ten
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::alltoall(std::vector<at::Tensor> outputs,
-                                                 std::vector<at::Tensor> inputs,
-                                                 const AllToAllOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(AlltoallCall& c) {
+  auto& outputs = c.outputs;
+  auto& inputs = c.inputs;
+  const auto& opts = c.opts;
   for (const auto& t : outputs) check_cuda(t, "alltoall", "an output");
   for (const auto& t : inputs) check_cuda(t, "alltoall", "an input");
   return issue("alltoall", outputs, [&] {
@@ -365,7 +390,8 @@ std::shared_ptr<Work> NcclProcessGroup::alltoall(std::vector<at::Tensor> outputs
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::barrier(const BarrierOptions& opts) {
+std::shared_ptr<Work> NcclProcessGroup::start(BarrierCall& c) {
+  const auto& opts = c.opts;
   return issue("barrier", {}, [&] {
     ::c10d::BarrierOptions o;
     o.timeout = timeout_of(opts.timeout);
@@ -373,8 +399,10 @@ std::shared_ptr<Work> NcclProcessGroup::barrier(const BarrierOptions& opts) {
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::send(at::Tensor tensor, int dst, int tag,
-                                             const SendRecvOptions&) {
+std::shared_ptr<Work> NcclProcessGroup::start(SendCall& c) {
+  auto& tensor = c.tensor;
+  const int dst = c.dst;
+  const int tag = c.tag;
   check_cuda(tensor, "send", "the tensor");
   TDIST_CHECK_ARG(dst >= 0 && dst < size_ && dst != rank_, "send: peer rank ", dst,
                   " is not another rank of [0, ", size_, ")");
@@ -384,8 +412,10 @@ std::shared_ptr<Work> NcclProcessGroup::send(at::Tensor tensor, int dst, int tag
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::recv(at::Tensor tensor, int src, int tag,
-                                             const SendRecvOptions&) {
+std::shared_ptr<Work> NcclProcessGroup::start(RecvCall& c) {
+  auto& tensor = c.tensor;
+  const int src = c.src;
+  const int tag = c.tag;
   check_cuda(tensor, "recv", "the tensor");
   TDIST_CHECK_ARG(src >= 0 && src < size_ && src != rank_, "recv: peer rank ", src,
                   " is not another rank of [0, ", size_, ")");
@@ -395,7 +425,7 @@ std::shared_ptr<Work> NcclProcessGroup::recv(at::Tensor tensor, int src, int tag
   });
 }
 
-std::shared_ptr<Work> NcclProcessGroup::recv_any_source(at::Tensor, int, const SendRecvOptions&) {
+std::shared_ptr<Work> NcclProcessGroup::start(RecvAnySourceCall&) {
   TDIST_THROW(InvalidArgument,
               "recv_any_source: NCCL cannot receive from any source; name the "
               "source rank, or use a CPU tensor (the ring backend serves it)");

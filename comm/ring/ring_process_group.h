@@ -91,42 +91,32 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   // once that operation completed and before the next starts.
   Exchange::Counts last_counts() const { return exchange_->counts(); }
 
-  std::shared_ptr<Work> broadcast(at::Tensor tensor, const BroadcastOptions& opts) override;
-  std::shared_ptr<Work> allreduce(at::Tensor tensor, const AllreduceOptions& opts) override;
-  std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> tensors,
-                                            const AllreduceCoalescedOptions& opts) override;
-  std::shared_ptr<Work> reduce(at::Tensor tensor, const ReduceOptions& opts) override;
-  std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                  const AllgatherOptions& opts) override;
-  std::shared_ptr<Work> allgather_into_tensor(at::Tensor output, at::Tensor input,
-                                              const AllgatherOptions& opts) override;
-  std::shared_ptr<Work> gather(std::vector<at::Tensor> outputs, at::Tensor input,
-                               const GatherOptions& opts) override;
-  std::shared_ptr<Work> scatter(at::Tensor output, std::vector<at::Tensor> inputs,
-                                const ScatterOptions& opts) override;
-  std::shared_ptr<Work> reduce_scatter(at::Tensor output, std::vector<at::Tensor> inputs,
-                                       const ReduceScatterOptions& opts) override;
-  std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor output, at::Tensor input,
-                                              const ReduceScatterOptions& opts) override;
-  std::shared_ptr<Work> alltoall_base(at::Tensor output, at::Tensor input,
-                                      std::vector<int64_t> output_splits,
-                                      std::vector<int64_t> input_splits,
-                                      const AllToAllOptions& opts) override;
-  std::shared_ptr<Work> alltoall(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
-                                 const AllToAllOptions& opts) override;
-  std::shared_ptr<Work> barrier(const BarrierOptions& opts) override;
-  std::shared_ptr<Work> send(at::Tensor tensor, int dst, int tag,
-                             const SendRecvOptions& opts) override;
-  std::shared_ptr<Work> recv(at::Tensor tensor, int src, int tag,
-                             const SendRecvOptions& opts) override;
-  std::shared_ptr<Work> recv_any_source(at::Tensor tensor, int tag,
-                                        const SendRecvOptions& opts) override;
+  // Each operation goes to its start() (Note [One operation table] in comm/calls.h).
+  std::shared_ptr<Work> submit(Call call) override;
 
   using ProcessGroup::new_group;
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
   void abort() override;
 
  private:
+  // The operations, one function each (the op table): they check the arguments on the
+  // caller's thread and return the operation's Work at once.
+  std::shared_ptr<Work> start(BroadcastCall& c);
+  std::shared_ptr<Work> start(AllreduceCall& c);
+  std::shared_ptr<Work> start(AllreduceCoalescedCall& c);
+  std::shared_ptr<Work> start(ReduceCall& c);
+  std::shared_ptr<Work> start(AllgatherCall& c);
+  std::shared_ptr<Work> start(AllgatherIntoTensorCall& c);
+  std::shared_ptr<Work> start(GatherCall& c);
+  std::shared_ptr<Work> start(ScatterCall& c);
+  std::shared_ptr<Work> start(ReduceScatterCall& c);
+  std::shared_ptr<Work> start(ReduceScatterTensorCall& c);
+  std::shared_ptr<Work> start(AlltoallBaseCall& c);
+  std::shared_ptr<Work> start(AlltoallCall& c);
+  std::shared_ptr<Work> start(BarrierCall& c);
+  std::shared_ptr<Work> start(SendCall& c);
+  std::shared_ptr<Work> start(RecvCall& c);
+  std::shared_ptr<Work> start(RecvAnySourceCall& c);
   using Run = OpBody::Run;
   using Kind = OpKind;
 

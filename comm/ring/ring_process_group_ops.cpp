@@ -197,7 +197,13 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
   }
 }
 
-std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const AllreduceOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::submit(Call call) {
+  return std::visit([this](auto& c) { return start(c); }, call);
+}
+
+std::shared_ptr<Work> RingProcessGroup::start(AllreduceCall& c) {
+  auto& tensor = c.tensor;
+  const auto& opts = c.opts;
   check_stageable(tensor, "allreduce", "the tensor");
   auto rs = reduce_spec(tensor, opts.op);
   const auto count = static_cast<size_t>(tensor.numel());
@@ -220,8 +226,9 @@ std::shared_ptr<Work> RingProcessGroup::allreduce(at::Tensor tensor, const Allre
   return enqueue_small("allreduce", Kind::kAllreduce, opts.timeout, std::move(fp), std::move(args));
 }
 
-std::shared_ptr<Work> RingProcessGroup::allreduce_coalesced(std::vector<at::Tensor> tensors,
-                                                            const AllreduceCoalescedOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(AllreduceCoalescedCall& c) {
+  auto& tensors = c.tensors;
+  const auto& opts = c.opts;
   TDIST_CHECK_ARG(!tensors.empty(), "allreduce_coalesced: no tensors given");
   std::vector<std::vector<int64_t>> shapes;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -366,7 +373,9 @@ Value RingProcessGroup::run_small(algo::Context& c, Kind kind, SmallArgs& a) {
   return Value{std::move(a.orig)};
 }
 
-std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(BroadcastCall& c) {
+  auto& tensor = c.tensor;
+  const auto& opts = c.opts;
   check_stageable(tensor, "broadcast", "the tensor");
   check_root(opts.root, size_, "broadcast");
   const int root = opts.root;
@@ -384,7 +393,9 @@ std::shared_ptr<Work> RingProcessGroup::broadcast(at::Tensor tensor, const Broad
   return enqueue_small("broadcast", Kind::kBroadcast, opts.timeout, std::move(fp), std::move(args));
 }
 
-std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(ReduceCall& c) {
+  auto& tensor = c.tensor;
+  const auto& opts = c.opts;
   check_stageable(tensor, "reduce", "the tensor");
   check_root(opts.root, size_, "reduce");
   auto rs = reduce_spec(tensor, opts.op);
@@ -404,8 +415,10 @@ std::shared_ptr<Work> RingProcessGroup::reduce(at::Tensor tensor, const ReduceOp
   });
 }
 
-std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                                  const AllgatherOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(AllgatherCall& c) {
+  auto& outputs = c.outputs;
+  auto& input = c.input;
+  const auto& opts = c.opts;
   check_stageable(input, "allgather", "the input");
   check_count(outputs.size(), size_, "allgather", "output tensors");
   for (size_t i = 0; i < outputs.size(); ++i)
@@ -441,8 +454,10 @@ std::shared_ptr<Work> RingProcessGroup::allgather(std::vector<at::Tensor> output
                  });
 }
 
-std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output, at::Tensor input,
-                                                              const AllgatherOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(AllgatherIntoTensorCall& c) {
+  auto& output = c.output;
+  auto& input = c.input;
+  const auto& opts = c.opts;
   check_stageable(input, "allgather_into_tensor", "the input");
   check_stageable(output, "allgather_into_tensor", "the output");
   TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(),
@@ -473,8 +488,10 @@ std::shared_ptr<Work> RingProcessGroup::allgather_into_tensor(at::Tensor output,
                        fingerprint(debug_detail_, &input), std::move(args));
 }
 
-std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                               const GatherOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(GatherCall& c) {
+  auto& outputs = c.outputs;
+  auto& input = c.input;
+  const auto& opts = c.opts;
   check_stageable(input, "gather", "the input");
   check_root(opts.root, size_, "gather");
   const int root = opts.root;
@@ -510,8 +527,10 @@ std::shared_ptr<Work> RingProcessGroup::gather(std::vector<at::Tensor> outputs, 
                  });
 }
 
-std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
-                                                const ScatterOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(ScatterCall& c) {
+  auto& output = c.output;
+  auto& inputs = c.inputs;
+  const auto& opts = c.opts;
   check_stageable(output, "scatter", "the output");
   check_root(opts.root, size_, "scatter");
   const int root = opts.root;
@@ -545,9 +564,10 @@ std::shared_ptr<Work> RingProcessGroup::scatter(at::Tensor output, std::vector<a
   });
 }
 
-std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
-                                                       std::vector<at::Tensor> inputs,
-                                                       const ReduceScatterOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(ReduceScatterCall& c) {
+  auto& output = c.output;
+  auto& inputs = c.inputs;
+  const auto& opts = c.opts;
   check_stageable(output, "reduce_scatter", "the output");
   check_count(inputs.size(), size_, "reduce_scatter", "input tensors");
   for (size_t i = 0; i < inputs.size(); ++i)
@@ -587,8 +607,10 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter(at::Tensor output,
                  });
 }
 
-std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input,
-                                                              const ReduceScatterOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(ReduceScatterTensorCall& c) {
+  auto& output = c.output;
+  auto& input = c.input;
+  const auto& opts = c.opts;
   check_stageable(output, "reduce_scatter_tensor", "the output");
   check_stageable(input, "reduce_scatter_tensor", "the input");
   TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(),
@@ -619,10 +641,12 @@ std::shared_ptr<Work> RingProcessGroup::reduce_scatter_tensor(at::Tensor output,
                        std::move(fp), std::move(args));
 }
 
-std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Tensor input,
-                                                      std::vector<int64_t> output_splits,
-                                                      std::vector<int64_t> input_splits,
-                                                      const AllToAllOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(AlltoallBaseCall& c) {
+  auto& output = c.output;
+  auto& input = c.input;
+  auto& output_splits = c.output_splits;
+  auto& input_splits = c.input_splits;
+  const auto& opts = c.opts;
   check_stageable(output, "alltoall_base", "the output");
   check_stageable(input, "alltoall_base", "the input");
   TDIST_CHECK_ARG(output.scalar_type() == input.scalar_type(), "alltoall_base: output dtype ",
@@ -680,9 +704,10 @@ std::shared_ptr<Work> RingProcessGroup::alltoall_base(at::Tensor output, at::Ten
                  });
 }
 
-std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs,
-                                                 std::vector<at::Tensor> inputs,
-                                                 const AllToAllOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(AlltoallCall& c) {
+  auto& outputs = c.outputs;
+  auto& inputs = c.inputs;
+  const auto& opts = c.opts;
   check_count(outputs.size(), size_, "alltoall", "output tensors");
   check_count(inputs.size(), size_, "alltoall", "input tensors");
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -730,7 +755,8 @@ std::shared_ptr<Work> RingProcessGroup::alltoall(std::vector<at::Tensor> outputs
   });
 }
 
-std::shared_ptr<Work> RingProcessGroup::barrier(const BarrierOptions& opts) {
+std::shared_ptr<Work> RingProcessGroup::start(BarrierCall& c) {
+  const auto& opts = c.opts;
   return enqueue("barrier", opts.timeout, fingerprint(debug_detail_, nullptr, -1, -1, {}),
                  [](algo::Context& c) {
                    algo::barrier_dissemination(c);

@@ -190,109 +190,59 @@ void FakeWorld::execute(uint64_t seq, Slot& slot) {
 FakeProcessGroup::FakeProcessGroup(std::shared_ptr<FakeWorld> world, int rank, Options opts)
     : world_(std::move(world)), rank_(rank), opts_(std::move(opts)) {}
 
-std::shared_ptr<comm::Work> FakeProcessGroup::broadcast(at::Tensor tensor,
-                                                        const comm::BroadcastOptions& opts) {
-  TDIST_CHECK_ARG(opts.root >= 0 && opts.root < size(), "broadcast root ", opts.root,
+std::shared_ptr<comm::Work> FakeProcessGroup::submit(comm::Call call) {
+  return std::visit([this](auto& c) { return start(c); }, call);
+}
+
+std::shared_ptr<comm::Work> FakeProcessGroup::start(comm::BroadcastCall& b) {
+  TDIST_CHECK_ARG(b.opts.root >= 0 && b.opts.root < size(), "broadcast root ", b.opts.root,
                   " out of range");
   FakeWorld::Call c;
   c.op = "broadcast";
-  c.inputs = {tensor};
-  c.root = opts.root;
-  c.timeout = resolve(opts.timeout);
+  c.inputs = {b.tensor};
+  c.root = b.opts.root;
+  c.timeout = resolve(b.opts.timeout);
   return world_->submit(rank_, std::move(c));
 }
 
-std::shared_ptr<comm::Work> FakeProcessGroup::allreduce(at::Tensor tensor,
-                                                        const comm::AllreduceOptions& opts) {
+std::shared_ptr<comm::Work> FakeProcessGroup::start(comm::AllreduceCall& a) {
   FakeWorld::Call c;
   c.op = "allreduce";
-  c.inputs = {tensor};
-  c.reduce_op = opts.op;
-  c.timeout = resolve(opts.timeout);
+  c.inputs = {a.tensor};
+  c.reduce_op = a.opts.op;
+  c.timeout = resolve(a.opts.timeout);
   return world_->submit(rank_, std::move(c));
 }
 
-std::shared_ptr<comm::Work> FakeProcessGroup::allreduce_coalesced(
-    std::vector<at::Tensor> tensors, const comm::AllreduceCoalescedOptions& opts) {
+std::shared_ptr<comm::Work> FakeProcessGroup::start(comm::AllreduceCoalescedCall& a) {
   FakeWorld::Call c;
   c.op = "allreduce";
-  c.inputs = std::move(tensors);
-  c.reduce_op = opts.op;
-  c.timeout = resolve(opts.timeout);
+  c.inputs = std::move(a.tensors);
+  c.reduce_op = a.opts.op;
+  c.timeout = resolve(a.opts.timeout);
   return world_->submit(rank_, std::move(c));
 }
 
-std::shared_ptr<comm::Work> FakeProcessGroup::allgather(std::vector<at::Tensor> outputs,
-                                                        at::Tensor input,
-                                                        const comm::AllgatherOptions& opts) {
-  TDIST_CHECK_ARG(static_cast<int>(outputs.size()) == size(), "allgather needs ", size(),
-                  " outputs, got ", outputs.size());
+std::shared_ptr<comm::Work> FakeProcessGroup::start(comm::AllgatherCall& a) {
+  TDIST_CHECK_ARG(static_cast<int>(a.outputs.size()) == size(), "allgather needs ", size(),
+                  " outputs, got ", a.outputs.size());
   FakeWorld::Call c;
   c.op = "allgather";
-  c.inputs = {input};
-  c.outputs = std::move(outputs);
-  c.timeout = resolve(opts.timeout);
+  c.inputs = {a.input};
+  c.outputs = std::move(a.outputs);
+  c.timeout = resolve(a.opts.timeout);
   return world_->submit(rank_, std::move(c));
 }
 
-std::shared_ptr<comm::Work> FakeProcessGroup::barrier(const comm::BarrierOptions& opts) {
+std::shared_ptr<comm::Work> FakeProcessGroup::start(comm::BarrierCall& b) {
   FakeWorld::Call c;
   c.op = "barrier";
-  c.timeout = resolve(opts.timeout);
+  c.timeout = resolve(b.opts.timeout);
   return world_->submit(rank_, std::move(c));
 }
 
-#define TDIST_FAKE_UNSUPPORTED(name) \
-  TDIST_THROW(InvalidArgument, #name " is not supported in the test group")
-
-std::shared_ptr<comm::Work> FakeProcessGroup::reduce(at::Tensor, const comm::ReduceOptions&) {
-  TDIST_FAKE_UNSUPPORTED(reduce);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::allgather_into_tensor(at::Tensor, at::Tensor,
-                                                                    const comm::AllgatherOptions&) {
-  TDIST_FAKE_UNSUPPORTED(allgather_into_tensor);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::gather(std::vector<at::Tensor>, at::Tensor,
-                                                     const comm::GatherOptions&) {
-  TDIST_FAKE_UNSUPPORTED(gather);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::scatter(at::Tensor, std::vector<at::Tensor>,
-                                                      const comm::ScatterOptions&) {
-  TDIST_FAKE_UNSUPPORTED(scatter);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::reduce_scatter(at::Tensor, std::vector<at::Tensor>,
-                                                             const comm::ReduceScatterOptions&) {
-  TDIST_FAKE_UNSUPPORTED(reduce_scatter);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::reduce_scatter_tensor(
-    at::Tensor, at::Tensor, const comm::ReduceScatterOptions&) {
-  TDIST_FAKE_UNSUPPORTED(reduce_scatter_tensor);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::alltoall_base(at::Tensor, at::Tensor,
-                                                            std::vector<int64_t>,
-                                                            std::vector<int64_t>,
-                                                            const comm::AllToAllOptions&) {
-  TDIST_FAKE_UNSUPPORTED(alltoall_base);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::alltoall(std::vector<at::Tensor>,
-                                                       std::vector<at::Tensor>,
-                                                       const comm::AllToAllOptions&) {
-  TDIST_FAKE_UNSUPPORTED(alltoall);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::send(at::Tensor, int, int,
-                                                   const comm::SendRecvOptions&) {
-  TDIST_FAKE_UNSUPPORTED(send);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::recv(at::Tensor, int, int,
-                                                   const comm::SendRecvOptions&) {
-  TDIST_FAKE_UNSUPPORTED(recv);
-}
-std::shared_ptr<comm::Work> FakeProcessGroup::recv_any_source(at::Tensor, int,
-                                                              const comm::SendRecvOptions&) {
-  TDIST_FAKE_UNSUPPORTED(recv_any_source);
-}
 std::shared_ptr<comm::ProcessGroup> FakeProcessGroup::new_group(std::vector<int>, const Options&) {
-  TDIST_FAKE_UNSUPPORTED(new_group);
+  TDIST_THROW(InvalidArgument, "new_group is not supported in the test group");
 }
 
 void FakeProcessGroup::abort() { world_->abort(str("rank ", rank_, " aborted the group")); }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tdist/comm/process_group.h"
+#include "tdist/core/error.h"
 
 namespace tdist::test {
 
@@ -78,41 +79,24 @@ class FakeProcessGroup : public comm::ProcessGroup {
   std::string backend_name() const override { return "fake"; }
   const Options& options() const override { return opts_; }
 
-  std::shared_ptr<comm::Work> broadcast(at::Tensor tensor,
-                                        const comm::BroadcastOptions& opts) override;
-  std::shared_ptr<comm::Work> allreduce(at::Tensor tensor,
-                                        const comm::AllreduceOptions& opts) override;
-  std::shared_ptr<comm::Work> allreduce_coalesced(
-      std::vector<at::Tensor> tensors, const comm::AllreduceCoalescedOptions& opts) override;
-  std::shared_ptr<comm::Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input,
-                                        const comm::AllgatherOptions& opts) override;
-  std::shared_ptr<comm::Work> barrier(const comm::BarrierOptions& opts) override;
-
-  std::shared_ptr<comm::Work> reduce(at::Tensor, const comm::ReduceOptions&) override;
-  std::shared_ptr<comm::Work> allgather_into_tensor(at::Tensor, at::Tensor,
-                                                    const comm::AllgatherOptions&) override;
-  std::shared_ptr<comm::Work> gather(std::vector<at::Tensor>, at::Tensor,
-                                     const comm::GatherOptions&) override;
-  std::shared_ptr<comm::Work> scatter(at::Tensor, std::vector<at::Tensor>,
-                                      const comm::ScatterOptions&) override;
-  std::shared_ptr<comm::Work> reduce_scatter(at::Tensor, std::vector<at::Tensor>,
-                                             const comm::ReduceScatterOptions&) override;
-  std::shared_ptr<comm::Work> reduce_scatter_tensor(at::Tensor, at::Tensor,
-                                                    const comm::ReduceScatterOptions&) override;
-  std::shared_ptr<comm::Work> alltoall_base(at::Tensor, at::Tensor, std::vector<int64_t>,
-                                            std::vector<int64_t>,
-                                            const comm::AllToAllOptions&) override;
-  std::shared_ptr<comm::Work> alltoall(std::vector<at::Tensor>, std::vector<at::Tensor>,
-                                       const comm::AllToAllOptions&) override;
-  std::shared_ptr<comm::Work> send(at::Tensor, int, int, const comm::SendRecvOptions&) override;
-  std::shared_ptr<comm::Work> recv(at::Tensor, int, int, const comm::SendRecvOptions&) override;
-  std::shared_ptr<comm::Work> recv_any_source(at::Tensor, int,
-                                              const comm::SendRecvOptions&) override;
+  // broadcast, allreduce (and allreduce_coalesced), allgather and barrier; any other operation
+  // throws InvalidArgument.
+  std::shared_ptr<comm::Work> submit(comm::Call call) override;
   std::shared_ptr<comm::ProcessGroup> new_group(std::vector<int>, const Options&) override;
   void abort() override;
 
  private:
   Millis resolve(Millis t) const { return t.count() >= 0 ? t : opts_.timeout; }
+  std::shared_ptr<comm::Work> start(comm::BroadcastCall& c);
+  std::shared_ptr<comm::Work> start(comm::AllreduceCall& c);
+  std::shared_ptr<comm::Work> start(comm::AllreduceCoalescedCall& c);
+  std::shared_ptr<comm::Work> start(comm::AllgatherCall& c);
+  std::shared_ptr<comm::Work> start(comm::BarrierCall& c);
+  // The operations the test group does not model.
+  template <class Other>
+  std::shared_ptr<comm::Work> start(Other&) {
+    TDIST_THROW(InvalidArgument, Other::kName, " is not supported in the test group");
+  }
 
   const std::shared_ptr<FakeWorld> world_;
   const int rank_;

@@ -62,5 +62,23 @@ TEST(FakeProcessGroup, MissingRankTimesOutAndMismatchFails) {
   EXPECT_THROW(b->wait(), Error);
 }
 
+// The operations the fake group does not model are refused by name, on the caller's thread.
+TEST(FakeProcessGroup, AnOperationItDoesNotModelIsRefusedByName) {
+  auto groups = make_fake_groups(2);
+  for (auto& [name, issue] : std::vector<std::pair<std::string, std::function<void()>>>{
+           {"reduce_scatter_tensor",
+            [&] { groups[0]->reduce_scatter_tensor(torch::zeros({2}), torch::zeros({4})); }},
+           {"send", [&] { groups[0]->send(torch::zeros({2}), 1); }},
+           {"new_group", [&] { groups[0]->new_group({0}); }}}) {
+    try {
+      issue();
+      ADD_FAILURE() << name << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(name + " is not supported"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tdist::test
