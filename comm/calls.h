@@ -7,8 +7,9 @@
 // The operations of comm/process_group.h are listed once, here. Each public method of
 // ProcessGroup (broadcast, allreduce, ...) builds its struct and hands it to the one virtual
 // entry point, ProcessGroup::submit(Call). A backend implements submit() with std::visit over
-// one function of its own per struct (the ring's op table, the NCCL backend's calls into
-// ProcessGroupNCCL), so a backend that misses an operation does not compile; the dispatch
+// one function of its own per struct (a member template, start(), specialized per Call: the
+// ring's op table, the NCCL backend's calls into ProcessGroupNCCL), so a backend that misses an
+// operation does not build, and its header does not list the operations again; the dispatch
 // (comm/device_dispatch.h) routes any Call by the device of its tensors (for_each_tensor) with
 // no code per operation; and a stand-in (a test's fake group) answers the operations it does not
 // model with one generic function. A new operation is a struct here, its alternative in Call,

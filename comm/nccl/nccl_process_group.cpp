@@ -209,10 +209,7 @@ void NcclProcessGroup::complete_loop() {
   }
 }
 
-std::shared_ptr<Work> NcclProcessGroup::submit(Call call) {
-  return std::visit([this](auto& c) { return start(c); }, call);
-}
-
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(BroadcastCall& c) {
   auto& tensor = c.tensor;
   const auto& opts = c.opts;
@@ -228,6 +225,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(BroadcastCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(AllreduceCall& c) {
   auto& tensor = c.tensor;
   const auto& opts = c.opts;
@@ -241,6 +239,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(AllreduceCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(AllreduceCoalescedCall& c) {
   auto& tensors = c.tensors;
   const auto& opts = c.opts;
@@ -254,6 +253,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(AllreduceCoalescedCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(ReduceCall& c) {
   auto& tensor = c.tensor;
   const auto& opts = c.opts;
@@ -270,6 +270,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(ReduceCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(AllgatherCall& c) {
   auto& outputs = c.outputs;
   auto& input = c.input;
@@ -285,6 +286,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(AllgatherCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(AllgatherIntoTensorCall& c) {
   auto& output = c.output;
   auto& input = c.input;
@@ -298,6 +300,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(AllgatherIntoTensorCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(GatherCall& c) {
   auto& outputs = c.outputs;
   auto& input = c.input;
@@ -315,6 +318,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(GatherCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(ScatterCall& c) {
   auto& output = c.output;
   auto& inputs = c.inputs;
@@ -332,6 +336,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(ScatterCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(ReduceScatterCall& c) {
   auto& output = c.output;
   auto& inputs = c.inputs;
@@ -348,6 +353,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(ReduceScatterCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(ReduceScatterTensorCall& c) {
   auto& output = c.output;
   auto& input = c.input;
@@ -362,6 +368,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(ReduceScatterTensorCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(AlltoallBaseCall& c) {
   auto& output = c.output;
   auto& input = c.input;
@@ -377,6 +384,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(AlltoallBaseCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(AlltoallCall& c) {
   auto& outputs = c.outputs;
   auto& inputs = c.inputs;
@@ -390,6 +398,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(AlltoallCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(BarrierCall& c) {
   const auto& opts = c.opts;
   return issue("barrier", {}, [&] {
@@ -399,6 +408,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(BarrierCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(SendCall& c) {
   auto& tensor = c.tensor;
   const int dst = c.dst;
@@ -412,6 +422,7 @@ std::shared_ptr<Work> NcclProcessGroup::start(SendCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(RecvCall& c) {
   auto& tensor = c.tensor;
   const int src = c.src;
@@ -425,10 +436,16 @@ std::shared_ptr<Work> NcclProcessGroup::start(RecvCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> NcclProcessGroup::start(RecvAnySourceCall&) {
   TDIST_THROW(InvalidArgument,
               "recv_any_source: NCCL cannot receive from any source; name the "
               "source rank, or use a CPU tensor (the ring backend serves it)");
+}
+
+// After every start(): each Call's (Note [One operation table]).
+std::shared_ptr<Work> NcclProcessGroup::submit(Call call) {
+  return std::visit([this](auto& c) { return start(c); }, call);
 }
 
 std::shared_ptr<ProcessGroup> NcclProcessGroup::new_group(std::vector<int> ranks,

@@ -79,22 +79,9 @@ class NcclProcessGroup : public ProcessGroup {
  private:
   // The operations, one function each (the op table): they check the arguments on the
   // caller's thread and return the operation's Work at once.
-  std::shared_ptr<Work> start(BroadcastCall& c);
-  std::shared_ptr<Work> start(AllreduceCall& c);
-  std::shared_ptr<Work> start(AllreduceCoalescedCall& c);
-  std::shared_ptr<Work> start(ReduceCall& c);
-  std::shared_ptr<Work> start(AllgatherCall& c);
-  std::shared_ptr<Work> start(AllgatherIntoTensorCall& c);
-  std::shared_ptr<Work> start(GatherCall& c);
-  std::shared_ptr<Work> start(ScatterCall& c);
-  std::shared_ptr<Work> start(ReduceScatterCall& c);
-  std::shared_ptr<Work> start(ReduceScatterTensorCall& c);
-  std::shared_ptr<Work> start(AlltoallBaseCall& c);
-  std::shared_ptr<Work> start(AlltoallCall& c);
-  std::shared_ptr<Work> start(BarrierCall& c);
-  std::shared_ptr<Work> start(SendCall& c);
-  std::shared_ptr<Work> start(RecvCall& c);
-  std::shared_ptr<Work> start(RecvAnySourceCall& c);
+  // One specialization per Call, in nccl_process_group.cpp; one missing fails the link.
+  template <class C>
+  std::shared_ptr<Work> start(C& call);
   struct SplitFrom;  // the parent of a split subgroup (nccl_process_group.cpp)
   NcclProcessGroup(std::shared_ptr<Store> store, std::string prefix, int rank, int size,
                    const Options& opts, const SplitFrom* split);

@@ -326,31 +326,6 @@ std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor
   return work;
 }
 
-std::shared_ptr<Work> RingProcessGroup::start(SendCall& c) {
-  auto& tensor = c.tensor;
-  const int dst = c.dst;
-  const int tag = c.tag;
-  const auto& opts = c.opts;
-  return post_p2p(true, std::move(tensor), dst, tag, opts.timeout);
-}
-
-std::shared_ptr<Work> RingProcessGroup::start(RecvCall& c) {
-  auto& tensor = c.tensor;
-  const int src = c.src;
-  const int tag = c.tag;
-  const auto& opts = c.opts;
-  TDIST_CHECK_ARG(src >= 0 && src < size_, "recv: source rank ", src, " is not in [0, ", size_,
-                  ")");
-  return post_p2p(false, std::move(tensor), src, tag, opts.timeout);
-}
-
-std::shared_ptr<Work> RingProcessGroup::start(RecvAnySourceCall& c) {
-  auto& tensor = c.tensor;
-  const int tag = c.tag;
-  const auto& opts = c.opts;
-  return post_p2p(false, std::move(tensor), -1, tag, opts.timeout);
-}
-
 std::shared_ptr<ProcessGroup> RingProcessGroup::new_group(std::vector<int> ranks,
                                                           const Options& opts) {
   TDIST_CHECK_ARG(!ranks.empty(), "new_group: the rank list is empty");

@@ -197,10 +197,7 @@ void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count
   }
 }
 
-std::shared_ptr<Work> RingProcessGroup::submit(Call call) {
-  return std::visit([this](auto& c) { return start(c); }, call);
-}
-
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(AllreduceCall& c) {
   auto& tensor = c.tensor;
   const auto& opts = c.opts;
@@ -226,6 +223,7 @@ std::shared_ptr<Work> RingProcessGroup::start(AllreduceCall& c) {
   return enqueue_small("allreduce", Kind::kAllreduce, opts.timeout, std::move(fp), std::move(args));
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(AllreduceCoalescedCall& c) {
   auto& tensors = c.tensors;
   const auto& opts = c.opts;
@@ -373,6 +371,7 @@ Value RingProcessGroup::run_small(algo::Context& c, Kind kind, SmallArgs& a) {
   return Value{std::move(a.orig)};
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(BroadcastCall& c) {
   auto& tensor = c.tensor;
   const auto& opts = c.opts;
@@ -393,6 +392,7 @@ std::shared_ptr<Work> RingProcessGroup::start(BroadcastCall& c) {
   return enqueue_small("broadcast", Kind::kBroadcast, opts.timeout, std::move(fp), std::move(args));
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(ReduceCall& c) {
   auto& tensor = c.tensor;
   const auto& opts = c.opts;
@@ -415,6 +415,7 @@ std::shared_ptr<Work> RingProcessGroup::start(ReduceCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(AllgatherCall& c) {
   auto& outputs = c.outputs;
   auto& input = c.input;
@@ -454,6 +455,7 @@ std::shared_ptr<Work> RingProcessGroup::start(AllgatherCall& c) {
                  });
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(AllgatherIntoTensorCall& c) {
   auto& output = c.output;
   auto& input = c.input;
@@ -488,6 +490,7 @@ std::shared_ptr<Work> RingProcessGroup::start(AllgatherIntoTensorCall& c) {
                        fingerprint(debug_detail_, &input), std::move(args));
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(GatherCall& c) {
   auto& outputs = c.outputs;
   auto& input = c.input;
@@ -527,6 +530,7 @@ std::shared_ptr<Work> RingProcessGroup::start(GatherCall& c) {
                  });
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(ScatterCall& c) {
   auto& output = c.output;
   auto& inputs = c.inputs;
@@ -564,6 +568,7 @@ std::shared_ptr<Work> RingProcessGroup::start(ScatterCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(ReduceScatterCall& c) {
   auto& output = c.output;
   auto& inputs = c.inputs;
@@ -607,6 +612,7 @@ std::shared_ptr<Work> RingProcessGroup::start(ReduceScatterCall& c) {
                  });
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(ReduceScatterTensorCall& c) {
   auto& output = c.output;
   auto& input = c.input;
@@ -641,6 +647,7 @@ std::shared_ptr<Work> RingProcessGroup::start(ReduceScatterTensorCall& c) {
                        std::move(fp), std::move(args));
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(AlltoallBaseCall& c) {
   auto& output = c.output;
   auto& input = c.input;
@@ -704,6 +711,7 @@ std::shared_ptr<Work> RingProcessGroup::start(AlltoallBaseCall& c) {
                  });
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(AlltoallCall& c) {
   auto& outputs = c.outputs;
   auto& inputs = c.inputs;
@@ -755,6 +763,7 @@ std::shared_ptr<Work> RingProcessGroup::start(AlltoallCall& c) {
   });
 }
 
+template <>
 std::shared_ptr<Work> RingProcessGroup::start(BarrierCall& c) {
   const auto& opts = c.opts;
   return enqueue("barrier", opts.timeout, fingerprint(debug_detail_, nullptr, -1, -1, {}),
@@ -762,6 +771,29 @@ std::shared_ptr<Work> RingProcessGroup::start(BarrierCall& c) {
                    algo::barrier_dissemination(c);
                    return Value{};
                  });
+}
+
+// Sends and receives go to the P2PEngine on their own channel (post_p2p).
+template <>
+std::shared_ptr<Work> RingProcessGroup::start(SendCall& c) {
+  return post_p2p(true, std::move(c.tensor), c.dst, c.tag, c.opts.timeout);
+}
+
+template <>
+std::shared_ptr<Work> RingProcessGroup::start(RecvCall& c) {
+  TDIST_CHECK_ARG(c.src >= 0 && c.src < size_, "recv: source rank ", c.src, " is not in [0, ",
+                  size_, ")");
+  return post_p2p(false, std::move(c.tensor), c.src, c.tag, c.opts.timeout);
+}
+
+template <>
+std::shared_ptr<Work> RingProcessGroup::start(RecvAnySourceCall& c) {
+  return post_p2p(false, std::move(c.tensor), -1, c.tag, c.opts.timeout);
+}
+
+// After every start(): each Call's (Note [One operation table]).
+std::shared_ptr<Work> RingProcessGroup::submit(Call call) {
+  return std::visit([this](auto& c) { return start(c); }, call);
 }
 
 }  // namespace tdist::comm::detail
