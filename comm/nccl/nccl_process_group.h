@@ -77,11 +77,12 @@ class NcclProcessGroup : public ProcessGroup {
   uint64_t comm_split_count() const;
 
  private:
-  // The operations, one function each (the op table): they check the arguments on the
-  // caller's thread and return the operation's Work at once.
-  // One specialization per Call, in nccl_process_group.cpp; one missing fails the link.
+  // The operations, one function each: they check the arguments on the caller's thread and
+  // return the operation's Work at once. One specialization per Call, in
+  // nccl_process_group.cpp; one missing fails the link.
   template <class C>
   std::shared_ptr<Work> start(C& call);
+
   struct SplitFrom;  // the parent of a split subgroup (nccl_process_group.cpp)
   NcclProcessGroup(std::shared_ptr<Store> store, std::string prefix, int rank, int size,
                    const Options& opts, const SplitFrom* split);

@@ -236,8 +236,8 @@ std::shared_ptr<Work> RingProcessGroup::enqueue_small(const char* name, Kind kin
   return ops_->push(name, effective(timeout), std::move(body));
 }
 
-Future::Value RingProcessGroup::run(OpQueue::Op& op, Clock::time_point start) {
-  exchange_->begin(op.name, op.seq, start, deadline_after(op.timeout, start));
+Future::Value RingProcessGroup::run(OpQueue::Op& op, Clock::time_point began) {
+  exchange_->begin(op.name, op.seq, began, deadline_after(op.timeout, began));
   OpBody& body = op.body;
   if (debug_detail_) {
     body.fingerprint.op = op.name;

@@ -100,10 +100,11 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
 
  private:
   // The operations, one function each (the op table): they check the arguments on the
-  // caller's thread and return the operation's Work at once.
-  // One specialization per Call, in ring_process_group_ops.cpp; one missing fails the link.
+  // caller's thread and return the operation's Work at once. One specialization per Call, in
+  // ring_process_group_ops.cpp; one missing fails the link.
   template <class C>
   std::shared_ptr<Work> start(C& call);
+
   using Run = OpBody::Run;
   using Kind = OpKind;
 
@@ -113,7 +114,7 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   std::shared_ptr<Work> enqueue_small(const char* name, Kind kind, Millis timeout, Fingerprint fp,
                                       SmallArgs args);
   // OpQueue::Runner: runs a queued operation on the thread that took it.
-  Future::Value run(OpQueue::Op& op, Clock::time_point start) override;
+  Future::Value run(OpQueue::Op& op, Clock::time_point began) override;
   void fatal(std::exception_ptr error) override { abort_with(std::move(error)); }
   // Runs a small operation (any kind but kRun).
   Future::Value run_small(algorithms::Context& c, Kind kind, SmallArgs& a);
