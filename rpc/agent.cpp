@@ -101,13 +101,12 @@ std::shared_ptr<RpcAgent> RpcAgent::start(const std::string& name, int rank, int
   auto pool = std::make_unique<detail::ThreadPool>(
       o.num_worker_threads, [weak] { detail::set_thread_agent(weak); },
       std::chrono::microseconds(o.spin_us));
-  a->pending_ = std::make_unique<detail::PendingCalls>(
-      name, [raw](int r) { return raw->peer_name(r); },
-      [raw](std::function<void()> task) { return raw->post_to_pool(std::move(task)); });
-  a->handler_ = std::make_unique<detail::RequestHandler>(
-      *raw, a->self_, a->rrefs_,
-      [raw](std::function<void()> task) { return raw->post_to_pool(std::move(task)); },
-      [raw](int r) { return raw->peer_name(r); });
+  // What PendingCalls and the RequestHandler ask of the agent.
+  auto peer_name = [raw](int r) { return raw->peer_name(r); };
+  auto post = [raw](std::function<void()> task) { return raw->post_to_pool(std::move(task)); };
+  a->pending_ = std::make_unique<detail::PendingCalls>(name, peer_name, post);
+  a->handler_ =
+      std::make_unique<detail::RequestHandler>(*raw, a->self_, a->rrefs_, post, peer_name);
   a->dispatcher_ =
       std::make_unique<detail::Dispatcher>(*raw, *a->handler_, *a->pending_, std::move(pool));
   a->members_ = std::make_unique<detail::Membership>(a->self_, o, world_size);
