@@ -174,14 +174,9 @@ bool PipelineStrategy::sharded() const { return impl_->config.shard; }
 
 PipelineStepResult PipelineStrategy::step(const at::Tensor& inputs, const at::Tensor& labels) {
   Impl& d = *impl_;
-  if (d.full) drop_others();
   // Sharded: every chunk gathered once for all microbatches; their gradients accumulate in the
   // full parameters' .grad and are reduce-scattered (averaged over the replicas) once.
-  for (auto& g : d.shards) g->unshard();
-  if (!d.ready) {
-    d.pipe->setup(torch::zeros_like(inputs));
-    d.ready = true;
-  }
+  prepare(inputs);
   d.correct = 0;
   d.predictions = 0;
   at::Tensor loss = d.pipe->step(inputs, labels);
@@ -205,6 +200,24 @@ PipelineStepResult PipelineStrategy::step(const at::Tensor& inputs, const at::Te
   }
   r.idle_ms = (static_cast<double>(tl.end_us - tl.begin_us) - compute_us) / 1e3;
   return r;
+}
+
+void PipelineStrategy::prepare(const at::Tensor& inputs) {
+  Impl& d = *impl_;
+  if (d.full) drop_others();
+  for (auto& g : d.shards) g->unshard();
+  if (!d.ready) {
+    d.pipe->setup(torch::zeros_like(inputs));
+    d.ready = true;
+  }
+}
+
+at::Tensor PipelineStrategy::eval(const at::Tensor& inputs) {
+  Impl& d = *impl_;
+  prepare(inputs);
+  at::Tensor logits = d.pipe->eval(inputs).output;
+  for (auto& g : d.shards) g->reshard();
+  return logits;
 }
 
 void PipelineStrategy::sync_full_model() {

@@ -15,9 +15,10 @@
 // stages (the interleaved schedule: to 2P virtual stages, two per rank).
 //
 // Every rank builds the whole model from the same seed and keeps only its stage's part of it:
-// the other layers' parameters are dropped (empty tensors) at construction. sync_full_model()
-// (a collective) gives every rank every stage's current values, for evaluation and the final
-// parameter hash; the next step() drops them again.
+// the other layers' parameters are dropped (empty tensors) at construction. Evaluation runs
+// through the pipeline (eval(): forward only, each rank its stage), so no rank holds the whole
+// model for it. sync_full_model() (a collective) gives every rank every stage's current values,
+// for the final parameter hash; the next step() or eval() drops them again.
 //
 // Note [Pipelined checkpoints]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -37,7 +38,7 @@
 // Replicas of a stage under DDP write equal parts; each writes its own all the same, so that
 // no rank needs another's file.
 //
-// Contract: construction, step() and sync_full_model() are collectives over the world, made in
+// Contract: construction, step(), eval() and sync_full_model() are collectives over the world, made in
 // the same order on every rank; one thread drives the object; every wait is bounded by the
 // timeout given at construction.
 
@@ -101,6 +102,11 @@ class PipelineStrategy {
   // One pipeline step: `inputs` and `labels` are this replica's batch (the same on every stage
   // of the pipeline); gradients land in parameters()' .grad, averaged over the replicas.
   PipelineStepResult step(const at::Tensor& inputs, const at::Tensor& labels);
+  // Collective over this rank's pipeline (its "pp" group; Pipeline::eval): the forward of one
+  // batch, shaped like step()'s (a shorter one must be filled up), without autograd. Returns
+  // the logits on the last stage's rank, an undefined tensor on the others. Sharded stages are
+  // gathered for it and resharded after.
+  at::Tensor eval(const at::Tensor& inputs);
   // Collective: every rank's model gets every stage's current parameters (a broadcast from each
   // stage's rank within each pipeline; sharded stages are gathered first). They stay until the
   // next step().
@@ -120,6 +126,9 @@ class PipelineStrategy {
  private:
   // Empties the parameters of the layers outside this rank's stage (and reshards its own).
   void drop_others();
+  // Before a step or an eval: drops what sync_full_model() gathered, gathers the sharded
+  // stages, and sets the pipeline up at the first call (`inputs`: a batch's shape).
+  void prepare(const at::Tensor& inputs);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -187,33 +187,51 @@ at::Tensor loss_of(
       torch::nn::functional::CrossEntropyFuncOptions().reduction(reduction));
 }
 
-// Collective: each rank evaluates the test samples r, r + world, ...; the sums are added up (on
-// the host: a CPU tensor whatever `device` the model is on). `lockstep` (fsdp, whose forward is
-// a collective): every rank runs the same number of forwards, a rank out of samples running
-// one on sample 0 whose result it drops.
+// Who evaluates which test samples, and how.
+struct EvalShare {
+  int part = 0;   // this rank's share: samples part, part + parts, ...
+  int parts = 1;  // the world, or (pipelines) the replicas: a pipeline's stages share one part
+  int64_t batch_size = 1;
+  // A pipeline's batches keep the shape it was set up with: a short one is filled up with
+  // repeats of its last sample, whose predictions are dropped.
+  bool fixed_batches = false;
+  // fsdp, whose forward is a collective: every rank runs the same number of forwards, a rank
+  // out of samples running one on sample 0 whose result it drops.
+  bool lockstep = false;
+};
+
+// Collective over `pg`: each rank evaluates its share of the test samples; the sums are added
+// up (on the host: a CPU tensor whatever `device` the model is on). `forward` returns a batch's
+// logits, or an undefined tensor where this rank computes none (a pipeline's stages but the
+// last): such a rank counts nothing.
 EvalResult evaluate(const std::function<at::Tensor(const at::Tensor&)>& forward,
                     torch::nn::Module& model, const Dataset& test, comm::ProcessGroup& pg,
-                    int64_t batch_size, std::chrono::milliseconds timeout, c10::Device device,
-                    bool language_model, bool lockstep) {
+                    const EvalShare& share, std::chrono::milliseconds timeout, c10::Device device,
+                    bool language_model) {
   torch::NoGradGuard no_grad;
   model.eval();
-  double correct = 0, predictions = 0, loss_sum = 0;
+  double correct = 0, predictions = 0, loss_sum = 0, samples = 0;
   std::vector<int64_t> idx;
   auto run = [&](bool counted) {
-    Batch b = test.get(idx.empty() ? std::vector<int64_t>{0} : idx);
-    at::Tensor labels = b.labels.to(device);
+    const auto real = static_cast<int64_t>(idx.size());
+    if (idx.empty()) idx.push_back(0);
+    if (share.fixed_batches) idx.resize(static_cast<size_t>(share.batch_size), idx.back());
+    Batch b = test.get(idx);
     at::Tensor logits = forward(b.images.to(device));
-    if (counted) {
+    if (counted && logits.defined()) {
+      logits = logits.narrow(0, 0, real);
+      at::Tensor labels = b.labels.narrow(0, 0, real).to(device);
       correct += logits.argmax(-1).eq(labels).sum().item<double>();
       predictions += static_cast<double>(labels.numel());
       if (language_model) loss_sum += loss_of(logits, labels, torch::kSum).item<double>();
+      samples += static_cast<double>(real);
     }
     idx.clear();
   };
   int64_t batches = 0;
-  for (int64_t i = pg.rank(); i < test.size(); i += pg.size()) {
+  for (int64_t i = share.part; i < test.size(); i += share.parts) {
     idx.push_back(i);
-    if (static_cast<int64_t>(idx.size()) == batch_size) {
+    if (static_cast<int64_t>(idx.size()) == share.batch_size) {
       run(true);
       ++batches;
     }
@@ -222,15 +240,14 @@ EvalResult evaluate(const std::function<at::Tensor(const at::Tensor&)>& forward,
     run(true);
     ++batches;
   }
-  if (lockstep && test.size() > 0) {
-    const int64_t per_rank = (test.size() + pg.size() - 1) / pg.size();
-    for (int64_t k = batches; k < (per_rank + batch_size - 1) / batch_size; ++k) run(false);
+  if (share.lockstep && test.size() > 0) {
+    const int64_t per_rank = (test.size() + share.parts - 1) / share.parts;
+    for (int64_t k = batches; k < (per_rank + share.batch_size - 1) / share.batch_size; ++k) {
+      run(false);
+    }
   }
   model.train();
-  int64_t mine = 0;
-  for (int64_t i = pg.rank(); i < test.size(); i += pg.size()) ++mine;
-  at::Tensor sums =
-      at::tensor({correct, predictions, loss_sum, static_cast<double>(mine)}, at::kDouble);
+  at::Tensor sums = at::tensor({correct, predictions, loss_sum, samples}, at::kDouble);
   comm::AllreduceOptions opts;
   opts.timeout = timeout;
   pg.allreduce(sums, opts)->wait();
@@ -831,14 +848,29 @@ void Trainer::report_window(int64_t epoch) {
 }
 
 EvalResult Trainer::evaluate_now() {
-  // Pipelines: every rank holds the whole model again first (each trained only its stage).
-  if (pipeline_) pipeline_->sync_full_model();
-  // Outside DDP's forward (evaluation needs none of its work); through the sharded model's
-  // (a collective) under fsdp.
-  EvalResult e = evaluate(
-      [this](const at::Tensor& x) { return sharded_ ? (*sharded_)(x) : model_->forward(x); },
-      *model_, *data_.test, *pg_, o_.eval_batch_size, timeout_, o_.device,
-      is_language_model(o_.model), sharded_ != nullptr);
+  EvalShare share;
+  share.part = rank_;
+  share.parts = world_;
+  share.batch_size = o_.eval_batch_size;
+  share.lockstep = sharded_ != nullptr;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  if (pipeline_) {
+    // Through the pipeline, batches of the replica's training batch: each replica evaluates
+    // its share, each rank its stage.
+    share.part = dp_rank_;
+    share.parts = dp_size_;
+    share.batch_size = o_.batch_size;
+    share.fixed_batches = true;
+    forward = [this](const at::Tensor& x) { return pipeline_->eval(x); };
+  } else {
+    // Outside DDP's forward (evaluation needs none of its work); through the sharded model's
+    // (a collective) under fsdp.
+    forward = [this](const at::Tensor& x) {
+      return sharded_ ? (*sharded_)(x) : model_->forward(x);
+    };
+  }
+  EvalResult e = evaluate(forward, *model_, *data_.test, *pg_, share, timeout_, o_.device,
+                          is_language_model(o_.model));
   progress_->evaluation(state_.step, e.accuracy, e.samples, e.loss);
   return e;
 }
@@ -929,6 +961,8 @@ void Trainer::finish() {
   progress_->note(mem_line);
   progress_->finish();
   std::vector<at::Tensor> values;
+  // Pipelines: every rank gathers the whole model to hash it (each trained only its stage).
+  if (pipeline_) pipeline_->sync_full_model();
   if (sharded_) {
     for (auto& [name, t] : sharded_->full_parameters()) values.push_back(t);  // a collective
   } else {

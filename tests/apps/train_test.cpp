@@ -1065,8 +1065,8 @@ TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
 // float rounding: the microbatches' means are added in another order). A gpt in 2 stages x 2
 // replicas (world 4, zero-bubble, DDP across the replicas) against DDP at world 2 (the same
 // samples per replica); an mlp in 2 stages with two chunks each (interleaved, world 2) against
-// one process. After each run every rank holds the same whole model (the stages' parts are
-// gathered for evaluation and the final hash).
+// one process; evaluation through the pipeline gives the same test loss and accuracy. After each
+// run every rank holds the same whole model (the stages' parts are gathered for the final hash).
 TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
   const std::string text = write_text_dir(5, 120);
   const std::string dir = test::temp_dir();
@@ -1113,7 +1113,12 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
   expect_same_losses(pp, ddp, "gpt, 2 stages x 2 replicas (zb) against ddp at world 2");
   EXPECT_EQ(pp_s["pp_stages"], 2);
   EXPECT_EQ(pp_s["schedule"], "zb");
+  // Evaluated through the pipelines: each replica's share of the 5 samples in batches of 4,
+  // filled up with repeats that are not counted.
   EXPECT_NEAR(pp_s["eval_loss"].get<double>(), ddp_s["eval_loss"].get<double>(), 1e-4);
+  EXPECT_EQ(pp_s["eval_samples"], 5);
+  // The same predictions, but where float rounding flips one of the 160 (5 windows of 32).
+  EXPECT_NEAR(pp_s["accuracy"].get<double>(), ddp_s["accuracy"].get<double>(), 1.0 / 160);
   // Each rank holds its stage's parameters only: a pipeline's two stages (world ranks 0 and 2,
   // Note [Device mesh layout]) hold the whole model between them.
   const auto& memory = pp_s["memory_per_rank"];
