@@ -116,8 +116,9 @@ int main(int argc, char** argv) {
   auto* reshard = strategy->add_option("--reshard-after-forward", o.reshard_after_forward,
                                        "fsdp, hsdp: free each unit's gathered parameters after "
                                        "its forward (true) or keep them to its backward (false)");
-  strategy->add_option("--shard-size", o.shard_size,
-                       "hsdp: ranks per shard group (divides the world size)");
+  strategy->add_option(
+      "--shard-size", o.shard_size,
+      "hsdp: ranks per shard group (divides the world size; with --pp-stages P, world / P)");
   strategy
       ->add_option("--mixed-precision", o.mixed_precision,
                    "fsdp, hsdp: none, or bf16 (parameters gathered and units computed in "
@@ -125,9 +126,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "bf16"}));
 
   auto* pp = app.add_option_group("Pipeline");
-  pp->add_option("--pp-stages", o.pp_stages,
-                 "pipeline stages: the world is pp-stages x data-parallel replicas (DDP across "
-                 "them); a gpt's blocks, or a classifier's layers, are cut into the stages")
+  pp->add_option(
+        "--pp-stages", o.pp_stages,
+        "pipeline stages: the world is pp-stages x data-parallel replicas (DDP, fsdp or "
+        "hsdp across them); a gpt's blocks, or a classifier's layers, are cut into the stages")
       ->check(CLI::Range(1, 1024));
   pp->add_option("--schedule", o.schedule,
                  "with --pp-stages > 1: gpipe, 1f1b, interleaved (two stages per rank) or zb "

@@ -58,10 +58,13 @@ std::vector<int64_t> stage_bounds(torch::nn::Sequential layers, bool language_mo
 struct PipelineStrategy::Impl {
   TrainModel model;
   std::shared_ptr<comm::DeviceMesh> mesh;
+  // config.shard_size: each stage's replicas as {replicate, shard} (its groups shard the stage).
+  std::unique_ptr<comm::DeviceMesh> dp_mesh;
   PipelineConfig config;
   std::unique_ptr<pipeline::Pipeline> pipe;
   std::vector<std::unique_ptr<ChunkDDP>> ddps;  // per chunk; null: no DDP over it
-  // config.shard: per chunk with parameters, its parameters sharded across the dp group.
+  // config.shard: per chunk with parameters, its parameters sharded across the dp group (or,
+  // with shard_size, its shard groups).
   std::vector<std::unique_ptr<fsdp::ParamGroup>> shards;
   // The parameters of the layers no chunk of this rank holds, with their shapes: empty while
   // training, allocated and filled by sync_full_model() until the next step.
@@ -91,15 +94,30 @@ PipelineStrategy::PipelineStrategy(
   pipeline::PipelineStage stage(layers, stage_bounds(layers, language_model, parts, p),
                                 d.mesh->coordinate("pp"), p);
   const auto& dp_group = d.mesh->group("dp");
+  fsdp::ShardingConfig sc;
+  sc.shard_pg = dp_group;
+  sc.timeout = d.config.timeout;
+  const int replicas = dp_group->size();
+  if (d.config.shard && d.config.shard_size > 0) {
+    TDIST_CHECK_ARG(replicas % d.config.shard_size == 0, "--shard-size ", d.config.shard_size,
+                    " does not divide the ", replicas,
+                    " data-parallel replicas of each pipeline stage (world size / --pp-stages)");
+  }
+  if (d.config.shard && d.config.shard_size > 0 && d.config.shard_size < replicas) {
+    // A collective over the stage's replicas (Note [Device mesh layout]: shard groups of
+    // consecutive dp coordinates).
+    d.dp_mesh = std::make_unique<comm::DeviceMesh>(
+        dp_group, std::vector<comm::DeviceMesh::Dim>{{"replicate", replicas / d.config.shard_size},
+                                                     {"shard", d.config.shard_size}});
+    sc.shard_pg = d.dp_mesh->group("shard");
+    sc.replicate_pg = d.dp_mesh->group("replicate");
+  }
   for (int c = 0; c < stage.num_chunks(); ++c) {
     auto chunk = stage.chunk(c);
     if (d.config.shard && has_parameters(*chunk)) {
       // Not fully_shard: its units expect one backward per forward, and a schedule runs the
       // forwards of several microbatches before their backwards. A ParamGroup is what it
       // shards with, driven here once per step (see step()).
-      fsdp::ShardingConfig sc;
-      sc.shard_pg = dp_group;
-      sc.timeout = d.config.timeout;
       std::vector<std::string> names;
       for (const auto& item : chunk->named_parameters()) names.push_back(item.key());
       d.shards.push_back(std::make_unique<fsdp::ParamGroup>(
@@ -294,8 +312,12 @@ std::string PipelineStrategy::describe() const {
   for (int c = 0; c < stage.num_chunks(); ++c) {
     parts += (c ? ", " : "") + stage.describe_stage(stage.stage_index(c));
   }
-  return str("pp ", d.mesh->size("pp"), " x dp ", d.mesh->size("dp"), ", ", d.config.schedule, ", ",
-             d.config.microbatches, " microbatches; this rank: ", parts);
+  return str("pp ", d.mesh->size("pp"), " x dp ", d.mesh->size("dp"),
+             d.dp_mesh ? str(" (", d.dp_mesh->size("replicate"), " replicas of shard groups of ",
+                             d.dp_mesh->size("shard"), ")")
+                       : std::string(),
+             ", ", d.config.schedule, ", ", d.config.microbatches,
+             " microbatches; this rank: ", parts);
 }
 
 }  // namespace tdist::train

@@ -7,7 +7,9 @@
 // microbatches are reduced once), or (config.shard, --strategy fsdp) shards each chunk's
 // parameters across that group: gathered once before the step, and the gradients of all
 // microbatches reduce-scattered once after it (fsdp's ParamGroup; the optimizer steps the
-// shards).
+// shards); or (config.shard_size, --strategy hsdp) shards each chunk within groups of
+// shard_size replicas and replicates it across the groups, the reduce-scattered gradients then
+// allreduced across them.
 //
 // The cut: a gpt's blocks are the stages' layers (stage 0 also holds the embedding, the last
 // stage the final LayerNorm and head); a classifier's layers with parameters are, each with the
@@ -67,7 +69,11 @@ struct PipelineConfig {
   std::string schedule = "1f1b";  // --schedule: gpipe, 1f1b, interleaved, zb
   int microbatches = 1;           // --microbatches (divides the batch of a replica)
   std::chrono::milliseconds timeout{300000};
-  bool shard = false;  // --strategy fsdp: shard each stage across its replicas
+  bool shard = false;  // --strategy fsdp or hsdp: shard each stage across its replicas
+  // --strategy hsdp: a stage's replicas form groups of shard_size ranks (consecutive dp
+  // coordinates), each holding the stage once in shards, replicated across the groups; 0: one
+  // group of every replica (fsdp). It divides the number of replicas.
+  int shard_size = 0;
 };
 
 // One step of the pipeline, as this rank saw it.
@@ -120,7 +126,8 @@ class PipelineStrategy {
                  const TrainState& state, const std::string& fingerprint) const;
   void load_part(const std::string& dir, int world_rank, torch::optim::Optimizer& optimizer,
                  const std::string& fingerprint);
-  // "pp 2 x dp 2, 1f1b, 4 microbatches; stage 1 (rank 1, layers [3, 6))".
+  // "pp 2 x dp 2, 1f1b, 4 microbatches; stage 1 (rank 1, layers [3, 6))"; under hsdp the dp
+  // part reads "dp 4 (2 replicas of shard groups of 2)".
   std::string describe() const;
 
  private:

@@ -138,7 +138,8 @@ std::string fingerprint(const TrainOptions& o, int64_t train_size) {
              " dataset=", o.data.dataset, " train_samples=", train_size,
              o.data.dataset == "synthetic" ? str(" signal=", o.data.signal) : std::string(),
              " comm_hook=", o.comm_hook,
-             o.pp_stages > 1 ? str(" pipeline=", o.pp_stages, "/", o.schedule, "/", o.strategy)
+             o.pp_stages > 1 ? str(" pipeline=", o.pp_stages, "/", o.schedule, "/", o.strategy,
+                                   o.strategy == "hsdp" ? str("/", o.shard_size) : std::string())
                              : std::string());
 }
 
@@ -362,9 +363,9 @@ void validate(const TrainOptions& o) {
   if (o.microbatches < 1) bad("--microbatches must be >= 1");
   if (o.pp_stages > 1) {
     pipeline::parse_schedule(o.schedule);  // InvalidArgument naming the known ones
-    if (o.strategy != "ddp" && o.strategy != "fsdp")
-      bad("--pp-stages runs DDP or FSDP across the pipelines' replicas: --strategy " + o.strategy +
-          " is not supported with it (use --strategy ddp or fsdp)");
+    if (o.strategy == "zero1")
+      bad("--pp-stages runs DDP, FSDP or HSDP across the pipelines' replicas: --strategy zero1 "
+          "is not supported with it (use --strategy ddp, fsdp or hsdp)");
     if (o.mixed_precision != "none")
       bad("--mixed-precision does not apply to --pp-stages > 1 (the stages compute in fp32)");
     if (!o.reshard_after_forward)
@@ -601,7 +602,8 @@ void Trainer::start_training() {
     pc.schedule = o_.schedule;
     pc.microbatches = o_.microbatches;
     pc.timeout = timeout_;
-    pc.shard = o_.strategy == "fsdp";
+    pc.shard = o_.sharded();
+    pc.shard_size = o_.shard_size;  // 0 (every replica) unless hsdp
     pipeline_ = std::make_unique<PipelineStrategy>(
         model_, is_language_model(o_.model), mesh_, pc,
         [](const at::Tensor& logits, const at::Tensor& labels) { return loss_of(logits, labels); },

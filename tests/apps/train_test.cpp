@@ -1064,7 +1064,8 @@ TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
 // --pp-stages: a pipeline trains with the losses of the same run without one, step by step (to
 // float rounding: the microbatches' means are added in another order). A gpt in 2 stages x 2
 // replicas (world 4, zero-bubble, DDP across the replicas) against DDP at world 2 (the same
-// samples per replica); an mlp in 2 stages with two chunks each (interleaved, world 2) against
+// samples per replica), and 2 stages x 4 replicas under hsdp (world 8) against DDP at world 4;
+// an mlp in 2 stages with two chunks each (interleaved, world 2) against
 // one process; evaluation through the pipeline gives the same test loss and accuracy. After each
 // run every rank holds the same whole model (the stages' parts are gathered for the final hash).
 TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
@@ -1130,6 +1131,25 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
       << memory;
   EXPECT_EQ(memory[1]["parameter_bytes"], memory[0]["parameter_bytes"]);
 
+  // HSDP per stage: 2 stages x 4 replicas at world 8, each stage sharded within pairs of
+  // replicas and replicated across the pairs, against DDP at world 4 (4 replicas).
+  const auto [ddp4, ddp4_s] = run("gpt-ddp4", 4, gpt);
+  const auto [hsdp, hsdp_s] = run("gpt-pp-hsdp", 8,
+                                  with(gpt, {"--pp-stages", "2", "--microbatches", "2",
+                                             "--strategy", "hsdp", "--shard-size", "2"}));
+  expect_same_losses(hsdp, ddp4, "gpt, 2 stages x (2 x 2 hsdp) against ddp at world 4");
+  EXPECT_NEAR(hsdp_s["eval_loss"].get<double>(), ddp4_s["eval_loss"].get<double>(), 1e-4);
+  // A stage's shard group (world ranks 0 and 1, then 2 and 3 its other replica pair) holds the
+  // stage once: half of what the stage's rank held above, give or take a shard's padding.
+  const auto& hm = hsdp_s["memory_per_rank"];
+  ASSERT_EQ(hm.size(), 8u);
+  const int64_t stage0 = memory[0]["parameter_bytes"].get<int64_t>();
+  EXPECT_GE(hm[0]["parameter_bytes"].get<int64_t>() + hm[1]["parameter_bytes"].get<int64_t>(),
+            stage0)
+      << hm;
+  EXPECT_LE(hm[0]["parameter_bytes"].get<int64_t>(), stage0 / 2 + 64) << hm;
+  EXPECT_EQ(hm[2]["parameter_bytes"], hm[0]["parameter_bytes"]) << hm;
+
   const std::vector<std::string> mlp = {"--dataset",      "synthetic", "--model",         "mlp",
                                         "--hidden",       "32",        "--layers",        "3",
                                         "--batch-size",   "16",        "--train-samples", "256",
@@ -1140,6 +1160,15 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
           with(mlp, {"--pp-stages", "2", "--schedule", "interleaved", "--microbatches", "4"}));
   expect_same_losses(inter, alone, "mlp, 2 stages of 2 chunks (interleaved) against one process");
   EXPECT_NEAR(inter_s["accuracy"].get<double>(), alone_s["accuracy"].get<double>(), 1e-9);
+
+  // Shard groups that do not divide a stage's replicas (1 at world 2): refused on every rank.
+  auto uneven = train_under_run(2, {},
+                                with(gpt, {"--pp-stages", "2", "--strategy", "hsdp", "--shard-size",
+                                           "2", "--steps", "1", "--threads", "1"}));
+  EXPECT_NE(uneven.exit_code, 0) << uneven.describe();
+  EXPECT_TRUE(contains(uneven.out + uneven.err,
+                       "--shard-size 2 does not divide the 1 data-parallel replicas"))
+      << uneven.describe();
 
   // A cut that cannot be made: more stages than the gpt has blocks, on every rank.
   std::vector<std::string> one_block = gpt;
