@@ -97,6 +97,7 @@ PipelineStrategy::PipelineStrategy(
   fsdp::ShardingConfig sc;
   sc.shard_pg = dp_group;
   sc.timeout = d.config.timeout;
+  if (d.config.bf16) sc.param_dtype = at::kBFloat16;
   const int replicas = dp_group->size();
   if (d.config.shard && d.config.shard_size > 0) {
     TDIST_CHECK_ARG(replicas % d.config.shard_size == 0, "--shard-size ", d.config.shard_size,
@@ -194,10 +195,10 @@ PipelineStepResult PipelineStrategy::step(const at::Tensor& inputs, const at::Te
   Impl& d = *impl_;
   // Sharded: every chunk gathered once for all microbatches; their gradients accumulate in the
   // full parameters' .grad and are reduce-scattered (averaged over the replicas) once.
-  prepare(inputs);
+  const at::Tensor x = prepare(inputs);
   d.correct = 0;
   d.predictions = 0;
-  at::Tensor loss = d.pipe->step(inputs, labels);
+  at::Tensor loss = d.pipe->step(x, labels);
   for (auto& g : d.shards) g->reduce_grads();
   for (auto& g : d.shards) {
     g->reshard();
@@ -220,20 +221,23 @@ PipelineStepResult PipelineStrategy::step(const at::Tensor& inputs, const at::Te
   return r;
 }
 
-void PipelineStrategy::prepare(const at::Tensor& inputs) {
+at::Tensor PipelineStrategy::prepare(const at::Tensor& inputs) {
   Impl& d = *impl_;
   if (d.full) drop_others();
   for (auto& g : d.shards) g->unshard();
+  const at::Tensor x =
+      d.config.bf16 && inputs.is_floating_point() ? inputs.to(at::kBFloat16) : inputs;
   if (!d.ready) {
-    d.pipe->setup(torch::zeros_like(inputs));
+    d.pipe->setup(torch::zeros_like(x));
     d.ready = true;
   }
+  return x;
 }
 
 at::Tensor PipelineStrategy::eval(const at::Tensor& inputs) {
   Impl& d = *impl_;
-  prepare(inputs);
-  at::Tensor logits = d.pipe->eval(inputs).output;
+  const at::Tensor x = prepare(inputs);
+  at::Tensor logits = d.pipe->eval(x).output;
   for (auto& g : d.shards) g->reshard();
   return logits;
 }
@@ -245,7 +249,12 @@ void PipelineStrategy::sync_full_model() {
   const auto& bounds = stage.bounds();
   const auto& pp = d.mesh->group("pp");
   torch::NoGradGuard no_grad;
-  for (auto& g : d.shards) g->unshard();
+  // The sharded stages' values in the model's dtype (not unshard(): under bf16 it gathers bf16
+  // views), which the next prepare() replaces with the gathered views again.
+  for (auto& g : d.shards) {
+    std::vector<at::Tensor> full = g->gather_full();
+    for (size_t i = 0; i < full.size(); ++i) g->params()[i].set_data(full[i]);
+  }
   for (auto& [p, shape] : d.others) p.set_data(at::empty(shape, p.options()));
   d.full = true;
   // One broadcast per stage rank: its virtual stages' parameters, flattened in order.

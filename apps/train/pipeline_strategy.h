@@ -74,6 +74,10 @@ struct PipelineConfig {
   // coordinates), each holding the stage once in shards, replicated across the groups; 0: one
   // group of every replica (fsdp). It divides the number of replicas.
   int shard_size = 0;
+  // --mixed-precision bf16 (sharded stages): each stage is gathered and computes in bf16 (its
+  // shards, their gradients and the optimizer state stay fp32), so the activations and their
+  // gradients travel between stages as bf16; the first stage's floating inputs are cast to it.
+  bool bf16 = false;
 };
 
 // One step of the pipeline, as this rank saw it.
@@ -134,8 +138,9 @@ class PipelineStrategy {
   // Empties the parameters of the layers outside this rank's stage (and reshards its own).
   void drop_others();
   // Before a step or an eval: drops what sync_full_model() gathered, gathers the sharded
-  // stages, and sets the pipeline up at the first call (`inputs`: a batch's shape).
-  void prepare(const at::Tensor& inputs);
+  // stages, and sets the pipeline up at the first call (`inputs`: a batch's shape). Returns the
+  // inputs in the dtype the first stage computes in (config.bf16).
+  at::Tensor prepare(const at::Tensor& inputs);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -220,7 +220,8 @@ EvalResult evaluate(const std::function<at::Tensor(const at::Tensor&)>& forward,
     Batch b = test.get(idx);
     at::Tensor logits = forward(b.images.to(device));
     if (counted && logits.defined()) {
-      logits = logits.narrow(0, 0, real);
+      // Counted in fp32 whatever the model computes in (bf16 under --mixed-precision).
+      logits = logits.narrow(0, 0, real).to(at::kFloat);
       at::Tensor labels = b.labels.narrow(0, 0, real).to(device);
       correct += logits.argmax(-1).eq(labels).sum().item<double>();
       predictions += static_cast<double>(labels.numel());
@@ -366,8 +367,6 @@ void validate(const TrainOptions& o) {
     if (o.strategy == "zero1")
       bad("--pp-stages runs DDP, FSDP or HSDP across the pipelines' replicas: --strategy zero1 "
           "is not supported with it (use --strategy ddp, fsdp or hsdp)");
-    if (o.mixed_precision != "none")
-      bad("--mixed-precision does not apply to --pp-stages > 1 (the stages compute in fp32)");
     if (!o.reshard_after_forward)
       bad("--reshard-after-forward does not apply to --pp-stages > 1 (a sharded stage is "
           "gathered once per step, for all its microbatches)");
@@ -604,6 +603,7 @@ void Trainer::start_training() {
     pc.timeout = timeout_;
     pc.shard = o_.sharded();
     pc.shard_size = o_.shard_size;  // 0 (every replica) unless hsdp
+    pc.bf16 = o_.mixed_precision == "bf16";
     pipeline_ = std::make_unique<PipelineStrategy>(
         model_, is_language_model(o_.model), mesh_, pc,
         [](const at::Tensor& logits, const at::Tensor& labels) { return loss_of(logits, labels); },

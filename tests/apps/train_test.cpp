@@ -917,8 +917,6 @@ TEST(TdistTrain, BadFlagsExitWithTwoAndAClearMessage) {
        "fewer than one step needs"},
       {{"--pp-stages", "2"}, "--pp-stages 2 does not divide the world size 1"},
       {{"--pp-stages", "2", "--strategy", "zero1"}, "--strategy zero1 is not supported with it"},
-      {{"--pp-stages", "2", "--strategy", "fsdp", "--mixed-precision", "bf16"},
-       "--mixed-precision does not apply to --pp-stages > 1"},
       {{"--pp-stages", "2", "--strategy", "fsdp", "--reshard-after-forward", "false"},
        "--reshard-after-forward does not apply to --pp-stages > 1"},
       {{"--pp-stages", "2", "--microbatches", "3"},
@@ -1130,6 +1128,23 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
       whole)
       << memory;
   EXPECT_EQ(memory[1]["parameter_bytes"], memory[0]["parameter_bytes"]);
+
+  // bf16 per stage (each stage sharded across its 2 replicas, gathered and computed in bf16,
+  // activations sent as bf16; zero-bubble, whose weight pass runs apart): DDP's losses within
+  // bf16's rounding, and not DDP's exactly.
+  const auto [bf16, bf16_s] =
+      run("gpt-pp-bf16", 4,
+          with(gpt, {"--pp-stages", "2", "--schedule", "zb", "--microbatches", "2", "--strategy",
+                     "fsdp", "--mixed-precision", "bf16"}));
+  ASSERT_EQ(bf16.size(), ddp.size());
+  double furthest = 0;
+  for (size_t i = 0; i < ddp.size(); ++i) {
+    EXPECT_NEAR(bf16[i], ddp[i], 0.05) << "bf16 step " << i + 1;
+    furthest = std::max(furthest, std::abs(bf16[i] - ddp[i]));
+  }
+  EXPECT_GT(furthest, 1e-4) << "the bf16 pipeline computed DDP's fp32 losses";
+  EXPECT_EQ(bf16_s["mixed_precision"], "bf16");
+  EXPECT_NEAR(bf16_s["eval_loss"].get<double>(), ddp_s["eval_loss"].get<double>(), 0.1);
 
   // HSDP per stage: 2 stages x 4 replicas at world 8, each stage sharded within pairs of
   // replicas and replicated across the pairs, against DDP at world 4 (4 replicas).
