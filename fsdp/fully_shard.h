@@ -65,7 +65,8 @@
 //     waited for): they run on the process group's thread while this unit computes, and the
 //     next unit's gather (1) waits for its Work instead of issuing one. When a unit's backward
 //     begins (2), the L groups before it in that order are prefetched the same way (backward
-//     meets them next). A group gathered or being gathered is not issued again, so at most L
+//     meets them next); when the root's group begins backward, which it does before any unit,
+//     the last L groups of that order are. A group gathered or being gathered is not issued again, so at most L
 //     groups are gathered ahead of the one running. The order is recorded by every rank from
 //     the same calls, so ranks issue the same collectives in the same order; the first step has
 //     no order and does not prefetch.

@@ -286,8 +286,12 @@ void FSDPState::unshard(int g) {
 void FSDPState::prefetch(int g, int direction) {
   if (opts_.prefetch <= 0 || last_order_.empty()) return;
   // g < 0: before the first group (the root's forward when the root has no group of its own).
-  const int at = g < 0 ? -1 : last_position_[g];
+  int at = g < 0 ? -1 : last_position_[g];
   if (g >= 0 && at < 0) return;
+  // The root's group begins backward before every unit (its forward ran around theirs): the
+  // units backward meets first are the last of the forward order, gathered while the root's
+  // own backward (a model's head) computes.
+  if (g == root_group_ && direction < 0) at = static_cast<int>(last_order_.size());
   for (int k = 1; k <= opts_.prefetch; ++k) {
     const int i = at + k * direction;
     if (i < 0 || i >= static_cast<int>(last_order_.size())) break;
