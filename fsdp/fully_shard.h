@@ -66,10 +66,10 @@
 //     next unit's gather (1) waits for its Work instead of issuing one. When a unit's backward
 //     begins (2), the L groups before it in that order are prefetched the same way (backward
 //     meets them next); when the root's group begins backward, which it does before any unit,
-//     the last L groups of that order are. A group gathered or being gathered is not issued again, so at most L
-//     groups are gathered ahead of the one running. The order is recorded by every rank from
-//     the same calls, so ranks issue the same collectives in the same order; the first step has
-//     no order and does not prefetch.
+//     the last L groups of that order are. A group gathered or being gathered is not issued
+//     again, so at most L groups are gathered ahead of the one running. The order is recorded
+//     by every rank from the same calls, so ranks issue the same collectives in the same order;
+//     the first step has no order and does not prefetch.
 //  6. Gradient accumulation (no_sync()): while a NoSyncGuard lives, step 3 frees the gathered
 //     parameters but neither reduce-scatters nor frees the full gradients: they stay in the
 //     module parameters' .grad, and autograd adds the next backward's to them. The first

@@ -40,9 +40,9 @@
 // Replicas of a stage under DDP write equal parts; each writes its own all the same, so that
 // no rank needs another's file.
 //
-// Contract: construction, step(), eval() and sync_full_model() are collectives over the world, made in
-// the same order on every rank; one thread drives the object; every wait is bounded by the
-// timeout given at construction.
+// Contract: construction, step(), eval() and sync_full_model() are collectives over the world,
+// made in the same order on every rank; one thread drives the object; every wait is bounded by
+// the timeout given at construction.
 
 #include <chrono>
 #include <cstdint>
@@ -118,8 +118,8 @@ class PipelineStrategy {
   // gathered for it and resharded after.
   at::Tensor eval(const at::Tensor& inputs);
   // Collective: every rank's model gets every stage's current parameters (a broadcast from each
-  // stage's rank within each pipeline; sharded stages are gathered first). They stay until the
-  // next step().
+  // stage's rank within each pipeline; sharded stages are gathered first, in the model's
+  // dtype). They stay until the next step() or eval().
   void sync_full_model();
   // Checkpoints (Note [Pipelined checkpoints]): this rank's part, what parameters() returns and
   // `optimizer`'s state, written as a checkpoint of its own in <dir>/rank-<world rank> (local:
