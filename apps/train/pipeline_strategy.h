@@ -34,11 +34,13 @@
 // subdirectories. A crash before that rename leaves the previous checkpoint.pt and the
 // subdirectory it names. The run's fingerprint names the pipeline (stages, schedule, strategy),
 // and each part's adds its rank and the mesh's shape, so resuming with another layout is
-// refused with both shown; resume needs the same world size (a part per rank). Resume shares
-// checkpoint.pt (Note [Checkpoint protocol] 3), builds the pipeline (the DDP broadcast or
-// the sharding first), then every rank loads its own part into the same tensors and optimizer.
-// Replicas of a stage under DDP write equal parts; each writes its own all the same, so that
-// no rank needs another's file.
+// refused with both shown. Resume shares checkpoint.pt (Note [Checkpoint protocol] 3), builds
+// the pipeline (the DDP broadcast or the sharding first), then every rank loads its own part
+// into the same tensors and optimizer. Replicas of a stage under DDP write equal parts; each
+// writes its own all the same, so that no rank needs another's file, and a run under DDP
+// resumes at another world size (the same stages, another number of replicas: the elastic
+// case), each rank reading its stage's first replica's part. Sharded stages resume at the
+// world size they were written at (a part per rank).
 //
 // Contract: construction, step(), eval() and sync_full_model() are collectives over the world,
 // made in the same order on every rank; one thread drives the object; every wait is bounded by

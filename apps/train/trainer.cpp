@@ -430,8 +430,9 @@ class Trainer {
   // Note [Pipelined checkpoints] (pipeline_strategy.h): this rank's part into `dir`, then a
   // collective: Error on every rank unless every rank wrote its part.
   void save_pipeline_parts(const std::string& dir);
-  // The fingerprint of this rank's part: the run's, its rank and the mesh's shape.
-  std::string part_fingerprint() const;
+  // The fingerprint of the part world rank `rank` wrote: the run's, the rank and the mesh's
+  // shape (dp_size replicas of each stage).
+  std::string part_fingerprint(int rank, int dp_size) const;
   void write_summary(const EvalResult& final_eval, double train_s, uint64_t hash,
                      const std::vector<MemoryUse>& memory) const;
 
@@ -574,8 +575,9 @@ void Trainer::resume() {
   if (state_.world_size != world_) {
     progress_->note(str("the checkpoint was written at world size ", state_.world_size,
                         "; continuing at world size ", world_, ": a step now takes ",
-                        o_.batch_size * world_, " samples (", o_.batch_size,
-                        " per rank) instead of ", o_.batch_size * state_.world_size));
+                        o_.batch_size * dp_size_, " samples (", o_.batch_size, " per ",
+                        mesh_ ? "pipeline" : "rank", ") instead of ",
+                        o_.batch_size * state_.world_size / o_.pp_stages));
   }
   roll_over_epoch();
   total_steps_ = planned_steps();
@@ -611,15 +613,24 @@ void Trainer::start_training() {
     optimizer_ = make_optimizer(o_, pipeline_->parameters());
     if (rank_ == 0) progress_->note("pipeline: " + pipeline_->describe());
     if (!state_.sharded_subdir.empty()) {  // resumed (Note [Pipelined checkpoints])
-      if (state_.world_size != world_) {
+      if (state_.world_size != world_ && pipeline_->sharded()) {
         throw InvalidArgument(str("the checkpoint was written at world size ", state_.world_size,
                                   "; a pipelined run resumes at the world size it was written "
                                   "at (",
-                                  world_, " now), one part per rank"));
+                                  world_, " now), one part per rank, under --strategy ",
+                                  o_.strategy, " (under ddp at any world size)"));
       }
+      // Under DDP a stage's replicas wrote equal parts: at another world size (another number
+      // of replicas; the fingerprint holds the stages) each rank reads its stage's first one.
+      const int old_dp = state_.world_size / o_.pp_stages;
+      const int from = state_.world_size == world_ ? rank_ : mesh_->coordinate("pp") * old_dp;
       const std::string dir = o_.checkpoint_dir + "/" + state_.sharded_subdir;
-      pipeline_->load_part(dir, rank_, *optimizer_, part_fingerprint());
-      progress_->note(str("loaded every rank's part of the pipeline from ", dir));
+      pipeline_->load_part(dir, from, *optimizer_, part_fingerprint(from, old_dp));
+      progress_->note(
+          str("loaded every rank's part of the pipeline from ", dir,
+              state_.world_size == world_
+                  ? std::string()
+                  : str(" (written by ", old_dp, " replicas of each stage; ", dp_size_, " now)")));
     }
   } else if (o_.sharded()) {
     fsdp::FSDPOptions fopts;
@@ -916,14 +927,14 @@ void Trainer::save() {
   saved_step_ = state_.step;
 }
 
-std::string Trainer::part_fingerprint() const {
-  return str(fingerprint_, " part=rank ", rank_, " of pp ", o_.pp_stages, " x dp ", dp_size_);
+std::string Trainer::part_fingerprint(int rank, int dp_size) const {
+  return str(fingerprint_, " part=rank ", rank, " of pp ", o_.pp_stages, " x dp ", dp_size);
 }
 
 void Trainer::save_pipeline_parts(const std::string& dir) {
   std::string error;
   try {
-    pipeline_->save_part(dir, rank_, *optimizer_, state_, part_fingerprint());
+    pipeline_->save_part(dir, rank_, *optimizer_, state_, part_fingerprint(rank_, dp_size_));
   } catch (const std::exception& e) {
     error = e.what();
   }

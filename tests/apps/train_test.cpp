@@ -1195,6 +1195,46 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
       << r.describe();
 }
 
+// Note [Pipelined checkpoints], the elastic case: under DDP a pipelined run resumes with another
+// number of replicas. 2 stages x 2 replicas (world 4) for 2 steps, resumed as 2 x 1 (world 2)
+// to step 4, trains with the losses of DDP without stages at world 2 resumed at world 1 (the
+// same samples per replica in each step: the pipeline equals DDP to float rounding).
+TEST(TdistTrain, PipelinedDdpCheckpointResumesWithAnotherNumberOfReplicas) {
+  const std::string text = write_text_dir(5, 120);
+  const auto args = [&](const std::string& dir, int steps, bool pipelined) {
+    std::vector<std::string> a = small_gpt_args(text, steps, 1, 4);
+    a.insert(a.end(),
+             {"--metrics", dir + "/metrics.jsonl", "--checkpoint-dir", dir + "/ckpt", "--resume"});
+    if (pipelined) a.insert(a.end(), {"--pp-stages", "2", "--microbatches", "2"});
+    return a;
+  };
+  const auto losses = [](const std::string& dir) {
+    std::vector<double> out;
+    for (const auto& l : read_json_lines(dir + "/metrics.jsonl")) {
+      if (l["event"] == "train") out.push_back(l["loss"].get<double>());
+    }
+    return out;
+  };
+  const std::string pp = test::temp_dir(), ddp = test::temp_dir();
+  ASSERT_EQ(train_under_run(4, {}, args(pp, 2, true)).exit_code, 0);
+  auto resumed = train_under_run(2, {}, args(pp, 4, true));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.describe();
+  EXPECT_TRUE(contains(resumed.out, "(written by 2 replicas of each stage; 1 now)")) << resumed.out;
+  ASSERT_EQ(train_under_run(2, {}, args(ddp, 2, false)).exit_code, 0);
+  auto ddp_resumed = train_under_run(1, {}, args(ddp, 4, false));
+  ASSERT_EQ(ddp_resumed.exit_code, 0) << ddp_resumed.describe();
+  const auto want = losses(ddp), got = losses(pp);
+  ASSERT_EQ(want.size(), 4u);
+  ASSERT_EQ(got.size(), 4u);
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 1e-4 * std::max(1.0, std::abs(want[i]))) << "step " << i + 1;
+  }
+  // Both ranks of the resumed run end with the same whole model.
+  auto hashes = final_hashes(resumed.out);
+  ASSERT_EQ(hashes.size(), 2u) << resumed.out;
+  EXPECT_EQ(hashes[0], hashes[1]);
+}
+
 // Note [Pipelined checkpoints]: a gpt in 2 stages x 2 replicas, each stage sharded across its
 // replicas (--strategy fsdp), stopped after 2 steps and resumed to 4 ends as the uninterrupted
 // 4-step run does: the same losses and bit-equal parameters; each rank wrote its part and
@@ -1258,6 +1298,9 @@ TEST(TdistTrain, PipelinedCheckpointResumesWithTheUninterruptedLosses) {
   EXPECT_TRUE(contains(smaller.out + smaller.err,
                        "the checkpoint was written at world size 4; a "
                        "pipelined run resumes at the world size"))
+      << smaller.describe();
+  EXPECT_TRUE(
+      contains(smaller.out + smaller.err, "under --strategy fsdp (under ddp at any world size)"))
       << smaller.describe();
   std::filesystem::remove_all(cut + "/ckpt/pipeline-4/rank-3");
   auto missing = train_under_run(4, {}, args(cut, 6, "fsdp"));
