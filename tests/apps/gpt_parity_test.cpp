@@ -2,7 +2,7 @@
 // blocks (the units tdist-train shards), resharded after forward and not, and HSDP 2 x 2, end
 // 20 Adam steps with the parameters of one process trained on the whole batch, and of tdist's
 // DDP, within 1e-5. The width (18) makes every block's parameter count (12 w^2 + 13 w = 4,122)
-// a number 4 does not divide, so each group's last shard is padded.
+// a number 4 does not divide, so each block's group is padded.
 //
 // One slice is left out of the comparison: the attention's key bias (qkv.bias[w, 2w)). Its
 // gradient is zero analytically (a query's softmax does not change when the same number is added

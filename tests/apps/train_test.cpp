@@ -1062,10 +1062,11 @@ TEST(TdistTrain, GptUnderFsdpAndZero1EndsWithDdpsLossAndShardedMemory) {
 // --pp-stages: a pipeline trains with the losses of the same run without one, step by step (to
 // float rounding: the microbatches' means are added in another order). A gpt in 2 stages x 2
 // replicas (world 4, zero-bubble, DDP across the replicas) against DDP at world 2 (the same
-// samples per replica), and 2 stages x 4 replicas under hsdp (world 8) against DDP at world 4;
-// an mlp in 2 stages with two chunks each (interleaved, world 2) against
-// one process; evaluation through the pipeline gives the same test loss and accuracy. After each
-// run every rank holds the same whole model (the stages' parts are gathered for the final hash).
+// samples per replica), the same under fsdp in bf16 within bf16's rounding, and 2 stages x 4
+// replicas under hsdp (world 8) against DDP at world 4; an mlp in 2 stages with two chunks each
+// (interleaved, world 2) against one process. Evaluation through the pipeline gives the same
+// test loss and accuracy. After each run every rank holds the same whole model (the stages'
+// parts are gathered for the final hash).
 TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
   const std::string text = write_text_dir(5, 120);
   const std::string dir = test::temp_dir();
