@@ -964,6 +964,15 @@ int64_t held(const nlohmann::json& m) {
          m["optimizer_state_bytes"].get<int64_t>();
 }
 
+// The loss of every "train" event in a --metrics file, in order.
+std::vector<double> train_losses(const std::string& metrics_path) {
+  std::vector<double> out;
+  for (const auto& l : read_json_lines(metrics_path)) {
+    if (l["event"] == "train") out.push_back(l["loss"].get<double>());
+  }
+  return out;
+}
+
 // tdist-train's arguments for the tests' small gpt (2 blocks of width 32, 2 heads, context 32)
 // on `text`: batch 4, Adam, one thread, `steps` steps, logging every `log_every`, evaluating on
 // `test_samples` held-out samples.
@@ -1085,10 +1094,7 @@ TEST(TdistTrain, PipelineStagesTrainWithTheLossesOfOneStage) {
     for (const auto& [rank, hash] : hashes) {
       EXPECT_EQ(hash, hashes[0]) << name << ": rank " << rank << "'s model differs";
     }
-    std::vector<double> losses;
-    for (const auto& l : read_json_lines(dir + "/" + name + ".jsonl")) {
-      if (l["event"] == "train") losses.push_back(l["loss"].get<double>());
-    }
+    const std::vector<double> losses = train_losses(dir + "/" + name + ".jsonl");
     EXPECT_EQ(losses.size(), 4u) << name << ": " << r.out;
     return std::make_pair(losses, read_json(dir + "/" + name + ".json"));
   };
@@ -1209,13 +1215,7 @@ TEST(TdistTrain, PipelinedDdpCheckpointResumesWithAnotherNumberOfReplicas) {
     if (pipelined) a.insert(a.end(), {"--pp-stages", "2", "--microbatches", "2"});
     return a;
   };
-  const auto losses = [](const std::string& dir) {
-    std::vector<double> out;
-    for (const auto& l : read_json_lines(dir + "/metrics.jsonl")) {
-      if (l["event"] == "train") out.push_back(l["loss"].get<double>());
-    }
-    return out;
-  };
+  const auto losses = [](const std::string& dir) { return train_losses(dir + "/metrics.jsonl"); };
   const std::string pp = test::temp_dir(), ddp = test::temp_dir();
   ASSERT_EQ(train_under_run(4, {}, args(pp, 2, true)).exit_code, 0);
   auto resumed = train_under_run(2, {}, args(pp, 4, true));
@@ -1251,13 +1251,7 @@ TEST(TdistTrain, PipelinedCheckpointResumesWithTheUninterruptedLosses) {
                        "--checkpoint-dir", dir + "/ckpt", "--resume"});
     return a;
   };
-  const auto losses = [](const std::string& dir) {
-    std::vector<double> out;
-    for (const auto& l : read_json_lines(dir + "/metrics.jsonl")) {
-      if (l["event"] == "train") out.push_back(l["loss"].get<double>());
-    }
-    return out;
-  };
+  const auto losses = [](const std::string& dir) { return train_losses(dir + "/metrics.jsonl"); };
   const std::string whole = test::temp_dir(), cut = test::temp_dir();
   auto uninterrupted = train_under_run(4, {}, args(whole, 4, "fsdp"));
   ASSERT_EQ(uninterrupted.exit_code, 0) << uninterrupted.describe();
