@@ -14,6 +14,7 @@
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
+#include "tdist/pipeline/detail/split_backward.h"
 
 namespace tdist::pipeline {
 
@@ -21,6 +22,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
+
+// A layer's parameters that take gradients (zero-bubble's W computes theirs).
+std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& layer) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : layer.parameters()) {
+    if (p.requires_grad()) out.push_back(p);
+  }
+  return out;
+}
 
 constexpr int kNoticeTag = kTagBase - 1;
 // The last stage's word that an eval is complete (Pipeline::Impl::eval).
@@ -58,6 +68,8 @@ struct Pipeline::Impl {
     std::vector<at::Tensor> layer_in;    // zero-bubble: each layer's input (a leaf)
     std::vector<at::Tensor> layer_out;   // zero-bubble: each layer's output (last: the loss)
     std::vector<at::Tensor> layer_grad;  // zero-bubble: each layer's output gradient (from I)
+    // zero-bubble: each layer's split (null where I did not run: the first layer of stage 0)
+    std::vector<std::shared_ptr<detail::LayerSplit>> layer_split;
     at::Tensor act_buf, grad_buf;
     std::shared_ptr<comm::Work> act_recv, grad_recv;
   };
@@ -451,7 +463,10 @@ void Pipeline::Impl::backward_input(const Action& a) {
   const int s = stage.stage_index(a.chunk);
   Slot& slot = slots[a.chunk][a.microbatch];
   const size_t layers = slot.layer_out.size();
+  auto chunk = stage.chunk(a.chunk);
   slot.layer_grad.assign(layers, at::Tensor());
+  slot.layer_split.clear();
+  slot.layer_split.resize(layers);
   at::Tensor g = s + 1 < S ? slot.grad_buf : torch::ones_like(slot.output);
   for (size_t k = layers; k-- > 0;) {
     slot.layer_grad[k] = g;
@@ -460,6 +475,8 @@ void Pipeline::Impl::backward_input(const Action& a) {
       g = torch::zeros_like(slot.layer_in[k]);  // this layer does not depend on its input
       continue;
     }
+    slot.layer_split[k] = std::make_shared<detail::LayerSplit>(slot.layer_in[k], slot.layer_out[k],
+                                                               trainable_parameters(*chunk[k]));
     g = torch::autograd::grad({slot.layer_out[k]}, {slot.layer_in[k]}, {g},
                               /*retain_graph=*/true, /*create_graph=*/false,
                               /*allow_unused=*/true)[0];
@@ -473,21 +490,25 @@ void Pipeline::Impl::backward_input(const Action& a) {
 void Pipeline::Impl::backward_weight(const Action& a) {
   Slot& slot = slots[a.chunk][a.microbatch];
   auto chunk = stage.chunk(a.chunk);
+  // The chunk's last W of the step, wherever it ran (W placement may move it). It is one
+  // backward over every layer (what DDP's reducer, armed by the hook, takes for one pass); the
+  // others start each layer's at its forks (detail::LayerSplit) where the graph allows.
+  bool armed = false;
+  if (opts.before_last_weight_pass) armed = ++weights_done[a.chunk] == m;
   std::vector<at::Tensor> roots, grads, params;
   for (size_t k = 0; k < slot.layer_out.size(); ++k) {
-    std::vector<at::Tensor> ps;
-    for (auto& prm : chunk[k]->parameters()) {
-      if (prm.requires_grad()) ps.push_back(prm);
-    }
+    std::vector<at::Tensor> ps = trainable_parameters(*chunk[k]);
     if (ps.empty() || !slot.layer_out[k].requires_grad()) continue;
+    detail::LayerSplit* split = k < slot.layer_split.size() ? slot.layer_split[k].get() : nullptr;
+    if (!armed && split && split->exact()) {
+      split->weight_grads();
+      continue;
+    }
     roots.push_back(slot.layer_out[k]);
     grads.push_back(slot.layer_grad[k]);
     params.insert(params.end(), ps.begin(), ps.end());
   }
-  // The chunk's last W of the step, wherever it ran (W placement may move it).
-  if (opts.before_last_weight_pass && ++weights_done[a.chunk] == m) {
-    opts.before_last_weight_pass(a.chunk, roots);
-  }
+  if (armed) opts.before_last_weight_pass(a.chunk, roots);
   w_done[a.chunk][a.microbatch] = true;
   if (!roots.empty()) {
     torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false, params);

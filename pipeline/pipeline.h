@@ -90,9 +90,20 @@
 //
 // The split: in zero-bubble schedules the stage runs its chunk layer by layer, each layer's
 // input a detached leaf. I walks the layers backwards with autograd::grad(output, input,
-// retain_graph), keeping each layer's output gradient; W is one backward of every layer's output
-// with those gradients into the parameters (autograd::backward with inputs = the parameters), so
-// a Linear's I computes only x.W-gradient products and its W only the weight products.
+// retain_graph), keeping each layer's output gradient. A layer's autograd graph is walked once
+// before its I (detail::LayerSplit) for the forks: nodes on the input's gradient path with an
+// edge off it that leads to parameters (a Linear's addmm, a LayerNorm). A hook on each keeps
+// the gradients I hands it, and W runs one backward per fork from those gradients into the
+// parameters it reaches off the path: the autograd engine computes only the outputs that lead
+// there, so the fork's node computes its weight products now and nothing of the input's path
+// runs twice. A whole backward of a transformer block in W (autograd::backward of the layer's
+// output into its parameters, as before) ran the block's internal input-side gradients again:
+// 27% slower steps than 1F1B on the GPT benchmark (docs/perf.md, "Pipeline"). W falls back to
+// that whole backward for a layer whose I did not run (stage 0's first), one whose forks are
+// not exact (a parameter reached off the path at a fork and again below it, which W from that
+// fork would count twice), and for a chunk's last W of the step when before_last_weight_pass
+// arms DDP (its reducer finishes at the end of the first backward that fires its hooks, so
+// that W is one backward).
 //
 // W placement: the lists come from unit costs, real ones differ (measured W 1.2-2.3x I, the
 // last stage slower than the first: docs/perf.md, "Pipeline"). So at run time, while the next

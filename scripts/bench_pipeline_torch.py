@@ -3,7 +3,9 @@
 anchor it compares to (same model, cut, schedule, microbatches and batch; CPU; one process per
 stage, `--threads` intra-op threads each).
 
-Model: `--layers` blocks of Linear(width, width) + Tanh, MSE loss against random targets, SGD.
+Models: `--model mlp`, `--layers` blocks of Linear(width, width) + Tanh, MSE loss against random
+targets; `--model gpt`, tdist-train's byte-level GPT as the Sequential it cuts (embedding,
+`--layers` transformer blocks, head), cross-entropy against random bytes. SGD for both.
 The cut is given by tdist-bench as layer bounds (`--bounds 0,8,16`: stage s holds layers
 [b_s, b_{s+1}) of the Sequential); with `--schedule interleaved` there are two stages per rank
 (stage s on rank s mod p), as in tdist. Timing: wall time of the measured steps on rank 0 after
@@ -21,16 +23,64 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
 
-def make_model(width, layers):
+class Embed(nn.Module):
+    def __init__(self, width, context):
+        super().__init__()
+        self.tokens = nn.Embedding(256, width)
+        self.positions = nn.Parameter(torch.empty(context, width))
+        with torch.no_grad():
+            self.tokens.weight.normal_(0.0, 0.02)
+            self.positions.normal_(0.0, 0.02)
+
+    def forward(self, idx):
+        return self.tokens(idx) + self.positions[: idx.size(1)]
+
+
+class Block(nn.Module):  # as tdist-train's (apps/train/models.cpp)
+    def __init__(self, w, h):
+        super().__init__()
+        self.heads = h
+        self.ln1 = nn.LayerNorm(w)
+        self.qkv = nn.Linear(w, 3 * w)
+        self.proj = nn.Linear(w, w)
+        self.ln2 = nn.LayerNorm(w)
+        self.fc = nn.Linear(w, 4 * w)
+        self.out = nn.Linear(4 * w, w)
+
+    def forward(self, x):
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, w))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def make_model(args):
+    if args.model == "gpt":
+        return nn.Sequential(Embed(args.width, args.context),
+                             *[Block(args.width, args.heads) for _ in range(args.layers)],
+                             nn.Sequential(nn.LayerNorm(args.width),
+                                           nn.Linear(args.width, 256, bias=False)))
     mods = []
-    for _ in range(layers):
-        mods += [nn.Linear(width, width), nn.Tanh()]
+    for _ in range(args.layers):
+        mods += [nn.Linear(args.width, args.width), nn.Tanh()]
     return nn.Sequential(*mods)
+
+
+def stage_shapes(args, micro, first, last):
+    """Example input and output of a stage (first/last: whether it holds the first/last layer)."""
+    if args.model == "gpt":
+        act = torch.empty(micro, args.context, args.width)
+        return (torch.empty(micro, args.context, dtype=torch.long) if first else act,
+                torch.empty(micro, args.context, 256) if last else act)
+    return torch.empty(micro, args.width), torch.empty(micro, args.width)
 
 
 def worker(rank, args, port, queue):
@@ -39,7 +89,7 @@ def worker(rank, args, port, queue):
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.stages)
     torch.manual_seed(0)
-    model = make_model(args.width, args.layers)
+    model = make_model(args)
     bounds = [int(b) for b in args.bounds.split(",")]
     num_stages = len(bounds) - 1
     dev = torch.device("cpu")
@@ -47,10 +97,14 @@ def worker(rank, args, port, queue):
     stages = []
     for s in range(rank, num_stages, args.stages):
         part = nn.Sequential(*[model[i] for i in range(bounds[s], bounds[s + 1])])
-        stages.append(PipelineStage(part, s, num_stages, dev,
-                                    input_args=torch.empty(micro, args.width),
-                                    output_args=torch.empty(micro, args.width)))
-    loss_fn = nn.MSELoss()
+        example_in, example_out = stage_shapes(args, micro, s == 0, s == num_stages - 1)
+        stages.append(PipelineStage(part, s, num_stages, dev, input_args=example_in,
+                                    output_args=example_out))
+    if args.model == "gpt":
+        def loss_fn(out, y):
+            return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+    else:
+        loss_fn = nn.MSELoss()
     m = args.microbatches
     if args.schedule == "gpipe":
         sched = ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
@@ -62,8 +116,12 @@ def worker(rank, args, port, queue):
     opt = torch.optim.SGD(params, lr=0.001)
     gen = torch.Generator().manual_seed(1)
     batch = micro * m
-    x = torch.randn(batch, args.width, generator=gen)
-    y = torch.randn(batch, args.width, generator=gen)
+    if args.model == "gpt":
+        x = torch.randint(0, 256, (batch, args.context), generator=gen)
+        y = torch.randint(0, 256, (batch, args.context), generator=gen)
+    else:
+        x = torch.randn(batch, args.width, generator=gen)
+        y = torch.randn(batch, args.width, generator=gen)
     first = 0 in [st.stage_index for st in stages]
     last = num_stages - 1 in [st.stage_index for st in stages]
 
@@ -100,8 +158,11 @@ def main():
     ap.add_argument("--stages", type=int, default=2, help="processes (pipeline ranks)")
     ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
     ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=4, help="gpt only")
+    ap.add_argument("--context", type=int, default=128, help="gpt only")
     ap.add_argument("--micro-batch-size", type=int, default=32)
     ap.add_argument("--bounds", required=True, help="layer bounds of the stages, comma-separated")
     ap.add_argument("--warmup", type=int, default=2)

@@ -5,6 +5,8 @@
 // the same model, cut, schedule and microbatches (scripts/bench_pipeline_torch.py), and the
 // ratio of the two. Starts --stages processes of itself per schedule and round (loopback, one
 // intra-op thread each); rank 0 writes its figures to a file the parent reads and prints.
+// Models: --model mlp (Linear + Tanh layers, MSE against random targets) or gpt (tdist-train's
+// byte-level GPT cut at its layers(): embedding, blocks, head; cross-entropy on random bytes).
 #include <signal.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -20,6 +22,7 @@
 
 #include "apps/bench/common.h"
 #include "apps/bench/subcommands.h"
+#include "apps/train/models.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
@@ -34,9 +37,12 @@ struct Config {
   int stages = 2;
   int microbatches = 8;
   std::string schedules = "gpipe,1f1b,zb";
-  int width = 1024;
-  int layers = 8;
-  int micro_batch_size = 32;
+  std::string model = "mlp";  // or "gpt"
+  int width = 1024;           // gpt: 256 unless given
+  int layers = 8;             // gpt: blocks, 4 unless given
+  int heads = 4;              // gpt only
+  int context = 128;          // gpt only: bytes per sample
+  int micro_batch_size = 32;  // gpt: 4 unless given
   int warmup = 2;
   int steps = 5;
   int rounds = 1;
@@ -55,8 +61,21 @@ struct Figures {
   double own_idle = 0;  // tdist only: the ranks' mean idle share of their own step() calls
 };
 
+bool is_gpt(const Config& c) { return c.model == "gpt"; }
+
+train::ModelConfig gpt_config(const Config& c) {
+  train::ModelConfig m;
+  m.kind = "gpt";
+  m.layers = c.layers;
+  m.width = c.width;
+  m.heads = c.heads;
+  m.context = c.context;
+  return m;
+}
+
 torch::nn::Sequential make_model(const Config& c) {
   torch::manual_seed(0);
+  if (is_gpt(c)) return train::build_train_model(gpt_config(c))->layers();
   torch::nn::Sequential model;
   for (int l = 0; l < c.layers; ++l) {
     model->push_back(torch::nn::Linear(c.width, c.width));
@@ -79,12 +98,20 @@ int worker_main(const Config& c) {
   pipeline::PipelineOptions o;
   o.schedule = kind;
   o.microbatches = c.microbatches;
-  o.loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); };
+  if (is_gpt(c)) {
+    o.loss_fn = [](const at::Tensor& out, const at::Tensor& y) {
+      return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
+    };
+  } else {
+    o.loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); };
+  }
   pipeline::Pipeline pipe(
       pipeline::PipelineStage(model, bounds_of(c, kind), pg->rank(), pg->size()), pg, o);
   const int64_t batch = static_cast<int64_t>(c.micro_batch_size) * c.microbatches;
-  auto x = torch::randn({batch, c.width});
-  auto y = torch::randn({batch, c.width});
+  auto x = is_gpt(c) ? torch::randint(train::kVocabSize, {batch, c.context}, torch::kLong)
+                     : torch::randn({batch, c.width});
+  auto y = is_gpt(c) ? torch::randint(train::kVocabSize, {batch, c.context}, torch::kLong)
+                     : torch::randn({batch, c.width});
   pipe.setup(x);
   torch::optim::SGD opt(pipe.stage().parameters(), 0.001);
   // The bubble per step (timeline.h, pipeline_bubble): every rank's compute over the step's
@@ -186,10 +213,10 @@ Figures run_torch(const Config& c, const std::string& schedule) {
   }
   std::ostringstream cmd;
   cmd << "OMP_NUM_THREADS=1 " << c.python << " " << c.torch_script << " --stages " << c.stages
-      << " --schedule " << schedule << " --microbatches " << c.microbatches << " --width "
-      << c.width << " --layers " << c.layers << " --micro-batch-size " << c.micro_batch_size
-      << " --bounds " << bounds << " --warmup " << c.warmup << " --steps " << c.steps
-      << " --threads 1 2>&1";
+      << " --schedule " << schedule << " --microbatches " << c.microbatches << " --model "
+      << c.model << " --width " << c.width << " --layers " << c.layers << " --heads " << c.heads
+      << " --context " << c.context << " --micro-batch-size " << c.micro_batch_size << " --bounds "
+      << bounds << " --warmup " << c.warmup << " --steps " << c.steps << " --threads 1 2>&1";
   int status = 0;
   const std::string out = capture_output(cmd.str(), &status);
   Figures f;
@@ -234,10 +261,22 @@ int run_pipeline_bench(int argc, char** argv) {
   app.add_option("--microbatches", c.microbatches, "microbatches per step")
       ->check(CLI::Range(1, 4096));
   app.add_option("--schedules", c.schedules, "comma-separated: gpipe, 1f1b, interleaved, zb");
-  app.add_option("--width", c.width, "features of each Linear layer")->check(CLI::Range(1, 65536));
-  app.add_option("--layers", c.layers, "Linear + Tanh blocks")->check(CLI::Range(1, 4096));
-  app.add_option("--micro-batch-size", c.micro_batch_size, "samples per microbatch")
-      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--model", c.model,
+                 "mlp (Linear + Tanh layers) or gpt (tdist-train's byte-level GPT)")
+      ->check(CLI::IsMember({"mlp", "gpt"}));
+  auto* width = app.add_option("--width", c.width,
+                               "mlp: features of each Linear layer (1024); "
+                               "gpt: embedding width (256)")
+                    ->check(CLI::Range(1, 65536));
+  auto* layers = app.add_option("--layers", c.layers,
+                                "mlp: Linear + Tanh layers (8); gpt: "
+                                "transformer blocks (4)")
+                     ->check(CLI::Range(1, 4096));
+  app.add_option("--heads", c.heads, "gpt: attention heads")->check(CLI::Range(1, 1024));
+  app.add_option("--context", c.context, "gpt: bytes per sample")->check(CLI::Range(1, 1 << 16));
+  auto* micro = app.add_option("--micro-batch-size", c.micro_batch_size,
+                               "samples per microbatch (mlp 32, gpt 4)")
+                    ->check(CLI::Range(1, 1 << 20));
   app.add_option("--warmup", c.warmup, "steps not measured")->check(CLI::Range(0, 1000));
   app.add_option("--steps", c.steps, "measured steps")->check(CLI::Range(1, 100000));
   app.add_option("--rounds", c.rounds, "alternating rounds per schedule; medians are reported")
@@ -251,6 +290,11 @@ int run_pipeline_bench(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (is_gpt(c)) {  // the 4-block GPT of tdist-bench fsdp, batch 16 in 4 microbatches
+    if (width->count() == 0) c.width = 256;
+    if (layers->count() == 0) c.layers = 4;
+    if (micro->count() == 0) c.micro_batch_size = 4;
   }
   return run_or_report("tdist-bench pipeline", [&] {
     if (!c.worker.empty()) return worker_main(c);
@@ -268,18 +312,31 @@ int run_pipeline_bench(int argc, char** argv) {
     if (c.compare_torch && c.torch_script.empty()) {
       c.torch_script = find_script("bench_pipeline_torch.py");
     }
-    std::cout << "model " << c.layers << " x (Linear " << c.width << "x" << c.width
-              << " + Tanh), MSE, SGD; " << c.stages << " stages (processes, 1 thread each), "
-              << c.microbatches << " microbatches of " << c.micro_batch_size << "; " << c.steps
+    if (is_gpt(c)) {
+      std::cout << "model " << train::describe_model(gpt_config(c))
+                << ", cross-entropy on random bytes, SGD; ";
+    } else {
+      std::cout << "model " << c.layers << " x (Linear " << c.width << "x" << c.width
+                << " + Tanh), MSE, SGD; ";
+    }
+    std::cout << c.stages << " stages (processes, 1 thread each), " << c.microbatches
+              << " microbatches of " << c.micro_batch_size << "; " << c.steps
               << " measured steps (+" << c.warmup << " warm-up), median of " << c.rounds
               << " round(s); anchor: torch.distributed.pipelining over gloo\n\n";
     std::cout << std::left << std::setw(13) << "schedule" << std::setw(26) << "implementation"
               << std::right << std::setw(11) << "samples/s" << std::setw(10) << "step ms"
               << "   bubble measured/analytic/simulated, ratio\n";
-    nlohmann::json report{
-        {"stages", c.stages}, {"microbatches", c.microbatches},         {"width", c.width},
-        {"layers", c.layers}, {"micro_batch_size", c.micro_batch_size}, {"steps", c.steps},
-        {"rounds", c.rounds}, {"schedules", nlohmann::json::array()}};
+    nlohmann::json report{{"model", c.model},
+                          {"heads", c.heads},
+                          {"context", c.context},
+                          {"stages", c.stages},
+                          {"microbatches", c.microbatches},
+                          {"width", c.width},
+                          {"layers", c.layers},
+                          {"micro_batch_size", c.micro_batch_size},
+                          {"steps", c.steps},
+                          {"rounds", c.rounds},
+                          {"schedules", nlohmann::json::array()}};
     for (const auto& name : schedules) {
       const auto kind = pipeline::parse_schedule(name);
       const bool with_torch = c.compare_torch && torch_has(name);
