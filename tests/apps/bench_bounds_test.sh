@@ -5,7 +5,7 @@
 # figure / bound, fails); bad flags exit 2 with the reason.
 #   bench_bounds_test.sh MODE <tdist-run> <tdist-bench> <python> <plot_bench.py>
 # MODE: collective-shm, collective-tcp, anchor-mpi (exit 77, ctest's skip, without mpirun),
-#       anchor-gloo, scripts, ddp, rpc, net, bad-flags, plot.
+#       anchor-gloo, scripts, ddp, pipeline, rpc, net, bad-flags, plot.
 set -euo pipefail
 mode="$1"; run="$2"; bench="$3"; python="$4"; plot="$5"
 work="$(mktemp -d "${TMPDIR:-/tmp}/tdist-bench-bounds-XXXXXX")"
@@ -129,6 +129,31 @@ assert "bound: 2 x libtorch" in text and text.count("of bound") == 2, text
 print("ddp bounds ok")
 EOF
     check_round_trip "$work/d.json" "$work/d.out" "the runs"
+    ;;
+  pipeline)
+    # The issue's GPT at a tiny size beside torch.distributed.pipelining (the anchor script's
+    # GPT cut at the same bounds), and zero-bubble (no torch counterpart): each figure positive,
+    # each bubble a fraction, the ratio the table's.
+    "$python" -c "import torch.distributed.pipelining" 2>/dev/null || { echo "SKIP: no torch pipelining for $python"; exit 77; }
+    timeout 150 "$bench" pipeline --model gpt --layers 2 --width 16 --heads 2 --context 8 \
+      --micro-batch-size 2 --microbatches 3 --schedules gpipe,zb --steps 2 --warmup 1 \
+      --python "$python" --json "$work/p.json" | tee "$work/p.out"
+    "$python" - "$work/p.json" "$work/p.out" <<'EOF'
+import json, math, sys
+data, text = json.load(open(sys.argv[1])), open(sys.argv[2]).read()
+assert data["model"] == "gpt" and data["width"] == 16 and data["layers"] == 2, data
+assert "model gpt 2x16 h2 ctx8 bytes" in text, text
+ok = lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+runs = {r["schedule"]: r for r in data["schedules"]}
+assert sorted(runs) == ["gpipe", "zb"], runs
+for r in runs.values():
+    assert ok(r["tdist"]["samples_per_s"]) and 0 <= r["tdist"]["bubble_measured"] < 1, r
+g = runs["gpipe"]
+assert ok(g["torch"]["samples_per_s"]), g
+assert abs(g["tdist_over_torch"] - g["tdist"]["samples_per_s"] / g["torch"]["samples_per_s"]) < 1e-9, g
+assert "torch" not in runs["zb"] and f'{g["tdist_over_torch"]:.2f}x of torch' in text, text
+print("pipeline gpt ok")
+EOF
     ;;
   rpc)
     timeout 120 "$bench" rpc --rtt-iters 50 --warmup 10 --async-calls 200 --outstanding 16 \
