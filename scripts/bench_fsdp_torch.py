@@ -3,10 +3,7 @@
 with PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard, each block a unit, then the root) or
 PyTorch's DDP, over gloo or over tdist's c10d backend (the tdist_c10d module), on CPU.
 
-The model is tdist-train's (apps/train/models.h): token embedding 256 x width and a learned
-position embedding (both N(0, 0.02)), `layers` pre-norm blocks [LayerNorm, causal self-attention
-(one Linear width->3 width, one width->width), residual; LayerNorm, Linear width->4 width, GELU,
-Linear 4 width->width, residual], a final LayerNorm and a Linear width->256 without bias. The text
+The model is tdist-train's (apps/train/models.h), as bench_gpt_torch.py writes it. The text
 is tdist-train's --dataset text: the *.py files under --data-dir (default the newest
 /usr/lib/python3.N), sorted, every 20th held out; each step every rank takes --batch windows of
 --context bytes at offsets drawn from one generator seeded with --seed (all ranks draw the same
@@ -105,42 +102,7 @@ def child(args):
     import torch.nn.functional as F
     from torch import nn
 
-    class Block(nn.Module):
-        def __init__(self, w, h):
-            super().__init__()
-            self.heads = h
-            self.ln1 = nn.LayerNorm(w)
-            self.qkv = nn.Linear(w, 3 * w)
-            self.proj = nn.Linear(w, w)
-            self.ln2 = nn.LayerNorm(w)
-            self.fc = nn.Linear(w, 4 * w)
-            self.out = nn.Linear(4 * w, w)
-
-        def forward(self, x):
-            b, t, w = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads) \
-                .permute(2, 0, 3, 1, 4).unbind(0)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, w))
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self, a):
-            super().__init__()
-            self.tokens = nn.Embedding(256, a.width)
-            self.positions = nn.Parameter(torch.empty(a.context, a.width))
-            self.blocks = nn.ModuleList(Block(a.width, a.heads) for _ in range(a.layers))
-            self.ln_f = nn.LayerNorm(a.width)
-            self.head = nn.Linear(a.width, 256, bias=False)
-            with torch.no_grad():
-                self.tokens.weight.normal_(0.0, 0.02)
-                self.positions.normal_(0.0, 0.02)
-
-        def forward(self, idx):
-            x = self.tokens(idx) + self.positions[: idx.size(1)]
-            for b in self.blocks:
-                x = b(x)
-            return self.head(self.ln_f(x))
+    from bench_gpt_torch import GPT  # beside this script
 
     rank, world = int(os.environ["RANK"]), args.world_size
     torch.set_num_threads(args.threads)
@@ -160,7 +122,7 @@ def child(args):
     base = tdist_c10d.cpu_memory_stats()["allocated_bytes"]
     tdist_c10d.reset_peak_cpu_memory()
     torch.manual_seed(args.seed)
-    model = GPT(args)
+    model = GPT(args.width, args.heads, args.layers, args.context)
     if args.strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

@@ -4,8 +4,8 @@ anchor it compares to (same model, cut, schedule, microbatches and batch; CPU; o
 stage, `--threads` intra-op threads each).
 
 Models: `--model mlp`, `--layers` blocks of Linear(width, width) + Tanh, MSE loss against random
-targets; `--model gpt`, tdist-train's byte-level GPT as the Sequential it cuts (embedding,
-`--layers` transformer blocks, head), cross-entropy against random bytes. SGD for both.
+targets; `--model gpt`, tdist-train's byte-level GPT (bench_gpt_torch.py) as the Sequential it cuts
+(embedding, `--layers` transformer blocks, head), cross-entropy against random bytes. SGD for both.
 The cut is given by tdist-bench as layer bounds (`--bounds 0,8,16`: stage s holds layers
 [b_s, b_{s+1}) of the Sequential); with `--schedule interleaved` there are two stages per rank
 (stage s on rank s mod p), as in tdist. Timing: wall time of the measured steps on rank 0 after
@@ -28,46 +28,12 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
-
-class Embed(nn.Module):
-    def __init__(self, width, context):
-        super().__init__()
-        self.tokens = nn.Embedding(256, width)
-        self.positions = nn.Parameter(torch.empty(context, width))
-        with torch.no_grad():
-            self.tokens.weight.normal_(0.0, 0.02)
-            self.positions.normal_(0.0, 0.02)
-
-    def forward(self, idx):
-        return self.tokens(idx) + self.positions[: idx.size(1)]
-
-
-class Block(nn.Module):  # as tdist-train's (apps/train/models.cpp)
-    def __init__(self, w, h):
-        super().__init__()
-        self.heads = h
-        self.ln1 = nn.LayerNorm(w)
-        self.qkv = nn.Linear(w, 3 * w)
-        self.proj = nn.Linear(w, w)
-        self.ln2 = nn.LayerNorm(w)
-        self.fc = nn.Linear(w, 4 * w)
-        self.out = nn.Linear(4 * w, w)
-
-    def forward(self, x):
-        b, t, w = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads) \
-            .permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, w))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+from bench_gpt_torch import GPT  # beside this script
 
 
 def make_model(args):
     if args.model == "gpt":
-        return nn.Sequential(Embed(args.width, args.context),
-                             *[Block(args.width, args.heads) for _ in range(args.layers)],
-                             nn.Sequential(nn.LayerNorm(args.width),
-                                           nn.Linear(args.width, 256, bias=False)))
+        return GPT(args.width, args.heads, args.layers, args.context).layers()
     mods = []
     for _ in range(args.layers):
         mods += [nn.Linear(args.width, args.width), nn.Tanh()]
