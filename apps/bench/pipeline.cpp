@@ -309,6 +309,8 @@ int run_pipeline_bench(int argc, char** argv) {
         schedules.push_back(name);
       }
     }
+    // A bad gpt (--width not a multiple of --heads, ...): InvalidArgument before any process.
+    if (is_gpt(c)) make_model(c);
     if (c.compare_torch && c.torch_script.empty()) {
       c.torch_script = find_script("bench_pipeline_torch.py");
     }

@@ -204,6 +204,9 @@ EOF
     expect_usage_error "--world-size" "$bench" ddp --world-size 1
     expect_usage_error "--bound-bytes" "$bench" rpc --bound-bytes 0
     expect_usage_error "--small" "$bench" net --small 0
+    expect_usage_error "--width 10 must be in [1, 65536] and a multiple of --heads 4" \
+      "$bench" pipeline --model gpt --width 10 --heads 4
+    expect_usage_error "--model: transformer not in {mlp,gpt}" "$bench" pipeline --model transformer
     ;;
   net)
     # Every model on every shape, each figure positive and finite, the table the JSON's.
