@@ -105,11 +105,12 @@
 // arms DDP (its reducer finishes at the end of the first backward that fires its hooks, so
 // that W is one backward).
 //
-// W placement: the lists come from unit costs, real ones differ (measured W 1.2-2.3x I, the
-// last stage slower than the first: docs/perf.md, "Pipeline"). So at run time, while the next
-// action's activation or gradient has not arrived, the rank runs its oldest pending W (one whose
-// I ran) instead of waiting; the list's own W for it is then skipped. W needs no message, so this
-// cannot deadlock, and it only moves W earlier, so memory stays within the list's bound.
+// W placement: the lists come from unit costs, real ones differ (measured W 1.2-2.3x I before
+// the forks, the last stage slower than the first: docs/perf-history.md, "Pipeline under load").
+// So at run time, while the next action's activation or gradient has not arrived, the rank runs
+// its oldest pending W (one whose I ran) instead of waiting; the list's own W for it is then
+// skipped. W needs no message, so this cannot deadlock, and it only moves W earlier, so memory
+// stays within the list's bound.
 //
 // Transfers: the activation that virtual stage s receives for microbatch i has tag
 // kTagBase + 2(i S + s), its gradient kTagBase + 2(i S + s) + 1 (S virtual stages): one tag per
