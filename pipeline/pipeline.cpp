@@ -465,8 +465,7 @@ void Pipeline::Impl::backward_input(const Action& a) {
   const size_t layers = slot.layer_out.size();
   auto chunk = stage.chunk(a.chunk);
   slot.layer_grad.assign(layers, at::Tensor());
-  slot.layer_split.clear();
-  slot.layer_split.resize(layers);
+  slot.layer_split.assign(layers, nullptr);
   at::Tensor g = s + 1 < S ? slot.grad_buf : torch::ones_like(slot.output);
   for (size_t k = layers; k-- > 0;) {
     slot.layer_grad[k] = g;
