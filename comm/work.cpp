@@ -47,6 +47,15 @@ void Future::set_value(Value value) {
   finish(lock);
 }
 
+void Future::set_result(Result result) {
+  if (!result.single) return set_value(std::move(result.list));
+  std::unique_lock<std::mutex> lock(mu_);
+  TDIST_CHECK(!done_, "Future completed twice");
+  one_ = std::move(result.one);
+  listed_.store(false, std::memory_order_relaxed);  // published by done_'s release
+  finish(lock);
+}
+
 void Future::set_error(std::exception_ptr error) {
   std::unique_lock<std::mutex> lock(mu_);
   TDIST_CHECK(!done_, "Future completed twice");
@@ -77,11 +86,27 @@ std::exception_ptr Future::error() const {
   return error_;
 }
 
+const Future::Value& Future::listed(std::unique_lock<std::mutex>* lock) const {
+  if (listed_.load(std::memory_order_acquire)) return value_;
+  std::unique_lock<std::mutex> own;
+  if (lock == nullptr) own = std::unique_lock<std::mutex>(mu_);
+  if (!listed_.load(std::memory_order_relaxed)) {
+    value_.assign(1, one_);
+    listed_.store(true, std::memory_order_release);
+  }
+  return value_;
+}
+
 const Future::Value& Future::wait(Millis timeout) {
-  // value_ and error_ are constant once done_ is set (with release, after them).
+  wait_until_done(timeout);
+  return listed();
+}
+
+void Future::wait_until_done(Millis timeout) {
+  // error_ is constant once done_ is set (with release, after it).
   if (done_.load(std::memory_order_acquire)) {
     if (error_) std::rethrow_exception(error_);
-    return value_;
+    return;
   }
   std::unique_lock<std::mutex> lock(mu_);
   if (timeout.count() < 0) {
@@ -92,14 +117,13 @@ const Future::Value& Future::wait(Millis timeout) {
                 "deadline)");
   }
   if (error_) std::rethrow_exception(error_);
-  return value_;
 }
 
 const Future::Value& Future::value() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   TDIST_CHECK(done_, "Future::value() called before the future completed");
   if (error_) std::rethrow_exception(error_);
-  return value_;
+  return listed(&lock);
 }
 
 std::shared_ptr<Future> Future::then(std::function<Value(Future&)> fn) {

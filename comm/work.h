@@ -4,7 +4,9 @@
 // Future: a value (a list of tensors) or an error, set once. then(fn) chains a continuation that
 // runs when the future completes (at once, on the caller's thread, if it already has), and returns
 // the continuation's own future; an exception thrown by fn fails that future. wait(timeout)
-// blocks and rethrows the stored error. Thread safe.
+// blocks and rethrows the stored error. A future completed with one tensor (a Result) makes its
+// list when the value is first asked for, so a caller that only waits allocates none (Note [Small
+// operations] in comm/ring/op_queue.cpp). Thread safe.
 //
 // Work: one operation in flight. wait(timeout) blocks until the operation finished, rethrows its
 // error (an Error naming the rank, the operation, the peer and the sequence number), and returns
@@ -38,12 +40,24 @@ namespace tdist::comm {
 class Future : public std::enable_shared_from_this<Future> {
  public:
   using Value = std::vector<at::Tensor>;
+  // What an operation completes with: a list, or one tensor kept as it is until the value's list
+  // is first asked for.
+  struct Result {
+    Result() = default;
+    // Implicit: a Run returns its Value, a small operation its output tensor.
+    Result(Value list) : list(std::move(list)) {}
+    Result(at::Tensor one) : one(std::move(one)), single(true) {}
+    at::Tensor one;
+    Value list;
+    bool single = false;
+  };
 
   Future() = default;
   static std::shared_ptr<Future> completed(Value value);
   static std::shared_ptr<Future> failed(std::exception_ptr error);
 
   void set_value(Value value);
+  void set_result(Result result);
   void set_error(std::exception_ptr error);
 
   bool completed() const;
@@ -53,6 +67,8 @@ class Future : public std::enable_shared_from_this<Future> {
   // Blocks until complete; kUseGroupTimeout (or any negative value) waits forever.
   // Throws TimeoutError when `timeout` passes first; rethrows the stored error.
   const Value& wait(Millis timeout = Millis(-1));
+  // wait() without asking for the value: a future completed with one tensor builds no list.
+  void wait_until_done(Millis timeout = Millis(-1));
   // The value; the future must be complete. Rethrows the stored error.
   const Value& value() const;
 
@@ -64,12 +80,18 @@ class Future : public std::enable_shared_from_this<Future> {
 
  private:
   void finish(std::unique_lock<std::mutex>& lock);
+  // The value of a complete future without an error; lists one_ the first time. `lock` holds mu_
+  // when given.
+  const Value& listed(std::unique_lock<std::mutex>* lock = nullptr) const;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::atomic<bool> done_{false};                        // set under mu_; read without it
-  Value value_;                                          // guarded by mu_; constant once done_
-  std::exception_ptr error_;                             // guarded by mu_; constant once done_
+  std::atomic<bool> done_{false};  // set under mu_; read without it
+  // guarded by mu_; constant once done_ and listed_ (value_ is made from one_ under mu_)
+  mutable Value value_;
+  at::Tensor one_;                          // guarded by mu_; constant once done_
+  mutable std::atomic<bool> listed_{true};  // false while a single tensor sits in one_ unlisted
+  std::exception_ptr error_;                // guarded by mu_; constant once done_
   std::vector<std::function<void(Future&)>> callbacks_;  // guarded by mu_
 };
 
@@ -101,7 +123,7 @@ class Work {
   // CUDA stream waits for the operation, the CPU does not (synchronize() blocks the CPU).
   virtual bool wait(Millis timeout = Millis(-1)) {
     progress(timeout.count() < 0);
-    future_->wait(timeout);
+    future_->wait_until_done(timeout);
     return true;
   }
   // Blocks the calling thread until the operation finished (on the device too) and rethrows its

@@ -9,21 +9,23 @@ namespace {
 // Note [Small operations]
 // A warm 4 KiB allreduce costs about as much as two core-to-core round trips, so what the call
 // itself does counts: each heap allocation is tens of nanoseconds and, on a busy allocator, a
-// lock. The small-operation path allocates nothing but the result list (a Work's result is a
-// std::vector<at::Tensor>, which the API hands out), counted in
-// tests/comm/alloc_count_test.cpp (at most one allocation per operation on all threads
-// together):
+// lock. The small-operation path allocates nothing, counted in tests/comm/alloc_count_test.cpp
+// (fewer than one allocation per operation on all threads together):
 //   - The op lives in a list node that moves between the queue, the running thread and the free
 //     list by splicing (OpQueue::NodeList), so queueing one allocates nothing once the group is
 //     warm.
 //   - An allreduce, a broadcast, an allgather (list or flat) and a reduce-scatter (list or flat)
 //     of host tensors keep their tensors, reduction and root in the OpBody (SmallArgs, by OpKind)
 //     instead of a capturing std::function, which would not fit std::function's inline buffer;
-//     a list is moved in, and an allgather's comes back as its result (no allocation at all).
+//     a list is moved in, and an allgather's comes back as its result.
 //     Their block lists are the group's own vectors (reserved at construction), a buffer that
 //     fits one window needs no slice list (Note [Windows]), and StagedTensors::may_stage
 //     answers before any list is built for the staging checks. The other operations, and a
 //     list holding strided tensors, still build a Run.
+//   - The small operations other than the list allgather complete their Future with their one
+//     output tensor (Future::Result): the std::vector<at::Tensor> that Work::result() hands out
+//     is made when it is first asked for, and Work::wait() does not ask
+//     (Future::wait_until_done).
 //   - The Future and the Work are made with allocate_shared from PooledBlocks: blocks freed go
 //     to a cache of the freeing thread and are taken from the allocating thread's cache, so a
 //     caller that issues, waits and drops its Works on one thread reuses the same blocks with no
@@ -373,7 +375,7 @@ void OpQueue::execute(NodeList& taken, Clock::time_point now) {
     future->set_error(aborted_error(name, seq));
     return;
   }
-  Future::Value value;
+  Future::Result value;
   std::exception_ptr error;
   try {
     value = runner_.run(op, now);
@@ -391,7 +393,7 @@ void OpQueue::execute(NodeList& taken, Clock::time_point now) {
     if (error) {
       future->set_error(error);
     } else {
-      future->set_value(std::move(value));
+      future->set_result(std::move(value));
     }
   } catch (const std::exception& e) {
     TDIST_LOG_ERROR("rank ", rank_, ": a continuation of ", name, " (seq ", seq,

@@ -36,7 +36,7 @@ class OpQueue {
     virtual ~Runner() = default;
     // Runs `op`, whose deadline counts from `began`; returns its value or throws. The op is the
     // caller's alone until it returns.
-    virtual Future::Value run(Op& op, Clock::time_point began) = 0;
+    virtual Future::Result run(Op& op, Clock::time_point began) = 0;
     // `run` threw something other than a MismatchError: nothing later can succeed, so the group
     // aborts (which calls abort() here).
     virtual void fatal(std::exception_ptr error) = 0;

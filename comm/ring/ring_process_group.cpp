@@ -236,7 +236,7 @@ std::shared_ptr<Work> RingProcessGroup::enqueue_small(const char* name, Kind kin
   return ops_->push(name, effective(timeout), std::move(body));
 }
 
-Future::Value RingProcessGroup::run(OpQueue::Op& op, Clock::time_point began) {
+Future::Result RingProcessGroup::run(OpQueue::Op& op, Clock::time_point began) {
   exchange_->begin(op.name, op.seq, began, deadline_after(op.timeout, began));
   OpBody& body = op.body;
   if (debug_detail_) {
@@ -246,7 +246,8 @@ Future::Value RingProcessGroup::run(OpQueue::Op& op, Clock::time_point began) {
   }
   algorithms::Context ctx{*exchange_, rank_,       size_,        chunk_bytes_,
                           scratch_,   &peer_pids_, window_bytes_};
-  return body.kind == Kind::kRun ? body.run(ctx) : run_small(ctx, body.kind, body.args);
+  if (body.kind == Kind::kRun) return body.run(ctx);
+  return run_small(ctx, body.kind, body.args);
 }
 
 std::shared_ptr<Work> RingProcessGroup::post_p2p(bool is_send, at::Tensor tensor, int peer, int tag,

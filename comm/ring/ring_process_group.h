@@ -114,10 +114,10 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   std::shared_ptr<Work> enqueue_small(const char* name, Kind kind, Millis timeout, Fingerprint fp,
                                       SmallArgs args);
   // OpQueue::Runner: runs a queued operation on the thread that took it.
-  Future::Value run(OpQueue::Op& op, Clock::time_point began) override;
+  Future::Result run(OpQueue::Op& op, Clock::time_point began) override;
   void fatal(std::exception_ptr error) override { abort_with(std::move(error)); }
   // Runs a small operation (any kind but kRun).
-  Future::Value run_small(algorithms::Context& c, Kind kind, SmallArgs& a);
+  Future::Result run_small(algorithms::Context& c, Kind kind, SmallArgs& a);
   std::shared_ptr<Work> post_p2p(bool is_send, at::Tensor tensor, int peer, int tag,
                                  Millis timeout);
   void abort_with(std::exception_ptr cause);

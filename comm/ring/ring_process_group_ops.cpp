@@ -328,15 +328,15 @@ void RingProcessGroup::reduce_scatter_windows(algo::Context& c,
 }
 
 // Note [Small operations] in op_queue.cpp: the block lists are the group's own
-// (blocks_, in_blocks_, of size_ capacity), and the result is the one allocation.
-Value RingProcessGroup::run_small(algo::Context& c, Kind kind, SmallArgs& a) {
+// (blocks_, in_blocks_, of size_ capacity), and the result one tensor (no list) or the caller's.
+Future::Result RingProcessGroup::run_small(algo::Context& c, Kind kind, SmallArgs& a) {
   switch (kind) {
     case Kind::kAllreduce:
       allreduce_flat(c, bytes_of(a.work), static_cast<size_t>(a.work.numel()), a.rs);
       break;
     case Kind::kBroadcast:
       broadcast_windows(c, bytes_of(a.work), a.work.nbytes(), a.root);
-      if (rank_ == a.root) return Value{std::move(a.orig)};  // nothing written
+      if (rank_ == a.root) return std::move(a.orig);  // nothing written
       break;
     case Kind::kAllgatherInto:
     case Kind::kAllgatherList: {
@@ -368,7 +368,7 @@ Value RingProcessGroup::run_small(algo::Context& c, Kind kind, SmallArgs& a) {
       TDIST_CHECK(false, "run_small called for an operation with a Run");
   }
   if (!a.work.is_same(a.orig)) a.orig.copy_(a.work);
-  return Value{std::move(a.orig)};
+  return std::move(a.orig);
 }
 
 template <>
