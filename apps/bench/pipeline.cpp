@@ -99,19 +99,19 @@ int worker_main(const Config& c) {
   o.schedule = kind;
   o.microbatches = c.microbatches;
   if (is_gpt(c)) {
-    o.loss_fn = [](const at::Tensor& out, const at::Tensor& y) {
-      return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
-    };
+    o.loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return train::loss_of(out, y); };
   } else {
     o.loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); };
   }
   pipeline::Pipeline pipe(
       pipeline::PipelineStage(model, bounds_of(c, kind), pg->rank(), pg->size()), pg, o);
   const int64_t batch = static_cast<int64_t>(c.micro_batch_size) * c.microbatches;
-  auto x = is_gpt(c) ? torch::randint(train::kVocabSize, {batch, c.context}, torch::kLong)
+  auto sample = [&] {  // inputs, then targets: random bytes (gpt) or values (mlp)
+    return is_gpt(c) ? torch::randint(train::kVocabSize, {batch, c.context}, torch::kLong)
                      : torch::randn({batch, c.width});
-  auto y = is_gpt(c) ? torch::randint(train::kVocabSize, {batch, c.context}, torch::kLong)
-                     : torch::randn({batch, c.width});
+  };
+  auto x = sample();
+  auto y = sample();
   pipe.setup(x);
   torch::optim::SGD opt(pipe.stage().parameters(), 0.001);
   // The bubble per step (timeline.h, pipeline_bubble): every rank's compute over the step's

@@ -1,6 +1,7 @@
 #include "apps/train/models.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/init.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -206,6 +207,13 @@ std::string describe_model(const ModelConfig& config) {
   }
   return str("conv 1x", kImageSize, "x", kImageSize, " c", kConv1Channels, "-c", kConv2Channels,
              " fc", config.hidden, "-", kNumClasses);
+}
+
+at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& labels,
+                   torch::nn::functional::CrossEntropyFuncOptions::reduction_t reduction) {
+  return torch::nn::functional::cross_entropy(
+      logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(reduction));
 }
 
 int64_t count_parameters(const torch::nn::Module& module) {

@@ -18,6 +18,7 @@
 // Plain functions; the returned module is owned by the caller (a shared holder).
 
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/options/loss.h>
 
 #include <cstdint>
 #include <memory>
@@ -66,6 +67,12 @@ inline bool is_language_model(const ModelConfig& config) { return config.kind ==
 
 // "mlp 784-1024-1024-1024-10", "conv 1x28x28 c16-c32 fc128-10", "gpt 4x256 h4 ctx128 bytes".
 std::string describe_model(const ModelConfig& config);
+
+// The loss of a batch's logits against its labels: cross-entropy per image, or per predicted
+// byte of each window (logits [B, T, 256], labels [B, T]).
+at::Tensor loss_of(
+    const at::Tensor& logits, const at::Tensor& labels,
+    torch::nn::functional::CrossEntropyFuncOptions::reduction_t reduction = torch::kMean);
 
 // Number of scalar parameters.
 int64_t count_parameters(const torch::nn::Module& module);

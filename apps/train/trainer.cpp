@@ -178,16 +178,6 @@ struct EvalResult {
   int64_t samples = 0;
 };
 
-// The loss of a batch's logits against its labels: cross-entropy per image, or per predicted
-// byte of each window (logits [B, T, 256], labels [B, T]).
-at::Tensor loss_of(
-    const at::Tensor& logits, const at::Tensor& labels,
-    torch::nn::functional::CrossEntropyFuncOptions::reduction_t reduction = torch::kMean) {
-  return torch::nn::functional::cross_entropy(
-      logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
-      torch::nn::functional::CrossEntropyFuncOptions().reduction(reduction));
-}
-
 // Who evaluates which test samples, and how.
 struct EvalShare {
   int part = 0;   // this rank's share: samples part, part + parts, ...
