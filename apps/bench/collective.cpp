@@ -159,11 +159,23 @@ class Case {
     } else if (op == "alltoall") {
       a_ = at::empty({block * n_}, opts);
       b_ = at::empty({block * n_}, opts);
-    } else if (op != "barrier") {
+    }
+    static const std::map<std::string, Kind> kinds = {{"allreduce", Kind::kAllreduce},
+                                                      {"broadcast", Kind::kBroadcast},
+                                                      {"reduce", Kind::kReduce},
+                                                      {"allgather", Kind::kAllgather},
+                                                      {"gather", Kind::kGather},
+                                                      {"scatter", Kind::kScatter},
+                                                      {"reduce_scatter", Kind::kReduceScatter},
+                                                      {"alltoall", Kind::kAlltoall},
+                                                      {"barrier", Kind::kBarrier}};
+    const auto kind = kinds.find(op);
+    if (kind == kinds.end()) {
       TDIST_THROW(InvalidArgument, "unknown --op '", op,
                   "' (allreduce, broadcast, reduce, allgather, gather, scatter, reduce_scatter, "
                   "alltoall, barrier)");
     }
+    kind_ = kind->second;
     fill();
   }
 
@@ -175,43 +187,58 @@ class Case {
   }
 
   void run() {
-    const auto& op = cfg_.op;
     std::shared_ptr<comm::Work> w;
-    if (op == "allreduce") {
-      comm::AllreduceOptions o;
-      o.op = redop_;
-      w = pg_.allreduce(a_, o);
-    } else if (op == "broadcast") {
-      comm::BroadcastOptions o;
-      o.root = cfg_.root;
-      w = pg_.broadcast(a_, o);
-    } else if (op == "reduce") {
-      comm::ReduceOptions o;
-      o.root = cfg_.root;
-      o.op = redop_;
-      w = pg_.reduce(a_, o);
-    } else if (op == "allgather") {
-      w = pg_.allgather_into_tensor(b_, a_);
-    } else if (op == "gather") {
-      comm::GatherOptions o;
-      o.root = cfg_.root;
-      std::vector<at::Tensor> outs;
-      if (r_ == cfg_.root) outs = b_.chunk(n_);
-      w = pg_.gather(outs, a_, o);
-    } else if (op == "scatter") {
-      comm::ScatterOptions o;
-      o.root = cfg_.root;
-      std::vector<at::Tensor> ins;
-      if (r_ == cfg_.root) ins = a_.chunk(n_);
-      w = pg_.scatter(b_, ins, o);
-    } else if (op == "reduce_scatter") {
-      comm::ReduceScatterOptions o;
-      o.op = redop_;
-      w = pg_.reduce_scatter_tensor(b_, a_, o);
-    } else if (op == "alltoall") {
-      w = pg_.alltoall_base(b_, a_, {}, {});
-    } else {
-      w = pg_.barrier();
+    switch (kind_) {
+      case Kind::kAllreduce: {
+        comm::AllreduceOptions o;
+        o.op = redop_;
+        w = pg_.allreduce(a_, o);
+        break;
+      }
+      case Kind::kBroadcast: {
+        comm::BroadcastOptions o;
+        o.root = cfg_.root;
+        w = pg_.broadcast(a_, o);
+        break;
+      }
+      case Kind::kReduce: {
+        comm::ReduceOptions o;
+        o.root = cfg_.root;
+        o.op = redop_;
+        w = pg_.reduce(a_, o);
+        break;
+      }
+      case Kind::kAllgather:
+        w = pg_.allgather_into_tensor(b_, a_);
+        break;
+      case Kind::kGather: {
+        comm::GatherOptions o;
+        o.root = cfg_.root;
+        std::vector<at::Tensor> outs;
+        if (r_ == cfg_.root) outs = b_.chunk(n_);
+        w = pg_.gather(outs, a_, o);
+        break;
+      }
+      case Kind::kScatter: {
+        comm::ScatterOptions o;
+        o.root = cfg_.root;
+        std::vector<at::Tensor> ins;
+        if (r_ == cfg_.root) ins = a_.chunk(n_);
+        w = pg_.scatter(b_, ins, o);
+        break;
+      }
+      case Kind::kReduceScatter: {
+        comm::ReduceScatterOptions o;
+        o.op = redop_;
+        w = pg_.reduce_scatter_tensor(b_, a_, o);
+        break;
+      }
+      case Kind::kAlltoall:
+        w = pg_.alltoall_base(b_, a_, {}, {});
+        break;
+      case Kind::kBarrier:
+        w = pg_.barrier();
+        break;
     }
     w->wait();
     // A GPU's work may still be queued after wait() (stream semantics): the time includes it.
@@ -234,6 +261,19 @@ class Case {
   int n_, r_;
   int64_t count_;
   c10::Device device_;
+  // cfg_.op, parsed once: string compares in run() would be timed as the operation's.
+  enum class Kind {
+    kAllreduce,
+    kBroadcast,
+    kReduce,
+    kAllgather,
+    kGather,
+    kScatter,
+    kReduceScatter,
+    kAlltoall,
+    kBarrier
+  };
+  Kind kind_ = Kind::kBarrier;
   at::Tensor a_, b_;
 };
 

@@ -59,6 +59,7 @@
 #include "tdist/comm/engine/p2p_engine.h"
 #include "tdist/comm/process_group.h"
 #include "tdist/comm/ring/op_queue.h"
+#include "tdist/comm/ring/ring_tuning.h"
 #include "tdist/comm/transport/channels.h"
 #include "tdist/comm/transport/tcp/mesh.h"
 
@@ -196,7 +197,7 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   const Options opts_;
   // From ProcessGroup::Options::ring, the environment or the defaults (ring_tuning.h).
   size_t chunk_bytes_ = 0;
-  std::string allreduce_algo_;
+  AllreduceChoice allreduce_algo_ = AllreduceChoice::kAuto;
   size_t small_allreduce_bytes_ = 0;
   size_t staging_piece_bytes_ = 0;  // Note [Overlapped staging]
   size_t window_bytes_ = 0;         // Note [Windows]

@@ -1,5 +1,9 @@
 #include "tdist/comm/ring/ring_tuning.h"
 
+#include <algorithm>
+#include <iterator>
+#include <utility>
+
 #include "tdist/comm/transport/shm/shm_channel.h"
 #include "tdist/core/env.h"
 #include "tdist/core/error.h"
@@ -50,15 +54,21 @@ RingTuningValues resolve_ring_tuning(const ProcessGroup::Options::RingTuning& se
                          int64_t(1) << 62);
   const char* algo_from =
       set.allreduce_algo ? "ProcessGroup::Options::ring.allreduce_algo" : "TDIST_ALLREDUCE_ALGO";
-  v.allreduce_algo =
+  const std::string algo =
       set.allreduce_algo ? *set.allreduce_algo : env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
-  TDIST_CHECK_ARG(v.allreduce_algo == "auto" || v.allreduce_algo == "ring" ||
-                      v.allreduce_algo == "recursive_doubling" ||
-                      v.allreduce_algo == "halving_doubling" ||
-                      v.allreduce_algo == "hierarchical" || v.allreduce_algo == "single_copy",
-                  algo_from, "='", v.allreduce_algo,
+  static const std::pair<const char*, AllreduceChoice> kAlgos[] = {
+      {"auto", AllreduceChoice::kAuto},
+      {"ring", AllreduceChoice::kRing},
+      {"recursive_doubling", AllreduceChoice::kRecursiveDoubling},
+      {"halving_doubling", AllreduceChoice::kHalvingDoubling},
+      {"hierarchical", AllreduceChoice::kHierarchical},
+      {"single_copy", AllreduceChoice::kSingleCopy}};
+  const auto* found = std::find_if(std::begin(kAlgos), std::end(kAlgos),
+                                   [&](const auto& a) { return algo == a.first; });
+  TDIST_CHECK_ARG(found != std::end(kAlgos), algo_from, "='", algo,
                   "' is not one of auto, ring, recursive_doubling, halving_doubling, hierarchical, "
                   "single_copy");
+  v.allreduce_algo = found->second;
   if (set.debug_detail) {
     v.debug_detail = *set.debug_detail;
   } else {

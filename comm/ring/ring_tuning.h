@@ -15,10 +15,20 @@ namespace tdist::comm::detail {
 // Bytes per piece of a staged copy (Note [Overlapped staging]).
 inline constexpr size_t kDefaultStagingPieceBytes = size_t{1} << 20;
 
+// TDIST_ALLREDUCE_ALGO / ring.allreduce_algo, parsed once (the choice is made per operation).
+enum class AllreduceChoice {
+  kAuto,
+  kRing,
+  kRecursiveDoubling,
+  kHalvingDoubling,
+  kHierarchical,
+  kSingleCopy
+};
+
 struct RingTuningValues {
   size_t chunk_bytes = 256 * 1024;
   size_t small_allreduce_bytes = 64 * 1024;
-  std::string allreduce_algo = "auto";
+  AllreduceChoice allreduce_algo = AllreduceChoice::kAuto;
   size_t window_bytes = size_t{64} << 20;
   size_t staging_piece_bytes = kDefaultStagingPieceBytes;
   bool debug_detail = false;

@@ -33,7 +33,7 @@ TEST(RingTuning, DefaultsWhenNeitherFieldNorVariableIsSet) {
   const auto v = resolve_ring_tuning(Tuning{});
   EXPECT_EQ(v.chunk_bytes, size_t{256} << 10);
   EXPECT_EQ(v.small_allreduce_bytes, size_t{64} << 10);
-  EXPECT_EQ(v.allreduce_algo, "auto");
+  EXPECT_EQ(v.allreduce_algo, detail::AllreduceChoice::kAuto);
   EXPECT_EQ(v.window_bytes, size_t{64} << 20);
   EXPECT_EQ(v.staging_piece_bytes, size_t{1} << 20);
   EXPECT_FALSE(v.debug_detail);
@@ -55,7 +55,7 @@ TEST(RingTuning, TheVariableFillsAnUnsetFieldAndASetFieldWins) {
   EXPECT_EQ(v.chunk_bytes, 4096u);
   EXPECT_FALSE(v.shared_memory);
   EXPECT_EQ(v.spin_us, 0);
-  EXPECT_EQ(v.allreduce_algo, "ring");
+  EXPECT_EQ(v.allreduce_algo, detail::AllreduceChoice::kRing);
   EXPECT_TRUE(v.debug_detail);
 
   Tuning set;
@@ -68,7 +68,7 @@ TEST(RingTuning, TheVariableFillsAnUnsetFieldAndASetFieldWins) {
   EXPECT_EQ(v.chunk_bytes, 8192u);
   EXPECT_TRUE(v.shared_memory);
   EXPECT_EQ(v.spin_us, 7);
-  EXPECT_EQ(v.allreduce_algo, "recursive_doubling");
+  EXPECT_EQ(v.allreduce_algo, detail::AllreduceChoice::kRecursiveDoubling);
   EXPECT_FALSE(v.debug_detail);
 }
 
