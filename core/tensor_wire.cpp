@@ -40,6 +40,9 @@ bool known_dtype(int8_t dtype) {
 }  // namespace
 
 at::Tensor contiguous_values(const at::Tensor& t) {
+  // The common case without the copies of the handle below (each a reference-count update,
+  // on every small collective's path).
+  if (!t.is_conj() && !t.is_neg() && t.is_contiguous()) return t;
   at::Tensor r = t;
   if (r.is_conj()) r = r.resolve_conj();
   if (r.is_neg()) r = r.resolve_neg();
