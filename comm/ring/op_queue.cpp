@@ -32,8 +32,8 @@ namespace {
 //     lock; when another thread frees them (the worker ran the op and dropped the last
 //     reference), a full cache hands its blocks to a shared depot (one mutex) that an empty
 //     cache takes from, and only beyond both caps are blocks given back to the heap.
-// What is left on the caller's path is the queue's mutex, taken once to queue and
-// once to take and finish the op.
+// What is left on the caller's path is the queue's mutex, taken once to queue the op, once to
+// take it and once to finish it, and the Future's, taken once to complete it.
 struct FreeBlock {
   FreeBlock* next;
 };
