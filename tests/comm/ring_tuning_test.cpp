@@ -72,6 +72,26 @@ TEST(RingTuning, TheVariableFillsAnUnsetFieldAndASetFieldWins) {
   EXPECT_FALSE(v.debug_detail);
 }
 
+TEST(RingTuning, EachAllreduceAlgorithmNameParsesToItsChoice) {
+  using detail::AllreduceChoice;
+  tdist::test::EnvGuard env(no_ring_variables());
+  const std::pair<const char*, AllreduceChoice> names[] = {
+      {"auto", AllreduceChoice::kAuto},
+      {"ring", AllreduceChoice::kRing},
+      {"recursive_doubling", AllreduceChoice::kRecursiveDoubling},
+      {"halving_doubling", AllreduceChoice::kHalvingDoubling},
+      {"hierarchical", AllreduceChoice::kHierarchical},
+      {"single_copy", AllreduceChoice::kSingleCopy}};
+  for (const auto& [name, choice] : names) {
+    Tuning set;
+    set.allreduce_algo = name;
+    EXPECT_EQ(resolve_ring_tuning(set).allreduce_algo, choice) << name;
+  }
+  Tuning set;
+  set.allreduce_algo = "Ring";  // names are exact
+  EXPECT_THROW(resolve_ring_tuning(set), InvalidArgument);
+}
+
 void expect_invalid(const Tuning& set, const std::string& names) {
   try {
     resolve_ring_tuning(set);
