@@ -141,25 +141,6 @@ class Case {
         count_(count),
         device_(device) {
     const auto& op = cfg.op;
-    auto opts = at::TensorOptions().dtype(dtype).device(device);
-    int64_t block = count / n_;
-    if (op == "allreduce" || op == "broadcast" || op == "reduce") {
-      a_ = at::empty({count}, opts);
-    } else if (op == "allgather") {
-      // In place, as the Open MPI anchor (MPI_IN_PLACE): the input is this rank's block of the
-      // output.
-      b_ = at::empty({block * n_}, opts);
-      a_ = b_.narrow(0, r_ * block, block);
-    } else if (op == "gather") {
-      a_ = at::empty({block}, opts);
-      b_ = at::empty({block * n_}, opts);
-    } else if (op == "reduce_scatter" || op == "scatter") {
-      a_ = at::empty({block * n_}, opts);
-      b_ = at::empty({block}, opts);
-    } else if (op == "alltoall") {
-      a_ = at::empty({block * n_}, opts);
-      b_ = at::empty({block * n_}, opts);
-    }
     static const std::map<std::string, Kind> kinds = {{"allreduce", Kind::kAllreduce},
                                                       {"broadcast", Kind::kBroadcast},
                                                       {"reduce", Kind::kReduce},
@@ -176,6 +157,36 @@ class Case {
                   "alltoall, barrier)");
     }
     kind_ = kind->second;
+    auto opts = at::TensorOptions().dtype(dtype).device(device);
+    int64_t block = count / n_;
+    switch (kind_) {
+      case Kind::kAllreduce:
+      case Kind::kBroadcast:
+      case Kind::kReduce:
+        a_ = at::empty({count}, opts);
+        break;
+      case Kind::kAllgather:
+        // In place, as the Open MPI anchor (MPI_IN_PLACE): the input is this rank's block of the
+        // output.
+        b_ = at::empty({block * n_}, opts);
+        a_ = b_.narrow(0, r_ * block, block);
+        break;
+      case Kind::kGather:
+        a_ = at::empty({block}, opts);
+        b_ = at::empty({block * n_}, opts);
+        break;
+      case Kind::kReduceScatter:
+      case Kind::kScatter:
+        a_ = at::empty({block * n_}, opts);
+        b_ = at::empty({block}, opts);
+        break;
+      case Kind::kAlltoall:
+        a_ = at::empty({block * n_}, opts);
+        b_ = at::empty({block * n_}, opts);
+        break;
+      case Kind::kBarrier:
+        break;
+    }
     fill();
   }
 
