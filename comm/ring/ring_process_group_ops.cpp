@@ -145,7 +145,7 @@ algo::ReduceSpec RingProcessGroup::reduce_spec(const at::Tensor& t, ReduceOp op)
 RingProcessGroup::AllreduceAlgo RingProcessGroup::allreduce_algorithm(size_t count,
                                                                       size_t elem) const {
   bool small = count * elem <= small_allreduce_bytes_ || count < static_cast<size_t>(size_);
-  using Choice = AllreduceChoice;  // parsed once: comparing names was 5% of a small allreduce
+  using Choice = AllreduceChoice;  // parsed once, not compared as a name per call
   if (allreduce_algo_ == Choice::kRecursiveDoubling ||
       (allreduce_algo_ == Choice::kAuto && small)) {
     return AllreduceAlgo::kRecursiveDoubling;
