@@ -63,9 +63,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
       std::optional<size_t>
           small_allreduce_bytes;  // TDIST_SMALL_ALLREDUCE_BYTES: below, recursive doubling
       std::optional<std::string>
-          allreduce_algo;                  // TDIST_ALLREDUCE_ALGO: auto|ring|recursive_doubling|
-                                           // halving_doubling|hierarchical|single_copy
-      std::optional<size_t> window_bytes;  // TDIST_WINDOW_BYTES: Note [Windows]
+          allreduce_algo;  // TDIST_ALLREDUCE_ALGO: auto|ring|recursive_doubling|
+                           // halving_doubling|hierarchical|single_copy
+      std::optional<std::string> allgather_algo;  // TDIST_ALLGATHER_ALGO: auto|ring|single_copy
+      std::optional<size_t> window_bytes;         // TDIST_WINDOW_BYTES: Note [Windows]
       std::optional<size_t>
           staging_piece_bytes;            // TDIST_STAGING_PIECE_BYTES: Note [Overlapped staging]
       std::optional<bool> debug_detail;   // TDIST_DEBUG=DETAIL: Note [Fingerprint check]

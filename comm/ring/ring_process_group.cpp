@@ -4,8 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <set>
 
+#include "tdist/comm/algorithms/allgather_ring.h"
+#include "tdist/comm/algorithms/single_copy.h"
 #include "tdist/comm/ring/staged_message.h"
 #include "tdist/comm/ring/staging.h"
 #include "tdist/comm/transport/shm/shm_channel.h"
@@ -106,10 +110,12 @@ std::optional<algorithms::Hierarchy> find_hierarchy(const std::vector<std::strin
 
 // Values the group must agree on before any operation: every rank sends its own to every peer,
 // and all take the largest of each. The single-copy threshold (Note [Single-copy collectives]
-// in algorithms/single_copy.h; kNoSingleCopy from a rank that may not or cannot read every peer) and the
-// window of the ring collectives (Note [Windows]).
+// in algorithms/single_copy.h; kNoSingleCopy from a rank that may not or cannot read every peer),
+// the allgather's choice (AllgatherChoice: the ring where one rank asks for it) and the window
+// of the ring collectives (Note [Windows]).
 struct Agreed {
   uint64_t single_copy_bytes;
+  uint64_t allgather_algo;
   uint64_t window_bytes;
 };
 Agreed agree_group_values(Exchange& ex, Agreed mine, Clock::time_point deadline) {
@@ -118,9 +124,66 @@ Agreed agree_group_values(Exchange& ex, Agreed mine, Clock::time_point deadline)
   ex.swap_with_all(&mine, theirs.data(), sizeof(mine));
   for (const Agreed& a : theirs) {
     mine.single_copy_bytes = std::max(mine.single_copy_bytes, a.single_copy_bytes);
+    mine.allgather_algo = std::max(mine.allgather_algo, a.allgather_algo);
     mine.window_bytes = std::max(mine.window_bytes, a.window_bytes);
   }
   return mine;
+}
+
+// Note [Which allgather]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Where the group may read its peers (Note [Single-copy collectives]), an allgather can copy
+// each block once with process_vm_readv or twice through the shared-memory ring. Which is
+// faster is not a property of the size alone: on the 2-core VM of docs/perf.md the ring won at
+// world 2 at every size while a cache line crossed between the cores in about 115 ns, and lost
+// by 2-3x from 64 KiB blocks while it took 400-800 ns (the same binary, hours apart;
+// docs/perf-history.md). So under TDIST_ALLGATHER_ALGO=auto the group measures both when it is
+// made: one allgather of kCalibrationBlockBytes blocks by each (not counted: first touches and
+// page faults), then kCalibrationRounds of each, alternated; each rank keeps the fastest of
+// each, sends the two to every peer, and all sum them by algorithm, so all ranks take the same
+// choice. If the single copy took less, blocks from kMeasuredSingleCopyBytes (or
+// TDIST_SINGLE_COPY_BYTES where smaller) are copied once at every world; otherwise the rule
+// measured on 2026-11-25 holds: from world 3 only, for blocks of at least
+// TDIST_SINGLE_COPY_BYTES (there a single copy also spares waits for the ranks a ring forwards
+// through). `ring` never reads a peer; `single_copy` reads from TDIST_SINGLE_COPY_BYTES at every
+// world. TDIST_LOG_LEVEL=debug logs the times and what the measurement cost the set-up. It is
+// made once: a host whose speeds change later keeps the choice of its set-up.
+constexpr size_t kCalibrationBlockBytes = 64 << 10;
+constexpr int kCalibrationRounds = 8;
+constexpr uint64_t kMeasuredSingleCopyBytes = 32 << 10;
+
+// True when the group's single-copy allgather was faster than its ring, summed over the ranks.
+bool single_copy_allgather_is_faster(algorithms::Context& c) {
+  const auto began = Clock::now();
+  std::vector<char> buffer(kCalibrationBlockBytes * static_cast<size_t>(c.size));
+  std::vector<char*> blocks;
+  for (int r = 0; r < c.size; ++r) blocks.push_back(buffer.data() + kCalibrationBlockBytes * r);
+  std::array<double, 2> mine{1e9, 1e9};  // the fastest, seconds: ring, single copy
+  for (int round = 0; round <= kCalibrationRounds; ++round) {
+    for (int single = 0; single < 2; ++single) {
+      const auto start = Clock::now();
+      if (single) {
+        algorithms::allgather_single_copy(c, blocks, kCalibrationBlockBytes);
+      } else {
+        algorithms::allgather_ring(c, blocks, kCalibrationBlockBytes);
+      }
+      const double took = std::chrono::duration<double>(Clock::now() - start).count();
+      if (round > 0) mine[single] = std::min(mine[single], took);
+    }
+  }
+  std::vector<std::array<double, 2>> theirs(static_cast<size_t>(c.size), mine);
+  c.ex.swap_with_all(&mine, theirs.data(), sizeof(mine));
+  std::array<double, 2> sum{0, 0};
+  for (const auto& t : theirs) {
+    sum[0] += t[0];
+    sum[1] += t[1];
+  }
+  TDIST_LOG_DEBUG("rank ", c.rank, ": allgathers of ", kCalibrationBlockBytes, "-byte blocks took ",
+                  sum[0] * 1e6, " us by ring and ", sum[1] * 1e6,
+                  " us by single copy (the fastest of ", kCalibrationRounds,
+                  " on each rank, summed); measuring took ",
+                  std::chrono::duration<double>(Clock::now() - began).count() * 1e6, " us");
+  return sum[1] < sum[0];
 }
 }  // namespace
 
@@ -175,14 +238,33 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
     for (int p = 0; p < size_; ++p) {
       readable = readable && (p == rank_ || channels.readable_pids[p] != 0);
     }
-    const uint64_t threshold = tuning.single_copy_bytes;
-    const Agreed agreed = agree_group_values(
-        *exchange_, Agreed{readable ? threshold : kNoSingleCopy, window_bytes_}, setup_deadline);
+    const Agreed agreed =
+        agree_group_values(*exchange_,
+                           Agreed{readable ? tuning.single_copy_bytes : kNoSingleCopy,
+                                  static_cast<uint64_t>(tuning.allgather_algo), window_bytes_},
+                           setup_deadline);
     single_copy_bytes_ = agreed.single_copy_bytes;
     window_bytes_ = static_cast<size_t>(agreed.window_bytes);
     if (single_copy_bytes_ != kNoSingleCopy) {
       peer_pids_ = channels.readable_pids;
       peer_pids_[rank_] = ::getpid();
+      switch (static_cast<AllgatherChoice>(agreed.allgather_algo)) {
+        case AllgatherChoice::kSingleCopy:
+          allgather_single_copy_bytes_ = single_copy_bytes_;
+          break;
+        case AllgatherChoice::kAuto: {
+          algorithms::Context ctx{*exchange_, rank_,       size_,        chunk_bytes_,
+                                  scratch_,   &peer_pids_, window_bytes_};
+          if (single_copy_allgather_is_faster(ctx)) {
+            allgather_single_copy_bytes_ = std::min(single_copy_bytes_, kMeasuredSingleCopyBytes);
+          } else if (size_ >= 3) {
+            allgather_single_copy_bytes_ = single_copy_bytes_;
+          }
+          break;
+        }
+        case AllgatherChoice::kRing:
+          break;
+      }
     }
   }
   p2p_ = std::make_unique<P2PEngine>(mesh_->channel(1), rank_,

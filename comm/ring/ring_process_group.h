@@ -85,6 +85,9 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   // The group's single-copy threshold (Note [Single-copy collectives]); kNoSingleCopy when the
   // group does not use it.
   uint64_t single_copy_bytes() const { return single_copy_bytes_; }
+  // Allgather blocks of at least this many bytes are copied once (Note [Which allgather]);
+  // kNoSingleCopy when none is.
+  uint64_t allgather_single_copy_bytes() const { return allgather_single_copy_bytes_; }
   // The window the group agreed on (Note [Windows]).
   size_t window_bytes() const { return window_bytes_; }
   static constexpr uint64_t kNoSingleCopy = UINT64_MAX;
@@ -209,6 +212,7 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   // the owner's memory (Note [Single-copy collectives]): the group's agreed threshold, or
   // kNoSingleCopy. peer_pids_: every rank's process when it is not kNoSingleCopy.
   uint64_t single_copy_bytes_ = kNoSingleCopy;
+  uint64_t allgather_single_copy_bytes_ = kNoSingleCopy;  // Note [Which allgather]
   std::vector<pid_t> peer_pids_;
   // The collectives' queue, made first (its aborted() flag is the group's) and stopped and
   // joined in the destructor before anything it runs on goes.

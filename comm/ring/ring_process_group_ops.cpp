@@ -267,10 +267,8 @@ std::shared_ptr<Work> RingProcessGroup::start(AllreduceCoalescedCall& c) {
 }
 
 // Where each path wins on the 2-core machine (docs/perf-history.md, "Single-copy collectives"): a
-// world-2 broadcast, where both ranks copy half; with more ranks, the others all reading the
-// root at once lost to the chain. An allgather from world 3, where the ring forwards blocks
-// through other ranks (each forward a wait for a rank that may not be running); at world 2 the
-// ring forwards nothing and was as fast.
+// world-2 broadcast (the peer reads the root); with more ranks, the others all reading the root
+// at once lost to the chain. Which allgather: Note [Which allgather] in ring_process_group.cpp.
 void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t bytes, int root,
                                        algo::Staging* staging) const {
   if (size_ == 2 && bytes >= single_copy_bytes_) {
@@ -297,7 +295,7 @@ void RingProcessGroup::reduce_windows(algo::Context& c, char* data, size_t count
 
 void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char*>& blocks,
                                         size_t block_bytes, algo::Staging* staging) const {
-  if (size_ >= 3 && block_bytes >= single_copy_bytes_) {
+  if (block_bytes >= allgather_single_copy_bytes_) {
     algo::allgather_single_copy(c, blocks, block_bytes, staging);
   } else {
     algo::allgather_ring(c, blocks, block_bytes, staging);

@@ -1,7 +1,7 @@
 #include "tdist/comm/ring/ring_tuning.h"
 
 #include <algorithm>
-#include <iterator>
+#include <initializer_list>
 #include <utility>
 
 #include "tdist/comm/transport/shm/shm_channel.h"
@@ -34,6 +34,21 @@ std::optional<int> count(const std::optional<int>& field, const char* field_name
   return static_cast<int>(env::get_int(var, 0, 0, max));
 }
 
+// The field when set, else the variable, else "auto", looked up among `names` (the first is
+// "auto"); an unknown name is an error that lists them.
+template <typename Choice>
+Choice choice(const std::optional<std::string>& field, const char* field_name, const char* var,
+              std::initializer_list<std::pair<const char*, Choice>> names) {
+  const std::string name = field ? *field : env::get(var).value_or("auto");
+  const auto* found =
+      std::find_if(names.begin(), names.end(), [&](const auto& n) { return name == n.first; });
+  if (found != names.end()) return found->second;
+  std::string known;
+  for (const auto& n : names) known += std::string(known.empty() ? "" : ", ") + n.first;
+  const std::string from = field ? str("ProcessGroup::Options::ring.", field_name) : var;
+  TDIST_THROW(InvalidArgument, from, "='", name, "' is not one of ", known);
+}
+
 bool flag(const std::optional<bool>& field, const char* var, bool fallback) {
   return field ? *field : env::get_bool(var, fallback);
 }
@@ -52,23 +67,19 @@ RingTuningValues resolve_ring_tuning(const ProcessGroup::Options::RingTuning& se
             v.staging_piece_bytes, 0, int64_t(1) << 30);
   v.window_bytes = bytes(set.window_bytes, "window_bytes", "TDIST_WINDOW_BYTES", v.window_bytes, 1,
                          int64_t(1) << 62);
-  const char* algo_from =
-      set.allreduce_algo ? "ProcessGroup::Options::ring.allreduce_algo" : "TDIST_ALLREDUCE_ALGO";
-  const std::string algo =
-      set.allreduce_algo ? *set.allreduce_algo : env::get("TDIST_ALLREDUCE_ALGO").value_or("auto");
-  static const std::pair<const char*, AllreduceChoice> kAlgos[] = {
-      {"auto", AllreduceChoice::kAuto},
-      {"ring", AllreduceChoice::kRing},
-      {"recursive_doubling", AllreduceChoice::kRecursiveDoubling},
-      {"halving_doubling", AllreduceChoice::kHalvingDoubling},
-      {"hierarchical", AllreduceChoice::kHierarchical},
-      {"single_copy", AllreduceChoice::kSingleCopy}};
-  const auto* found = std::find_if(std::begin(kAlgos), std::end(kAlgos),
-                                   [&](const auto& a) { return algo == a.first; });
-  TDIST_CHECK_ARG(found != std::end(kAlgos), algo_from, "='", algo,
-                  "' is not one of auto, ring, recursive_doubling, halving_doubling, hierarchical, "
-                  "single_copy");
-  v.allreduce_algo = found->second;
+  v.allreduce_algo =
+      choice<AllreduceChoice>(set.allreduce_algo, "allreduce_algo", "TDIST_ALLREDUCE_ALGO",
+                              {{"auto", AllreduceChoice::kAuto},
+                               {"ring", AllreduceChoice::kRing},
+                               {"recursive_doubling", AllreduceChoice::kRecursiveDoubling},
+                               {"halving_doubling", AllreduceChoice::kHalvingDoubling},
+                               {"hierarchical", AllreduceChoice::kHierarchical},
+                               {"single_copy", AllreduceChoice::kSingleCopy}});
+  v.allgather_algo =
+      choice<AllgatherChoice>(set.allgather_algo, "allgather_algo", "TDIST_ALLGATHER_ALGO",
+                              {{"auto", AllgatherChoice::kAuto},
+                               {"ring", AllgatherChoice::kRing},
+                               {"single_copy", AllgatherChoice::kSingleCopy}});
   if (set.debug_detail) {
     v.debug_detail = *set.debug_detail;
   } else {

@@ -25,10 +25,16 @@ enum class AllreduceChoice {
   kSingleCopy
 };
 
+// TDIST_ALLGATHER_ALGO / ring.allgather_algo (Note [Single-copy collectives] in
+// algorithms/single_copy.h). In this order because the group takes the largest of its ranks'
+// choices: the ring wherever one rank asks for it.
+enum class AllgatherChoice : uint64_t { kSingleCopy, kAuto, kRing };
+
 struct RingTuningValues {
   size_t chunk_bytes = 256 * 1024;
   size_t small_allreduce_bytes = 64 * 1024;
   AllreduceChoice allreduce_algo = AllreduceChoice::kAuto;
+  AllgatherChoice allgather_algo = AllgatherChoice::kAuto;
   size_t window_bytes = size_t{64} << 20;
   size_t staging_piece_bytes = kDefaultStagingPieceBytes;
   bool debug_detail = false;

@@ -159,7 +159,11 @@ int check_single_copy_allreduce(int rank, int world) {
 // the group must take the largest, and the same for the window (rank 1 40000 bytes, the others
 // 20000: the large allreduces, allgathers and reduce-scatters below run in windows, which
 // desynchronise unless all agree; an allgather window's blocks are still single copies);
-// "off": the last rank disables it, so no rank may use it.
+// "off": the last rank disables it, so no rank may use it; "ring": every rank asks for single
+// copy from one byte and the allgather by single copy (TDIST_ALLGATHER_ALGO) but rank 0 for the
+// ring, so no allgather may read a peer; "single_copy": every rank asks for both, so even a
+// world-2 allgather of one byte reads its peer. Whatever the mode, the ranks must agree on where
+// the allgather reads its peers (Note [Which allgather]: under auto the group measures).
 // Allgathers (in place and not) and broadcasts of several sizes from every root must be right
 // either way, and so must every other collective; where single copy is on, the single-copy
 // allreduce too (check_single_copy_allreduce).
@@ -169,16 +173,31 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
   ::setenv("TDIST_SINGLE_COPY_BYTES", mode == "max" && rank == 1 ? "4096" : "1", 1);
   if (mode == "max") ::setenv("TDIST_WINDOW_BYTES", rank == 1 ? "40000" : "20000", 1);
   if (mode == "off" && rank == world_size - 1) ::setenv("TDIST_SINGLE_COPY", "0", 1);
+  if (mode == "ring" || mode == "single_copy") {
+    ::setenv("TDIST_ALLGATHER_ALGO", mode == "ring" && rank == 0 ? "ring" : "single_copy", 1);
+  }
   auto pg = create_process_group(child_store(), rank, world_size, test::test_options());
   auto* ring = dynamic_cast<detail::RingProcessGroup*>(pg.get());
   if (ring == nullptr) return 30;
-  const uint64_t want = mode == "all"   ? 1
-                        : mode == "max" ? 4096
-                                        : detail::RingProcessGroup::kNoSingleCopy;
+  constexpr uint64_t kNo = detail::RingProcessGroup::kNoSingleCopy;
+  const uint64_t want = mode == "max" ? 4096 : mode == "off" ? kNo : 1;
   if (ring->single_copy_bytes() != want) {
     std::cerr << "rank " << rank << ": single-copy threshold " << ring->single_copy_bytes()
               << ", expected " << want << std::endl;
     return 31;
+  }
+  // Under auto a world-2 group reads its peer only when that measured faster; from world 3 it
+  // reads from the threshold either way.
+  const uint64_t allgather = ring->allgather_single_copy_bytes();
+  const bool measured = mode == "all" && world_size == 2 && allgather == kNo;
+  const uint64_t want_allgather = mode == "ring" || mode == "off" ? kNo : measured ? kNo : want;
+  auto every = torch::empty({world_size}, torch::kLong);
+  pg->allgather_into_tensor(every, torch::full({1}, static_cast<int64_t>(allgather)))->wait();
+  if (allgather != want_allgather ||
+      !torch::equal(every, torch::full({world_size}, static_cast<int64_t>(allgather)))) {
+    std::cerr << "rank " << rank << ": the ranks' allgather single-copy thresholds are " << every
+              << ", expected " << want_allgather << " on every rank" << std::endl;
+    return 33;
   }
   const size_t want_window = mode == "max" ? 40000 : size_t{64} << 20;
   if (ring->window_bytes() != want_window) {
@@ -345,7 +364,8 @@ TEST_P(SingleCopyProcesses, ResultsAreRightAndTheRanksAgree) {
 INSTANTIATE_TEST_SUITE_P(Modes, SingleCopyProcesses,
                          ::testing::Values(std::make_tuple(2, "all"), std::make_tuple(3, "all"),
                                            std::make_tuple(4, "all"), std::make_tuple(3, "max"),
-                                           std::make_tuple(3, "off")),
+                                           std::make_tuple(3, "off"), std::make_tuple(3, "ring"),
+                                           std::make_tuple(2, "single_copy")),
                          [](const auto& info) {
                            return str("world", std::get<0>(info.param), "_",
                                       std::get<1>(info.param));

@@ -20,9 +20,9 @@ tdist::test::EnvVars no_ring_variables() {
   tdist::test::EnvVars vars;
   for (const char* v :
        {"TDIST_CHUNK_BYTES", "TDIST_SMALL_ALLREDUCE_BYTES", "TDIST_ALLREDUCE_ALGO",
-        "TDIST_WINDOW_BYTES", "TDIST_STAGING_PIECE_BYTES", "TDIST_DEBUG", "TDIST_RUN_ON_WAITER",
-        "TDIST_TRANSPORT", "TDIST_SHM_BYTES", "TDIST_SPIN_US", "TDIST_BUSY_POLL_NS",
-        "TDIST_SHM_FUTEX", "TDIST_SINGLE_COPY", "TDIST_SINGLE_COPY_BYTES"}) {
+        "TDIST_ALLGATHER_ALGO", "TDIST_WINDOW_BYTES", "TDIST_STAGING_PIECE_BYTES", "TDIST_DEBUG",
+        "TDIST_RUN_ON_WAITER", "TDIST_TRANSPORT", "TDIST_SHM_BYTES", "TDIST_SPIN_US",
+        "TDIST_BUSY_POLL_NS", "TDIST_SHM_FUTEX", "TDIST_SINGLE_COPY", "TDIST_SINGLE_COPY_BYTES"}) {
     vars[v] = std::nullopt;
   }
   return vars;
@@ -92,6 +92,27 @@ TEST(RingTuning, EachAllreduceAlgorithmNameParsesToItsChoice) {
   EXPECT_THROW(resolve_ring_tuning(set), InvalidArgument);
 }
 
+TEST(RingTuning, EachAllgatherAlgorithmNameParsesToItsChoice) {
+  using detail::AllgatherChoice;
+  tdist::test::EnvGuard env(no_ring_variables());
+  EXPECT_EQ(resolve_ring_tuning(Tuning{}).allgather_algo, AllgatherChoice::kAuto);
+  const std::pair<const char*, AllgatherChoice> names[] = {
+      {"auto", AllgatherChoice::kAuto},
+      {"ring", AllgatherChoice::kRing},
+      {"single_copy", AllgatherChoice::kSingleCopy}};
+  for (const auto& [name, choice] : names) {
+    Tuning set;
+    set.allgather_algo = name;
+    EXPECT_EQ(resolve_ring_tuning(set).allgather_algo, choice) << name;
+    tdist::test::EnvGuard var(tdist::test::EnvVars{{"TDIST_ALLGATHER_ALGO", name}});
+    EXPECT_EQ(resolve_ring_tuning(Tuning{}).allgather_algo, choice) << name;
+  }
+  // The group takes the largest of its ranks' choices (agree_group_values): the ring wins over
+  // auto, and auto over single copy.
+  EXPECT_LT(AllgatherChoice::kSingleCopy, AllgatherChoice::kAuto);
+  EXPECT_LT(AllgatherChoice::kAuto, AllgatherChoice::kRing);
+}
+
 void expect_invalid(const Tuning& set, const std::string& names) {
   try {
     resolve_ring_tuning(set);
@@ -111,6 +132,9 @@ TEST(RingTuning, BadValuesNameTheFieldOrTheVariable) {
     set.allreduce_algo = "tree";
     expect_invalid(set, "ring.allreduce_algo='tree'");
     set = Tuning{};
+    set.allgather_algo = "Ring";  // names are exact; the error lists them
+    expect_invalid(set, "ring.allgather_algo='Ring' is not one of auto, ring, single_copy");
+    set = Tuning{};
     set.shm_bytes = 16;
     expect_invalid(set, "ring.shm_bytes");
     set = Tuning{};
@@ -121,6 +145,7 @@ TEST(RingTuning, BadValuesNameTheFieldOrTheVariable) {
        std::vector<std::pair<std::string, std::string>>{{"TDIST_CHUNK_BYTES", "0"},
                                                         {"TDIST_TRANSPORT", "udp"},
                                                         {"TDIST_ALLREDUCE_ALGO", "tree"},
+                                                        {"TDIST_ALLGATHER_ALGO", "direct"},
                                                         {"TDIST_WINDOW_BYTES", "lots"}}) {
     auto bad = vars;
     bad[var] = value;
