@@ -31,9 +31,10 @@ namespace tdist::comm::algorithms {
 // descheduled (four ranks on two cores) still copies at once, and the copies of all ranks run
 // in parallel. Open MPI's shared-memory transport does the same (CMA).
 // The group uses it when every rank allows it (TDIST_SINGLE_COPY, default on) and can read
-// every peer: allgathers from world 3 with blocks of at least TDIST_SINGLE_COPY_BYTES (default
-// 256 KiB) and world-2 broadcasts of at least as many bytes (RingProcessGroup::broadcast_bytes
-// says why those). At set-up every rank sends every peer its threshold (the largest value, when
+// every peer: world-2 broadcasts of at least TDIST_SINGLE_COPY_BYTES (default 256 KiB;
+// RingProcessGroup::broadcast_bytes says why) and allgathers whose blocks are large enough
+// (Note [Which allgather] in ring/ring_process_group.cpp: the group measures both allgathers
+// when it is made). At set-up every rank sends every peer its threshold (the largest value, when
 // disabled or a peer is unreadable) and the group takes the largest, so ranks with different
 // settings still agree. A peer that dies mid-copy makes the read fail (ESRCH), an error that
 // names the rank; a peer that stops is noticed at the done message's deadline. A peer that

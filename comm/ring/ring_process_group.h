@@ -39,9 +39,10 @@
 //   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 2 MiB)
 //   TDIST_SINGLE_COPY        1 (default) | 0: large allgathers and broadcasts read the peers'
 //                            memory when every rank may (Note [Single-copy collectives])
-//   TDIST_SINGLE_COPY_BYTES  allgather blocks (world 3 and more) and broadcasts (world 2) from
-//                            this many bytes (default 256 KiB); the group takes the largest
-//                            of its ranks' values
+//   TDIST_SINGLE_COPY_BYTES  broadcasts (world 2) and allgather blocks from this many bytes
+//                            (default 256 KiB); the group takes the largest of its ranks' values
+//   TDIST_ALLGATHER_ALGO     auto (default: timed at set-up) | ring | single_copy
+//                            (Note [Which allgather] in ring_process_group.cpp)
 //   TDIST_DEBUG=DETAIL       fingerprint check before every collective
 //   TDIST_RUN_ON_WAITER      1 (default): Work::wait() runs the next due operation on the
 //                            waiting thread (Note [Waiter runs the operation]); 0: the worker only

@@ -182,8 +182,9 @@ void check_allgathers(ProcessGroup& pg, int rank, int64_t n,
 }
 
 // allgather_into_tensor into a staged output (each block copied out as it lands): through the
-// ring (world 2, or single copy off) and by single copy (from world 3), in place or not; and the
-// list form, its outputs staged together.
+// ring (single copy off) and by single copy where the group may read its peers (from world 3,
+// and at world 2 where its set-up measured it faster), in place or not; and the list form, its
+// outputs staged together.
 TEST_P(OverlappedStaging, AllgatherIntoAStagedOutput) {
   for (const char* single : {"0", "1"}) {
     SCOPED_TRACE(str("TDIST_SINGLE_COPY=", single));
