@@ -34,8 +34,8 @@ std::optional<int> count(const std::optional<int>& field, const char* field_name
   return static_cast<int>(env::get_int(var, 0, 0, max));
 }
 
-// The field when set, else the variable, else "auto", looked up among `names` (the first is
-// "auto"); an unknown name is an error that lists them.
+// The field when set, else the variable, else "auto", looked up among `names`; an unknown name
+// is an error that names where it came from and lists the names.
 template <typename Choice>
 Choice choice(const std::optional<std::string>& field, const char* field_name, const char* var,
               std::initializer_list<std::pair<const char*, Choice>> names) {
