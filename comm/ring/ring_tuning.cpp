@@ -34,6 +34,14 @@ std::optional<int> count(const std::optional<int>& field, const char* field_name
   return static_cast<int>(env::get_int(var, 0, 0, max));
 }
 
+// "a, b, c": the names of a choice, for its error.
+template <typename Choice>
+std::string joined(std::initializer_list<std::pair<const char*, Choice>> names) {
+  std::string out;
+  for (const auto& n : names) out += std::string(out.empty() ? "" : ", ") + n.first;
+  return out;
+}
+
 // The field when set, else the variable, else "auto", looked up among `names`; an unknown name
 // is an error that names where it came from and lists the names.
 template <typename Choice>
@@ -42,11 +50,10 @@ Choice choice(const std::optional<std::string>& field, const char* field_name, c
   const std::string name = field ? *field : env::get(var).value_or("auto");
   const auto* found =
       std::find_if(names.begin(), names.end(), [&](const auto& n) { return name == n.first; });
-  if (found != names.end()) return found->second;
-  std::string known;
-  for (const auto& n : names) known += std::string(known.empty() ? "" : ", ") + n.first;
-  const std::string from = field ? str("ProcessGroup::Options::ring.", field_name) : var;
-  TDIST_THROW(InvalidArgument, from, "='", name, "' is not one of ", known);
+  TDIST_CHECK_ARG(found != names.end(),
+                  field ? str("ProcessGroup::Options::ring.", field_name) : std::string(var), "='",
+                  name, "' is not one of ", joined(names));
+  return found->second;
 }
 
 bool flag(const std::optional<bool>& field, const char* var, bool fallback) {
@@ -87,14 +94,11 @@ RingTuningValues resolve_ring_tuning(const ProcessGroup::Options::RingTuning& se
     v.debug_detail = debug == "DETAIL" || debug == "detail";
   }
   v.run_on_waiter = flag(set.run_on_waiter, "TDIST_RUN_ON_WAITER", v.run_on_waiter);
-  if (set.shared_memory) {
-    v.shared_memory = *set.shared_memory;
-  } else {
-    const auto transport = env::get("TDIST_TRANSPORT").value_or("auto");
-    TDIST_CHECK_ARG(transport == "auto" || transport == "tcp", "TDIST_TRANSPORT='", transport,
-                    "' is not one of auto, tcp");
-    v.shared_memory = transport == "auto";
-  }
+  // The field is a bool (auto: true); only the variable is a name.
+  v.shared_memory = set.shared_memory
+                        ? *set.shared_memory
+                        : choice<bool>(std::nullopt, "shared_memory", "TDIST_TRANSPORT",
+                                       {{"auto", true}, {"tcp", false}});
   v.shm_bytes =
       bytes(set.shm_bytes, "shm_bytes", "TDIST_SHM_BYTES", v.shm_bytes,
             static_cast<int64_t>(shm::kMinCapacity), static_cast<int64_t>(shm::kMaxCapacity));

@@ -25,8 +25,8 @@ enum class AllreduceChoice {
   kSingleCopy
 };
 
-// TDIST_ALLGATHER_ALGO / ring.allgather_algo (Note [Single-copy collectives] in
-// algorithms/single_copy.h). In this order because the group takes the largest of its ranks'
+// TDIST_ALLGATHER_ALGO / ring.allgather_algo (Note [Which allgather] in
+// ring_process_group.cpp). In this order because the group takes the largest of its ranks'
 // choices: the ring wherever one rank asks for it.
 enum class AllgatherChoice : uint64_t { kSingleCopy, kAuto, kRing };
 
