@@ -253,8 +253,7 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
           allgather_single_copy_bytes_ = single_copy_bytes_;
           break;
         case AllgatherChoice::kAuto: {
-          algorithms::Context ctx{*exchange_, rank_,       size_,        chunk_bytes_,
-                                  scratch_,   &peer_pids_, window_bytes_};
+          algorithms::Context ctx = context();
           if (single_copy_allgather_is_faster(ctx)) {
             allgather_single_copy_bytes_ = std::min(single_copy_bytes_, kMeasuredSingleCopyBytes);
           } else if (size_ >= 3) {
@@ -318,6 +317,10 @@ std::shared_ptr<Work> RingProcessGroup::enqueue_small(const char* name, Kind kin
   return ops_->push(name, effective(timeout), std::move(body));
 }
 
+algorithms::Context RingProcessGroup::context() {
+  return {*exchange_, rank_, size_, chunk_bytes_, scratch_, &peer_pids_, window_bytes_};
+}
+
 Future::Result RingProcessGroup::run(OpQueue::Op& op, Clock::time_point began) {
   exchange_->begin(op.name, op.seq, began, deadline_after(op.timeout, began));
   OpBody& body = op.body;
@@ -326,8 +329,7 @@ Future::Result RingProcessGroup::run(OpQueue::Op& op, Clock::time_point began) {
     body.fingerprint.seq = op.seq;
     check_fingerprints(*exchange_, body.fingerprint);
   }
-  algorithms::Context ctx{*exchange_, rank_,       size_,        chunk_bytes_,
-                          scratch_,   &peer_pids_, window_bytes_};
+  algorithms::Context ctx = context();
   if (body.kind == Kind::kRun) return body.run(ctx);
   return run_small(ctx, body.kind, body.args);
 }

@@ -120,6 +120,8 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
                                       SmallArgs args);
   // OpQueue::Runner: runs a queued operation on the thread that took it.
   Future::Result run(OpQueue::Op& op, Clock::time_point began) override;
+  // What the algorithms run with: this group's exchange, tuning, scratch and peers.
+  algorithms::Context context();
   void fatal(std::exception_ptr error) override { abort_with(std::move(error)); }
   // Runs a small operation (any kind but kRun).
   Future::Result run_small(algorithms::Context& c, Kind kind, SmallArgs& a);
