@@ -79,19 +79,25 @@ class Future : public std::enable_shared_from_this<Future> {
   void add_callback(std::function<void(Future&)> fn);
 
  private:
-  void finish(std::unique_lock<std::mutex>& lock);
-  // The value of a complete future without an error; lists one_ the first time. `lock` holds mu_
-  // when given.
-  const Value& listed(std::unique_lock<std::mutex>* lock = nullptr) const;
+  // state_'s bits: Note [Completing without a lock] in comm/work.cpp.
+  static constexpr int kClaimed = 1;    // a set_* call owns the value fields
+  static constexpr int kDone = 2;       // complete: the value fields are constant
+  static constexpr int kListening = 4;  // a callback or a blocked waiter is registered (mu_)
+  // Claims the value fields for one set_* call; throws when the future was completed before.
+  void claim();
+  // Publishes the value fields, then wakes the waiters and runs the callbacks if any.
+  void finish();
+  // The value of a complete future without an error; lists one_ the first time.
+  const Value& listed() const;
 
-  mutable std::mutex mu_;
+  mutable std::mutex mu_;  // for listeners (callbacks_, cv_) and the first listing of one_
   std::condition_variable cv_;
-  std::atomic<bool> done_{false};  // set under mu_; read without it
-  // guarded by mu_; constant once done_ and listed_ (value_ is made from one_ under mu_)
-  mutable Value value_;
-  at::Tensor one_;                          // guarded by mu_; constant once done_
+  std::atomic<int> state_{0};
+  // Written by the set_* call that claimed them, read once kDone is seen (acquire).
+  mutable Value value_;  // made from one_ under mu_ when a single tensor is first asked for
+  at::Tensor one_;
   mutable std::atomic<bool> listed_{true};  // false while a single tensor sits in one_ unlisted
-  std::exception_ptr error_;                // guarded by mu_; constant once done_
+  std::exception_ptr error_;
   std::vector<std::function<void(Future&)>> callbacks_;  // guarded by mu_
 };
 

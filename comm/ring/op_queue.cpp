@@ -32,8 +32,10 @@ namespace {
 //     lock; when another thread frees them (the worker ran the op and dropped the last
 //     reference), a full cache hands its blocks to a shared depot (one mutex) that an empty
 //     cache takes from, and only beyond both caps are blocks given back to the heap.
-// What is left on the caller's path is the queue's mutex, taken once to queue the op, once to
-// take it and once to finish it, and the Future's, taken once to complete it.
+//   - A caller that waits at once takes no lock either: its operation goes through the slot
+//     (Note [The slot]) and its Future completes without one (Note [Completing without a lock]
+//     in comm/work.cpp), counted in the same test. Other styles still take the queue's mutex to
+//     hand operations to the worker.
 struct FreeBlock {
   FreeBlock* next;
 };
@@ -173,6 +175,32 @@ constexpr auto kLazyPickup = std::chrono::milliseconds(5);
 constexpr int kLazyIdleRounds = 100;
 }  // namespace
 
+// Note [The slot]
+// A blocking caller (lazy_) pushes, waits and runs its operation with no lock: the queue keeps
+// one operation outside queue_, in slot_, and one atomic word (state_) says who holds what:
+// kRunning (an operation executes), kFilling (a push is writing slot_), kSlot (slot_ holds an
+// operation nobody took), kQueued (queue_ is not empty), and above them the next seq. Each
+// change is one compare-and-swap that also checks what it relies on:
+//   - A push may use the slot only when no bit is set: nothing runs, nothing waits in the slot
+//     or the queue. Its CAS sets kFilling and takes a seq; it writes slot_, then turns kFilling
+//     into kSlot (release). Every other push (not lazy, or a bit set) goes to queue_ under mu_ and
+//     sets kQueued in the CAS that takes its seq, so a slot operation always comes before every
+//     queued one: a queued operation is taken only while kSlot and kFilling are clear.
+//   - Taking the slot's operation: CAS from a value with kSlot and without kRunning to one with
+//     kRunning and without kSlot; it fails if anything changed, the seq included, so an operation
+//     taken, run and replaced meanwhile is never taken twice. Taking queue_'s first operation
+//     sets kRunning (and clears kQueued when the queue empties) under mu_.
+//   - The thread that ran the slot's operation resets slot_, then clears kRunning; only when
+//     kQueued or kSlot was set meanwhile does it take mu_, to wake the worker if it has work.
+//   - Destroying the group sets stop_ and then reads state_ (both seq_cst); a push reads stop_
+//     after its CAS, so one of them sees the other: stop() reports the operation pending (the
+//     group aborts and fail_queued fails it), or the push gives the slot back and fails as a
+//     push under mu_ does. A push
+//     that finds the queue aborted or stopped after filling the slot wakes the worker, which
+//     fails a slot's operation once the queue is aborted.
+// So a caller that issues and waits at once takes no lock in the queue; the Future it waits on
+// takes none either when nobody else listens (Future::finish in comm/work.cpp).
+
 OpQueue::OpQueue(int rank, bool run_on_waiter, Runner& runner)
     : rank_(rank), run_on_waiter_(run_on_waiter), runner_(runner) {}
 
@@ -193,8 +221,8 @@ bool OpQueue::stop() {
   bool busy;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    busy = running_ || !queue_.empty();
+    stop_.store(true);
+    busy = (state_.load() & (kRunning | kFilling | kSlot | kQueued)) != 0;
   }
   cv_.notify_all();
   return busy;
@@ -224,22 +252,73 @@ void OpQueue::fail_queued() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     pending.swap(queue_);
+    state_.fetch_and(~kQueued);
   }
   for (auto& node : pending) node.future->set_error(aborted_error(node.op.name, node.op.seq));
+  // The slot's operation, once its push has written it: taken and run, it fails at once.
+  for (;;) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    if ((s & kFilling) != 0) {
+      std::this_thread::yield();
+      continue;
+    }
+    if ((s & (kSlot | kRunning)) != kSlot) break;  // kSlot never comes with kRunning
+    if (take_slot(s)) {
+      execute(slot_, nullptr, Clock::now());
+      break;
+    }
+  }
   cv_.notify_all();
 }
 
+bool OpQueue::push_to_slot(const char* name, Millis timeout, Clock::time_point enqueued,
+                           OpBody& body, const std::shared_ptr<Future>& future, uint64_t* seq) {
+  uint64_t s = state_.load(std::memory_order_relaxed);
+  if ((s & kFlags) != 0 || !lazy_.load(std::memory_order_relaxed) || aborted_.load() ||
+      !state_.compare_exchange_strong(s, (s + kSeqOne) | kFilling)) {
+    return false;
+  }
+  if (stop_.load()) {
+    // Note [The slot]: stop() may not have seen this push. The slot goes back, a worker
+    // waiting to end is woken, and push() fails under mu_.
+    state_.fetch_and(~kFilling);
+    { std::lock_guard<std::mutex> lock(mu_); }
+    cv_.notify_all();
+    return false;
+  }
+  *seq = s >> kSeqShift;
+  Op& op = slot_.op;
+  op.enqueued = enqueued;
+  op.name = name;
+  op.seq = *seq;
+  op.timeout = timeout;
+  op.body = std::move(body);
+  slot_.future = future;
+  slot_seq_.store(*seq, std::memory_order_relaxed);
+  slot_enqueued_.store(enqueued.time_since_epoch().count(), std::memory_order_relaxed);
+  slot_told_.store(false, std::memory_order_relaxed);
+  state_.fetch_xor(kFilling | kSlot);  // kFilling off, kSlot on (release)
+  if (aborted_.load() || stop_.load()) {
+    { std::lock_guard<std::mutex> lock(mu_); }
+    cv_.notify_all();
+  }
+  return true;
+}
+
 std::shared_ptr<Work> OpQueue::push(const char* name, Millis timeout, OpBody&& body) {
-  // Note [Small operations]: pooled Future and Work, a recycled node.
+  // Note [Small operations]: pooled Future and Work, the slot or a recycled node.
   auto future = std::allocate_shared<Future>(PoolAllocator<Future>());
   const auto enqueued = Clock::now();
   uint64_t seq;
-  bool aborted, tell = false;
-  {
+  bool aborted = false, tell = false;
+  if (!push_to_slot(name, timeout, enqueued, body, future, &seq)) {
     std::lock_guard<std::mutex> lock(mu_);
-    TDIST_CHECK(!stop_, "the process group is being destroyed");
-    seq = next_seq_++;
+    TDIST_CHECK(!stop_.load(), "the process group is being destroyed");
     aborted = aborted_.load();
+    // Only this thread (holding mu_) sets kQueued; the CAS takes the seq with it.
+    uint64_t s = state_.load(std::memory_order_relaxed);
+    while (!state_.compare_exchange_weak(s, (s + kSeqOne) | (aborted ? 0 : kQueued))) {}
+    seq = s >> kSeqShift;
     if (!aborted) {
       if (free_ops_.empty()) free_ops_.emplace_back();
       queue_.splice(queue_.end(), free_ops_, free_ops_.begin());
@@ -250,7 +329,7 @@ std::shared_ptr<Work> OpQueue::push(const char* name, Millis timeout, OpBody&& b
       node.op.timeout = timeout;
       node.op.body = std::move(body);
       node.future = future;
-      tell = node.worker_told = !lazy_;
+      tell = node.worker_told = !lazy_.load(std::memory_order_relaxed);
     }
   }
   // Every op name is a string literal (Work::StaticName: no copy of it).
@@ -268,21 +347,93 @@ std::shared_ptr<Work> OpQueue::push(const char* name, Millis timeout, OpBody&& b
   return work;
 }
 
+bool OpQueue::take_slot(uint64_t s) {
+  if ((s & (kSlot | kRunning)) != kSlot) return false;
+  return state_.compare_exchange_strong(s, (s & ~kSlot) | kRunning, std::memory_order_acquire);
+}
+
+bool OpQueue::take_front_locked(uint64_t s, NodeList& taken) {
+  if ((s & (kRunning | kFilling | kSlot)) != 0 || queue_.empty()) return false;
+  const bool last = std::next(queue_.begin()) == queue_.end();
+  if (!state_.compare_exchange_strong(s, (s | kRunning) & ~(last ? kQueued : 0))) return false;
+  taken.splice(taken.end(), queue_, queue_.begin());
+  return true;
+}
+
 bool OpQueue::tell_worker_locked() {
   bool told = false;
   for (auto& node : queue_) {
     if (!node.worker_told) node.worker_told = told = true;
   }
+  if ((state_.load() & kSlot) != 0 && !slot_told_.load()) {
+    slot_told_.store(true);
+    told = true;
+  }
   return told;
 }
 
+bool OpQueue::worker_has_work_locked() const {
+  const uint64_t s = state_.load();
+  if ((s & kRunning) != 0) return false;
+  if ((s & kSlot) != 0) return slot_told_.load();
+  return (s & kFilling) == 0 && !queue_.empty() && queue_.front().worker_told;
+}
+
+void OpQueue::note_wait(bool prompt) {
+  // Plain loads and stores: waits on one group come from its callers one at a time, and a lost
+  // update only delays the switch by an operation.
+  if (!prompt) {
+    if (lazy_.load(std::memory_order_relaxed)) lazy_.store(false, std::memory_order_relaxed);
+    prompt_waits_.store(0, std::memory_order_relaxed);
+    return;
+  }
+  const int n = prompt_waits_.load(std::memory_order_relaxed);
+  if (n < kPromptStreak) prompt_waits_.store(n + 1, std::memory_order_relaxed);
+  if (n + 1 >= kPromptStreak && !lazy_.load(std::memory_order_relaxed)) {
+    lazy_.store(true, std::memory_order_relaxed);
+  }
+}
+
 void OpQueue::progress(uint64_t seq, bool may_run_here) {
+  uint64_t s = state_.load(std::memory_order_acquire);
+  if ((s & kSlot) != 0 && slot_seq_.load(std::memory_order_relaxed) == seq) {
+    // Note [The slot]: the op waits in the slot; running it here takes no lock.
+    Clock::time_point now;
+    bool prompt = false;
+    if (may_run_here) {
+      now = Clock::now();
+      prompt = now.time_since_epoch().count() - slot_enqueued_.load(std::memory_order_relaxed) <=
+               Clock::duration(kPromptWait).count();
+    }
+    note_wait(prompt);
+    if (may_run_here && !stop_.load(std::memory_order_relaxed) && take_slot(s)) {
+      // Leaving lazy use, the worker must know of the ops queued behind this one.
+      if ((s & kQueued) != 0 && !lazy_.load(std::memory_order_relaxed)) {
+        bool tell;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          tell = tell_worker_locked();
+        }
+        if (tell) cv_.notify_one();
+      }
+      execute(slot_, nullptr, now);
+      return;
+    }
+    // Not taken here: the worker runs it.
+    bool tell;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tell = tell_worker_locked();
+    }
+    if (tell) cv_.notify_one();
+    return;
+  }
   NodeList taken;
   bool tell = false;
   Clock::time_point now;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // An operation no longer queued was taken by the worker: not a prompt wait.
+    // An operation no longer queued was taken already: not a prompt wait.
     bool prompt = false;
     if (may_run_here) {
       for (const auto& queued : queue_) {
@@ -292,86 +443,103 @@ void OpQueue::progress(uint64_t seq, bool may_run_here) {
         break;
       }
     }
-    if (prompt) {
-      if (++prompt_waits_ >= kPromptStreak) lazy_ = true;
-    } else {
-      lazy_ = false;
-      prompt_waits_ = 0;
+    note_wait(prompt);
+    if (may_run_here && !stop_.load() && !queue_.empty() && queue_.front().op.seq == seq) {
+      take_front_locked(state_.load(), taken);
     }
-    if (may_run_here && !running_ && !stop_ && !queue_.empty() && queue_.front().op.seq == seq) {
-      taken.splice(taken.end(), queue_, queue_.begin());
-      running_ = true;
-    }
-    // Outside lazy_ the worker knows every queued op; and if this one could not be taken here,
-    // the worker must run it (after those ahead of it).
-    if (!lazy_ || taken.empty()) tell = tell_worker_locked();
+    // Outside lazy use the worker knows every queued op; and if this one could not be taken
+    // here, the worker must run it (after those ahead of it).
+    if (!lazy_.load(std::memory_order_relaxed) || taken.empty()) tell = tell_worker_locked();
   }
   if (tell) cv_.notify_one();
-  if (!taken.empty()) execute(taken, now);
+  if (!taken.empty()) execute(taken.front(), &taken, now);
 }
 
 void OpQueue::worker_loop() {
   int idle_rounds = 0;
+  const auto unclaimed = [](Clock::time_point enqueued) {
+    return Clock::now() - enqueued >= kLazyPickup;
+  };
   for (;;) {
     NodeList taken;
+    bool from_slot = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
       for (;;) {
-        if (stop_ && queue_.empty()) return;
-        // Not while a waiter runs an operation (Note [Waiter runs the operation]).
-        if (!queue_.empty() && !running_ &&
-            (queue_.front().worker_told ||
-             Clock::now() - queue_.front().op.enqueued >= kLazyPickup)) {
+        const uint64_t s = state_.load(std::memory_order_acquire);
+        if (stop_.load() && queue_.empty() && (s & (kFilling | kSlot)) == 0) return;
+        // Not while a waiter runs an operation (Note [Waiter runs the operation]). The slot's
+        // op comes first (Note [The slot]); once the queue is aborted it is failed here, since
+        // nobody may be left to wait on it.
+        if ((s & kSlot) != 0) {
+          const bool due = slot_told_.load() || aborted_.load() ||
+                           unclaimed(Clock::time_point(
+                               Clock::duration(slot_enqueued_.load(std::memory_order_relaxed))));
+          if (due && take_slot(s)) {
+            from_slot = true;
+            break;
+          }
+          if (due && (s & kRunning) == 0) continue;  // state_ changed under us: look again
+        } else if (!queue_.empty() &&
+                   (queue_.front().worker_told || unclaimed(queue_.front().op.enqueued)) &&
+                   take_front_locked(s, taken)) {
           break;
         }
-        if (!lazy_) {
+        if (!lazy_.load(std::memory_order_relaxed)) {
           cv_.wait(lock);
           continue;
         }
         if (cv_.wait_for(lock, kLazyPickup) == std::cv_status::timeout && queue_.empty() &&
-            ++idle_rounds >= kLazyIdleRounds) {
-          lazy_ = false;
-          prompt_waits_ = 0;
+            (state_.load() & (kFilling | kSlot)) == 0 && ++idle_rounds >= kLazyIdleRounds) {
+          lazy_.store(false, std::memory_order_relaxed);
+          prompt_waits_.store(0, std::memory_order_relaxed);
         }
       }
       idle_rounds = 0;
-      taken.splice(taken.end(), queue_, queue_.begin());
       // Nobody claimed it within kLazyPickup: the caller is asynchronous.
-      if (!taken.front().worker_told) {
-        lazy_ = false;
-        prompt_waits_ = 0;
+      if (from_slot ? !slot_told_.load() : !taken.front().worker_told) {
+        lazy_.store(false, std::memory_order_relaxed);
+        prompt_waits_.store(0, std::memory_order_relaxed);
         tell_worker_locked();
       }
-      running_ = true;
     }
-    execute(taken, Clock::now());
+    if (from_slot) {
+      execute(slot_, nullptr, Clock::now());
+    } else {
+      execute(taken.front(), &taken, Clock::now());
+    }
   }
 }
 
-void OpQueue::finish_running(NodeList& taken) {
+void OpQueue::finish_running(Node& node, NodeList* list) {
   static constexpr size_t kFreeOpsCap = 16;
-  Node& node = taken.front();
   node.future.reset();
   node.op.body = OpBody{};  // the caller's tensors and the Run's captures are not kept
   node.worker_told = false;
   bool more;
-  {
+  if (list == nullptr) {
+    // The slot (Note [The slot]): written by the next push once kRunning is clear.
+    const uint64_t before = state_.fetch_and(~kRunning, std::memory_order_acq_rel);
+    if ((before & (kQueued | kSlot)) == 0) return;
     std::lock_guard<std::mutex> lock(mu_);
-    running_ = false;
-    more = !queue_.empty() && queue_.front().worker_told;
-    if (free_ops_.size() < kFreeOpsCap) free_ops_.splice(free_ops_.end(), taken);
+    more = worker_has_work_locked();
+  } else {
+    std::lock_guard<std::mutex> lock(mu_);
+    state_.fetch_and(~kRunning, std::memory_order_acq_rel);
+    more = worker_has_work_locked();
+    if (free_ops_.size() < kFreeOpsCap) free_ops_.splice(free_ops_.end(), *list);
   }
-  // The worker waits for running_ to clear when a waiter ran the operation.
+  // The worker waits for kRunning to clear when a waiter ran the operation.
   if (more) cv_.notify_one();
 }
 
-void OpQueue::execute(NodeList& taken, Clock::time_point now) {
-  Op& op = taken.front().op;
+void OpQueue::execute(Node& node, NodeList* list, Clock::time_point now) {
+  Op& op = node.op;
   const char* name = op.name;
   const uint64_t seq = op.seq;
-  std::shared_ptr<Future> future = taken.front().future;
+  std::shared_ptr<Future> future = std::move(node.future);
   if (aborted_.load()) {
-    finish_running(taken);
+    finish_running(node, list);
     future->set_error(aborted_error(name, seq));
     return;
   }
@@ -388,7 +556,7 @@ void OpQueue::execute(NodeList& taken, Clock::time_point now) {
   }
   // Before completing: a caller that waited for this op may destroy the group at once, and
   // must not find it busy. The op's own references (its Run's captures, its tensors) go with it.
-  finish_running(taken);
+  finish_running(node, list);
   try {
     if (error) {
       future->set_error(error);

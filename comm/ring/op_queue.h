@@ -82,17 +82,41 @@ class OpQueue {
   };
   using NodeList = std::list<Node>;
 
-  void worker_loop();
-  // Runs the op held alone in `node`; `now`: when it starts. The node goes back to free_ops_
-  // before the op's future completes.
-  void execute(NodeList& node, Clock::time_point now);
+  // state_'s bits (Note [The slot] in op_queue.cpp); the bits above them count the operations
+  // pushed (the next one's seq).
+  static constexpr uint64_t kRunning = 1;  // an op is executing (worker or waiter)
+  static constexpr uint64_t kFilling = 2;  // a push is writing its op into slot_
+  static constexpr uint64_t kSlot = 4;     // slot_ holds an op nobody has taken
+  static constexpr uint64_t kQueued = 8;   // queue_ holds ops (changed only under mu_)
+  static constexpr uint64_t kFlags = 15;
+  static constexpr uint64_t kSeqOne = 16;
+  static constexpr int kSeqShift = 4;
+
+  // push() into slot_ without a lock when the queue is idle and lazy; false: push under mu_.
+  bool push_to_slot(const char* name, Millis timeout, Clock::time_point enqueued, OpBody& body,
+                    const std::shared_ptr<Future>& future, uint64_t* seq);
+  // Takes slot_'s op (which `s`, state_'s value seen, says is there) to run on this thread;
+  // false when state_ is no longer `s`.
+  bool take_slot(uint64_t s);
+  // Takes queue_'s first op into `taken` to run on this thread, when nothing runs or waits in
+  // the slot (`s`: state_'s value seen); false when it may not. Call with mu_ held.
+  bool take_front_locked(uint64_t s, NodeList& taken);
   // Note [Waiter runs the operation]: the Work's progress hook.
   void progress(uint64_t seq, bool may_run_here);
+  // A wait on an op that found it `prompt` or not: Note [Waiter runs the operation].
+  void note_wait(bool prompt);
+  void worker_loop();
+  // Runs the op of `node`, held alone by this thread: taken from queue_ into `list`, or from the
+  // slot (list == nullptr); `now`: when it starts. The node is free again before the op's future
+  // completes.
+  void execute(Node& node, NodeList* list, Clock::time_point now);
+  // Notes the op of `node` done (running_ clear) and takes the node back (its op reset).
+  void finish_running(Node& node, NodeList* list);
   // Notifies the worker of every queued op it was not told of; call with mu_ held, then notify
   // cv_ when it returns true.
   bool tell_worker_locked();
-  // Clears running_ and takes back `node` (its op reset) into free_ops_.
-  void finish_running(NodeList& node);
+  // An op the worker was told of is next and nothing runs. Call with mu_ held.
+  bool worker_has_work_locked() const;
 
   // Constant after construction.
   const int rank_;
@@ -100,15 +124,23 @@ class OpQueue {
   Runner& runner_;
 
   std::atomic<bool> aborted_{false};
+  std::atomic<uint64_t> state_{0};
+  std::atomic<bool> stop_{false};  // written under mu_
+  // Heuristics of Note [Waiter runs the operation]; read and written without a lock (a stale
+  // value costs a wake-up or a pickup delay, never an operation).
+  std::atomic<bool> lazy_{false};     // new ops are left for their waiter
+  std::atomic<int> prompt_waits_{0};  // ops waited on promptly in a row
+  // The slot: one op, written by the push that set kFilling, then the thread that took it
+  // (kSlot cleared, kRunning set) until it clears kRunning. Its seq, push time and whether
+  // the worker was told are atomics, read by threads that do not own it.
+  Node slot_;
+  std::atomic<uint64_t> slot_seq_{0};
+  std::atomic<int64_t> slot_enqueued_{0};  // Clock ticks
+  std::atomic<bool> slot_told_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
   NodeList queue_;                  // guarded by mu_
   NodeList free_ops_;               // guarded by mu_: reset nodes for later operations
-  uint64_t next_seq_ = 0;           // guarded by mu_
-  bool running_ = false;            // guarded by mu_: an op is executing (worker or waiter)
-  bool lazy_ = false;               // guarded by mu_: new ops are left for their waiter
-  int prompt_waits_ = 0;            // guarded by mu_: ops waited on promptly in a row
-  bool stop_ = false;               // guarded by mu_
   std::exception_ptr abort_cause_;  // guarded by mu_
   std::thread worker_;
 };

@@ -1,15 +1,20 @@
-// Heap allocations of warm small collectives (issue 46): this binary replaces the global
-// operator new and counts every call, per thread and in all, so it is its own test program (no
-// other source may see the replacement). Two ranks run as threads of this process; after a
-// warm-up both meet at an allocation-free barrier, run kOps operations of 4 KiB each (an
-// allreduce, a broadcast, an allgather or a reduce-scatter, list or flat), and meet
-// again. A list operation's lists are built before the count starts (the API takes them by
-// value: the caller moves one in). The calling thread's count is its own; everything else the process allocated meanwhile
-// (the groups' worker threads, the other rank) is the rest. Both must stay at or under the
-// fixed numbers below, so a change that adds an allocation to the small-operation path fails.
+// Heap allocations and locks of warm small collectives (issue 46): this binary replaces the
+// global operator new and pthread_mutex_lock (and _trylock) and counts every call, per thread and
+// in all, so it is its own test program (no other source may see the replacement). Two ranks run
+// as threads of this process; after a warm-up both meet at an allocation-free barrier, run kOps
+// operations of 4 KiB each (an allreduce, a broadcast, an allgather or a reduce-scatter, list or
+// flat), and meet again. A list operation's lists are built before the count starts (the API
+// takes them by value: the caller moves one in). The calling thread's count is its own;
+// everything else the process allocated meanwhile (the groups' worker threads, the other rank)
+// is the rest. Both must stay at or under the fixed numbers below, so a change that adds an
+// allocation (or, where the caller runs its operations, a lock) to the small-operation path
+// fails.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <dlfcn.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -34,6 +39,28 @@ void* counted(std::size_t n, std::size_t align) {
   return p;
 }
 }  // namespace
+
+// pthread_mutex_lock and _trylock, interposed: every std::mutex lock of the process comes here
+// first (the executable's definition wins over libc's), counted per thread.
+thread_local uint64_t t_locks = 0;
+namespace {
+template <typename Fn>
+Fn real_function(const char* name) {
+  return reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
+}
+}  // namespace
+extern "C" int pthread_mutex_lock(pthread_mutex_t* m) {
+  using Fn = int (*)(pthread_mutex_t*);
+  static Fn real = real_function<Fn>("pthread_mutex_lock");
+  ++t_locks;
+  return real(m);
+}
+extern "C" int pthread_mutex_trylock(pthread_mutex_t* m) {
+  using Fn = int (*)(pthread_mutex_t*);
+  static Fn real = real_function<Fn>("pthread_mutex_trylock");
+  ++t_locks;
+  return real(m);
+}
 
 void* operator new(std::size_t n) { return counted(n, 0); }
 void* operator new[](std::size_t n) { return counted(n, 0); }
@@ -90,6 +117,7 @@ struct SpinBarrier {
 struct Counts {
   uint64_t caller[2] = {0, 0};
   uint64_t all = 0;
+  uint64_t caller_locks[2] = {0, 0};
 };
 
 enum class Op {
@@ -194,6 +222,7 @@ Counts count_small_ops(Op op, bool run_on_waiter, bool keep_work) {
     if (rank == 0) all_before = g_allocations.load();
     barrier.wait(2);
     const uint64_t mine = t_allocations;
+    const uint64_t my_locks = t_locks;
     for (int i = 0; i < kOps; ++i) {
       if (keep_work || i + 1 == kOps) {
         kept = caller.call(*pg);
@@ -203,6 +232,7 @@ Counts count_small_ops(Op op, bool run_on_waiter, bool keep_work) {
       }
     }
     counts.caller[rank] = t_allocations - mine;
+    counts.caller_locks[rank] = t_locks - my_locks;
     barrier.wait(2);
     if (rank == 0) counts.all = g_allocations.load() - all_before;
     barrier.wait(2);
@@ -221,7 +251,8 @@ constexpr uint64_t kOnce = 4;
 
 void expect_within(const Counts& c) {
   std::cout << "allocations in " << kOps << " operations: calling threads " << c.caller[0] << " + "
-            << c.caller[1] << ", all threads " << c.all << "\n";
+            << c.caller[1] << ", all threads " << c.all << "; locks on the calling threads "
+            << c.caller_locks[0] << " + " << c.caller_locks[1] << "\n";
   // A calling thread also allocates now and then with timing (14 in 256 list allgathers on the
   // worker were seen in a cold CI run): the same half an allocation per operation of slack as
   // below, which still fails as soon as one more is added to every call.
@@ -246,9 +277,23 @@ struct Case {
 
 class SmallOpAllocations : public ::testing::TestWithParam<Case> {};
 
+// A caller that waits at once runs its operation itself and takes no lock (Note [The slot] in
+// comm/ring/op_queue.cpp, Note [Completing without a lock] in comm/work.cpp). Before
+// 2026-11-29 every such operation took four (the queue's mutex three times, the Future's once):
+// 1024 in 256 operations, which fails here. The slack (an eighth of a lock per operation)
+// still fails as soon as one is added to every call.
+void expect_no_locks(const Counts& c) {
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_LE(c.caller_locks[r], kOps / 8)
+        << "rank " << r << "'s calling thread took " << c.caller_locks[r] << " locks in " << kOps
+        << " operations";
+  }
+}
+
 TEST_P(SmallOpAllocations, WaiterRunsTheOperation) {
-  expect_within(count_small_ops(GetParam().op, /*run_on_waiter=*/true,
-                                /*keep_work=*/false));
+  const Counts c = count_small_ops(GetParam().op, /*run_on_waiter=*/true, /*keep_work=*/false);
+  expect_within(c);
+  expect_no_locks(c);
 }
 
 TEST_P(SmallOpAllocations, WorkerRunsTheOperation) {
@@ -257,8 +302,9 @@ TEST_P(SmallOpAllocations, WorkerRunsTheOperation) {
 }
 
 TEST_P(SmallOpAllocations, WorkKeptUntilTheNextCall) {
-  expect_within(count_small_ops(GetParam().op, /*run_on_waiter=*/true,
-                                /*keep_work=*/true));
+  const Counts c = count_small_ops(GetParam().op, /*run_on_waiter=*/true, /*keep_work=*/true);
+  expect_within(c);
+  expect_no_locks(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, SmallOpAllocations,
