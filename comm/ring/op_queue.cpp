@@ -195,9 +195,8 @@ constexpr int kLazyIdleRounds = 100;
 //   - Destroying the group sets stop_ and then reads state_ (both seq_cst); a push reads stop_
 //     after its CAS, so one of them sees the other: stop() reports the operation pending (the
 //     group aborts and fail_queued fails it), or the push gives the slot back and fails as a
-//     push under mu_ does. A push
-//     that finds the queue aborted or stopped after filling the slot wakes the worker, which
-//     fails a slot's operation once the queue is aborted.
+//     push under mu_ does. A push that finds the queue aborted or stopped after filling the
+//     slot wakes the worker, which fails a slot's operation once the queue is aborted.
 // So a caller that issues and waits at once takes no lock in the queue; the Future it waits on
 // takes none either when nobody else listens (Future::finish in comm/work.cpp).
 
