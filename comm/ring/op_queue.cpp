@@ -143,18 +143,18 @@ struct PoolAllocator {
 // Work::wait() (without a timeout of its own) calls progress(seq, ..., true): when the operation
 // is the next one due (first in the queue, nothing running), the waiting thread takes it and
 // runs it itself. Order is kept because only the first queued operation can be taken, and only
-// one thread runs operations at a time (running_); the worker waits while running_ is set.
-// The exchange and scratch are used by whichever thread holds running_. Continuations then run
-// on the waiting thread.
+// one thread runs operations at a time (kRunning, Note [The slot]); the worker waits while it is
+// set. The exchange and scratch are used by whichever thread set it. Continuations then run on
+// the waiting thread.
 //
 // Waking the worker for each operation costs as much again (a futex wake on the caller, the
 // worker scheduled onto a core the peer ranks need, only to find the operation taken): measured
 // in docs/perf-history.md ("Waking a rank"), a third of a 4 KiB allreduce. So the group
 // learns the caller's style:
 //   - An operation whose wait() comes within kPromptWait of its issue, while it is still queued,
-//     is "waited promptly".
-//     After kPromptStreak such operations in a row the group turns lazy_: new operations are
-//     queued without waking the worker (worker_told = false), for their waiter to run.
+//     is "waited promptly". After kPromptStreak such operations in a row the group turns lazy_:
+//     new operations are queued without waking the worker (worker_told = false, or the slot),
+//     for their waiter to run.
 //   - Anything else is asynchronous use and turns lazy_ off at once, telling the worker of every
 //     operation it was not told of: a wait() that comes later than kPromptWait, and every other
 //     look at a pending operation (wait with a timeout, is_completed, future(): DDP's buckets
@@ -163,7 +163,12 @@ struct PoolAllocator {
 //   - While lazy_, the worker sleeps kLazyPickup at a time and runs an operation nobody has
 //     claimed for that long, turning lazy_ off (a caller that issued and then computed). After
 //     kLazyIdleRounds empty rounds it turns lazy_ off and sleeps until told, so an idle group
-//     does not keep waking.
+//     does not keep waking. A blocking caller's operations leave the queue empty at every
+//     round too, so under such a caller the worker turns lazy_ off every kLazyIdleRounds
+//     rounds and sleeps until told; the caller's next operations are told to it, and its prompt
+//     waits turn lazy_ on again. The wait that does so wakes a worker asleep until told
+//     (worker_untimed_), so that it goes back to its rounds: without that, a worker that looked
+//     at lazy_ just before it turned on would sleep through an operation nobody touches.
 // So an operation nobody waits on still runs on the worker (asynchronous use progresses; at
 // worst kLazyPickup late, once, when a blocking caller turns asynchronous), and a blocking
 // caller pays neither wake-up. TDIST_RUN_ON_WAITER=0 turns all of it off (the worker runs
@@ -378,19 +383,21 @@ bool OpQueue::worker_has_work_locked() const {
   return (s & kFilling) == 0 && !queue_.empty() && queue_.front().worker_told;
 }
 
-void OpQueue::note_wait(bool prompt) {
+bool OpQueue::note_wait(bool prompt) {
   // Plain loads and stores: waits on one group come from its callers one at a time, and a lost
   // update only delays the switch by an operation.
   if (!prompt) {
     if (lazy_.load(std::memory_order_relaxed)) lazy_.store(false, std::memory_order_relaxed);
     prompt_waits_.store(0, std::memory_order_relaxed);
-    return;
+    return false;
   }
   const int n = prompt_waits_.load(std::memory_order_relaxed);
   if (n < kPromptStreak) prompt_waits_.store(n + 1, std::memory_order_relaxed);
   if (n + 1 >= kPromptStreak && !lazy_.load(std::memory_order_relaxed)) {
-    lazy_.store(true, std::memory_order_relaxed);
+    lazy_.store(true);
+    return worker_untimed_.load();
   }
+  return false;
 }
 
 void OpQueue::progress(uint64_t seq, bool may_run_here) {
@@ -404,7 +411,10 @@ void OpQueue::progress(uint64_t seq, bool may_run_here) {
       prompt = now.time_since_epoch().count() - slot_enqueued_.load(std::memory_order_relaxed) <=
                Clock::duration(kPromptWait).count();
     }
-    note_wait(prompt);
+    if (note_wait(prompt)) {
+      { std::lock_guard<std::mutex> lock(mu_); }
+      cv_.notify_one();
+    }
     if (may_run_here && !stop_.load(std::memory_order_relaxed) && take_slot(s)) {
       // Leaving lazy use, the worker must know of the ops queued behind this one.
       if ((s & kQueued) != 0 && !lazy_.load(std::memory_order_relaxed)) {
@@ -442,13 +452,13 @@ void OpQueue::progress(uint64_t seq, bool may_run_here) {
         break;
       }
     }
-    note_wait(prompt);
+    tell = note_wait(prompt);  // the worker cannot be between its look at lazy_ and its sleep
     if (may_run_here && !stop_.load() && !queue_.empty() && queue_.front().op.seq == seq) {
       take_front_locked(state_.load(), taken);
     }
     // Outside lazy use the worker knows every queued op; and if this one could not be taken
     // here, the worker must run it (after those ahead of it).
-    if (!lazy_.load(std::memory_order_relaxed) || taken.empty()) tell = tell_worker_locked();
+    if (!lazy_.load(std::memory_order_relaxed) || taken.empty()) tell |= tell_worker_locked();
   }
   if (tell) cv_.notify_one();
   if (!taken.empty()) execute(taken.front(), &taken, now);
@@ -484,8 +494,12 @@ void OpQueue::worker_loop() {
                    take_front_locked(s, taken)) {
           break;
         }
-        if (!lazy_.load(std::memory_order_relaxed)) {
-          cv_.wait(lock);
+        if (!lazy_.load()) {
+          // Note [Waiter runs the operation]: note_wait() reads worker_untimed_ after it sets
+          // lazy_ (both seq_cst), so it sees this sleep or this thread sees lazy_ set.
+          worker_untimed_.store(true);
+          if (!lazy_.load()) cv_.wait(lock);
+          worker_untimed_.store(false);
           continue;
         }
         if (cv_.wait_for(lock, kLazyPickup) == std::cv_status::timeout && queue_.empty() &&

@@ -103,8 +103,10 @@ class OpQueue {
   bool take_front_locked(uint64_t s, NodeList& taken);
   // Note [Waiter runs the operation]: the Work's progress hook.
   void progress(uint64_t seq, bool may_run_here);
-  // A wait on an op that found it `prompt` or not: Note [Waiter runs the operation].
-  void note_wait(bool prompt);
+  // A wait on an op that found it `prompt` or not: Note [Waiter runs the operation]. True when
+  // it turned lazy_ on while the worker sleeps until told: wake it (after taking mu_, if the
+  // caller does not hold it).
+  bool note_wait(bool prompt);
   void worker_loop();
   // Runs the op of `node`, held alone by this thread: taken from queue_ into `list`, or from the
   // slot (list == nullptr); `now`: when it starts. The node is free again before the op's future
@@ -128,8 +130,9 @@ class OpQueue {
   std::atomic<bool> stop_{false};  // written under mu_
   // Heuristics of Note [Waiter runs the operation]; read and written without a lock (a stale
   // value costs a wake-up or a pickup delay, never an operation).
-  std::atomic<bool> lazy_{false};     // new ops are left for their waiter
-  std::atomic<int> prompt_waits_{0};  // ops waited on promptly in a row
+  std::atomic<bool> lazy_{false};            // new ops are left for their waiter
+  std::atomic<int> prompt_waits_{0};         // ops waited on promptly in a row
+  std::atomic<bool> worker_untimed_{false};  // the worker sleeps until told (not lazy_)
   // The slot: one op, written by the push that set kFilling, then the thread that took it
   // (kSlot cleared, kRunning set) until it clears kRunning. Its seq, push time and whether
   // the worker was told are atomics, read by threads that do not own it.

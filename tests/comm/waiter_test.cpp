@@ -53,6 +53,34 @@ TEST(Waiter, AnOperationNobodyTouchesStillRunsAfterBlockingUse) {
   });
 }
 
+// The same after long blocking use: the worker, finding nothing to pick up in kLazyIdleRounds of
+// kLazyPickup (0.5 s), turns the group's blocking-caller mode off and sleeps until told, and the
+// caller's prompt waits turn the mode on again; an operation nobody touches then must still
+// reach the worker (the wait that turns the mode on wakes it: Note [Waiter runs the operation]).
+TEST(Waiter, AnOperationNobodyTouchesStillRunsAfterLongBlockingUse) {
+  tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = group(rank, store);
+    for (int i = 0; i < 1000; ++i) {  // over a second: the same count on both ranks
+      auto t = torch::ones({64});
+      pg->allreduce(t)->wait();
+      ASSERT_EQ(t[0].item<float>(), 2.0f);
+      std::this_thread::sleep_for(1ms);  // blocking use, not a busy loop
+    }
+    pg->barrier()->wait();
+    blocking_warmup(*pg);
+    auto t = torch::full({64}, static_cast<float>(rank + 1));
+    if (rank == 0) {
+      auto work = pg->allreduce(t);  // not looked at until rank 1 has its result
+      store->wait({"rank1_done"}, Millis(20000));
+      work->wait();
+    } else {
+      pg->allreduce(t)->wait();  // needs rank 0's part, which only rank 0's worker can give
+      store->set("rank1_done", "1");
+    }
+    EXPECT_EQ(t[0].item<float>(), 3.0f);
+  });
+}
+
 TEST(Waiter, WaitingOnALaterOperationRunsTheEarlierOneFirst) {
   tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
     auto pg = group(rank, store);
