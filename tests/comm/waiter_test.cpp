@@ -36,20 +36,26 @@ std::shared_ptr<ProcessGroup> group(int rank, const std::shared_ptr<Store>& stor
   return create_process_group(store, rank, 2, test::test_options(Millis(20000)));
 }
 
+// Rank 0 issues an allreduce and does not look at it until rank 1 has the result, which needs
+// rank 0's part: only rank 0's worker can give it.
+void untouched_operation_runs(int rank, ProcessGroup& pg, Store& store) {
+  auto t = torch::full({64}, static_cast<float>(rank + 1));
+  if (rank == 0) {
+    auto work = pg.allreduce(t);
+    store.wait({"rank1_done"}, Millis(20000));
+    work->wait();
+  } else {
+    pg.allreduce(t)->wait();
+    store.set("rank1_done", "1");
+  }
+  EXPECT_EQ(t[0].item<float>(), 3.0f);
+}
+
 TEST(Waiter, AnOperationNobodyTouchesStillRunsAfterBlockingUse) {
   tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
     auto pg = group(rank, store);
     blocking_warmup(*pg);
-    auto t = torch::full({64}, static_cast<float>(rank + 1));
-    if (rank == 0) {
-      auto work = pg->allreduce(t);  // not looked at until rank 1 has its result
-      store->wait({"rank1_done"}, Millis(20000));
-      work->wait();
-    } else {
-      pg->allreduce(t)->wait();  // needs rank 0's part, which only rank 0's worker can give
-      store->set("rank1_done", "1");
-    }
-    EXPECT_EQ(t[0].item<float>(), 3.0f);
+    untouched_operation_runs(rank, *pg, *store);
   });
 }
 
@@ -68,16 +74,7 @@ TEST(Waiter, AnOperationNobodyTouchesStillRunsAfterLongBlockingUse) {
     }
     pg->barrier()->wait();
     blocking_warmup(*pg);
-    auto t = torch::full({64}, static_cast<float>(rank + 1));
-    if (rank == 0) {
-      auto work = pg->allreduce(t);  // not looked at until rank 1 has its result
-      store->wait({"rank1_done"}, Millis(20000));
-      work->wait();
-    } else {
-      pg->allreduce(t)->wait();  // needs rank 0's part, which only rank 0's worker can give
-      store->set("rank1_done", "1");
-    }
-    EXPECT_EQ(t[0].item<float>(), 3.0f);
+    untouched_operation_runs(rank, *pg, *store);
   });
 }
 
