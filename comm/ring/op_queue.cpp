@@ -286,26 +286,16 @@ bool OpQueue::push_to_slot(const char* name, Millis timeout, Clock::time_point e
     // Note [The slot]: stop() may not have seen this push. The slot goes back, a worker
     // waiting to end is woken, and push() fails under mu_.
     state_.fetch_and(~kFilling);
-    { std::lock_guard<std::mutex> lock(mu_); }
-    cv_.notify_all();
+    wake_worker();
     return false;
   }
   *seq = s >> kSeqShift;
-  Op& op = slot_.op;
-  op.enqueued = enqueued;
-  op.name = name;
-  op.seq = *seq;
-  op.timeout = timeout;
-  op.body = std::move(body);
-  slot_.future = future;
+  slot_.fill(name, *seq, timeout, enqueued, body, future);
   slot_seq_.store(*seq, std::memory_order_relaxed);
   slot_enqueued_.store(enqueued.time_since_epoch().count(), std::memory_order_relaxed);
   slot_told_.store(false, std::memory_order_relaxed);
   state_.fetch_xor(kFilling | kSlot);  // kFilling off, kSlot on (release)
-  if (aborted_.load() || stop_.load()) {
-    { std::lock_guard<std::mutex> lock(mu_); }
-    cv_.notify_all();
-  }
+  if (aborted_.load() || stop_.load()) wake_worker();
   return true;
 }
 
@@ -327,12 +317,7 @@ std::shared_ptr<Work> OpQueue::push(const char* name, Millis timeout, OpBody&& b
       if (free_ops_.empty()) free_ops_.emplace_back();
       queue_.splice(queue_.end(), free_ops_, free_ops_.begin());
       Node& node = queue_.back();
-      node.op.enqueued = enqueued;
-      node.op.name = name;
-      node.op.seq = seq;
-      node.op.timeout = timeout;
-      node.op.body = std::move(body);
-      node.future = future;
+      node.fill(name, seq, timeout, enqueued, body, future);
       tell = node.worker_told = !lazy_.load(std::memory_order_relaxed);
     }
   }
@@ -376,6 +361,21 @@ bool OpQueue::tell_worker_locked() {
   return told;
 }
 
+void OpQueue::tell_worker() {
+  bool tell;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tell = tell_worker_locked();
+  }
+  if (tell) cv_.notify_one();
+}
+
+void OpQueue::wake_worker() {
+  // Taking mu_ waits out a worker between its look at the state and its sleep.
+  { std::lock_guard<std::mutex> lock(mu_); }
+  cv_.notify_all();
+}
+
 bool OpQueue::worker_has_work_locked() const {
   const uint64_t s = state_.load();
   if ((s & kRunning) != 0) return false;
@@ -411,30 +411,14 @@ void OpQueue::progress(uint64_t seq, bool may_run_here) {
       prompt = now.time_since_epoch().count() - slot_enqueued_.load(std::memory_order_relaxed) <=
                Clock::duration(kPromptWait).count();
     }
-    if (note_wait(prompt)) {
-      { std::lock_guard<std::mutex> lock(mu_); }
-      cv_.notify_one();
-    }
+    if (note_wait(prompt)) wake_worker();
     if (may_run_here && !stop_.load(std::memory_order_relaxed) && take_slot(s)) {
       // Leaving lazy use, the worker must know of the ops queued behind this one.
-      if ((s & kQueued) != 0 && !lazy_.load(std::memory_order_relaxed)) {
-        bool tell;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          tell = tell_worker_locked();
-        }
-        if (tell) cv_.notify_one();
-      }
+      if ((s & kQueued) != 0 && !lazy_.load(std::memory_order_relaxed)) tell_worker();
       execute(slot_, nullptr, now);
       return;
     }
-    // Not taken here: the worker runs it.
-    bool tell;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      tell = tell_worker_locked();
-    }
-    if (tell) cv_.notify_one();
+    tell_worker();  // not taken here: the worker runs it
     return;
   }
   NodeList taken;

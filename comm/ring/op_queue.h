@@ -79,6 +79,16 @@ class OpQueue {
     Op op;
     std::shared_ptr<Future> future;
     bool worker_told = false;  // guarded by mu_: the worker was notified of this op
+    // Takes a pushed op (its body moved in).
+    void fill(const char* name, uint64_t seq, Millis timeout, Clock::time_point enqueued,
+              OpBody& body, const std::shared_ptr<Future>& f) {
+      op.name = name;
+      op.seq = seq;
+      op.timeout = timeout;
+      op.enqueued = enqueued;
+      op.body = std::move(body);
+      future = f;
+    }
   };
   using NodeList = std::list<Node>;
 
@@ -104,19 +114,23 @@ class OpQueue {
   // Note [Waiter runs the operation]: the Work's progress hook.
   void progress(uint64_t seq, bool may_run_here);
   // A wait on an op that found it `prompt` or not: Note [Waiter runs the operation]. True when
-  // it turned lazy_ on while the worker sleeps until told: wake it (after taking mu_, if the
-  // caller does not hold it).
+  // it turned lazy_ on while the worker sleeps until told: wake it (wake_worker(), or a
+  // notification after releasing mu_ when the caller holds it).
   bool note_wait(bool prompt);
   void worker_loop();
   // Runs the op of `node`, held alone by this thread: taken from queue_ into `list`, or from the
   // slot (list == nullptr); `now`: when it starts. The node is free again before the op's future
   // completes.
   void execute(Node& node, NodeList* list, Clock::time_point now);
-  // Notes the op of `node` done (running_ clear) and takes the node back (its op reset).
+  // Notes the op of `node` done (kRunning clear) and takes the node back (its op reset).
   void finish_running(Node& node, NodeList* list);
   // Notifies the worker of every queued op it was not told of; call with mu_ held, then notify
   // cv_ when it returns true.
   bool tell_worker_locked();
+  // tell_worker_locked() under mu_, and the notification.
+  void tell_worker();
+  // Wakes the worker to look at the state again; call without mu_.
+  void wake_worker();
   // An op the worker was told of is next and nothing runs. Call with mu_ held.
   bool worker_has_work_locked() const;
 
