@@ -126,6 +126,38 @@ TEST_P(AllreduceTest, CoalescedAndNonContiguous) {
   });
 }
 
+// Note [Coalesced allreduce in place]: tensors from 32 KiB reduced where they lie, runs of
+// smaller ones packed, a non-contiguous tensor (on one rank only) and a tensor given twice
+// reduced in copies: the ranks' runs must match although their layouts differ.
+TEST_P(AllreduceTest, CoalescedPlanIgnoresLayoutAndAliases) {
+  const int world = this->world();
+  tdist::test::spawn(world, [&](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, world, test::test_options());
+    const double f = rank + 1.0;
+    auto ramp = [&](int64_t n) { return torch::arange(n, torch::kFloat) * f; };
+    auto small1 = ramp(3);
+    auto small2 = ramp(1000).reshape({10, 100});
+    auto big = ramp(128 * 128);  // 64 KiB
+    auto odd = rank == 0 ? ramp(256 * 300).reshape({256, 300}).t().contiguous().t()
+                         : ramp(256 * 300).reshape({256, 300});
+    auto empty = torch::empty({0});
+    auto tail = ramp(9000);  // 36 KiB
+    std::vector<at::Tensor> list{small1, big, small2, empty, odd, big, tail};
+    ASSERT_EQ(odd.is_contiguous(), rank != 0);
+    const void* big_data = big.data_ptr();
+    pg->allreduce_coalesced(list)->wait();
+    const double sum = world * (world + 1) / 2.0;
+    auto want = [&](int64_t n) { return torch::arange(n, torch::kFloat) * sum; };
+    EXPECT_TRUE(torch::equal(small1, want(3)));
+    EXPECT_TRUE(torch::equal(small2, want(1000).reshape({10, 100})));
+    EXPECT_TRUE(torch::equal(big, want(128 * 128)));  // given twice: reduced once
+    EXPECT_EQ(big.data_ptr(), big_data);
+    EXPECT_TRUE(torch::equal(odd, want(256 * 300).reshape({256, 300})));
+    EXPECT_EQ(odd.is_contiguous(), rank != 0);
+    EXPECT_TRUE(torch::equal(tail, want(9000)));
+  });
+}
+
 // A tiny shared-memory ring of odd capacity: every transfer wraps, elements straddle the wrap,
 // writers fill the ring and wait for space, and incoming operands are misaligned in the ring.
 TEST(AllreduceShm, TinyOddRingWrapsAndSplitsElements) {
