@@ -75,6 +75,7 @@ void Bucket::allocate(const std::vector<at::Tensor>& all_params) {
     v.set_(buffer.storage(), offsets[k], p.sizes(), c10::contiguous_strides(p.sizes()));
     views.push_back(v);
   }
+  targets = views;
 }
 
 size_t Bucket::bytes() const {

@@ -35,12 +35,16 @@ struct Bucket {
   std::vector<int64_t> lengths;   // element count of each parameter
   at::Tensor buffer;              // flat, dtype and device of the parameters
   std::vector<at::Tensor> views;  // buffer regions shaped like each parameter
+  // What the built-in hook reduces on the CPU without bucket views (Note [DDP bucketing] 11), per
+  // slot: the gradient itself, divided in place, or its view (which it was copied into).
+  std::vector<at::Tensor> targets;
 
   // Per iteration:
   size_t pending = 0;                    // gradients not yet ready
   std::shared_ptr<comm::Future> future;  // the comm hook's future once launched
   std::shared_ptr<comm::Work> work;      // off the CPU: the allreduce's (Note [DDP bucketing] 10)
   int64_t launch_us = 0;                 // trace: when the hook was called
+  bool coalesced = false;                // reduced as `targets` (Note [DDP bucketing] 11)
 
   // Allocates `buffer` (zeros, with the parameters' dtype and device) and `views` for `params`.
   void allocate(const std::vector<at::Tensor>& all_params);

@@ -18,7 +18,9 @@ struct DDPOptions {
   bool find_unused_parameters = false;
   // Gradients are views into the bucket buffers: no copy in and out, less memory. Optimizers
   // must not replace `.grad` by another tensor (zero_grad(set_to_none) is fine: the view is
-  // rebound at the next backward).
+  // rebound at the next backward). Without it, CPU gradients are still not copied with the
+  // built-in hook: they are reduced where they lie (Note [DDP bucketing] 11 in reducer.h); the
+  // buckets keep the gradients that cannot be (CUDA, other layouts, a registered comm hook).
   bool gradient_as_bucket_view = false;
   // The set of used parameters and the order of gradients do not change between iterations:
   // unused parameters are found once (first iteration) instead of every iteration.

@@ -125,6 +125,7 @@ void Reducer::reset_iteration() {
     b.pending = b.params.size();
     b.future.reset();
     b.work.reset();
+    b.coalesced = false;
   }
 }
 
@@ -270,11 +271,16 @@ void Reducer::mark_ready(size_t index, bool used) {
   // operation, the same result for worlds that are powers of two.
   const bool divide = default_hook_;
   if (!passthrough()) {  // world size 1, built-in hook: the gradient already is the average
+    at::Tensor& target = bucket.targets[s];
+    target = view;
     tdist::with_leaf_gradient(leaf_grads_, params_[index], [&](at::Tensor& grad) {
       if (!grad.defined()) {
         view.zero_();
       } else if (opts_.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr()) {
         if (divide) view.div_(world_divisor(view.device()));
+      } else if (used && reduce_in_place(bucket) && reducible_in_place(grad, view)) {
+        grad.div_(world_divisor(view.device()));  // Note [DDP bucketing] 11
+        target = grad;
       } else {
         // Without bucket views, or a new gradient (first backward, zero_grad(set_to_none)) that
         // moves into the bucket.
@@ -319,9 +325,12 @@ void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
         continue;
       }
       const bool builtin = default_hook_;
+      bucket.coalesced = reduce_in_place(bucket);
+      std::vector<at::Tensor> targets;
+      if (bucket.coalesced) targets = bucket.targets;
       lock.unlock();
       std::shared_ptr<comm::Work> work;
-      auto future = launch_bucket(b, view, builtin, &work);
+      auto future = launch_bucket(b, view, builtin, targets, &work);
       lock.lock();
       buckets_[b].future = std::move(future);
       buckets_[b].work = std::move(work);
@@ -344,10 +353,13 @@ void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
 // Called without mu_. The hook's or the collective's error becomes the bucket's failed future,
 // reported (with the bucket) at the end of backward.
 std::shared_ptr<comm::Future> Reducer::launch_bucket(size_t b, GradBucket& view, bool builtin,
+                                                     std::vector<at::Tensor> targets,
                                                      std::shared_ptr<comm::Work>* work) {
   try {
     std::shared_ptr<comm::Future> future;
-    if (builtin) {
+    if (!targets.empty()) {  // Note [DDP bucketing] 11
+      future = pg_->allreduce_coalesced(std::move(targets))->future();
+    } else if (builtin) {
       comm::AllreduceOptions aopts;  // SUM of quotients (Note [DDP bucketing] 6)
       auto w = pg_->allreduce(view.buffer(), aopts);
       future = w->future();
@@ -467,6 +479,7 @@ void Reducer::finalize() {
   lock.lock();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
+    if (bucket.coalesced) continue;  // reduced where its targets lie
     const auto& value = bucket.future->value();
     TDIST_CHECK(!value.empty() && value[0].defined() && value[0].numel() == bucket.buffer.numel(),
                 "DDP: the comm hook's result for bucket ", b, " must be one tensor of ",
@@ -503,6 +516,16 @@ void Reducer::finalize() {
 
 bool Reducer::passthrough() const { return default_hook_ && pg_->size() == 1; }
 
+bool Reducer::reduce_in_place(const Bucket& bucket) const {
+  return default_hook_ && !opts_.gradient_as_bucket_view && bucket.buffer.is_cpu();
+}
+
+bool Reducer::reducible_in_place(const at::Tensor& grad, const at::Tensor& view) {
+  return grad.layout() == at::kStrided && grad.is_cpu() && grad.is_contiguous() &&
+         grad.scalar_type() == view.scalar_type() && grad.sizes() == view.sizes() &&
+         !grad.requires_grad() && !grad.is_conj() && !grad.is_neg();
+}
+
 const at::Tensor& Reducer::world_divisor(const at::Device& device) const {
   for (const auto& [d, divisor] : divisors_) {
     if (d == device) return divisor;
@@ -517,6 +540,7 @@ void Reducer::write_back(const std::vector<bool>& global_unused) {
     if (global_unused[i]) continue;
     auto [b, s] = locate_[i];
     const at::Tensor& view = buckets_[b].views[s];
+    if (!buckets_[b].targets[s].is_same(view)) continue;  // reduced in place (Note 11)
     tdist::with_leaf_gradient(leaf_grads_, params_[i], [&](at::Tensor& grad) {
       if (opts_.gradient_as_bucket_view) {
         if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;

@@ -12,8 +12,9 @@
 //     rank 0 broadcasts its order and every rank buckets by it.
 //  2. A post-hook on each parameter's gradient accumulator (run by the autograd engine right after
 //     the gradient was accumulated into .grad) marks it ready: the gradient is copied into its
-//     bucket view (with gradient_as_bucket_view, .grad is that view and nothing is copied). A
-//     parameter is marked at most once per backward; twice is an error.
+//     bucket view (with gradient_as_bucket_view, .grad is that view and nothing is copied; on
+//     the CPU with the built-in hook it usually stays where it is: 11). A parameter is marked at
+//     most once per backward; twice is an error.
 //  3. A bucket is launched (its comm hook called) when all its gradients are ready AND every
 //     bucket before it was launched: buckets are launched in index order on every rank, which
 //     keeps the collectives in the same order everywhere (the process group requires it). The
@@ -64,6 +65,18 @@
 //     built-in allreduce's Work::wait() for every bucket not on the CPU, so the write-back and
 //     the optimizer see the reduced buckets. A registered comm hook returns only a future: for a
 //     CUDA bucket its completion must mean that its value is ready for the current stream.
+// 11. In place. With the built-in hook, a CPU bucket and no bucket views, a gradient that a rank
+//     used and that is dense, contiguous and of the bucket's dtype and shape (the usual .grad)
+//     is divided in place and not copied: the bucket is reduced as allreduce_coalesced of its
+//     targets, per slot the gradient itself or (for any other gradient, and for a parameter
+//     marked unused) the view it was copied into, and the write-back skips the gradients reduced
+//     where they lie. The copies into the bucket and back out (11.6 MB each per step of the MLP
+//     in docs/perf.md) were the difference between the default and gradient_as_bucket_view on a
+//     core per rank. The collective's plan depends only on the slots' sizes (Note [Coalesced
+//     allreduce in place] in comm/ring/ring_process_group_ops.cpp), so ranks whose gradients
+//     differ in layout still agree. Unlike the copying path, a backward that fails after a
+//     gradient was marked leaves that .grad divided (and perhaps partly reduced), as with
+//     gradient_as_bucket_view.
 //
 // Thread safety: the engine calls hooks on the thread running backward (or several, one per
 // device); all state is guarded by mu_, which is never held while a comm hook runs, a collective
@@ -134,12 +147,18 @@ class Reducer {
   void mark_ready(size_t index, bool used);
   void launch_ready(std::unique_lock<std::mutex>& lock);
   // The built-in allreduce's Work of a bucket not on the CPU goes to *work (else it stays null).
+  // `targets` not empty: the built-in hook's tensors, reduced in place (Note [DDP bucketing] 11).
   std::shared_ptr<comm::Future> launch_bucket(size_t b, GradBucket& view, bool builtin,
+                                              std::vector<at::Tensor> targets,
                                               std::shared_ptr<comm::Work>* work);
   std::shared_ptr<comm::Future> launch_used_map(const at::Tensor& used);
   void finalize();
   void write_back(const std::vector<bool>& global_unused);
   bool passthrough() const;
+  // Note [DDP bucketing] 11: whether the bucket is reduced as its targets, and whether a
+  // gradient can be one.
+  bool reduce_in_place(const Bucket& bucket) const;
+  static bool reducible_in_place(const at::Tensor& grad, const at::Tensor& view);
   // The world size as a 0-dim double tensor on `device` (Note [DDP bucketing] 10).
   const at::Tensor& world_divisor(const at::Device& device) const;
   void add_trace(size_t b);
