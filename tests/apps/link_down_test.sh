@@ -28,7 +28,7 @@ echo "both launchers exited ($r1, $r2) ${took_ms} ms after the link went down"
 (( took_ms < 15000 )) || fail "the failure took ${took_ms} ms to surface"
 for h in 1 2; do
   grep -qE "Timed out|timed out" "$work/node$h.err" || fail "worker on host $h gave no timeout error"
-  grep -qE "allreduce \(seq [0-9]+\)" "$work/node$h.err" || fail "host $h's error does not name the operation"
+  grep -qE "allreduce(_coalesced)? \(seq [0-9]+\)" "$work/node$h.err" || fail "host $h's error does not name the operation"
   grep -qE "waiting for rank [01]" "$work/node$h.err" || fail "host $h's error does not name the peer"
 done
 echo "PASS: a link down mid-training gave each worker a timeout error within ${took_ms} ms"

@@ -25,7 +25,7 @@ echo "host 2's launcher exited ($r2) ${took_ms} ms after host 1 was killed"
 (( r2 != 124 )) || fail "host 2's launcher hung until the test's own timeout"
 # --timeout 3 per operation, then the launcher's stop grace (2 s) and process exit: 15 s is ample.
 (( took_ms < 15000 )) || fail "the failure took ${took_ms} ms to surface"
-grep -qE "allreduce \(seq [0-9]+\)|broadcast \(seq [0-9]+\)" "$work/node2.err" ||
+grep -qE "allreduce(_coalesced)? \(seq [0-9]+\)|broadcast \(seq [0-9]+\)" "$work/node2.err" ||
   fail "host 2's error does not name the operation"
 grep -qE "rank 0" "$work/node2.err" || fail "host 2's error does not name the lost peer (rank 0)"
 echo "host 2: $(grep -m1 -iE "error|failed" "$work/node2.err")"
