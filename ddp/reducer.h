@@ -70,11 +70,10 @@
 //     is divided in place and not copied: the bucket is reduced as allreduce_coalesced of its
 //     targets, per slot the gradient itself or (for any other gradient, and for a parameter
 //     marked unused) the view it was copied into, and the write-back skips the gradients reduced
-//     where they lie. The copies into the bucket and back out (11.6 MB each per step of the MLP
-//     in docs/perf.md) were the difference between the default and gradient_as_bucket_view on a
-//     core per rank. The collective's plan depends only on the slots' sizes (Note [Coalesced
-//     allreduce in place] in comm/ring/ring_process_group_ops.cpp), so ranks whose gradients
-//     differ in layout still agree. Unlike the copying path, a backward that fails after a
+//     where they lie: no copy back out, and an in-place division instead of the copy in (11.6 MB
+//     each per step of the MLP in docs/perf.md, on the core that computes). The collective's
+//     plan depends only on the slots' sizes (Note [Coalesced allreduce in place] in
+//     comm/ring/ring_process_group_ops.cpp), so ranks whose gradients differ in layout agree. Unlike the copying path, a backward that fails after a
 //     gradient was marked leaves that .grad divided (and perhaps partly reduced), as with
 //     gradient_as_bucket_view.
 //
