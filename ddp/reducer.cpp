@@ -269,7 +269,9 @@ void Reducer::mark_ready(size_t index, bool used) {
   // The built-in hook averages as sum of quotients (Note [DDP bucketing] 6): divide while
   // copying. div rather than PyTorch's multiplication by 1/world: one correctly rounded
   // operation, the same result for worlds that are powers of two.
-  const bool divide = default_hook_;
+  // Note [DDP bucketing] 11: float and double gradients reduced where they lie are averaged by
+  // the collective instead.
+  const bool divide = default_hook_ && !averaged_by_collective(bucket);
   if (!passthrough()) {  // world size 1, built-in hook: the gradient already is the average
     at::Tensor& target = bucket.targets[s];
     target = view;
@@ -279,7 +281,7 @@ void Reducer::mark_ready(size_t index, bool used) {
       } else if (opts_.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr()) {
         if (divide) view.div_(world_divisor(view.device()));
       } else if (used && reduce_in_place(bucket) && reducible_in_place(grad, view)) {
-        grad.div_(world_divisor(view.device()));  // Note [DDP bucketing] 11
+        if (divide) grad.div_(world_divisor(view.device()));  // Note [DDP bucketing] 11
         target = grad;
       } else {
         // Without bucket views, or a new gradient (first backward, zero_grad(set_to_none)) that
@@ -330,7 +332,7 @@ void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
       if (bucket.coalesced) targets = bucket.targets;
       lock.unlock();
       std::shared_ptr<comm::Work> work;
-      auto future = launch_bucket(b, view, builtin, targets, &work);
+      auto future = launch_bucket(b, view, builtin, targets, averaged_by_collective(bucket), &work);
       lock.lock();
       buckets_[b].future = std::move(future);
       buckets_[b].work = std::move(work);
@@ -353,12 +355,14 @@ void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
 // Called without mu_. The hook's or the collective's error becomes the bucket's failed future,
 // reported (with the bucket) at the end of backward.
 std::shared_ptr<comm::Future> Reducer::launch_bucket(size_t b, GradBucket& view, bool builtin,
-                                                     std::vector<at::Tensor> targets,
+                                                     std::vector<at::Tensor> targets, bool average,
                                                      std::shared_ptr<comm::Work>* work) {
   try {
     std::shared_ptr<comm::Future> future;
     if (!targets.empty()) {  // Note [DDP bucketing] 11
-      future = pg_->allreduce_coalesced(std::move(targets))->future();
+      comm::AllreduceCoalescedOptions aopts;
+      if (average) aopts.op = comm::ReduceOp::AVG;
+      future = pg_->allreduce_coalesced(std::move(targets), aopts)->future();
     } else if (builtin) {
       comm::AllreduceOptions aopts;  // SUM of quotients (Note [DDP bucketing] 6)
       auto w = pg_->allreduce(view.buffer(), aopts);
@@ -520,6 +524,11 @@ bool Reducer::reduce_in_place(const Bucket& bucket) const {
   return default_hook_ && !opts_.gradient_as_bucket_view && bucket.buffer.is_cpu();
 }
 
+bool Reducer::averaged_by_collective(const Bucket& bucket) const {
+  const auto t = bucket.buffer.scalar_type();
+  return reduce_in_place(bucket) && (t == at::kFloat || t == at::kDouble);
+}
+
 bool Reducer::reducible_in_place(const at::Tensor& grad, const at::Tensor& view) {
   return grad.layout() == at::kStrided && grad.is_cpu() && grad.is_contiguous() &&
          grad.scalar_type() == view.scalar_type() && grad.sizes() == view.sizes() &&
@@ -535,7 +544,8 @@ const at::Tensor& Reducer::world_divisor(const at::Device& device) const {
 }
 
 void Reducer::write_back(const std::vector<bool>& global_unused) {
-  // The buckets hold the averages (the built-in hook divided before its allreduce).
+  // The buckets hold the averages (the built-in hook divided before its allreduce, or the
+  // collective averaged).
   for (size_t i = 0; i < params_.size(); ++i) {
     if (global_unused[i]) continue;
     auto [b, s] = locate_[i];

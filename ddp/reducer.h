@@ -40,7 +40,8 @@
 //     With the built-in hook each rank divides its gradients by the world size while copying
 //     them into the bucket (in place, for a .grad that is the bucket view), and the allreduce
 //     sums the quotients: the sum never exceeds the largest gradient, so fp16 gradients that
-//     fit do not overflow to inf (world * |g| may not fit). This is PyTorch's order too. With
+//     fit do not overflow to inf (world * |g| may not fit). This is PyTorch's order too (CPU
+//     float and double buckets without bucket views: 11). With
 //     world size 1 and the built-in hook nothing is copied at all.
 //  7. Outside a synchronized iteration (no_sync, forward under NoGradGuard) hooks do nothing:
 //     gradients simply accumulate in .grad, and the next synchronized backward reduces the sum.
@@ -70,9 +71,12 @@
 //     is divided in place and not copied: the bucket is reduced as allreduce_coalesced of its
 //     targets, per slot the gradient itself or (for any other gradient, and for a parameter
 //     marked unused) the view it was copied into, and the write-back skips the gradients reduced
-//     where they lie: no copy back out, and an in-place division instead of the copy in (11.6 MB
-//     each per step of the MLP in docs/perf.md, on the core that computes). The collective's
-//     plan depends only on the slots' sizes (Note [Coalesced allreduce in place] in
+//     where they lie: neither the copy in nor the copy back out (11.6 MB each per step of the MLP
+//     in docs/perf.md, on the core that computes). Float and double buckets are not divided
+//     first (6) but reduced with AVG: the rank that completes a segment's sum divides it while
+//     it is in its cache, instead of a pass over every gradient; float16 and bfloat16 are
+//     divided in place first, for (6)'s overflow. The collective's plan depends only on the
+//     slots' sizes (Note [Coalesced allreduce in place] in
 //     comm/ring/ring_process_group_ops.cpp), so ranks whose gradients differ in layout agree. Unlike the copying path, a backward that fails after a
 //     gradient was marked leaves that .grad divided (and perhaps partly reduced), as with
 //     gradient_as_bucket_view.
@@ -146,9 +150,10 @@ class Reducer {
   void mark_ready(size_t index, bool used);
   void launch_ready(std::unique_lock<std::mutex>& lock);
   // The built-in allreduce's Work of a bucket not on the CPU goes to *work (else it stays null).
-  // `targets` not empty: the built-in hook's tensors, reduced in place (Note [DDP bucketing] 11).
+  // `targets` not empty: the built-in hook's tensors, reduced in place and averaged by the
+  // collective if `average` (Note [DDP bucketing] 11).
   std::shared_ptr<comm::Future> launch_bucket(size_t b, GradBucket& view, bool builtin,
-                                              std::vector<at::Tensor> targets,
+                                              std::vector<at::Tensor> targets, bool average,
                                               std::shared_ptr<comm::Work>* work);
   std::shared_ptr<comm::Future> launch_used_map(const at::Tensor& used);
   void finalize();
@@ -157,6 +162,8 @@ class Reducer {
   // Note [DDP bucketing] 11: whether the bucket is reduced as its targets, and whether a
   // gradient can be one.
   bool reduce_in_place(const Bucket& bucket) const;
+  // ... and, for float and double, averaged by the collective (AVG) rather than divided first.
+  bool averaged_by_collective(const Bucket& bucket) const;
   static bool reducible_in_place(const at::Tensor& grad, const at::Tensor& view);
   // The world size as a 0-dim double tensor on `device` (Note [DDP bucketing] 10).
   const at::Tensor& world_divisor(const at::Device& device) const;
