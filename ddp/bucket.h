@@ -36,7 +36,7 @@ struct Bucket {
   at::Tensor buffer;              // flat, dtype and device of the parameters
   std::vector<at::Tensor> views;  // buffer regions shaped like each parameter
   // What the built-in hook reduces on the CPU without bucket views (Note [DDP bucketing] 11), per
-  // slot: the gradient itself, divided in place, or its view (which it was copied into).
+  // slot: the gradient itself, or its view (which it was copied into).
   std::vector<at::Tensor> targets;
 
   // Per iteration:

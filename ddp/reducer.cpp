@@ -328,11 +328,12 @@ void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
       }
       const bool builtin = default_hook_;
       bucket.coalesced = reduce_in_place(bucket);
+      const bool average = averaged_by_collective(bucket);
       std::vector<at::Tensor> targets;
       if (bucket.coalesced) targets = bucket.targets;
       lock.unlock();
       std::shared_ptr<comm::Work> work;
-      auto future = launch_bucket(b, view, builtin, targets, averaged_by_collective(bucket), &work);
+      auto future = launch_bucket(b, view, builtin, std::move(targets), average, &work);
       lock.lock();
       buckets_[b].future = std::move(future);
       buckets_[b].work = std::move(work);

@@ -40,9 +40,9 @@
 //     With the built-in hook each rank divides its gradients by the world size while copying
 //     them into the bucket (in place, for a .grad that is the bucket view), and the allreduce
 //     sums the quotients: the sum never exceeds the largest gradient, so fp16 gradients that
-//     fit do not overflow to inf (world * |g| may not fit). This is PyTorch's order too (CPU
-//     float and double buckets without bucket views: 11). With
-//     world size 1 and the built-in hook nothing is copied at all.
+//     fit do not overflow to inf (world * |g| may not fit). This is PyTorch's order too. CPU
+//     float and double buckets without bucket views average in the collective instead (11).
+//     With world size 1 and the built-in hook nothing is copied at all.
 //  7. Outside a synchronized iteration (no_sync, forward under NoGradGuard) hooks do nothing:
 //     gradients simply accumulate in .grad, and the next synchronized backward reduces the sum.
 //  8. A forward that starts while a synchronized backward was begun but not finished fails
@@ -68,18 +68,18 @@
 //     CUDA bucket its completion must mean that its value is ready for the current stream.
 // 11. In place. With the built-in hook, a CPU bucket and no bucket views, a gradient that a rank
 //     used and that is dense, contiguous and of the bucket's dtype and shape (the usual .grad)
-//     is divided in place and not copied: the bucket is reduced as allreduce_coalesced of its
-//     targets, per slot the gradient itself or (for any other gradient, and for a parameter
-//     marked unused) the view it was copied into, and the write-back skips the gradients reduced
-//     where they lie: neither the copy in nor the copy back out (11.6 MB each per step of the MLP
-//     in docs/perf.md, on the core that computes). Float and double buckets are not divided
-//     first (6) but reduced with AVG: the rank that completes a segment's sum divides it while
-//     it is in its cache, instead of a pass over every gradient; float16 and bfloat16 are
-//     divided in place first, for (6)'s overflow. The collective's plan depends only on the
-//     slots' sizes (Note [Coalesced allreduce in place] in
-//     comm/ring/ring_process_group_ops.cpp), so ranks whose gradients differ in layout agree. Unlike the copying path, a backward that fails after a
-//     gradient was marked leaves that .grad divided (and perhaps partly reduced), as with
-//     gradient_as_bucket_view.
+//     is not copied: the bucket is reduced as allreduce_coalesced of its targets, per slot the
+//     gradient itself or (for any other gradient, and for a parameter marked unused) the view it
+//     was copied into, and the write-back skips the gradients reduced where they lie: neither
+//     the copy in nor the copy back out (11.6 MB each per step of the MLP in docs/perf.md, on
+//     the core that computes). Float and double buckets are not divided first (6) but reduced
+//     with AVG: the rank that completes a segment's sum divides it while it is in its cache,
+//     instead of a pass over every gradient; float16 and bfloat16 gradients are divided in
+//     place first, for (6)'s overflow. The collective's plan depends only on the slots' sizes
+//     (Note [Coalesced allreduce in place] in comm/ring/ring_process_group_ops.cpp), so ranks
+//     whose gradients differ in layout agree. Unlike the copying path, a backward that fails
+//     after a gradient was marked may leave that .grad partly reduced (or, for float16, divided),
+//     as with gradient_as_bucket_view.
 //
 // Thread safety: the engine calls hooks on the thread running backward (or several, one per
 // device); all state is guarded by mu_, which is never held while a comm hook runs, a collective
