@@ -44,7 +44,6 @@ struct Bucket {
   std::shared_ptr<comm::Future> future;  // the comm hook's future once launched
   std::shared_ptr<comm::Work> work;      // off the CPU: the allreduce's (Note [DDP bucketing] 10)
   int64_t launch_us = 0;                 // trace: when the hook was called
-  bool coalesced = false;                // reduced as `targets` (Note [DDP bucketing] 11)
 
   // Allocates `buffer` (zeros, with the parameters' dtype and device) and `views` for `params`.
   void allocate(const std::vector<at::Tensor>& all_params);

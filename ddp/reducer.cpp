@@ -125,7 +125,6 @@ void Reducer::reset_iteration() {
     b.pending = b.params.size();
     b.future.reset();
     b.work.reset();
-    b.coalesced = false;
   }
 }
 
@@ -327,10 +326,9 @@ void Reducer::launch_ready(std::unique_lock<std::mutex>& lock) {
         continue;
       }
       const bool builtin = default_hook_;
-      bucket.coalesced = reduce_in_place(bucket);
       const bool average = averaged_by_collective(bucket);
       std::vector<at::Tensor> targets;
-      if (bucket.coalesced) targets = bucket.targets;
+      if (reduce_in_place(bucket)) targets = bucket.targets;
       lock.unlock();
       std::shared_ptr<comm::Work> work;
       auto future = launch_bucket(b, view, builtin, std::move(targets), average, &work);
@@ -484,7 +482,7 @@ void Reducer::finalize() {
   lock.lock();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
-    if (bucket.coalesced) continue;  // reduced where its targets lie
+    if (reduce_in_place(bucket)) continue;  // reduced where its targets lie (Note 11)
     const auto& value = bucket.future->value();
     TDIST_CHECK(!value.empty() && value[0].defined() && value[0].numel() == bucket.buffer.numel(),
                 "DDP: the comm hook's result for bucket ", b, " must be one tensor of ",

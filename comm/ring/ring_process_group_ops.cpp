@@ -263,19 +263,20 @@ std::shared_ptr<Work> RingProcessGroup::start(AllreduceCoalescedCall& c) {
   // and copied back. Before, every list was packed whole: two copies of every byte (DDP's
   // buckets of parameter gradients, reduced in place, were the case that paid for them). The
   // plan depends on the tensors' sizes alone, so every rank makes the same runs in the same
-  // order whatever its tensors' layouts. A tensor that is not host-dense, or whose bytes overlap
-  // another's, is reduced in a copy of its own that is written back afterwards, in list order
-  // (the old path's result where tensors alias each other).
+  // order whatever its tensors' layouts. A tensor reduced alone that is not host-dense is
+  // reduced in a copy of its own, written back afterwards; so is every one when the bytes of any
+  // two tensors of the list overlap, written back in list order (the old path's result where
+  // tensors alias each other).
   struct Part {
     size_t begin, end;  // tensors [begin, end): one in place, or several packed
     at::Tensor flat;    // the packed values, or the tensor's working buffer
   };
+  auto small = [&](size_t k) {
+    return static_cast<size_t>(tensors[k].numel()) * rs.elem_size < kCoalescedInPlaceBytes;
+  };
   std::vector<Part> parts;
   for (size_t i = 0; i < tensors.size();) {
     size_t j = i + 1;
-    auto small = [&](size_t k) {
-      return static_cast<size_t>(tensors[k].numel()) * rs.elem_size < kCoalescedInPlaceBytes;
-    };
     if (small(i)) {
       while (j < tensors.size() && small(j)) ++j;
     }
