@@ -42,6 +42,8 @@ class DispatchProcessGroup : public ProcessGroup {
   std::shared_ptr<Work> submit(Call call) override;
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
   void abort() override;
+  // The CPU group's (symmetric memory is host memory).
+  at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) override;
 
  private:
   // The backend for `call` (Note [Device dispatch]).

@@ -176,6 +176,16 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 
   // Fails every pending and later operation; never blocks long.
   virtual void abort() = 0;
+
+  // A contiguous host tensor of `sizes` and `dtype` (uninitialized) that every local process of
+  // the group maps (PyTorch's symmetric memory), so that an allreduce given such a tensor on
+  // every rank reads its peers' values where they lie instead of copying them through the ring
+  // (Note [Symmetric memory] in comm/ring/symmetric_memory.cpp). Collective: every rank calls
+  // it with the same sizes and dtype, in the same order relative to the group's operations.
+  // Where the backend cannot map its peers' memory (ranks on other hosts or in one process, a
+  // peer it may not read, the NCCL backend) it is plain memory, and the allreduce is as for any
+  // tensor. Freeing the tensor frees this rank's buffer once no operation uses it.
+  virtual at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
 };
 
 // Creates the group: ranks exchange their addresses through `store` (under a prefix of its own)

@@ -5,7 +5,7 @@
 //   tdist-run --nproc-per-node 4 tdist-bench collective --op allreduce --min-bytes 4K
 //       [--max-bytes 64M] [--iters 20] [--warmup 5] [--dtype float32] [--redop sum] [--json FILE]
 //       [--anchor none|mpi|gloo] [--plot FILE.png] [--python python3]
-//       [--device cpu|cuda] [--group-backend auto|ring|cpu:ring,cuda:nccl]
+//       [--device cpu|cuda] [--group-backend auto|ring|cpu:ring,cuda:nccl] [--symmetric]
 //
 // The table is printed by rank 0 once every size, the bounds and the anchor are measured.
 // Sizes follow nccl-tests: "bytes" is the buffer of allreduce/broadcast/reduce, the whole
@@ -25,6 +25,9 @@
 // so --anchor refuses --device cuda (scripts/bench_gloo.py --device cuda times torch.distributed's
 // NCCL or Gloo on CUDA tensors instead); the bound stays the host transport's (Note [Collective
 // bounds]).
+//
+// --symmetric allocates an allreduce's buffer with ProcessGroup::symmetric_empty (Note
+// [Symmetric memory] in comm/ring/symmetric_memory.cpp), as NCCL's tests register theirs.
 
 #include "apps/bench/subcommands.h"
 
@@ -83,6 +86,7 @@ struct Config {
   std::string plot;
   std::string device = "cpu";
   std::string group_backend = "auto";
+  bool symmetric = false;
 };
 
 struct Row {
@@ -163,7 +167,8 @@ class Case {
       case Kind::kAllreduce:
       case Kind::kBroadcast:
       case Kind::kReduce:
-        a_ = at::empty({count}, opts);
+        a_ = cfg.symmetric && kind_ == Kind::kAllreduce ? pg.symmetric_empty({count}, dtype)
+                                                        : at::empty({count}, opts);
         break;
       case Kind::kAllgather:
         // In place, as the Open MPI anchor (MPI_IN_PLACE): the input is this rank's block of the
@@ -389,9 +394,10 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows,
   const bool anchor = cfg.anchor != "none";
   std::printf(
       "# tdist-bench collective: op %s, backend %s (%s), device %s, world size %d, "
-      "dtype %s, redop %s, iters %d, warmup %d\n",
+      "dtype %s, redop %s, iters %d, warmup %d%s\n",
       cfg.op.c_str(), cfg.backend.c_str(), cfg.group_backend.c_str(), cfg.device.c_str(), n,
-      cfg.dtype.c_str(), cfg.redop.c_str(), cfg.iters, cfg.warmup);
+      cfg.dtype.c_str(), cfg.redop.c_str(), cfg.iters, cfg.warmup,
+      cfg.symmetric ? ", buffers in symmetric memory" : "");
   std::printf(
       "# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
       anchor ? ("; anchor: " +
@@ -585,6 +591,9 @@ void add_collective_command(CLI::App& app) {
   sub->add_option("--plot", cfg->plot,
                   "draw busbw against the bound and the anchor to this PNG (rank 0; the JSON "
                   "goes to --json, else FILE.json)");
+  sub->add_flag("--symmetric", cfg->symmetric,
+                "allreduce: the buffer in symmetric memory (ProcessGroup::symmetric_empty), read "
+                "by the peers where it lies");
   sub->callback([cfg] {
     int rc = run_collective(*cfg);
     if (rc != 0) std::exit(rc);

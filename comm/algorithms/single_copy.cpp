@@ -134,4 +134,31 @@ void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpe
   all_passed(c);
 }
 
+void allreduce_mapped(Context& c, const std::vector<const char*>& buffers, size_t count,
+                      const ReduceSpec& rs) {
+  const int n = c.size;
+  const int r = c.rank;
+  if (n == 1 || count == 0) return;
+  const size_t es = rs.elem_size;
+  char* data = const_cast<char*>(buffers[r]);  // this rank's own buffer
+  const size_t per = (count + static_cast<size_t>(n) - 1) / static_cast<size_t>(n);
+  auto first = [&](int s) { return std::min(count, per * static_cast<size_t>(s)); };
+  const size_t lo = first(r);
+  const size_t len = first(r + 1) - lo;
+  if (len > 0) {
+    char* mine = data + lo * es;
+    // Each rank starts with its right neighbour, so the ranks do not all read one rank at once.
+    for (int s = 1; s < n; ++s) rs.fn(mine, mine, buffers[(r + s) % n] + lo * es, len);
+    if (rs.op == ReduceOp::AVG) detail::divide_in_place(mine, rs.dtype, len, n);
+  }
+  all_passed(c);
+  for (int s = 1; s < n; ++s) {
+    const int p = (r + s) % n;
+    const size_t plo = first(p);
+    const size_t plen = first(p + 1) - plo;
+    if (plen > 0) std::memcpy(data + plo * es, buffers[p] + plo * es, plen * es);
+  }
+  all_passed(c);
+}
+
 }  // namespace tdist::comm::algorithms

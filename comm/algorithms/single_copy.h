@@ -71,4 +71,16 @@ void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t 
 // same bytes as the ring's hops but once each and with no forwarding.
 void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpec& rs);
 
+// Note [Mapped allreduce]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// The single-copy allreduce with every peer's buffer mapped into this process (Note [Symmetric
+// memory] in ring/symmetric_memory.cpp), so that nothing is copied to be read: buffers[p] is
+// rank p's buffer (this rank's is buffers[rank], written; the others are only read). The ranks
+// have just swapped their buffers' descriptors, after their callers wrote them, which is step 1
+// of Note [Single-copy allreduce]; then rank s reduces segment s of every buffer straight into
+// its own, all meet, each copies the others' final segments, and all meet again. Per rank at
+// world 2 that reads 1.5 and writes 1 times the buffer, against the ring's 2.5 and 2.
+void allreduce_mapped(Context& c, const std::vector<const char*>& buffers, size_t count,
+                      const ReduceSpec& rs);
+
 }  // namespace tdist::comm::algorithms

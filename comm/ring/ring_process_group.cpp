@@ -248,6 +248,7 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> root_store, std::strin
     if (single_copy_bytes_ != kNoSingleCopy) {
       peer_pids_ = channels.readable_pids;
       peer_pids_[rank_] = ::getpid();
+      symmetric_ = std::make_unique<SymmetricMemory>(peer_pids_);
       switch (static_cast<AllgatherChoice>(agreed.allgather_algo)) {
         case AllgatherChoice::kSingleCopy:
           allgather_single_copy_bytes_ = single_copy_bytes_;

@@ -61,6 +61,7 @@
 #include "tdist/comm/process_group.h"
 #include "tdist/comm/ring/op_queue.h"
 #include "tdist/comm/ring/ring_tuning.h"
+#include "tdist/comm/ring/symmetric_memory.h"
 #include "tdist/comm/transport/channels.h"
 #include "tdist/comm/transport/tcp/mesh.h"
 
@@ -102,6 +103,9 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   using ProcessGroup::new_group;
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
   void abort() override;
+  // Note [Symmetric memory] in symmetric_memory.cpp: plain memory where the group does not read
+  // its peers (Note [Single-copy collectives]).
+  at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) override;
 
  private:
   // The operations, one function each (the op table): they check the arguments on the
@@ -217,6 +221,7 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   uint64_t single_copy_bytes_ = kNoSingleCopy;
   uint64_t allgather_single_copy_bytes_ = kNoSingleCopy;  // Note [Which allgather]
   std::vector<pid_t> peer_pids_;
+  std::unique_ptr<SymmetricMemory> symmetric_;  // where peer_pids_ is known
   // The collectives' queue, made first (its aborted() flag is the group's) and stopped and
   // joined in the destructor before anything it runs on goes.
   std::unique_ptr<OpQueue> ops_;

@@ -173,6 +173,16 @@ RingProcessGroup::AllreduceAlgo RingProcessGroup::allreduce_algorithm(size_t cou
 
 void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count,
                                       const algo::ReduceSpec& rs) const {
+  // Note [Symmetric memory]: the same test on every rank (the size, and whether the group ever
+  // allocated), then the same answer from the swapped descriptors.
+  if (symmetric_ && symmetric_->used() && count * rs.elem_size > small_allreduce_bytes_ &&
+      count >= static_cast<size_t>(size_)) {
+    std::vector<const char*> buffers;
+    if (auto held = symmetric_->agree(c, data, count * rs.elem_size, &buffers)) {
+      algo::allreduce_mapped(c, buffers, count, rs);
+      return;
+    }
+  }
   switch (allreduce_algorithm(count, rs.elem_size)) {
     case AllreduceAlgo::kRecursiveDoubling:
       algo::for_each_window(
@@ -829,6 +839,20 @@ std::shared_ptr<Work> RingProcessGroup::start(BarrierCall& c) {
                    algo::barrier_dissemination(c);
                    return Value{};
                  });
+}
+
+at::Tensor RingProcessGroup::symmetric_empty(const std::vector<int64_t>& sizes,
+                                             at::ScalarType dtype) {
+  for (int64_t s : sizes) TDIST_CHECK_ARG(s >= 0, "symmetric_empty: negative size ", s);
+  if (!symmetric_) return at::empty(sizes, dtype);
+  auto work = enqueue("symmetric_empty", Millis(-1), fingerprint(debug_detail_, nullptr),
+                      [this, sizes, dtype](algo::Context& c) {
+                        at::Tensor t = symmetric_->allocate(c, sizes, dtype);
+                        return t.defined() ? Value{t} : Value{};
+                      });
+  work->wait();
+  const Value got = work->result();
+  return got.empty() ? at::empty(sizes, dtype) : got.front();
 }
 
 // Sends and receives go to the P2PEngine on their own channel (post_p2p).

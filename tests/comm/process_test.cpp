@@ -249,7 +249,7 @@ TDIST_TEST_CHILD(comm_single_copy_child) {
 // One round of TDIST_TEST_OP on every rank (the fault matrix's operations below).
 void run_op(ProcessGroup& pg, const std::string& op, const at::Tensor& x) {
   const int world = pg.size(), rank = pg.rank();
-  if (op == "allreduce") {
+  if (op == "allreduce" || op == "symmetric_allreduce") {  // x is symmetric for the latter
     pg.allreduce(x)->wait();
   } else if (op == "broadcast") {
     pg.broadcast(x)->wait();
@@ -279,7 +279,9 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
   const Millis timeout(env::get_int("TDIST_TEST_OP_TIMEOUT_MS", 20000, 1, 600000));
   auto store = child_store();
   auto pg = create_process_group(store, rank, world_size, test::test_options(timeout));
-  auto x = torch::ones({3 << 16});
+  // Note [Symmetric memory]: the peers read this buffer where it lies.
+  auto x = op == "symmetric_allreduce" ? pg->symmetric_empty({3 << 16}, torch::kFloat).fill_(1)
+                                       : torch::ones({3 << 16});
   for (int i = 0;; ++i) {
     try {
       run_op(*pg, op, x);
@@ -289,6 +291,7 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
       // The names errors give the operations run_op calls.
       const std::map<std::string, std::string> names = {
           {"allgather", "allgather_into_tensor (seq "},
+          {"symmetric_allreduce", "allreduce (seq "},
           {"reduce_scatter", "reduce_scatter_tensor (seq "},
           {"alltoall", "alltoall_base (seq "},
           {"send", ""}};
@@ -475,6 +478,9 @@ std::vector<Fault> faults() {
   // [Single-copy collectives]): a stopped rank is still readable, so only its missing "done"
   // message can end them.
   out.push_back({"allgather", SIGSTOP, "auto"});
+  // So does the allreduce of symmetric memory (Note [Symmetric memory]), with no system call.
+  out.push_back({"symmetric_allreduce", SIGKILL, "auto"});
+  out.push_back({"symmetric_allreduce", SIGSTOP, "auto"});
   return out;
 }
 

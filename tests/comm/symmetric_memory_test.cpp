@@ -1,0 +1,165 @@
+// Symmetric memory (Note [Symmetric memory] in comm/ring/symmetric_memory.cpp): real processes
+// that map each other's buffers, and ranks that are threads of one process (plain memory).
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "tdist/comm/ring/ring_process_group.h"
+#include "tdist/core/env.h"
+#include "tdist/core/tcp_store.h"
+#include "tests/comm/comm_test_util.h"
+#include "tests/harness/process.h"
+
+namespace tdist::comm {
+namespace {
+
+// The mappings of this process's symmetric buffers, read-write and read-only.
+std::pair<int, int> symmetric_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int rw = 0, ro = 0;
+  while (std::getline(maps, line)) {
+    if (line.find("memfd:tdist-symmetric") == std::string::npos) continue;
+    const std::string perms = line.substr(line.find(' ') + 1, 4);
+    rw += perms == "rw-s";
+    ro += perms == "r--s";
+  }
+  return {rw, ro};
+}
+
+// Every rank's value r + i at element i, reduced by `op` over `world` ranks.
+at::Tensor want(int64_t n, int world, ReduceOp op) {
+  const auto base = torch::arange(n, torch::kDouble);
+  return op == ReduceOp::SUM   ? base * world + world * (world - 1) / 2.0
+         : op == ReduceOp::AVG ? base + (world - 1) / 2.0
+                               : base + (world - 1);
+}
+
+// Processes of one host. Checks, with the number of mismatches as the exit code (each printed):
+//   - one buffer maps once read-write (this rank's) and world - 1 times read-only (its peers');
+//   - an allreduce of a symmetric buffer and of slices of one at different offsets on each
+//     rank, odd sizes, SUM, AVG and MAX, is right and moves no values through the channels
+//     (three sends per peer of descriptors and meeting bytes, no forwarded hop), where the ring
+//     would send the buffer;
+//   - one rank passing plain memory, or the ranks passing different buffers, runs the ring, right;
+//   - ranks asking for different sizes all fail, naming the sizes, and the group stays usable;
+//   - freeing a buffer unmaps it here once nothing uses it, and a buffer outlives its group.
+TDIST_TEST_CHILD(comm_symmetric_child) {
+  torch::set_num_threads(1);
+  auto port = static_cast<uint16_t>(env::require_int("TDIST_TEST_STORE_PORT", 1, 65535));
+  auto store = std::make_shared<TCPStore>("127.0.0.1", port, false, Millis(60000));
+  auto pg = create_process_group(store, rank, world_size, test::test_options());
+  auto* ring = dynamic_cast<detail::RingProcessGroup*>(pg.get());
+  if (ring == nullptr) return 30;
+  if (ring->single_copy_bytes() == detail::RingProcessGroup::kNoSingleCopy) {
+    std::cerr << "rank " << rank << ": the group does not read its peers here" << std::endl;
+    return 31;
+  }
+  int bad = 0;
+  auto check = [&](bool ok, const std::string& what) {
+    if (!ok) {
+      std::cerr << "rank " << rank << ": " << what << std::endl;
+      ++bad;
+    }
+  };
+  const auto peers = static_cast<uint64_t>(world_size - 1);
+  // Whether the last allreduce read the peers' buffers (true) or ran the ring (false).
+  auto mapped = [&](int64_t n) {
+    const auto c = ring->last_counts();
+    const bool none_moved = c.forwards == 0 && c.sends == 3 * peers &&
+                            c.bytes_sent < 64 * peers && c.bytes_received < 64 * peers;
+    const bool ring_moved = c.bytes_sent >= static_cast<uint64_t>(n) * 8 / world_size;
+    if (none_moved == ring_moved) std::cerr << "rank " << rank << ": counts neither" << std::endl;
+    return none_moved;
+  };
+  constexpr int64_t n = 300001;  // larger than the small allreduce, not a multiple of the world
+  {
+    at::Tensor x = pg->symmetric_empty({n}, torch::kDouble);
+    check(symmetric_mappings() == std::make_pair(1, world_size - 1),
+          "one buffer is not mapped once read-write and once read-only per peer");
+    for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX}) {
+      x.copy_(torch::arange(n, torch::kDouble) + rank);
+      AllreduceOptions o;
+      o.op = op;
+      pg->allreduce(x, o)->wait();
+      check(torch::allclose(x, want(n, world_size, op)), str("wrong allreduce, op ", int(op)));
+      check(mapped(n), "the allreduce of a symmetric buffer did not read the peers'");
+    }
+    at::Tensor big = pg->symmetric_empty({2 * n}, torch::kDouble);
+    at::Tensor slice = big.narrow(0, 7 * rank + 3, n);
+    slice.copy_(torch::arange(n, torch::kDouble) + rank);
+    pg->allreduce(slice)->wait();
+    check(torch::allclose(slice, want(n, world_size, ReduceOp::SUM)), "wrong sliced allreduce");
+    check(mapped(n), "an allreduce of slices at different offsets did not read the peers'");
+
+    at::Tensor plain = torch::empty({n}, torch::kDouble);
+    at::Tensor mixed = rank == 0 ? plain : x;
+    mixed.copy_(torch::arange(n, torch::kDouble) + rank);
+    pg->allreduce(mixed)->wait();
+    check(torch::allclose(mixed, want(n, world_size, ReduceOp::SUM)), "wrong mixed allreduce");
+    check(!mapped(n), "an allreduce with plain memory on rank 0 read the peers' buffers");
+
+    at::Tensor other = (rank == 0 ? big : x).narrow(0, 0, n);
+    other.copy_(torch::arange(n, torch::kDouble) + rank);
+    pg->allreduce(other)->wait();
+    check(torch::allclose(other, want(n, world_size, ReduceOp::SUM)),
+          "wrong allreduce of different buffers");
+    check(!mapped(n), "an allreduce of different buffers read the peers' buffers");
+  }
+  check(symmetric_mappings() == std::make_pair(0, 0), "freed buffers are still mapped");
+
+  try {
+    pg->symmetric_empty({rank == 0 ? 100 : 100000}, torch::kDouble);
+    check(false, "symmetric buffers of different sizes did not fail");
+  } catch (const std::exception& e) {
+    check(std::string(e.what()).find("bytes of symmetric memory") != std::string::npos,
+          str("unexpected error: ", e.what()));
+  }
+  auto after = torch::ones({5}, torch::kDouble);
+  pg->allreduce(after)->wait();
+  check(torch::equal(after, torch::full({5}, double(world_size), torch::kDouble)),
+        "wrong allreduce after the mismatch");
+
+  at::Tensor kept = pg->symmetric_empty({1000}, torch::kFloat);
+  pg->barrier()->wait();
+  pg.reset();
+  kept.fill_(2.5f);
+  check(kept.sum().item<float>() == 2500.0f, "a buffer that outlived its group lost its memory");
+  return bad;
+}
+
+class SymmetricMemoryProcesses : public ::testing::TestWithParam<int> {};
+
+TEST_P(SymmetricMemoryProcesses, AllreduceReadsThePeersBuffersAndFallsBackTogether) {
+  TCPStoreServer server("127.0.0.1", 0);
+  tdist::test::Processes procs("comm_symmetric_child", GetParam(),
+                               {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
+                                {"TDIST_TRANSPORT", "auto"}});
+  auto results = procs.wait_all(Millis(90000));
+  EXPECT_EQ(tdist::test::Processes::failures(results), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, SymmetricMemoryProcesses, ::testing::Values(2, 3));
+
+// Ranks that are threads of one process never map each other (Note [Single-copy collectives]):
+// symmetric_empty gives plain memory and the allreduce is the ring's.
+TEST(SymmetricMemory, ThreadsGetPlainMemory) {
+  tdist::test::spawn(2, [](int rank, std::shared_ptr<Store> store) {
+    auto pg = create_process_group(store, rank, 2, test::test_options());
+    at::Tensor x = pg->symmetric_empty({3, 40000}, torch::kDouble);
+    ASSERT_EQ(x.sizes(), (std::vector<int64_t>{3, 40000}));
+    ASSERT_EQ(x.scalar_type(), torch::kDouble);
+    EXPECT_EQ(symmetric_mappings(), std::make_pair(0, 0));
+    x.copy_(torch::arange(x.numel(), torch::kDouble).view({3, 40000}) + rank);
+    pg->allreduce(x)->wait();
+    EXPECT_TRUE(torch::allclose(x.view({-1}), want(x.numel(), 2, ReduceOp::SUM)));
+    EXPECT_THROW(pg->symmetric_empty({-1}, torch::kFloat), InvalidArgument);
+  });
+}
+
+}  // namespace
+}  // namespace tdist::comm
