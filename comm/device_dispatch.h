@@ -44,6 +44,7 @@ class DispatchProcessGroup : public ProcessGroup {
   void abort() override;
   // The CPU group's (symmetric memory is host memory).
   at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) override;
+  bool is_symmetric(const at::Tensor& t) const override { return cpu_->is_symmetric(t); }
 
  private:
   // The backend for `call` (Note [Device dispatch]).

@@ -186,6 +186,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // peer it may not read, the NCCL backend) it is plain memory, and the allreduce is as for any
   // tensor. Freeing the tensor frees this rank's buffer once no operation uses it.
   virtual at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
+  // Whether `t` lies in a live buffer that symmetric_empty shared (false for plain memory).
+  virtual bool is_symmetric(const at::Tensor& t) const;
 };
 
 // Creates the group: ranks exchange their addresses through `store` (under a prefix of its own)

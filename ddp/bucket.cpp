@@ -6,6 +6,7 @@
 #include <map>
 #include <tuple>
 
+#include "tdist/comm/process_group.h"
 #include "tdist/core/error.h"
 
 namespace tdist::ddp {
@@ -54,7 +55,7 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
   return done;
 }
 
-void Bucket::allocate(const std::vector<at::Tensor>& all_params) {
+void Bucket::allocate(const std::vector<at::Tensor>& all_params, comm::ProcessGroup* pg) {
   offsets.clear();
   lengths.clear();
   views.clear();
@@ -65,7 +66,12 @@ void Bucket::allocate(const std::vector<at::Tensor>& all_params) {
     total += all_params[i].numel();
   }
   const at::Tensor& first = all_params[params.front()];
-  buffer = at::zeros({total}, first.options().requires_grad(false));
+  if (pg != nullptr && first.is_cpu()) {
+    buffer = pg->symmetric_empty({total}, first.scalar_type()).zero_();
+    symmetric = pg->is_symmetric(buffer);
+  } else {
+    buffer = at::zeros({total}, first.options().requires_grad(false));
+  }
   for (size_t k = 0; k < params.size(); ++k) {
     // Built with set_ rather than narrow/view: the result shares the buffer's storage but is not
     // an autograd view, so that .grad set to it survives libtorch's Optimizer::zero_grad (which

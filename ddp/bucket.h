@@ -38,6 +38,8 @@ struct Bucket {
   // What the built-in hook reduces on the CPU without bucket views (Note [DDP bucketing] 11), per
   // slot: the gradient itself, or its view (which it was copied into).
   std::vector<at::Tensor> targets;
+  // `buffer` is the group's symmetric memory (Note [DDP bucketing] 12).
+  bool symmetric = false;
 
   // Per iteration:
   size_t pending = 0;                    // gradients not yet ready
@@ -46,7 +48,9 @@ struct Bucket {
   int64_t launch_us = 0;                 // trace: when the hook was called
 
   // Allocates `buffer` (zeros, with the parameters' dtype and device) and `views` for `params`.
-  void allocate(const std::vector<at::Tensor>& all_params);
+  // With `pg`, a host buffer is the group's symmetric memory (Note [DDP bucketing] 12): a
+  // collective call, so every rank allocates the same buckets in the same order.
+  void allocate(const std::vector<at::Tensor>& all_params, comm::ProcessGroup* pg = nullptr);
   size_t bytes() const;
 };
 

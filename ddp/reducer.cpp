@@ -102,7 +102,7 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
   locate_.assign(params_.size(), {0, 0});
   for (size_t b = 0; b < groups.size(); ++b) {
     buckets[b].params = std::move(groups[b]);
-    buckets[b].allocate(params_);
+    buckets[b].allocate(params_, pg_.get());
     buckets[b].pending = buckets[b].params.size();
     for (size_t s = 0; s < buckets[b].params.size(); ++s) locate_[buckets[b].params[s]] = {b, s};
   }
@@ -179,14 +179,12 @@ void Reducer::rebuild_buckets() {
     shared[i] = static_cast<size_t>(v);
   }
   build_buckets(shared);
-  if (opts_.gradient_as_bucket_view) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor& grad = params_[i].mutable_grad();
-      if (!grad.defined()) continue;
-      auto [b, s] = locate_[i];
-      buckets_[b].views[s].copy_(grad);
-      grad = buckets_[b].views[s];
-    }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    auto [b, s] = locate_[i];
+    if (!grad.defined() || !as_views(buckets_[b])) continue;
+    buckets_[b].views[s].copy_(grad);
+    grad = buckets_[b].views[s];
   }
   rebuilt_ = true;
   TDIST_LOG_DEBUG("DDP: rebuilt ", buckets_.size(), " buckets in the order gradients became ready");
@@ -277,7 +275,7 @@ void Reducer::mark_ready(size_t index, bool used) {
     tdist::with_leaf_gradient(leaf_grads_, params_[index], [&](at::Tensor& grad) {
       if (!grad.defined()) {
         view.zero_();
-      } else if (opts_.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr()) {
+      } else if (as_views(bucket) && grad.data_ptr() == view.data_ptr()) {
         if (divide) view.div_(world_divisor(view.device()));
       } else if (used && reduce_in_place(bucket) && reducible_in_place(grad, view)) {
         if (divide) grad.div_(world_divisor(view.device()));  // Note [DDP bucketing] 11
@@ -290,7 +288,7 @@ void Reducer::mark_ready(size_t index, bool used) {
         } else {
           view.copy_(grad);
         }
-        if (opts_.gradient_as_bucket_view) grad = view;
+        if (as_views(bucket)) grad = view;
       }
     });
   }
@@ -363,7 +361,8 @@ std::shared_ptr<comm::Future> Reducer::launch_bucket(size_t b, GradBucket& view,
       if (average) aopts.op = comm::ReduceOp::AVG;
       future = pg_->allreduce_coalesced(std::move(targets), aopts)->future();
     } else if (builtin) {
-      comm::AllreduceOptions aopts;  // SUM of quotients (Note [DDP bucketing] 6)
+      comm::AllreduceOptions aopts;  // SUM of quotients (Note [DDP bucketing] 6), or AVG (12)
+      if (average) aopts.op = comm::ReduceOp::AVG;
       auto w = pg_->allreduce(view.buffer(), aopts);
       future = w->future();
       if (!view.buffer().is_cpu()) *work = std::move(w);  // Note [DDP bucketing] 10
@@ -519,13 +518,18 @@ void Reducer::finalize() {
 
 bool Reducer::passthrough() const { return default_hook_ && pg_->size() == 1; }
 
+bool Reducer::as_views(const Bucket& bucket) const {
+  return opts_.gradient_as_bucket_view || (default_hook_ && bucket.symmetric);
+}
+
 bool Reducer::reduce_in_place(const Bucket& bucket) const {
-  return default_hook_ && !opts_.gradient_as_bucket_view && bucket.buffer.is_cpu();
+  return default_hook_ && !as_views(bucket) && bucket.buffer.is_cpu();
 }
 
 bool Reducer::averaged_by_collective(const Bucket& bucket) const {
   const auto t = bucket.buffer.scalar_type();
-  return reduce_in_place(bucket) && (t == at::kFloat || t == at::kDouble);
+  return (reduce_in_place(bucket) || (default_hook_ && bucket.symmetric)) &&
+         (t == at::kFloat || t == at::kDouble);
 }
 
 bool Reducer::reducible_in_place(const at::Tensor& grad, const at::Tensor& view) {
@@ -551,7 +555,7 @@ void Reducer::write_back(const std::vector<bool>& global_unused) {
     const at::Tensor& view = buckets_[b].views[s];
     if (!buckets_[b].targets[s].is_same(view)) continue;  // reduced in place (Note 11)
     tdist::with_leaf_gradient(leaf_grads_, params_[i], [&](at::Tensor& grad) {
-      if (opts_.gradient_as_bucket_view) {
+      if (as_views(buckets_[b])) {
         if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
       } else if (!grad.defined()) {
         grad = view.clone();

@@ -66,13 +66,13 @@
 //     built-in allreduce's Work::wait() for every bucket not on the CPU, so the write-back and
 //     the optimizer see the reduced buckets. A registered comm hook returns only a future: for a
 //     CUDA bucket its completion must mean that its value is ready for the current stream.
-// 11. In place. With the built-in hook, a CPU bucket and no bucket views, a gradient that a rank
-//     used and that is dense, contiguous and of the bucket's dtype and shape (the usual .grad)
-//     is not copied: the bucket is reduced as allreduce_coalesced of its targets, per slot the
-//     gradient itself or (for any other gradient, and for a parameter marked unused) the view it
-//     was copied into, and the write-back skips the gradients reduced where they lie: neither
-//     the copy in nor the copy back out (11.6 MB each per step of the MLP in docs/perf.md, on
-//     the core that computes). Float and double buckets are not divided first (6) but reduced
+// 11. In place. With the built-in hook, a CPU bucket, no bucket views and no shared memory (12),
+//     a gradient that a rank used and that is dense, contiguous and of the bucket's dtype and
+//     shape (the usual .grad) is not copied: the bucket is reduced as allreduce_coalesced of its
+//     targets, per slot the gradient itself or (for any other gradient, and for a parameter
+//     marked unused) the view it was copied into, and the write-back skips the gradients reduced
+//     where they lie: neither the copy in nor the copy back out (11.6 MB each per step of the
+//     MLP in docs/perf.md, on the core that computes). Float and double buckets are not divided first (6) but reduced
 //     with AVG: the rank that completes a segment's sum divides it while it is in its cache,
 //     instead of a pass over every gradient; float16 and bfloat16 gradients are divided in
 //     place first, for (6)'s overflow. The collective's plan depends only on the slots' sizes
@@ -80,6 +80,17 @@
 //     whose gradients differ in layout agree. Unlike the copying path, a backward that fails
 //     after a gradient was marked may leave that .grad partly reduced (or, for float16, divided),
 //     as with gradient_as_bucket_view.
+// 12. Symmetric buckets. A CPU bucket's buffer is the group's symmetric memory (Note [Symmetric
+//     memory] in comm/ring/symmetric_memory.cpp; plain memory where the group cannot share it):
+//     every rank builds its buckets at the same points (construction, and the rebuild of 6
+//     after rank 0's broadcast), so the collective allocation lines up, and every rank gets
+//     shared memory or none. With the built-in hook such a bucket is handled as with
+//     gradient_as_bucket_view (its gradients become its views; a gradient that is a new tensor,
+//     at the first backward or after zero_grad(set_to_none), is copied in once) and reduced as
+//     one allreduce with AVG, which reads the peers' buckets where they lie (Note [Mapped
+//     allreduce]): cheaper than 11's ring over each gradient where they lie (docs/perf.md). A
+//     comm hook's allreduce of buffer() reads them in place too. TDIST_SINGLE_COPY=0 (no
+//     shared memory) keeps 11.
 //
 // Thread safety: the engine calls hooks on the thread running backward (or several, one per
 // device); all state is guarded by mu_, which is never held while a comm hook runs, a collective
@@ -162,6 +173,8 @@ class Reducer {
   // Note [DDP bucketing] 11: whether the bucket is reduced as its targets, and whether a
   // gradient can be one.
   bool reduce_in_place(const Bucket& bucket) const;
+  // Whether the bucket's gradients are its views: gradient_as_bucket_view, or Note 12.
+  bool as_views(const Bucket& bucket) const;
   // ... and, for float and double, averaged by the collective (AVG) rather than divided first.
   bool averaged_by_collective(const Bucket& bucket) const;
   static bool reducible_in_place(const at::Tensor& grad, const at::Tensor& view);

@@ -154,7 +154,8 @@ void write_worker_result(const Result& r) {
 // 2-core machine) every microsecond of copying and reducing comes out of the core that computes,
 // and no overlap can hide it. So the bound processes, after training, also measure that cost:
 // they form a process group, lay the model's gradients out in DDP's buckets (assign_buckets in
-// reverse parameter order, first_bucket_cap_mb then --bucket-cap-mb) and allreduce the buckets'
+// reverse parameter order, first_bucket_cap_mb then --bucket-cap-mb, in the group's symmetric
+// memory as DDP allocates them: the cheapest reduction tdist has) and allreduce the buckets'
 // flat tensors step after step (every bucket issued, then all waited on, as DDP's backward
 // does), with spinning off (TDIST_SPIN_US and TDIST_BUSY_POLL_NS 0: a rank that waits for its
 // peer sleeps, so the waiting is not counted); the process's CPU time
@@ -181,7 +182,7 @@ double reduction_cpu_s(const Config& c, std::shared_ptr<Store> store, int rank, 
   for (const auto& g : groups) {
     int64_t n = 0;
     for (size_t i : g) n += params[i].numel();
-    buckets.push_back(at::zeros({n}));
+    buckets.push_back(pg->symmetric_empty({n}, at::kFloat).zero_());  // as DDP's (its Note 12)
   }
   std::vector<std::shared_ptr<comm::Work>> works;
   auto step = [&] {

@@ -106,6 +106,7 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   // Note [Symmetric memory] in symmetric_memory.cpp: plain memory where the group does not read
   // its peers (Note [Single-copy collectives]).
   at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) override;
+  bool is_symmetric(const at::Tensor& t) const override;
 
  private:
   // The operations, one function each (the op table): they check the arguments on the

@@ -855,6 +855,11 @@ at::Tensor RingProcessGroup::symmetric_empty(const std::vector<int64_t>& sizes,
   return got.empty() ? at::empty(sizes, dtype) : got.front();
 }
 
+bool RingProcessGroup::is_symmetric(const at::Tensor& t) const {
+  return symmetric_ && t.defined() && t.is_cpu() && t.is_contiguous() &&
+         symmetric_->holds(static_cast<const char*>(t.data_ptr()), t.nbytes());
+}
+
 // Sends and receives go to the P2PEngine on their own channel (post_p2p).
 template <>
 std::shared_ptr<Work> RingProcessGroup::start(SendCall& c) {

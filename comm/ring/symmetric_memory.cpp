@@ -131,8 +131,7 @@ at::Tensor SymmetricMemory::allocate(algorithms::Context& c, const std::vector<i
   std::string why;
   seg->maps[c.rank] = create_own(bytes, &own, &why);
   // Swap (descriptor, bytes); -1: this rank has no buffer to share.
-  const int64_t mine[2] = {seg->maps[c.rank] != nullptr ? own.fd : -1,
-                           static_cast<int64_t>(bytes)};
+  const int64_t mine[2] = {seg->maps[c.rank] != nullptr ? own.fd : -1, static_cast<int64_t>(bytes)};
   std::vector<int64_t> theirs(2 * static_cast<size_t>(c.size));
   c.ex.swap_with_all(mine, theirs.data(), sizeof(mine));
   for (int p = 0; p < c.size; ++p) {
@@ -198,6 +197,11 @@ SymmetricMemory::Descriptor SymmetricMemory::describe(const char* data, size_t b
   if (!found || offset > found->bytes || bytes > found->bytes - offset) return {};
   *seg = found;
   return {found->id, offset, bytes};
+}
+
+bool SymmetricMemory::holds(const char* data, size_t bytes) const {
+  std::shared_ptr<Segment> seg;
+  return describe(data, bytes, &seg).id != kNone;
 }
 
 std::shared_ptr<SymmetricMemory::Segment> SymmetricMemory::agree(

@@ -46,6 +46,8 @@ class SymmetricMemory {
   // MismatchError when the ranks asked for different sizes.
   at::Tensor allocate(algorithms::Context& c, const std::vector<int64_t>& sizes,
                       at::ScalarType dtype);
+  // Whether `bytes` at `data` lie in one live segment.
+  bool holds(const char* data, size_t bytes) const;
   // Whether any rank ever allocated (the same on every rank: allocate() is collective).
   bool used() const { return used_; }
   // Exchanges the descriptor of `bytes` at `data` with every peer. When every rank's lies in the

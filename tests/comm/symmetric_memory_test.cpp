@@ -70,8 +70,8 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
   // Whether the last allreduce read the peers' buffers (true) or ran the ring (false).
   auto mapped = [&](int64_t n) {
     const auto c = ring->last_counts();
-    const bool none_moved = c.forwards == 0 && c.sends == 3 * peers &&
-                            c.bytes_sent < 64 * peers && c.bytes_received < 64 * peers;
+    const bool none_moved = c.forwards == 0 && c.sends == 3 * peers && c.bytes_sent < 64 * peers &&
+                            c.bytes_received < 64 * peers;
     const bool ring_moved = c.bytes_sent >= static_cast<uint64_t>(n) * 8 / world_size;
     if (none_moved == ring_moved) std::cerr << "rank " << rank << ": counts neither" << std::endl;
     return none_moved;
@@ -136,9 +136,9 @@ class SymmetricMemoryProcesses : public ::testing::TestWithParam<int> {};
 
 TEST_P(SymmetricMemoryProcesses, AllreduceReadsThePeersBuffersAndFallsBackTogether) {
   TCPStoreServer server("127.0.0.1", 0);
-  tdist::test::Processes procs("comm_symmetric_child", GetParam(),
-                               {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())},
-                                {"TDIST_TRANSPORT", "auto"}});
+  tdist::test::Processes procs(
+      "comm_symmetric_child", GetParam(),
+      {{"TDIST_TEST_STORE_PORT", std::to_string(server.port())}, {"TDIST_TRANSPORT", "auto"}});
   auto results = procs.wait_all(Millis(90000));
   EXPECT_EQ(tdist::test::Processes::failures(results), "");
 }

@@ -1,5 +1,6 @@
 // DDP over the real process group (comm's ring backend over TCP on 127.0.0.1): parity with ranks
-// as threads, and a peer killed during backward with ranks as processes.
+// as threads, and, with ranks as processes, a peer killed during backward and buckets in
+// symmetric memory.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -9,7 +10,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fstream>
+
 #include "tdist/comm/process_group.h"
+#include "tdist/comm/ring/ring_process_group.h"
+#include "tdist/core/env.h"
 #include "tdist/core/hash_store.h"
 #include "tdist/core/rendezvous.h"
 #include "tests/ddp/ddp_test_util.h"
@@ -120,6 +125,94 @@ TEST(DDPRealGroup, PeerKilledDuringBackwardIsAnErrorNotAHang) {
   EXPECT_NE(results[0].output.find("DDP ERROR at iteration 2"), std::string::npos)
       << results[0].output;
   EXPECT_NE(results[0].output.find("bucket"), std::string::npos) << results[0].output;
+}
+
+// DDP's CPU buckets in symmetric memory (Note [DDP bucketing] 12), ranks as processes, by
+// default and with gradient_as_bucket_view (TDIST_TEST_VIEWS=1): each backward reduces its one
+// bucket (fc2's 256 KiB and the rest) by reading the peer's bucket where it lies, every .grad is
+// a view of it, the gradients are the average of the ranks' own (a plain copy of the model
+// computes every rank's), before and after the rebuild of the second forward; and the process
+// maps one bucket read-write and the peer's read-only. Exit code: the number of mismatches, each
+// printed.
+TDIST_TEST_CHILD(ddp_symmetric_child) {
+  torch::set_num_threads(1);
+  auto rdzv = rendezvous("env://", -1, -1, std::chrono::seconds(30));
+  auto pg = comm::create_process_group(rdzv.store, rdzv.rank, rdzv.world_size);
+  auto* ring = dynamic_cast<comm::detail::RingProcessGroup*>(pg.get());
+  if (ring == nullptr) return 30;
+  auto make = [] {
+    torch::manual_seed(7);
+    return MLP(16, 256, 4);
+  };
+  auto data = [](int64_t seed) {
+    auto g = at::detail::createCPUGenerator(100 + seed);
+    return std::make_pair(at::randn({8, 16}, g), at::randn({8, 4}, g));
+  };
+  MLP net = make();
+  DDPOptions opts;
+  opts.gradient_as_bucket_view = env::get("TDIST_TEST_VIEWS").value_or("0") == "1";
+  DistributedDataParallel<MLP> model(net, pg, opts);
+  int bad = 0;
+  auto check = [&](bool ok, const std::string& what) {
+    if (!ok) {
+      std::cerr << "rank " << rank << ": " << what << std::endl;
+      ++bad;
+    }
+  };
+  for (int step = 0; step < 3; ++step) {
+    for (auto& p : model.parameters()) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    auto [x, y] = data(step * world_size + rank);
+    torch::mse_loss(model(x), y).backward();
+    const auto c = ring->last_counts();
+    check(c.forwards == 0 && c.sends == 3 && c.bytes_sent < 64,
+          str("step ", step, ": the bucket went through the channels (", c.bytes_sent, " bytes)"));
+    MLP ref = make();
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < ref->parameters().size(); ++i) {
+        ref->parameters()[i].copy_(net->parameters()[i]);
+      }
+    }
+    for (int r = 0; r < world_size; ++r) {
+      auto [rx, ry] = data(step * world_size + r);
+      (torch::mse_loss(ref(rx), ry) / world_size).backward();
+    }
+    for (size_t i = 0; i < ref->parameters().size(); ++i) {
+      const at::Tensor& grad = net->parameters()[i].grad();
+      check(torch::allclose(grad, ref->parameters()[i].grad(), 1e-5, 1e-6),
+            str("step ", step, ": gradient ", i, " is not the ranks' average"));
+      check(ring->is_symmetric(grad),
+            str("step ", step, ": gradient ", i, " is not in the bucket"));
+    }
+    std::ifstream maps("/proc/self/maps");
+    int rw = 0, ro = 0;
+    for (std::string line; std::getline(maps, line);) {
+      if (line.find("memfd:tdist-symmetric") == std::string::npos) continue;
+      rw += line.find(" rw-s ") != std::string::npos;
+      ro += line.find(" r--s ") != std::string::npos;
+    }
+    check(rw == 1 && ro == world_size - 1,
+          str("step ", step, ": ", rw, " read-write and ", ro, " read-only symmetric mappings"));
+    torch::NoGradGuard no_grad;
+    for (auto& p : model.parameters()) p.sub_(p.grad() * 0.1);
+  }
+  return bad;
+}
+
+TEST(DDPRealGroup, SymmetricBucketsAreReducedWhereTheyLie) {
+  for (const char* views : {"0", "1"}) {
+    SCOPED_TRACE(str("gradient_as_bucket_view ", views));
+    Processes procs("ddp_symmetric_child", 2,
+                    {{"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", std::to_string(free_port())},
+                     {"TDIST_TRANSPORT", "auto"},
+                     {"TDIST_TEST_VIEWS", views},
+                     {"OMP_NUM_THREADS", "1"}});
+    auto results = procs.wait_all(std::chrono::seconds(90));
+    EXPECT_EQ(Processes::failures(results), "");
+  }
 }
 
 }  // namespace
