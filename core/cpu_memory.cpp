@@ -87,6 +87,15 @@ CpuMemoryStats cpu_memory_stats() {
   return s;
 }
 
+void count_other_cpu_memory(int64_t bytes) {
+  if (!g_tracked.load(std::memory_order_relaxed)) return;
+  const int64_t now = g_allocated.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  if (bytes > 0) {
+    g_allocations.fetch_add(1, std::memory_order_relaxed);
+    raise_peak(now);
+  }
+}
+
 void reset_peak_cpu_memory() {
   g_peak.store(g_allocated.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }

@@ -12,7 +12,9 @@
 // c10::GetCPUAllocator() after track_cpu_memory() (parameters, gradients, optimizer state,
 // activations, communication buffers), until each is freed. Storages allocated before are
 // not counted, neither when they live nor when they go. Not counted: memory that is no tensor
-// (the interpreter, libraries, std containers), and the allocator's own rounding.
+// (the interpreter, libraries, std containers), and the allocator's own rounding. CPU tensors
+// whose memory comes from elsewhere are counted when their maker says so
+// (count_other_cpu_memory: the process group's symmetric memory, comm/ring/symmetric_memory.h).
 //
 // Thread safety: every function is thread safe; the counters are atomics that any thread's
 // allocation or free updates. track_cpu_memory installs the wrapper once per process (later
@@ -38,5 +40,8 @@ bool cpu_memory_tracked();
 CpuMemoryStats cpu_memory_stats();
 // Sets the peak to what is held now.
 void reset_peak_cpu_memory();
+// Counts `bytes` more (a CPU tensor's memory allocated outside libtorch's allocator) or, negative,
+// fewer (freed); nothing when not tracked.
+void count_other_cpu_memory(int64_t bytes);
 
 }  // namespace tdist

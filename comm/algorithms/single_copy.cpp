@@ -102,12 +102,17 @@ void allgather_single_copy(Context& c, const std::vector<char*>& blocks, size_t 
   all_passed(c);
 }
 
-void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpec& rs) {
+namespace {
+
+// Steps 2-5 of Note [Single-copy allreduce] on this rank's `data`: `fetch(p, offset, bytes, into)`
+// gives `bytes` of rank p's buffer from `offset`, read into `into` (`scratch` while reducing, the
+// segment's place in `data` while gathering) or where they lie.
+template <class Fetch>
+void reduce_segments_then_gather(Context& c, char* data, size_t count, const ReduceSpec& rs,
+                                 char* scratch, Fetch&& fetch) {
   const int n = c.size;
   const int r = c.rank;
-  if (n == 1 || count == 0) return;
   const size_t es = rs.elem_size;
-  const std::vector<uint64_t> addresses = exchange_addresses(c, data, count * es);
   // Segment s: elements [first(s), first(s + 1)).
   const size_t per = (count + static_cast<size_t>(n) - 1) / static_cast<size_t>(n);
   auto first = [&](int s) { return std::min(count, per * static_cast<size_t>(s)); };
@@ -115,12 +120,9 @@ void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpe
   const size_t len = first(r + 1) - lo;
   if (len > 0) {
     char* mine = data + lo * es;
-    char* theirs = c.scratch.get(len * es);
     // Each rank starts with its right neighbour, so the ranks do not all read one rank at once.
     for (int s = 1; s < n; ++s) {
-      const int p = (r + s) % n;
-      read_peer(c, p, addresses[p] + lo * es, theirs, len * es);
-      rs.fn(mine, mine, theirs, len);
+      rs.fn(mine, mine, fetch((r + s) % n, lo * es, len * es, scratch), len);
     }
     if (rs.op == ReduceOp::AVG) detail::divide_in_place(mine, rs.dtype, len, n);
   }
@@ -129,36 +131,35 @@ void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpe
     const int p = (r + s) % n;
     const size_t plo = first(p);
     const size_t plen = first(p + 1) - plo;
-    if (plen > 0) read_peer(c, p, addresses[p] + plo * es, data + plo * es, plen * es);
+    if (plen == 0) continue;
+    char* into = data + plo * es;
+    const char* got = fetch(p, plo * es, plen * es, into);
+    if (got != into) std::memcpy(into, got, plen * es);
   }
   all_passed(c);
 }
 
-void allreduce_mapped(Context& c, const std::vector<const char*>& buffers, size_t count,
-                      const ReduceSpec& rs) {
+}  // namespace
+
+void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpec& rs) {
   const int n = c.size;
-  const int r = c.rank;
   if (n == 1 || count == 0) return;
   const size_t es = rs.elem_size;
-  char* data = const_cast<char*>(buffers[r]);  // this rank's own buffer
+  const std::vector<uint64_t> addresses = exchange_addresses(c, data, count * es);
   const size_t per = (count + static_cast<size_t>(n) - 1) / static_cast<size_t>(n);
-  auto first = [&](int s) { return std::min(count, per * static_cast<size_t>(s)); };
-  const size_t lo = first(r);
-  const size_t len = first(r + 1) - lo;
-  if (len > 0) {
-    char* mine = data + lo * es;
-    // Each rank starts with its right neighbour, so the ranks do not all read one rank at once.
-    for (int s = 1; s < n; ++s) rs.fn(mine, mine, buffers[(r + s) % n] + lo * es, len);
-    if (rs.op == ReduceOp::AVG) detail::divide_in_place(mine, rs.dtype, len, n);
-  }
-  all_passed(c);
-  for (int s = 1; s < n; ++s) {
-    const int p = (r + s) % n;
-    const size_t plo = first(p);
-    const size_t plen = first(p + 1) - plo;
-    if (plen > 0) std::memcpy(data + plo * es, buffers[p] + plo * es, plen * es);
-  }
-  all_passed(c);
+  reduce_segments_then_gather(c, data, count, rs, c.scratch.get(per * es),
+                              [&](int p, size_t offset, size_t bytes, char* into) {
+                                read_peer(c, p, addresses[p] + offset, into, bytes);
+                                return into;
+                              });
+}
+
+void allreduce_mapped(Context& c, const std::vector<const char*>& buffers, size_t count,
+                      const ReduceSpec& rs) {
+  if (c.size == 1 || count == 0) return;
+  reduce_segments_then_gather(
+      c, const_cast<char*>(buffers[c.rank]), count, rs, nullptr,
+      [&](int p, size_t offset, size_t, char*) { return buffers[p] + offset; });
 }
 
 }  // namespace tdist::comm::algorithms

@@ -38,7 +38,8 @@
 //   TDIST_TRANSPORT          auto (shared memory with same-host peers, else TCP) | tcp
 //   TDIST_SHM_BYTES          shared-memory ring bytes per direction (default 2 MiB)
 //   TDIST_SINGLE_COPY        1 (default) | 0: large allgathers and broadcasts read the peers'
-//                            memory when every rank may (Note [Single-copy collectives])
+//                            memory when every rank may (Note [Single-copy collectives]), and
+//                            symmetric_empty shares memory (Note [Symmetric memory])
 //   TDIST_SINGLE_COPY_BYTES  broadcasts (world 2) and allgather blocks from this many bytes
 //                            (default 256 KiB); the group takes the largest of its ranks' values
 //   TDIST_ALLGATHER_ALGO     auto (default: timed at set-up) | ring | single_copy

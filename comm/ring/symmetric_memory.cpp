@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "tdist/core/cpu_memory.h"
 #include "tdist/core/error.h"
 #include "tdist/core/logging.h"
 
@@ -172,15 +173,19 @@ at::Tensor SymmetricMemory::allocate(algorithms::Context& c, const std::vector<i
     state_->live[reinterpret_cast<uintptr_t>(base)] = seg;
   }
   // The tensor holds the segment (its mappings outlive the group if it does); an operation
-  // that found it holds it too, so it is unmapped only when both are done.
+  // that found it holds it too, so it is unmapped only when both are done. Its bytes count as a
+  // CPU tensor's (core/cpu_memory.h) while it lives.
+  const int64_t counted = cpu_memory_tracked() ? numel * c10::elementSize(dtype) : 0;
+  count_other_cpu_memory(counted);
   return at::from_blob(
       base, sizes,
-      [seg, state = std::weak_ptr<State>(state_)](void* p) mutable {
+      [seg, counted, state = std::weak_ptr<State>(state_)](void* p) mutable {
         if (auto s = state.lock()) {
           std::lock_guard<std::mutex> lock(s->mu);
           s->live.erase(reinterpret_cast<uintptr_t>(p));
         }
         seg.reset();
+        count_other_cpu_memory(-counted);
       },
       at::TensorOptions().dtype(dtype));
 }

@@ -76,9 +76,12 @@ grep -q "round 1: node rank 0 of 2 (world size 2)" "$work/node1.err" || fail "no
 echo "elastic: world 3 -> 2 at step $s1 -> 3 at step $s2; final $hashes"
 
 # The same history on loopback: world 3 stopped at step s1, world 2 from s1 to s2, 3 to the end.
+# With the same reduction: processes of one host would share DDP's buckets (symmetric memory,
+# Note [DDP bucketing] 12), whose allreduce adds in another order than the ring's across hosts.
 standalone() {  # standalone <nproc> [env...]
   local n=$1; shift
-  env OMP_NUM_THREADS=1 "$@" timeout -k 5 120 "$run" --standalone --nproc-per-node "$n" \
+  env OMP_NUM_THREADS=1 TDIST_SINGLE_COPY=0 "$@" timeout -k 5 120 "$run" --standalone \
+    --nproc-per-node "$n" \
     --stop-grace 2 "$train" "${train_args[@]}" --checkpoint-dir "$work/replay"
 }
 # Rank 0 is the one that stops: it has written the checkpoint of that step by then (another rank
