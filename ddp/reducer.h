@@ -36,12 +36,13 @@
 //     no rank used keeps its .grad untouched (undefined stays undefined).
 //  6. Rebuild: during the first synchronized backward the ready order is recorded. At the next
 //     forward that syncs, rank 0's order is broadcast and every rank rebuilds its buckets in it
-//     (once). With gradient_as_bucket_view the .grad tensors are moved to the new views.
+//     (once). With gradient_as_bucket_view (or 12) the .grad tensors move to the new views.
 //     With the built-in hook each rank divides its gradients by the world size while copying
 //     them into the bucket (in place, for a .grad that is the bucket view), and the allreduce
 //     sums the quotients: the sum never exceeds the largest gradient, so fp16 gradients that
 //     fit do not overflow to inf (world * |g| may not fit). This is PyTorch's order too. CPU
-//     float and double buckets without bucket views average in the collective instead (11).
+//     float and double buckets without bucket views, and those in shared memory, average in the
+//     collective instead (11, 12).
 //     With world size 1 and the built-in hook nothing is copied at all.
 //  7. Outside a synchronized iteration (no_sync, forward under NoGradGuard) hooks do nothing:
 //     gradients simply accumulate in .grad, and the next synchronized backward reduces the sum.
@@ -66,20 +67,20 @@
 //     built-in allreduce's Work::wait() for every bucket not on the CPU, so the write-back and
 //     the optimizer see the reduced buckets. A registered comm hook returns only a future: for a
 //     CUDA bucket its completion must mean that its value is ready for the current stream.
-// 11. In place. With the built-in hook, a CPU bucket, no bucket views and no shared memory (12),
-//     a gradient that a rank used and that is dense, contiguous and of the bucket's dtype and
-//     shape (the usual .grad) is not copied: the bucket is reduced as allreduce_coalesced of its
-//     targets, per slot the gradient itself or (for any other gradient, and for a parameter
-//     marked unused) the view it was copied into, and the write-back skips the gradients reduced
-//     where they lie: neither the copy in nor the copy back out (11.6 MB each per step of the
-//     MLP in docs/perf.md, on the core that computes). Float and double buckets are not divided first (6) but reduced
+// 11. In place. With the built-in hook, a CPU bucket, no bucket views and no shared memory (12), a
+//     gradient that a rank used and that is dense, contiguous and of the bucket's dtype and shape
+//     (the usual .grad) is not copied: the bucket is reduced as allreduce_coalesced of its targets,
+//     per slot the gradient itself or (for any other gradient, and for a parameter marked unused)
+//     the view it was copied into, and the write-back skips the gradients reduced where they lie:
+//     neither the copy in nor the copy back out (11.6 MB each per step of the MLP in docs/perf.md,
+//     on the core that computes). Float and double buckets are not divided first (6) but reduced
 //     with AVG: the rank that completes a segment's sum divides it while it is in its cache,
-//     instead of a pass over every gradient; float16 and bfloat16 gradients are divided in
-//     place first, for (6)'s overflow. The collective's plan depends only on the slots' sizes
-//     (Note [Coalesced allreduce in place] in comm/ring/ring_process_group_ops.cpp), so ranks
-//     whose gradients differ in layout agree. Unlike the copying path, a backward that fails
-//     after a gradient was marked may leave that .grad partly reduced (or, for float16, divided),
-//     as with gradient_as_bucket_view.
+//     instead of a pass over every gradient; float16 and bfloat16 gradients are divided in place
+//     first, for (6)'s overflow. The collective's plan depends only on the slots' sizes (Note
+//     [Coalesced allreduce in place] in comm/ring/ring_process_group_ops.cpp), so ranks whose
+//     gradients differ in layout agree. Unlike the copying path, a backward that fails after a
+//     gradient was marked may leave that .grad partly reduced (or, for float16, divided), as with
+//     gradient_as_bucket_view.
 // 12. Symmetric buckets. A CPU bucket's buffer is the group's symmetric memory (Note [Symmetric
 //     memory] in comm/ring/symmetric_memory.cpp; plain memory where the group cannot share it):
 //     every rank builds its buckets at the same points (construction, and the rebuild of 6

@@ -3,8 +3,8 @@
 // that an allreduce of a tensor in one reads its peers' values where they lie (Note [Symmetric
 // memory] in symmetric_memory.cpp). ProcessGroup::symmetric_empty makes one.
 //
-// Thread safety: every method may be called from any thread; allocate() and find() run on the
-// thread that runs the group's operations, the tensors' deleters anywhere.
+// Thread safety: allocate(), agree() and used() run on the thread that runs the group's
+// operations (one at a time); holds() and the tensors' deleters on any thread.
 
 #include <ATen/core/Tensor.h>
 #include <sys/types.h>
@@ -40,9 +40,9 @@ class SymmetricMemory {
   // The group's processes by rank (the kernel's word, Note [Single-copy collectives]).
   explicit SymmetricMemory(std::vector<pid_t> pids) : state_(std::make_shared<State>(pids)) {}
 
-  // Collective, as an operation of the group on every rank: allocates `nbytes` on this rank and
-  // maps every peer's. Returns a tensor over it (`sizes`, `dtype`), or an undefined tensor when
-  // some rank could not share or map (every rank then says why in the log and returns the same).
+  // Collective, as an operation of the group on every rank: allocates a buffer for `sizes` of
+  // `dtype` on this rank and maps every peer's. Returns a tensor over it, or an undefined tensor
+  // when some rank could not share or map (every rank then logs why and returns the same).
   // MismatchError when the ranks asked for different sizes.
   at::Tensor allocate(algorithms::Context& c, const std::vector<int64_t>& sizes,
                       at::ScalarType dtype);
