@@ -70,11 +70,6 @@ std::shared_ptr<ProcessGroup> DispatchProcessGroup::new_group(std::vector<int> r
   return std::make_shared<DispatchProcessGroup>(std::move(cpu), std::move(cuda), opts);
 }
 
-at::Tensor DispatchProcessGroup::symmetric_empty(const std::vector<int64_t>& sizes,
-                                                 at::ScalarType dtype) {
-  return cpu_->symmetric_empty(sizes, dtype);
-}
-
 void DispatchProcessGroup::abort() {
   cpu_->abort();
   cuda_->abort();

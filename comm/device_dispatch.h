@@ -43,7 +43,9 @@ class DispatchProcessGroup : public ProcessGroup {
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, const Options& opts) override;
   void abort() override;
   // The CPU group's (symmetric memory is host memory).
-  at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) override;
+  at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) override {
+    return cpu_->symmetric_empty(sizes, dtype);
+  }
   bool is_symmetric(const at::Tensor& t) const override { return cpu_->is_symmetric(t); }
 
  private:

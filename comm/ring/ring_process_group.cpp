@@ -318,6 +318,27 @@ std::shared_ptr<Work> RingProcessGroup::enqueue_small(const char* name, Kind kin
   return ops_->push(name, effective(timeout), std::move(body));
 }
 
+// Note [Symmetric memory] in symmetric_memory.cpp: allocated as an operation of the group, so
+// that every rank's allocation meets its peers' in the same place of the byte streams.
+at::Tensor RingProcessGroup::symmetric_empty(const std::vector<int64_t>& sizes,
+                                             at::ScalarType dtype) {
+  for (int64_t s : sizes) TDIST_CHECK_ARG(s >= 0, "symmetric_empty: negative size ", s);
+  if (!symmetric_) return at::empty(sizes, dtype);
+  auto work = enqueue("symmetric_empty", Millis(-1), Fingerprint{},
+                      [this, sizes, dtype](algorithms::Context& c) {
+                        at::Tensor t = symmetric_->allocate(c, sizes, dtype);
+                        return t.defined() ? Future::Value{t} : Future::Value{};
+                      });
+  work->wait();
+  const Future::Value got = work->result();
+  return got.empty() ? at::empty(sizes, dtype) : got.front();
+}
+
+bool RingProcessGroup::is_symmetric(const at::Tensor& t) const {
+  return symmetric_ && t.defined() && t.is_cpu() && t.is_contiguous() &&
+         symmetric_->holds(static_cast<const char*>(t.data_ptr()), t.nbytes());
+}
+
 algorithms::Context RingProcessGroup::context() {
   return {*exchange_, rank_, size_, chunk_bytes_, scratch_, &peer_pids_, window_bytes_};
 }

@@ -841,25 +841,6 @@ std::shared_ptr<Work> RingProcessGroup::start(BarrierCall& c) {
                  });
 }
 
-at::Tensor RingProcessGroup::symmetric_empty(const std::vector<int64_t>& sizes,
-                                             at::ScalarType dtype) {
-  for (int64_t s : sizes) TDIST_CHECK_ARG(s >= 0, "symmetric_empty: negative size ", s);
-  if (!symmetric_) return at::empty(sizes, dtype);
-  auto work = enqueue("symmetric_empty", Millis(-1), fingerprint(debug_detail_, nullptr),
-                      [this, sizes, dtype](algo::Context& c) {
-                        at::Tensor t = symmetric_->allocate(c, sizes, dtype);
-                        return t.defined() ? Value{t} : Value{};
-                      });
-  work->wait();
-  const Value got = work->result();
-  return got.empty() ? at::empty(sizes, dtype) : got.front();
-}
-
-bool RingProcessGroup::is_symmetric(const at::Tensor& t) const {
-  return symmetric_ && t.defined() && t.is_cpu() && t.is_contiguous() &&
-         symmetric_->holds(static_cast<const char*>(t.data_ptr()), t.nbytes());
-}
-
 // Sends and receives go to the P2PEngine on their own channel (post_p2p).
 template <>
 std::shared_ptr<Work> RingProcessGroup::start(SendCall& c) {

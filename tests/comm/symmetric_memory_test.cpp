@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fstream>
 #include <iostream>
 #include <string>
 
@@ -12,24 +11,13 @@
 #include "tdist/core/env.h"
 #include "tdist/core/tcp_store.h"
 #include "tests/comm/comm_test_util.h"
+#include "tests/harness/proc_counts.h"
 #include "tests/harness/process.h"
 
 namespace tdist::comm {
 namespace {
 
-// The mappings of this process's symmetric buffers, read-write and read-only.
-std::pair<int, int> symmetric_mappings() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  int rw = 0, ro = 0;
-  while (std::getline(maps, line)) {
-    if (line.find("memfd:tdist-symmetric") == std::string::npos) continue;
-    const std::string perms = line.substr(line.find(' ') + 1, 4);
-    rw += perms == "rw-s";
-    ro += perms == "r--s";
-  }
-  return {rw, ro};
-}
+using ::tdist::test::symmetric_mappings;
 
 // Every rank's value r + i at element i, reduced by `op` over `world` ranks.
 at::Tensor want(int64_t n, int world, ReduceOp op) {

@@ -10,14 +10,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fstream>
-
 #include "tdist/comm/process_group.h"
 #include "tdist/comm/ring/ring_process_group.h"
 #include "tdist/core/env.h"
 #include "tdist/core/hash_store.h"
 #include "tdist/core/rendezvous.h"
 #include "tests/ddp/ddp_test_util.h"
+#include "tests/harness/proc_counts.h"
 #include "tests/harness/process.h"
 #include "tests/harness/spawn.h"
 #include "tests/harness/net.h"
@@ -186,13 +185,7 @@ TDIST_TEST_CHILD(ddp_symmetric_child) {
       check(ring->is_symmetric(grad),
             str("step ", step, ": gradient ", i, " is not in the bucket"));
     }
-    std::ifstream maps("/proc/self/maps");
-    int rw = 0, ro = 0;
-    for (std::string line; std::getline(maps, line);) {
-      if (line.find("memfd:tdist-symmetric") == std::string::npos) continue;
-      rw += line.find(" rw-s ") != std::string::npos;
-      ro += line.find(" r--s ") != std::string::npos;
-    }
+    const auto [rw, ro] = symmetric_mappings();
     check(rw == 1 && ro == world_size - 1,
           str("step ", step, ": ", rw, " read-write and ", ro, " read-only symmetric mappings"));
     torch::NoGradGuard no_grad;

@@ -9,6 +9,8 @@
 //                             other processes, such as tests running beside, are not counted)
 //                             and its tdist-* mappings, memfds included (the leak tests compare
 //                             it round after round)
+//   symmetric_mappings():     this process's mappings of symmetric memory (comm's
+//                             ProcessGroup::symmetric_empty), read-write and read-only
 //   expect_rounds_leave_nothing(round): runs `round` four times; the first warms up what lives
 //                             for the whole process (libtorch's pools, the logger) and must leave
 //                             no tdist shared memory; rounds 2 to 4 must each end holding what
@@ -21,6 +23,7 @@
 #include <functional>
 #include <ostream>
 #include <string>
+#include <utility>
 
 namespace tdist::test {
 
@@ -65,6 +68,17 @@ inline Held held() {
     }
   }
   return h;
+}
+
+inline std::pair<int, int> symmetric_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  int rw = 0, ro = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("memfd:tdist-symmetric") == std::string::npos) continue;
+    rw += line.find(" rw-s ") != std::string::npos;
+    ro += line.find(" r--s ") != std::string::npos;
+  }
+  return {rw, ro};
 }
 
 inline void expect_rounds_leave_nothing(const std::function<void()>& round) {
