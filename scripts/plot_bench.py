@@ -59,6 +59,9 @@ def plot_collective(plt, data, title):
                                       gridspec_kw={"height_ratios": [3, 2]})
     top.plot(x, [r["busbw_gbs"] for r in rows], "o-", label="tdist busbw")
     top.plot(x, [r["bound_gbs"] for r in rows], "k--", label=f"bound: {data['bound']}")
+    xcore = all("xcore_gbs" in r for r in rows)  # the cross-core copy, on one host
+    if xcore:
+        top.plot(x, [r["xcore_gbs"] for r in rows], "k:", label="cross-core copy")
     if anchor != "none":
         top.plot(x, [r["anchor_busbw_gbs"] for r in rows], "s-", label=f"{anchor} busbw")
     top.set_xscale("log", base=2)
@@ -68,6 +71,8 @@ def plot_collective(plt, data, title):
     top.grid(True, which="both", alpha=0.3)
     top.set_title(title or f"{data['op']}, world size {data['world_size']}")
     bottom.plot(x, [r["busbw_over_bound"] for r in rows], "o-", label="tdist busbw / bound")
+    if xcore:
+        bottom.plot(x, [r["busbw_over_xcore"] for r in rows], "^-", label="tdist busbw / cross-core copy")
     if anchor != "none":
         bottom.plot(x, [r["busbw_over_anchor"] for r in rows], "s-", label=f"tdist busbw / {anchor}'s")
     bottom.axhline(1.0, color="k", lw=0.8)

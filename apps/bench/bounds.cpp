@@ -46,6 +46,31 @@ struct BatchHeader {
   uint32_t count;
 };
 
+bool pin(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return ::pthread_setaffinity_np(::pthread_self(), sizeof(set), &set) == 0;
+}
+
+// Two threads, each with a CPU of its own, meet here: meet() returns once both have called it.
+class TwoThreadMeeting {
+ public:
+  void meet() {
+    const int round = round_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      round_.store(round + 1, std::memory_order_release);
+    } else {
+      while (round_.load(std::memory_order_acquire) == round) {}
+    }
+  }
+
+ private:
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> round_{0};
+};
+
 }  // namespace
 
 std::vector<double> time_memcpy(size_t bytes, int warmup, int iters) {
@@ -63,15 +88,50 @@ std::vector<double> time_memcpy(size_t bytes, int warmup, int iters) {
   return seconds;
 }
 
+std::optional<std::vector<double>> time_cross_core_copy(size_t bytes, int samples) {
+  const std::vector<int> cpus = env::allowed_cpus();
+  if (cpus.size() < 2 || samples < 1) return std::nullopt;
+  constexpr int kWarmup = 2;
+  // As in time_memcpy, a sample of small copies times several (distinct buffers, each written
+  // by the other core), so that the clock's own cost stays small beside them.
+  constexpr size_t kSampleBytes = size_t{64} << 10;
+  const size_t copies = bytes == 0 ? 1 : std::max<size_t>(1, (kSampleBytes + bytes - 1) / bytes);
+  const size_t total = bytes * copies;
+  std::vector<char> own[2] = {std::vector<char>(total), std::vector<char>(total)};
+  std::vector<char> copy[2] = {std::vector<char>(total), std::vector<char>(total)};
+  std::atomic<int> pinned{0}, failed{0};
+  TwoThreadMeeting meeting;
+  std::vector<double> seconds;
+  auto body = [&](int me) {
+    if (!pin(cpus[me])) failed.fetch_add(1);
+    pinned.fetch_add(1);
+    while (pinned.load() < 2) {}
+    if (failed.load() != 0) return;
+    for (int i = 0; i < kWarmup + samples; ++i) {
+      std::memset(own[me].data(), i + me, total);  // modified lines in this core's caches
+      meeting.meet();
+      const auto start = std::chrono::steady_clock::now();
+      for (size_t c = 0; c < copies; ++c)
+        std::memcpy(copy[me].data() + c * bytes, own[1 - me].data() + c * bytes, bytes);
+      asm volatile("" : : "r"(copy[me].data()) : "memory");  // the copies are used: they stay
+      const auto end = std::chrono::steady_clock::now();
+      if (me == 0 && i >= kWarmup)
+        seconds.push_back(std::chrono::duration<double>(end - start).count() /
+                          static_cast<double>(copies));
+      meeting.meet();
+    }
+  };
+  std::thread other(body, 1);
+  std::thread timed(body, 0);
+  other.join();
+  timed.join();
+  if (failed.load() != 0) return std::nullopt;
+  return seconds;
+}
+
 std::optional<CoreRoundTrip> core_round_trip(int trips, int runs) {
   const std::vector<int> cpus = env::allowed_cpus();
   if (cpus.size() < 2 || trips < 1 || runs < 1) return std::nullopt;
-  auto pin = [](int cpu) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    return ::pthread_setaffinity_np(::pthread_self(), sizeof(set), &set) == 0;
-  };
   struct alignas(64) Line {
     std::atomic<long> v{0};
   };

@@ -22,6 +22,22 @@ namespace tdist::bench {
 // same figure.
 std::vector<double> time_memcpy(size_t bytes, int warmup, int iters);
 
+// Note [Cross-core copy]
+// What a collective between the processes of one host cannot beat even when it reads its peers'
+// buffers where they lie (symmetric memory): the rate at which a core copies a buffer another
+// core has just written, whose lines sit modified in the writer's caches, while that core does
+// the same with this one's buffer, as the two ranks of a world-2 collective do. busbw counts per
+// rank the bytes that an algorithm moving each byte between cores once must take from other
+// cores (2(n-1)/n of the buffer for an allreduce, (n-1)/n for an allgather or a reduce-scatter),
+// so busbw over this rate is the fraction of that capacity a collective uses. It differs from
+// the memcpy bound where one thread's copy stays in its own caches (up to about the L2's size)
+// and a cross-core copy cannot. Two threads pinned to the first two CPUs this process may run
+// on; each sample, both write their own buffer, meet, copy the other's into a third buffer and
+// meet again; one thread's copies are timed (below 64 KiB a sample copies several buffers, as
+// time_memcpy does). Seconds per copy, `samples` of them after two untimed; nullopt when fewer
+// than two CPUs are allowed or a thread cannot be pinned.
+std::optional<std::vector<double>> time_cross_core_copy(size_t bytes, int samples);
+
 // Note [Core-to-core round trip]
 // The time for one cache line to go from one core to another and back: two threads, pinned to
 // the first two CPUs this process may run on, each storing a counter the other waits for. Every

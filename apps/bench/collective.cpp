@@ -98,6 +98,8 @@ struct Row {
   int64_t wrong;
   double bound = 0;         // GB/s of the transport's bound (Note [Collective bounds])
   double of_bound = 0;      // busbw / bound
+  double xcore = 0;         // GB/s of a cross-core copy (Note [Cross-core copy]); 0: not measured
+  double of_xcore = 0;      // busbw / xcore
   double anchor_us = 0;     // --anchor's time
   double anchor_busbw = 0;  // and busbw
   double of_anchor = 0;     // busbw / the anchor's busbw
@@ -308,7 +310,9 @@ class Case {
 //   least (H-1)/H of the data through it (allreduce twice that), while busbw counts (n-1)/n (twice
 //   that), so the bound is the stream's bandwidth times (n-1)/n * H/(H-1) for allreduce, allgather
 //   and reduce_scatter; other ops keep the stream's. Both: --warmup untimed, --iters timed, the
-//   median.
+//   median. Shared memory adds a second bound per row, the cross-core copy (xcore: Note
+//   [Cross-core copy] in bounds.h), which a buffer that fits one core's caches cannot copy at
+//   the memcpy bound's rate.
 void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
                                std::vector<Row>& rows, std::string* bound_name,
                                std::optional<CoreRoundTrip>* round_trip) {
@@ -355,8 +359,18 @@ void measure_bounds_and_anchor(const Config& cfg, Store& store, int rank, int n,
       // At most 1000 samples: a sample copies at least 256 KiB (bounds.h), and --iters may be
       // in the millions for small sizes.
       const int samples = std::min(cfg.iters, 1000);
-      for (auto& row : rows)
+      for (auto& row : rows) {
         row.bound = row.bytes / median(time_memcpy(row.bytes, cfg.warmup, samples)) / 1e9;
+        // Note [Cross-core copy]: fewer samples of the large sizes (each writes and copies two
+        // buffers of the row's size).
+        const int cross_samples = std::max(
+            10, std::min({cfg.iters, 200,
+                          static_cast<int>((size_t{512} << 20) / std::max<size_t>(row.bytes, 1))}));
+        if (auto cross = time_cross_core_copy(row.bytes, cross_samples)) {
+          row.xcore = row.bytes / median(*cross) / 1e9;
+          row.of_xcore = row.busbw / row.xcore;
+        }
+      }
       *bound_name = "single-thread memcpy";
     }
     for (auto& row : rows) row.of_bound = row.busbw / row.bound;
@@ -407,8 +421,15 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows,
              : "");
   // Rank 0 measured it before and after the rows (Note [Core-to-core round trip] in bounds.h).
   std::printf("# %s\n", trips.describe("the rows").c_str());
+  const bool xcore = !rows.empty() && rows.front().xcore > 0;
+  if (xcore) {
+    std::printf(
+        "# xcore: a core's memcpy of a buffer another core just wrote, both cores at once "
+        "(the round trip's two CPUs; Note [Cross-core copy] in apps/bench/bounds.h)\n");
+  }
   std::printf("#%12s %12s %9s %7s %12s %11s %11s %11s %9s", "size(B)", "count", "type", "redop",
               "time(us)", "algbw(GB/s)", "busbw(GB/s)", "bound(GB/s)", "bus/bound");
+  if (xcore) std::printf(" %11s %9s", "xcore(GB/s)", "bus/xcore");
   if (anchor)
     std::printf(" %12s %11s %9s", (cfg.anchor + "(us)").c_str(), (cfg.anchor + "_busbw").c_str(),
                 ("bus/" + cfg.anchor).c_str());
@@ -418,6 +439,7 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows,
                 static_cast<long long>(row.count), cfg.dtype.c_str(),
                 per_rank_blocks && cfg.op != "reduce_scatter" ? "none" : cfg.redop.c_str(),
                 row.time_us, row.algbw, row.busbw, row.bound, row.of_bound);
+    if (xcore) std::printf(" %11.3f %9.3g", row.xcore, row.of_xcore);
     if (anchor) std::printf(" %12.2f %11.3f %9.3g", row.anchor_us, row.anchor_busbw, row.of_anchor);
     std::printf(" %8lld\n", static_cast<long long>(row.wrong));
   }
@@ -437,6 +459,10 @@ void write_json(const Config& cfg, int n, const std::vector<Row>& rows,
                        {"algbw_gbs", r.algbw}, {"busbw_gbs", r.busbw},
                        {"bound_gbs", r.bound}, {"busbw_over_bound", r.of_bound},
                        {"wrong", r.wrong}};
+    if (r.xcore > 0) {
+      row["xcore_gbs"] = r.xcore;
+      row["busbw_over_xcore"] = r.of_xcore;
+    }
     if (cfg.anchor != "none") {
       row["anchor_time_us"] = r.anchor_us;
       row["anchor_busbw_gbs"] = r.anchor_busbw;

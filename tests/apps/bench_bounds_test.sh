@@ -22,7 +22,7 @@ collective() {  # collective <extra args...>: world 2, 4K..64K, rows in $work/c.
 # check_collective <bound name> [anchor]: the JSON rows and the printed table.
 check_collective() {
   "$python" - "$work/c.json" "$work/c.out" "$1" "${2:-none}" <<'EOF'
-import json, math, re, sys
+import json, math, os, re, sys
 data, bound_name, anchor = json.load(open(sys.argv[1])), sys.argv[3], sys.argv[4]
 table = re.sub(r"(?m)^\[rank \d+\] ", "", open(sys.argv[2]).read())  # tdist-run's prefix
 rows = data["rows"]
@@ -41,11 +41,23 @@ for r in rows:
         assert abs(r["busbw_over_anchor"] - r["anchor_time_us"] / r["time_us"]) <= 1e-6 * r["busbw_over_anchor"], r
 # Measured per row: not one figure for all (two cache-resident sizes may time alike).
 assert len({r["bound_gbs"] for r in rows}) >= 2, "the bound is the same in every row"
+# The cross-core copy beside the memcpy bound (shared memory, two CPUs or more): in every row or
+# in none, positive, busbw over it, measured per row.
+xcore = [r for r in rows if "xcore_gbs" in r]
+assert len(xcore) in (0, len(rows)), rows
+if bound_name == "single-thread memcpy" and len(os.sched_getaffinity(0)) >= 2:
+    assert xcore, "no cross-core copy with two CPUs"
+for r in xcore:
+    assert ok(r["xcore_gbs"]) and ok(r["busbw_over_xcore"]), r
+    assert abs(r["busbw_over_xcore"] - r["busbw_gbs"] / r["xcore_gbs"]) <= 1e-6 * r["busbw_over_xcore"], r
+assert not xcore or len({r["xcore_gbs"] for r in rows}) >= 2, "the cross-core copy is the same in every row"
 # The printed table: the columns by name, and the same values per row.
 header = [l for l in table.splitlines() if l.startswith("#") and "bound(GB/s)" in l]
 assert header, "no bound column in the table"
 cols = header[0].lstrip("#").split()
 want = ["bound(GB/s)", "bus/bound"] + ([f"{anchor}(us)", f"bus/{anchor}"] if anchor != "none" else [])
+want += ["xcore(GB/s)", "bus/xcore"] if xcore else []
+assert ("xcore(GB/s)" in cols) == bool(xcore), cols
 for c in want:
     assert c in cols, (c, cols)
 lines = [l.split() for l in table.splitlines() if l and not l.startswith("#")]
@@ -55,6 +67,8 @@ for fields, r in zip(lines, rows):
     for c in want:
         assert float(fields[cols.index(c)]) > 0, (c, fields)
     assert abs(float(fields[cols.index("bound(GB/s)")]) - r["bound_gbs"]) <= 0.0005 + 1e-3 * r["bound_gbs"]
+    if xcore:
+        assert abs(float(fields[cols.index("xcore(GB/s)")]) - r["xcore_gbs"]) <= 0.0005 + 1e-3 * r["xcore_gbs"]
 print("collective table ok:", data["bound"])
 EOF
   check_round_trip "$work/c.json" "$work/c.out" "the rows"
