@@ -26,8 +26,9 @@
 // NCCL or Gloo on CUDA tensors instead); the bound stays the host transport's (Note [Collective
 // bounds]).
 //
-// --symmetric allocates an allreduce's buffer with ProcessGroup::symmetric_empty (Note
-// [Symmetric memory] in comm/ring/symmetric_memory.cpp), as NCCL's tests register theirs.
+// --symmetric allocates the buffer of an allreduce or a broadcast, or an allgather's output,
+// with ProcessGroup::symmetric_empty (Note [Symmetric memory] in comm/ring/symmetric_memory.cpp),
+// as NCCL's tests register theirs; other operations ignore it.
 
 #include "apps/bench/subcommands.h"
 
@@ -169,13 +170,14 @@ class Case {
       case Kind::kAllreduce:
       case Kind::kBroadcast:
       case Kind::kReduce:
-        a_ = cfg.symmetric && kind_ == Kind::kAllreduce ? pg.symmetric_empty({count}, dtype)
-                                                        : at::empty({count}, opts);
+        a_ = cfg.symmetric && kind_ != Kind::kReduce ? pg.symmetric_empty({count}, dtype)
+                                                     : at::empty({count}, opts);
         break;
       case Kind::kAllgather:
         // In place, as the Open MPI anchor (MPI_IN_PLACE): the input is this rank's block of the
         // output.
-        b_ = at::empty({block * n_}, opts);
+        b_ =
+            cfg.symmetric ? pg.symmetric_empty({block * n_}, dtype) : at::empty({block * n_}, opts);
         a_ = b_.narrow(0, r_ * block, block);
         break;
       case Kind::kGather:
@@ -411,7 +413,9 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows,
       "dtype %s, redop %s, iters %d, warmup %d%s\n",
       cfg.op.c_str(), cfg.backend.c_str(), cfg.group_backend.c_str(), cfg.device.c_str(), n,
       cfg.dtype.c_str(), cfg.redop.c_str(), cfg.iters, cfg.warmup,
-      cfg.symmetric ? ", buffers in symmetric memory" : "");
+      cfg.symmetric && (cfg.op == "allreduce" || cfg.op == "broadcast" || cfg.op == "allgather")
+          ? ", buffers in symmetric memory"
+          : "");
   std::printf(
       "# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
       anchor ? ("; anchor: " +
@@ -618,8 +622,8 @@ void add_collective_command(CLI::App& app) {
                   "draw busbw against the bound and the anchor to this PNG (rank 0; the JSON "
                   "goes to --json, else FILE.json)");
   sub->add_flag("--symmetric", cfg->symmetric,
-                "allreduce: the buffer in symmetric memory (ProcessGroup::symmetric_empty), read "
-                "by the peers where it lies");
+                "allreduce, broadcast: the buffer, allgather: the output, in symmetric memory "
+                "(ProcessGroup::symmetric_empty), read by the peers where it lies");
   sub->callback([cfg] {
     int rc = run_collective(*cfg);
     if (rc != 0) std::exit(rc);

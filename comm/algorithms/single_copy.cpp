@@ -162,4 +162,21 @@ void allreduce_mapped(Context& c, const std::vector<const char*>& buffers, size_
       [&](int p, size_t offset, size_t, char*) { return buffers[p] + offset; });
 }
 
+void broadcast_mapped(Context& c, const std::vector<const char*>& buffers, size_t bytes, int root) {
+  if (c.size == 1 || bytes == 0) return;
+  if (c.rank != root) std::memcpy(const_cast<char*>(buffers[c.rank]), buffers[root], bytes);
+  all_passed(c);
+}
+
+void allgather_mapped(Context& c, const std::vector<const char*>& sources,
+                      const std::vector<char*>& blocks, size_t block_bytes) {
+  const int n = c.size;
+  if (n == 1 || block_bytes == 0) return;
+  for (int s = 1; s < n; ++s) {
+    const int p = (c.rank + s) % n;
+    std::memcpy(blocks[p], sources[p], block_bytes);
+  }
+  all_passed(c);
+}
+
 }  // namespace tdist::comm::algorithms

@@ -83,4 +83,14 @@ void allreduce_single_copy(Context& c, char* data, size_t count, const ReduceSpe
 void allreduce_mapped(Context& c, const std::vector<const char*>& buffers, size_t count,
                       const ReduceSpec& rs);
 
+// The broadcast and the allgather of mapped buffers, in the same way: after the swap of
+// descriptors every rank but the root copies `bytes` from the root's buffer (buffers[root]) into
+// its own (buffers[rank]); an allgather copies each peer's block from where it lies in that
+// peer's buffer (sources[p]) into blocks[p] of this rank, starting with its right neighbour. Then
+// all meet, so that no rank writes its buffer while a peer still reads it. One copy per byte, no
+// system call, against the single copy's process_vm_readv, which pins the peer's pages per call.
+void broadcast_mapped(Context& c, const std::vector<const char*>& buffers, size_t bytes, int root);
+void allgather_mapped(Context& c, const std::vector<const char*>& sources,
+                      const std::vector<char*>& blocks, size_t block_bytes);
+
 }  // namespace tdist::comm::algorithms

@@ -155,6 +155,13 @@ class RingProcessGroup final : public ProcessGroup, private OpQueue::Runner {
   // Window by window (Note [Windows]): broadcast_bytes, the chain reduce (in place),
   // allgather_blocks and the ring reduce-scatter.
   void broadcast_windows(algorithms::Context& c, char* data, size_t bytes, int root) const;
+  // Note [Symmetric memory]: when the group ever allocated symmetric memory and the operation
+  // moves more than the small size (`op_bytes`, the same on every rank), swaps the descriptor of
+  // `bytes` at `data` with the peers and returns the segment when every rank's lies in one, with
+  // each rank's buffer in `buffers`; else null, on every rank alike.
+  std::shared_ptr<SymmetricMemory::Segment> agree_mapped(algorithms::Context& c, const char* data,
+                                                         size_t bytes, size_t op_bytes,
+                                                         std::vector<const char*>* buffers) const;
   void reduce_windows(algorithms::Context& c, char* data, size_t count,
                       const algorithms::ReduceSpec& rs, int root) const;
   void allgather_windows(algorithms::Context& c, const std::vector<char*>& blocks,

@@ -171,14 +171,21 @@ RingProcessGroup::AllreduceAlgo RingProcessGroup::allreduce_algorithm(size_t cou
   return AllreduceAlgo::kRing;
 }
 
+std::shared_ptr<SymmetricMemory::Segment> RingProcessGroup::agree_mapped(
+    algo::Context& c, const char* data, size_t bytes, size_t op_bytes,
+    std::vector<const char*>* buffers) const {
+  // Note [Symmetric memory]: the same test on every rank (the operation's size, and whether the
+  // group ever allocated), then the same answer from the swapped descriptors.
+  if (!symmetric_ || !symmetric_->used() || op_bytes <= small_allreduce_bytes_) return nullptr;
+  return symmetric_->agree(c, const_cast<char*>(data), bytes, buffers);
+}
+
 void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count,
                                       const algo::ReduceSpec& rs) const {
-  // Note [Symmetric memory]: the same test on every rank (the size, and whether the group ever
-  // allocated), then the same answer from the swapped descriptors.
-  if (symmetric_ && symmetric_->used() && count * rs.elem_size > small_allreduce_bytes_ &&
-      count >= static_cast<size_t>(size_)) {
-    std::vector<const char*> buffers;
-    if (auto held = symmetric_->agree(c, data, count * rs.elem_size, &buffers)) {
+  const size_t bytes = count * rs.elem_size;
+  std::vector<const char*> buffers;
+  if (count >= static_cast<size_t>(size_)) {
+    if (auto held = agree_mapped(c, data, bytes, bytes, &buffers)) {
       algo::allreduce_mapped(c, buffers, count, rs);
       return;
     }
@@ -348,6 +355,10 @@ void RingProcessGroup::broadcast_bytes(algo::Context& c, char* data, size_t byte
 
 void RingProcessGroup::broadcast_windows(algo::Context& c, char* data, size_t bytes,
                                          int root) const {
+  std::vector<const char*> buffers;
+  if (auto held = agree_mapped(c, data, bytes, bytes, &buffers)) {
+    return algo::broadcast_mapped(c, buffers, bytes, root);
+  }
   algo::for_each_window(bytes, window_bytes_,
                         [&](size_t off, size_t n) { broadcast_bytes(c, data + off, n, root); });
 }
@@ -372,6 +383,11 @@ void RingProcessGroup::allgather_blocks(algo::Context& c, const std::vector<char
 
 void RingProcessGroup::allgather_windows(algo::Context& c, const std::vector<char*>& blocks,
                                          size_t block_bytes) const {
+  // This rank's block is in place in its output by now: the peers read it there.
+  std::vector<const char*> sources;
+  if (auto held = agree_mapped(c, blocks[rank_], block_bytes, block_bytes * size_, &sources)) {
+    return algo::allgather_mapped(c, sources, blocks, block_bytes);
+  }
   const size_t window = algo::block_window_bytes(window_bytes_, size_);
   if (block_bytes <= window) return allgather_blocks(c, blocks, block_bytes);  // no slice list
   std::vector<char*> slice(blocks.size());

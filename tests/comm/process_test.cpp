@@ -251,8 +251,11 @@ void run_op(ProcessGroup& pg, const std::string& op, const at::Tensor& x) {
   const int world = pg.size(), rank = pg.rank();
   if (op == "allreduce" || op == "symmetric_allreduce") {  // x is symmetric for the latter
     pg.allreduce(x)->wait();
-  } else if (op == "broadcast") {
+  } else if (op == "broadcast" || op == "symmetric_broadcast") {
     pg.broadcast(x)->wait();
+  } else if (op == "symmetric_allgather") {  // x: the symmetric output, gathered in place
+    const int64_t block = x.numel() / world;
+    pg.allgather_into_tensor(x, x.narrow(0, rank * block, block))->wait();
   } else if (op == "allgather") {
     pg.allgather_into_tensor(at::empty({x.numel() * world}), x)->wait();
   } else if (op == "reduce_scatter") {
@@ -280,8 +283,11 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
   auto store = child_store();
   auto pg = create_process_group(store, rank, world_size, test::test_options(timeout));
   // Note [Symmetric memory]: the peers read this buffer where it lies.
-  auto x = op == "symmetric_allreduce" ? pg->symmetric_empty({3 << 16}, torch::kFloat).fill_(1)
-                                       : torch::ones({3 << 16});
+  auto x = op == "symmetric_allreduce" || op == "symmetric_broadcast"
+               ? pg->symmetric_empty({3 << 16}, torch::kFloat).fill_(1)
+           : op == "symmetric_allgather"
+               ? pg->symmetric_empty({(3 << 16) * world_size}, torch::kFloat).fill_(1)
+               : torch::ones({3 << 16});
   for (int i = 0;; ++i) {
     try {
       run_op(*pg, op, x);
@@ -292,6 +298,8 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
       const std::map<std::string, std::string> names = {
           {"allgather", "allgather_into_tensor (seq "},
           {"symmetric_allreduce", "allreduce (seq "},
+          {"symmetric_broadcast", "broadcast (seq "},
+          {"symmetric_allgather", "allgather_into_tensor (seq "},
           {"reduce_scatter", "reduce_scatter_tensor (seq "},
           {"alltoall", "alltoall_base (seq "},
           {"send", ""}};
@@ -481,6 +489,8 @@ std::vector<Fault> faults() {
   // So does the allreduce of symmetric memory (Note [Symmetric memory]), with no system call.
   out.push_back({"symmetric_allreduce", SIGKILL, "auto"});
   out.push_back({"symmetric_allreduce", SIGSTOP, "auto"});
+  out.push_back({"symmetric_broadcast", SIGKILL, "auto"});
+  out.push_back({"symmetric_allgather", SIGKILL, "auto"});
   return out;
 }
 

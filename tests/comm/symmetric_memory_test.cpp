@@ -34,6 +34,9 @@ at::Tensor want(int64_t n, int world, ReduceOp op) {
 //     (three sends per peer of descriptors and meeting bytes, no forwarded hop), where the ring
 //     would send the buffer;
 //   - one rank passing plain memory, or the ranks passing different buffers, runs the ring, right;
+//   - a broadcast from every root and an allgather (in place, and from a plain input into a
+//     symmetric output) copy straight from the peers' buffers, right, and move values again when
+//     one rank's buffer is plain;
 //   - ranks asking for different sizes all fail, naming the sizes, and the group stays usable;
 //   - freeing a buffer unmaps it here once nothing uses it, and a buffer outlives its group.
 TDIST_TEST_CHILD(comm_symmetric_child) {
@@ -55,15 +58,16 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
     }
   };
   const auto peers = static_cast<uint64_t>(world_size - 1);
-  // Whether the last allreduce read the peers' buffers (true) or ran the ring (false).
-  auto mapped = [&](int64_t n) {
+  // Whether the last operation read the peers' buffers where they lie: one send of descriptors
+  // and `meetings` one-byte meetings to each peer, nothing forwarded, no values. Every other
+  // path sends more: the ring its values, the single copy (whose process_vm_readv these counts
+  // do not see) its addresses after the descriptors.
+  auto mapped = [&](uint64_t meetings) {
     const auto c = ring->last_counts();
-    const bool none_moved = c.forwards == 0 && c.sends == 3 * peers && c.bytes_sent < 64 * peers &&
-                            c.bytes_received < 64 * peers;
-    const bool ring_moved = c.bytes_sent >= static_cast<uint64_t>(n) * 8 / world_size;
-    if (none_moved == ring_moved) std::cerr << "rank " << rank << ": counts neither" << std::endl;
-    return none_moved;
+    return c.forwards == 0 && c.sends == (1 + meetings) * peers && c.bytes_sent < 64 * peers &&
+           c.bytes_received < 64 * peers;
   };
+  auto allreduce_mapped = [&] { return mapped(2); };  // it meets twice
   constexpr int64_t n = 300001;  // larger than the small allreduce, not a multiple of the world
   {
     at::Tensor x = pg->symmetric_empty({n}, torch::kDouble);
@@ -75,28 +79,75 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
       o.op = op;
       pg->allreduce(x, o)->wait();
       check(torch::allclose(x, want(n, world_size, op)), str("wrong allreduce, op ", int(op)));
-      check(mapped(n), "the allreduce of a symmetric buffer did not read the peers'");
+      check(allreduce_mapped(), "the allreduce of a symmetric buffer did not read the peers'");
     }
     at::Tensor big = pg->symmetric_empty({2 * n}, torch::kDouble);
     at::Tensor slice = big.narrow(0, 7 * rank + 3, n);
     slice.copy_(torch::arange(n, torch::kDouble) + rank);
     pg->allreduce(slice)->wait();
     check(torch::allclose(slice, want(n, world_size, ReduceOp::SUM)), "wrong sliced allreduce");
-    check(mapped(n), "an allreduce of slices at different offsets did not read the peers'");
+    check(allreduce_mapped(),
+          "an allreduce of slices at different offsets did not read the peers'");
 
     at::Tensor plain = torch::empty({n}, torch::kDouble);
     at::Tensor mixed = rank == 0 ? plain : x;
     mixed.copy_(torch::arange(n, torch::kDouble) + rank);
     pg->allreduce(mixed)->wait();
     check(torch::allclose(mixed, want(n, world_size, ReduceOp::SUM)), "wrong mixed allreduce");
-    check(!mapped(n), "an allreduce with plain memory on rank 0 read the peers' buffers");
+    check(!allreduce_mapped(), "an allreduce with plain memory on rank 0 read the peers' buffers");
 
     at::Tensor other = (rank == 0 ? big : x).narrow(0, 0, n);
     other.copy_(torch::arange(n, torch::kDouble) + rank);
     pg->allreduce(other)->wait();
     check(torch::allclose(other, want(n, world_size, ReduceOp::SUM)),
           "wrong allreduce of different buffers");
-    check(!mapped(n), "an allreduce of different buffers read the peers' buffers");
+    check(!allreduce_mapped(), "an allreduce of different buffers read the peers' buffers");
+  }
+  {
+    // A broadcast from each root, and an allgather in place and into a symmetric output from a
+    // plain input, of symmetric buffers: right, and no values through the channels (one meeting
+    // after the descriptors); with the root's or one rank's output in plain memory they move.
+    at::Tensor x = pg->symmetric_empty({n}, torch::kDouble);
+    at::Tensor plain = torch::empty({n}, torch::kDouble);
+    const auto values = torch::arange(n, torch::kDouble);
+    for (int root = 0; root < world_size; ++root) {
+      for (bool all_symmetric : {true, false}) {
+        at::Tensor b = all_symmetric || rank != root ? x : plain;
+        b.copy_(values + (rank == root ? 0 : 7));
+        BroadcastOptions o;
+        o.root = root;
+        pg->broadcast(b, o)->wait();
+        check(torch::equal(b, values), str("wrong broadcast from root ", root));
+        check(mapped(1) == all_symmetric,
+              str("the broadcast from root ", root, all_symmetric ? " did not read" : " read",
+                  " the root's buffer where it lies"));
+      }
+    }
+    const int64_t block = 100003;
+    at::Tensor out = pg->symmetric_empty({block * world_size}, torch::kDouble);
+    auto gathered = torch::cat([&] {
+      std::vector<at::Tensor> parts;
+      for (int p = 0; p < world_size; ++p)
+        parts.push_back(torch::arange(block, torch::kDouble) + 10 * p);
+      return parts;
+    }());
+    at::Tensor mine = out.narrow(0, rank * block, block);
+    out.fill_(-1);
+    mine.copy_(torch::arange(block, torch::kDouble) + 10 * rank);
+    pg->allgather_into_tensor(out, mine)->wait();
+    check(torch::equal(out, gathered), "wrong allgather in place");
+    check(mapped(1), "the allgather in place did not read the peers' outputs");
+    at::Tensor input = torch::arange(block, torch::kDouble) + 10 * rank;
+    out.fill_(-1);
+    pg->allgather_into_tensor(out, input)->wait();
+    check(torch::equal(out, gathered), "wrong allgather of a plain input");
+    check(mapped(1), "the allgather of a plain input did not read the peers' outputs");
+    at::Tensor plain_out = torch::empty({block * world_size}, torch::kDouble);
+    at::Tensor into = rank == world_size - 1 ? plain_out : out;
+    into.fill_(-1);
+    pg->allgather_into_tensor(into, input)->wait();
+    check(torch::equal(into, gathered), "wrong allgather with one plain output");
+    check(!mapped(1), "an allgather with a plain output read the peers' outputs");
   }
   check(symmetric_mappings() == std::make_pair(0, 0), "freed buffers are still mapped");
 
@@ -122,7 +173,7 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
 
 class SymmetricMemoryProcesses : public ::testing::TestWithParam<int> {};
 
-TEST_P(SymmetricMemoryProcesses, AllreduceReadsThePeersBuffersAndFallsBackTogether) {
+TEST_P(SymmetricMemoryProcesses, CollectivesReadThePeersBuffersAndFallBackTogether) {
   TCPStoreServer server("127.0.0.1", 0);
   tdist::test::Processes procs(
       "comm_symmetric_child", GetParam(),
