@@ -179,13 +179,14 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   virtual void abort() = 0;
 
   // A contiguous host tensor of `sizes` and `dtype` (uninitialized) that every local process of
-  // the group maps (PyTorch's symmetric memory), so that an allreduce given such a tensor on
-  // every rank reads its peers' values where they lie instead of copying them through the ring
-  // (Note [Symmetric memory] in comm/ring/symmetric_memory.cpp). Collective: every rank calls
+  // the group maps (PyTorch's symmetric memory), so that an allreduce or a broadcast given such a
+  // tensor on every rank, or an allgather given such an output, reads its peers' values where
+  // they lie instead of copying them through the ring or a system call (Note [Symmetric memory]
+  // in comm/ring/symmetric_memory.cpp). Collective: every rank calls
   // it with the same sizes and dtype, in the same order relative to the group's operations.
   // Where the backend cannot map its peers' memory (ranks on other hosts or in one process, a
-  // peer it may not read, the NCCL backend) it is plain memory, and the allreduce is as for any
-  // tensor. Freeing the tensor frees this rank's buffer once no operation uses it. (Defined
+  // peer it may not read, the NCCL backend) it is plain memory, and the operations are as for
+  // any tensor. Freeing the tensor frees this rank's buffer once no operation uses it. (Defined
   // here, as every virtual of this class: a class with no out-of-line virtual has its vtable
   // and type info in every translation unit that uses it, which the fuzz targets rely on.)
   virtual at::Tensor symmetric_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {

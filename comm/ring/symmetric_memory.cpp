@@ -42,6 +42,11 @@ namespace tdist::comm::detail {
 //     (Note [Mapped allreduce] in algorithms/single_copy.h); otherwise, the ring as before. Each
 //     rank decides from the same descriptors, so all decide alike. A group that never allocated
 //     pays nothing.
+//   - A broadcast of more than the small size does the same with its buffer, and an allgather
+//     with this rank's block of its output (in place there by then, whatever the input): in one
+//     segment on every rank, each rank copies what it lacks straight from the peers' mappings
+//     (broadcast_mapped, allgather_mapped), where the single copy's process_vm_readv pins the
+//     peer's pages per call (RingProcessGroup::agree_mapped is the one test for the three).
 // Ranks still only read each other (a peer's mapping is read-only): a rank that resumes late
 // cannot write into a buffer its owner went on using.
 

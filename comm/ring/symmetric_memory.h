@@ -1,6 +1,7 @@
 #pragma once
 // Symmetric memory of a ring group: host buffers that every local process of the group maps, so
-// that an allreduce of a tensor in one reads its peers' values where they lie (Note [Symmetric
+// that an allreduce, a broadcast or an allgather of tensors in one reads its peers' values where
+// they lie (Note [Symmetric
 // memory] in symmetric_memory.cpp). ProcessGroup::symmetric_empty makes one.
 //
 // Thread safety: allocate(), agree() and used() run on the thread that runs the group's
@@ -29,7 +30,7 @@ class SymmetricMemory {
     std::vector<char*> maps;  // by rank, each `bytes` long; maps[rank] is this rank's
     ~Segment();
   };
-  // What a rank tells its peers of an allreduce's buffer.
+  // What a rank tells its peers of an operation's buffer.
   struct Descriptor {
     uint64_t id = kNone;  // kNone: not in a live segment of this group
     uint64_t offset = 0;
