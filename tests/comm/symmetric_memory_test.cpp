@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "tdist/comm/ring/ring_process_group.h"
 #include "tdist/core/env.h"
@@ -149,7 +151,14 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
     check(torch::equal(into, gathered), "wrong allgather with one plain output");
     check(!mapped(1), "an allgather with a plain output read the peers' outputs");
   }
-  check(symmetric_mappings() == std::make_pair(0, 0), "freed buffers are still mapped");
+  // The worker thread that ran the last operation may still hold its result (the output tensor)
+  // for a moment after the caller's wait() returned: the buffers go once it lets go.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (symmetric_mappings() != std::make_pair(0, 0) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  check(symmetric_mappings() == std::make_pair(0, 0), "freed buffers are still mapped after 10 s");
 
   try {
     pg->symmetric_empty({rank == 0 ? 100 : 100000}, torch::kDouble);
