@@ -71,11 +71,15 @@ class TwoThreadMeeting {
   alignas(64) std::atomic<int> round_{0};
 };
 
+// How many copies of `bytes` one timed sample makes so that it moves at least `sample_bytes`.
+size_t copies_per_sample(size_t bytes, size_t sample_bytes) {
+  return bytes == 0 ? 1 : std::max<size_t>(1, (sample_bytes + bytes - 1) / bytes);
+}
+
 }  // namespace
 
 std::vector<double> time_memcpy(size_t bytes, int warmup, int iters) {
-  constexpr size_t kSampleBytes = size_t{256} << 10;
-  const size_t copies = bytes == 0 ? 1 : std::max<size_t>(1, (kSampleBytes + bytes - 1) / bytes);
+  const size_t copies = copies_per_sample(bytes, size_t{256} << 10);
   std::vector<char> src(bytes, 1), dst(bytes, 0);
   std::vector<double> seconds = time_calls(warmup, iters, [&](int i) {
     for (size_t c = 0; c < copies; ++c) {
@@ -94,8 +98,7 @@ std::optional<std::vector<double>> time_cross_core_copy(size_t bytes, int sample
   constexpr int kWarmup = 2;
   // As in time_memcpy, a sample of small copies times several (distinct buffers, each written
   // by the other core), so that the clock's own cost stays small beside them.
-  constexpr size_t kSampleBytes = size_t{64} << 10;
-  const size_t copies = bytes == 0 ? 1 : std::max<size_t>(1, (kSampleBytes + bytes - 1) / bytes);
+  const size_t copies = copies_per_sample(bytes, size_t{64} << 10);
   const size_t total = bytes * copies;
   std::vector<char> own[2] = {std::vector<char>(total), std::vector<char>(total)};
   std::vector<char> copy[2] = {std::vector<char>(total), std::vector<char>(total)};

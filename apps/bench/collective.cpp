@@ -106,6 +106,11 @@ struct Row {
   double of_anchor = 0;     // busbw / the anchor's busbw
 };
 
+// --symmetric: the operations whose buffer (allgather: output) it puts in symmetric memory.
+bool takes_symmetric(const Config& cfg) {
+  return cfg.symmetric && (cfg.op == "allreduce" || cfg.op == "broadcast" || cfg.op == "allgather");
+}
+
 at::ScalarType parse_dtype(const std::string& s) {
   static const std::map<std::string, at::ScalarType> m = {
       {"float32", at::kFloat}, {"float", at::kFloat},       {"float64", at::kDouble},
@@ -170,14 +175,13 @@ class Case {
       case Kind::kAllreduce:
       case Kind::kBroadcast:
       case Kind::kReduce:
-        a_ = cfg.symmetric && kind_ != Kind::kReduce ? pg.symmetric_empty({count}, dtype)
-                                                     : at::empty({count}, opts);
+        a_ = takes_symmetric(cfg) ? pg.symmetric_empty({count}, dtype) : at::empty({count}, opts);
         break;
       case Kind::kAllgather:
         // In place, as the Open MPI anchor (MPI_IN_PLACE): the input is this rank's block of the
         // output.
-        b_ =
-            cfg.symmetric ? pg.symmetric_empty({block * n_}, dtype) : at::empty({block * n_}, opts);
+        b_ = takes_symmetric(cfg) ? pg.symmetric_empty({block * n_}, dtype)
+                                  : at::empty({block * n_}, opts);
         a_ = b_.narrow(0, r_ * block, block);
         break;
       case Kind::kGather:
@@ -413,9 +417,7 @@ void print_rows(const Config& cfg, int n, const std::vector<Row>& rows,
       "dtype %s, redop %s, iters %d, warmup %d%s\n",
       cfg.op.c_str(), cfg.backend.c_str(), cfg.group_backend.c_str(), cfg.device.c_str(), n,
       cfg.dtype.c_str(), cfg.redop.c_str(), cfg.iters, cfg.warmup,
-      cfg.symmetric && (cfg.op == "allreduce" || cfg.op == "broadcast" || cfg.op == "allgather")
-          ? ", buffers in symmetric memory"
-          : "");
+      takes_symmetric(cfg) ? ", buffers in symmetric memory" : "");
   std::printf(
       "# bound: %s of the row's size, measured in this run%s\n", bound_name.c_str(),
       anchor ? ("; anchor: " +

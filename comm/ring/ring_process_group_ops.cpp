@@ -182,9 +182,9 @@ std::shared_ptr<SymmetricMemory::Segment> RingProcessGroup::agree_mapped(
 
 void RingProcessGroup::allreduce_flat(algo::Context& c, char* data, size_t count,
                                       const algo::ReduceSpec& rs) const {
-  const size_t bytes = count * rs.elem_size;
-  std::vector<const char*> buffers;
   if (count >= static_cast<size_t>(size_)) {
+    const size_t bytes = count * rs.elem_size;
+    std::vector<const char*> buffers;
     if (auto held = agree_mapped(c, data, bytes, bytes, &buffers)) {
       algo::allreduce_mapped(c, buffers, count, rs);
       return;
