@@ -180,10 +180,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 
   // A contiguous host tensor of `sizes` and `dtype` (uninitialized) that every local process of
   // the group maps (PyTorch's symmetric memory), so that an allreduce or a broadcast given such a
-  // tensor on every rank, or an allgather given such an output, reads its peers' values where
-  // they lie instead of copying them through the ring or a system call (Note [Symmetric memory]
-  // in comm/ring/symmetric_memory.cpp). Collective: every rank calls it with the same sizes and
-  // dtype, in the same order relative to the group's operations.
+  // tensor on every rank, an allgather given such an output or a reduce-scatter such an input,
+  // reads its peers' values where they lie instead of copying them through the ring or a system
+  // call (Note [Symmetric memory] in comm/ring/symmetric_memory.cpp). Collective: every rank
+  // calls it with the same sizes and dtype, in the same order relative to the group's
+  // operations.
   // Where the backend cannot map its peers' memory (ranks on other hosts or in one process, a
   // peer it may not read, the NCCL backend) it is plain memory, and the operations are as for
   // any tensor. Freeing the tensor frees this rank's buffer once no operation uses it. (Defined

@@ -26,8 +26,8 @@
 // NCCL or Gloo on CUDA tensors instead); the bound stays the host transport's (Note [Collective
 // bounds]).
 //
-// --symmetric allocates the buffer of an allreduce or a broadcast, or an allgather's output,
-// with ProcessGroup::symmetric_empty (Note [Symmetric memory] in comm/ring/symmetric_memory.cpp),
+// --symmetric allocates the buffer of an allreduce or a broadcast, an allgather's output or a
+// reduce_scatter's input with ProcessGroup::symmetric_empty (Note [Symmetric memory] in comm/ring/symmetric_memory.cpp),
 // as NCCL's tests register theirs; other operations ignore it.
 
 #include "apps/bench/subcommands.h"
@@ -106,9 +106,11 @@ struct Row {
   double of_anchor = 0;     // busbw / the anchor's busbw
 };
 
-// --symmetric: the operations whose buffer (allgather: output) it puts in symmetric memory.
+// --symmetric: the operations whose buffer (allgather: output, reduce_scatter: input) it puts in
+// symmetric memory.
 bool takes_symmetric(const Config& cfg) {
-  return cfg.symmetric && (cfg.op == "allreduce" || cfg.op == "broadcast" || cfg.op == "allgather");
+  return cfg.symmetric && (cfg.op == "allreduce" || cfg.op == "broadcast" ||
+                           cfg.op == "allgather" || cfg.op == "reduce_scatter");
 }
 
 at::ScalarType parse_dtype(const std::string& s) {
@@ -190,7 +192,8 @@ class Case {
         break;
       case Kind::kReduceScatter:
       case Kind::kScatter:
-        a_ = at::empty({block * n_}, opts);
+        a_ = takes_symmetric(cfg) ? pg.symmetric_empty({block * n_}, dtype)
+                                  : at::empty({block * n_}, opts);
         b_ = at::empty({block}, opts);
         break;
       case Kind::kAlltoall:
@@ -624,8 +627,9 @@ void add_collective_command(CLI::App& app) {
                   "draw busbw against the bound and the anchor to this PNG (rank 0; the JSON "
                   "goes to --json, else FILE.json)");
   sub->add_flag("--symmetric", cfg->symmetric,
-                "allreduce, broadcast: the buffer, allgather: the output, in symmetric memory "
-                "(ProcessGroup::symmetric_empty), read by the peers where it lies");
+                "allreduce, broadcast: the buffer, allgather: the output, reduce_scatter: the "
+                "input, in symmetric memory (ProcessGroup::symmetric_empty), read by the peers "
+                "where it lies");
   sub->callback([cfg] {
     int rc = run_collective(*cfg);
     if (rc != 0) std::exit(rc);

@@ -179,4 +179,20 @@ void allgather_mapped(Context& c, const std::vector<const char*>& sources,
   all_passed(c);
 }
 
+void reduce_scatter_mapped(Context& c, const std::vector<const char*>& inputs, char* output,
+                           size_t count, const ReduceSpec& rs) {
+  const int n = c.size;
+  const int r = c.rank;
+  if (count == 0) return;
+  const size_t offset = static_cast<size_t>(r) * count * rs.elem_size;
+  const char* acc = inputs[r] + offset;
+  for (int s = 1; s < n; ++s) {
+    rs.fn(output, acc, inputs[(r + s) % n] + offset, count);
+    acc = output;
+  }
+  if (acc != output) std::memcpy(output, acc, count * rs.elem_size);  // world 1
+  if (rs.op == ReduceOp::AVG) detail::divide_in_place(output, rs.dtype, count, n);
+  all_passed(c);
+}
+
 }  // namespace tdist::comm::algorithms

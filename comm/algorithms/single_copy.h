@@ -93,4 +93,13 @@ void broadcast_mapped(Context& c, const std::vector<const char*>& buffers, size_
 void allgather_mapped(Context& c, const std::vector<const char*>& sources,
                       const std::vector<char*>& blocks, size_t block_bytes);
 
+// The reduce-scatter of mapped inputs: inputs[p] is rank p's input (n blocks of `count`
+// elements one after another; this rank's is inputs[rank]). This rank reduces block `rank` of
+// every input, starting with its own and then its right neighbour's, straight into `output`
+// (elsewhere, or this rank's own block: no peer reads that one), then all meet, so that no rank
+// writes its input while a peer still reads it. Per rank (n - 1) / n of the input read across
+// cores once, against the ring's copy into a channel and out of it.
+void reduce_scatter_mapped(Context& c, const std::vector<const char*>& inputs, char* output,
+                           size_t count, const ReduceSpec& rs);
+
 }  // namespace tdist::comm::algorithms

@@ -398,9 +398,34 @@ void RingProcessGroup::allgather_windows(algo::Context& c, const std::vector<cha
                         });
 }
 
+namespace {
+
+// What a reduce-scatter tells its peers of its input (RingProcessGroup::agree_mapped): the start
+// of its blocks when they lie one after another and the output is elsewhere or this rank's own
+// block (which no peer reads); else null, so that every rank takes the ring.
+const char* mappable_input(const std::vector<const char*>& blocks, size_t block_bytes,
+                           const char* output, int rank) {
+  const char* begin = blocks.front();
+  for (size_t i = 1; i < blocks.size(); ++i) {
+    if (blocks[i] != begin + i * block_bytes) return nullptr;
+  }
+  const char* end = begin + blocks.size() * block_bytes;
+  const bool apart = output + block_bytes <= begin || end <= output;
+  return apart || output == blocks[rank] ? begin : nullptr;
+}
+
+}  // namespace
+
 void RingProcessGroup::reduce_scatter_windows(algo::Context& c,
                                               const std::vector<const char*>& blocks, char* output,
                                               size_t count, const algo::ReduceSpec& rs) const {
+  const size_t block_bytes = count * rs.elem_size;
+  std::vector<const char*> inputs;
+  const size_t op_bytes = block_bytes * blocks.size();
+  if (auto held = agree_mapped(c, mappable_input(blocks, block_bytes, output, rank_), op_bytes,
+                               op_bytes, &inputs)) {
+    return algo::reduce_scatter_mapped(c, inputs, output, count, rs);
+  }
   const size_t window = algo::block_window_elems(window_bytes_, size_, rs.elem_size);
   if (count <= window) return algo::reduce_scatter_ring(c, blocks, output, count, rs);
   std::vector<const char*> slice(blocks.size());

@@ -46,7 +46,10 @@ namespace tdist::comm::detail {
 //     with this rank's block of its output (in place there by then, whatever the input): in one
 //     segment on every rank, each rank copies what it lacks straight from the peers' mappings
 //     (broadcast_mapped, allgather_mapped), where the single copy's process_vm_readv pins the
-//     peer's pages per call (RingProcessGroup::agree_mapped is the one test for the three).
+//     peer's pages per call. A reduce-scatter does it with its input, when its blocks lie one
+//     after another and its output is elsewhere or this rank's own block: each rank reduces its
+//     block of every peer's input into its output (reduce_scatter_mapped), then all meet
+//     (RingProcessGroup::agree_mapped is the one test for the four).
 // Ranks still only read each other (a peer's mapping is read-only): a rank that resumes late
 // cannot write into a buffer its owner went on using.
 

@@ -1,8 +1,8 @@
 #pragma once
 // Symmetric memory of a ring group: host buffers that every local process of the group maps, so
-// that an allreduce, a broadcast or an allgather of tensors in one reads its peers' values where
-// they lie (Note [Symmetric memory] in symmetric_memory.cpp). ProcessGroup::symmetric_empty makes
-// one.
+// that an allreduce, a broadcast, an allgather or a reduce-scatter of tensors in one reads its
+// peers' values where they lie (Note [Symmetric memory] in symmetric_memory.cpp).
+// ProcessGroup::symmetric_empty makes one.
 //
 // Thread safety: allocate(), agree() and used() run on the thread that runs the group's
 // operations (one at a time); holds() and the tensors' deleters on any thread.

@@ -258,7 +258,7 @@ void run_op(ProcessGroup& pg, const std::string& op, const at::Tensor& x) {
     pg.allgather_into_tensor(x, x.narrow(0, rank * block, block))->wait();
   } else if (op == "allgather") {
     pg.allgather_into_tensor(at::empty({x.numel() * world}), x)->wait();
-  } else if (op == "reduce_scatter") {
+  } else if (op == "reduce_scatter" || op == "symmetric_reduce_scatter") {  // x: the input
     pg.reduce_scatter_tensor(at::empty({x.numel() / world}), x)->wait();
   } else if (op == "alltoall") {
     pg.alltoall_base(at::empty_like(x), x, {}, {})->wait();
@@ -285,7 +285,7 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
   // Note [Symmetric memory]: the peers read this buffer where it lies.
   auto x = op == "symmetric_allreduce" || op == "symmetric_broadcast"
                ? pg->symmetric_empty({3 << 16}, torch::kFloat).fill_(1)
-           : op == "symmetric_allgather"
+           : op == "symmetric_allgather" || op == "symmetric_reduce_scatter"
                ? pg->symmetric_empty({(3 << 16) * world_size}, torch::kFloat).fill_(1)
                : torch::ones({3 << 16});
   for (int i = 0;; ++i) {
@@ -301,6 +301,7 @@ TDIST_TEST_CHILD(comm_killed_peer_child) {
           {"symmetric_broadcast", "broadcast (seq "},
           {"symmetric_allgather", "allgather_into_tensor (seq "},
           {"reduce_scatter", "reduce_scatter_tensor (seq "},
+          {"symmetric_reduce_scatter", "reduce_scatter_tensor (seq "},
           {"alltoall", "alltoall_base (seq "},
           {"send", ""}};
       const auto it = names.find(op);
@@ -491,6 +492,7 @@ std::vector<Fault> faults() {
   out.push_back({"symmetric_allreduce", SIGSTOP, "auto"});
   out.push_back({"symmetric_broadcast", SIGKILL, "auto"});
   out.push_back({"symmetric_allgather", SIGKILL, "auto"});
+  out.push_back({"symmetric_reduce_scatter", SIGKILL, "auto"});
   return out;
 }
 

@@ -39,6 +39,9 @@ at::Tensor want(int64_t n, int world, ReduceOp op) {
 //   - a broadcast from every root and an allgather (in place, and from a plain input into a
 //     symmetric output) copy straight from the peers' buffers, right, and move values again when
 //     one rank's buffer is plain;
+//   - a reduce-scatter of a symmetric input (into a plain output, in place, as a list of its
+//     blocks) reduces straight from the peers' inputs, right, and moves values again when one
+//     rank's input is plain or the output lies over a block the peers read;
 //   - ranks asking for different sizes all fail, naming the sizes, and the group stays usable;
 //   - freeing a buffer unmaps it here once nothing uses it, and a buffer outlives its group.
 TDIST_TEST_CHILD(comm_symmetric_child) {
@@ -150,6 +153,46 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
     pg->allgather_into_tensor(into, input)->wait();
     check(torch::equal(into, gathered), "wrong allgather with one plain output");
     check(!mapped(1), "an allgather with a plain output read the peers' outputs");
+  }
+  {
+    // A reduce-scatter of a symmetric input, into a plain output, in place and as a list of the
+    // input's blocks: right, and no values through the channels (one meeting after the
+    // descriptors); with one rank's input plain, or an output over a block the peers read, the
+    // ring runs.
+    const int64_t block = 100003;
+    at::Tensor in = pg->symmetric_empty({block * world_size}, torch::kDouble);
+    at::Tensor plain_in = torch::empty({block * world_size}, torch::kDouble);
+    at::Tensor out = torch::empty({block}, torch::kDouble);
+    const auto values = torch::arange(block * world_size, torch::kDouble) + rank;
+    auto mine = [&](ReduceOp op) {
+      return want(block * world_size, world_size, op).narrow(0, rank * block, block);
+    };
+    for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX}) {
+      in.copy_(values);
+      ReduceScatterOptions o;
+      o.op = op;
+      pg->reduce_scatter_tensor(out, in, o)->wait();
+      check(torch::allclose(out, mine(op)), str("wrong reduce_scatter, op ", int(op)));
+      check(mapped(1), "the reduce_scatter of a symmetric input did not read the peers'");
+    }
+    in.copy_(values);
+    at::Tensor own = in.narrow(0, rank * block, block);
+    pg->reduce_scatter_tensor(own, in)->wait();
+    check(torch::allclose(own, mine(ReduceOp::SUM)), "wrong reduce_scatter in place");
+    check(mapped(1), "the reduce_scatter in place did not read the peers' inputs");
+    in.copy_(values);
+    pg->reduce_scatter(out, in.chunk(world_size))->wait();
+    check(torch::allclose(out, mine(ReduceOp::SUM)), "wrong reduce_scatter of a list");
+    check(mapped(1), "the reduce_scatter of the input's blocks did not read the peers' inputs");
+    at::Tensor mixed = rank == 0 ? plain_in : in;
+    mixed.copy_(values);
+    pg->reduce_scatter_tensor(out, mixed)->wait();
+    check(torch::allclose(out, mine(ReduceOp::SUM)), "wrong reduce_scatter of a plain input");
+    check(!mapped(1), "a reduce_scatter with a plain input on rank 0 read the peers' inputs");
+    // (What lands there is the ring's business: only the path is checked.)
+    in.copy_(values);
+    pg->reduce_scatter_tensor(in.narrow(0, (rank + 1) % world_size * block, block), in)->wait();
+    check(!mapped(1), "a reduce_scatter into a block its peers read took the mapped path");
   }
   // The worker thread that ran the last operation may still hold its result (the output tensor)
   // for a moment after the caller's wait() returned: the buffers go once it lets go.
