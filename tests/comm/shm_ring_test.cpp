@@ -155,9 +155,13 @@ TEST(ShmRing, TailAheadOfOurHeadFailsWritesWithEproto) {
   ASSERT_EQ(write_bytes(*p.lower, "abc"), 3);
   // The "receiver" claims to have consumed bytes never written: more space than the ring has.
   p.headers[0].tail.store(1000);
+  // A write that fits the space the sender last saw does not read the tail (Note [Shared-memory
+  // rings]); the first one that needs more reads it and fails.
+  ASSERT_EQ(write_bytes(*p.lower, "more"), 4);
   errno = 0;
-  EXPECT_EQ(write_bytes(*p.lower, "more"), Channel::kError);
+  EXPECT_EQ(write_bytes(*p.lower, std::string(kCapacity - 6, 'x')), Channel::kError);
   EXPECT_EQ(errno, EPROTO);
+  EXPECT_EQ(write_bytes(*p.lower, "y"), Channel::kError);  // and stays failed
 }
 
 TEST(ShmRing, RewrittenOwnCountersInTheSegmentChangeNothing) {

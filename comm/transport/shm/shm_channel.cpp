@@ -148,6 +148,7 @@ long ShmChannel::writable() {
   const uint64_t tail = tx_->tail.load(std::memory_order_acquire);
   const uint64_t used = tx_head_ - tail;  // unsigned: a tail ahead of our head is huge too
   if (used > capacity_) return fail_protocol();
+  tx_tail_seen_ = tail;
   return static_cast<long>(capacity_ - used);
 }
 
@@ -156,7 +157,10 @@ long ShmChannel::writev(const iovec* iov, int count) {
     errno = close_errno_ != 0 ? close_errno_ : EPIPE;
     return kError;
   }
-  const long space = writable();
+  size_t wanted = 0;
+  for (int i = 0; i < count; ++i) wanted += iov[i].iov_len;
+  long space = static_cast<long>(capacity_ - (tx_head_ - tx_tail_seen_));
+  if (static_cast<size_t>(space) < wanted) space = writable();
   if (space < 0) return kError;
   const size_t moved = byte_ring::copy(byte_ring::Direction::kIntoRing, tx_data_, capacity_,
                                        tx_head_, iov, count, static_cast<size_t>(space));

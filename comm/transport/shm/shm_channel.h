@@ -9,6 +9,11 @@
 //   head (bytes produced, written only by the sender) and tail (bytes consumed, written only by
 //   the receiver). The sender copies into [head, head+space) and publishes with a release store
 //   of head; the receiver copies out of [tail, head) and publishes with a release store of tail.
+//   The sender keeps the tail as it last loaded it and loads it again only when the space that
+//   leaves cannot take the whole write: the tail sits on a cache line the receiver writes, so
+//   each load is a transfer between cores, which a small message no longer waits for before it
+//   is written (docs/perf.md, "The sender's view of the tail"). The receiver loads the head on
+//   every read: a reader that needs more than it has (a partial element) must see new bytes.
 //   Sleeping uses the pair's TCP connection as a doorbell: before sleeping, a side sets its
 //   waiting flag in the ring it waits on (reader_waiting when it needs data, writer_waiting when
 //   it needs space), issues a seq_cst fence and re-checks the counters; only then does it poll
@@ -144,8 +149,9 @@ class ShmChannel final : public Channel {
   RingHeader* rx_;
   char* tx_data_;
   char* rx_data_;
-  uint64_t tx_head_ = 0;  // ours: bytes produced into tx_ (published as tx_->head)
-  uint64_t rx_tail_ = 0;  // ours: bytes consumed from rx_ (published as rx_->tail)
+  uint64_t tx_head_ = 0;       // ours: bytes produced into tx_ (published as tx_->head)
+  uint64_t tx_tail_seen_ = 0;  // the peer's tail as writable() last read and checked it
+  uint64_t rx_tail_ = 0;       // ours: bytes consumed from rx_ (published as rx_->tail)
   bool closed_ = false;
   int close_errno_ = 0;
 };
