@@ -27,8 +27,8 @@
 // bounds]).
 //
 // --symmetric allocates the buffer of an allreduce or a broadcast, an allgather's output or a
-// reduce_scatter's input with ProcessGroup::symmetric_empty (Note [Symmetric memory] in comm/ring/symmetric_memory.cpp),
-// as NCCL's tests register theirs; other operations ignore it.
+// reduce_scatter's input with ProcessGroup::symmetric_empty (Note [Symmetric memory] in
+// comm/ring/symmetric_memory.cpp), as NCCL's tests register theirs; other operations ignore it.
 
 #include "apps/bench/subcommands.h"
 

@@ -1,7 +1,7 @@
 // The staged operations of RingProcessGroup (Note [Overlapped staging] in
-// algorithms/overlapped_staging.h, Note [Windows] in algorithms/context.h): CUDA tensors through host memory window by window, each window's
-// copies in queued while the one before runs, its results copied out as the algorithm finishes
-// them.
+// algorithms/overlapped_staging.h, Note [Windows] in algorithms/context.h): CUDA tensors through
+// host memory window by window, each window's copies in queued while the one before runs, its
+// results copied out as the algorithm finishes them.
 
 #include <ATen/ATen.h>
 
