@@ -36,7 +36,7 @@
 //
 //   The segment is writable by the peer, so nothing in it is trusted: each side keeps its own
 //   counter (head when sending, tail when receiving) in private memory and only publishes it,
-//   and checks every counter the peer publishes against it. A head more than `capacity` bytes
+//   and checks every counter it loads from the peer against it. A head more than `capacity` bytes
 //   ahead of our tail, or a tail behind our head by more than `capacity` or ahead of it, would
 //   make us copy outside the ring: the channel fails instead (EPROTO, "protocol error"), as does
 //   a segment offered with a capacity below kMinCapacity.
