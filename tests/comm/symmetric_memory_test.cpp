@@ -73,7 +73,8 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
            c.bytes_received < 64 * peers;
   };
   auto allreduce_mapped = [&] { return mapped(2); };  // it meets twice
-  constexpr int64_t n = 300001;  // larger than the small allreduce, not a multiple of the world
+  constexpr int64_t n = 300001;      // larger than the small allreduce, not a multiple of the world
+  constexpr int64_t block = 100003;  // an allgather's and a reduce-scatter's block, odd too
   {
     at::Tensor x = pg->symmetric_empty({n}, torch::kDouble);
     check(symmetric_mappings() == std::make_pair(1, world_size - 1),
@@ -128,7 +129,6 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
                   " the root's buffer where it lies"));
       }
     }
-    const int64_t block = 100003;
     at::Tensor out = pg->symmetric_empty({block * world_size}, torch::kDouble);
     auto gathered = torch::cat([&] {
       std::vector<at::Tensor> parts;
@@ -159,7 +159,6 @@ TDIST_TEST_CHILD(comm_symmetric_child) {
     // input's blocks: right, and no values through the channels (one meeting after the
     // descriptors); with one rank's input plain, or an output over a block the peers read, the
     // ring runs.
-    const int64_t block = 100003;
     at::Tensor in = pg->symmetric_empty({block * world_size}, torch::kDouble);
     at::Tensor plain_in = torch::empty({block * world_size}, torch::kDouble);
     at::Tensor out = torch::empty({block}, torch::kDouble);
