@@ -162,9 +162,12 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   auto& q = recvs_[peer];
   if (!recv_ready(peer)) return false;
   if (q.items[q.head].fn != nullptr) return progress_reduce(peer, cb, ctx);
+  // A skipped item (skip(): no memory, bytes to drop) is read on its own too.
+  const auto skipped = [](const Item& it) { return it.data == nullptr && it.done < it.size; };
+  if (skipped(q.items[q.head])) return progress_skip(peer, cb, ctx);
   int count = 0;
   for (size_t i = q.head; i < q.items.size() && count < kMaxIov; ++i) {
-    if (q.items[i].fn != nullptr) break;  // a reduce item is read on its own
+    if (q.items[i].fn != nullptr || skipped(q.items[i])) break;  // a reduce item: on its own
     if (i > q.head && !open(q.items[i])) break;
     size_t left = q.items[i].size - q.items[i].done;
     if (left == 0) {
@@ -202,6 +205,44 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
     }
   }
   return progressed;
+}
+
+// The head item, skipped: consumed unread where the channel shows its bytes in place (shared
+// memory: the lines the peer wrote stay in its cache), else read into a small local buffer and
+// dropped (never bounce_, which may hold a partial element of another peer's reduction).
+bool Exchange::progress_skip(int peer, Callback cb, void* ctx) {
+  auto& q = recvs_[peer];
+  Item& it = q.items[q.head];
+  Channel* ch = peers_[peer];
+  const size_t left = it.size - it.done;
+  long n = 0;
+  if (ch->supports_peek()) {
+    iovec spans[2];
+    n = ch->peek(spans);
+    if (n > 0) {
+      n = static_cast<long>(std::min(static_cast<size_t>(n), left));
+      ch->consume(static_cast<size_t>(n));
+    }
+  } else {
+    char dropped[256];
+    iovec iov{dropped, std::min(left, sizeof(dropped))};
+    n = ch->readv(&iov, 1);
+  }
+  if (n == Channel::kClosed) fail_closed(peer, "receiving from", 0);
+  if (n == Channel::kError) fail_closed(peer, "receiving from", errno);
+  if (n <= 0) return false;
+  q.moved += static_cast<uint64_t>(n);
+  it.done += static_cast<size_t>(n);
+  if (it.done == it.size) {
+    const uint64_t cookie = it.cookie;
+    ++q.head;
+    if (cb != nullptr) {
+      in_callback_ = true;
+      cb(ctx, peer, cookie);
+      in_callback_ = false;
+    }
+  }
+  return true;
 }
 
 // it.fn over `count` elements whose incoming operand is at `src`. The kernels may use aligned

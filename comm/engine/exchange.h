@@ -75,6 +75,9 @@ class Exchange {
   // start before its gate opens (nor does anything posted after it to the same peer).
   void send(int peer, const void* data, size_t n, Gate gate = {});
   void recv(int peer, void* data, size_t n, uint64_t cookie = 0);
+  // Receives `n` bytes and drops them unread: a signal whose arrival is all that counts (a
+  // barrier's token). On shared memory the bytes' cache lines never move to this core.
+  void skip(int peer, size_t n, uint64_t cookie = 0) { recv(peer, nullptr, n, cookie); }
   // Receives `n` bytes (whole elements of `elem` bytes) and reduces them as they arrive:
   // out = other op incoming (`out` may alias `other`). On shared memory the kernel reads the
   // ring directly (no copy); on TCP through a bounce buffer. `out` must not be sent meanwhile.
@@ -157,6 +160,7 @@ class Exchange {
   bool progress_send(int peer);
   bool progress_recv(int peer, Callback cb, void* ctx);
   bool progress_reduce(int peer, Callback cb, void* ctx);
+  bool progress_skip(int peer, Callback cb, void* ctx);
   size_t reduce_spans(Item& it, const iovec spans[2], size_t budget);
   void apply(Item& it, char* out, const char* other, const char* src, size_t count);
   size_t reduce_bounce(int peer, Item& it, bool& read);

@@ -3,6 +3,8 @@
 // EPROTO instead of handing out spans outside the ring, and rewriting our own counters in the
 // segment changes nothing we read or write. A side that sleeps on its futex bell (wait_alone) is
 // woken by the peer's bytes through the bell, not the socket, and by a dead peer or a shutdown.
+// Exchange::skip drops a stream's bytes unread (through the ring in place, or a socket) and keeps
+// everything after them in order.
 
 #include <gtest/gtest.h>
 
@@ -18,9 +20,13 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "tdist/comm/engine/exchange.h"
 #include "tdist/comm/transport/shm/shm_channel.h"
 #include "tdist/comm/transport/tcp/connection.h"
+#include "tdist/comm/transport/tcp/tcp_channel.h"
+#include "tdist/core/error.h"
 
 namespace tdist::comm::shm {
 namespace {
@@ -263,6 +269,98 @@ TEST(ShmRing, ShutdownWakesItsOwnSleeper) {
   EXPECT_EQ(woke.wait_for(std::chrono::seconds(5)), std::future_status::ready);
   EXPECT_TRUE(woke.get());
 }
+
+// Two Exchanges over one pair of channels, as ranks 0 and 1 hold them: shared memory (the Pair
+// above) or a TCP stream (TcpChannel over a socket pair).
+struct ExchangePair {
+  Pair shm;
+  std::unique_ptr<tcp::Connection> conn0, conn1;
+  std::unique_ptr<tcp::TcpChannel> tcp0, tcp1;
+  Channel* ch0 = nullptr;  // rank 0's end
+  Channel* ch1 = nullptr;
+  std::atomic<bool> aborted{false};
+
+  explicit ExchangePair(bool over_shm) {
+    if (over_shm) {
+      ch0 = shm.lower.get();
+      ch1 = shm.upper.get();
+      return;
+    }
+    int fds[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds) != 0) return;
+    conn0 = std::make_unique<tcp::Connection>(fds[0], 1);
+    conn1 = std::make_unique<tcp::Connection>(fds[1], 0);
+    tcp0 = std::make_unique<tcp::TcpChannel>(conn0.get());
+    tcp1 = std::make_unique<tcp::TcpChannel>(conn1.get());
+    ch0 = tcp0.get();
+    ch1 = tcp1.get();
+  }
+  bool ok() const { return ch0 != nullptr && ch1 != nullptr; }
+};
+
+class ExchangeSkip : public ::testing::TestWithParam<bool> {};
+
+// Three bytes read, then more than three rings' worth skipped (the ring wraps under it, and a
+// socket's skip takes many reads), then ten bytes read: the reads hold exactly their bytes, the
+// callbacks come in stream order, and every byte is counted.
+TEST_P(ExchangeSkip, DropsBytesUnreadAndKeepsTheStreamInOrder) {
+  ExchangePair p(GetParam());
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
+  const size_t skipped = 3 * kCapacity + 5;
+  std::string stream = "abc" + std::string(skipped, 'x') + "0123456789";
+  for (size_t i = 0; i < skipped; ++i) stream[3 + i] = static_cast<char>('a' + i % 26);
+  const auto deadline = steady_clock::now() + kLong;
+  detail::Exchange sender({nullptr, p.ch0}, 0, &p.aborted);
+  detail::Exchange receiver({p.ch1, nullptr}, 1, &p.aborted);
+  sender.begin("test", 1, steady_clock::now(), deadline);
+  receiver.begin("test", 1, steady_clock::now(), deadline);
+  auto sent = std::async(std::launch::async, [&] {
+    sender.send(1, stream.data(), stream.size());
+    sender.run();
+  });
+  char first[3], last[10];
+  receiver.recv(0, first, sizeof(first), 1);
+  receiver.skip(0, skipped, 2);
+  receiver.recv(0, last, sizeof(last), 3);
+  std::vector<uint64_t> cookies;
+  receiver.run([&](int peer, uint64_t cookie) {
+    EXPECT_EQ(peer, 0);
+    cookies.push_back(cookie);
+  });
+  sent.get();
+  EXPECT_EQ(std::string(first, 3), "abc");
+  EXPECT_EQ(std::string(last, 10), "0123456789");
+  EXPECT_EQ(cookies, (std::vector<uint64_t>{1, 2, 3}));
+  EXPECT_EQ(receiver.counts().bytes_received, stream.size());
+  if (GetParam()) {
+    EXPECT_EQ(p.shm.headers[0].tail.load(), stream.size());  // all consumed
+  }
+}
+
+// A peer that goes away in the middle of a skip fails it with the lost rank and the bytes that
+// did arrive, not a hang.
+TEST_P(ExchangeSkip, APeerLostInTheMiddleFailsTheSkip) {
+  ExchangePair p(GetParam());
+  if (!p.ok()) GTEST_SKIP() << "no shared memory here";
+  const std::string some(10, 's');
+  iovec iov{const_cast<char*>(some.data()), some.size()};
+  ASSERT_EQ(p.ch0->writev(&iov, 1), 10);
+  (GetParam() ? *p.shm.lower_conn : *p.conn0).shutdown();  // rank 0 is gone
+  detail::Exchange receiver({p.ch1, nullptr}, 1, &p.aborted);
+  receiver.begin("test", 1, steady_clock::now(), steady_clock::now() + kLong);
+  receiver.skip(0, 100);
+  try {
+    receiver.run();
+    FAIL() << "the skip completed without its bytes";
+  } catch (const NetworkError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("lost rank 0 while receiving from it"), std::string::npos) << what;
+    EXPECT_NE(what.find("received 10 of the 100 bytes"), std::string::npos) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Channels, ExchangeSkip, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Shm" : "Tcp"; });
 
 }  // namespace
 }  // namespace tdist::comm::shm
