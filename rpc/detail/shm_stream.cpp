@@ -108,11 +108,14 @@ uint64_t ShmStream::writable() {
     throw ProtocolError(str("peer's shared-memory stream: tail ", tail, " against our head ", head_,
                             " in a ring of ", capacity_, " bytes"));
   }
+  tail_seen_ = tail;
   return capacity_ - (head_ - tail);
 }
 
 size_t ShmStream::write_some(const void* src, size_t n) {
-  const size_t k = static_cast<size_t>(std::min<uint64_t>(n, writable()));
+  uint64_t room = capacity_ - (head_ - tail_seen_);
+  if (room < n) room = writable();
+  const size_t k = static_cast<size_t>(std::min<uint64_t>(n, room));
   if (k == 0) return 0;
   copy_ring(true, head_, const_cast<void*>(src), k);  // only read
   head_ += k;

@@ -37,6 +37,10 @@
 //   kStreamIdleSlice, so an idle worker with many peers wakes a few times a second per
 //   connection, and a peer's death is seen within that slice. The frame timeout and the send timeout bound the waits as
 //   they bound recv and sendmsg.
+// - The writer keeps the tail it last loaded and loads it again only when the room that leaves
+//   cannot take the whole write: the tail sits on a line the reader writes at every read, and a
+//   small frame need not wait for it (as Note [Shared-memory rings] in
+//   comm/transport/shm/shm_channel.h).
 // - The ring is writable by the peer, so nothing in it is trusted: each side keeps its own
 //   counter privately and checks the peer's against it (a head more than `capacity` ahead of our
 //   tail, or a tail behind our head by more than `capacity` or ahead of it, is a
@@ -129,8 +133,9 @@ class ShmStream {
   const uint64_t capacity_;
   Shared* const shared_;
   uint8_t* const data_;
-  uint64_t head_ = 0;  // writer: bytes produced (published as Shared::head)
-  uint64_t tail_ = 0;  // reader: bytes consumed (published as Shared::tail)
+  uint64_t head_ = 0;       // writer: bytes produced (published as Shared::head)
+  uint64_t tail_seen_ = 0;  // writer: the peer's tail as writable() last loaded and checked it
+  uint64_t tail_ = 0;       // reader: bytes consumed (published as Shared::tail)
 };
 
 }  // namespace tdist::rpc::detail

@@ -464,7 +464,8 @@ TEST_F(RpcSharedMemory, AWriterOfAFullRingTimesOutWhenThePeerStopsReading) {
 }
 
 // One ring, both ends in this process: bytes come out in order across the wrap-around, a full
-// ring takes nothing more, and counters the peer could not have published are refused.
+// ring takes nothing more, and counters the peer could not have published are refused when
+// they are read.
 TEST(RpcSharedMemoryChecks, StreamRingsWrapAroundAndRefuseImpossibleCounters) {
   auto w = detail::ShmStream::create(detail::kMinStreamBytes);
   ASSERT_TRUE(w);
@@ -494,6 +495,15 @@ TEST(RpcSharedMemoryChecks, StreamRingsWrapAroundAndRefuseImpossibleCounters) {
   shared.head.store(head + 5000);
   EXPECT_THROW(r->read_some(out.data(), 1), ProtocolError);
   EXPECT_THROW(detail::ShmStream::open(::getpid(), w->fd(), w->tag(), 100, &why), ProtocolError);
+
+  // The writer loads the tail only when the room it last saw cannot take a write: a lying tail
+  // is not read by a write that fits, and fails the first one that needs it.
+  auto w2 = detail::ShmStream::create(detail::kMinStreamBytes);
+  ASSERT_TRUE(w2);
+  ASSERT_EQ(w2->write_some(in.data(), 100), 100u);
+  w2->shared()->tail.store(5000);  // ahead of the 100 bytes written
+  EXPECT_EQ(w2->write_some(in.data(), 10), 10u);
+  EXPECT_THROW(w2->write_some(in.data(), 4000), ProtocolError);
 }
 
 TEST(RpcSharedMemoryChecks, AStreamSizeOutOfRangeIsRefused) {
