@@ -195,16 +195,21 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
     it.done += take;
     left -= take;
     if (it.done < it.size) break;
-    uint64_t cookie = it.cookie;
-    ++q.head;
     progressed = true;
-    if (cb != nullptr) {
-      in_callback_ = true;
-      cb(ctx, peer, cookie);
-      in_callback_ = false;
-    }
+    complete_head(q, peer, cb, ctx);
   }
   return progressed;
+}
+
+// `q`'s head item has all its bytes: the next one becomes the head, and the callback runs for it
+// (it may append to q.items: callers index them again afterwards).
+void Exchange::complete_head(Queue& q, int peer, Callback cb, void* ctx) {
+  const uint64_t cookie = q.items[q.head].cookie;
+  ++q.head;
+  if (cb == nullptr) return;
+  in_callback_ = true;
+  cb(ctx, peer, cookie);
+  in_callback_ = false;
 }
 
 // The head item, skipped: consumed unread where the channel shows its bytes in place (shared
@@ -233,15 +238,7 @@ bool Exchange::progress_skip(int peer, Callback cb, void* ctx) {
   if (n <= 0) return false;
   q.moved += static_cast<uint64_t>(n);
   it.done += static_cast<size_t>(n);
-  if (it.done == it.size) {
-    const uint64_t cookie = it.cookie;
-    ++q.head;
-    if (cb != nullptr) {
-      in_callback_ = true;
-      cb(ctx, peer, cookie);
-      in_callback_ = false;
-    }
-  }
+  if (it.done == it.size) complete_head(q, peer, cb, ctx);
   return true;
 }
 
@@ -339,13 +336,7 @@ bool Exchange::progress_reduce(int peer, Callback cb, void* ctx) {
     }
     progressed = true;
     if (it.done < it.size) continue;
-    uint64_t cookie = it.cookie;
-    ++q.head;
-    if (cb != nullptr) {
-      in_callback_ = true;
-      cb(ctx, peer, cookie);
-      in_callback_ = false;
-    }
+    complete_head(q, peer, cb, ctx);
   }
   return progressed;
 }

@@ -161,6 +161,7 @@ class Exchange {
   bool progress_recv(int peer, Callback cb, void* ctx);
   bool progress_reduce(int peer, Callback cb, void* ctx);
   bool progress_skip(int peer, Callback cb, void* ctx);
+  void complete_head(Queue& q, int peer, Callback cb, void* ctx);
   size_t reduce_spans(Item& it, const iovec spans[2], size_t budget);
   void apply(Item& it, char* out, const char* other, const char* src, size_t count);
   size_t reduce_bounce(int peer, Item& it, bool& read);
