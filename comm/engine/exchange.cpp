@@ -167,7 +167,7 @@ bool Exchange::progress_recv(int peer, Callback cb, void* ctx) {
   if (skipped(q.items[q.head])) return progress_skip(peer, cb, ctx);
   int count = 0;
   for (size_t i = q.head; i < q.items.size() && count < kMaxIov; ++i) {
-    if (q.items[i].fn != nullptr || skipped(q.items[i])) break;  // a reduce item: on its own
+    if (q.items[i].fn != nullptr || skipped(q.items[i])) break;  // each read on its own
     if (i > q.head && !open(q.items[i])) break;
     size_t left = q.items[i].size - q.items[i].done;
     if (left == 0) {
