@@ -33,6 +33,17 @@ namespace {
 
 constexpr size_t kCapacity = kMinCapacity;
 
+// Both ends of a connected socket pair, as ranks 0 and 1 hold them (each names the other as its
+// peer); false when the pair cannot be made.
+bool connect_pair(std::unique_ptr<tcp::Connection>& rank0,
+                  std::unique_ptr<tcp::Connection>& rank1) {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds) != 0) return false;
+  rank0 = std::make_unique<tcp::Connection>(fds[0], 1);
+  rank1 = std::make_unique<tcp::Connection>(fds[1], 0);
+  return true;
+}
+
 // Two channels over one segment, as the two ranks of a pair hold them, and the segment's ring
 // headers as a hostile peer would see them.
 struct Pair {
@@ -48,10 +59,7 @@ struct Pair {
     created->close_fd();
     if (!opened) return;
     headers = reinterpret_cast<RingHeader*>(opened->data());
-    int fds[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds) != 0) return;
-    lower_conn = std::make_unique<tcp::Connection>(fds[0], 1);
-    upper_conn = std::make_unique<tcp::Connection>(fds[1], 0);
+    if (!connect_pair(lower_conn, upper_conn)) return;
     lower = std::make_unique<ShmChannel>(std::move(created), kCapacity, true, lower_conn.get());
     upper = std::make_unique<ShmChannel>(std::move(opened), kCapacity, false, upper_conn.get());
   }
@@ -286,10 +294,7 @@ struct ExchangePair {
       ch1 = shm.upper.get();
       return;
     }
-    int fds[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds) != 0) return;
-    conn0 = std::make_unique<tcp::Connection>(fds[0], 1);
-    conn1 = std::make_unique<tcp::Connection>(fds[1], 0);
+    if (!connect_pair(conn0, conn1)) return;
     tcp0 = std::make_unique<tcp::TcpChannel>(conn0.get());
     tcp1 = std::make_unique<tcp::TcpChannel>(conn1.get());
     ch0 = tcp0.get();
